@@ -1,0 +1,1 @@
+"""Backends: executors (ONNX Runtime, emulated), the backend process, the profiler."""

@@ -1,0 +1,1 @@
+"""Open-loop load generator, workloads, goodput search and reports."""

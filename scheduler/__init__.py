@@ -1,0 +1,1 @@
+"""Scheduling logic (pure), shard/rank processes and the discrete-event simulator."""

@@ -1,0 +1,1 @@
+"""Transport: socket factory, typed wire messages, zero-copy array codec."""

@@ -1,0 +1,1 @@
+"""zserve: Symphony-style deferred batch scheduling for DNN inference serving."""

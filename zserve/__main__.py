@@ -1,0 +1,5 @@
+import sys
+
+from zserve.cli import main
+
+sys.exit(main())
