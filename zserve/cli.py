@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "bench-transport": ("zserve.transport.bench", "main", "transport throughput benchmark"),
     "bench": ("zserve.loadgen.cli", "main", "open-loop load on a live cluster; goodput search"),
-    "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model; fit alpha, beta"),
+    "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model"),
     "models": ("zserve.backends.builtin", "main", "build (or list) the built-in ONNX models"),
 }
 
