@@ -1,1 +1,14 @@
-"""Scheduling logic (pure), shard/rank processes and the discrete-event simulator."""
+"""Scheduling logic (pure), shard/rank processes and the discrete-event simulator.
+
+Pure scheduling objects (no I/O, no clock; hosted alike by the simulator and the processes):
+
+- ``zserve.scheduler.model_thread.ModelThread``: one model's queue and batch candidate.
+- ``zserve.scheduler.rank_thread.RankThread``: GPU free times and model-GPU matchmaking.
+- ``zserve.scheduler.common``: the hosting contract (``now``, outbox, ``wake_at``/``on_timer``).
+- ``zserve.scheduler.policy``: policy names, the rate meter, the target batch size.
+- ``zserve.scheduler.profiles``: latency profiles and the ``zserve-profile/1`` file format.
+- ``zserve.scheduler.bounds``: analytic staggered/uncoordinated bounds.
+
+Hosts: ``zserve.scheduler.sim`` (``zserve sim``), ``zserve.scheduler.bench``
+(``zserve bench-scheduler``), and the shard/rank processes.
+"""

@@ -20,7 +20,7 @@ Conventions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -84,7 +84,9 @@ class CancelRequest(Message):
 @dataclass(frozen=True, slots=True)
 class RequestMetaBatch(Message):
     """Frontend -> owning scheduler shard: the metadata of the requests admitted in one event-loop
-    tick, as parallel lists (struct of arrays: one message and no per-request objects)."""
+    tick, as parallel lists (struct of arrays: one message and no per-request objects).
+    ``frontend`` is the frontend's ``data`` address (what a BatchPlan lists in ``frontends``);
+    DropNotices go back to the DEALER identity the message came from."""
 
     KIND: ClassVar[str] = "meta"
     frontend: str
@@ -155,6 +157,8 @@ class BackendTable(Message):
     names: list[str]
     addresses: list[str]
     models: list[list[str]]
+    # Per backend, what it registered: ``profiles_ms[i][model][b-1]`` is l(b) in ms on backend i.
+    profiles_ms: list[dict[str, list[float]]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- shard -> backend

@@ -1,1 +1,56 @@
-"""zserve: Symphony-style deferred batch scheduling for DNN inference serving."""
+"""zserve: Symphony-style deferred batch scheduling for DNN inference serving.
+
+``zserve.Client`` / ``zserve.AsyncClient`` (see ``zserve.client``) talk to a running cluster;
+the typed errors they raise are exported here too. The client classes are imported on first
+access, so ``import zserve`` stays light and creates no sockets or threads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zserve.errors import (
+    BackendFailedError,
+    BadRequestError,
+    CancelledError,
+    DeadlineError,
+    ErrorKind,
+    InternalError,
+    OverloadedError,
+    ProtocolError,
+    ShuttingDownError,
+    TooLargeError,
+    UnavailableError,
+    ZServeError,
+)
+
+if TYPE_CHECKING:
+    from zserve.client import AsyncClient, Client, ConnectionLostError
+
+__all__ = [
+    "AsyncClient",
+    "BackendFailedError",
+    "BadRequestError",
+    "CancelledError",
+    "Client",
+    "ConnectionLostError",
+    "DeadlineError",
+    "ErrorKind",
+    "InternalError",
+    "OverloadedError",
+    "ProtocolError",
+    "ShuttingDownError",
+    "TooLargeError",
+    "UnavailableError",
+    "ZServeError",
+]
+
+_LAZY = {"Client", "AsyncClient", "ConnectionLostError"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from zserve import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'zserve' has no attribute {name!r}")

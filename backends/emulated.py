@@ -1,0 +1,243 @@
+"""The emulated executor: a GPU that takes exactly l(b) per batch, by timer.
+
+A batch of b requests of model m "runs" for ``l(b) = alpha*b + beta`` milliseconds (or the
+model's measured table ``latency_ms[b-1]``, e.g. from a profile file). ``run_async`` computes the
+outputs, then sleeps on the event loop until ``start + l(b)``: a timer, not a busy loop, so one
+small machine hosts many emulated GPUs. ``start`` is when the batch got the (emulated) device:
+the loop time of the call, or when the previous batch on this executor finishes if that is later,
+because one device runs one batch at a time. A batch never completes before ``start + l(b)``
+by the loop clock; it completes later only by the loop's timer lateness (or when computing the
+outputs took longer than l(b)).
+
+``run`` (synchronous) does the same with ``time.sleep`` against ``time.monotonic()``; a backend
+process should use ``run_async``.
+
+Outputs are real arrays and a deterministic function of each request's inputs, so end-to-end
+tests can check that every request got its own answer: every output of request i is filled with
+``2 * (sum of all its input elements, in float64) + model_constant``, where ``model_constant`` is
+``EmulatedModel.constant`` (by default a number derived from the model name). Output shapes are
+per model (``output_shape``, default ``(1,)`` per sample). ``expected_outputs`` computes the
+answer for one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from zserve.backends.executor import (
+    BatchInputs,
+    Executor,
+    ModelSignature,
+    TensorMap,
+    TensorSpec,
+    split_rows,
+)
+from zserve.backends.profiler import PROFILE_FORMAT, LatencyProfile
+
+from zserve.errors import BadRequestError
+
+# uvloop's timers tick in whole milliseconds.
+UVLOOP_TIMER_RESOLUTION_S = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedModel:
+    """One emulated model. ``latency_ms``, when given, is l(1..max_batch) and overrides the
+    linear profile; ``max_batch`` then defaults to its length."""
+
+    name: str
+    alpha_ms: float
+    beta_ms: float
+    max_batch: int = 32
+    input_shape: tuple[int, ...] = (4,)
+    input_dtype: str = "float32"
+    output_shape: tuple[int, ...] = (1,)
+    constant: float | None = None
+    latency_ms: tuple[float, ...] | None = None
+    memory_bytes: int = 0
+    signature: ModelSignature = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.latency_ms is not None and len(self.latency_ms) != self.max_batch:
+            raise ValueError(
+                f"emulated model {self.name!r}: latency_ms has {len(self.latency_ms)} entries "
+                f"for max_batch {self.max_batch}"
+            )
+        if self.max_batch < 1 or self.alpha_ms < 0 or self.beta_ms < 0:
+            raise ValueError(
+                f"emulated model {self.name!r}: needs max_batch >= 1 and alpha, beta >= 0"
+            )
+        signature = ModelSignature(
+            self.name,
+            (TensorSpec("x", self.input_dtype, tuple(self.input_shape)),),
+            (TensorSpec("y", "float32", tuple(self.output_shape)),),
+        )
+        object.__setattr__(self, "signature", signature)
+
+    @classmethod
+    def from_profile_entry(
+        cls, name: str, entry: Mapping[str, Any], **kwargs: Any
+    ) -> EmulatedModel:
+        """From one model entry of a profile file (``zserve-profile/1``)."""
+        table = tuple(float(x) for x in entry["latency_ms"])
+        return cls(
+            name,
+            float(entry["alpha_ms"]),
+            float(entry["beta_ms"]),
+            max_batch=int(entry["max_batch"]),
+            latency_ms=table,
+            **kwargs,
+        )
+
+    @property
+    def model_constant(self) -> float:
+        if self.constant is not None:
+            return self.constant
+        return float(zlib.crc32(self.name.encode()) % 1000)
+
+    def latency_s(self, batch_size: int) -> float:
+        if self.latency_ms is not None:
+            return self.latency_ms[batch_size - 1] / 1e3
+        return (self.alpha_ms * batch_size + self.beta_ms) / 1e3
+
+
+class EmulatedExecutor(Executor):
+    """Emulated device serving ``models`` (see the module docstring)."""
+
+    def __init__(self, models: Sequence[EmulatedModel], device: str = "emulated") -> None:
+        super().__init__(device)
+        self._models = {m.name: m for m in models}
+        if len(self._models) != len(models):
+            raise ValueError("duplicate emulated model names")
+        # When the device becomes free, on the loop clock (run_async) or time.monotonic() (run).
+        self._busy_until = 0.0
+
+    @classmethod
+    def from_profile_file(
+        cls,
+        path: str | Path,
+        models: Sequence[str] | None = None,
+        device: str = "emulated",
+        **model_options: Any,
+    ) -> EmulatedExecutor:
+        """Emulate the models of a ``zserve-profile/1`` file (all, or those named), each with
+        its measured table l(1..max_batch). ``model_options`` go to every EmulatedModel
+        (``input_shape``, ``output_shape``, ...)."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{path}: not a {PROFILE_FORMAT} profile file")
+        entries: dict[str, Any] = data.get("models", {})
+        names = list(entries) if models is None else list(models)
+        missing = [n for n in names if n not in entries]
+        if missing:
+            raise ValueError(f"{path} has no profile for {missing} (it has {sorted(entries)})")
+        return cls(
+            [EmulatedModel.from_profile_entry(n, entries[n], **model_options) for n in names],
+            device,
+        )
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def warm(self, batch_sizes: Iterable[int] | None = None) -> None:
+        """Nothing to warm (an emulated device has no first-run costs)."""
+
+    def model(self, name: str) -> EmulatedModel:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise BadRequestError(
+                f"unknown model {name!r} (serving {', '.join(self._models)})"
+            ) from None
+
+    def signature(self, model: str) -> ModelSignature:
+        return self.model(model).signature
+
+    def max_batch(self, model: str) -> int:
+        return self.model(model).max_batch
+
+    def memory_bytes(self, model: str) -> int:
+        return self.model(model).memory_bytes
+
+    def profile(
+        self,
+        model: str,
+        batch_sizes: Sequence[int] | None = None,
+        *,
+        repeats: int = 10,
+        warmup: int = 2,
+    ) -> LatencyProfile:
+        """The configured profile, exactly (nothing is measured)."""
+        m = self.model(model)
+        sizes = sorted(set(batch_sizes or range(1, m.max_batch + 1)))
+        latency = [m.latency_s(b) * 1e3 for b in sizes]
+        return LatencyProfile.from_measurements(
+            model, self.device, {b: [x] for b, x in zip(sizes, latency, strict=True)}
+        )
+
+    def latency_s(self, model: str, batch_size: int) -> float:
+        return self.model(model).latency_s(batch_size)
+
+    def compute(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+        """The outputs of a batch, at once (no emulated delay)."""
+        m = self.model(model)
+        batch_size = self._check_batch(model, inputs)
+        if isinstance(inputs, Mapping):
+            totals = sum(
+                np.asarray(a).reshape(batch_size, -1).sum(axis=1, dtype=np.float64)
+                for a in inputs.values()
+            )
+        else:
+            totals = np.array(
+                [sum(float(np.asarray(a).sum(dtype=np.float64)) for a in r.values())
+                 for r in inputs]
+            )
+        values = (2.0 * np.asarray(totals, dtype=np.float64) + m.model_constant).astype(np.float32)
+        out = np.empty((batch_size, *m.output_shape), np.float32)
+        out.reshape(batch_size, -1)[:] = values[:, None]
+        return split_rows({"y": out}, batch_size)
+
+    def expected_outputs(self, model: str, request: Mapping[str, Any]) -> TensorMap:
+        """The outputs ``run`` gives one request (for tests)."""
+        return self.compute(model, [request])[0]
+
+    async def run_async(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+        loop = asyncio.get_running_loop()
+        start = max(loop.time(), self._busy_until)
+        batch_size = self._check_batch(model, inputs)
+        finish = start + self.latency_s(model, batch_size)
+        self._busy_until = finish
+        outputs = self.compute(model, inputs)
+        # asyncio.sleep is a loop timer. uvloop's timers have millisecond resolution and may
+        # round a deadline down, so sleep again (at least 1 ms: no spinning through loop
+        # iterations) until the loop clock has really passed `finish`.
+        remaining = finish - loop.time()
+        while remaining > 0:
+            await asyncio.sleep(remaining)
+            remaining = finish - loop.time()
+            if remaining > 0:
+                remaining = max(remaining, UVLOOP_TIMER_RESOLUTION_S)
+        return outputs
+
+    def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+        with self._run_lock:
+            start = max(time.monotonic(), self._busy_until)
+            batch_size = self._check_batch(model, inputs)
+            finish = start + self.latency_s(model, batch_size)
+            self._busy_until = finish
+            outputs = self.compute(model, inputs)
+            while (remaining := finish - time.monotonic()) > 0:
+                time.sleep(remaining)
+        return outputs

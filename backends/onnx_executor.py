@@ -1,0 +1,563 @@
+"""The ONNX Runtime executor: one InferenceSession per model on one device.
+
+Devices:
+
+- ``"cpu"``: the CPU execution provider. The batch is assembled into a host buffer preallocated
+  at load time (one copy per request; none for a batch of one or an already stacked batch) and
+  handed to ``InferenceSession.run``, which reads it in place.
+- ``"cuda"`` / ``"cuda:N"`` (needs ``onnxruntime-gpu``; CuPy optional): the CUDA execution
+  provider, driven through IOBinding so that ONNX Runtime makes no copy of its own:
+
+  * host (numpy) inputs are assembled into a host buffer (pinned when CuPy is present) and bound
+    as CPU inputs: ONNX Runtime copies them to the device once;
+  * CuPy inputs are assembled on the device (or bound directly when already stacked) and bound
+    by device pointer;
+  * outputs are bound too, to fresh arrays of the batch's output shape: numpy arrays for host
+    inputs (ONNX Runtime copies device -> host straight into them) and CuPy arrays for CuPy
+    inputs (outputs stay on the device). Outputs whose per-sample shape the model does not fix
+    are left to ONNX Runtime to allocate and are then copied to the host (or wrapped as CuPy
+    arrays without a copy).
+
+A CUDA session whose provider fails to initialise is an error at load time, never a silent fall
+back to the CPU.
+
+Load-time checks (``ModelLoadError`` with a message that names the model, the file and the
+input): the file must exist and parse (a truncated or corrupt file is reported as such, not as a
+raw ONNX Runtime traceback); every input and output must be a tensor with a *dynamic* first
+dimension (the batch, e.g. ``"N"``); every other input dimension must be fixed, because zserve
+batches requests by concatenating them along the first dimension.
+
+``SessionConfig`` holds every session option zserve sets; its defaults suit one backend per
+device: one intra-op thread on the CPU (so several CPU backends do not fight over cores, and l(b)
+is reproducible), full graph optimisation, memory arena and memory patterns on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from zserve.backends.builtin import ModelSpec, resolve_model_spec
+from zserve.backends.executor import (
+    Array,
+    BatchInputs,
+    Executor,
+    ModelLoadError,
+    ModelSignature,
+    TensorMap,
+    TensorSpec,
+    split_rows,
+)
+
+from zserve.errors import BackendFailedError, BadRequestError
+
+# ONNX Runtime's tensor type names -> numpy dtype names.
+_ORT_DTYPES: dict[str, str] = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int8)": "int8",
+    "tensor(int16)": "int16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(uint8)": "uint8",
+    "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32",
+    "tensor(uint64)": "uint64",
+    "tensor(bool)": "bool",
+}
+
+_GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
+DEFAULT_MAX_BATCH = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """ONNX Runtime session options (see the ONNX Runtime docs of SessionOptions and of the
+    CUDA execution provider for each one's exact effect).
+
+    intra_op_threads: threads one operator may use. Default 1: a CPU backend is one "device" of
+        one core; raise it to run one fast backend on a many-core host.
+    inter_op_threads: threads running independent operators in parallel (parallel mode only).
+    parallel_execution: run independent branches of the graph in parallel.
+    graph_optimization: "disable" | "basic" | "extended" | "all".
+    cpu_mem_arena: keep freed CPU buffers for reuse instead of returning them to the OS.
+    mem_pattern: plan activation memory once per input shape and reuse the plan.
+    allow_spinning: let idle intra-op threads spin (lower latency, burns CPU while idle).
+    gpu_mem_limit_bytes: cap of the CUDA arena (None: no cap).
+    cuda_arena_extend_strategy: "kNextPowerOfTwo" | "kSameAsRequested".
+    cudnn_conv_algo_search: "EXHAUSTIVE" | "HEURISTIC" | "DEFAULT".
+    log_severity: ONNX Runtime log level, 0 (verbose) .. 4 (fatal); default 3 (errors).
+    """
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    parallel_execution: bool = False
+    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    cpu_mem_arena: bool = True
+    mem_pattern: bool = True
+    allow_spinning: bool = True
+    gpu_mem_limit_bytes: int | None = None
+    cuda_arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kNextPowerOfTwo"
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "EXHAUSTIVE"
+    log_severity: int = 3
+
+    def __post_init__(self) -> None:
+        if self.graph_optimization not in _GRAPH_OPT_LEVELS:
+            raise ValueError(
+                f"graph_optimization {self.graph_optimization!r} not in {_GRAPH_OPT_LEVELS}"
+            )
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise ValueError("thread counts must be >= 0 (0: ONNX Runtime's default)")
+
+    def session_options(self) -> Any:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.intra_op_threads
+        options.inter_op_num_threads = self.inter_op_threads
+        options.execution_mode = (
+            ort.ExecutionMode.ORT_PARALLEL
+            if self.parallel_execution
+            else ort.ExecutionMode.ORT_SEQUENTIAL
+        )
+        options.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[self.graph_optimization]
+        options.enable_cpu_mem_arena = self.cpu_mem_arena
+        options.enable_mem_pattern = self.mem_pattern
+        options.log_severity_level = self.log_severity
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if self.allow_spinning else "0"
+        )
+        return options
+
+    def cuda_provider_options(self, device_id: int) -> dict[str, str]:
+        options = {
+            "device_id": str(device_id),
+            "arena_extend_strategy": self.cuda_arena_extend_strategy,
+            "cudnn_conv_algo_search": self.cudnn_conv_algo_search,
+            "do_copy_in_default_stream": "1",
+        }
+        if self.gpu_mem_limit_bytes is not None:
+            options["gpu_mem_limit"] = str(self.gpu_mem_limit_bytes)
+        return options
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """``"cpu"`` -> ("cpu", 0); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N)."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", 0
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index or 0)
+    raise ValueError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+
+
+def read_signature(path: str | Path, model: str | None = None) -> ModelSignature:
+    """The signature of an ONNX file, read with the ``onnx`` package (no ONNX Runtime, weights
+    stored externally are not loaded). Applies the same checks as loading it into the executor."""
+    import onnx
+    from onnx import helper
+
+    path = Path(path)
+    name = model or path.stem
+    _check_file(name, path)
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # the protobuf decoder raises its own error types
+        raise ModelLoadError(
+            f"model {name!r}: {path} is not a valid ONNX model (truncated or corrupt?): {exc}"
+        ) from None
+    initializers = {init.name for init in proto.graph.initializer}
+
+    def raw(value_info: Any) -> tuple[str, str, list[int | str | None] | None]:
+        tensor_type = value_info.type.tensor_type
+        if not value_info.type.HasField("tensor_type"):
+            return value_info.name, "non-tensor", None
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).name
+        if not tensor_type.HasField("shape"):
+            return value_info.name, dtype, None
+        dims: list[int | str | None] = []
+        for dim in tensor_type.shape.dim:
+            if dim.HasField("dim_value"):
+                dims.append(int(dim.dim_value))
+            else:
+                dims.append(dim.dim_param or None)
+        return value_info.name, dtype, dims
+
+    inputs = [raw(v) for v in proto.graph.input if v.name not in initializers]
+    outputs = [raw(v) for v in proto.graph.output]
+    return _signature(name, path, inputs, outputs)
+
+
+def _check_file(name: str, path: Path) -> None:
+    if not path.is_file():
+        raise ModelLoadError(f"model {name!r}: no such model file {path}")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"model {name!r}: model file {path} is empty")
+
+
+def _signature(
+    name: str,
+    path: Path,
+    inputs: Sequence[tuple[str, str, list[int | str | None] | None]],
+    outputs: Sequence[tuple[str, str, list[int | str | None] | None]],
+) -> ModelSignature:
+    """Check that a model can be batched by zserve and build its signature. Raw shapes hold an
+    int (fixed size), a str (named dynamic dimension) or None (unknown size)."""
+
+    def spec(kind: str, tensor: str, dtype: str, dims: list[int | str | None] | None) -> TensorSpec:
+        where = f"model {name!r} ({path}): {kind} {tensor!r}"
+        if dtype not in _ORT_DTYPES.values():
+            raise ModelLoadError(f"{where} has unsupported type {dtype}; zserve serves tensors")
+        if not dims:
+            raise ModelLoadError(
+                f"{where} has no batch dimension (shape {dims}); zserve needs a dynamic first "
+                "dimension to batch requests"
+            )
+        if isinstance(dims[0], int):
+            raise ModelLoadError(
+                f"{where} has a fixed batch dimension: shape {dims}. zserve batches requests "
+                "along the first dimension, so it must be dynamic (e.g. 'N'): export with "
+                "dynamic_axes={...: {0: 'N'}}, or rewrite the first dim of every input and "
+                "output as a dim_param"
+            )
+        sample: list[int | None] = []
+        for axis, dim in enumerate(dims[1:], start=1):
+            if isinstance(dim, int):
+                sample.append(dim)
+            elif kind == "input":
+                raise ModelLoadError(
+                    f"{where} has a dynamic dimension {dim!r} at axis {axis} (shape {dims}); "
+                    "zserve batches by concatenating requests along axis 0, so every other "
+                    "input dimension must be fixed (e.g. python -m onnxruntime.tools."
+                    "make_dynamic_shape_fixed)"
+                )
+            else:
+                sample.append(None)
+        return TensorSpec(tensor, dtype, tuple(sample))
+
+    return ModelSignature(
+        name,
+        tuple(spec("input", n, t, d) for n, t, d in inputs),
+        tuple(spec("output", n, t, d) for n, t, d in outputs),
+    )
+
+
+def _is_cupy(array: Any) -> bool:
+    return type(array).__module__.startswith("cupy")
+
+
+@dataclass(slots=True)
+class _LoadedModel:
+    spec: ModelSpec
+    max_batch: int
+    session: Any  # onnxruntime.InferenceSession
+    signature: ModelSignature
+    output_names: list[str]
+    host_buffers: dict[str, Array]  # input name -> (max_batch, *sample_shape)
+    device_buffers: dict[str, Any]  # input name -> CuPy array, allocated on first CuPy batch
+    static_outputs: bool  # every output's per-sample shape is fixed
+    file_bytes: int
+
+
+class OnnxExecutor(Executor):
+    """ONNX Runtime executor for ``models`` on ``device``.
+
+    ``models``: ModelSpecs or model spec strings (``cnn``, ``NAME=PATH.onnx``, ``PATH.onnx``).
+    ``max_batch``: the largest batch, for every model or per model name (a model missing from
+    the mapping gets DEFAULT_MAX_BATCH).
+    """
+
+    def __init__(
+        self,
+        models: Sequence[ModelSpec | str],
+        *,
+        device: str = "cpu",
+        max_batch: int | Mapping[str, int] = DEFAULT_MAX_BATCH,
+        config: SessionConfig | None = None,
+    ) -> None:
+        super().__init__(device)
+        self._kind, self._device_id = parse_device(device)
+        self.config = config or SessionConfig()
+        self._specs = [m if isinstance(m, ModelSpec) else resolve_model_spec(m) for m in models]
+        names = [s.name for s in self._specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate model names in {names}")
+        if isinstance(max_batch, int):
+            self._max_batch = {s.name: max_batch for s in self._specs}
+        else:
+            self._max_batch = {s.name: int(max_batch.get(s.name, DEFAULT_MAX_BATCH))
+                               for s in self._specs}
+        for name, limit in self._max_batch.items():
+            if limit < 1:
+                raise ValueError(f"model {name!r}: max_batch must be >= 1, got {limit}")
+        self._loaded: dict[str, _LoadedModel] = {}
+        self._load_lock = threading.Lock()
+
+    # -- Executor
+
+    @property
+    def models(self) -> list[str]:
+        return [s.name for s in self._specs]
+
+    def load(self) -> None:
+        with self._load_lock:
+            for spec in self._specs:
+                if spec.name not in self._loaded:
+                    self._loaded[spec.name] = self._load_model(spec)
+
+    def close(self) -> None:
+        super().close()
+        with self._load_lock:
+            self._loaded.clear()
+
+    def signature(self, model: str) -> ModelSignature:
+        return self._model(model).signature
+
+    def max_batch(self, model: str) -> int:
+        if model not in self._max_batch:
+            raise BadRequestError(f"unknown model {model!r} (serving {', '.join(self.models)})")
+        return self._max_batch[model]
+
+    def memory_bytes(self, model: str) -> int:
+        """An estimate: the model file's size (its weights) plus zserve's batch buffers.
+        Activation memory inside ONNX Runtime's arena is not counted."""
+        loaded = self._model(model)
+        buffers = sum(b.nbytes for b in loaded.host_buffers.values())
+        buffers += sum(int(b.nbytes) for b in loaded.device_buffers.values())
+        return loaded.file_bytes + buffers
+
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers the sessions use (from the first loaded model)."""
+        for loaded in self._loaded.values():
+            return list(loaded.session.get_providers())
+        return []
+
+    def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+        loaded = self._model(model)
+        batch_size = self._check_batch(model, inputs)
+        with self._run_lock:
+            feed = self._assemble(loaded, inputs, batch_size)
+            try:
+                if self._kind == "cuda":
+                    outputs = self._run_cuda(loaded, feed, batch_size)
+                else:
+                    values = loaded.session.run(loaded.output_names, feed)
+                    outputs = dict(zip(loaded.output_names, values, strict=True))
+            except Exception as exc:  # ONNX Runtime raises its own pybind error types
+                raise BackendFailedError(
+                    f"model {model!r}: batch of {batch_size} failed in ONNX Runtime: {exc}"
+                ) from exc
+        return split_rows(outputs, batch_size)
+
+    # -- internals
+
+    def _model(self, model: str) -> _LoadedModel:
+        try:
+            return self._loaded[model]
+        except KeyError:
+            if model in self._max_batch:
+                raise BadRequestError(f"model {model!r} is not loaded (call load())") from None
+            raise BadRequestError(
+                f"unknown model {model!r} (serving {', '.join(self.models)})"
+            ) from None
+
+    def _load_model(self, spec: ModelSpec) -> _LoadedModel:
+        import onnxruntime as ort
+
+        _check_file(spec.name, spec.path)
+        if self._kind == "cuda":
+            available = ort.get_available_providers()
+            if "CUDAExecutionProvider" not in available:
+                raise ModelLoadError(
+                    f"model {spec.name!r}: device {self.device} needs onnxruntime-gpu, but this "
+                    f"onnxruntime has only {available} (pip uninstall onnxruntime && "
+                    "pip install 'zserve[gpu]')"
+                )
+            providers: list[Any] = [
+                ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
+                "CPUExecutionProvider",
+            ]
+        else:
+            providers = ["CPUExecutionProvider"]
+        options = self.config.session_options()
+        try:
+            session = ort.InferenceSession(
+                str(spec.path), sess_options=options, providers=providers
+            )
+        except Exception as exc:  # ONNX Runtime raises its own pybind error types
+            raise ModelLoadError(_describe_load_failure(spec, exc)) from None
+        if self._kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+            raise ModelLoadError(
+                f"model {spec.name!r}: the CUDA execution provider failed to initialise on "
+                f"{self.device} (CUDA/cuDNN libraries missing?); refusing to run on the CPU"
+            )
+
+        def raw(arg: Any) -> tuple[str, str, list[int | str | None] | None]:
+            dtype = _ORT_DTYPES.get(arg.type, arg.type)
+            return arg.name, dtype, None if arg.shape is None else list(arg.shape)
+
+        signature = _signature(
+            spec.name,
+            spec.path,
+            [raw(a) for a in session.get_inputs()],
+            [raw(a) for a in session.get_outputs()],
+        )
+        limit = self._max_batch[spec.name]
+        host_buffers = {
+            s.name: self._host_buffer((limit, *(int(d) for d in s.shape if d is not None)),
+                                      np.dtype(s.dtype))
+            for s in signature.inputs
+        }
+        return _LoadedModel(
+            spec=spec,
+            max_batch=limit,
+            session=session,
+            signature=signature,
+            output_names=signature.output_names,
+            host_buffers=host_buffers,
+            device_buffers={},
+            static_outputs=all(None not in s.shape for s in signature.outputs),
+            file_bytes=spec.path.stat().st_size,
+        )
+
+    def _host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+        if self._kind == "cuda":
+            try:
+                import cupy
+
+                # Pinned host memory: the host -> device copy runs at full bus speed.
+                size = int(np.prod(shape)) * dtype.itemsize
+                memory = cupy.cuda.alloc_pinned_memory(size)
+                return np.frombuffer(memory, dtype, int(np.prod(shape))).reshape(shape)
+            except ImportError:
+                pass
+        return np.empty(shape, dtype)
+
+    def _assemble(self, loaded: _LoadedModel, inputs: BatchInputs, batch_size: int) -> TensorMap:
+        """The batch as one array per input: at most one copy per request and input."""
+        if isinstance(inputs, Mapping):
+            return {name: self._contiguous(name, a) for name, a in inputs.items()}
+        if batch_size == 1:
+            return {name: self._contiguous(name, a) for name, a in inputs[0].items()}
+        feed: TensorMap = {}
+        for name in loaded.signature.input_names:
+            parts = [request[name] for request in inputs]
+            if any(_is_cupy(p) for p in parts):
+                feed[name] = self._assemble_on_device(loaded, name, parts)
+            else:
+                out = loaded.host_buffers[name][:batch_size]
+                np.concatenate(parts, axis=0, out=out)
+                feed[name] = out
+        return feed
+
+    def _contiguous(self, name: str, array: Any) -> Any:
+        if _is_cupy(array):
+            if self._kind != "cuda":
+                raise BadRequestError(
+                    f"input {name!r} is a CuPy array but this executor runs on {self.device}"
+                )
+            import cupy
+
+            return cupy.ascontiguousarray(array)
+        return np.ascontiguousarray(array)
+
+    def _assemble_on_device(self, loaded: _LoadedModel, name: str, parts: list[Any]) -> Any:
+        if self._kind != "cuda":
+            raise BadRequestError(
+                f"input {name!r} holds CuPy arrays but this executor runs on {self.device}"
+            )
+        import cupy
+
+        buffer = loaded.device_buffers.get(name)
+        if buffer is None:
+            host = loaded.host_buffers[name]
+            with cupy.cuda.Device(self._device_id):
+                buffer = cupy.empty(host.shape, host.dtype)
+            loaded.device_buffers[name] = buffer
+        out = buffer[: len(parts)]
+        if all(_is_cupy(p) for p in parts):
+            cupy.concatenate(parts, axis=0, out=out)
+        else:
+            # Mixed host and device requests (rare): copy row by row.
+            for i, part in enumerate(parts):
+                out[i : i + 1] = cupy.asarray(part)
+        return out
+
+    def _run_cuda(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int) -> TensorMap:
+        binding = loaded.session.io_binding()
+        on_device = False
+        for name, array in feed.items():
+            if _is_cupy(array):
+                on_device = True
+                binding.bind_input(name, "cuda", self._device_id, array.dtype.type,
+                                   tuple(array.shape), array.data.ptr)
+            else:
+                binding.bind_cpu_input(name, array)
+        if on_device:
+            import cupy
+
+            # Inputs were assembled on CuPy's stream; ONNX Runtime runs on its own stream.
+            cupy.cuda.get_current_stream().synchronize()
+
+        if loaded.static_outputs:
+            outputs: TensorMap = {}
+            for spec in loaded.signature.outputs:
+                shape = (batch_size, *(int(d) for d in spec.shape if d is not None))
+                dtype = np.dtype(spec.dtype)
+                if on_device:
+                    import cupy
+
+                    with cupy.cuda.Device(self._device_id):
+                        out = cupy.empty(shape, dtype)
+                    binding.bind_output(spec.name, "cuda", self._device_id, dtype.type, shape,
+                                        out.data.ptr)
+                else:
+                    out = np.empty(shape, dtype)
+                    binding.bind_output(spec.name, "cpu", 0, dtype.type, shape, out.ctypes.data)
+                outputs[spec.name] = out
+            # Run synchronises the provider's stream before returning, so the outputs are ready.
+            loaded.session.run_with_iobinding(binding)
+            return outputs
+
+        for name in loaded.output_names:
+            binding.bind_output(name, "cuda", self._device_id)
+        loaded.session.run_with_iobinding(binding)
+        if not on_device:
+            values = binding.copy_outputs_to_cpu()
+            return dict(zip(loaded.output_names, values, strict=True))
+        import cupy
+
+        device_outputs: TensorMap = {}
+        for name, value in zip(loaded.output_names, binding.get_outputs(), strict=True):
+            dtype = np.dtype(_ORT_DTYPES[value.data_type()])
+            shape = tuple(value.shape())
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            # Wrap ONNX Runtime's buffer without a copy; the OrtValue stays alive as its owner.
+            memory = cupy.cuda.UnownedMemory(value.data_ptr(), nbytes, value, self._device_id)
+            pointer = cupy.cuda.MemoryPointer(memory, 0)
+            device_outputs[name] = cupy.ndarray(shape, dtype, pointer)
+        return device_outputs
+
+
+def _describe_load_failure(spec: ModelSpec, exc: Exception) -> str:
+    """A one-paragraph message for an ONNX Runtime load failure (no traceback)."""
+    text = str(exc).strip()
+    kind = type(exc).__name__
+    if kind == "InvalidProtobuf" or "INVALID_PROTOBUF" in text or "Protobuf parsing" in text:
+        reason = "the file is not a valid ONNX model (truncated or corrupt?)"
+    elif kind == "NoSuchFile":
+        reason = "the file cannot be read"
+    else:
+        reason = "ONNX Runtime rejected the model (corrupt file, or unsupported operators/opset?)"
+    return f"model {spec.name!r}: cannot load {spec.path}: {reason}. ONNX Runtime said: {text}"

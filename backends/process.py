@@ -1,0 +1,802 @@
+"""The backend process: a *plan follower* for one device.
+
+``run_backend(config, control_address)`` (``zserve backend``) serves one device (``cpu``,
+``cuda:N`` or ``emulated``) with one executor (``zserve.backends.executor``):
+
+1. Binds its ``plan`` ROUTER (scheduler shards connect), loads every model and warms it at every
+   batch size 1..max_batch, fixes each model's latency profile (the configured profile file, the
+   emulated alpha/beta, or one measured here), and only then sends ``Ready`` to the supervisor.
+2. Connects a DEALER (identity = its name) to the rank and registers (``BackendRegister``: device,
+   plan address, models, profiles); heartbeats to the rank every ``HEARTBEAT_INTERVAL_S`` from the
+   same event loop that runs the batches, and stops heartbeating while a batch is wedged (runs
+   ``WEDGED_FACTOR`` times longer than planned), so the rank removes a stuck device.
+3. On a ``BatchPlan``: sends one ``InputFetch`` per frontend named in the plan at once (a DEALER per
+   frontend ``data`` address, connected on first use) and files the plan in a heap ordered by
+   ``exec_at``, with one timer for the earliest plan. At ``exec_at`` (or at once for a late plan;
+   the lateness ``started_at - exec_at`` is recorded) and once its inputs are in, the head plan
+   starts -- never while another batch runs on the device. A frontend's missing ids (cancelled,
+   already answered) are left out; ids whose inputs have not come ``INPUT_WAIT_S`` after
+   ``exec_at`` are answered ``UNAVAILABLE`` and the batch runs without them.
+4. Assembles the batch with one copy per input into a preallocated batch buffer (none for a batch of
+   one), runs it (``Executor.run_async``: ONNX Runtime in the executor's worker thread, an emulated
+   batch by timer), and sends one ``BatchOutputs`` per frontend (row views of the batch outputs,
+   zero-copy frames) and a ``BatchStats`` to the rank. An execution error fails that batch only:
+   one ``BatchFailed(BACKEND_FAILED)`` per frontend; the backend keeps serving.
+5. On SIGTERM/SIGINT or ``Shutdown``: plans that arrive from then on, and held plans that cannot
+   start before the grace period ends, are answered ``SHUTTING_DOWN``; the rest run; it exits 0.
+
+Sends never block the loop: every send is non-blocking, and a message that cannot be queued
+(a peer gone, its queue full) is dropped, counted and logged -- the frontends' deadline timers
+answer whatever a lost message leaves unanswered.
+
+Timers: plans are started from one ``loop.call_at`` timer. uvloop's timers have millisecond
+resolution, so the timer is armed ``POLL_WINDOW_S`` early and the last stretch is polled through
+loop iterations (``call_soon``), which keep serving I/O meanwhile: a plan starts within one loop
+iteration of its exec_at, never before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import heapq
+import logging
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zserve.backends.executor import Executor, TensorMap
+from zserve.scheduler.profiles import LatencyProfile, load_profiles
+from zserve.scheduler.rank_process import POLL_WINDOW_S, Chunk, recv_chunks, send_nowait
+from zserve.transport.messages import (
+    BackendRegister,
+    BatchFailed,
+    BatchOutputs,
+    BatchPlan,
+    BatchStats,
+    Heartbeat,
+    Hello,
+    InputFetch,
+    InputReply,
+    Message,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.sockets import make_dealer, make_router
+
+from zserve import procutil
+from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.errors import ErrorKind, ZServeError
+
+log = logging.getLogger(__name__)
+
+ROLE = "backend"
+HEARTBEAT_INTERVAL_S = procutil.HEARTBEAT_INTERVAL_S
+# How long after exec_at the head plan waits for a frontend's InputReply before it runs without
+# those requests (a frontend that is alive answers within a millisecond or two).
+INPUT_WAIT_S = 0.050
+# A plan that starts more than this after its exec_at counts as late in the stats.
+LATE_TOLERANCE_S = 0.001
+# A batch running longer than max(WEDGED_MIN_S, WEDGED_FACTOR x its planned duration) is wedged.
+WEDGED_FACTOR = 10.0
+WEDGED_MIN_S = 2.0
+# Per-batch timing samples kept for the stats (a ring; percentiles are computed on request).
+STATS_WINDOW = 4096
+# Repeats per batch size when a profile has to be measured at start-up.
+PROFILE_REPEATS = 3
+SOCKET_CLOSE_LINGER_MS = 200
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """A plan the backend holds, from arrival to its last output message."""
+
+    plan: BatchPlan
+    received_at: float
+    awaiting: set[int]  # indices into plan.frontends whose InputReply has not come
+    inputs: dict[int, TensorMap] = field(default_factory=dict)
+    missing: set[int] = field(default_factory=set)
+    inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
+    started_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Timings:
+    """Rings of per-batch durations in seconds (for stats and the benchmark)."""
+
+    lateness: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # exec_at - plan received: how much of the allowance d_ctrl + d_data*bs was left on arrival
+    slack: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    fetch: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    assemble: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    run: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    push: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_size: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("lateness", "slack", "fetch", "assemble", "run", "push"):
+            ring: deque[float] = getattr(self, name)
+            if ring:
+                values = np.asarray(ring) * 1e3
+                out[f"{name}_ms"] = {
+                    "count": len(values),
+                    "p50": float(np.median(values)),
+                    "p99": float(np.percentile(values, 99)),
+                    "max": float(values.max()),
+                    "mean": float(values.mean()),
+                }
+        return out
+
+    def samples(self) -> dict[str, Any]:
+        return {
+            "batch_size": list(self.batch_size),
+            "fetch_s": list(self.fetch),
+            "assemble_s": list(self.assemble),
+            "run_s": list(self.run),
+            "push_s": list(self.push),
+            "lateness_s": list(self.lateness),
+            "slack_s": list(self.slack),
+        }
+
+    def clear(self) -> None:
+        for ring in (self.lateness, self.slack, self.fetch, self.assemble, self.run, self.push):
+            ring.clear()
+        self.batch_size.clear()
+
+
+# --------------------------------------------------------------------------- executors
+
+
+def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
+    """The executor for ``device``: emulated for ``emulated`` (every model then needs a profile:
+    emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
+    for the ``builtin`` and ``onnx`` models."""
+    if device == "emulated":
+        from zserve.backends.emulated import EmulatedExecutor
+
+        return EmulatedExecutor([_emulated_model(m) for m in models])
+    from zserve.backends.builtin import ModelSpec, ensure_builtin
+    from zserve.backends.onnx_executor import OnnxExecutor
+
+    specs: list[ModelSpec] = []
+    for m in models:
+        if m.kind == "builtin" and m.builtin:
+            specs.append(ModelSpec(m.name, ensure_builtin(m.builtin)))
+        elif m.kind == "onnx" and m.onnx:
+            specs.append(ModelSpec(m.name, Path(m.onnx)))
+        else:
+            raise ValueError(f"model {m.name!r} ({m.kind}) needs device 'emulated', not {device!r}")
+    return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models})
+
+
+def _emulated_model(model: ModelConfig) -> Any:
+    from zserve.backends.emulated import EmulatedModel
+
+    profile = configured_profile(model)
+    if profile is None:
+        raise ValueError(f"model {model.name!r} on an emulated device needs emulated alpha_ms/"
+                         "beta_ms or a profile file")
+    return EmulatedModel(model.name, profile.alpha_s * 1e3, profile.beta_s * 1e3,
+                         max_batch=profile.max_batch,
+                         latency_ms=tuple(profile.latency_ms_list()),
+                         input_shape=tuple(model.input_shape), input_dtype=model.input_dtype,
+                         output_shape=tuple(model.output_shape))
+
+
+def configured_profile(model: ModelConfig) -> LatencyProfile | None:
+    """The profile cluster.toml gives for ``model``: its profile file, or emulated alpha/beta."""
+    if model.profile:
+        profiles = load_profiles(model.profile)
+        if model.name not in profiles:
+            raise ValueError(f"profile file {model.profile} has no entry for {model.name!r}")
+        return profiles[model.name]
+    if model.alpha_ms is not None and model.beta_ms is not None:
+        return LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
+    return None
+
+
+# --------------------------------------------------------------------------- the follower
+
+
+class Backend:
+    """The plan follower and its sockets. Created and run by ``_main``; all methods run on the
+    event loop."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        device: str,
+        executor: Executor,
+        ctx: zmq.asyncio.Context,
+        plan_sock: zmq.asyncio.Socket,
+        plan_address: str,
+    ) -> None:
+        self.name = name
+        self.identity = name.encode()
+        self.device = device
+        self.executor = executor
+        self.ctx = ctx
+        self.plan_sock = plan_sock
+        self.plan_address = plan_address
+        self.loop = asyncio.get_running_loop()
+        self.rank_sock: zmq.asyncio.Socket | None = None
+        self.data_socks: dict[str, zmq.asyncio.Socket] = {}
+        self.profiles: dict[str, LatencyProfile] = {}
+        self.models = list(executor.models)
+        self.warmed: dict[str, list[int]] = {}
+        self.warm_s = 0.0
+        self.warm_finished_at = 0.0
+
+        self._plans: dict[int, _Plan] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
+        self._seq = 0
+        self._running: _Plan | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
+        self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stuck = False
+        self._draining = False
+        self._drain_deadline = float("inf")
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._hb_seq = 0
+        self._wedged_logged = False
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "plans",
+                "batches_ok",
+                "batches_failed",
+                "requests_ok",
+                "requests_failed",
+                "requests_missing",
+                "requests_unavailable",
+                "late_plans",
+                "plans_refused",
+                "send_dropped",
+                "bad_messages",
+            ),
+            0,
+        )
+        self.timings = _Timings()
+
+    # ------------------------------------------------------------------ start-up
+
+    def load_and_warm(self, models: Sequence[ModelConfig]) -> None:
+        """Load every model, warm it at every batch size, allocate the batch buffers and fix the
+        profiles. Blocking: runs before the process reports Ready."""
+        started = time.monotonic()
+        self.executor.load()
+        self.executor.warm()
+        for model in self.models:
+            self.warmed[model] = list(range(1, self.executor.max_batch(model) + 1))
+            for spec in self.executor.signature(model).inputs:
+                shape = (self.executor.max_batch(model), *(int(d or 0) for d in spec.shape))
+                buffer = np.empty(shape, np.dtype(spec.dtype))
+                buffer.fill(0)  # touch every page now, not on the first batch
+                self._buffers[(model, spec.name)] = buffer
+        by_name = {m.name: m for m in models}
+        for model in self.models:
+            profile = configured_profile(by_name[model]) if model in by_name else None
+            if profile is None:
+                measured = self.executor.profile(model, repeats=PROFILE_REPEATS, warmup=0)
+                profile = LatencyProfile.from_table_ms(measured.table_ms())
+            self.profiles[model] = profile
+        self.warm_finished_at = time.monotonic()
+        self.warm_s = self.warm_finished_at - started
+        log.info("%s: %d model(s) loaded and warmed in %.2f s", self.name, len(self.models),
+                 self.warm_s)
+
+    def connect_rank(self, rank_address: str) -> None:
+        self.rank_sock = make_dealer(self.ctx, rank_address, identity=self.identity)
+        self._register()
+        self._spawn(self._recv_loop(self.rank_sock, router=False, on_chunk=self._on_rank_chunk))
+        self._spawn(self._rank_heartbeat_loop())
+
+    def _register(self) -> None:
+        assert self.rank_sock is not None
+        profiles_ms = {m: p.latency_ms_list() for m, p in self.profiles.items()}
+        self._send(
+            self.rank_sock,
+            BackendRegister(
+                name=self.name,
+                device=self.device,
+                plan_address=self.plan_address,
+                models=list(self.models),
+                profiles_ms=profiles_ms,
+            ),
+        )
+
+    def start(self) -> None:
+        self._spawn(self._recv_loop(self.plan_sock, router=True, on_chunk=self._on_plan_chunk))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)  # a strong reference until it is done (one task per batch)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ I/O helpers
+
+    def _send(self, sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> bool:
+        """Non-blocking send; False (counted, logged) when ZeroMQ cannot take the message."""
+        error = send_nowait(sock, msg, identity)
+        if error is None:
+            return True
+        self.counters["send_dropped"] += 1
+        log.warning("%s: dropped %s (%s)", self.name, type(msg).__name__, error)
+        return False
+
+    def _recv_loop(self, sock: zmq.asyncio.Socket, *, router: bool,
+                   on_chunk: Callable[[Chunk], None]) -> Coroutine[Any, Any, None]:
+        """Per loop tick: every message already queued on ``sock``, handed over as one chunk."""
+        return recv_chunks(sock, router=router, on_chunk=on_chunk, on_bad=self._on_bad)
+
+    def _on_bad(self, exc: ZServeError) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("%s: bad message: %s", self.name, exc)
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_plan_chunk(self, messages: Chunk) -> None:
+        for identity, msg in messages:
+            if isinstance(msg, BatchPlan):
+                self._on_plan(msg)
+            elif isinstance(msg, StatsRequest):
+                assert identity is not None
+                self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
+            elif not isinstance(msg, Hello | Heartbeat):
+                log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
+        self._maybe_start()
+
+    def _on_rank_chunk(self, messages: Chunk) -> None:
+        for _, msg in messages:
+            if isinstance(msg, Hello):  # a restarted rank asks who we are
+                self._register()
+            elif not isinstance(msg, Heartbeat):
+                log.debug("%s: ignoring %s from rank", self.name, type(msg).__name__)
+
+    def _on_data_chunk(self, address: str, messages: Chunk) -> None:
+        for _, msg in messages:
+            if isinstance(msg, InputReply):
+                self._on_input_reply(address, msg)
+            else:
+                log.warning("%s: unexpected %s on a data socket", self.name, type(msg).__name__)
+        self._maybe_start()
+
+    def _on_plan(self, plan: BatchPlan) -> None:
+        now = time.monotonic()
+        self.counters["plans"] += 1
+        count = len(plan.request_ids)
+        if count == 0:
+            return
+        if self._draining or plan.plan_id in self._plans or plan.model not in self.profiles or (
+            len(plan.request_frontend) != count
+            or any(not 0 <= i < len(plan.frontends) for i in plan.request_frontend)
+            or count > self.executor.max_batch(plan.model)
+        ):
+            self._refuse(plan, now)
+            return
+        self.timings.slack.append(plan.exec_at - now)
+        held = _Plan(plan, now, set(range(len(plan.frontends))))
+        self._plans[plan.plan_id] = held
+        self._seq += 1
+        heapq.heappush(self._heap, (plan.exec_at, self._seq, plan.plan_id))
+        self._idle.clear()
+        # Fetch at once: one InputFetch per frontend of the plan.
+        for index, address in enumerate(plan.frontends):
+            ids = [rid for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True)
+                   if f == index]
+            if not self._send(self._data_sock(address), InputFetch(plan.plan_id, ids)):
+                held.awaiting.discard(index)  # nothing will come: run without them
+        if not held.awaiting:
+            held.inputs_at = now
+
+    def _refuse(self, plan: BatchPlan, now: float) -> None:
+        self.counters["plans_refused"] += 1
+        if self._draining:
+            kind, why = ErrorKind.SHUTTING_DOWN, f"backend {self.name} is shutting down"
+        elif plan.plan_id in self._plans:
+            kind, why = ErrorKind.INTERNAL, f"duplicate plan id {plan.plan_id}"
+        elif plan.model not in self.profiles:
+            kind, why = ErrorKind.INTERNAL, f"backend {self.name} does not serve {plan.model!r}"
+        else:
+            kind, why = ErrorKind.INTERNAL, f"malformed plan {plan.plan_id}"
+        log.warning("%s: refusing plan %d: %s", self.name, plan.plan_id, why)
+        if kind is not ErrorKind.INTERNAL or len(plan.request_frontend) == len(plan.request_ids):
+            with contextlib.suppress(IndexError):
+                self._fail_requests(plan, list(range(len(plan.request_ids))), kind, why)
+        self._send_stats(plan, 0, now, now, ok=False)
+
+    def _on_input_reply(self, address: str, reply: InputReply) -> None:
+        held = self._plans.get(reply.plan_id)
+        if held is None or held.started_at:
+            return  # the plan already started without this frontend's inputs, or was refused
+        try:
+            index = held.plan.frontends.index(address)
+        except ValueError:
+            log.warning("%s: InputReply for plan %d from %s, which the plan does not name",
+                        self.name, reply.plan_id, address)
+            return
+        held.awaiting.discard(index)
+        for rid, tensors in zip(reply.request_ids, reply.inputs, strict=False):
+            held.inputs[rid] = tensors
+        held.missing.update(reply.missing)
+        if not held.awaiting:
+            held.inputs_at = time.monotonic()
+
+    def _data_sock(self, address: str) -> zmq.asyncio.Socket:
+        sock = self.data_socks.get(address)
+        if sock is None:
+            sock = make_dealer(self.ctx, address, identity=self.identity)
+            self.data_socks[address] = sock
+            # The pid tells the frontend when a backend of this name restarted (it then fails
+            # the requests the old process had fetched).
+            self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+            on_chunk = functools.partial(self._on_data_chunk, address)
+            self._spawn(self._recv_loop(sock, router=False, on_chunk=on_chunk))
+        return sock
+
+    # ------------------------------------------------------------------ following plans
+
+    def _arm(self, when: float) -> None:
+        """One timer for the follower, at monotonic time ``when`` (see WakeTimer for why the
+        last ``POLL_WINDOW_S`` is polled through loop iterations)."""
+        if self._timer is not None:
+            if self._timer_at == when:
+                return
+            self._timer.cancel()
+        self._timer_at = when
+        remaining = when - time.monotonic()
+        if remaining > POLL_WINDOW_S:
+            # loop.time() and time.monotonic() are the same clock; uvloop caches loop.time().
+            self._timer = self.loop.call_at(self.loop.time() + remaining - POLL_WINDOW_S,
+                                            self._on_timer)
+        else:
+            self._timer = self.loop.call_soon(self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        """Start the head plan if its time has come, its inputs are in and the device is idle."""
+        if self._running is not None:
+            return
+        while self._heap:
+            exec_at, _, plan_id = self._heap[0]
+            held = self._plans[plan_id]
+            now = time.monotonic()
+            if now < exec_at:
+                self._arm(exec_at)
+                return
+            if held.awaiting:
+                give_up_at = max(exec_at, held.received_at) + INPUT_WAIT_S
+                if now < give_up_at:
+                    self._arm(give_up_at)  # or the InputReply comes first and calls us again
+                    return
+            heapq.heappop(self._heap)
+            if self._start(held, now):
+                return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._idle.set()
+
+    def _start(self, held: _Plan, now: float) -> bool:
+        """Start ``held``; False when nothing was left to run (the caller moves on)."""
+        plan = held.plan
+        held.started_at = now
+        # Inputs still missing after INPUT_WAIT_S: answer them and run the rest.
+        late_ids = [
+            i
+            for i, (rid, f) in enumerate(zip(plan.request_ids, plan.request_frontend, strict=True))
+            if f in held.awaiting and rid not in held.inputs
+        ]
+        if late_ids:
+            self.counters["requests_unavailable"] += len(late_ids)
+            self._fail_requests(plan, late_ids, ErrorKind.UNAVAILABLE,
+                                f"inputs did not reach backend {self.name} in time")
+        rows = [i for i, rid in enumerate(plan.request_ids) if rid in held.inputs]
+        self.counters["requests_missing"] += sum(
+            1 for rid in plan.request_ids if rid in held.missing and rid not in held.inputs
+        )
+        if not rows:
+            del self._plans[plan.plan_id]
+            self._send_stats(plan, 0, now, now, ok=True)
+            return False
+        lateness = now - plan.exec_at
+        self.timings.lateness.append(lateness)
+        if lateness > LATE_TOLERANCE_S:
+            self.counters["late_plans"] += 1
+            if held.received_at > plan.exec_at:
+                log.debug("%s: plan %d arrived %.3f ms after its exec_at", self.name,
+                          plan.plan_id, (held.received_at - plan.exec_at) * 1e3)
+        self.timings.fetch.append((held.inputs_at or now) - held.received_at)
+        self._running = held
+        self._spawn(self._execute(held, rows))
+        return True
+
+    def _assemble(self, model: str, requests: list[TensorMap]) -> TensorMap:
+        """One stacked batch: one copy per input into the preallocated buffer, none for one
+        request. A request whose arrays do not match fails the batch (ValueError/TypeError)."""
+        if len(requests) == 1:
+            return requests[0]
+        batch: TensorMap = {}
+        size = len(requests)
+        for spec in self.executor.signature(model).inputs:
+            buffer = self._buffers[(model, spec.name)]
+            np.concatenate([r[spec.name] for r in requests], axis=0, out=buffer[:size],
+                           casting="no")
+            batch[spec.name] = buffer[:size]
+        return batch
+
+    async def _execute(self, held: _Plan, rows: list[int]) -> None:
+        plan = held.plan
+        started_at = held.started_at
+        ok = False
+        outputs: list[TensorMap] = []
+        error = ""
+        try:
+            t0 = time.monotonic()
+            batch = self._assemble(plan.model, [held.inputs[plan.request_ids[i]] for i in rows])
+            t1 = time.monotonic()
+            outputs = await self.executor.run_async(plan.model, batch)
+            t2 = time.monotonic()
+            if len(outputs) != len(rows):
+                raise ValueError(f"executor returned {len(outputs)} outputs for {len(rows)} rows")
+            self.timings.assemble.append(t1 - t0)
+            self.timings.run.append(t2 - t1)
+            ok = True
+        except Exception as exc:  # an execution error fails this batch only
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("%s: batch %d of %s (%d requests) failed: %s", self.name, plan.plan_id,
+                      plan.model, len(rows), error)
+        finished_at = time.monotonic()
+        try:
+            if ok:
+                self._push_outputs(plan, rows, outputs)
+                self.counters["batches_ok"] += 1
+                self.counters["requests_ok"] += len(rows)
+            else:
+                self._fail_requests(plan, rows, ErrorKind.BACKEND_FAILED,
+                                    f"backend {self.name}: {error}")
+                self.counters["batches_failed"] += 1
+                self.counters["requests_failed"] += len(rows)
+            self.timings.push.append(time.monotonic() - finished_at)
+            self.timings.batch_size.append(len(rows))
+            self._send_stats(plan, len(rows), started_at, finished_at, ok=ok)
+        finally:
+            self._plans.pop(plan.plan_id, None)
+            self._running = None
+            self._maybe_start()
+
+    def _push_outputs(self, plan: BatchPlan, rows: list[int], outputs: list[TensorMap]) -> None:
+        by_frontend: dict[int, tuple[list[int], list[TensorMap]]] = {}
+        for row, out in zip(rows, outputs, strict=True):
+            ids, outs = by_frontend.setdefault(plan.request_frontend[row], ([], []))
+            ids.append(plan.request_ids[row])
+            outs.append(out)
+        for index, (ids, outs) in by_frontend.items():
+            self._send(self._data_sock(plan.frontends[index]),
+                       BatchOutputs(plan.plan_id, ids, outs))
+
+    def _fail_requests(self, plan: BatchPlan, rows: list[int], kind: ErrorKind, why: str) -> None:
+        by_frontend: dict[int, list[int]] = {}
+        for row in rows:
+            by_frontend.setdefault(plan.request_frontend[row], []).append(plan.request_ids[row])
+        for index, ids in by_frontend.items():
+            self._send(self._data_sock(plan.frontends[index]),
+                       BatchFailed(plan.plan_id, ids, kind.value, why))
+
+    def _send_stats(self, plan: BatchPlan, size: int, started_at: float, finished_at: float, *,
+                    ok: bool) -> None:
+        if self.rank_sock is not None:
+            self._send(self.rank_sock, BatchStats(plan.plan_id, plan.model, plan.gpu_id, size,
+                                                  plan.exec_at, started_at, finished_at, ok))
+
+    # ------------------------------------------------------------------ liveness and drain
+
+    def wedged(self, now: float) -> bool:
+        """True while the running batch has overrun its planned duration many times over."""
+        held = self._running
+        if held is None:
+            return False
+        planned = max(0.0, held.plan.expected_finish_at - held.plan.exec_at)
+        return now - held.started_at > max(WEDGED_MIN_S, WEDGED_FACTOR * planned)
+
+    async def _rank_heartbeat_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            if self.wedged(now):
+                if not self._wedged_logged:
+                    self._wedged_logged = True
+                    log.error("%s: batch %d is wedged; heartbeats to the rank stop", self.name,
+                              self._running.plan.plan_id if self._running else -1)
+            elif self.rank_sock is not None:
+                self._wedged_logged = False
+                self._hb_seq += 1
+                self._send(self.rank_sock, Heartbeat(self.name, self._hb_seq, now))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new plans; run the held plans that can start within ``drain_s``; answer the
+        others SHUTTING_DOWN; wait (bounded) for the running batch."""
+        self._draining = True
+        now = time.monotonic()
+        self._drain_deadline = now + drain_s
+        self._shed_beyond(self._drain_deadline)
+        self._maybe_start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout=drain_s)
+        self._shed_beyond(-float("inf"))
+        if self._running is not None:
+            held = self._running
+            grace = max(0.0, held.plan.expected_finish_at - time.monotonic()) + WEDGED_MIN_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=grace)
+        log.info("%s: drained (%s)", self.name, self.counters)
+
+    def _shed_beyond(self, deadline: float) -> None:
+        """Answer SHUTTING_DOWN for every held, unstarted plan with exec_at > deadline."""
+        keep: list[tuple[float, int, int]] = []
+        for entry in self._heap:
+            held = self._plans[entry[2]]
+            if entry[0] > deadline:
+                plan = held.plan
+                self._fail_requests(plan, list(range(len(plan.request_ids))),
+                                    ErrorKind.SHUTTING_DOWN,
+                                    f"backend {self.name} is shutting down")
+                self._send_stats(plan, 0, time.monotonic(), time.monotonic(), ok=False)
+                del self._plans[entry[2]]
+            else:
+                keep.append(entry)
+        heapq.heapify(keep)
+        self._heap = keep
+
+    async def close(self) -> None:
+        # A batch still running now holds the executor's worker thread (it cannot be cancelled).
+        self._stuck = self._running is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        socks = [self.plan_sock, *self.data_socks.values()]
+        if self.rank_sock is not None:
+            socks.append(self.rank_sock)
+        for sock in socks:
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if not self._stuck:
+            self.executor.close()
+
+    @property
+    def stuck(self) -> bool:
+        """True when a batch still ran at close: the executor's worker thread cannot be joined,
+        so the process must exit without waiting for it."""
+        return self._stuck
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": ROLE,
+            "name": self.name,
+            "device": self.device,
+            "models": list(self.models),
+            "warmed": {m: list(b) for m, b in self.warmed.items()},
+            "warm_s": self.warm_s,
+            "warm_finished_at": self.warm_finished_at,
+            "held_plans": len(self._plans),
+            "counters": dict(self.counters),
+            "timings": self.timings.summary(),
+            "samples": self.timings.samples(),
+        }
+        if reset:
+            self.timings.clear()
+            for key in self.counters:
+                self.counters[key] = 0
+        return out
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+async def _main(config: dict[str, Any], control_address: str | None) -> int:
+    name: str = config["name"]
+    cluster = ClusterConfig.from_dict(config["cluster"]) if config.get("cluster") else None
+    models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
+    device: str = config.get("device", "cpu")
+    drain_s = float(config.get("drain_s", cluster.drain_s if cluster else procutil.DEFAULT_DRAIN_S))
+    ctx = zmq.asyncio.Context()
+    backend: Backend | None = None
+    link = None
+    try:
+        backend_ref: list[Backend] = []
+        link = await procutil.ControlLink.open(
+            ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
+            stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
+        )
+        plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan")
+        backend = Backend(name=name, device=device, executor=build_executor(device, models),
+                          ctx=ctx, plan_sock=plan_sock, plan_address=plan_address)
+        backend_ref.append(backend)
+        # Loading blocks the loop on purpose: nothing else may happen before Ready.
+        backend.load_and_warm(models)
+        peers = {**config.get("peers", {}), **await link.ready({"plan": plan_address})}
+        if link.drain.requested:
+            return 0
+        rank_address = peers.get(procutil.peer_key("rank", "rank")) or next(
+            iter(procutil.endpoints_of(peers, "rank").values()), None
+        )
+        if rank_address is None:
+            log.error("%s: no rank address in the peer map %s", name, sorted(peers))
+            return 2
+        backend.start()
+        backend.connect_rank(rank_address)
+        await link.drain.wait()
+        await backend.drain(link.drain.drain_s)
+        return 0
+    finally:
+        if backend is not None:
+            await backend.close()
+        if link is not None:
+            await link.close()
+        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        if backend is not None and backend.stuck:
+            # A wedged batch holds the executor's worker thread, which the interpreter would
+            # join at exit forever: leave now (sockets are closed; the frontends' deadline timers
+            # answer the batch's requests).
+            log.error("%s: a batch is still running after the drain; exiting without it", name)
+            logging.shutdown()
+            os._exit(1)
+
+
+def run_backend(config: dict[str, Any], control_address: str | None) -> int:
+    """Run one backend process until it is told to stop; returns the exit code."""
+    return procutil.run_role(_main(config, control_address), name=config["name"])
+
+
+def main(argv: list[str]) -> int:
+    """``zserve backend``: run backend ``--index`` of a cluster.toml on its own."""
+    parser = argparse.ArgumentParser(prog="zserve backend", description=main.__doc__)
+    parser.add_argument("--config", required=True, help="cluster.toml")
+    parser.add_argument("--index", type=int, default=0, help="which backend (default 0)")
+    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
+    parser.add_argument("--bind", default=None, help="plan socket bind address")
+    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
+    args = parser.parse_args(argv)
+    cluster = load_config(args.config)
+    ipc_dir = args.ipc_dir or cluster.ipc_dir
+    config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
+                         peers=cluster.static_peers(ipc_dir))
+    if args.bind:
+        config["bind"]["plan"] = args.bind
+    if args.rank:
+        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+    return run_backend(config, args.control)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+__all__ = ["Backend", "build_executor", "main", "run_backend"]

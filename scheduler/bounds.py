@@ -1,0 +1,96 @@
+"""Analytic batch-size and throughput bounds (DESIGN section 3; Symphony section 3.3, Table 2).
+
+One model on N GPUs with uniform arrivals:
+
+- staggered (coordinated) execution: worst queueing delay l(b)/N, so ``(1 + 1/N) l(b) <= SLO``:
+  ``b = floor((SLO/(1 + 1/N) - beta)/alpha)``, throughput ``N*b/l(b)``;
+- uncoordinated (Nexus-like): worst queueing delay l(b), so ``2 l(b) <= SLO``:
+  ``b = floor((SLO/2 - beta)/alpha)``.
+
+For a mix of models (:func:`staggered_bound_rps`) each model i with rate r_i needs
+``n_i = r_i l(b_i)/b_i`` GPUs, with b_i the largest batch satisfying the staggered rule
+``l(b) + b/r_i <= budget_i`` (the same inequality: with n_i GPUs the worst queueing delay
+l(b)/n_i equals b/r_i). The bound is the largest total rate with ``sum n_i <= N``, found by
+bisection. For one model it reproduces the closed form above.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from zserve.scheduler.profiles import LatencyProfile
+
+
+def staggered_batch(alpha_ms: float, beta_ms: float, slo_ms: float, gpus: int) -> int:
+    return max(0, math.floor((slo_ms / (1 + 1 / gpus) - beta_ms) / alpha_ms))
+
+
+def uncoordinated_batch(alpha_ms: float, beta_ms: float, slo_ms: float) -> int:
+    return max(0, math.floor((slo_ms / 2 - beta_ms) / alpha_ms))
+
+
+def throughput_rps(alpha_ms: float, beta_ms: float, batch: int, gpus: int) -> float:
+    if batch <= 0:
+        return 0.0
+    return gpus * batch / ((alpha_ms * batch + beta_ms) / 1e3)
+
+
+def staggered_throughput_rps(alpha_ms: float, beta_ms: float, slo_ms: float, gpus: int) -> float:
+    return throughput_rps(alpha_ms, beta_ms, staggered_batch(alpha_ms, beta_ms, slo_ms, gpus), gpus)
+
+
+def uncoordinated_throughput_rps(
+    alpha_ms: float, beta_ms: float, slo_ms: float, gpus: int
+) -> float:
+    return throughput_rps(alpha_ms, beta_ms, uncoordinated_batch(alpha_ms, beta_ms, slo_ms), gpus)
+
+
+def gpus_needed(profile: LatencyProfile, budget_s: float, rate_rps: float, d_data_s: float = 0.0
+                ) -> float:
+    """Fractional GPUs one model needs at ``rate_rps`` in staggered execution (inf if even a batch
+    of one cannot meet the budget)."""
+    if rate_rps <= 0:
+        return 0.0
+    table = profile.table_s
+    inv = 1.0 / rate_rps
+    lo, hi = 0, profile.max_batch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if table[mid] + mid * (inv + d_data_s) <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        # too slow a rate to wait for even one more request: batches of one, if they fit
+        return rate_rps * table[1] if table[1] + d_data_s <= budget_s else math.inf
+    return rate_rps * table[lo] / lo
+
+
+def staggered_bound_rps(
+    models: Sequence[tuple[LatencyProfile, float, float]],
+    gpus: int,
+    d_data_s: float = 0.0,
+    rel_precision: float = 1e-4,
+) -> float:
+    """Largest total rate whose staggered GPU need fits ``gpus``.
+
+    ``models`` holds ``(profile, budget_s, share)`` with shares summing to 1 (budget: SLO minus the
+    reply allowance and d_ctrl).
+    """
+
+    def need(total: float) -> float:
+        return sum(gpus_needed(p, budget, total * share, d_data_s) for p, budget, share in models)
+
+    lo, hi = 0.0, 1.0
+    while need(hi) <= gpus:
+        lo, hi = hi, hi * 2
+        if hi > 1e12:
+            return math.inf
+    while hi - lo > rel_precision * max(lo, 1.0):
+        mid = (lo + hi) / 2
+        if need(mid) <= gpus:
+            lo = mid
+        else:
+            hi = mid
+    return lo

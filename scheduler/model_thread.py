@@ -1,0 +1,484 @@
+"""ModelThread: one model's deadline-ordered queue and its one batch candidate (pure logic).
+
+See ``zserve.scheduler.common`` for the hosting contract (``now``, outbox, ``wake_at``).
+
+Inputs (host -> ModelThread):
+
+- ``on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox)``: a chunk of this model's
+  requests from one frontend, parallel lists as in ``RequestMetaBatch`` (use
+  :func:`split_meta_by_model` to cut a RequestMetaBatch into per-model chunks). One candidate
+  update per chunk, not per request.
+- ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
+- ``on_timer(now, outbox)``: ``now >= wake_at``.
+- ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
+
+Outputs (appended to the outbox):
+
+- ``(TO_RANK, CandidateUpdate)``: the current candidate (``batch_size`` 0 withdraws it); sent only
+  when it changed, and always right after a GrantAnswer.
+- ``(TO_RANK, GrantAnswer)`` and ``(("backend", gpu_id), BatchPlan)`` on a grant.
+- ``(("frontend", name), DropNotice)``: dropped requests, one notice per frontend per event.
+
+The candidate (Symphony Appendix D, ``update_candidate``): with ``d`` the earliest deadline in the
+batch, ``delay(bs) = d_ctrl + d_data*bs`` and ``gpu_free_at`` the granted GPU's free time (``-inf``
+when not granting), ``earliest = max(now + delay(bs), gpu_free_at)``, ``latest = d - l(bs)`` and
+``exec`` from the schedule policy (``deferred``: ``max(earliest, d - l(bs + 1))``), clamped into
+``[earliest, latest]``. The ModelThread wakes at ``latest - delay(bs)`` (plus TIMER_SLACK_S), the
+last moment the candidate can still be granted, and re-evaluates (drops heads, shrinks the batch).
+
+The queue is a struct of arrays: parallel lists of deadlines, request ids, frontend indexes and
+arrival times, sorted by deadline, with a moving head index. A chunk that arrives in deadline order
+after the queue's tail (the common case: one frontend, one SLO) is appended with four
+``list.extend`` calls and no per-request object at all; an out-of-order chunk is merged by a sort
+of the live tail. All drops happen at the head (bulk drops find their end by bisection), so a
+batch is always ``[head:head + bs]`` of each list.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from itertools import islice, repeat
+from operator import le
+
+from zserve.scheduler.common import (
+    DEST_BACKEND,
+    DEST_FRONTEND,
+    TIMER_SLACK_S,
+    TO_RANK,
+    Outbox,
+)
+from zserve.scheduler.policy import (
+    DEFAULT_KEEP_TOLERANCE,
+    DROP_FCFS,
+    DROP_WINDOW,
+    KIND_BETA_LAMBDA,
+    KIND_DEFERRED,
+    KIND_EAGER,
+    KIND_LATEST,
+    KIND_TIMEOUT,
+    RpsMeter,
+    SchedulePolicy,
+    target_batch_size,
+)
+from zserve.scheduler.profiles import LatencyProfile
+from zserve.transport.messages import (
+    BatchPlan,
+    CandidateUpdate,
+    DropNotice,
+    GrantAnswer,
+    GrantGpu,
+    RequestMetaBatch,
+)
+
+from zserve.errors import ErrorKind
+
+_NEG_INF = -math.inf
+DEFAULT_PUBLISH_LEAD_S = 0.002
+_COMPACT_AT = 4096  # compact the queue list once this many popped entries precede the head
+
+
+def split_meta_by_model(
+    meta: RequestMetaBatch,
+) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """Cut a RequestMetaBatch into ``{model: (request_ids, arrivals, deadlines)}``."""
+    models = meta.models
+    if models and models.count(models[0]) == len(models):
+        return {models[0]: (list(meta.request_ids), list(meta.arrivals), list(meta.deadlines))}
+    out: dict[str, tuple[list[int], list[float], list[float]]] = {}
+    for model, rid, arrival, deadline in zip(
+        models, meta.request_ids, meta.arrivals, meta.deadlines, strict=True
+    ):
+        entry = out.get(model)
+        if entry is None:
+            entry = out[model] = ([], [], [])
+        entry[0].append(rid)
+        entry[1].append(arrival)
+        entry[2].append(deadline)
+    return out
+
+
+class ModelThread:
+    """One model's queue and candidate. Construct one per model; see the module docstring."""
+
+    def __init__(
+        self,
+        model: str,
+        profile: LatencyProfile,
+        slo_s: float,
+        policy: SchedulePolicy | str = "deferred",
+        *,
+        d_ctrl_s: float = 0.0,
+        d_data_s: float = 0.0,
+        jitter_s: float = 0.0,
+        budget_s: float | None = None,
+        rate_bucket_s: float = 0.05,
+        rate_window: int = 100,
+        keep_tolerance: float = DEFAULT_KEEP_TOLERANCE,
+        plan_id_base: int | None = None,
+        publish_lead_s: float | None = DEFAULT_PUBLISH_LEAD_S,
+    ) -> None:
+        """``slo_s`` is the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``) is the time
+        from arrival to deadline that the target batch size plans with (deadlines arrive
+        precomputed by the frontend: arrival + SLO - reply allowance). ``d_ctrl_s``/``d_data_s``
+        give ``delay(bs) = d_ctrl + d_data*bs``. ``jitter_s`` is the host's timer lateness
+        allowance (the authors use 100 us): the frontrun and latest policies aim that much before
+        their moment, so a timer that fires up to ``jitter_s`` late still finds the candidate
+        grantable (without it the window [d - l(bs+1), d - l(bs)] is only alpha wide); it is
+        also slack for a GPU that frees a little late when many models share few GPUs. The rate
+        meter seals ``rate_bucket_s`` buckets and averages the last ``rate_window``.
+        ``keep_tolerance`` (window drop only): keep the
+        head while a batch whose per-request cost l(b)/b is within this fraction of the
+        target's still fits; 0 is the authors' rule (drop below the target). Plan ids are
+        ``plan_id_base + 1, + 2, ...``; the default base ``crc32(model) << 32`` keeps them
+        distinct across models (and processes) without coordination. ``publish_lead_s``: see
+        ``_publish`` (None publishes every change at once, as the authors' ModelThread does; set
+        it above the shard-to-rank message latency)."""
+        self.model = model
+        self.profile = profile
+        self.slo_s = slo_s
+        self.policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
+        self.d_ctrl_s = d_ctrl_s
+        self.d_data_s = d_data_s
+        self.jitter_s = jitter_s
+        self.publish_lead_s = publish_lead_s
+        self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
+        self.meter = RpsMeter(rate_bucket_s, rate_window)
+        self.keep_tolerance = keep_tolerance
+        self.target = 1
+        self.keep_min = 1
+        self._set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
+        self.wake_at = math.inf
+        self.gpu_ids: set[int] | None = None  # None: accept grants for any GPU
+
+        self._dl: list[float] = []  # deadlines, sorted
+        self._rid: list[int] = []
+        self._fe: list[int] = []  # frontend index
+        self._arr: list[float] = []
+        self._head = 0
+        self._frontends: list[str] = []
+        self._frontend_index: dict[str, int] = {}
+        if plan_id_base is None:
+            plan_id_base = zlib.crc32(model.encode()) << 32
+        self._plan_seq = plan_id_base
+        # the candidate as last computed, and as last sent to the rank (None: rank has none)
+        self.cand_bs = 0
+        self.cand_exec = 0.0
+        self.cand_latest = 0.0
+        self._sent: tuple[int, float, float] | None = None
+        # counters (for stats and tests)
+        self.n_arrived = 0
+        self.n_dropped = 0
+        self.n_planned = 0
+        self.n_batches = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._dl) - self._head
+
+    def on_arrivals(  # noqa: PLR0917 (mirrors RequestMetaBatch's parallel lists)
+        self,
+        now: float,
+        frontend: str,
+        request_ids: Sequence[int],
+        arrivals: Sequence[float],
+        deadlines: Sequence[float],
+        outbox: Outbox,
+    ) -> None:
+        """Enqueue a chunk of requests from ``frontend`` (parallel sequences)."""
+        count = len(request_ids)
+        if count == 0:
+            return
+        fidx = self._frontend_index.get(frontend)
+        if fidx is None:
+            fidx = self._frontend_index[frontend] = len(self._frontends)
+            self._frontends.append(frontend)
+        dl = self._dl
+        in_order = (self._head == len(dl) or deadlines[0] >= dl[-1]) and (
+            count == 1 or all(map(le, deadlines, islice(deadlines, 1, None)))
+        )
+        if in_order:
+            dl.extend(deadlines)
+            self._rid.extend(request_ids)
+            self._fe.extend(repeat(fidx, count))
+            self._arr.extend(arrivals)
+        else:  # several frontends or per-request SLOs: merge the live tail (timsort, two runs)
+            head = self._head
+            merged = list(
+                zip(dl[head:], self._rid[head:], self._fe[head:], self._arr[head:], strict=True)
+            )
+            merged.extend(zip(deadlines, request_ids, repeat(fidx, count), arrivals, strict=True))
+            merged.sort()
+            self._dl = [e[0] for e in merged]
+            self._rid = [e[1] for e in merged]
+            self._fe = [e[2] for e in merged]
+            self._arr = [e[3] for e in merged]
+            self._head = 0
+        self.n_arrived += count
+        if self.meter.add(now, count):
+            self._set_target(
+                target_batch_size(self.profile, self.budget_s, self.meter.rate(), self.d_data_s)
+            )
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        if now < self.wake_at:
+            return
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def set_gpus(self, now: float, gpu_ids: Iterable[int], outbox: Outbox) -> None:
+        """The GPUs that exist; a grant for any other GPU is returned unused."""
+        self.gpu_ids = set(gpu_ids)
+
+    def on_grant(self, now: float, grant: GrantGpu, outbox: Outbox) -> None:
+        """Finalize the batch on the granted GPU, emit the plan and the GPU's new free time, then
+        publish the next candidate (the rank dropped ours when it granted)."""
+        self._sent = None
+        gpu_id = grant.gpu_id
+        if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
+            outbox.append(
+                (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
+            )
+            self._update(now, _NEG_INF, outbox)
+            self._publish(now, outbox)
+            return
+        self._update(now, grant.free_at, outbox)
+        bs = self.cand_bs
+        if bs == 0:
+            outbox.append(
+                (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
+            )
+            self._publish(now, outbox)
+            return
+        head = self._head
+        stop = head + bs
+        request_ids = self._rid[head:stop]
+        fe = self._fe[head:stop]
+        self._head = stop
+        exec_at = self.cand_exec
+        finish_at = exec_at + self.profile.table_s[bs]
+        self._plan_seq += 1
+        frontends, request_frontend = self._frontends_of(fe)
+        plan = BatchPlan(
+            plan_id=self._plan_seq,
+            model=self.model,
+            gpu_id=gpu_id,
+            exec_at=exec_at,
+            expected_finish_at=finish_at,
+            frontends=frontends,
+            request_frontend=request_frontend,
+            request_ids=request_ids,
+        )
+        self.n_planned += bs
+        self.n_batches += 1
+        outbox.append(((DEST_BACKEND, gpu_id), plan))
+        outbox.append((TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, True, finish_at)))
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    # ------------------------------------------------------------------ core
+
+    def _set_target(self, target: int) -> None:
+        """The target batch size, and ``keep_min``: the smallest batch whose per-request cost
+        l(b)/b is within ``keep_tolerance`` of the target's (equal to the target at tolerance 0,
+        the authors' rule)."""
+        self.target = target
+        if self.keep_tolerance <= 0:
+            self.keep_min = target
+            return
+        table = self.profile.table_s
+        limit = (1 + self.keep_tolerance) * table[target] / target
+        keep = target
+        while keep > 1 and table[keep - 1] / (keep - 1) <= limit:
+            keep -= 1
+        self.keep_min = keep
+
+    def _frontends_of(self, fe: list[int]) -> tuple[list[str], list[int]]:
+        if len(self._frontends) == 1:
+            return [self._frontends[0]], [0] * len(fe)
+        local: dict[int, int] = {}
+        names: list[str] = []
+        request_frontend: list[int] = []
+        for fidx in fe:
+            pos = local.get(fidx)
+            if pos is None:
+                pos = local[fidx] = len(names)
+                names.append(self._frontends[fidx])
+            request_frontend.append(pos)
+        return names, request_frontend
+
+    def _update(self, now: float, gpu_free_at: float, outbox: Outbox) -> None:
+        """Recompute the batch and the candidate at ``now``; drop what the policy drops."""
+        dl = self._dl
+        head0 = head = self._head
+        size = len(dl)
+        avail = size - head
+        table = self.profile.table_s
+        max_batch = self.profile.max_batch
+        start = now + self.d_ctrl_s
+        d_data = self.d_data_s
+        drop = self.policy.drop
+        target = self.target
+        keep_min = self.keep_min
+        bs = 0
+        if avail:
+            if drop == DROP_WINDOW:
+                # Drop the head while keeping it would force a batch smaller than the target
+                # (keep_min). While at least keep_min requests remain the bar is one deadline
+                # threshold: bisect to it, then step through the short remainder.
+                earliest = start + d_data * keep_min
+                earliest = max(earliest, gpu_free_at)
+                threshold = earliest + table[keep_min]
+                if dl[head] < threshold and avail > keep_min:
+                    head = bisect_left(dl, threshold, head, size - keep_min)
+                    avail = size - head
+                while avail:
+                    bs = keep_min if keep_min < avail else avail
+                    earliest = start + d_data * bs
+                    earliest = max(earliest, gpu_free_at)
+                    if dl[head] >= earliest + table[bs]:
+                        break
+                    head += 1
+                    avail -= 1
+                else:
+                    bs = 0
+            else:
+                # drop only what cannot finish even alone
+                earliest = start + d_data
+                earliest = max(earliest, gpu_free_at)
+                threshold = earliest + table[1]
+                if dl[head] < threshold:
+                    head = bisect_left(dl, threshold, head, size)
+                    avail = size - head
+                bs = 1 if avail else 0
+        if bs:
+            deadline = dl[head]
+            cap = avail if avail < max_batch else max_batch
+            if drop == DROP_FCFS and target < cap:
+                cap = target
+            if bs < cap:
+                bs = self._grow(deadline, bs, cap, start, gpu_free_at)
+        if head != head0:
+            self._emit_drops(head0, head, outbox)
+            self._head = head
+            if head >= _COMPACT_AT and head * 2 >= size:
+                del dl[:head]
+                del self._rid[:head]
+                del self._fe[:head]
+                del self._arr[:head]
+                self._head = 0
+        if bs == 0:
+            self.cand_bs = 0
+            self.wake_at = math.inf
+            return
+        head = self._head
+        deadline = dl[head]
+        delay = self.d_ctrl_s + d_data * bs
+        earliest = now + delay
+        earliest = max(earliest, gpu_free_at)
+        latest = deadline - table[bs]
+        kind = self.policy.kind
+        if kind == KIND_DEFERRED:
+            exec_at = deadline - self.jitter_s - table[bs + 1]
+        elif kind == KIND_EAGER:
+            exec_at = earliest
+        elif kind == KIND_LATEST:
+            exec_at = latest - self.jitter_s
+        elif kind == KIND_TIMEOUT:
+            exec_at = self._arr[head] + self.policy.timeout_fraction * self.slo_s
+        elif kind == KIND_BETA_LAMBDA:
+            rate = self.meter.rate()
+            if rate is not None and bs >= self.profile.beta_s * rate:
+                exec_at = earliest
+            else:
+                exec_at = deadline - self.jitter_s - table[bs + 1]
+        else:  # pragma: no cover - parse() admits only the kinds above
+            raise AssertionError(kind)
+        exec_at = max(exec_at, earliest)
+        exec_at = min(exec_at, latest)
+        self.cand_bs = bs
+        self.cand_exec = exec_at
+        self.cand_latest = latest
+        wake = latest - delay + TIMER_SLACK_S
+        self.wake_at = wake if wake > now else now + TIMER_SLACK_S
+
+    def _grow(self, deadline: float, bs: int, cap: int, start: float, gpu_free_at: float) -> int:
+        """The largest b in [bs, cap] whose batch still finishes by ``deadline`` (feasibility is
+        monotone in b). ``start`` is now + d_ctrl."""
+        table = self.profile.table_s
+        d_data = self.d_data_s
+        earliest = start + d_data * cap
+        earliest = max(earliest, gpu_free_at)
+        if deadline >= earliest + table[cap]:
+            return cap
+        lo, hi = bs, cap - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            earliest = start + d_data * mid
+            earliest = max(earliest, gpu_free_at)
+            if deadline >= earliest + table[mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:
+        ids = self._rid[start:stop]
+        self.n_dropped += len(ids)
+        message = f"{self.model}: cannot finish within its deadline"
+        if len(self._frontends) == 1:
+            outbox.append(
+                (
+                    (DEST_FRONTEND, self._frontends[0]),
+                    DropNotice(ids, ErrorKind.DEADLINE.value, message),
+                )
+            )
+            return
+        by_frontend: dict[int, list[int]] = {}
+        for fidx, rid in zip(self._fe[start:stop], ids, strict=True):
+            by_frontend.setdefault(fidx, []).append(rid)
+        for fidx, group in by_frontend.items():
+            outbox.append(
+                (
+                    (DEST_FRONTEND, self._frontends[fidx]),
+                    DropNotice(group, ErrorKind.DEADLINE.value, message),
+                )
+            )
+
+    def _publish(self, now: float, outbox: Outbox) -> None:
+        """Send the candidate to the rank if it differs from what the rank holds.
+
+        Publish-ahead: the rank uses a candidate only from its model timer (``exec - delay``) on,
+        so while the rank holds none and that moment is more than ``publish_lead_s`` away, the
+        candidate is held back and the ModelThread wakes ``publish_lead_s`` before it instead.
+        Decisions are unchanged when messages take less than the lead; a deferred batch then
+        costs the rank one or two updates instead of one per arrival chunk."""
+        bs = self.cand_bs
+        if bs == 0:
+            if self._sent is not None:
+                self._sent = None
+                outbox.append((TO_RANK, CandidateUpdate(self.model, 0, 0.0, 0.0, 0.0)))
+            return
+        lead = self.publish_lead_s
+        delay = self.d_ctrl_s + self.d_data_s * bs
+        if self._sent is None and lead is not None:
+            publish_at = self.cand_exec - delay - lead
+            if publish_at > now:
+                self.wake_at = min(self.wake_at, publish_at)
+                return
+        state = (bs, self.cand_exec, self.cand_latest)
+        if state == self._sent:
+            return
+        self._sent = state
+        outbox.append(
+            (
+                TO_RANK,
+                CandidateUpdate(self.model, bs, self.cand_exec, self.cand_latest, delay),
+            )
+        )

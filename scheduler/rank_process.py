@@ -1,0 +1,530 @@
+"""The rank process: hosts the RankThread (GPU free times, one candidate per model, matching).
+
+``run_rank(config, control_address)`` (``zserve rank``) binds the ``rank`` ROUTER. Its peers, all
+DEALERs whose identity is their process name:
+
+- shards send ``Hello`` on connect, then ``CandidateUpdate`` and ``GrantAnswer``; they receive
+  ``GrantGpu`` (for the models whose candidates they sent) and ``BackendTable``;
+- backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
+  ``BatchStats``; the rank assigns GPU ids in registration order (a backend that registers again
+  under the same name keeps its id) and removes a backend that has not heartbeated for
+  ``BACKEND_TIMEOUT_S``;
+- frontends send ``Hello`` and receive ``BackendTable`` (so they can fail the requests a removed
+  backend held).
+
+A restarted rank knows nobody: when a peer it does not know heartbeats (backends and shards
+heartbeat to the rank), it answers ``Hello``, and the peer introduces itself again (a backend
+re-registers, a shard says Hello and gets the table).
+
+Every ``BackendTable`` change is broadcast to every shard and frontend that said hello, and a new
+peer gets the current table at once. The rank never waits on a peer: sends are non-blocking (a
+message ZeroMQ cannot queue is dropped and counted) and nothing is a request/response.
+
+The hosting helpers at the top of this module (``WakeTimer``, ``send_nowait``, ``recv_chunks``)
+are shared with the shard process: each pure object (RankThread, ModelThread) gets one
+``loop.call_at`` handle, re-armed whenever its ``wake_at`` changes; each socket is drained per loop
+tick and its messages handled as one chunk, then the outbox is flushed once.
+
+With ``shards = 0`` the shard process embeds a ``RankHost`` (``zserve.scheduler.shard``): the same
+class, with the local shard's messages delivered in-process instead of over a socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zserve.scheduler.common import DEST_MODEL, Outbox
+from zserve.scheduler.rank_thread import RankThread
+from zserve.transport import codec
+from zserve.transport.messages import (
+    BackendRegister,
+    BackendTable,
+    BatchStats,
+    CandidateUpdate,
+    GrantAnswer,
+    Heartbeat,
+    Hello,
+    Message,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.sockets import make_router
+
+from zserve import procutil
+from zserve.config import load_config, role_config
+from zserve.errors import ZServeError
+
+log = logging.getLogger(__name__)
+
+ROLE = "rank"
+# A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
+BACKEND_TIMEOUT_S = 4 * procutil.HEARTBEAT_INTERVAL_S
+# Most messages taken from one socket in one loop tick before the outbox is flushed.
+MAX_CHUNK = 512
+SOCKET_CLOSE_LINGER_MS = 200
+STATS_WINDOW = 4096
+# Timers are armed this much early and the rest is polled through loop iterations (WakeTimer).
+POLL_WINDOW_S = 0.0015
+
+Chunk = list[tuple[bytes | None, Message]]
+
+
+# --------------------------------------------------------------------------- hosting helpers
+
+
+class WakeTimer:
+    """One timer for one pure object's ``wake_at`` (see ``zserve.scheduler.common``).
+
+    ``sync()`` after every call into the object re-arms the timer when ``wake_at`` moved; when the
+    moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.
+
+    Precision matters: a deferred batch is granted between its frontrun moment and its latest
+    moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart. uvloop's timers tick in
+    whole milliseconds (a ``call_at`` may fire up to ~1 ms off), so the ``loop.call_at`` handle is
+    armed ``POLL_WINDOW_S`` early and the last stretch is polled with ``call_soon`` through loop
+    iterations, which keep serving I/O: the object is woken within one loop iteration of its
+    moment, never before it.
+    """
+
+    __slots__ = ("_at", "_fire", "_handle", "_loop", "obj")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, obj: Any, fire: Callable[[], None]):
+        self._loop = loop
+        self.obj = obj
+        self._fire = fire
+        self._handle: asyncio.Handle | None = None
+        self._at = math.inf
+
+    def sync(self) -> None:
+        wake_at: float = self.obj.wake_at
+        if wake_at == self._at:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._at = wake_at
+        if wake_at != math.inf:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        remaining = self._at - time.monotonic()
+        if remaining > POLL_WINDOW_S:
+            # wake_at is on time.monotonic(); loop.time() is the same clock, cached per iteration.
+            when = self._loop.time() + remaining - POLL_WINDOW_S
+            self._handle = self._loop.call_at(when, self._on_handle)
+        else:
+            self._handle = self._loop.call_soon(self._on_handle)
+
+    def _on_handle(self) -> None:
+        self._handle = None
+        if time.monotonic() < self._at:
+            self._schedule()
+            return
+        self._at = math.inf
+        self._fire()
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._at = math.inf
+
+
+def send_nowait(
+    sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None
+) -> BaseException | None:
+    """Send without ever blocking; returns the error (EAGAIN: queue full, EHOSTUNREACH: peer not
+    connected) instead of raising, so a slow or vanished peer cannot stall the caller."""
+    frames: list[Any] = codec.encode(msg)
+    if identity is not None:
+        frames.insert(0, identity)
+    # With NOBLOCK the future is already resolved (pyzmq short-circuits non-blocking sends).
+    future = cast("asyncio.Future[Any]",
+                  sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
+    return future.exception() if future.done() else None
+
+
+async def recv_chunks(
+    sock: zmq.asyncio.Socket,
+    *,
+    router: bool,
+    on_chunk: Callable[[Chunk], None],
+    on_bad: Callable[[ZServeError], None] | None = None,
+    max_chunk: int = MAX_CHUNK,
+) -> None:
+    """Forever: wait for a message, take every message already queued (up to ``max_chunk``),
+    decode them and hand them to ``on_chunk`` in one call. Returns when the socket closes."""
+    while True:
+        try:
+            raw = [await sock.recv_multipart(copy=False)]
+        except zmq.ZMQError as exc:
+            if sock.closed or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                return
+            raise
+        while len(raw) < max_chunk:
+            ready = cast("asyncio.Future[list[zmq.Frame]]",
+                         sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            if ready.exception() is not None:  # zmq.Again: nothing more queued
+                break
+            raw.append(ready.result())
+        chunk: Chunk = []
+        for parts in raw:
+            try:
+                if router:
+                    chunk.append((parts[0].bytes, codec.decode(parts[1:])))
+                else:
+                    chunk.append((None, codec.decode(parts)))
+            except ZServeError as exc:
+                if on_bad is not None:
+                    on_bad(exc)
+        if chunk:
+            try:
+                on_chunk(chunk)
+            except Exception:  # a bug handling one chunk must not stop the process receiving
+                log.exception("error handling a chunk of %d messages", len(chunk))
+
+
+def spawn(tasks: list[asyncio.Task[None]], coro: Awaitable[None]) -> None:
+    tasks.append(asyncio.ensure_future(coro))
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    tasks.clear()
+
+
+# --------------------------------------------------------------------------- the rank host
+
+
+@dataclass(slots=True)
+class _Backend:
+    gpu_id: int
+    name: str
+    identity: bytes
+    device: str
+    address: str
+    models: list[str]
+    profiles_ms: dict[str, list[float]]
+    last_seen: float
+    alive: bool = True
+
+
+class RankHost:
+    """The RankThread on a ROUTER. ``local`` (embedded mode) is ``(name, deliver)``: messages for
+    the peer ``name`` are handed to ``deliver`` instead of the socket, and that shard's messages
+    come in through ``on_local``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        sock: zmq.asyncio.Socket,
+        backend_timeout_s: float = BACKEND_TIMEOUT_S,
+        local: tuple[str, Callable[[Message], None]] | None = None,
+    ) -> None:
+        self.name = name
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.rank = RankThread([], time.monotonic())
+        self.timer = WakeTimer(self.loop, self.rank, self._on_timer)
+        self.backend_timeout_s = backend_timeout_s
+        self._local_identity = local[0].encode() if local else None
+        self._deliver_local = local[1] if local else None
+        self.backends: dict[int, _Backend] = {}
+        self.gpu_by_name: dict[str, int] = {}
+        self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
+        self.model_owner: dict[str, bytes] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("candidates", "grants", "grant_answers", "batches", "batches_failed", "late_batches",
+             "registrations", "removals", "send_dropped", "bad_messages", "unroutable_grants"),
+            0,
+        )
+        self.lateness: deque[float] = deque(maxlen=STATS_WINDOW)
+        if self._local_identity is not None:
+            self.peers[self._local_identity] = "shard"
+
+    def start(self) -> None:
+        spawn(self._tasks, recv_chunks(self.sock, router=True, on_chunk=self.on_chunk,
+                                       on_bad=self._on_bad))
+        spawn(self._tasks, self._liveness_loop())
+
+    async def close(self) -> None:
+        self.timer.cancel()
+        await cancel_all(self._tasks)
+
+    # ------------------------------------------------------------------ input
+
+    def _on_bad(self, exc: ZServeError) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("%s: bad message: %s", self.name, exc)
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        now = time.monotonic()
+        outbox: Outbox = []
+        for identity, msg in chunk:
+            assert identity is not None
+            self._handle(now, identity, msg, outbox)
+        self._flush(outbox)
+
+    def on_local(self, messages: list[Message]) -> None:
+        """Messages from the embedded shard (in order)."""
+        assert self._local_identity is not None
+        now = time.monotonic()
+        outbox: Outbox = []
+        for msg in messages:
+            self._handle(now, self._local_identity, msg, outbox)
+        self._flush(outbox)
+
+    def _handle(self, now: float, identity: bytes, msg: Message, outbox: Outbox) -> None:
+        kind = type(msg)
+        if kind is CandidateUpdate:
+            assert isinstance(msg, CandidateUpdate)
+            self.counters["candidates"] += 1
+            self.model_owner[msg.model] = identity
+            self.rank.on_candidate(now, msg, outbox)
+        elif kind is GrantAnswer:
+            assert isinstance(msg, GrantAnswer)
+            self.counters["grant_answers"] += 1
+            try:
+                self.rank.on_grant_answer(now, msg, outbox)
+            except ValueError as exc:
+                log.warning("%s: %s", self.name, exc)
+        elif kind is Heartbeat:
+            gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
+            backend = self.backends.get(gpu_id) if gpu_id is not None else None
+            if backend is not None and backend.identity == identity:
+                backend.last_seen = now
+                if not backend.alive:  # came back before re-registering: take it back
+                    self._revive(now, backend, outbox)
+            elif identity not in self.peers:
+                # A peer this rank does not know (the rank restarted): ask it to introduce itself
+                # again; a backend re-registers, a shard says Hello.
+                self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
+        elif kind is BatchStats:
+            assert isinstance(msg, BatchStats)
+            self._on_batch_stats(msg)
+        elif kind is BackendRegister:
+            assert isinstance(msg, BackendRegister)
+            self._on_register(now, identity, msg, outbox)
+        elif kind is Hello:
+            assert isinstance(msg, Hello)
+            self._new_peer(identity, msg.role)
+        elif kind is StatsRequest:
+            assert isinstance(msg, StatsRequest)
+            self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
+        else:
+            log.warning("%s: unexpected %s from %r", self.name, kind.__name__, identity)
+
+    def _on_timer(self) -> None:
+        outbox: Outbox = []
+        self.rank.on_timer(time.monotonic(), outbox)
+        self._flush(outbox)
+
+    # ------------------------------------------------------------------ membership
+
+    def _new_peer(self, identity: bytes, role: str) -> None:
+        if role == "backend":
+            return
+        self.peers[identity] = role
+        self._send(self.table(), identity)
+
+    def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
+                     outbox: Outbox) -> None:
+        self.counters["registrations"] += 1
+        gpu_id = self.gpu_by_name.get(msg.name)
+        if gpu_id is None:
+            gpu_id = len(self.gpu_by_name)
+            self.gpu_by_name[msg.name] = gpu_id
+        previous = self.backends.get(gpu_id)
+        backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
+                           list(msg.models), dict(msg.profiles_ms), now)
+        self.backends[gpu_id] = backend
+        # The table goes out before the GPU can be granted: a shard knows a GPU's plan address
+        # before its first plan for it (one FIFO per peer).
+        self._broadcast_table()
+        if previous is None or not previous.alive:
+            self.rank.add_gpu(now, gpu_id, outbox)
+        log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
+                 msg.plan_address, gpu_id)
+
+    def _revive(self, now: float, backend: _Backend, outbox: Outbox) -> None:
+        backend.alive = True
+        self._broadcast_table()
+        self.rank.add_gpu(now, backend.gpu_id, outbox)
+
+    async def _liveness_loop(self) -> None:
+        interval = self.backend_timeout_s / 4
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            outbox: Outbox = []
+            changed = False
+            for backend in self.backends.values():
+                if backend.alive and now - backend.last_seen > self.backend_timeout_s:
+                    log.warning("%s: backend %s (GPU %d) silent for %.1f s: removed", self.name,
+                                backend.name, backend.gpu_id, now - backend.last_seen)
+                    backend.alive = False
+                    self.counters["removals"] += 1
+                    with contextlib.suppress(ValueError):
+                        self.rank.remove_gpu(now, backend.gpu_id, outbox)
+                    changed = True
+            if changed:
+                self._broadcast_table()
+            self._flush(outbox)
+
+    def table(self) -> BackendTable:
+        alive = sorted((b for b in self.backends.values() if b.alive), key=lambda b: b.gpu_id)
+        return BackendTable(
+            gpu_ids=[b.gpu_id for b in alive],
+            names=[b.name for b in alive],
+            addresses=[b.address for b in alive],
+            models=[list(b.models) for b in alive],
+            profiles_ms=[dict(b.profiles_ms) for b in alive],
+        )
+
+    def _broadcast_table(self) -> None:
+        table = self.table()
+        for identity in list(self.peers):
+            self._send(table, identity)
+
+    # ------------------------------------------------------------------ output
+
+    def _flush(self, outbox: Outbox) -> None:
+        for (kind, key), msg in outbox:
+            if kind == DEST_MODEL:
+                owner = self.model_owner.get(str(key))
+                if owner is None:
+                    self.counters["unroutable_grants"] += 1
+                    log.error("%s: no shard known for model %r", self.name, key)
+                    continue
+                self.counters["grants"] += 1
+                self._send(msg, owner)
+            else:
+                log.error("%s: RankThread produced a message for %r", self.name, (kind, key))
+        self.timer.sync()
+
+    def _send(self, msg: Message, identity: bytes) -> None:
+        if identity == self._local_identity and self._deliver_local is not None:
+            self._deliver_local(msg)
+            return
+        error = send_nowait(self.sock, msg, identity)
+        if error is not None:
+            self.counters["send_dropped"] += 1
+            log.warning("%s: dropped %s to %r: %s", self.name, type(msg).__name__, identity, error)
+
+    # ------------------------------------------------------------------ stats
+
+    def _on_batch_stats(self, msg: BatchStats) -> None:
+        if msg.batch_size == 0:
+            return
+        self.counters["batches"] += 1
+        if not msg.ok:
+            self.counters["batches_failed"] += 1
+        lateness = msg.started_at - msg.exec_at
+        self.lateness.append(lateness)
+        if lateness > 1e-3:
+            self.counters["late_batches"] += 1
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": ROLE,
+            "name": self.name,
+            "counters": dict(self.counters),
+            "gpus": {
+                str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device}
+                for b in self.backends.values()
+            },
+            "rank_thread": {
+                "grants": self.rank.n_grants,
+                "model_matches": self.rank.n_model_matches,
+                "gpu_matches": self.rank.n_gpu_matches,
+                "stale": self.rank.n_stale,
+                "purged": self.rank.n_purged,
+            },
+        }
+        if self.lateness:
+            values = np.asarray(self.lateness) * 1e3
+            out["lateness_ms"] = {"p50": float(np.median(values)),
+                                  "p99": float(np.percentile(values, 99)),
+                                  "max": float(values.max())}
+        if reset:
+            self.lateness.clear()
+            for key in self.counters:
+                self.counters[key] = 0
+        return out
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+async def _main(config: dict[str, Any], control_address: str | None) -> int:
+    name: str = config["name"]
+    ctx = zmq.asyncio.Context()
+    host: RankHost | None = None
+    link: procutil.ControlLink | None = None
+    try:
+        holder: list[RankHost] = []
+        link = await procutil.ControlLink.open(
+            ctx, control_address, role=ROLE, name=name,
+            stats=lambda reset: holder[0].stats(reset) if holder else {},
+        )
+        sock, endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
+        host = RankHost(name=name, sock=sock,
+                        backend_timeout_s=float(config.get("backend_timeout_s",
+                                                           BACKEND_TIMEOUT_S)))
+        holder.append(host)
+        host.start()
+        await link.ready({"rank": endpoint})
+        await link.drain.wait()
+        return 0
+    finally:
+        if host is not None:
+            await host.close()
+            host.sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if link is not None:
+            await link.close()
+        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+
+
+def run_rank(config: dict[str, Any], control_address: str | None) -> int:
+    """Run the rank process until it is told to stop; returns the exit code."""
+    return procutil.run_role(_main(config, control_address), name=config["name"])
+
+
+def main(argv: list[str]) -> int:
+    """``zserve rank``: run the rank process of a cluster.toml on its own."""
+    parser = argparse.ArgumentParser(prog="zserve rank", description=main.__doc__)
+    parser.add_argument("--config", required=True, help="cluster.toml")
+    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser.add_argument("--bind", default=None, help="rank socket bind address")
+    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
+    args = parser.parse_args(argv)
+    cluster = load_config(args.config)
+    ipc_dir = args.ipc_dir or cluster.ipc_dir
+    config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir))
+    if args.bind:
+        config["bind"]["rank"] = args.bind
+    return run_rank(config, args.control)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

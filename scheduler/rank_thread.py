@@ -1,0 +1,284 @@
+"""RankThread: GPU free times, one candidate per model, and model-GPU matchmaking (pure logic).
+
+See ``zserve.scheduler.common`` for the hosting contract (``now``, outbox, ``wake_at``).
+
+Inputs (host -> RankThread):
+
+- ``on_candidate(now, update: CandidateUpdate, outbox)``: a model's latest candidate (latest value
+  wins; ``batch_size`` 0 withdraws). Ignored while the model has an unanswered grant.
+- ``on_grant_answer(now, answer: GrantAnswer, outbox)``: the GPU is busy until ``free_at`` (or is
+  returned untouched); the model's candidates are accepted again.
+- ``add_gpu(now, gpu_id, outbox, free_at=None)``, ``remove_gpu(now, gpu_id, outbox)``: GPU-set
+  changes at run time. A removed GPU finishes what it holds and is granted nothing new.
+- ``on_timer(now, outbox)``: ``now >= wake_at`` (model timers and the GPU timer are internal).
+
+Outputs: ``(("model", name), GrantGpu)``.
+
+Matching (Symphony Appendix D, with the design's consolidation rule):
+
+- Model timer at ``exec - delay(bs)``: if ``now + delay(bs) > latest`` the candidate is stale and
+  nothing happens (its ModelThread re-evaluates at that moment). Otherwise the candidate gets the
+  lowest-id GPU that is already free (consolidation: high ids stay idle at low load), else the
+  GPU with the smallest free time if it is free by ``exec``; otherwise the candidate becomes
+  *schedulable* (pending).
+- GPU timer at ``min free_at - max pending delay``: purge pending candidates with
+  ``latest < free_at`` (safe for every later GPU, which frees no earlier), then grant the GPU to the
+  pending candidate with the smallest ``latest``.
+- A grant marks the GPU as granted (free at +inf) and discards the model's candidate; the model's
+  further candidates are ignored until its GrantAnswer arrives.
+
+Data structures: binary heaps with lazy deletion (each entry carries the model's candidate version
+or the GPU's state stamp), so every event costs O(log M + log G) amortized.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from zserve.scheduler.common import DEST_MODEL, Outbox
+from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
+
+_INF = math.inf
+# GPU states
+_IDLE = 0  # free_at <= some time already seen; lives in the idle heap (lowest id first)
+_BUSY = 1  # lives in the busy heap keyed by (free_at, gpu_id)
+_GRANTED = 2  # granted, waiting for the model's answer; in no heap
+
+
+class RankThread:
+    """Global GPU state and per-model candidates; see the module docstring."""
+
+    def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0) -> None:
+        self.wake_at = _INF
+        self._free_at: dict[int, float] = {}
+        self._state: dict[int, int] = {}
+        self._stamp: dict[int, int] = {}
+        self._removing: set[int] = set()
+        self._idle: list[tuple[int, int]] = []  # (gpu_id, stamp)
+        self._busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
+        # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
+        self._cand: dict[str, tuple[int, float, float, float]] = {}
+        self._version: dict[str, int] = {}
+        self._awaiting: dict[str, int] = {}  # model -> grant_id
+        self._grants: dict[int, tuple[str, int]] = {}  # grant_id -> (model, gpu_id)
+        self._grant_seq = 0
+        self._model_timers: list[tuple[float, int, str]] = []  # (fire_at, version, model)
+        self._pending: dict[str, int] = {}  # model -> version (schedulable, waiting for a GPU)
+        self._pending_latest: list[tuple[float, int, str]] = []
+        self._pending_delay: list[tuple[float, int, str]] = []  # (-delay, version, model)
+        # counters
+        self.n_grants = 0
+        self.n_model_matches = 0
+        self.n_gpu_matches = 0
+        self.n_stale = 0
+        self.n_purged = 0
+        for gpu_id in gpu_ids:
+            self._insert_gpu(gpu_id, now, now)
+
+    # ------------------------------------------------------------------ GPU set
+
+    @property
+    def gpu_ids(self) -> list[int]:
+        return sorted(g for g in self._state if g not in self._removing)
+
+    def gpu_free_at(self, gpu_id: int) -> float:
+        """The GPU's free time (``inf`` while granted and unanswered)."""
+        return _INF if self._state[gpu_id] == _GRANTED else self._free_at[gpu_id]
+
+    def add_gpu(
+        self, now: float, gpu_id: int, outbox: Outbox, free_at: float | None = None
+    ) -> None:
+        if gpu_id in self._state and gpu_id not in self._removing:
+            raise ValueError(f"GPU {gpu_id} already exists")
+        self._removing.discard(gpu_id)
+        if gpu_id in self._state and self._state[gpu_id] == _GRANTED:
+            return  # re-added while a grant is outstanding: the answer puts it back
+        self._insert_gpu(gpu_id, now if free_at is None else free_at, now)
+        self._fire_due(now, outbox)
+
+    def remove_gpu(self, now: float, gpu_id: int, outbox: Outbox) -> None:
+        if gpu_id not in self._state or gpu_id in self._removing:
+            raise ValueError(f"GPU {gpu_id} does not exist")
+        if self._state[gpu_id] == _GRANTED:
+            self._removing.add(gpu_id)  # dropped when its grant is answered
+        else:
+            self._drop_gpu(gpu_id)
+        self._fire_due(now, outbox)
+
+    def _insert_gpu(self, gpu_id: int, free_at: float, now: float) -> None:
+        stamp = self._stamp.get(gpu_id, 0) + 1
+        self._stamp[gpu_id] = stamp
+        self._free_at[gpu_id] = free_at
+        if free_at <= now:
+            self._state[gpu_id] = _IDLE
+            heapq.heappush(self._idle, (gpu_id, stamp))
+        else:
+            self._state[gpu_id] = _BUSY
+            heapq.heappush(self._busy, (free_at, gpu_id, stamp))
+
+    def _drop_gpu(self, gpu_id: int) -> None:
+        self._stamp[gpu_id] = self._stamp.get(gpu_id, 0) + 1  # invalidates heap entries
+        del self._state[gpu_id]
+        del self._free_at[gpu_id]
+        self._removing.discard(gpu_id)
+
+    # ------------------------------------------------------------------ messages
+
+    def on_candidate(self, now: float, update: CandidateUpdate, outbox: Outbox) -> None:
+        model = update.model
+        if model in self._awaiting:
+            return  # computed before the model saw its grant: stale
+        version = self._version.get(model, 0) + 1
+        self._version[model] = version
+        self._pending.pop(model, None)
+        if update.batch_size <= 0:
+            self._cand.pop(model, None)
+        else:
+            delay = update.send_delay
+            self._cand[model] = (update.batch_size, update.exec_at, update.latest, delay)
+            heapq.heappush(self._model_timers, (update.exec_at - delay, version, model))
+        self._fire_due(now, outbox)
+
+    def on_grant_answer(self, now: float, answer: GrantAnswer, outbox: Outbox) -> None:
+        grant = self._grants.pop(answer.grant_id, None)
+        if grant is None or grant != (answer.model, answer.gpu_id):
+            raise ValueError(f"unknown grant {answer.grant_id} for {answer.model}/{answer.gpu_id}")
+        model, gpu_id = grant
+        self._awaiting.pop(model, None)
+        if gpu_id in self._removing:
+            self._drop_gpu(gpu_id)
+        elif gpu_id in self._state:
+            self._insert_gpu(gpu_id, answer.free_at, now)
+        self._fire_due(now, outbox)
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        self._fire_due(now, outbox)
+
+    # ------------------------------------------------------------------ matching
+
+    def _earliest_gpu(self, now: float) -> tuple[int, float] | None:
+        """The lowest-id idle GPU, else the busy GPU that frees first (after moving GPUs whose
+        free time has passed into the idle heap)."""
+        busy = self._busy
+        state = self._state
+        stamp = self._stamp
+        while busy:
+            free_at, gpu_id, st = busy[0]
+            if stamp.get(gpu_id) != st or state.get(gpu_id) != _BUSY:
+                heapq.heappop(busy)
+                continue
+            if free_at > now:
+                break
+            heapq.heappop(busy)
+            state[gpu_id] = _IDLE
+            heapq.heappush(self._idle, (gpu_id, st))
+        idle = self._idle
+        while idle:
+            gpu_id, st = idle[0]
+            if stamp.get(gpu_id) != st or state.get(gpu_id) != _IDLE:
+                heapq.heappop(idle)
+                continue
+            return gpu_id, self._free_at[gpu_id]
+        if busy:
+            return busy[0][1], busy[0][0]
+        return None
+
+    def _grant(self, now: float, model: str, gpu_id: int, outbox: Outbox) -> None:
+        free_at = self._free_at[gpu_id]
+        self._state[gpu_id] = _GRANTED
+        self._stamp[gpu_id] += 1
+        self._grant_seq += 1
+        grant_id = self._grant_seq
+        self._grants[grant_id] = (model, gpu_id)
+        self._awaiting[model] = grant_id
+        self._cand.pop(model, None)
+        self._pending.pop(model, None)
+        self._version[model] = self._version.get(model, 0) + 1
+        self.n_grants += 1
+        outbox.append(((DEST_MODEL, model), GrantGpu(model, gpu_id, grant_id, free_at)))
+
+    def _on_model_timer(self, now: float, model: str, version: int, outbox: Outbox) -> None:
+        _, exec_at, latest, delay = self._cand[model]
+        if now + delay > latest:
+            self.n_stale += 1
+            return
+        found = self._earliest_gpu(now)
+        if found is not None and found[1] <= exec_at:
+            self.n_model_matches += 1
+            self._grant(now, model, found[0], outbox)
+            return
+        self._pending[model] = version
+        heapq.heappush(self._pending_latest, (latest, version, model))
+        heapq.heappush(self._pending_delay, (-delay, version, model))
+
+    def _max_pending_delay(self) -> float:
+        heap = self._pending_delay
+        pending = self._pending
+        while heap:
+            neg_delay, version, model = heap[0]
+            if pending.get(model) == version:
+                return -neg_delay
+            heapq.heappop(heap)
+        return -_INF
+
+    def _on_gpu_timer(self, now: float, gpu_id: int, free_at: float, outbox: Outbox) -> None:
+        heap = self._pending_latest
+        pending = self._pending
+        while heap:
+            latest, version, model = heap[0]
+            if pending.get(model) != version:
+                heapq.heappop(heap)
+                continue
+            if latest < free_at:
+                heapq.heappop(heap)
+                del pending[model]
+                self.n_purged += 1
+                continue
+            heapq.heappop(heap)
+            self.n_gpu_matches += 1
+            self._grant(now, model, gpu_id, outbox)
+            return
+
+    def _fire_due(self, now: float, outbox: Outbox) -> None:
+        timers = self._model_timers
+        version_of = self._version
+        while True:
+            # the earliest valid model timer
+            t_model = _INF
+            while timers:
+                fire_at, version, model = timers[0]
+                if version_of.get(model) != version or model in self._pending:
+                    heapq.heappop(timers)
+                    continue
+                t_model = fire_at
+                break
+            # the GPU timer (only while candidates wait for a GPU)
+            t_gpu = _INF
+            gpu: tuple[int, float] | None = None
+            if self._pending:
+                max_delay = self._max_pending_delay()
+                if max_delay > -_INF:
+                    gpu = self._earliest_gpu(now)
+                    if gpu is not None:
+                        t_gpu = gpu[1] - max_delay
+            if t_model <= now and t_model <= t_gpu:
+                _, version, model = heapq.heappop(timers)
+                self._on_model_timer(now, model, version, outbox)
+                continue
+            if t_gpu <= now and gpu is not None:
+                before = self.n_grants
+                self._on_gpu_timer(now, gpu[0], gpu[1], outbox)
+                if self.n_grants == before and self._pending:
+                    continue  # purged some; re-evaluate
+                continue
+            self.wake_at = t_model if t_model < t_gpu else t_gpu
+            return
+
+    # ------------------------------------------------------------------ introspection
+
+    def pending_models(self) -> list[str]:
+        return sorted(self._pending)
+
+    def candidate(self, model: str) -> tuple[int, float, float, float] | None:
+        return self._cand.get(model)

@@ -1,0 +1,574 @@
+"""A scheduler shard process: hosts the ModelThreads of the models hashed to it.
+
+``run_shard(config, control_address)`` (``zserve scheduler``) binds the ``shard`` ROUTER, to which
+frontends connect (DEALER identity = frontend name). Model ``m`` lives on shard
+``zserve.config.shard_for_model(m, shards)``; frontends send its requests' metadata straight there.
+
+- Frontend -> shard: ``RequestMetaBatch`` (one per frontend per loop tick). The shard drains every
+  queued message, then feeds each (model, frontend) chunk to its ModelThread in one call. The
+  frontend's ``data`` address -- where backends fetch inputs -- is ``RequestMetaBatch.frontend``
+  (a bare frontend name is looked up in the peer map as ``<frontend>/data``); it is the key under
+  which the ModelThread knows the frontend, so a BatchPlan names data addresses, and drops go back
+  to the DEALER identity that sent the metadata.
+- Shard <-> rank: ``CandidateUpdate`` and ``GrantAnswer`` out, ``GrantGpu`` and ``BackendTable`` in,
+  over a DEALER (identity = shard name) to the rank; nothing waits for an answer.
+- Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the
+  ``BackendTable`` (connected when a backend appears, closed when it leaves).
+- Shard -> frontends: ``DropNotice`` (``DEADLINE`` from the ModelThread; ``UNAVAILABLE`` for a model
+  no live backend serves; ``SHUTTING_DOWN`` while draining).
+
+Latency profiles: a ModelThread uses the model's configured profile (profile file or emulated
+alpha/beta) until backends register; then the slowest registered profile of the backends serving
+the model (element-wise maximum of l(b), up to the smallest max batch), as the authors merge them.
+
+With ``embedded_rank`` (``shards = 0``) the same process also binds ``rank`` and hosts the
+RankThread (``zserve.scheduler.rank_process.RankHost``); the ModelThread <-> RankThread messages are
+then handed over in-process (shard -> rank synchronously after each flush, rank -> shard through a
+queue drained on the next loop iteration, so neither side re-enters the other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
+from zserve.scheduler.policy import SchedulePolicy, target_batch_size
+from zserve.scheduler.profiles import LatencyProfile, load_profiles
+from zserve.scheduler.rank_process import (
+    BACKEND_TIMEOUT_S,
+    Chunk,
+    RankHost,
+    WakeTimer,
+    cancel_all,
+    recv_chunks,
+    send_nowait,
+    spawn,
+)
+from zserve.transport.messages import (
+    BackendTable,
+    BatchPlan,
+    DropNotice,
+    GrantGpu,
+    Heartbeat,
+    Hello,
+    Message,
+    RequestMetaBatch,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.sockets import make_dealer, make_router
+
+from zserve import procutil
+from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.errors import ErrorKind, ZServeError
+
+log = logging.getLogger(__name__)
+
+ROLE = "shard"
+SOCKET_CLOSE_LINGER_MS = 200
+# While draining, how often the shard checks whether its queues are empty.
+DRAIN_POLL_S = 0.01
+STATS_WINDOW = 4096
+# Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
+MAX_SHARDS = 1024
+
+
+def configured_profile(model: ModelConfig) -> LatencyProfile | None:
+    """The profile cluster.toml gives: the model's profile file, or its emulated alpha/beta."""
+    if model.profile:
+        profiles = load_profiles(model.profile)
+        return profiles.get(model.name)
+    if model.alpha_ms is not None and model.beta_ms is not None:
+        return LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
+    return None
+
+
+def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfile | None:
+    """The slowest of several l(b) tables, element-wise, up to the smallest max batch."""
+    if not tables_ms:
+        return None
+    size = min([len(t) for t in tables_ms] + [max_batch])
+    if size < 1:
+        return None
+    return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
+
+
+def _set_profile(thread: ModelThread, profile: LatencyProfile) -> None:
+    """Give a ModelThread a new latency profile and the target batch size that follows from it.
+    (ModelThread has no public call for this yet; its target setter also derives keep_min.)"""
+    thread.profile = profile
+    target = target_batch_size(profile, thread.budget_s, thread.meter.rate(), thread.d_data_s)
+    set_target = getattr(thread, "_set_target", None)
+    if set_target is not None:
+        set_target(target)
+    else:
+        thread.target = target
+
+
+class ShardHost:
+    """The ModelThreads of one shard on their sockets; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        ctx: zmq.asyncio.Context,
+        sock: zmq.asyncio.Socket,
+        cluster: ClusterConfig,
+        models: list[ModelConfig],
+        peers: dict[str, str],
+        index: int = 0,
+    ) -> None:
+        self.name = name
+        self.identity = name.encode()
+        self.ctx = ctx
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.peers = peers
+        sched = cluster.scheduler
+        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
+        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
+        self.d_data_s = sched.d_data_ms / 1e3
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self.models = {m.name: m for m in models}
+        self.threads: dict[str, ModelThread] = {}
+        self.timers: dict[str, WakeTimer] = {}
+        self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
+        self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
+        self.backend_socks: dict[int, tuple[str, zmq.asyncio.Socket]] = {}
+        self.rank_sock: zmq.asyncio.Socket | None = None
+        self.rank_local: RankHost | None = None
+        self.index = index
+        self._plan_seq = 0
+        self.meta_delay: deque[float] = deque(maxlen=STATS_WINDOW)
+        self._from_rank: deque[Message] = deque()
+        self._pump_scheduled = False
+        self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
+        self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
+             "shutting_down", "send_dropped", "bad_messages", "unknown_model"),
+            0,
+        )
+        now = time.monotonic()
+        for model in models:
+            profile = configured_profile(model)
+            if profile is not None:
+                self._make_thread(model, profile, now)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
+        slo_s = model.slo_ms / 1e3
+        thread = ModelThread(
+            model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
+            d_data_s=self.d_data_s, budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
+        )
+        self.threads[model.name] = thread
+        self.timers[model.name] = WakeTimer(
+            self.loop, thread, lambda name=model.name: self._on_timer(name)
+        )
+        outbox: Outbox = []
+        thread.set_gpus(now, self.served.get(model.name, []), outbox)
+        self._dirty.add(model.name)
+        self._flush(outbox)
+
+    def connect_rank(self, address: str) -> None:
+        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity)
+        self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+        spawn(self._tasks, recv_chunks(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
+                                       on_bad=self._on_bad))
+        spawn(self._tasks, self._rank_heartbeat_loop())
+
+    async def _rank_heartbeat_loop(self) -> None:
+        """Heartbeats let a restarted rank discover this shard (it answers an unknown peer's
+        heartbeat with Hello)."""
+        seq = 0
+        while self.rank_sock is not None:
+            seq += 1
+            self._send(self.rank_sock, Heartbeat(self.name, seq, time.monotonic()))
+            await asyncio.sleep(procutil.HEARTBEAT_INTERVAL_S)
+
+    def embed_rank(self, host: RankHost) -> None:
+        self.rank_local = host
+
+    def deliver_from_rank(self, msg: Message) -> None:
+        """The embedded RankHost's way in: queue, handle on the next loop iteration."""
+        self._from_rank.append(msg)
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self.loop.call_soon(self._pump_from_rank)
+
+    def _pump_from_rank(self) -> None:
+        self._pump_scheduled = False
+        messages = list(self._from_rank)
+        self._from_rank.clear()
+        self._on_rank_chunk([(None, m) for m in messages])
+
+    def start(self) -> None:
+        spawn(self._tasks, recv_chunks(self.sock, router=True, on_chunk=self._on_frontend_chunk,
+                                       on_bad=self._on_bad))
+
+    async def close(self) -> None:
+        for timer in self.timers.values():
+            timer.cancel()
+        await cancel_all(self._tasks)
+        for _, sock in self.backend_socks.values():
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        self.backend_socks.clear()
+        if self.rank_sock is not None:
+            self.rank_sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+
+    # ------------------------------------------------------------------ frontends
+
+    def _on_bad(self, exc: ZServeError) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("%s: bad message: %s", self.name, exc)
+
+    def _data_address(self, meta: RequestMetaBatch) -> str:
+        """``RequestMetaBatch.frontend`` is the frontend's data address; a frontend name (an
+        older sender) is looked up in the peer map."""
+        if "://" in meta.frontend:
+            return meta.frontend
+        named = self.peers.get(procutil.peer_key(meta.frontend, "data"))
+        return named or meta.frontend
+
+    def _on_frontend_chunk(self, chunk: Chunk) -> None:
+        now = time.monotonic()
+        outbox: Outbox = []
+        # (model, data address) -> (ids, arrivals, deadlines), merged over the whole chunk
+        arrivals: dict[tuple[str, str], tuple[list[int], list[float], list[float]]] = {}
+        for identity, msg in chunk:
+            assert identity is not None
+            if type(msg) is RequestMetaBatch:
+                self.counters["meta_batches"] += 1
+                self.counters["requests"] += len(msg.request_ids)
+                address = self._data_address(msg)
+                if msg.arrivals:  # admission of the tick's last request -> here
+                    self.meta_delay.append(now - max(msg.arrivals))
+                self.frontends[address] = identity
+                for model, (ids, arr, dls) in split_meta_by_model(msg).items():
+                    entry = arrivals.get((model, address))
+                    if entry is None:
+                        arrivals[(model, address)] = (ids, arr, dls)
+                    else:
+                        entry[0].extend(ids)
+                        entry[1].extend(arr)
+                        entry[2].extend(dls)
+            elif type(msg) is StatsRequest:
+                assert isinstance(msg, StatsRequest)
+                self._send(self.sock, StatsReply(self.name, self.stats(msg.reset)), identity)
+            elif type(msg) not in (Hello, Heartbeat):
+                log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
+        for (model, address), (ids, arr, dls) in arrivals.items():
+            thread = self.threads.get(model)
+            refusal = self._refusal(model, thread)
+            if refusal is not None:
+                kind, why = refusal
+                self._drop_now(address, ids, kind, why)
+                continue
+            assert thread is not None
+            thread.on_arrivals(now, address, ids, arr, dls, outbox)
+            self._dirty.add(model)
+        self._flush(outbox)
+
+    def _refusal(self, model: str, thread: ModelThread | None) -> tuple[ErrorKind, str] | None:
+        if self.draining:
+            self.counters["shutting_down"] += 1
+            return ErrorKind.SHUTTING_DOWN, f"scheduler {self.name} is shutting down"
+        if model not in self.models:
+            self.counters["unknown_model"] += 1
+            return ErrorKind.BAD_REQUEST, f"model {model!r} is not scheduled by {self.name}"
+        if thread is None or not self.served.get(model):
+            self.counters["unavailable"] += 1
+            return ErrorKind.UNAVAILABLE, f"no backend serves {model!r}"
+        return None
+
+    def _drop_now(self, address: str, ids: list[int], kind: ErrorKind, why: str) -> None:
+        identity = self.frontends.get(address)
+        if identity is not None:
+            self._send(self.sock, DropNotice(ids, kind.value, why), identity)
+
+    # ------------------------------------------------------------------ rank
+
+    def _on_rank_chunk(self, chunk: Chunk) -> None:
+        now = time.monotonic()
+        outbox: Outbox = []
+        for _, msg in chunk:
+            if type(msg) is GrantGpu:
+                assert isinstance(msg, GrantGpu)
+                thread = self.threads.get(msg.model)
+                if thread is None:
+                    log.error("%s: grant for model %r, which it does not host", self.name,
+                              msg.model)
+                    continue
+                thread.on_grant(now, msg, outbox)
+                self._dirty.add(msg.model)
+            elif type(msg) is BackendTable:
+                assert isinstance(msg, BackendTable)
+                self._on_backend_table(now, msg, outbox)
+            elif type(msg) is Hello and self.rank_sock is not None:
+                # A restarted rank asks who we are; our candidates reach it on their next change.
+                self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+            elif type(msg) is not Heartbeat:
+                log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
+        self._flush(outbox)
+
+    def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        live = dict(zip(table.gpu_ids, table.addresses, strict=True))
+        for gpu_id in list(self.backend_socks):
+            address, sock = self.backend_socks[gpu_id]
+            if live.get(gpu_id) != address:
+                sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+                del self.backend_socks[gpu_id]
+        for gpu_id, address in live.items():
+            if gpu_id not in self.backend_socks:
+                sock = make_dealer(self.ctx, address, identity=self.identity)
+                self.backend_socks[gpu_id] = (address, sock)
+        served: dict[str, list[int]] = {}
+        tables: dict[str, list[list[float]]] = {}
+        for i, (gpu_id, models) in enumerate(zip(table.gpu_ids, table.models, strict=True)):
+            profiles = table.profiles_ms[i] if i < len(table.profiles_ms) else {}
+            for model in models:
+                served.setdefault(model, []).append(gpu_id)
+                if model in profiles:
+                    tables.setdefault(model, []).append(profiles[model])
+        self.served = served
+        for name, model in self.models.items():
+            profile = merge_profiles(tables.get(name, []), model.max_batch)
+            thread = self.threads.get(name)
+            if thread is None:
+                profile = profile or configured_profile(model)
+                if profile is not None:
+                    self._make_thread(model, profile, now)
+                continue
+            if profile is not None and profile.table_s != thread.profile.table_s:
+                _set_profile(thread, profile)
+            thread.set_gpus(now, served.get(name, []), outbox)
+            self._dirty.add(name)
+
+    # ------------------------------------------------------------------ timers and output
+
+    def _on_timer(self, model: str) -> None:
+        outbox: Outbox = []
+        self.threads[model].on_timer(time.monotonic(), outbox)
+        self._dirty.add(model)
+        self._flush(outbox)
+
+    def _flush(self, outbox: Outbox) -> None:
+        to_rank: list[Message] = []
+        for (kind, key), msg in outbox:
+            if (kind, key) == TO_RANK:
+                to_rank.append(msg)
+            elif kind == DEST_BACKEND:
+                assert isinstance(msg, BatchPlan)
+                self._send_plan(int(key), msg)
+            elif kind == DEST_FRONTEND:
+                if isinstance(msg, DropNotice):
+                    self.counters["dropped"] += len(msg.request_ids)
+                identity = self.frontends.get(str(key))
+                if identity is None:
+                    log.error("%s: no route to frontend %r", self.name, key)
+                else:
+                    self._send(self.sock, msg, identity)
+            else:
+                log.error("%s: message for unknown destination %r", self.name, (kind, key))
+        if to_rank:
+            if self.rank_local is not None:
+                self.rank_local.on_local(to_rank)
+            elif self.rank_sock is not None:
+                for msg in to_rank:
+                    self._send(self.rank_sock, msg)
+        for model in self._dirty:
+            self.timers[model].sync()
+        self._dirty.clear()
+
+    def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
+        # A ModelThread numbers its own plans (1, 2, ...); a backend receives plans of many
+        # models from many shards and matches InputReplies by plan id, so make ids unique in the
+        # cluster: this shard's own sequence, with the shard index in the low bits.
+        self._plan_seq += 1
+        plan = dataclasses.replace(plan, plan_id=self._plan_seq * MAX_SHARDS + self.index)
+        entry = self.backend_socks.get(gpu_id)
+        if entry is not None and self._send(entry[1], plan):
+            self.counters["plans"] += 1
+            self.counters["planned_requests"] += len(plan.request_ids)
+            return
+        # The backend left (or cannot take it): its requests will not run.
+        by_frontend: dict[int, list[int]] = {}
+        for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
+            by_frontend.setdefault(f, []).append(rid)
+        for f, ids in by_frontend.items():
+            self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
+                           f"GPU {gpu_id} is gone; the batch was not sent")
+
+    def _send(self, sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> bool:
+        error = send_nowait(sock, msg, identity)
+        if error is None:
+            return True
+        self.counters["send_dropped"] += 1
+        log.warning("%s: dropped %s to %r: %s", self.name, type(msg).__name__, identity, error)
+        return False
+
+    # ------------------------------------------------------------------ drain and stats
+
+    def queued(self) -> int:
+        return sum(t.queue_length for t in self.threads.values())
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests; keep scheduling the queued ones for up to ``drain_s``; answer
+        what is still queued then ``SHUTTING_DOWN``."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        while self.queued() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        for thread in self.threads.values():
+            self._shed_queue(thread)
+
+    def _shed_queue(self, thread: ModelThread) -> None:
+        # ModelThread has no public "take the queue" call yet; its queue is the parallel lists
+        # _rid/_fe (request id, frontend index) from _head on, and _frontends names the indices.
+        head: int = getattr(thread, "_head", 0)
+        ids: list[int] = getattr(thread, "_rid", [])[head:]
+        fe: list[int] = getattr(thread, "_fe", [])[head:]
+        frontends: list[str] = getattr(thread, "_frontends", [])
+        by_frontend: dict[int, list[int]] = {}
+        for rid, fidx in zip(ids, fe, strict=False):
+            by_frontend.setdefault(fidx, []).append(rid)
+        for fidx, ids in by_frontend.items():
+            self.counters["shutting_down"] += len(ids)
+            self._drop_now(frontends[fidx], ids, ErrorKind.SHUTTING_DOWN,
+                           f"scheduler {self.name} is shutting down")
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": ROLE,
+            "name": self.name,
+            "counters": dict(self.counters),
+            "models": {
+                name: {
+                    "queued": t.queue_length,
+                    "arrived": t.n_arrived,
+                    "dropped": t.n_dropped,
+                    "planned": t.n_planned,
+                    "batches": t.n_batches,
+                    "target": t.target,
+                    "max_batch": t.profile.max_batch,
+                    "gpus": list(self.served.get(name, [])),
+                }
+                for name, t in self.threads.items()
+            },
+        }
+        if self.meta_delay:
+            values = np.asarray(self.meta_delay) * 1e3
+            out["meta_delay_ms"] = {"p50": float(np.median(values)),
+                                    "p99": float(np.percentile(values, 99))}
+        if self.rank_local is not None:
+            out["rank"] = self.rank_local.stats(reset)
+        if reset:
+            self.meta_delay.clear()
+            for key in self.counters:
+                self.counters[key] = 0
+        return out
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+async def _main(config: dict[str, Any], control_address: str | None) -> int:
+    name: str = config["name"]
+    embedded = bool(config.get("embedded_rank"))
+    cluster = ClusterConfig.from_dict(config["cluster"])
+    models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
+    ctx = zmq.asyncio.Context()
+    host: ShardHost | None = None
+    rank: RankHost | None = None
+    link: procutil.ControlLink | None = None
+    socks: list[zmq.asyncio.Socket] = []
+    try:
+        holder: list[ShardHost] = []
+        link = await procutil.ControlLink.open(
+            ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
+            stats=lambda reset: holder[0].stats(reset) if holder else {},
+        )
+        sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard")
+        socks.append(sock)
+        endpoints = {"shard": endpoint}
+        if embedded:
+            rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
+            socks.append(rank_sock)
+            endpoints["rank"] = rank_endpoint
+        host = ShardHost(name=name, ctx=ctx, sock=sock, cluster=cluster, models=models,
+                         peers=dict(config.get("peers", {})), index=int(config.get("index", 0)))
+        holder.append(host)
+        if embedded:
+            timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
+            rank = RankHost(name=name, sock=rank_sock, backend_timeout_s=timeout_s,
+                            local=(name, host.deliver_from_rank))
+            host.embed_rank(rank)
+            rank.start()
+        host.start()
+        peers = await link.ready(endpoints)
+        host.peers.update(peers)
+        if not embedded:
+            rank_address = host.peers.get(procutil.peer_key("rank", "rank"))
+            if rank_address is None:
+                log.error("%s: no rank address in the peer map %s", name, sorted(host.peers))
+                return 2
+            host.connect_rank(rank_address)
+        await link.drain.wait()
+        await host.drain(link.drain.drain_s)
+        return 0
+    finally:
+        if host is not None:
+            await host.close()
+        if rank is not None:
+            await rank.close()
+        for s in socks:
+            s.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if link is not None:
+            await link.close()
+        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+
+
+def run_shard(config: dict[str, Any], control_address: str | None) -> int:
+    """Run one scheduler shard (with the rank embedded when ``config["embedded_rank"]``)."""
+    return procutil.run_role(_main(config, control_address), name=config["name"])
+
+
+def main(argv: list[str]) -> int:
+    """``zserve scheduler``: run scheduler shard ``--index`` of a cluster.toml on its own."""
+    parser = argparse.ArgumentParser(prog="zserve scheduler", description=main.__doc__)
+    parser.add_argument("--config", required=True, help="cluster.toml")
+    parser.add_argument("--index", type=int, default=0, help="which shard (default 0)")
+    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
+    parser.add_argument("--bind", default=None, help="shard socket bind address")
+    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
+    args = parser.parse_args(argv)
+    cluster = load_config(args.config)
+    ipc_dir = args.ipc_dir or cluster.ipc_dir
+    config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
+                         peers=cluster.static_peers(ipc_dir))
+    if args.bind:
+        config["bind"]["shard"] = args.bind
+    if args.rank:
+        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+    return run_shard(config, args.control)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,397 @@
+"""Discrete-event simulator: the real ModelThread/RankThread objects on a virtual clock.
+
+The simulator hosts one :class:`ModelThread` per model and one :class:`RankThread` exactly as the
+process runtime does (same calls, same messages), with zero network latency: every outbox is
+delivered at once, in order. Emulated GPUs run each BatchPlan from ``exec_at`` to exactly
+``exec_at + l(bs)``. Arrivals come from ``zserve.loadgen.arrivals`` with one frontend (``sim``);
+with ``sim_tick_ms > 0`` each model's arrivals are coalesced per tick (as a frontend coalesces
+them per event-loop tick), else each arrival instant is its own chunk.
+
+Invariants, checked on every run (an :class:`InvariantError` stops the run loudly):
+
+- no GPU runs two batches at once, and no plan reaches a GPU after its ``exec_at``;
+- every request ends exactly once (good, late, or dropped), and none is left at the end;
+- no batch starts after its latest moment (it finishes by its earliest deadline);
+- a request counts as good only if it finishes by its deadline.
+
+A run covers warmup + measure + cooldown of arrivals and then drains; only requests that arrive in
+the measure window are counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from zserve.loadgen.arrivals import arrival_times, model_rng
+from zserve.loadgen.report import ModelOutcome, build_report
+from zserve.loadgen.workload import Workload
+from zserve.scheduler.bounds import staggered_bound_rps
+from zserve.scheduler.common import FEASIBILITY_EPS_S, Outbox
+from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.policy import SchedulePolicy
+from zserve.scheduler.rank_thread import RankThread
+from zserve.transport.messages import BatchPlan, CandidateUpdate, DropNotice, GrantAnswer
+
+FRONTEND = "sim"
+_PENDING, _GOOD, _LATE, _DROPPED = 0, 1, 2, 3
+_EV_ARRIVAL, _EV_MODEL, _EV_RANK = 0, 1, 2
+BAIL_CHECK_INTERVAL_S = 0.25
+BAIL_MIN_BAD = 200
+"""A bailing run stops once a model has at least this many bad requests in the measure window
+and its bad rate so far exceeds the bail threshold."""
+
+
+class InvariantError(AssertionError):
+    """The schedule broke an invariant: a bug in the scheduler (or the simulator)."""
+
+
+@dataclass
+class SimConfig:
+    """Knobs for one simulator run beyond the workload file."""
+
+    check: bool = True
+    bail_bad_rate: float | None = None  # stop early once the worst bad rate clearly exceeds it
+    record_plans: bool = False
+    keep_tolerance: float | None = None  # None: the workload's
+
+
+def workload_bound_rps(w: Workload) -> float:
+    """The staggered bound of a workload (DESIGN section 3) under its allowances."""
+    shares = w.shares()
+    models = [
+        (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
+        for m, share in zip(w.models, shares, strict=True)
+    ]
+    return staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
+
+
+class Simulator:
+    """One simulated run of a workload; :meth:`run` returns a report dict."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: SimConfig | None = None,
+        arrivals: list[np.ndarray[Any, Any]] | None = None,
+    ) -> None:
+        """``arrivals`` (one sorted array of times per model) replaces the workload's arrival
+        process (tests replay exact traces with it)."""
+        self.w = workload
+        self.config = config or SimConfig()
+        w = workload
+        self.policy = SchedulePolicy.parse(w.policy, w.drop)
+        tol = self.config.keep_tolerance
+        self.keep_tolerance = w.keep_tolerance if tol is None else tol
+        reply_s = w.reply_ms / 1e3
+        d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
+        self.models = [
+            ModelThread(
+                m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s,
+                jitter_s=w.jitter_ms / 1e3,
+                budget_s=m.slo_s - reply_s - d_ctrl_s,
+                keep_tolerance=self.keep_tolerance,
+            )
+            for m in w.models
+        ]
+        self.index = {m.name: i for i, m in enumerate(w.models)}
+        self.rank = RankThread(list(range(w.gpus)), 0.0)
+        # arrivals
+        rates = w.model_rates()
+        self.arrivals: list[np.ndarray[Any, Any]] = []
+        self.offsets: list[int] = []
+        total = 0
+        for i, rate in enumerate(rates):
+            if arrivals is not None:
+                times = np.asarray(arrivals[i], dtype=np.float64)
+            else:
+                times = arrival_times(w.arrival.kind, w.arrival.shape, rate, w.duration_s,
+                                      model_rng(w.seed, i))
+            self.arrivals.append(times)
+            self.offsets.append(total)
+            total += len(times)
+        self.n_requests = total
+        self.arrival_all = np.concatenate(self.arrivals) if total else np.empty(0)
+        self.model_of = np.concatenate(
+            [np.full(len(a), i, dtype=np.int32) for i, a in enumerate(self.arrivals)]
+        ) if total else np.empty(0, dtype=np.int32)
+        slo_by_model = np.array([m.slo_s for m in w.models])
+        self.deadline_all = self.arrival_all + slo_by_model[self.model_of] - reply_s
+        self.status = np.zeros(total, dtype=np.int8)
+        self.finish = np.full(total, np.nan)
+        self.exec = np.full(total, np.nan)
+        self.gpu_busy_until = [0.0] * w.gpus
+        self.batches: list[tuple[int, int, float, float, int]] = []  # model, gpu, exec, end, bs
+        self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
+        self.window = (w.warmup_s, w.warmup_s + w.measure_s)
+        self.bailed = False
+        self._events: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._model_wake = [math.inf] * len(self.models)
+        self._rank_wake = math.inf
+        self._ptr = [0] * len(self.models)
+        self._now = 0.0
+        self._measured_dropped = [0] * len(self.models)
+
+    # ------------------------------------------------------------------ event plumbing
+
+    def _push(self, t: float, kind: int, idx: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, idx))
+
+    def _resched_model(self, i: int) -> None:
+        wake = self.models[i].wake_at
+        if wake != self._model_wake[i]:
+            self._model_wake[i] = wake
+            if wake < math.inf:
+                self._push(wake, _EV_MODEL, i)
+
+    def _resched_rank(self) -> None:
+        wake = self.rank.wake_at
+        if wake != self._rank_wake:
+            self._rank_wake = wake
+            if wake < math.inf:
+                self._push(wake, _EV_RANK, -1)
+
+    def _dispatch(self, now: float, outbox: Outbox) -> None:
+        rank = self.rank
+        models = self.models
+        index = self.index
+        touched: set[int] = set()
+        pos = 0
+        while pos < len(outbox):
+            dest, msg = outbox[pos]
+            pos += 1
+            kind = dest[0]
+            if kind == "rank":
+                if type(msg) is CandidateUpdate:
+                    rank.on_candidate(now, msg, outbox)
+                else:
+                    assert isinstance(msg, GrantAnswer)
+                    rank.on_grant_answer(now, msg, outbox)
+            elif kind == "model":
+                i = index[str(dest[1])]
+                models[i].on_grant(now, msg, outbox)
+                touched.add(i)
+            elif kind == "backend":
+                assert isinstance(msg, BatchPlan)
+                self._on_plan(now, msg)
+            elif kind == "frontend":
+                assert isinstance(msg, DropNotice)
+                self._on_drop(now, msg)
+        outbox.clear()
+        for i in touched:
+            self._resched_model(i)
+        self._resched_rank()
+
+    # ------------------------------------------------------------------ emulated GPUs, frontend
+
+    def _fail(self, message: str) -> None:
+        raise InvariantError(f"t={self._now:.6f}: {message}")
+
+    def _on_plan(self, now: float, plan: BatchPlan) -> None:
+        ids = np.array(plan.request_ids, dtype=np.int64)
+        bs = len(ids)
+        i = self.index[plan.model]
+        latency = self.w.models[i].profile.latency(bs)
+        finish = plan.exec_at + latency
+        check = self.config.check
+        if check:
+            eps = FEASIBILITY_EPS_S
+            if plan.exec_at < now - eps:
+                self._fail(f"plan {plan.model}#{plan.plan_id} reached GPU {plan.gpu_id} after its "
+                           f"exec_at {plan.exec_at:.6f}")
+            if plan.exec_at < self.gpu_busy_until[plan.gpu_id] - eps:
+                self._fail(f"GPU {plan.gpu_id} runs two batches at once: {plan.model} starts "
+                           f"{plan.exec_at:.6f} before {self.gpu_busy_until[plan.gpu_id]:.6f}")
+            if abs(finish - plan.expected_finish_at) > eps:
+                self._fail(f"plan {plan.model}#{plan.plan_id}: expected_finish_at mismatch")
+            if bs == 0 or bs > self.w.models[i].profile.max_batch:
+                self._fail(f"plan {plan.model}#{plan.plan_id}: infeasible batch size {bs}")
+            if np.any(self.status[ids] != _PENDING):
+                self._fail(f"plan {plan.model}#{plan.plan_id}: a request ends twice")
+            if np.any(self.model_of[ids] != i):
+                self._fail(f"plan {plan.model}#{plan.plan_id}: request of another model")
+        deadlines = self.deadline_all[ids]
+        if check and finish > float(deadlines.min()) + FEASIBILITY_EPS_S:
+            self._fail(f"plan {plan.model}#{plan.plan_id} starts after its latest moment "
+                       f"(finishes {finish:.6f} > earliest deadline {deadlines.min():.6f})")
+        good = finish <= deadlines + FEASIBILITY_EPS_S
+        self.status[ids] = np.where(good, _GOOD, _LATE)
+        self.finish[ids] = finish
+        self.exec[ids] = plan.exec_at
+        self.gpu_busy_until[plan.gpu_id] = finish
+        self.batches.append((i, plan.gpu_id, plan.exec_at, finish, bs))
+        if self.config.record_plans:
+            self.plans.append(plan)
+
+    def _on_drop(self, now: float, notice: DropNotice) -> None:
+        ids = np.array(notice.request_ids, dtype=np.int64)
+        if self.config.check and np.any(self.status[ids] != _PENDING):
+            self._fail("a dropped request had already ended")
+        self.status[ids] = _DROPPED
+        arr = self.arrival_all[ids]
+        lo, hi = self.window
+        counted = int(np.count_nonzero((arr >= lo) & (arr < hi)))
+        if counted:
+            i = int(self.model_of[ids[0]])
+            self._measured_dropped[i] += counted
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        tick = self.w.sim_tick_ms / 1e3
+        outbox: Outbox = []
+        for i, times in enumerate(self.arrivals):
+            if len(times):
+                self._push(float(times[0]) + tick, _EV_ARRIVAL, i)
+        events = self._events
+        models = self.models
+        times_lists = [a.tolist() for a in self.arrivals]
+        deadline_lists = [
+            self.deadline_all[base : base + len(a)].tolist()
+            for base, a in zip(self.offsets, self.arrivals, strict=True)
+        ]
+        ptrs = self._ptr
+        offsets = self.offsets
+        lo_w = self.window[0]
+        bail = self.config.bail_bad_rate
+        next_bail_check = lo_w + BAIL_CHECK_INTERVAL_S
+        while events:
+            now, _, kind, idx = heapq.heappop(events)
+            self._now = now
+            if kind == _EV_ARRIVAL:
+                times = times_lists[idx]
+                start = ptrs[idx]
+                stop = start + 1
+                n_times = len(times)
+                if tick:
+                    stop = bisect_right(times, now, start)
+                else:
+                    while stop < n_times and times[stop] == now:
+                        stop += 1
+                ptrs[idx] = stop
+                base = offsets[idx]
+                models[idx].on_arrivals(
+                    now, FRONTEND, list(range(base + start, base + stop)), times[start:stop],
+                    deadline_lists[idx][start:stop], outbox,
+                )
+                if stop < n_times:
+                    self._push(times[stop] + tick, _EV_ARRIVAL, idx)
+                self._dispatch(now, outbox)
+                self._resched_model(idx)
+                if bail is not None and now >= next_bail_check:
+                    next_bail_check = now + BAIL_CHECK_INTERVAL_S
+                    if self._should_bail(bail, now):
+                        self.bailed = True
+                        break
+            elif kind == _EV_MODEL:
+                if models[idx].wake_at != now or self._model_wake[idx] != now:
+                    continue
+                self._model_wake[idx] = math.inf
+                models[idx].on_timer(now, outbox)
+                self._dispatch(now, outbox)
+                self._resched_model(idx)
+            else:
+                if self.rank.wake_at != now or self._rank_wake != now:
+                    continue
+                self._rank_wake = math.inf
+                self.rank.on_timer(now, outbox)
+                self._dispatch(now, outbox)
+        wall = time.perf_counter() - started
+        if not self.bailed and self.config.check and np.any(self.status == _PENDING):
+            left = int(np.count_nonzero(self.status == _PENDING))
+            self._fail(f"{left} requests never ended")
+        return self._report(wall)
+
+    def _should_bail(self, bail: float, now: float) -> bool:
+        lo_w = self.window[0]
+        for i, dropped in enumerate(self._measured_dropped):
+            if dropped < BAIL_MIN_BAD:
+                continue
+            times = self.arrivals[i]
+            arrived = int(np.searchsorted(times, now, side="right")) - int(
+                np.searchsorted(times, lo_w, side="left"))
+            if dropped > bail * arrived:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ results
+
+    def _report(self, wall_s: float) -> dict[str, Any]:
+        w = self.w
+        lo_w, hi_w = self.window
+        arr = self.arrival_all
+        in_window = (arr >= lo_w) & (arr < hi_w)
+        reply_s = w.reply_ms / 1e3
+        batches = np.array(self.batches, dtype=np.float64).reshape(-1, 5)
+        outcomes: list[ModelOutcome] = []
+        for i, spec in enumerate(w.models):
+            base = self.offsets[i]
+            sl = slice(base, base + len(self.arrivals[i]))
+            mask = in_window[sl]
+            status = self.status[sl][mask]
+            a = arr[sl][mask]
+            served = (status == _GOOD) | (status == _LATE)
+            latencies = (self.finish[sl][mask][served] + reply_s - a[served]) * 1e3
+            queueing = (self.exec[sl][mask][served] - a[served]) * 1e3
+            mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
+            total = int(mask.sum())
+            if self.bailed:
+                # an unfinished run: count what has ended; pending requests count as bad
+                pass
+            outcomes.append(ModelOutcome(
+                name=spec.name,
+                slo_ms=spec.slo_ms,
+                total=total,
+                good=int(np.count_nonzero(status == _GOOD)),
+                late=int(np.count_nonzero(status == _LATE)),
+                dropped=int(np.count_nonzero(status == _DROPPED)),
+                latencies_ms=latencies,
+                queueing_ms=queueing,
+                batch_sizes=mine[:, 4].astype(np.int64),
+            ))
+        busy = 0.0
+        if len(batches):
+            starts = np.clip(batches[:, 2], lo_w, hi_w)
+            ends = np.clip(batches[:, 3], lo_w, hi_w)
+            busy = float(np.sum(ends - starts)) / (w.gpus * w.measure_s)
+        try:
+            bound = workload_bound_rps(w)
+        except (ValueError, ZeroDivisionError):
+            bound = None
+        rank = self.rank
+        extra = {
+            "rate_rps": w.rate,
+            "arrival": str(w.arrival),
+            "bailed": self.bailed,
+            "wall_s": round(wall_s, 3),
+            "sim_requests": self.n_requests,
+            "sim_rps_wall": round(self.n_requests / wall_s, 1) if wall_s > 0 else None,
+            "rank": {
+                "grants": rank.n_grants,
+                "model_matches": rank.n_model_matches,
+                "gpu_matches": rank.n_gpu_matches,
+                "stale": rank.n_stale,
+                "purged": rank.n_purged,
+            },
+            "keep_tolerance": self.keep_tolerance,
+            "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
+                              "jitter": w.jitter_ms},
+        }
+        return build_report(
+            outcomes, source="sim", workload=w.name, policy=self.policy.name,
+            drop=self.policy.drop_name, seed=w.seed, gpus=w.gpus, measure_s=w.measure_s,
+            gpu_busy_fraction=busy, bound_rps=bound, extra=extra,
+        )
+
+
+def simulate(workload: Workload, config: SimConfig | None = None) -> dict[str, Any]:
+    """Run one simulation and return its report."""
+    return Simulator(workload, config).run()

@@ -1,0 +1,196 @@
+"""ONNX Runtime executor on the CPU, with real sessions on the built-in models."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from zserve.backends.builtin import ModelSpec, ensure_builtin
+from zserve.backends.executor import ModelLoadError
+from zserve.backends.onnx_executor import OnnxExecutor, SessionConfig, read_signature
+
+from zserve.errors import BadRequestError, InternalError
+
+MAX_BATCH = 8
+# Batched and one-by-one runs take different kernels (GEMM vs GEMV blocking), so float32 sums are
+# accumulated in a different order; differences are a few ULPs of the logits.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def executor() -> OnnxExecutor:
+    with OnnxExecutor(["cnn", "mlp"], max_batch=MAX_BATCH) as executor:
+        yield executor  # type: ignore[misc]
+
+
+def _write_model(path: Path, input_shape: list[int | str | None],
+                 output_shape: list[int | str | None]) -> Path:
+    """y = x * 2 over a float32 input of the given (raw ONNX) shape."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, input_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)],
+        initializer=[two],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_batched_outputs_equal_one_by_one(executor: OnnxExecutor, model: str) -> None:
+    requests = executor.synthetic_requests(model, MAX_BATCH, seed=7)
+    batched = executor.run(model, requests)
+    assert len(batched) == MAX_BATCH
+    for request, outputs in zip(requests, batched, strict=True):
+        (alone,) = executor.run(model, [request])
+        assert outputs.keys() == alone.keys() == {"logits"}
+        assert outputs["logits"].shape == (1, 10)
+        np.testing.assert_allclose(outputs["logits"], alone["logits"], rtol=RTOL, atol=ATOL)
+    # Different inputs give different answers (the model is not degenerate).
+    assert not np.allclose(batched[0]["logits"], batched[1]["logits"])
+
+
+def test_stacked_batch_equals_request_list(executor: OnnxExecutor) -> None:
+    requests = executor.synthetic_requests("mlp", 5, seed=3)
+    stacked = {"features": np.concatenate([r["features"] for r in requests])}
+    from_list = executor.run("mlp", requests)
+    from_stack = executor.run("mlp", stacked)
+    for a, b in zip(from_list, from_stack, strict=True):
+        np.testing.assert_array_equal(a["logits"], b["logits"])
+
+
+def test_outputs_survive_later_runs(executor: OnnxExecutor) -> None:
+    # Callers (ZeroMQ sends with copy=False) may hold outputs while the next batch runs.
+    first = executor.run("mlp", executor.synthetic_requests("mlp", 4, seed=1))
+    kept = [o["logits"].copy() for o in first]
+    executor.run("mlp", executor.synthetic_requests("mlp", 4, seed=2))
+    for held, copy in zip(first, kept, strict=True):
+        np.testing.assert_array_equal(held["logits"], copy)
+
+
+def test_read_only_wire_buffers_are_accepted(executor: OnnxExecutor) -> None:
+    # Inputs received from ZeroMQ are np.frombuffer views: read-only.
+    requests = executor.synthetic_requests("mlp", 3)
+    frozen = []
+    for request in requests:
+        array = np.frombuffer(request["features"].tobytes(), np.float32).reshape(1, 64)
+        assert not array.flags.writeable
+        frozen.append({"features": array})
+    got = executor.run("mlp", frozen)
+    want = executor.run("mlp", requests)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a["logits"], b["logits"])
+
+
+def test_signature_of_builtins(executor: OnnxExecutor) -> None:
+    cnn = executor.signature("cnn")
+    assert [(s.name, s.dtype, s.shape) for s in cnn.inputs] == [("image", "float32", (3, 64, 64))]
+    assert [(s.name, s.dtype, s.shape) for s in cnn.outputs] == [("logits", "float32", (10,))]
+    # The ONNX-only reader (what a frontend can use without ONNX Runtime) agrees.
+    assert read_signature(ensure_builtin("cnn"), "cnn") == cnn
+    assert read_signature(ensure_builtin("mlp"), "mlp") == executor.signature("mlp")
+
+
+def test_signature_mismatches_are_bad_requests(executor: OnnxExecutor) -> None:
+    good = executor.synthetic_requests("cnn", 1)[0]
+    with pytest.raises(BadRequestError, match="dtype float64, expected float32"):
+        executor.validate_request("cnn", {"image": good["image"].astype(np.float64)})
+    with pytest.raises(BadRequestError, match="missing input"):
+        executor.validate_request("cnn", {"pixels": good["image"]})
+    with pytest.raises(BadRequestError, match=r"expected \(1, 3, 64, 64\)"):
+        executor.validate_request("cnn", {"image": np.zeros((1, 3, 32, 32), np.float32)})
+    with pytest.raises(BadRequestError, match="unknown model 'nope'"):
+        executor.validate_request("nope", good)
+    # run() names the offending request of the batch.
+    batch = [good, {"image": np.zeros((1, 3, 64, 63), np.float32)}]
+    with pytest.raises(BadRequestError, match="request 1 of the batch"):
+        executor.run("cnn", batch)
+
+
+def test_batch_size_outside_limits_is_internal_error(executor: OnnxExecutor) -> None:
+    with pytest.raises(InternalError, match=r"outside 1\.\.8"):
+        executor.run("mlp", executor.synthetic_requests("mlp", MAX_BATCH + 1))
+    with pytest.raises(InternalError, match="batch of 0"):
+        executor.run("mlp", [])
+
+
+def test_memory_bytes_counts_weights_and_buffers(executor: OnnxExecutor) -> None:
+    file_bytes = ensure_builtin("cnn").stat().st_size
+    buffer_bytes = MAX_BATCH * 3 * 64 * 64 * 4
+    assert executor.memory_bytes("cnn") == file_bytes + buffer_bytes
+
+
+async def test_run_async_serializes_batches(executor: OnnxExecutor) -> None:
+    requests = [executor.synthetic_requests("mlp", b, seed=b) for b in (1, 2, 3, 4)]
+    results = await asyncio.gather(*(executor.run_async("mlp", r) for r in requests))
+    for request, result in zip(requests, results, strict=True):
+        expected = executor.run("mlp", request)
+        assert [o["logits"].tolist() for o in result] == [o["logits"].tolist() for o in expected]
+
+
+def test_truncated_model_fails_to_load_clearly(tmp_path: Path) -> None:
+    data = ensure_builtin("mlp").read_bytes()
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError) as info:
+        OnnxExecutor([ModelSpec("broken", broken)]).load()
+    message = info.value.message
+    assert "model 'broken'" in message and str(broken) in message
+    assert "not a valid ONNX model (truncated or corrupt?)" in message
+    assert "Traceback" not in message
+    assert info.value.__suppress_context__  # no chained ORT traceback
+    with pytest.raises(ModelLoadError, match="not a valid ONNX model"):
+        read_signature(broken)
+
+
+def test_missing_and_empty_files_fail_to_load(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no such model file"):
+        OnnxExecutor([ModelSpec("gone", tmp_path / "gone.onnx")]).load()
+    empty = tmp_path / "empty.onnx"
+    empty.touch()
+    with pytest.raises(ModelLoadError, match="is empty"):
+        OnnxExecutor([ModelSpec("empty", empty)]).load()
+
+
+def test_fixed_batch_dimension_is_refused(tmp_path: Path) -> None:
+    path = _write_model(tmp_path / "fixed.onnx", [1, 16], [1, 16])
+    with pytest.raises(ModelLoadError) as info:
+        OnnxExecutor([ModelSpec("fixed", path)]).load()
+    assert "input 'x' has a fixed batch dimension: shape [1, 16]" in info.value.message
+    with pytest.raises(ModelLoadError, match="input 'x' has a fixed batch dimension"):
+        read_signature(path)
+
+
+def test_dynamic_non_batch_dimension_is_refused(tmp_path: Path) -> None:
+    path = _write_model(tmp_path / "ragged.onnx", ["N", "T"], ["N", "T"])
+    with pytest.raises(ModelLoadError, match="dynamic dimension 'T' at axis 1"):
+        OnnxExecutor([ModelSpec("ragged", path)]).load()
+
+
+def test_any_onnx_file_by_model_spec(tmp_path: Path) -> None:
+    path = _write_model(tmp_path / "double.onnx", ["batch", 3], ["batch", 3])
+    with OnnxExecutor([f"twice={path}", str(path)], max_batch=4) as executor:
+        assert executor.models == ["twice", "double"]
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        out = executor.run("twice", [{"x": x[:1]}, {"x": x[1:]}])
+        np.testing.assert_array_equal(np.concatenate([o["y"] for o in out]), x * 2)
+
+
+def test_warm_and_session_config(tmp_path: Path) -> None:
+    config = SessionConfig(intra_op_threads=1, graph_optimization="basic", cpu_mem_arena=False,
+                           allow_spinning=False)
+    with OnnxExecutor(["mlp"], max_batch=3, config=config) as executor:
+        executor.warm()
+        executor.warm([1, 3])
+        assert executor.providers == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="expected 'cpu', 'cuda' or 'cuda:N'"):
+        OnnxExecutor(["mlp"], device="tpu")
+    with pytest.raises(ValueError, match="graph_optimization"):
+        SessionConfig(graph_optimization="max")  # type: ignore[arg-type]

@@ -1,0 +1,128 @@
+"""``zserve bench``: the report schema shared with ``zserve sim``, plots, refusal, model names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from zserve.loadgen import cli
+from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.report import summary_text
+from zserve.loadgen.workload import load_workload
+from zserve.scheduler.sim import simulate
+
+WORKLOAD = """
+[workload]
+name = "echo-live"
+gpus = 1
+seed = 2
+rate = 200.0
+arrival = "poisson"
+warmup_s = 0.2
+measure_s = 0.6
+cooldown_s = 0.0
+
+[[models]]
+name = "Small"
+slo_ms = 50.0
+alpha_ms = 1.0
+beta_ms = 2.0
+
+[[models]]
+name = "tiny"
+slo_ms = 80.0
+alpha_ms = 0.5
+beta_ms = 1.0
+"""
+# Keys only a simulator can fill (its own speed), and the rank counters, which a live run reads
+# over the supervisor's control link (absent when driving a bare address, as here).
+SIM_ONLY_KEYS = {"sim_requests", "sim_rps_wall", "rank"}
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[EchoServer]:
+    with EchoServer(EchoConfig(service_ms=2.0)) as server:
+        yield server
+
+
+@pytest.fixture
+def workload_file(tmp_path: Path) -> Path:
+    path = tmp_path / "echo-live.toml"
+    path.write_text(WORKLOAD)
+    return path
+
+
+def test_live_report_has_the_simulators_keys(
+    echo: EchoServer, workload_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "live.json"
+    plots = tmp_path / "plots"
+    code = cli.main([
+        echo.address, str(workload_file), "--steps", "0.5:150,0.5:300", "--json", str(out),
+        "--plots", str(plots), "--max-lateness-ms", "1000", "--quiet",
+        "--stats", f"backend-0={echo.address}",
+    ])
+    assert code == cli.EXIT_OK
+    live = json.loads(out.read_text())
+    sim = simulate(load_workload(workload_file))
+    assert set(sim) - set(live) <= SIM_ONLY_KEYS
+    for name, entry in sim["per_model"].items():
+        assert set(entry) <= set(live["per_model"][name])
+    assert live["source"] == "live" and sim["source"] == "sim"
+    assert set(live["per_model"]) == {"Small", "tiny"}
+    assert live["schedule"]["rates_rps"] == [150.0, 300.0]
+    # 2 ms replies against 50/80 ms SLOs: good, unless this shared machine stalls a process.
+    assert live["bad_rate"] < 0.5
+    assert live["generator"]["lateness_ms"]["bound_ms"] == 1000.0
+    assert len(live["timeline"]["offered_rps"]) == 2  # 1.2 s of run in one-second bins
+    # Scheduler statistics came over the wire (the echo server answers StatsRequest as a backend
+    # does: every request a batch of one that ran 2 ms).
+    assert live["stats"]["processes"] == ["backend-0"]
+    assert set(live["batch_size"]["histogram"]) == {"1"}
+    assert live["batch_size"]["median"] == 1.0
+    assert 0.1 < live["gpu_busy_fraction"] < 0.9  # ~225 r/s x 2 ms
+    assert any(b and b > 0 for b in live["timeline"]["gpus_busy"])
+    assert {p.name for p in plots.iterdir()} == {
+        "latency_cdf.png", "timeline.png", "batch_sizes.png"
+    }
+    assert "source=live" in summary_text(live)
+    table = cli.side_by_side(live, sim).splitlines()
+    assert table[1].split() == ["source", "live", "sim"]
+    assert any(line.startswith("median batch") for line in table)
+
+
+def test_refuses_a_run_the_generator_cannot_keep_up_with(
+    echo: EchoServer, workload_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "refused.json"
+    code = cli.main([
+        echo.address, str(workload_file), "--rate", "300000", "--measure", "0.3",
+        "--arrival", "constant", "--workers", "1", "--json", str(out), "--quiet",
+    ])
+    assert code == cli.EXIT_BEHIND
+    refused = json.loads(out.read_text())
+    assert "fell behind" in refused["refused"]
+    assert refused["lateness_ms"]["behind"] is True
+    lateness = refused["lateness_ms"]
+    # The figure: its p99 send lateness, or how far behind it was when it gave up.
+    assert max(lateness["p99_ms"], lateness["abandoned_lag_ms"] or 0.0) > lateness["bound_ms"]
+
+
+def test_models_are_matched_by_name_then_case_then_map(workload_file: Path) -> None:
+    workload = load_workload(workload_file)
+    assert cli._match_models(workload, ["small", "tiny"], {}) == {"Small": "small", "tiny": "tiny"}
+    assert cli._match_models(workload, ["a", "b"], {"Small": "a", "tiny": "b"}) == {
+        "Small": "a", "tiny": "b"
+    }
+    with pytest.raises(ValueError, match="--model-map"):
+        cli._match_models(workload, ["other"], {})
+
+
+def test_usage_errors(workload_file: Path) -> None:
+    assert cli.main([]) == cli.EXIT_USAGE
+    assert cli.main(["tcp://127.0.0.1:1", str(workload_file), "--steps", "1-100"]) == (
+        cli.EXIT_USAGE
+    )
+    assert cli.main(["tcp://127.0.0.1:1", str(workload_file), "--workers", "x"]) == cli.EXIT_USAGE

@@ -1,0 +1,135 @@
+"""The open-loop generator against a real ZeroMQ echo/delay server in a spawned process.
+
+The echo server (zserve.loadgen.echo) speaks the real wire protocol, so these tests run the
+generator's whole path: codec, DEALER socket, reply matching, outcome rules, workers, lateness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from zserve.loadgen import schedules
+from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.generator import (
+    BailRule,
+    GeneratorBehindError,
+    LoadPlan,
+    Outcome,
+    build_plan,
+    run_load,
+)
+from zserve.loadgen.workload import ArrivalSpec
+
+# Generous: these tests check behaviour, not this (shared, noisy) machine's timing.
+RELAXED_BOUND_MS = 1000.0
+INPUTS = {"a": {"x": np.zeros(4, dtype=np.float32)}, "b": {"x": np.ones(2, dtype=np.float32)}}
+
+
+def _plan(rate: float, measure_s: float, slo_ms: float = 200.0, seed: int = 5) -> LoadPlan:
+    return build_plan(
+        models=["a", "b"],
+        slo_ms=[slo_ms, slo_ms],
+        shares=[3.0, 1.0],
+        schedule=schedules.constant(rate, measure_s),
+        arrival=ArrivalSpec.parse("poisson"),
+        warmup_s=0.1,
+        cooldown_s=0.05,
+        seed=seed,
+    )
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[EchoServer]:
+    with EchoServer(EchoConfig(service_ms=1.0, error_every=10)) as server:
+        yield server
+
+
+def test_open_loop_run_records_every_request(echo: EchoServer, tmp_path: Path) -> None:
+    plan = _plan(400.0, 0.5)
+    result = run_load(plan, echo.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS)
+    assert not np.any(np.isnan(result.sent_s))
+    assert not np.any(result.outcome == Outcome.UNSENT)
+    # Every request was answered: 1 in 10 with OVERLOADED (an ERROR), the rest in time (GOOD).
+    assert not np.any(result.outcome == Outcome.TIMEOUT)
+    errors = result.outcome == Outcome.ERROR
+    assert 0.05 < errors.mean() < 0.15
+    assert set(result.error_counts()) == {"OVERLOADED"}
+    assert np.all(result.outcome[~errors] == Outcome.GOOD)
+    assert np.all(result.latency_s[~errors] > 0)
+    counts = result.outcome_counts()
+    assert sum(counts.values()) == int(plan.measured.sum())
+    assert result.goodput_rps == pytest.approx(counts["good"] / plan.measure_s)
+    assert result.lateness.max_ms >= result.lateness.p50_ms >= 0.0
+    assert 0.05 < max(result.bad_rates()) < 0.2
+    # Per-request records: model, send time, reply time, outcome, error kind.
+    result.save(tmp_path / "records.npz")
+    with np.load(tmp_path / "records.npz") as saved:
+        np.testing.assert_array_equal(saved["outcome"], result.outcome)
+        np.testing.assert_array_equal(saved["sent_s"], result.sent_s)
+        assert list(saved["models"]) == ["a", "b"]
+        kinds = saved["error_kinds"][saved["error_kind"][saved["error_kind"] >= 0]]
+        assert set(kinds) == {"OVERLOADED"}
+
+
+def test_sends_on_schedule_without_waiting_for_replies() -> None:
+    """The server answers after 2 s; every request is sent long before the first reply, and the
+    ones past their SLO with no answer by the end of the run are TIMEOUT (bad)."""
+    with EchoServer(EchoConfig(service_ms=2000.0)) as slow:
+        plan = _plan(300.0, 0.4, slo_ms=50.0)
+        result = run_load(
+            plan, slow.address, inputs=INPUTS, reply_grace_s=0.05,
+            lateness_bound_ms=RELAXED_BOUND_MS,
+        )
+    assert not np.any(np.isnan(result.sent_s))
+    assert np.all(result.outcome == Outcome.TIMEOUT)
+    assert result.bad_rates() == [1.0, 1.0]
+    assert result.goodput_rps == 0.0
+
+
+def test_slow_replies_are_late_not_good() -> None:
+    with EchoServer(EchoConfig(service_ms=30.0)) as server:
+        plan = _plan(200.0, 0.3, slo_ms=10.0)
+        result = run_load(plan, server.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS)
+    measured = plan.measured
+    assert np.all(result.outcome[measured] == Outcome.LATE)
+    assert np.all(result.latency_s[measured] >= 0.03)
+
+
+def test_workers_split_the_plan(echo: EchoServer) -> None:
+    plan = _plan(600.0, 0.5, seed=11)
+    result = run_load(
+        plan, echo.address, inputs=INPUTS, workers=2, lateness_bound_ms=RELAXED_BOUND_MS
+    )
+    assert result.workers == 2
+    assert not np.any(np.isnan(result.sent_s))
+    assert not np.any(np.isin(result.outcome, [Outcome.UNSENT, Outcome.TIMEOUT]))
+    # Both workers sent on the same clock: the union follows the plan.
+    assert np.all(result.sent_s >= plan.times_s - 1e-6)
+
+
+def test_clearly_failing_run_stops_early() -> None:
+    with EchoServer(EchoConfig(service_ms=0.5, error_every=2)) as failing:
+        plan = _plan(500.0, 5.0)
+        result = run_load(
+            plan, failing.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS,
+            bail=BailRule(bad_budget=0.01, min_decided=50),
+        )
+    assert result.stopped_early is not None and "early stop" in result.stopped_early
+    assert np.count_nonzero(result.outcome == Outcome.UNSENT) > len(plan) // 2
+
+
+def test_generator_that_cannot_keep_up_is_refused(echo: EchoServer) -> None:
+    """One worker asked for an absurd rate: the run is refused with the lateness figure."""
+    plan = build_plan(
+        models=["a"], slo_ms=[100.0], shares=[1.0],
+        schedule=schedules.constant(300_000.0, 0.5), arrival=ArrivalSpec.parse("constant"),
+        warmup_s=0.05,
+    )
+    with pytest.raises(GeneratorBehindError, match=r"p99 lateness \d+\.\d+ ms") as info:
+        run_load(plan, echo.address, inputs=INPUTS, lateness_bound_ms=5.0)
+    lateness = info.value.result.lateness
+    assert lateness.behind
+    assert max(lateness.quantile_ms, lateness.abandoned_lag_ms or 0.0) > 5.0

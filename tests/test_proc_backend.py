@@ -1,0 +1,241 @@
+"""The backend process as a plan follower: real process, real sockets, the test plays the
+supervisor, the rank, a shard (plans) and a frontend (inputs and outputs)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
+from zserve.transport.messages import (
+    BackendRegister,
+    BatchFailed,
+    BatchOutputs,
+    BatchPlan,
+    BatchStats,
+    Heartbeat,
+    InputFetch,
+    InputReply,
+    StatsReply,
+    StatsRequest,
+)
+
+from zserve.errors import ErrorKind
+
+ALPHA_MS = 2.0
+BETA_MS = 20.0  # l(b) = 2b + 20 ms: long enough that overlapping plans really overlap
+MAX_BATCH = 8
+MODEL = "emu"
+FRONTEND = "frontend-0"
+
+
+class BackendRig:
+    """A started backend with the test's rank, shard and frontend sockets."""
+
+    def __init__(self, h: Harness, child: Child, *, rank: Peer, shard: Peer, frontend: Peer,
+                 register: BackendRegister) -> None:
+        self.h = h
+        self.child = child
+        self.rank = rank
+        self.shard = shard
+        self.frontend = frontend
+        self.register = register
+        self._next_id = 1
+
+    def plan(self, plan_id: int, request_ids: list[int], exec_at: float) -> BatchPlan:
+        bs = len(request_ids)
+        plan = BatchPlan(
+            plan_id=plan_id,
+            model=MODEL,
+            gpu_id=0,
+            exec_at=exec_at,
+            expected_finish_at=exec_at + (ALPHA_MS * bs + BETA_MS) / 1e3,
+            frontends=[self.frontend.endpoint],
+            request_frontend=[0] * bs,
+            request_ids=request_ids,
+        )
+        self.shard.send(plan)
+        return plan
+
+    def serve_fetch(self, bad: bool = False) -> InputFetch:
+        """Answer the next InputFetch with each request's input (value = its id)."""
+        identity, fetch = self.frontend.expect(InputFetch)
+        shape = (1, 3) if bad else (1, 4)
+        inputs = [{"x": np.full(shape, float(rid), np.float32)} for rid in fetch.request_ids]
+        self.frontend.send(InputReply(fetch.plan_id, fetch.request_ids, inputs, []), identity)
+        return fetch
+
+    def stats_of(self, plan_id: int) -> BatchStats:
+        return self.rank.expect(BatchStats, where=lambda m: m.plan_id == plan_id)[1]
+
+
+def start_backend(h: Harness, *, drain_s: float = 5.0) -> BackendRig:
+    cluster = cluster_config(
+        [{"name": MODEL, "max_batch": MAX_BATCH,
+          "emulated": {"alpha_ms": ALPHA_MS, "beta_ms": BETA_MS}}],
+        cluster={"drain_s": drain_s},
+        backends={"device": "emulated"},
+    )
+    rank = h.router("rank")
+    frontend = h.router("fe-data")
+    child = h.start("backend", role_config_for(cluster, "backend", 0, h.dir))
+    ready = h.await_ready(child, {"rank/rank": rank.endpoint})
+    _, register = rank.expect(BackendRegister)
+    assert register.plan_address == ready.endpoints["plan"]
+    shard = h.dealer(register.plan_address, "shard-0")
+    return BackendRig(h, child, rank=rank, shard=shard, frontend=frontend, register=register)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[BackendRig]:
+    h = Harness(tmp_path)
+    try:
+        yield start_backend(h)
+    finally:
+        h.close()
+
+
+def test_proc_backend_registers_after_warmup(rig: BackendRig) -> None:
+    reg = rig.register
+    assert reg.name == "backend-0" and reg.device == "emulated" and reg.models == [MODEL]
+    expected = [ALPHA_MS * b + BETA_MS for b in range(1, MAX_BATCH + 1)]
+    assert reg.profiles_ms[MODEL] == pytest.approx(expected)
+    rig.shard.send(StatsRequest(reset=False))
+    _, reply = rig.shard.expect(StatsReply)
+    assert reply.stats["warmed"] == {MODEL: list(range(1, MAX_BATCH + 1))}
+    rig.rank.expect(Heartbeat)
+
+
+def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:
+    exec_at = time.monotonic() + 0.05
+    rig.plan(1, [11, 12, 13], exec_at)
+    fetch = rig.serve_fetch()
+    assert fetch.plan_id == 1 and fetch.request_ids == [11, 12, 13]
+    _, out = rig.frontend.expect(BatchOutputs)
+    assert out.request_ids == [11, 12, 13]
+    # The emulated model answers 2 * sum(inputs) + a model constant, per request.
+    values = [float(o["y"][0, 0]) for o in out.outputs]
+    constants = {v - 2 * 4 * rid for v, rid in zip(values, out.request_ids, strict=True)}
+    assert len(constants) == 1
+    stats = rig.stats_of(1)
+    assert stats.ok and stats.batch_size == 3
+    assert stats.started_at >= exec_at
+    assert stats.finished_at - stats.started_at >= (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3
+
+
+def test_proc_backend_never_overlaps_batches(rig: BackendRig) -> None:
+    # Three plans whose exec windows overlap: 2 starts while 1 runs (l(2) = 24 ms), 3 even
+    # before 1; the follower runs them one at a time in exec_at order.
+    now = time.monotonic()
+    rig.plan(1, [1, 2], now + 0.060)
+    rig.plan(2, [3, 4], now + 0.070)
+    rig.plan(3, [5], now + 0.055)
+    for _ in range(3):
+        rig.serve_fetch()
+    stats = sorted((rig.stats_of(i) for i in (1, 2, 3)), key=lambda s: s.started_at)
+    assert [s.plan_id for s in stats] == [3, 1, 2]
+    for first, second in itertools.pairwise(stats):
+        assert second.started_at >= first.finished_at
+    assert all(s.ok for s in stats)
+
+
+def test_proc_backend_late_plan_runs_at_once(rig: BackendRig) -> None:
+    exec_at = time.monotonic() - 0.200  # already 200 ms late when it is sent
+    rig.plan(7, [70], exec_at)
+    rig.serve_fetch()
+    stats = rig.stats_of(7)
+    assert stats.ok and stats.started_at - stats.exec_at >= 0.200
+    rig.shard.send(StatsRequest(reset=False))
+    _, reply = rig.shard.expect(StatsReply)
+    assert reply.stats["counters"]["late_plans"] == 1
+    assert reply.stats["timings"]["lateness_ms"]["max"] >= 200.0
+
+
+def test_proc_backend_execution_error_fails_only_that_batch(rig: BackendRig) -> None:
+    now = time.monotonic()
+    rig.plan(1, [1, 2], now + 0.03)
+    rig.plan(2, [3], now + 0.04)
+    rig.serve_fetch(bad=True)  # plan 1's inputs have the wrong shape: its execution fails
+    rig.serve_fetch()
+    _, failed = rig.frontend.expect(BatchFailed)
+    assert failed.plan_id == 1 and failed.request_ids == [1, 2]
+    assert failed.error == ErrorKind.BACKEND_FAILED
+    _, out = rig.frontend.expect(BatchOutputs)
+    assert out.plan_id == 2 and out.request_ids == [3]
+    assert not rig.stats_of(1).ok and rig.stats_of(2).ok
+    # ... and it keeps serving.
+    rig.plan(3, [4, 5], time.monotonic())
+    rig.serve_fetch()
+    assert rig.frontend.expect(BatchOutputs)[1].request_ids == [4, 5]
+    assert rig.child.proc.poll() is None
+
+
+def test_proc_backend_sigterm_drains(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, drain_s=1.0)
+        now = time.monotonic()
+        rig.plan(1, [1], now + 0.3)  # starts within the grace period: runs
+        rig.plan(2, [2], now + 30.0)  # cannot start within it: SHUTTING_DOWN
+        rig.serve_fetch()
+        rig.serve_fetch()
+        rig.child.terminate()
+        _, failed = rig.frontend.expect(BatchFailed)
+        assert failed.plan_id == 2 and failed.error == ErrorKind.SHUTTING_DOWN
+        _, out = rig.frontend.expect(BatchOutputs)
+        assert out.plan_id == 1
+        assert rig.child.wait() == 0
+    finally:
+        h.close()
+
+
+def test_proc_backend_onnx_ready_only_after_warmup(tmp_path: Path) -> None:
+    """A real ONNX Runtime backend (built-in ``mlp``): Ready comes only once every batch size is
+    warm, and a plan's outputs are what the model computes for each request."""
+    from zserve.backends.builtin import ensure_builtin
+    from zserve.backends.onnx_executor import OnnxExecutor, read_signature
+
+    max_batch = 4
+    cluster = cluster_config(
+        [{"name": "mlp", "builtin": "mlp", "max_batch": max_batch}], backends={"device": "cpu"}
+    )
+    path = ensure_builtin("mlp")  # built once here, so the child's start-up is load + warm only
+    h = Harness(tmp_path)
+    try:
+        rank = h.router("rank")
+        frontend = h.router("fe-data")
+        child = h.start("backend", role_config_for(cluster, "backend", 0, h.dir))
+        h.await_ready(child, {"rank/rank": rank.endpoint})
+        ready_at = time.monotonic()
+        _, register = rank.expect(BackendRegister)
+        assert len(register.profiles_ms["mlp"]) == max_batch  # measured after warm-up
+        shard = h.dealer(register.plan_address, "shard-0")
+        shard.send(StatsRequest(reset=False))
+        _, reply = shard.expect(StatsReply)
+        assert reply.stats["warmed"] == {"mlp": list(range(1, max_batch + 1))}
+        assert reply.stats["warm_finished_at"] <= ready_at
+
+        signature = read_signature(path, "mlp")
+        (spec,) = signature.inputs
+        rng = np.random.default_rng(7)
+        requests = {rid: {spec.name: rng.standard_normal((1, *spec.shape)).astype(spec.dtype)}
+                    for rid in (1, 2, 3)}
+        now = time.monotonic()
+        shard.send(BatchPlan(1, "mlp", 0, now, now + 0.01, [frontend.endpoint], [0, 0, 0],
+                             [1, 2, 3]))
+        identity, fetch = frontend.expect(InputFetch)
+        frontend.send(InputReply(1, fetch.request_ids, [requests[r] for r in fetch.request_ids],
+                                 []), identity)
+        _, out = frontend.expect(BatchOutputs)
+        with OnnxExecutor([f"mlp={path}"], device="cpu", max_batch=max_batch) as executor:
+            for rid, got in zip(out.request_ids, out.outputs, strict=True):
+                (want,) = executor.run("mlp", [requests[rid]])
+                assert got.keys() == want.keys()
+                for name in want:
+                    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    finally:
+        h.close()

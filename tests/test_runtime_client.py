@@ -1,0 +1,127 @@
+"""zserve.Client / AsyncClient against a real frontend process: retries only where safe, client
+timeouts, many threads on one connection, AsyncClient.submit/cancel, nothing at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from runtime_helpers import (
+    FrontendHarness,
+    emulated_cluster,
+    fetch,
+    meta_ids,
+    run_batch,
+    sample,
+    stats,
+    wait_stats,
+)
+from zserve.transport import codec
+from zserve.transport.messages import DropNotice
+
+import zserve
+
+
+@pytest.fixture
+def frontend(tmp_path: Any) -> Iterator[FrontendHarness]:
+    harness = FrontendHarness(str(tmp_path), emulated_cluster(max_queue=2))
+    yield harness
+    harness.close()
+
+
+def test_retries_only_errors_that_prove_the_request_never_ran(frontend: FrontendHarness) -> None:
+    with zserve.Client(frontend.client_address, timeout=10, max_retries=2, seed=1) as client:
+        held = [client.submit("m", sample(i)) for i in range(2)]
+        ids = meta_ids(frontend, 2)
+        with pytest.raises(zserve.OverloadedError) as overloaded:
+            client.infer("m", sample(9))
+        assert not overloaded.value.may_have_run and overloaded.value.retryable
+        assert client._async.retries == 2  # three attempts in all
+        assert stats(frontend)["counters"]["rejected_OVERLOADED"] == 3
+        # DEADLINE may have run: never retried.
+        codec.sync_send(frontend.shard, DropNotice(ids[:1], "DEADLINE", "late"),
+                        identity=b"frontend-0")
+        with pytest.raises(zserve.DeadlineError) as late:
+            held[0].result(10)
+        assert late.value.may_have_run and not late.value.retryable
+        assert client._async.retries == 2
+
+
+def test_client_timeout_cancels_the_request(frontend: FrontendHarness) -> None:
+    backend = frontend.backend()
+    with zserve.Client(frontend.client_address, timeout=0.3, max_retries=0) as client:
+        start = time.monotonic()
+        # The client tells the frontend its timeout as the request's SLO, so either side may
+        # call it first: the client's timer, or the frontend's deadline timer.
+        with pytest.raises(zserve.DeadlineError):
+            client.infer("m", sample(1))
+        assert time.monotonic() - start < 5.0
+        (rid,) = meta_ids(frontend, 1)
+        wait_stats(frontend, lambda st: st["pending"] == 0)  # cancelled, or timed out
+        assert fetch(backend, [rid]).missing == [rid]
+
+
+def test_many_threads_share_one_connection(tmp_path: Any) -> None:
+    h = FrontendHarness(str(tmp_path), emulated_cluster(max_queue=64))
+    try:
+        backend = h.backend()
+        results: dict[int, float] = {}
+        with zserve.Client(h.client_address, timeout=20) as client:
+
+            def call(value: int) -> None:
+                results[value] = float(client.infer("m", sample(value))["y"][0, 0])
+
+            threads = [threading.Thread(target=call, args=(v,)) for v in range(24)]
+            for thread in threads:
+                thread.start()
+            run_batch(backend, meta_ids(h, 24))
+            for thread in threads:
+                thread.join(20)
+        assert results == {v: 8.0 * v for v in range(24)}
+    finally:
+        h.close()
+
+
+def test_async_client_submit_cancel_and_torch(frontend: FrontendHarness) -> None:
+    backend = frontend.backend()
+
+    async def drive() -> None:
+        async with zserve.AsyncClient(frontend.client_address, timeout=10) as client:
+            first = client.submit("m", sample(1))
+            second = client.submit("m", sample(2))
+            ids = await asyncio.to_thread(meta_ids, frontend, 2)
+            assert client.cancel(second)
+            with pytest.raises(zserve.CancelledError):
+                await second
+            await asyncio.to_thread(run_batch, backend, ids)
+            assert (await first)["y"][0, 0] == pytest.approx(8.0)
+            outputs = (await first)["y"]
+            assert isinstance(outputs, np.ndarray) and not outputs.flags.writeable  # zero-copy
+
+    asyncio.run(drive())
+
+
+def test_torch_tensors_are_accepted(frontend: FrontendHarness) -> None:
+    torch = pytest.importorskip("torch")
+    backend = frontend.backend()
+    with zserve.Client(frontend.client_address, timeout=10) as client:
+        future = client.submit("m", {"x": torch.full((1, 4), 3.0)})
+        run_batch(backend, meta_ids(frontend, 1))
+        assert future.result(10)["y"][0, 0] == pytest.approx(24.0)
+
+
+def test_import_creates_no_threads_or_sockets() -> None:
+    code = (
+        "import threading, zserve, zserve.client\n"
+        "c = zserve.Client('ipc:///nonexistent/socket')\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "c.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,124 @@
+"""cluster.toml: strict validation with key paths, defaults, addresses, role configs, shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zserve.config import (
+    ClusterConfig,
+    ConfigError,
+    load_config,
+    parse_config,
+    role_config,
+    shard_for_model,
+)
+from zserve.procutil import endpoints_of
+
+MODEL = {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}
+
+
+def config(**tables: Any) -> ClusterConfig:
+    return parse_config({"models": [MODEL], **tables})
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"models": [MODEL], "backends": {"gpus": 2}}, r"^backends\.gpus: unknown key"),
+        ({"models": [MODEL], "nonsense": {}}, r"^nonsense: unknown key"),
+        ({"models": [{**MODEL, "slo_ms": 0}]}, r"^models\[0\]\.slo_ms: must be a finite num"),
+        ({"models": [{**MODEL, "max_batch": "8"}]}, r"^models\[0\]\.max_batch: must be an integer"),
+        ({"models": [MODEL, {**MODEL, "colour": 1}]}, r"^models\[1\]\.colour: unknown key"),
+        ({"models": [{**MODEL, "emulated": {"alpha_ms": 1.0}}]},
+         r"^models\[0\]\.emulated\.beta_ms: required"),
+        ({"models": [{"name": "m"}]}, r"^models\[0\]: exactly one of onnx, builtin, emulated"),
+        ({"models": [{**MODEL, "builtin": "cnn"}]}, r"exactly one of"),
+        ({"models": [MODEL, MODEL]}, r"^models\[1\]\.name: duplicate model"),
+        ({"models": []}, r"^models: at least one"),
+        ({"models": [MODEL], "scheduler": {"shards": -1}}, r"^scheduler\.shards: must be >= 0"),
+        ({"models": [MODEL], "scheduler": {"policy": "fastest"}}, r"^scheduler\.policy: "),
+        ({"models": [MODEL], "scheduler": {"drop": "random"}}, r"^scheduler\.drop: "),
+        ({"models": [MODEL], "backends": {"device": "tpu"}}, r"^backends\.device: must be"),
+        ({"models": [MODEL], "backends": {"devices": ["cuda:0", "gpu"]}},
+         r"^backends\.devices\[1\]: "),
+        ({"models": [MODEL], "frontends": {"addresses": ["http://x"]}},
+         r"^frontends\.addresses\[0\]: not a ZeroMQ address"),
+        ({"models": [MODEL], "frontends": {"count": 1, "addresses": ["tcp://a:1", "tcp://b:2"]}},
+         r"^frontends\.addresses: more addresses than"),
+        ({"models": [MODEL], "cluster": {"transport": "udp"}}, r"^cluster\.transport: must be one"),
+        ({"models": [MODEL], "cluster": {"drain_s": float("nan")}}, r"^cluster\.drain_s: "),
+        ({"models": [MODEL], "cluster": "x"}, r"^cluster: must be a table"),
+    ],
+)
+def test_errors_name_the_key(document: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(document)
+
+
+def test_defaults_and_round_trip() -> None:
+    cluster = config()
+    assert cluster.scheduler.shards == 0 and cluster.scheduler.policy == "deferred"
+    assert cluster.frontends.count == 1 and cluster.backends.total == 1
+    (model,) = cluster.models
+    assert model.kind == "emulated" and model.wait_bound_ms == model.slo_ms
+    assert ClusterConfig.from_dict(cluster.to_dict()) == cluster
+
+
+def test_shard_rule_is_stable_and_spreads() -> None:
+    names = [f"model-{i}" for i in range(64)]
+    assert all(shard_for_model(n, 0) == 0 and shard_for_model(n, 1) == 0 for n in names)
+    spread = {shard_for_model(n, 4) for n in names}
+    assert spread == {0, 1, 2, 3}
+    # crc32 is fixed forever: these values must never change (frontends and shards must agree).
+    assert [shard_for_model(n, 3) for n in ("alpha", "beta", "resnet50")] == [1, 1, 1]
+    assert [shard_for_model(n, 2) for n in ("alpha", "beta", "resnet50", "vgg")] == [0, 1, 0, 1]
+
+
+def test_layout_addresses_and_role_configs(tmp_path: Path) -> None:
+    cluster = config(
+        scheduler={"shards": 2, "rank_address": "tcp://10.0.0.1:5000"},
+        frontends={"count": 2, "addresses": ["tcp://0.0.0.0:7000"]},
+        backends={"devices": ["cuda:0", "cuda:1", "cpu"]},
+    )
+    names = [name for _, name, _ in cluster.process_names()]
+    assert names == ["rank", "shard-0", "shard-1", "backend-0", "backend-1", "backend-2",
+                     "frontend-0", "frontend-1"]
+    ipc = str(tmp_path)
+    assert cluster.bind_addresses("rank", 0, ipc) == {"rank": "tcp://10.0.0.1:5000"}
+    assert cluster.bind_addresses("frontend", 0, ipc) == {
+        "client": "tcp://0.0.0.0:7000", "data": f"ipc://{ipc}/frontend-0.data"}
+    assert cluster.bind_addresses("frontend", 1, None)["client"] == "tcp://127.0.0.1:0"
+    backend = role_config(cluster, "backend", 1, ipc_dir=ipc)
+    assert backend["name"] == "backend-1" and backend["device"] == "cuda:1"
+    shard = role_config(cluster, "shard", shard_for_model("m", 2), ipc_dir=ipc)
+    assert [m["name"] for m in shard["models"]] == ["m"] and not shard["embedded_rank"]
+    peers = cluster.static_peers(ipc)
+    assert endpoints_of(peers, "shard") == {
+        "shard-0": f"ipc://{ipc}/shard-0.shard", "shard-1": f"ipc://{ipc}/shard-1.shard"}
+    without_ipc = cluster.static_peers(None)
+    assert "frontend-1/client" not in without_ipc  # tcp port 0: only known once bound
+    assert without_ipc["frontend-0/client"] == "tcp://0.0.0.0:7000"
+
+
+def test_embedded_rank_layout() -> None:
+    cluster = config(backends={"count": 2, "device": "cuda"})
+    assert [n for _, n, _ in cluster.process_names()] == [
+        "shard-0", "backend-0", "backend-1", "frontend-0"]
+    assert set(cluster.bind_addresses("shard", 0, "/r")) == {"shard", "rank"}
+    assert role_config(cluster, "shard", 0, ipc_dir="/r")["embedded_rank"]
+    assert cluster.backends.device_of(1) == "cuda:1"
+
+
+def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
+    good = tmp_path / "c.toml"
+    good.write_text('[[models]]\nname = "r"\nonnx = "models/r.onnx"\nprofile = "p.json"\n')
+    (model,) = load_config(good).models
+    assert model.onnx == str(tmp_path / "models" / "r.onnx")
+    assert model.profile == str(tmp_path / "p.json")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[models]\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml"):
+        load_config(bad)

@@ -1,0 +1,316 @@
+"""ModelThread rules: candidate formula, policies, drop policies, grants, chunks, timers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox
+from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
+from zserve.scheduler.policy import SchedulePolicy
+from zserve.scheduler.profiles import LatencyProfile
+from zserve.transport.messages import (
+    BatchPlan,
+    CandidateUpdate,
+    DropNotice,
+    GrantAnswer,
+    GrantGpu,
+    RequestMetaBatch,
+)
+
+MS = 1e-3
+# l(b) = b + 5 ms
+PROFILE = LatencyProfile.linear(1.0, 5.0, 32)
+
+
+def _mt(policy: str = "deferred", drop: str = "window", **kw: float) -> ModelThread:
+    # publish every change at once (publish-ahead has its own test)
+    return ModelThread("m", PROFILE, 12 * MS, SchedulePolicy.parse(policy, drop),
+                       publish_lead_s=None, **kw)
+
+
+def _arrive(  # noqa: PLR0917
+    mt: ModelThread, now: float, ids: list[int], slo: float = 12 * MS,
+            frontend: str = "fe", outbox: Outbox | None = None) -> Outbox:
+    out: Outbox = [] if outbox is None else outbox
+    arrivals = [now] * len(ids)
+    mt.on_arrivals(now, frontend, ids, arrivals, [a + slo for a in arrivals], out)
+    return out
+
+
+def _cands(out: Outbox) -> list[CandidateUpdate]:
+    return [m for _, m in out if isinstance(m, CandidateUpdate)]
+
+
+def test_deferred_candidate_is_frontrun_clamped_by_now_plus_delay() -> None:
+    mt = _mt(d_ctrl_s=0.1 * MS, d_data_s=0.05 * MS)
+    out = _arrive(mt, 0.0, [1, 2, 3])
+    (cand,) = _cands(out)
+    d = 12 * MS
+    assert cand.batch_size == 3
+    assert cand.exec_at == pytest.approx(d - PROFILE.latency(4))  # frontrun d - l(bs + 1)
+    assert cand.latest == pytest.approx(d - PROFILE.latency(3))
+    assert cand.send_delay == pytest.approx(0.1 * MS + 3 * 0.05 * MS)
+    # at a late moment the frontrun is in the past: exec = now + delay(bs)
+    mt2 = _mt(d_ctrl_s=0.1 * MS, d_data_s=0.05 * MS)
+    mt2.on_arrivals(5.5 * MS, "fe", [1], [0.0], [d], out := [])
+    (late,) = _cands(out)
+    assert late.exec_at == pytest.approx(5.5 * MS + 0.15 * MS)  # frontrun d - l(2) = 5 ms
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected_exec_ms"),
+    [
+        ("eager", 0.0),  # schedulable at once
+        ("latest", 12 - 7),  # d - l(2)
+        ("deferred", 12 - 8),  # d - l(3)
+        ("timeout:0.25", 3.0),  # first arrival + 0.25 * SLO
+    ],
+)
+def test_schedule_policies(policy: str, expected_exec_ms: float) -> None:
+    mt = _mt(policy)
+    (cand,) = _cands(_arrive(mt, 0.0, [1, 2]))
+    assert cand.batch_size == 2
+    assert cand.exec_at == pytest.approx(expected_exec_ms * MS)
+    assert cand.latest == pytest.approx((12 - 7) * MS)
+
+
+def test_timeout_is_clamped_to_latest() -> None:
+    mt = _mt("timeout:1.0")
+    (cand,) = _cands(_arrive(mt, 0.0, [1, 2]))
+    assert cand.exec_at == pytest.approx(cand.latest)
+
+
+def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() -> None:
+    mt = _mt("deferred-bl")
+    # no rate sample yet: frontrun
+    (cand,) = _cands(_arrive(mt, 0.0, [1]))
+    assert cand.exec_at == pytest.approx((12 - 7) * MS)
+    # teach the meter a rate of 1000 r/s: beta * lambda = 5 ms * 1000/s = 5 requests
+    now, rid = 0.0, 10
+    for _ in range(200):
+        now += 0.01
+        mt.on_arrivals(now, "fe", list(range(rid, rid + 10)), [now] * 10, [now + 1.0] * 10, [])
+        rid += 10
+    rate = mt.meter.rate()
+    assert rate == pytest.approx(1000.0, rel=0.1)
+    small = _mt("deferred-bl")
+    small.meter = mt.meter
+    (c3,) = _cands(_arrive(small, now, [1, 2, 3], slo=30 * MS))
+    assert c3.exec_at > now  # 3 < ~5: frontrun
+    (c8,) = _cands(_arrive(small, now, [4, 5, 6, 7, 8], slo=30 * MS))
+    assert c8.batch_size == 8
+    assert c8.exec_at == pytest.approx(now)  # 8 >= ~5: at once
+
+
+def test_chunk_gives_one_candidate_update_and_unchanged_candidate_is_not_resent() -> None:
+    mt = _mt()
+    out = _arrive(mt, 0.0, list(range(5)))
+    assert len(_cands(out)) == 1
+    out.clear()
+    mt.on_timer(0.0, out)  # not due: no-op
+    assert out == []
+
+
+def test_get_batch_is_largest_feasible_set_by_earliest_deadline() -> None:
+    mt = _mt(drop="alone")
+    out: Outbox = []
+    # deadlines 12 ms (one request) and 30 ms (many): l(b) <= 12 -> b <= 7
+    mt.on_arrivals(0.0, "fe", [1], [0.0], [12 * MS], out)
+    mt.on_arrivals(0.0, "fe", list(range(2, 20)), [0.0] * 18, [30 * MS] * 18, out)
+    assert mt.cand_bs == 7
+    assert mt.cand_latest == pytest.approx(12 * MS - PROFILE.latency(7))
+
+
+def test_out_of_order_chunks_are_merged_by_deadline() -> None:
+    mt = _mt(drop="alone")
+    out: Outbox = []
+    mt.on_arrivals(0.0, "a", [1, 2], [0.0, 0.0], [20 * MS, 30 * MS], out)
+    mt.on_arrivals(0.0, "b", [3, 4], [0.0, 0.0], [10 * MS, 25 * MS], out)  # earlier than tail
+    assert mt._dl[mt._head :] == [10 * MS, 20 * MS, 25 * MS, 30 * MS]
+    assert mt._rid[mt._head :] == [3, 1, 4, 2]
+    # the earliest deadline (10 ms) bounds the batch: l(b) <= 10 -> b <= 4 (all of them)
+    assert mt.cand_bs == 4
+    assert mt.cand_latest == pytest.approx(10 * MS - PROFILE.latency(4))
+
+
+def test_alone_drops_only_what_cannot_finish_alone_and_groups_drops_by_frontend() -> None:
+    mt = _mt(drop="alone")
+    out: Outbox = []
+    mt.on_arrivals(0.0, "a", [1], [0.0], [12 * MS], out)
+    mt.on_arrivals(0.0, "b", [2], [0.0], [12.5 * MS], out)
+    mt.on_arrivals(0.0, "a", [3], [0.0], [40 * MS], out)
+    out.clear()
+    mt.on_timer(7.0 * MS, out)  # now + l(1) = 13 ms > 12 and 12.5: both heads go
+    drops = [(dest, m) for dest, m in out if isinstance(m, DropNotice)]
+    assert sorted((dest[1], m.request_ids) for dest, m in drops) == [("a", [1]), ("b", [2])]
+    assert all(m.error == "DEADLINE" for _, m in drops)
+    assert mt.cand_bs == 1 and mt.n_dropped == 2
+
+
+def test_window_drops_head_that_would_force_a_batch_below_target() -> None:
+    window = _mt(drop="window")
+    alone = _mt(drop="alone")
+    for mt in (window, alone):
+        mt.target = mt.keep_min = 4  # as if the rate meter asked for batches of 4
+        out: Outbox = []
+        mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)  # head: 10 - l(4) = 1 ms
+        mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
+        mt.on_timer(2 * MS, out)  # not due; now go past the head's 4-batch moment
+        out.clear()
+        mt._update(2.0 * MS, -math.inf, out)
+        mt._publish(2.0 * MS, out)
+    # window: keeping request 1 would force a batch < 4 (10 - 2 = 8 < l(4) = 9): dropped
+    assert window.n_dropped == 1
+    assert window.cand_bs == 4
+    # alone: request 1 can still finish alone, so it stays and bounds the batch: l(b) <= 8
+    assert alone.n_dropped == 0
+    assert alone.cand_bs == 3
+
+
+def test_window_grows_past_target_while_earliest_deadline_holds() -> None:
+    mt = _mt(drop="window")
+    mt.target = mt.keep_min = 2
+    _arrive(mt, 0.0, list(range(10)), slo=30 * MS)
+    assert mt.cand_bs == 10  # free lunch: l(10) = 15 <= 30
+
+
+def test_fcfs_caps_batch_at_target() -> None:
+    mt = _mt(drop="fcfs")
+    mt.target = mt.keep_min = 2
+    _arrive(mt, 0.0, list(range(10)), slo=30 * MS)
+    assert mt.cand_bs == 2
+
+
+def test_unprofiled_batch_sizes_are_infeasible() -> None:
+    profile = LatencyProfile.linear(1.0, 5.0, 3)
+    mt = ModelThread("m", profile, 100 * MS, "deferred", publish_lead_s=None)
+    (cand,) = _cands(_arrive(mt, 0.0, list(range(10)), slo=100 * MS))
+    assert cand.batch_size == 3
+    # l(max_batch + 1) is infinite: no request can join, so the candidate is due at once
+    assert cand.exec_at == pytest.approx(0.0)
+
+
+def test_grant_emits_plan_answer_and_next_candidate() -> None:
+    mt = _mt(d_ctrl_s=0.1 * MS)
+    mt.target = mt.keep_min = 1
+    out: Outbox = []
+    _arrive(mt, 0.0, [1, 2], frontend="fa", outbox=out)
+    _arrive(mt, 0.0, [3], frontend="fb", outbox=out)
+    out.clear()
+    mt.on_grant(0.0, GrantGpu("m", 7, 99, free_at=6 * MS), out)
+    plans = [(d, m) for d, m in out if isinstance(m, BatchPlan)]
+    answers = [(d, m) for d, m in out if isinstance(m, GrantAnswer)]
+    (dest, plan), ((adest, answer),) = plans[0], answers
+    assert dest == ("backend", 7) and adest == TO_RANK
+    # GPU frees at 6 ms: a 3-batch finishing by 12 ms must start by 12 - 8 = 4 ms; with the
+    # GPU free only at 6 ms the window policy keeps 1 (6 + l(1) = 12)
+    assert plan.exec_at == pytest.approx(6 * MS)
+    assert len(plan.request_ids) == 1
+    assert plan.expected_finish_at == pytest.approx(12 * MS)
+    assert answer.used and answer.grant_id == 99 and answer.free_at == pytest.approx(12 * MS)
+    assert [plan.frontends[i] for i in plan.request_frontend] == ["fa"]
+    # the other two stay (another GPU could still run them) and form the next candidate,
+    # published after the answer
+    assert mt.queue_length == 2
+    assert out.index(answers[0]) > out.index(plans[0])
+    assert isinstance(out[-1][1], CandidateUpdate) and out[-1][1].batch_size == 2
+
+
+def test_grant_plan_names_each_requests_frontend() -> None:
+    mt = _mt(drop="alone")
+    out: Outbox = []
+    _arrive(mt, 0.0, [1, 2], frontend="fa", outbox=out)
+    _arrive(mt, 0.0, [3], frontend="fb", outbox=out)
+    out.clear()
+    mt.on_grant(0.0, GrantGpu("m", 0, 1, free_at=0.0), out)
+    plan = next(m for _, m in out if isinstance(m, BatchPlan))
+    assert plan.request_ids == [1, 2, 3]
+    assert [plan.frontends[i] for i in plan.request_frontend] == ["fa", "fa", "fb"]
+    # the answer is followed by the next candidate (a withdrawal needs none: the rank has none)
+    assert isinstance(out[-1][1], GrantAnswer)
+
+
+def test_grant_with_empty_queue_returns_gpu_unused() -> None:
+    mt = _mt()
+    out: Outbox = []
+    mt.on_grant(1.0, GrantGpu("m", 3, 5, free_at=0.5), out)
+    ((dest, answer),) = out
+    assert dest == TO_RANK and isinstance(answer, GrantAnswer)
+    assert not answer.used and answer.free_at == 0.5
+
+
+def test_grant_for_unknown_gpu_is_returned() -> None:
+    mt = _mt()
+    mt.set_gpus(0.0, [0, 1], [])
+    out = _arrive(mt, 0.0, [1])
+    out.clear()
+    mt.on_grant(0.0, GrantGpu("m", 9, 1, free_at=0.0), out)
+    answer = next(m for _, m in out if isinstance(m, GrantAnswer))
+    assert not answer.used
+    assert isinstance(out[-1][1], CandidateUpdate)  # the rank gets the candidate back
+
+
+def test_wake_at_is_last_grantable_moment_and_timer_reevaluates() -> None:
+    mt = _mt(drop="alone")
+    _arrive(mt, 0.0, [1, 2])
+    assert mt.wake_at == pytest.approx(mt.cand_latest + TIMER_SLACK_S)
+    out: Outbox = []
+    mt.on_timer(mt.wake_at, out)  # the 2-batch can no longer start in time: shrink to 1
+    (cand,) = _cands(out)
+    assert cand.batch_size == 1
+    assert mt.wake_at > 5 * MS
+    mt.on_timer(mt.wake_at, out)  # even alone it is too late now: both dropped
+    assert mt.n_dropped == 2
+    assert mt.wake_at == math.inf
+    assert _cands(out)[-1].batch_size == 0  # withdrawn
+
+
+def test_split_meta_by_model() -> None:
+    meta = RequestMetaBatch("fe", [1, 2, 3], ["a", "b", "a"], [0.0, 0.1, 0.2], [1.0, 1.1, 1.2])
+    split = split_meta_by_model(meta)
+    assert split == {"a": ([1, 3], [0.0, 0.2], [1.0, 1.2]), "b": ([2], [0.1], [1.1])}
+    same = RequestMetaBatch("fe", [1, 2], ["a", "a"], [0.0, 0.1], [1.0, 1.1])
+    assert split_meta_by_model(same) == {"a": ([1, 2], [0.0, 0.1], [1.0, 1.1])}
+
+
+def test_jitter_allowance_moves_frontrun_and_latest_policy_earlier() -> None:
+    deferred = ModelThread("m", PROFILE, 12 * MS, "deferred", jitter_s=0.5 * MS,
+                           publish_lead_s=None)
+    (cand,) = _cands(_arrive(deferred, 0.0, [1, 2]))
+    assert cand.exec_at == pytest.approx((12 - 0.5 - 8) * MS)
+    assert cand.latest == pytest.approx((12 - 7) * MS)  # feasibility is unchanged
+    latest = ModelThread("m", PROFILE, 12 * MS, "latest", jitter_s=0.5 * MS,
+                         publish_lead_s=None)
+    (cand,) = _cands(_arrive(latest, 0.0, [1, 2]))
+    assert cand.exec_at == pytest.approx((12 - 0.5 - 7) * MS)
+
+
+def test_keep_tolerance_keeps_head_for_a_nearly_as_efficient_batch() -> None:
+    # l(b) = b + 5: per-request cost l(b)/b is 9/4 = 2.25 at 4 and 8/3 = 2.67 (+19%) at 3
+    strict = _mt(keep_tolerance=0.0)
+    loose = _mt(keep_tolerance=0.2)
+    for mt in (strict, loose):
+        mt._set_target(4)
+        out: Outbox = []
+        mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)
+        mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
+        mt._update(2.0 * MS, -math.inf, out)  # the head can still go in a batch of 3, not 4
+    assert (strict.keep_min, loose.keep_min) == (4, 3)
+    assert strict.n_dropped == 1
+    assert loose.n_dropped == 0 and loose.cand_bs == 3
+
+
+def test_publish_ahead_holds_candidate_until_lead_before_its_rank_timer() -> None:
+    mt = ModelThread("m", PROFILE, 12 * MS, "deferred", publish_lead_s=1 * MS)
+    out = _arrive(mt, 0.0, [1, 2])  # frontrun 12 - l(3) = 4 ms: rank timer at 4 ms
+    assert _cands(out) == []
+    assert mt.wake_at == pytest.approx(3 * MS)
+    _arrive(mt, 0.5 * MS, [3], outbox=out)  # frontrun moves to 12 - l(4) = 3 ms
+    assert _cands(out) == [] and mt.wake_at == pytest.approx(2 * MS)
+    mt.on_timer(2 * MS, out)
+    (cand,) = _cands(out)
+    assert cand.batch_size == 3 and cand.exec_at == pytest.approx(3 * MS)
+    out.clear()
+    _arrive(mt, 2.5 * MS, [4], outbox=out)  # the rank holds one now: changes go out at once
+    assert _cands(out)[0].batch_size == 4

@@ -1,0 +1,140 @@
+"""Latency profiles, profile files, policy names, rate meter, target batch size, bounds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from zserve.scheduler import bounds
+from zserve.scheduler.policy import RpsMeter, SchedulePolicy, target_batch_size
+from zserve.scheduler.profiles import (
+    LatencyProfile,
+    load_profiles,
+    load_zoo_csv,
+    save_profiles,
+)
+
+ZOO = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "model_zoo_a100.csv"
+
+
+def test_linear_profile_and_infeasible_sizes() -> None:
+    p = LatencyProfile.linear(1.0, 5.0, 8)
+    assert p.latency(1) == pytest.approx(0.006)
+    assert p.latency(8) == pytest.approx(0.013)
+    assert p.latency(9) == math.inf and p.table_s[9] == math.inf
+    assert p.latency(0) == 0.0
+    assert p.largest_batch_within(0.0105) == 5
+    assert p.largest_batch_within(0.001) == 0
+
+
+def test_table_is_forced_monotone_and_fitted() -> None:
+    p = LatencyProfile.from_table_ms([6.0, 5.0, 8.0, 9.0])
+    assert p.latency_ms_list() == pytest.approx([6.0, 6.0, 8.0, 9.0])
+    assert p.max_batch == 4 and p.latency(5) == math.inf
+    assert p.alpha_s > 0 and p.beta_s > 0
+    with pytest.raises(ValueError):
+        LatencyProfile.from_table_ms([1.0, -2.0])
+
+
+def test_linear_for_slo_caps_max_batch() -> None:
+    p = LatencyProfile.linear_for_slo(1.053, 5.072, 25.0)
+    assert p.max_batch == 18  # l(18) = 24.0 <= 25 < l(19)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_profile_file_round_trip(tmp_path: Path, suffix: str) -> None:
+    profiles = {
+        "lin": LatencyProfile.linear(1.0, 5.0, 16),
+        "tab": LatencyProfile.from_table_ms([2.0, 3.0, 3.5]),
+    }
+    path = tmp_path / f"p{suffix}"
+    save_profiles(path, profiles, "cpu")
+    loaded = load_profiles(path)
+    assert loaded["lin"].max_batch == 16 and loaded["lin"].latency(3) == pytest.approx(0.008)
+    assert loaded["tab"].latency_ms_list() == pytest.approx([2.0, 3.0, 3.5])
+
+
+def test_profile_table_wins_over_alpha_beta_and_max_batch_truncates(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({
+        "format": "zserve-profile/1", "device": "cpu",
+        "models": {"m": {"alpha_ms": 100.0, "beta_ms": 100.0, "max_batch": 2,
+                         "latency_ms": [1.0, 2.0, 3.0]}},
+    }))
+    p = load_profiles(path)["m"]
+    assert p.max_batch == 2 and p.latency(2) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"format": "other", "models": {}}, "format"),
+        ({"format": "zserve-profile/1", "models": {"m": {"alpha_ms": 1.0}}}, "beta_ms"),
+        ({"format": "zserve-profile/1", "models": {"m": {"alpha_ms": 1, "beta_ms": 1}}},
+         "max_batch"),
+        ({"format": "zserve-profile/1", "models": {"m": {"latency_ms": [1], "x": 1}}}, "x"),
+        ({"format": "zserve-profile/1", "models": {}, "extra": 1}, "extra"),
+    ],
+)
+def test_profile_file_errors(tmp_path: Path, data: dict[str, object], match: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        load_profiles(path)
+
+
+def test_zoo_csv_rows() -> None:
+    rows = load_zoo_csv(ZOO)
+    assert len(rows) == 37
+    assert rows[0].name == "DenseNet121" and rows[0].slo_ms == 21.0
+
+
+def test_policy_names() -> None:
+    assert SchedulePolicy.parse("deferred").drop_name == "window"
+    assert SchedulePolicy.parse("timeout:0.3").timeout_fraction == pytest.approx(0.3)
+    assert SchedulePolicy.parse("eager", "alone").drop_name == "alone"
+    for bad in ("fast", "timeout", "timeout:2", "eager:1"):
+        with pytest.raises(ValueError):
+            SchedulePolicy.parse(bad)
+    with pytest.raises(ValueError, match="drop"):
+        SchedulePolicy.parse("deferred", "lifo")
+
+
+def test_rps_meter_window() -> None:
+    meter = RpsMeter(bucket_s=0.05, window=4)
+    assert meter.rate() is None
+    t = 0.0
+    for _ in range(40):
+        meter.add(t, 10)  # 10 per 10 ms = 1000 r/s
+        t += 0.01
+    assert meter.rate() == pytest.approx(1000.0, rel=0.05)
+    meter.add(t + 10.0, 1)  # a long silence empties the window
+    assert meter.rate() == pytest.approx(0.0)
+
+
+def test_target_batch_size_matches_staggered_batch() -> None:
+    resnet = LatencyProfile.linear(1.053, 5.072, 64)
+    # at the staggered rate of 8 GPUs the target is the staggered batch, 16
+    assert target_batch_size(resnet, 0.025, 5839.0, 0.0) == 16
+    # a low rate cannot fill large batches in time
+    assert target_batch_size(resnet, 0.025, 500.0, 0.0) < 8
+    # before any rate sample: the largest b with l(b) <= budget / 2
+    assert target_batch_size(resnet, 0.025, None, 0.0) == 7
+
+
+def test_bounds_reproduce_table2() -> None:
+    assert bounds.staggered_batch(1.053, 5.072, 25, 8) == 16
+    assert bounds.uncoordinated_batch(1.053, 5.072, 25) == 7
+    assert bounds.staggered_throughput_rps(1.053, 5.072, 25, 8) == pytest.approx(5839, abs=1)
+    assert bounds.uncoordinated_throughput_rps(1.053, 5.072, 25, 8) == pytest.approx(4501, abs=1)
+    assert bounds.staggered_batch(5.090, 18.368, 70, 8) == 8
+    assert bounds.uncoordinated_batch(5.090, 18.368, 70) == 3
+    assert bounds.staggered_throughput_rps(5.090, 18.368, 70, 8) == pytest.approx(1083, abs=1)
+    assert bounds.uncoordinated_throughput_rps(5.090, 18.368, 70, 8) == pytest.approx(713, abs=1)
+    # the mixed-model bound agrees with the closed form for one model
+    resnet = LatencyProfile.linear(1.053, 5.072, 64)
+    assert bounds.staggered_bound_rps([(resnet, 0.025, 1.0)], 8) == pytest.approx(5839, rel=1e-3)
+    two = bounds.staggered_bound_rps([(resnet, 0.025, 0.5), (resnet, 0.025, 0.5)], 16)
+    assert two == pytest.approx(2 * 5839, rel=2e-3)

@@ -1,0 +1,173 @@
+"""RankThread rules: model timer, GPU timer, consolidation, ignore-until-answer, GPU set changes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from zserve.scheduler.common import Outbox
+from zserve.scheduler.rank_thread import RankThread
+from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
+
+
+def _cand(model: str, bs: int, exec_at: float, latest: float, delay: float = 0.0
+          ) -> CandidateUpdate:
+    return CandidateUpdate(model, bs, exec_at, latest, delay)
+
+
+def _grants(out: Outbox) -> list[GrantGpu]:
+    return [m for _, m in out if isinstance(m, GrantGpu)]
+
+
+def _busy(rank: RankThread, now: float, gpu_id: int, until: float) -> None:
+    """Occupy ``gpu_id`` until ``until`` through a grant/answer round trip."""
+    out: Outbox = []
+    rank.on_candidate(now, _cand(f"fill{gpu_id}", 1, now, now + 10), out)
+    (grant,) = _grants(out)
+    assert grant.gpu_id == gpu_id
+    rank.on_grant_answer(now, GrantAnswer(grant.model, gpu_id, grant.grant_id, True, until), out)
+
+
+def test_model_timer_grants_lowest_free_gpu_id_at_exec_minus_delay() -> None:
+    rank = RankThread([3, 1, 2], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 4, exec_at=1.0, latest=2.0, delay=0.25), out)
+    assert out == []
+    assert rank.wake_at == pytest.approx(0.75)  # exec - delay(bs)
+    rank.on_timer(0.75, out)
+    ((dest, grant),) = out
+    assert dest == ("model", "a")
+    assert grant.gpu_id == 1  # consolidation: the lowest id among the free GPUs
+    assert rank.gpu_free_at(1) == math.inf  # granted: unavailable until answered
+
+
+def test_model_timer_takes_busy_gpu_that_frees_by_exec() -> None:
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=0.9)
+    _busy(rank, 0.0, 1, until=0.8)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 4, exec_at=1.0, latest=2.0, delay=0.3), out)
+    rank.on_timer(0.7, out)  # both busy now; GPU 1 frees first, by exec
+    (grant,) = _grants(out)
+    assert grant.gpu_id == 1 and grant.free_at == pytest.approx(0.8)
+
+
+def test_no_gpu_by_exec_makes_candidate_schedulable_then_gpu_timer_grants_smallest_latest() -> None:
+    rank = RankThread([0], 0.0)
+    _busy(rank, 0.0, 0, until=5.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 4, exec_at=1.0, latest=6.0, delay=0.1), out)
+    rank.on_candidate(0.0, _cand("b", 2, exec_at=2.0, latest=5.5, delay=0.3), out)
+    rank.on_candidate(0.0, _cand("c", 2, exec_at=2.0, latest=4.0, delay=0.2), out)
+    rank.on_timer(0.9, out)
+    rank.on_timer(1.7, out)
+    rank.on_timer(1.8, out)
+    assert _grants(out) == []
+    assert rank.pending_models() == ["a", "b", "c"]
+    # GPU timer at free_at - max pending delay = 5.0 - 0.3
+    assert rank.wake_at == pytest.approx(4.7)
+    rank.on_timer(4.7, out)
+    (grant,) = _grants(out)
+    # c (latest 4.0 < 5.0) is purged; b has the smallest latest of the rest
+    assert grant.model == "b" and grant.gpu_id == 0 and grant.free_at == pytest.approx(5.0)
+    assert rank.pending_models() == ["a"]
+    assert rank.n_purged == 1
+
+
+def test_stale_candidate_is_not_granted() -> None:
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 4, exec_at=1.0, latest=1.05, delay=0.1), out)
+    rank.on_timer(1.0, out)  # fired late: now + delay > latest
+    assert _grants(out) == [] and rank.n_stale == 1
+
+
+def test_candidates_are_ignored_until_the_grant_is_answered() -> None:
+    rank = RankThread([0, 1], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 4, exec_at=0.0, latest=1.0), out)
+    (grant,) = _grants(out)
+    out.clear()
+    rank.on_candidate(0.0, _cand("a", 5, exec_at=0.0, latest=1.0), out)  # stale: ignored
+    assert out == [] and rank.candidate("a") is None
+    rank.on_grant_answer(0.0, GrantAnswer("a", grant.gpu_id, grant.grant_id, True, 0.5), out)
+    assert rank.gpu_free_at(grant.gpu_id) == pytest.approx(0.5)
+    rank.on_candidate(0.0, _cand("a", 3, exec_at=0.0, latest=1.0), out)
+    (second,) = _grants(out)
+    assert second.gpu_id == 1  # GPU 0 is busy until 0.5
+
+
+def test_unused_grant_returns_gpu_untouched() -> None:
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 1, exec_at=0.0, latest=1.0), out)
+    (grant,) = _grants(out)
+    rank.on_grant_answer(0.1, GrantAnswer("a", 0, grant.grant_id, False, grant.free_at), out)
+    assert rank.gpu_free_at(0) == grant.free_at
+
+
+def test_unknown_grant_answer_is_rejected() -> None:
+    rank = RankThread([0], 0.0)
+    with pytest.raises(ValueError, match="unknown grant"):
+        rank.on_grant_answer(0.0, GrantAnswer("a", 0, 42, True, 1.0), [])
+
+
+def test_withdrawn_candidate_cancels_its_timer() -> None:
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 2, exec_at=1.0, latest=2.0), out)
+    rank.on_candidate(0.5, _cand("a", 0, 0.0, 0.0), out)
+    assert rank.wake_at == math.inf
+    rank.on_timer(1.0, out)
+    assert out == []
+
+
+def test_added_gpu_serves_pending_candidate_and_removed_gpu_gets_nothing_new() -> None:
+    rank = RankThread([0], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 2, exec_at=1.0, latest=5.0), out)
+    rank.on_timer(1.0, out)
+    assert rank.pending_models() == ["a"]
+    rank.add_gpu(2.0, 1, out)
+    (grant,) = _grants(out)
+    assert grant.gpu_id == 1
+    rank.on_grant_answer(2.0, GrantAnswer("a", 1, grant.grant_id, True, 3.0), out)
+    out.clear()
+    # remove GPU 1 while idle, and GPU 0 while it is busy: it finishes but gets nothing new
+    rank.remove_gpu(4.0, 1, out)
+    rank.remove_gpu(4.0, 0, out)
+    assert rank.gpu_ids == []
+    rank.on_candidate(11.0, _cand("b", 2, exec_at=11.0, latest=20.0), out)
+    rank.on_timer(11.0, out)
+    assert _grants(out) == []
+    rank.add_gpu(12.0, 0, out)
+    assert _grants(out)[0].gpu_id == 0
+
+
+def test_gpu_removed_while_granted_is_dropped_on_answer() -> None:
+    rank = RankThread([0, 1], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("a", 2, exec_at=0.0, latest=5.0), out)
+    (grant,) = _grants(out)
+    rank.remove_gpu(0.0, grant.gpu_id, out)
+    rank.on_grant_answer(0.0, GrantAnswer("a", grant.gpu_id, grant.grant_id, True, 1.0), out)
+    assert rank.gpu_ids == [1]
+    with pytest.raises(ValueError):
+        rank.remove_gpu(0.0, grant.gpu_id, out)
+
+
+def test_many_gpus_consolidate_on_low_ids() -> None:
+    rank = RankThread(list(range(1000)), 0.0)
+    out: Outbox = []
+    used = set()
+    now = 0.0
+    for step in range(50):
+        now = step * 1.0
+        rank.on_candidate(now, _cand("a", 4, exec_at=now, latest=now + 5), out)
+        (grant,) = _grants(out)
+        used.add(grant.gpu_id)
+        rank.on_grant_answer(now, GrantAnswer("a", grant.gpu_id, grant.grant_id, True,
+                                              now + 1.5), out)
+        out.clear()
+    assert used == {0, 1}  # batches of 1.5 every 1.0: two GPUs suffice

@@ -1,0 +1,222 @@
+"""Workload files, arrivals, search, reports, simulator invariants and the two CLIs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
+from zserve.loadgen.report import summary_text
+from zserve.loadgen.search import search_goodput
+from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
+from zserve.scheduler import bench, sim_cli
+from zserve.scheduler.profiles import LatencyProfile, save_profiles
+from zserve.scheduler.sim import InvariantError, SimConfig, Simulator, simulate
+from zserve.transport.messages import BatchPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = ROOT / "examples" / "workloads"
+
+
+def _small(**workload: Any) -> dict[str, Any]:
+    section = {"gpus": 2, "rate": 400.0, "warmup_s": 0.2, "measure_s": 1.0, "cooldown_s": 0.1}
+    section.update(workload)
+    return {
+        "workload": section,
+        "models": [
+            {"name": "a", "slo_ms": 25.0, "alpha_ms": 1.053, "beta_ms": 5.072},
+            {"name": "b", "slo_ms": 40.0, "alpha_ms": 2.0, "beta_ms": 8.0, "max_batch": 16},
+        ],
+    }
+
+
+# ------------------------------------------------------------------ workload file
+
+
+def test_shipped_workloads_parse() -> None:
+    r50 = load_workload(WORKLOADS / "table2-resnet50.toml")
+    assert r50.gpus == 8 and r50.models[0].name == "ResNet50" and r50.jitter_ms == 1.0
+    zoo = load_workload(WORKLOADS / "a100-zoo-64gpu.toml")
+    assert len(zoo.models) == 37 and zoo.gpus == 64
+    assert load_workload(WORKLOADS / "table2-irv2.toml").models[0].slo_ms == 70.0
+
+
+def test_unknown_keys_name_their_path(tmp_path: Path) -> None:
+    bad = _small(arival="poisson")
+    with pytest.raises(WorkloadError, match=r"workload\.arival"):
+        parse_workload(bad)
+    bad = _small()
+    bad["models"][1]["slo"] = 3
+    with pytest.raises(WorkloadError, match=r"models\[1\]\.slo"):
+        parse_workload(bad)
+    bad = _small()
+    del bad["models"][0]["beta_ms"]
+    with pytest.raises(WorkloadError, match=r"models\[0\]\.beta_ms"):
+        parse_workload(bad)
+    with pytest.raises(WorkloadError, match="arrival"):
+        parse_workload(_small(arrival="gamma"))
+    with pytest.raises(WorkloadError, match="policy"):
+        parse_workload(_small(policy="sometimes"))
+    path = tmp_path / "w.toml"
+    path.write_text("[workload]\ngpus = 'x'\n")
+    with pytest.raises(WorkloadError, match=r"workload\.gpus"):
+        load_workload(path)
+
+
+def test_profile_file_and_zoo_paths_are_relative_to_the_workload(tmp_path: Path) -> None:
+    (tmp_path / "profiles").mkdir()
+    save_profiles(tmp_path / "profiles" / "cpu.json",
+                  {"net": LatencyProfile.from_table_ms([2.0, 3.0, 4.0, 5.0])}, "cpu")
+    zoo = (ROOT / "examples" / "profiles" / "model_zoo_a100.csv").read_text()
+    (tmp_path / "profiles" / "zoo.csv").write_text(zoo)
+    (tmp_path / "w.toml").write_text(
+        '[workload]\nzoo_csv = "profiles/zoo.csv"\npopularity = "zipf:1.0"\n'
+        '[[models]]\nname = "mine"\nslo_ms = 20\nprofile = "profiles/cpu.json"\n'
+        'profile_model = "net"\nmax_batch = 3\n'
+    )
+    w = load_workload(tmp_path / "w.toml")
+    assert len(w.models) == 38
+    assert w.models[-1].profile.max_batch == 3
+    shares = w.shares()
+    assert sum(shares) == pytest.approx(1.0) and shares[0] > shares[1] > shares[-1]
+
+
+# ------------------------------------------------------------------ arrivals and popularity
+
+
+@pytest.mark.parametrize(("kind", "shape", "cv"), [("poisson", 1.0, 1.0), ("gamma", 0.25, 2.0)])
+def test_arrival_processes_have_mean_rate_and_cv(kind: str, shape: float, cv: float) -> None:
+    times = arrival_times(kind, shape, 2000.0, 20.0, model_rng(1, 0))
+    gaps = np.diff(times)
+    assert len(times) / 20.0 == pytest.approx(2000.0, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+    assert np.all(gaps >= 0) and times[-1] < 20.0
+
+
+def test_constant_arrivals_and_per_model_seeds() -> None:
+    times = arrival_times("constant", 0.0, 100.0, 1.0, model_rng(1, 0))
+    assert np.allclose(np.diff(times), 0.01) and 0 <= times[0] < 0.01
+    a = arrival_times("poisson", 1.0, 100.0, 1.0, model_rng(7, 2))
+    b = arrival_times("poisson", 1.0, 100.0, 1.0, np.random.default_rng(7 + 31 * 2))
+    assert np.array_equal(a, b)
+
+
+def test_popularity_shares() -> None:
+    class M:
+        def __init__(self, share: float | None) -> None:
+            self.share = share
+
+    models = [M(None), M(None)]
+    assert popularity_shares("equal", models) == [0.5, 0.5]
+    assert popularity_shares([3.0, 1.0], models) == [0.75, 0.25]
+    assert popularity_shares("equal", [M(1.0), M(3.0)]) == [0.25, 0.75]
+    with pytest.raises(ValueError):
+        popularity_shares("pareto", models)
+
+
+# ------------------------------------------------------------------ search
+
+
+def test_search_brackets_and_bisects_to_precision() -> None:
+    threshold = 1234.0
+    seen: list[float] = []
+
+    def probe(rate: float) -> dict[str, Any]:
+        seen.append(rate)
+        return {"bad_rate": 0.0 if rate <= threshold else 0.5, "offered_rps": rate}
+
+    result = search_goodput(probe, 100.0, rel_precision=0.01)
+    assert threshold * 0.99 <= result["goodput_rps"] <= threshold
+    assert result["search"]["probes"][0]["rate"] == 100.0
+    stopped = search_goodput(probe, 100.0, on_probe=lambda rate, rep: len(seen) >= 30)
+    assert stopped["goodput_rps"] > 0
+
+
+# ------------------------------------------------------------------ simulator
+
+
+def test_simulation_report_schema_and_invariants() -> None:
+    w = parse_workload(_small())
+    report = simulate(w)
+    for key in ("offered_rps", "bad_rate", "gpu_busy_fraction", "policy", "seed", "per_model",
+                "latency_ms", "queueing_ms", "batch_size", "bound_rps", "fraction_of_bound"):
+        assert key in report
+    for name in ("a", "b"):
+        m = report["per_model"][name]
+        for key in ("bad_rate", "p50_ms", "p99_ms", "median_batch"):
+            assert key in m
+        assert m["p99_ms"] <= m["slo_ms"] + 1e-6
+    assert report["offered_rps"] == pytest.approx(400.0, rel=0.15)
+    assert report["bad_rate"] <= 0.01
+    assert 0 < report["gpu_busy_fraction"] < 1
+    text = summary_text(report)
+    assert "offered" in text and len(text.splitlines()) < 25
+
+
+@pytest.mark.parametrize("policy", ["deferred", "deferred-bl", "latest", "eager", "timeout:0.3"])
+@pytest.mark.parametrize("arrival", ["poisson", "gamma:0.2"])
+def test_every_policy_keeps_every_invariant_under_overload(policy: str, arrival: str) -> None:
+    # 4x the capacity of 2 GPUs: drops galore, and every invariant is checked on every plan
+    w = parse_workload(_small(rate=6000.0, policy=policy, arrival=arrival, measure_s=0.5))
+    report = simulate(w)
+    assert report["bad_rate"] > 0.3
+    assert report["gpu_busy_fraction"] > 0.5
+
+
+def test_sim_tick_coalesces_arrivals() -> None:
+    w = parse_workload(_small(sim_tick_ms=5.0, rate=300.0))
+    sim = Simulator(w)
+    report = sim.run()
+    assert report["bad_rate"] <= 0.05
+    arrived = sum(m.n_arrived for m in sim.models)
+    assert arrived == sim.n_requests
+    # 5 ms ticks at 150 r/s per model: a chunk holds 0.75 requests on average
+    assert report["rank"]["grants"] < arrived
+
+
+def test_invariant_checker_catches_broken_plans() -> None:
+    w = parse_workload(_small())
+    sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.001]), np.array([0.0])])
+    good = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [0])
+    sim._on_plan(0.0, good)
+    with pytest.raises(InvariantError, match="two batches at once"):
+        sim._on_plan(0.0, BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [1]))
+    with pytest.raises(InvariantError, match="ends twice"):
+        sim._on_plan(0.0, BatchPlan(3, "a", 1, 0.003, 0.003 + 0.006125, ["sim"], [0], [0]))
+    with pytest.raises(InvariantError, match="latest"):
+        sim._on_plan(0.0, BatchPlan(4, "a", 1, 0.030, 0.030 + 0.006125, ["sim"], [0], [1]))
+    with pytest.raises(InvariantError, match="after its exec_at"):
+        sim._on_plan(0.01, BatchPlan(5, "a", 1, 0.005, 0.005 + 0.006125, ["sim"], [0], [1]))
+
+
+def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[workload]\ngpus = 2\nrate = 300.0\nwarmup_s = 0.2\nmeasure_s = 1.0\ncooldown_s = 0.1\n"
+        '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n'
+    )
+    out = tmp_path / "r.json"
+    assert sim_cli.main([str(path), "--policy", "eager", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["policy"] == "eager" and report["seed"] == 1
+    assert "offered" in capsys.readouterr().out
+    searched = tmp_path / "s.json"
+    assert sim_cli.main([str(path), "--search", "goodput", "--precision", "0.1", "--quiet",
+                         "--json", str(searched)]) == 0
+    report = json.loads(searched.read_text())
+    assert report["goodput_rps"] > 300 and report["fraction_of_bound"] is not None
+    assert sim_cli.main([str(path), "--policy", "nope"]) == 2
+
+
+def test_bench_scheduler_cli_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    rc = bench.main(["--models", "3", "--gpus", "50", "--rate", "20000", "--duration", "0.3",
+                     "--max-lag-ms", "1000", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["sustained_rps"] == 20000
+    probe = report["probes"][0]
+    assert probe["bad_rate"] <= 0.01 and probe["plans"] > 0

@@ -1,0 +1,255 @@
+"""The wire codec over real ROUTER/DEALER sockets (ipc and tcp): every message class and every
+allowed dtype round-trips, arrays arrive without a copy, and the codec's own contracts hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from transport_helpers import (
+    SAMPLE_MESSAGES,
+    assert_messages_equal,
+    buffer_owner,
+    recv_within,
+    wait_readable,
+)
+from zserve.transport import codec
+from zserve.transport.arrays import ALLOWED_DTYPE_NAMES
+from zserve.transport.messages import (
+    ALL_MESSAGES,
+    BatchOutputs,
+    CandidateUpdate,
+    InferReply,
+    InferRequest,
+    InputReply,
+    Message,
+    RequestMetaBatch,
+    StatsReply,
+)
+
+from zserve.errors import ProtocolError
+
+Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+MIB = 1024 * 1024
+
+
+def _round_trip(pair: Pair, message: Message) -> Message:
+    """dealer -> router -> dealer, decoding on each side; returns what the dealer got back."""
+    router, dealer = pair
+    codec.sync_send(dealer, message)
+    identity, at_router = recv_within(router, router=True)
+    assert identity == b"peer-0"
+    assert_messages_equal(at_router, message)
+    codec.sync_send(router, at_router, identity=identity)
+    peer, at_dealer = recv_within(dealer, router=False)
+    assert peer is None
+    return at_dealer
+
+
+def test_samples_cover_every_message_class() -> None:
+    assert [type(m) for m in SAMPLE_MESSAGES] == list(ALL_MESSAGES)
+    assert len({cls.KIND for cls in ALL_MESSAGES}) == len(ALL_MESSAGES)
+
+
+@pytest.mark.parametrize("message", SAMPLE_MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_class_round_trips(transport_pair: Pair, message: Message) -> None:
+    assert_messages_equal(_round_trip(transport_pair, message), message)
+
+
+def test_header_layout_is_kind_then_fields_in_order() -> None:
+    import msgpack
+
+    message = CandidateUpdate("m", 4, 1.0, 2.0, 0.5)
+    (header,) = codec.encode(message)
+    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5]
+
+    array = np.ones((2, 2), dtype=np.int16)
+    frames = codec.encode(InferReply(3, {"y": array}))
+    assert msgpack.unpackb(frames[0]) == ["reply", 3, {"y": ["<i2", [2, 2], 1]}]
+    assert len(frames) == 2
+
+
+SHAPES: dict[str, tuple[int, ...]] = {
+    "scalar": (),
+    "empty": (0,),
+    "empty_2d": (3, 0),
+    "vector": (5,),
+    "four_d": (2, 3, 4, 5),
+}
+
+
+def _array_of(dtype_name: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype_name)
+    if dtype == np.bool_:
+        return np.asarray(rng.random(shape) > 0.5)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+@pytest.mark.parametrize("dtype_name", ALLOWED_DTYPE_NAMES)
+def test_every_allowed_dtype_and_shape_round_trips(transport_pair: Pair, dtype_name: str) -> None:
+    inputs = {
+        name: _array_of(dtype_name, shape, i) for i, (name, shape) in enumerate(SHAPES.items())
+    }
+    sent = InferRequest(1, "model", inputs)
+    received = _round_trip(transport_pair, sent)
+    assert_messages_equal(received, sent)
+    assert isinstance(received, InferRequest)
+    for array in received.inputs.values():
+        assert not array.flags.writeable
+
+
+def test_received_arrays_are_views_of_the_received_frames(transport_pair: Pair) -> None:
+    router, dealer = transport_pair
+    array = np.arange(100_000, dtype=np.float32)
+    codec.sync_send(dealer, InputReply(9, [1, 2], [{"x": array}, {"x": array[::-1]}], []))
+    wait_readable(router)
+    frames = router.recv_multipart(copy=False)
+    message = codec.decode(frames[1:])
+    assert isinstance(message, InputReply)
+    for index, inputs in enumerate(message.inputs):
+        received = inputs["x"]
+        frame = frames[2 + index]
+        assert np.shares_memory(received, np.frombuffer(frame.buffer, dtype=np.uint8))
+        assert not received.flags.writeable
+    np.testing.assert_array_equal(message.inputs[1]["x"], array[::-1])
+
+
+def test_sync_recv_does_not_copy_arrays(transport_pair: Pair) -> None:
+    router, dealer = transport_pair
+    codec.sync_send(dealer, InferReply(1, {"y": np.zeros(4096, dtype=np.float64)}))
+    _, message = recv_within(router, router=True)
+    assert isinstance(message, InferReply)
+    assert isinstance(buffer_owner(message.outputs["y"]), zmq.Frame)
+
+
+def test_encode_hands_contiguous_arrays_to_zmq_without_copy() -> None:
+    array = np.arange(1000, dtype=np.int32).reshape(10, 100)
+    frames = codec.encode(InferReply(1, {"y": array}))
+    assert np.shares_memory(np.frombuffer(frames[1], dtype=np.uint8), array)
+
+
+def test_non_contiguous_arrays_are_made_contiguous_once(transport_pair: Pair) -> None:
+    base = np.arange(48, dtype=np.float64).reshape(6, 8)
+    strided = base[::2, 1::3]
+    transposed = base.T
+    frames = codec.encode(InferReply(1, {"a": strided, "b": transposed}))
+    assert not np.shares_memory(np.frombuffer(frames[1], dtype=np.uint8), base)
+    received = _round_trip(transport_pair, InferReply(1, {"a": strided, "b": transposed}))
+    assert isinstance(received, InferReply)
+    np.testing.assert_array_equal(received.outputs["a"], strided)
+    np.testing.assert_array_equal(received.outputs["b"], transposed)
+
+
+def test_big_endian_arrays_are_sent_in_native_order(transport_pair: Pair) -> None:
+    router, dealer = transport_pair
+    array = np.arange(10, dtype=">i4")
+    codec.sync_send(dealer, InferReply(1, {"y": array}))
+    _, received = recv_within(router, router=True)
+    assert isinstance(received, InferReply)
+    assert received.outputs["y"].dtype == np.dtype("int32")
+    np.testing.assert_array_equal(received.outputs["y"], array)
+
+
+def test_64_mib_array_round_trips_without_copy(transport_pair: Pair) -> None:
+    router, dealer = transport_pair
+    array = np.random.default_rng(1).integers(0, 255, size=64 * MIB, dtype=np.uint8)
+    codec.sync_send(dealer, InferRequest(5, "big", {"x": array}))
+    wait_readable(router)
+    frames = router.recv_multipart(copy=False)
+    message = codec.decode(frames[1:])
+    assert isinstance(message, InferRequest)
+    received = message.inputs["x"]
+    assert received.nbytes == 64 * MIB
+    assert np.shares_memory(received, np.frombuffer(frames[2].buffer, dtype=np.uint8))
+    assert np.array_equal(received, array)
+
+
+def test_ints_in_float_fields_become_floats() -> None:
+    message = RequestMetaBatch("f", [1, 2], ["m", "m"], [1, 2.5], [3, 4])
+    decoded = codec.decode(codec.encode(message))
+    assert isinstance(decoded, RequestMetaBatch)
+    assert decoded.arrivals == [1.0, 2.5] and decoded.deadlines == [3.0, 4.0]
+    assert all(type(x) is float for x in decoded.arrivals + decoded.deadlines)
+    update = codec.decode(codec.encode(CandidateUpdate("m", 1, 2, 3, 0)))
+    assert isinstance(update, CandidateUpdate) and type(update.exec_at) is float
+
+
+def test_numpy_scalars_in_plain_fields_are_encoded_as_python_scalars() -> None:
+    message = CandidateUpdate("m", np.int64(3), np.float32(1.5), np.float64(2.0), 0.0)  # type: ignore[arg-type]
+    decoded = codec.decode(codec.encode(message))
+    assert decoded == CandidateUpdate("m", 3, 1.5, 2.0, 0.0)
+
+
+def test_stats_carry_msgpack_native_values_only() -> None:
+    stats = {"n": 1, "hist": [0.5, 1.5], "by_model": {"m": {"ok": 3}}, "none": None, "raw": b"x"}
+    decoded = codec.decode(codec.encode(StatsReply("p", stats)))
+    assert decoded == StatsReply("p", stats)
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (InferReply(1, {"y": np.zeros(2, dtype=np.complex64)}), "not allowed"),
+        (InferReply(1, {"y": np.array(["a"], dtype=object)}), "not allowed"),
+        (InferReply(1, {"y": np.zeros(2, dtype="datetime64[s]")}), "not allowed"),
+        (InferReply(1, {"y": [1.0, 2.0]}), "expected a numpy or cupy array"),  # type: ignore[dict-item]
+        (InferReply(1, [np.zeros(1)]), "expected a dict"),  # type: ignore[arg-type]
+        (BatchOutputs(1, [1], {"a": np.zeros(1)}), "expected a list"),  # type: ignore[arg-type]
+        (StatsReply("p", {"x": object()}), "cannot encode"),
+        (CandidateUpdate("m", 2**70, 0.0, 0.0, 0.0), "cannot encode"),
+    ],
+    ids=[
+        "complex",
+        "object",
+        "datetime",
+        "list-not-array",
+        "list-not-map",
+        "map-not-list",
+        "object-in-stats",
+        "int-overflow",
+    ],
+)
+def test_unencodable_messages_raise_protocol_error(message: Message, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        codec.encode(message)
+
+
+def test_unregistered_class_is_refused() -> None:
+    class Stray(Message):
+        pass
+
+    with pytest.raises(ProtocolError, match="not a registered wire message"):
+        codec.encode(Stray())
+
+
+def test_decode_accepts_bytes_memoryview_and_frames() -> None:
+    array = np.arange(6, dtype=np.uint16)
+    header, buffer = codec.encode(InferReply(2, {"y": array}))
+    for frames in (
+        [bytes(header), bytes(buffer)],
+        [memoryview(bytes(header)), memoryview(bytearray(buffer))],
+        [zmq.Frame(bytes(header)), zmq.Frame(bytes(buffer))],
+        [bytearray(header), memoryview(np.frombuffer(bytes(buffer), dtype=np.uint16))],
+    ):
+        decoded = codec.decode(frames)
+        assert isinstance(decoded, InferReply)
+        np.testing.assert_array_equal(decoded.outputs["y"], array)
+        assert not decoded.outputs["y"].flags.writeable
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_are_staged_to_host() -> None:
+    cupy = pytest.importorskip("cupy")
+    try:
+        device = cupy.arange(10, dtype=cupy.float32)
+    except Exception as exc:  # cupy present but no usable GPU
+        pytest.skip(f"no CUDA device: {exc}")
+    decoded = codec.decode(codec.encode(InferReply(1, {"y": device})))
+    assert isinstance(decoded, InferReply)
+    np.testing.assert_array_equal(decoded.outputs["y"], np.arange(10, dtype=np.float32))

@@ -1,0 +1,585 @@
+"""`zserve bench-transport`: what the transport costs on top of bare pyzmq.
+
+Two processes (the peer is started with multiprocessing *spawn*) talk over a ROUTER/DEALER pair
+from the socket factory, over ipc:// and tcp://127.0.0.1, with sync and asyncio sockets:
+
+- small messages: the peer streams ``CandidateUpdate`` messages for a fixed time with a window of
+  messages in flight (credit-based: the receiver acks every ``ack_every``), so the figure is
+  throughput, not round-trip latency. "bare" sends the same header bytes with plain pyzmq calls;
+  "codec" encodes and decodes a typed message per send (sync_send / sync_recv). Each is run
+  three times, interleaved, and the median is reported; the overhead column is
+  ``1 - codec / bare``.
+- round trip: ping-pong of one small message; p50 in microseconds.
+- arrays (sync sockets): one float32 array per message, 1 KiB .. 64 MiB, bytes per second.
+
+Numbers on a shared machine are noisy; run it on an idle one for figures you quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+from zserve.transport.codec import (
+    async_recv,
+    async_send,
+    decode,
+    encode,
+    sync_recv,
+    sync_send,
+)
+from zserve.transport.messages import CandidateUpdate, InferRequest, Message, Shutdown
+from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_dealer, make_router
+
+KIB = 1024
+MIB = 1024 * KIB
+ARRAY_SIZES_BYTES = (1 * KIB, 16 * KIB, 256 * KIB, 4 * MIB, 64 * MIB)
+# Phase lengths (full run, --quick run): the whole benchmark stays under 60 s (10 s quick).
+SMALL_PHASE_S = (0.5, 0.1)
+# Small-message phases run this many times, bare and codec interleaved; the median is reported.
+SMALL_REPEATS = 3
+ARRAY_PHASE_S = (0.6, 0.08)
+ROUND_TRIPS = (2000, 300)
+# Credit window: small messages in flight, and bytes in flight for arrays.
+SMALL_WINDOW_MESSAGES = 1000
+ARRAY_WINDOW_BYTES = 64 * MIB
+# At least this many messages per phase even when one takes longer than the phase.
+MIN_MESSAGES_PER_PHASE = 3
+PEER_START_TIMEOUT_S = 60.0
+PHASE_TIMEOUT_S = 60.0
+PEER_POLL_INTERVAL_S = 0.1
+PEER_IDENTITY = b"bench-peer"
+# The peer checks the clock once per this many small sends, so the clock is not what we measure
+# (and before every array send, where it costs nothing in comparison).
+CLOCK_CHECK_EVERY = 64
+
+_T = TypeVar("_T")
+_ACK = b"ACK"
+_END = b"END"
+_END_MESSAGE = Shutdown(reason="bench-end", drain_s=0.0)
+
+
+def _small_message() -> CandidateUpdate:
+    return CandidateUpdate(
+        model="resnet50", batch_size=8, exec_at=1234.5678, latest=1234.6, send_delay=0.00021
+    )
+
+
+def _array_message(size_bytes: int) -> InferRequest:
+    array = np.random.default_rng(0).random(size_bytes // 4, dtype=np.float32)
+    return InferRequest(request_id=1, model="resnet50", inputs={"input": array}, slo_ms=50.0)
+
+
+def _bare_frames(message: Message) -> list[Any]:
+    """The codec's frames, encoded once: bare pyzmq sends these same bytes without the codec."""
+    return list(encode(message))
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One streaming phase: what the peer sends and how."""
+
+    op: str  # "flood" or "echo"
+    mode: str  # "bare" or "codec"
+    size_bytes: int  # 0 for the small message
+    duration_s: float = 0.0
+    window: int = 1
+    ack_every: int = 1
+    round_trips: int = 0
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @staticmethod
+    def unpack(data: bytes) -> _Phase:
+        return _Phase(**msgpack.unpackb(data))
+
+    def message(self) -> Message:
+        return _array_message(self.size_bytes) if self.size_bytes else _small_message()
+
+
+# --------------------------------------------------------------------------- the peer process
+
+
+def _peer_main(endpoint: str, io: str) -> None:
+    """Entry point of the spawned peer: connect, say hello, run phases until told to quit."""
+    if io == "sync":
+        ctx = zmq.Context()
+        sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
+        try:
+            _peer_loop_sync(sock)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+    else:
+        _run_on_uvloop(_peer_loop_async(endpoint))
+
+
+def _peer_loop_sync(sock: zmq.Socket[Any]) -> None:
+    sock.send(b"hello")
+    while True:
+        command = sock.recv_multipart()
+        if command[0] == _ACK:  # a late ack of the previous phase
+            continue
+        if command[0] == b"quit":
+            return
+        phase = _Phase.unpack(command[1])
+        if phase.op == "flood":
+            _peer_flood_sync(sock, phase)
+        else:
+            _peer_echo_sync(sock, phase)
+
+
+def _peer_flood_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
+    message = phase.message()
+    frames = _bare_frames(message)
+    codec = phase.mode == "codec"
+    check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
+    sent = acked = 0
+    deadline = time.monotonic() + phase.duration_s
+    while True:
+        if sent - acked >= phase.window:
+            sock.recv()  # blocks until the receiver has caught up by ack_every messages
+            acked += phase.ack_every
+            continue
+        if (
+            sent % check_every == 0
+            and sent >= MIN_MESSAGES_PER_PHASE
+            and time.monotonic() >= deadline
+        ):
+            break
+        if codec:
+            sync_send(sock, message)
+        else:
+            sock.send_multipart(frames, copy=False)
+        sent += 1
+    if codec:
+        sync_send(sock, _END_MESSAGE)
+    else:
+        sock.send(_END)
+
+
+def _peer_echo_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
+    for _ in range(phase.round_trips):
+        if phase.mode == "codec":
+            _, message = sync_recv(sock, router=False)
+            sync_send(sock, message)
+        else:
+            sock.send_multipart(sock.recv_multipart())
+
+
+async def _peer_loop_async(endpoint: str) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
+    try:
+        await sock.send(b"hello")
+        while True:
+            command = await sock.recv_multipart()
+            if command[0] == _ACK:
+                continue
+            if command[0] == b"quit":
+                return
+            phase = _Phase.unpack(command[1])
+            if phase.op == "flood":
+                await _peer_flood_async(sock, phase)
+            else:
+                await _peer_echo_async(sock, phase)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+async def _peer_flood_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
+    message = phase.message()
+    frames = _bare_frames(message)
+    codec = phase.mode == "codec"
+    check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
+    sent = acked = 0
+    deadline = time.monotonic() + phase.duration_s
+    while True:
+        if sent - acked >= phase.window:
+            await sock.recv()
+            acked += phase.ack_every
+            continue
+        if (
+            sent % check_every == 0
+            and sent >= MIN_MESSAGES_PER_PHASE
+            and time.monotonic() >= deadline
+        ):
+            break
+        if codec:
+            await async_send(sock, message)
+        else:
+            await sock.send_multipart(frames, copy=False)
+        sent += 1
+    if codec:
+        await async_send(sock, _END_MESSAGE)
+    else:
+        await sock.send(_END)
+
+
+async def _peer_echo_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
+    for _ in range(phase.round_trips):
+        if phase.mode == "codec":
+            _, message = await async_recv(sock, router=False)
+            await async_send(sock, message)
+        else:
+            await sock.send_multipart(await sock.recv_multipart())
+
+
+# --------------------------------------------------------------------------- the measuring side
+
+
+@dataclass
+class FloodResult:
+    messages: int
+    seconds: float
+
+    @property
+    def messages_per_s(self) -> float:
+        return self.messages / self.seconds
+
+
+@dataclass
+class PairResult:
+    transport: str
+    io: str
+    small_bare_msgs_per_s: float = 0.0
+    small_codec_msgs_per_s: float = 0.0
+    rtt_p50_bare_us: float = 0.0
+    rtt_p50_codec_us: float = 0.0
+    # array size in bytes -> bytes per second
+    array_bare_bytes_per_s: dict[int, float] = field(default_factory=dict)
+    array_codec_bytes_per_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def small_overhead(self) -> float:
+        return 1.0 - self.small_codec_msgs_per_s / self.small_bare_msgs_per_s
+
+
+def _is_end(frames: list[Any]) -> bool:
+    return len(frames) == 2 and bytes(frames[1]) == _END
+
+
+def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
+    codec = phase.mode == "codec"
+    bare_copy = phase.size_bytes == 0  # bare small messages: plain bytes; arrays: zero-copy
+    started = time.perf_counter()
+    router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+    received = 0
+    while True:
+        if not router.poll(int(PHASE_TIMEOUT_S * 1000), zmq.POLLIN):
+            raise TimeoutError(f"peer sent nothing for {PHASE_TIMEOUT_S} s during {phase}")
+        if codec:
+            _, message = sync_recv(router, router=True)
+            if type(message) is Shutdown:
+                break
+        else:
+            frames = router.recv_multipart(0, bare_copy)
+            if _is_end(frames):
+                break
+        received += 1
+        if received % phase.ack_every == 0:
+            router.send_multipart([PEER_IDENTITY, _ACK])
+    return FloodResult(received, time.perf_counter() - started)
+
+
+def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
+    message = phase.message()
+    frames = _bare_frames(message)
+    router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+    samples_ns: list[int] = []
+    for _ in range(phase.round_trips):
+        start = time.perf_counter_ns()
+        if phase.mode == "codec":
+            sync_send(router, message, identity=PEER_IDENTITY)
+            sync_recv(router, router=True)
+        else:
+            router.send_multipart([PEER_IDENTITY, *frames])
+            router.recv_multipart()
+        samples_ns.append(time.perf_counter_ns() - start)
+    return statistics.median(samples_ns) / 1000
+
+
+async def _flood_async(router: zmq.asyncio.Socket, phase: _Phase) -> FloodResult:
+    codec = phase.mode == "codec"
+    started = time.perf_counter()
+    await router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+    received = 0
+    while True:
+        if codec:
+            _, message = await asyncio.wait_for(async_recv(router, router=True), PHASE_TIMEOUT_S)
+            if type(message) is Shutdown:
+                break
+        else:
+            frames = await asyncio.wait_for(router.recv_multipart(), PHASE_TIMEOUT_S)
+            if _is_end(frames):
+                break
+        received += 1
+        if received % phase.ack_every == 0:
+            await router.send_multipart([PEER_IDENTITY, _ACK])
+    return FloodResult(received, time.perf_counter() - started)
+
+
+async def _round_trips_async(router: zmq.asyncio.Socket, phase: _Phase) -> float:
+    message = phase.message()
+    frames = _bare_frames(message)
+    await router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+    samples_ns: list[int] = []
+    for _ in range(phase.round_trips):
+        start = time.perf_counter_ns()
+        if phase.mode == "codec":
+            await async_send(router, message, identity=PEER_IDENTITY)
+            await async_recv(router, router=True)
+        else:
+            await router.send_multipart([PEER_IDENTITY, *frames])
+            await router.recv_multipart()
+        samples_ns.append(time.perf_counter_ns() - start)
+    return statistics.median(samples_ns) / 1000
+
+
+def _small_phases(quick: bool) -> tuple[_Phase, _Phase, _Phase, _Phase]:
+    duration = SMALL_PHASE_S[quick]
+    window = SMALL_WINDOW_MESSAGES
+    ack_every = window // 10
+    trips = ROUND_TRIPS[quick]
+    return (
+        _Phase("flood", "bare", 0, duration, window, ack_every),
+        _Phase("flood", "codec", 0, duration, window, ack_every),
+        _Phase("echo", "bare", 0, round_trips=trips),
+        _Phase("echo", "codec", 0, round_trips=trips),
+    )
+
+
+def _array_phase(mode: str, size_bytes: int, quick: bool) -> _Phase:
+    window = max(2, min(SMALL_WINDOW_MESSAGES, ARRAY_WINDOW_BYTES // size_bytes))
+    return _Phase("flood", mode, size_bytes, ARRAY_PHASE_S[quick], window, max(1, window // 4))
+
+
+def _start_peer(endpoint: str, io: str) -> multiprocessing.process.BaseProcess:
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_peer_main, args=(endpoint, io), name=f"bench-peer-{io}", daemon=True
+    )
+    peer.start()
+    return peer
+
+
+def _stop_peer(peer: multiprocessing.process.BaseProcess) -> None:
+    peer.join(timeout=5)
+    if peer.is_alive():
+        peer.terminate()
+        peer.join(timeout=5)
+
+
+def _run_pair_sync(transport: str, endpoint_hint: str, quick: bool, arrays: bool) -> PairResult:
+    result = PairResult(transport, "sync")
+    ctx = zmq.Context()
+    router, endpoint = make_router(ctx, endpoint_hint, name="bench")
+    peer = _start_peer(endpoint, "sync")
+    try:
+        # Poll the peer's sentinel too, so a peer that dies while starting fails the run at once.
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(peer.sentinel, zmq.POLLIN)
+        ready = dict(poller.poll(int(PEER_START_TIMEOUT_S * 1000)))
+        if router not in ready:
+            raise RuntimeError(f"bench peer did not connect (exit code {peer.exitcode})")
+        router.recv_multipart()  # hello
+        bare, codec, echo_bare, echo_codec = _small_phases(quick)
+        bare_rates, codec_rates = [], []
+        for _ in range(SMALL_REPEATS):
+            bare_rates.append(_flood_sync(router, bare).messages_per_s)
+            codec_rates.append(_flood_sync(router, codec).messages_per_s)
+        result.small_bare_msgs_per_s = statistics.median(bare_rates)
+        result.small_codec_msgs_per_s = statistics.median(codec_rates)
+        result.rtt_p50_bare_us = _round_trips_sync(router, echo_bare)
+        result.rtt_p50_codec_us = _round_trips_sync(router, echo_codec)
+        for size in ARRAY_SIZES_BYTES if arrays else ():
+            for mode, table in (
+                ("bare", result.array_bare_bytes_per_s),
+                ("codec", result.array_codec_bytes_per_s),
+            ):
+                flood = _flood_sync(router, _array_phase(mode, size, quick))
+                table[size] = flood.messages * size / flood.seconds
+        router.send_multipart([PEER_IDENTITY, b"quit"])
+    finally:
+        _stop_peer(peer)
+        router.close(linger=0)
+        ctx.term()
+    return result
+
+
+async def _run_pair_async_main(transport: str, endpoint_hint: str, quick: bool) -> PairResult:
+    result = PairResult(transport, "asyncio")
+    ctx = zmq.asyncio.Context()
+    router, endpoint = make_router(ctx, endpoint_hint, name="bench")
+    peer = _start_peer(endpoint, "asyncio")
+    try:
+        await _wait_for_hello_async(router, peer)
+        bare, codec, echo_bare, echo_codec = _small_phases(quick)
+        bare_rates, codec_rates = [], []
+        for _ in range(SMALL_REPEATS):
+            bare_rates.append((await _flood_async(router, bare)).messages_per_s)
+            codec_rates.append((await _flood_async(router, codec)).messages_per_s)
+        result.small_bare_msgs_per_s = statistics.median(bare_rates)
+        result.small_codec_msgs_per_s = statistics.median(codec_rates)
+        result.rtt_p50_bare_us = await _round_trips_async(router, echo_bare)
+        result.rtt_p50_codec_us = await _round_trips_async(router, echo_codec)
+        await router.send_multipart([PEER_IDENTITY, b"quit"])
+    finally:
+        _stop_peer(peer)
+        router.close(linger=0)
+        ctx.term()
+    return result
+
+
+async def _wait_for_hello_async(
+    router: zmq.asyncio.Socket, peer: multiprocessing.process.BaseProcess
+) -> None:
+    deadline = time.monotonic() + PEER_START_TIMEOUT_S
+    hello = asyncio.ensure_future(router.recv_multipart())
+    try:
+        while not hello.done():
+            if not peer.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"bench peer did not connect (exit code {peer.exitcode})")
+            await asyncio.wait([hello], timeout=PEER_POLL_INTERVAL_S)
+        hello.result()
+    finally:
+        hello.cancel()
+
+
+def _run_pair_async(transport: str, endpoint_hint: str, quick: bool) -> PairResult:
+    return _run_on_uvloop(_run_pair_async_main(transport, endpoint_hint, quick))
+
+
+def _run_on_uvloop(main: Coroutine[Any, Any, _T]) -> _T:
+    """Every zserve process runs on uvloop, so the asyncio figures are measured there."""
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main)
+
+
+def _codec_cost_us(repeat: int) -> tuple[float, float]:
+    """In-process cost of encode and decode of the small message, microseconds each (best of 5)."""
+    message = _small_message()
+    frames = encode(message)
+    best_encode = best_decode = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            encode(message)
+        best_encode = min(best_encode, (time.perf_counter() - start) / repeat)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            decode(frames)
+        best_decode = min(best_decode, (time.perf_counter() - start) / repeat)
+    return best_encode * 1e6, best_decode * 1e6
+
+
+def _format_rate(value: float) -> str:
+    return f"{value / 1000:,.0f} k" if value < 1e7 else f"{value / 1e6:,.1f} M"
+
+
+def _format_bytes_rate(value: float) -> str:
+    return f"{value / 1e9:6.2f} GB/s" if value >= 1e9 else f"{value / 1e6:6.0f} MB/s"
+
+
+def _format_size(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def _print_report(
+    pairs: list[PairResult], encode_us: float, decode_us: float, elapsed_s: float
+) -> None:
+    header_bytes = len(encode(_small_message())[0])
+    print(
+        f"small messages: CandidateUpdate ({header_bytes} B), window {SMALL_WINDOW_MESSAGES} "
+        f"in flight; messages/s"
+    )
+    print(
+        f"{'transport':<10}{'io':<9}{'bare':>10}{'codec':>10}{'overhead':>10}"
+        f"{'rtt p50 bare':>14}{'rtt p50 codec':>15}"
+    )
+    for pair in pairs:
+        print(
+            f"{pair.transport:<10}{pair.io:<9}{_format_rate(pair.small_bare_msgs_per_s):>10}"
+            f"{_format_rate(pair.small_codec_msgs_per_s):>10}{pair.small_overhead:>10.0%}"
+            f"{pair.rtt_p50_bare_us:>11.0f} us{pair.rtt_p50_codec_us:>12.0f} us"
+        )
+    print(
+        f"(median of {SMALL_REPEATS} interleaved runs; overhead = 1 - codec/bare; the asyncio\n"
+        " codec path reads queued messages through a sync twin socket, so it can beat bare"
+        " zmq.asyncio)"
+    )
+    print(
+        f"codec CPU per small message, in process: encode {encode_us:.2f} us, "
+        f"decode {decode_us:.2f} us"
+    )
+    array_pairs = [pair for pair in pairs if pair.array_bare_bytes_per_s]
+    if array_pairs:
+        print("\narrays (float32, one per message, sync sockets): bytes/s")
+        columns = [(pair.transport, mode) for pair in array_pairs for mode in ("bare", "codec")]
+        print(f"{'size':<9}" + "".join(f"{f'{t} {m}':>14}" for t, m in columns))
+        for size in ARRAY_SIZES_BYTES:
+            cells = []
+            for pair in array_pairs:
+                cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
+                cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
+            print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+    print(f"\n(total {elapsed_s:.1f} s; noisy on a shared machine: compare runs, quote medians)")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="zserve bench-transport",
+        description="Throughput of the zserve transport against bare pyzmq (two processes).",
+    )
+    parser.add_argument("--quick", action="store_true", help="short phases (~10 s in all)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    pairs: list[PairResult] = []
+    with IpcDir() as ipc:
+        for transport in ("ipc", "tcp"):
+            sync_bind = ipc.endpoint("sync") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
+            async_bind = ipc.endpoint("async") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
+            pairs.append(_run_pair_sync(transport, sync_bind, args.quick, arrays=True))
+            pairs.append(_run_pair_async(transport, async_bind, args.quick))
+    encode_us, decode_us = _codec_cost_us(2000 if args.quick else 20000)
+    elapsed = time.perf_counter() - started
+    _print_report(pairs, encode_us, decode_us, elapsed)
+    if args.json:
+        report = {
+            "quick": args.quick,
+            "elapsed_s": elapsed,
+            "codec_encode_us": encode_us,
+            "codec_decode_us": decode_us,
+            "pairs": [
+                {**asdict(pair), "small_codec_overhead": pair.small_overhead} for pair in pairs
+            ],
+        }
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,219 @@
+"""The one factory for every ZeroMQ socket in zserve, and the helpers that allocate addresses.
+
+Rules (DESIGN.md section 4): a ROUTER binds, a DEALER connects. Every socket gets finite high-water
+marks (backpressure instead of unbounded memory), a bounded LINGER (close never hangs), MAXMSGSIZE
+(a peer cannot make us allocate an unbounded frame) and ZMQ heartbeats (a dead peer is noticed even
+when TCP is silent). ROUTERs get ROUTER_MANDATORY so that a reply to a vanished peer raises
+``UnroutableError`` instead of being dropped silently.
+
+The factories accept a sync ``zmq.Context`` or a ``zmq.asyncio.Context`` and return that context's
+socket type. Addresses are allocated, never guessed: ``ipc://`` endpoints live in a private 0700
+directory (``IpcDir``), TCP binds to port 0 on loopback and the real port is read back with
+``LAST_ENDPOINT`` (``bound_endpoint``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from types import TracebackType
+from typing import Any, TypeVar
+
+import zmq
+
+from zserve.errors import UnroutableError
+
+# Bound on queued messages per peer in each direction. Past it a DEALER send blocks (or raises
+# EAGAIN with NOBLOCK) and a ROUTER send to that peer blocks: backpressure, not memory growth.
+SEND_HWM_MESSAGES = 10_000
+RECV_HWM_MESSAGES = 10_000
+# How long close() may keep trying to deliver queued messages.
+LINGER_MS = 1_000
+# Largest single frame a socket accepts; a peer sending more is disconnected by ZMQ.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+# ZMQ-level heartbeats: ping every interval, drop the connection when no traffic arrives within
+# the timeout; the TTL tells the remote peer how long to wait for us.
+HEARTBEAT_INTERVAL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 5_000
+HEARTBEAT_TTL_MS = 10_000
+# Kernel keepalive as a second line for TCP peers behind NATs and idle firewalls.
+TCP_KEEPALIVE_IDLE_S = 30
+# Reconnect backoff of connecting sockets: start fast, cap so a dead peer is not hammered.
+RECONNECT_INTERVAL_MS = 100
+RECONNECT_INTERVAL_MAX_MS = 5_000
+
+# Default bind: loopback, a free port chosen by the kernel (read it back with bound_endpoint).
+LOOPBACK_TCP_ANY_PORT = "tcp://127.0.0.1:0"
+
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_IPC_PATH_BYTES = 107
+# ZMQ reserves routing ids that start with a zero byte for the ones it generates itself.
+_MAX_IDENTITY_BYTES = 255
+
+_SocketT = TypeVar("_SocketT", bound="zmq.Socket[Any]")
+
+
+def _apply_common_options(
+    sock: zmq.Socket[Any],
+    *,
+    send_hwm_messages: int,
+    recv_hwm_messages: int,
+    max_message_bytes: int,
+    linger_ms: int,
+) -> None:
+    if send_hwm_messages <= 0 or recv_hwm_messages <= 0:
+        raise ValueError("high-water marks must be finite and positive (0 means unbounded in ZMQ)")
+    if max_message_bytes <= 0:
+        raise ValueError("max_message_bytes must be positive (-1 means unbounded in ZMQ)")
+    if linger_ms < 0:
+        raise ValueError("linger_ms must be >= 0 (-1 means close may block forever)")
+    sock.setsockopt(zmq.SNDHWM, send_hwm_messages)
+    sock.setsockopt(zmq.RCVHWM, recv_hwm_messages)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_INTERVAL_MAX_MS)
+
+
+def make_router(
+    ctx: zmq.Context[_SocketT],
+    bind: str = LOOPBACK_TCP_ANY_PORT,
+    *,
+    name: str = "router",
+    send_hwm_messages: int = SEND_HWM_MESSAGES,
+    recv_hwm_messages: int = RECV_HWM_MESSAGES,
+    max_message_bytes: int = MAX_FRAME_BYTES,
+    linger_ms: int = LINGER_MS,
+) -> tuple[_SocketT, str]:
+    """Create a ROUTER bound to ``bind`` and return it with the endpoint it actually bound.
+
+    ``bind`` is an explicit address (from cluster.toml), ``IpcDir.endpoint(...)``, or the default
+    ``tcp://127.0.0.1:0`` whose kernel-chosen port is read back. ``name`` only labels errors.
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        _apply_common_options(
+            sock,
+            send_hwm_messages=send_hwm_messages,
+            recv_hwm_messages=recv_hwm_messages,
+            max_message_bytes=max_message_bytes,
+            linger_ms=linger_ms,
+        )
+        # A send to an identity that is not connected raises EHOSTUNREACH instead of vanishing.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted peer that reconnects with the same identity takes over the old route at
+        # once, rather than being refused until heartbeats time the dead connection out.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            raise zmq.ZMQError(exc.errno, f"{name}: cannot bind {bind!r}: {exc.strerror}") from exc
+        return sock, bound_endpoint(sock)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def make_dealer(
+    ctx: zmq.Context[_SocketT],
+    connect: str,
+    *,
+    identity: bytes,
+    send_hwm_messages: int = SEND_HWM_MESSAGES,
+    recv_hwm_messages: int = RECV_HWM_MESSAGES,
+    max_message_bytes: int = MAX_FRAME_BYTES,
+    linger_ms: int = LINGER_MS,
+) -> _SocketT:
+    """Create a DEALER with routing ``identity`` connected to ``connect``.
+
+    The identity is what the peer ROUTER sees (and addresses replies to), so it must be stable
+    and unique among that ROUTER's peers, e.g. ``b"backend-0"``.
+    """
+    if not identity or len(identity) > _MAX_IDENTITY_BYTES or identity[0] == 0:
+        raise ValueError(
+            f"identity must be 1..{_MAX_IDENTITY_BYTES} bytes not starting with a zero byte, "
+            f"got {identity!r}"
+        )
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        _apply_common_options(
+            sock,
+            send_hwm_messages=send_hwm_messages,
+            recv_hwm_messages=recv_hwm_messages,
+            max_message_bytes=max_message_bytes,
+            linger_ms=linger_ms,
+        )
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(connect)
+        return sock
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def bound_endpoint(sock: zmq.Socket[Any]) -> str:
+    """The endpoint the socket last bound, with the real port for ``tcp://host:0``."""
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()
+
+
+def typed_send_error(exc: zmq.ZMQError, peer: bytes | None) -> Exception:
+    """The typed error for a failed send: ROUTER_MANDATORY's EHOSTUNREACH becomes
+    ``UnroutableError`` naming the peer; anything else is returned unchanged.
+
+    A function rather than a context manager because it sits on the send hot path, where a
+    ``with`` block would cost more than the send. Use it as
+    ``raise typed_send_error(exc, peer) from exc``.
+    """
+    if exc.errno == errno.EHOSTUNREACH:
+        return UnroutableError(f"peer {peer!r} is not connected")
+    return exc
+
+
+class IpcDir:
+    """A private (0700) temporary directory for ``ipc://`` endpoints, removed on exit.
+
+    Use as a context manager or call ``close()``. ``base`` defaults to the system temp dir; keep it
+    short, because a Unix socket path may not exceed 107 bytes.
+    """
+
+    def __init__(self, base: str | os.PathLike[str] | None = None, *, prefix: str = "zserve-"):
+        # mkdtemp creates the directory readable and writable by its owner only (0700), so no
+        # other user can connect to or replace our sockets.
+        self.path: str = tempfile.mkdtemp(prefix=prefix, dir=base)
+        self._closed = False
+
+    def endpoint(self, name: str) -> str:
+        """``ipc://<dir>/<name>``; ``name`` is a plain file name such as ``"frontend-0"``."""
+        if not name or "/" in name or name in {".", ".."} or "\x00" in name:
+            raise ValueError(f"invalid ipc endpoint name {name!r}")
+        path = os.path.join(self.path, name)
+        if len(path.encode()) > _MAX_IPC_PATH_BYTES:
+            raise ValueError(
+                f"ipc path {path!r} exceeds {_MAX_IPC_PATH_BYTES} bytes; use a shorter base or name"
+            )
+        return f"ipc://{path}"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> IpcDir:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

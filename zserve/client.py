@@ -1,0 +1,498 @@
+"""The embeddable client: ``zserve.Client`` (sync, thread-safe) and ``zserve.AsyncClient``.
+
+::
+
+    with zserve.Client("ipc:///tmp/zs-x/frontend-0.client") as client:
+        outputs = client.infer("cnn", {"input": image[None]}, timeout=1.0)   # dict of arrays
+
+    async with zserve.AsyncClient(address) as client:
+        outputs = await client.infer("cnn", {"input": image[None]})
+        future = client.submit("cnn", {"input": image[None]})   # send now, await later
+        client.cancel(future)
+
+One connection (a DEALER) carries any number of requests in flight; replies are matched to
+requests by a per-connection id. A request's inputs are ``{input name: array}`` with a leading
+batch dimension of 1 (one request is one sample); numpy arrays, CPU or CUDA torch tensors and
+CuPy arrays are accepted (device arrays are staged to host once, by the codec). Outputs are
+read-only numpy arrays over the received frames (no copy); ``np.array(x)`` makes a writable one.
+
+Errors are typed (``zserve.errors``): every terminal answer the frontend sends becomes its
+``ZServeError`` subclass. ``infer`` retries automatically only when the error proves the request
+never ran and the condition is transient (``OVERLOADED``, ``UNAVAILABLE``), with full-jitter
+exponential backoff, at most ``max_retries`` times and never past the call's timeout. A call that
+gets no answer within its timeout raises ``DeadlineError`` (and cancels the request at the
+frontend); a lost connection to the frontend raises ``ConnectionLostError``.
+
+Nothing happens at import time: the socket is created on first use, and ``Client`` starts its
+one I/O thread then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import random
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.utils.monitor
+
+from zserve.errors import (
+    DeadlineError,
+    OverloadedError,
+    ProtocolError,
+    UnavailableError,
+    ZServeError,
+    error_from_wire,
+)
+from zserve.procutil import send_frames
+from zserve.transport import codec
+from zserve.transport.messages import CancelRequest, InferError, InferReply, InferRequest
+from zserve.transport.sockets import make_dealer
+
+Outputs = dict[str, np.ndarray[Any, Any]]
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_MAX_RETRIES = 3
+DEFAULT_BACKOFF_S = 0.005
+DEFAULT_BACKOFF_MAX_S = 0.25
+# Messages handled per receive pass before yielding to the loop.
+_RECV_BUDGET = 512
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+# CancelRequest id that cancels every request of the connection (sent by close()).
+CANCEL_ALL = -1
+_CLOSE_LINGER_MS = 200
+
+
+class ConnectionLostError(UnavailableError):
+    """The connection to the frontend broke while the request was in flight. Unlike a plain
+    ``UNAVAILABLE`` answer, the request may have run, so it is never retried automatically."""
+
+    @property
+    def may_have_run(self) -> bool:
+        return True
+
+    @property
+    def retryable(self) -> bool:
+        return False
+
+
+def to_host_array(value: Any) -> Any:
+    """numpy arrays pass through; torch tensors become numpy views (CUDA ones are copied to host
+    once); CuPy arrays pass through (the codec stages them); anything else goes to np.asarray."""
+    if isinstance(value, np.ndarray):
+        return value
+    module = type(value).__module__
+    if module.startswith("torch"):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        return tensor.numpy()
+    if module.startswith("cupy"):
+        return value
+    return np.asarray(value)
+
+
+def _inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"inputs must be a mapping of input name to array, got {type(inputs)}")
+    return {str(name): to_host_array(value) for name, value in inputs.items()}
+
+
+class AsyncClient:
+    """An asyncio client of one frontend. Use it from one event loop (the one that first uses
+    it). ``submit`` sends at once and returns a future (one attempt, no retry): an open-loop
+    load generator sends on schedule without awaiting replies."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
+        seed: int | None = None,
+        ctx: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._rng = random.Random(seed)
+        self._ctx = ctx
+        self._own_ctx = ctx is None
+        self._sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future[Outputs]] = {}
+        self._drain_scheduled = False
+        self._closed = False
+        self.retries = 0  # automatic retries made (for reports)
+        # Answers that matched no request in flight: late answers to requests this client gave
+        # up on (timeout, cancel), or a frontend bug (a second answer to one request).
+        self.unmatched_replies = 0
+
+    # ------------------------------------------------------------------ connection
+
+    def _ensure(self) -> zmq.Socket[Any]:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        if self._sock is not None:
+            return self._sock
+        loop = asyncio.get_running_loop()
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        identity = b"c" + os.urandom(8).hex().encode()
+        sock = make_dealer(self._ctx, self.address, identity=identity)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock = sock
+        self._loop = loop
+        loop.add_reader(sock.fileno(), self._on_readable)
+        loop.add_reader(self._monitor.fileno(), self._on_readable)
+        return sock
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    async def close(self) -> None:
+        """Cancel what is in flight at the frontend and close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            if self._futures:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send_multipart(codec.encode(CancelRequest(CANCEL_ALL)), zmq.NOBLOCK)
+            assert self._loop is not None and self._monitor is not None
+            for s in (sock, self._monitor):
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(s.fileno())
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._monitor.close(linger=0)
+            sock.close(linger=_CLOSE_LINGER_MS)
+            self._sock = None
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(UnavailableError("client closed"))
+        self._futures.clear()
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self, model: str, inputs: Mapping[str, Any], *, slo_ms: float = 0.0
+    ) -> asyncio.Future[Outputs]:
+        """Send one request now; the future resolves to its outputs or raises its typed error.
+        ``slo_ms`` (0: the model's SLO) may only tighten the model's SLO."""
+        sock = self._ensure()
+        assert self._loop is not None
+        request_id = next(self._ids)
+        future: asyncio.Future[Outputs] = self._loop.create_future()
+        frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
+        try:
+            send_frames(sock, frames)
+        except zmq.Again:
+            future.set_exception(OverloadedError("client send queue is full"))
+            return future
+        self._futures[request_id] = future
+        future.request_id = request_id  # type: ignore[attr-defined]
+        self._schedule_drain()
+        return future
+
+    def cancel(self, future: asyncio.Future[Outputs]) -> bool:
+        """Ask the frontend to cancel a submitted request. It is answered ``CancelledError`` if
+        it had not started, else it completes normally. False if it is no longer in flight."""
+        request_id = getattr(future, "request_id", None)
+        if request_id is None or request_id not in self._futures or self._sock is None:
+            return False
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart(codec.encode(CancelRequest(request_id)), zmq.NOBLOCK)
+        self._schedule_drain()
+        return True
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        slo_ms: float = 0.0,
+        max_retries: int | None = None,
+    ) -> Outputs:
+        """Run ``model`` on ``inputs`` and return its outputs; raises a typed ``ZServeError``.
+        ``timeout`` (seconds; default the client's) bounds the whole call, retries included."""
+        timeout = self.timeout if timeout is None else timeout
+        retries_left = self.max_retries if max_retries is None else max_retries
+        end = None if timeout is None else time.monotonic() + timeout
+        prepared = _inputs(inputs)
+        attempt = 0
+        while True:
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineError(f"no answer within the client timeout of {timeout} s")
+            attempt_slo = slo_ms
+            if remaining is not None:
+                # The server need not work for longer than the caller will wait.
+                attempt_slo = min(slo_ms or float("inf"), remaining * 1e3)
+            future = self.submit(model, prepared, slo_ms=attempt_slo)
+            # One timer per call (no extra task): on expiry it fails the future itself.
+            expiry = None
+            if remaining is not None and not future.done():
+                assert self._loop is not None
+                expiry = self._loop.call_later(remaining, self._expire, future, timeout)
+            try:
+                return await future
+            except asyncio.CancelledError:
+                self.cancel(future)  # the caller gave up: do not run it if it has not started
+                self._forget(future)
+                raise
+            except ZServeError as exc:
+                if not exc.retryable or retries_left <= 0:
+                    raise
+                retries_left -= 1
+                attempt += 1
+                self.retries += 1
+                delay = self._rng.uniform(0, min(self.backoff_max_s, self.backoff_s * 2**attempt))
+                if end is not None and time.monotonic() + delay >= end:
+                    raise
+                await asyncio.sleep(delay)
+            finally:
+                if expiry is not None:
+                    expiry.cancel()
+
+    def _expire(self, future: asyncio.Future[Outputs], timeout: float | None) -> None:
+        if future.done():
+            return
+        self.cancel(future)  # tell the frontend, so it does not run a request nobody awaits
+        self._forget(future)
+        future.set_exception(DeadlineError(f"no answer within the client timeout of {timeout} s"))
+
+    def _forget(self, future: asyncio.Future[Outputs]) -> None:
+        request_id = getattr(future, "request_id", None)
+        if request_id is not None:
+            self._futures.pop(request_id, None)
+
+    # ------------------------------------------------------------------ receive
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._drain_scheduled = False
+        sock, monitor = self._sock, self._monitor
+        if sock is None or monitor is None:
+            return
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connection_lost()
+        for _ in range(_RECV_BUDGET):
+            # EVENTS first: cheaper than a receive failing with EAGAIN, and it rearms the FD.
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+        self._schedule_drain()
+
+    def _on_message(self, frames: list[Any]) -> None:
+        try:
+            msg = codec.decode(frames)
+        except ProtocolError:
+            return  # a broken reply cannot be matched to a request; its timeout answers it
+        if type(msg) is InferReply:
+            future = self._futures.pop(msg.request_id, None)
+            if future is None:
+                self.unmatched_replies += 1
+            elif not future.done():
+                future.set_result(msg.outputs)
+        elif type(msg) is InferError:
+            future = self._futures.pop(msg.request_id, None)
+            if future is None:
+                self.unmatched_replies += 1
+            elif not future.done():
+                future.set_exception(error_from_wire(msg.error, msg.message))
+
+    def _connection_lost(self) -> None:
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(
+                    ConnectionLostError(f"connection to the frontend {self.address} was lost")
+                )
+
+
+def _copy_outcome(
+    source: asyncio.Future[Outputs], target: concurrent.futures.Future[Outputs]
+) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+class Client:
+    """A synchronous, thread-safe client: any number of threads may call ``infer`` and
+    ``submit`` at once over one connection. It runs one I/O thread with an event loop hosting
+    an ``AsyncClient``, started on first use and stopped by ``close()``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
+        seed: int | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._async = AsyncClient(
+            address,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
+            seed=seed,
+        )
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                thread = threading.Thread(target=run, name="zserve-client-io", daemon=True)
+                thread.start()
+                ready.wait()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        slo_ms: float = 0.0,
+        max_retries: int | None = None,
+    ) -> Outputs:
+        """Run ``model`` on ``inputs`` and return its outputs (see ``AsyncClient.infer``)."""
+        loop = self._ensure_loop()
+        coro = self._async.infer(
+            model, inputs, timeout=timeout, slo_ms=slo_ms, max_retries=max_retries
+        )
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def submit(
+        self, model: str, inputs: Mapping[str, Any], *, slo_ms: float = 0.0
+    ) -> concurrent.futures.Future[Outputs]:
+        """Send one request (one attempt); returns a ``concurrent.futures.Future``."""
+        loop = self._ensure_loop()
+        result: concurrent.futures.Future[Outputs] = concurrent.futures.Future()
+
+        def send() -> None:
+            try:
+                inner = self._async.submit(model, inputs, slo_ms=slo_ms)
+            except BaseException as exc:
+                result.set_exception(exc)
+                return
+            result.inner = inner  # type: ignore[attr-defined]
+            inner.add_done_callback(lambda done: _copy_outcome(done, result))
+
+        done = threading.Event()
+
+        def send_and_signal() -> None:
+            try:
+                send()
+            finally:
+                done.set()
+
+        loop.call_soon_threadsafe(send_and_signal)
+        done.wait()
+        return result
+
+    def cancel(self, future: concurrent.futures.Future[Outputs]) -> bool:
+        """Ask the frontend to cancel a request from ``submit`` (see ``AsyncClient.cancel``)."""
+        inner = getattr(future, "inner", None)
+        if inner is None or self._loop is None:
+            return False
+        outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._loop.call_soon_threadsafe(lambda: outcome.set_result(self._async.cancel(inner)))
+        return outcome.result()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._async.close(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,974 @@
+"""The frontend process: clients' entry point, input store, and the one place that answers them.
+
+Sockets (docs/runtime.md): a ``client`` ROUTER (clients' DEALERs connect), a ``data`` ROUTER
+(backends connect to fetch inputs and push outputs), a DEALER to every scheduler shard (request
+metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in) and the control DEALER.
+
+What it guarantees: every admitted request gets exactly one terminal answer (``InferReply`` or an
+``InferError``), because each one carries a deadline timer (one heap, one armed ``call_later``)
+that answers ``DEADLINE`` at ``arrival + slo`` if nothing else has; a backend that restarts (a new
+pid says ``Hello``) or leaves the ``BackendTable`` fails the requests it had fetched with
+``BACKEND_FAILED``. A request's inputs are kept until the backend that runs it fetches them, and
+are released when it is answered, cancelled, or its client disconnects (socket monitor events
+matched to the connection's file descriptor), so memory stays bounded by the admission limits.
+
+Event loop structure: the sockets are plain (sync) ZeroMQ sockets whose FDs are watched with
+``loop.add_reader``; one callback drains every socket without blocking (ZeroMQ's FD is
+edge-triggered, so every pass drains to EAGAIN and is re-run after sends). Admitted requests'
+metadata is coalesced into one ``RequestMetaBatch`` per shard per event-loop tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import heapq
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+import zmq.utils.monitor
+
+from zserve import procutil
+from zserve.config import ClusterConfig, ModelConfig, load_config, role_config, shard_for_model
+from zserve.errors import ErrorKind, ProtocolError
+from zserve.transport import codec
+from zserve.transport.messages import (
+    BackendTable,
+    BatchFailed,
+    BatchOutputs,
+    CancelRequest,
+    DropNotice,
+    Hello,
+    InferError,
+    InferReply,
+    InferRequest,
+    InputFetch,
+    InputReply,
+    Message,
+    RequestMetaBatch,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.sockets import make_dealer, make_router
+
+log = logging.getLogger("zserve.frontend")
+
+# Messages handled per socket per pass before yielding to the loop (so the per-tick metadata
+# flush and timers run between bursts).
+RECV_BUDGET = 256
+# Hop latency samples kept for stats (a ring; percentiles over the most recent ones).
+HOP_SAMPLES = 8192
+# Malformed messages: log the first few in full, then one line per this many.
+MALFORMED_LOG_FIRST = 10
+MALFORMED_LOG_EVERY = 1000
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+# Request ids carry the frontend's index in their low digits (see Frontend.__init__).
+MAX_FRONTENDS = 1024
+# Timer slack: answer deadlines that fall due within this much of now in the same pass.
+TIMER_SLACK_S = 0.0005
+
+_QUEUED = 0  # inputs held, waiting for a backend to fetch them
+_FETCHED = 1  # a backend holds the inputs; the request may be running
+
+
+class _Pending:
+    """One admitted request, from admission to its terminal answer."""
+
+    __slots__ = (
+        "answer_by",
+        "arrival",
+        "backend",
+        "client",
+        "client_rid",
+        "fetched_at",
+        "inputs",
+        "model",
+        "owner",
+        "rid",
+        "state",
+    )
+
+    def __init__(  # noqa: PLR0917
+        self,
+        rid: int,
+        client: bytes,
+        client_rid: int,
+        model: str,
+        inputs: dict[str, Any] | None,
+        arrival: float,
+        answer_by: float,
+    ) -> None:
+        self.rid = rid
+        self.owner = client  # the client connection's identity (index key)
+        self.client: bytes | None = client  # None once the client is gone: answer nobody
+        self.client_rid = client_rid
+        self.model = model
+        self.inputs = inputs
+        self.arrival = arrival
+        self.answer_by = answer_by
+        self.state = _QUEUED
+        self.backend = ""
+        self.fetched_at = 0.0
+
+
+class _ModelState:
+    """Per-model admission state: the queued bound and the predicted-wait bound."""
+
+    __slots__ = (
+        "_capacity",
+        "_profile",
+        "config",
+        "max_queue",
+        "pending",
+        "shard",
+        "signature",
+        "wait_bound_s",
+    )
+
+    def __init__(self, config: ModelConfig, shard: int, signature: Any) -> None:
+        self.config = config
+        self.shard = shard
+        self.signature = signature
+        self.max_queue = config.max_queue
+        self.wait_bound_s = config.wait_bound_ms / 1e3
+        self.pending = 0
+        self._capacity: dict[int, float] = {}
+        self._profile = _load_profile(config)
+
+    @property
+    def profile(self) -> Any:
+        return self._profile
+
+    @profile.setter
+    def profile(self, value: Any) -> None:
+        self._profile = value
+        self._capacity.clear()
+
+    def capacity_rps(self, gpus: int) -> float:
+        """The analytic throughput of ``gpus`` coordinated GPUs at this model's SLO (DESIGN
+        section 3): b = the largest batch with l(b) * (1 + 1/N) <= SLO; N * b / l(b)."""
+        capacity = self._capacity.get(gpus)
+        if capacity is None:
+            capacity = math.inf
+            if self._profile is not None and gpus > 0:
+                budget = self.config.slo_ms / 1e3 / (1.0 + 1.0 / gpus)
+                batch = max(1, self._profile.largest_batch_within(budget))
+                capacity = gpus * batch / self._profile.latency(batch)
+            self._capacity[gpus] = capacity
+        return capacity
+
+
+def _load_profile(config: ModelConfig) -> Any:
+    from zserve.scheduler.profiles import LatencyProfile, load_profiles
+
+    if config.alpha_ms is not None and config.beta_ms is not None:
+        return LatencyProfile.linear(config.alpha_ms, config.beta_ms, config.max_batch)
+    if config.profile:
+        try:
+            return load_profiles(config.profile).get(config.name)
+        except (OSError, ValueError) as exc:
+            log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
+    return None
+
+
+def model_signature(config: ModelConfig) -> Any:
+    """The ``ModelSignature`` requests for ``config`` are validated against (read without ONNX
+    Runtime), or None when it cannot be read here (then the backend validates)."""
+    try:
+        if config.kind == "emulated":
+            from zserve.backends.emulated import EmulatedModel
+
+            assert config.alpha_ms is not None and config.beta_ms is not None
+            return EmulatedModel(
+                config.name,
+                config.alpha_ms,
+                config.beta_ms,
+                max_batch=config.max_batch,
+                input_shape=config.input_shape,
+                input_dtype=config.input_dtype,
+                output_shape=config.output_shape,
+            ).signature
+        from zserve.backends.builtin import ensure_builtin
+        from zserve.backends.onnx_executor import read_signature
+
+        path = ensure_builtin(config.builtin) if config.builtin else config.onnx
+        assert path is not None
+        return read_signature(path, config.name)
+    except Exception as exc:
+        log.warning("model %s: no signature at the frontend (%s); backends validate", config.name,
+                    exc)
+        return None
+
+
+class _HopStats:
+    """Latency samples of one hop, in seconds, in a bounded ring."""
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[float] = collections.deque(maxlen=HOP_SAMPLES)
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"count": 0}
+        values = np.fromiter(self.samples, dtype=np.float64) * 1e3
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return {
+            "count": len(values),
+            "mean_ms": float(values.mean()),
+            "p50_ms": float(p50),
+            "p90_ms": float(p90),
+            "p99_ms": float(p99),
+        }
+
+
+class Frontend:
+    """The frontend's state and handlers. ``run_frontend`` drives it; tests may too."""
+
+    def __init__(self, config: dict[str, Any], ctx: zmq.Context[Any]) -> None:
+        self.name: str = config["name"]
+        self.cluster = ClusterConfig.from_dict(config["cluster"])
+        self.ctx = ctx
+        self.bind_addresses: dict[str, str] = config["bind"]
+        self.reply_allowance_s = self.cluster.frontends.reply_allowance_ms / 1e3
+        self.max_request_bytes = self.cluster.frontends.max_request_bytes
+        shards = self.cluster.scheduler.shards
+        self.models: dict[str, _ModelState] = {
+            m.name: _ModelState(m, shard_for_model(m.name, shards), model_signature(m))
+            for m in self.cluster.models
+        }
+        self.pending: dict[int, _Pending] = {}
+        self.by_client: dict[bytes, dict[int, int]] = {}
+        self.fetched_by: dict[str, set[int]] = {}
+        self.backend_pids: dict[str, int] = {}
+        self.backend_models: dict[str, list[str]] | None = None  # from rank's BackendTable
+        self.gpus_for_model: dict[str, int] = {}
+        # Request ids are unique across the cluster's frontends, not only within this one:
+        # id = seq * MAX_FRONTENDS + frontend index, so a batch that mixes frontends never holds
+        # two requests with one id (a backend may key a plan's inputs by id alone).
+        self.rid_stride = MAX_FRONTENDS
+        self.next_rid = MAX_FRONTENDS + int(config.get("index", 0)) % MAX_FRONTENDS
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.hops = {
+            "admit_to_fetch": _HopStats(),
+            "fetch_to_outputs": _HopStats(),
+            "admit_to_answer": _HopStats(),
+        }
+        # Per-shard metadata of this tick (struct of arrays), flushed once per tick.
+        nshards = self.cluster.scheduler_processes
+        self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
+            ([], [], [], []) for _ in range(nshards)
+        ]
+        self._flush_scheduled = False
+        self._drain_scheduled = False
+        self._closed = False
+        self._timers: list[tuple[float, int]] = []
+        self._timer_handle: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        # Client connections: fd -> identities seen on it, identity -> fd.
+        self._fd_clients: dict[int, set[bytes]] = {}
+        self._client_fd: dict[bytes, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.client_sock: zmq.Socket[Any] | None = None
+        self.data_sock: zmq.Socket[Any] | None = None
+        self.monitor_sock: zmq.Socket[Any] | None = None
+        self.shard_socks: list[zmq.Socket[Any] | None] = [None] * nshards
+        self.rank_sock: zmq.Socket[Any] | None = None
+        self.endpoints: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def bind(self) -> dict[str, str]:
+        self.client_sock, client_ep = make_router(
+            self.ctx, self.bind_addresses["client"], name=f"{self.name} client"
+        )
+        self.data_sock, data_ep = make_router(
+            self.ctx, self.bind_addresses["data"], name=f"{self.name} data"
+        )
+        self.monitor_sock = self.client_sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
+        self.endpoints = {"client": client_ep, "data": data_ep}
+        return self.endpoints
+
+    def connect(self, peers: dict[str, str]) -> None:
+        """Connect to the shards and rank named in the peer map."""
+        identity = self.name.encode()
+        hello = Hello(role="frontend", name=self.name, pid=os.getpid())
+        shard_eps = procutil.endpoints_of(peers, "shard")
+        for index in range(len(self.shard_socks)):
+            address = shard_eps.get(f"shard-{index}")
+            if address is None:
+                log.error("%s: no address for shard-%d: its models are unavailable",
+                          self.name, index)
+                continue
+            sock = make_dealer(self.ctx, address, identity=identity)
+            codec.sync_send(sock, hello)
+            self.shard_socks[index] = sock
+        rank_eps = procutil.endpoints_of(peers, "rank")
+        rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
+        if rank_address is not None:
+            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
+            codec.sync_send(self.rank_sock, hello)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        for sock in self._sockets():
+            loop.add_reader(sock.fileno(), self._on_readable)
+        self._schedule_drain()
+
+    def _sockets(self) -> list[zmq.Socket[Any]]:
+        socks = [self.monitor_sock, self.data_sock, *self.shard_socks, self.rank_sock]
+        socks.append(self.client_sock)
+        return [s for s in socks if s is not None]
+
+    def close(self) -> None:
+        self._closed = True  # a drain pass already scheduled must not touch closed sockets
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        for sock in self._sockets():
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(sock.fileno())
+        if self.client_sock is not None and self.monitor_sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.client_sock.disable_monitor()
+        for sock in self._sockets():
+            sock.close(linger=procutil.CLOSE_LINGER_MS)
+
+    # ------------------------------------------------------------------ receive
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._drain_scheduled = False
+        if self._closed:
+            return
+        more = False
+        if self.monitor_sock is not None:
+            more |= self._drain(self.monitor_sock, self._on_monitor_event, router=False)
+        if self.data_sock is not None:
+            more |= self._drain(self.data_sock, self._on_data, router=True)
+        for sock in self.shard_socks:
+            if sock is not None:
+                more |= self._drain(sock, self._on_shard, router=False)
+        if self.rank_sock is not None:
+            more |= self._drain(self.rank_sock, self._on_rank, router=False)
+        if self.client_sock is not None:
+            more |= self._drain(self.client_sock, self._on_client, router=True)
+        if more:
+            self._schedule_drain()
+
+    def _drain(
+        self,
+        sock: zmq.Socket[Any],
+        handler: Callable[[list[Any]], None],
+        *,
+        router: bool,
+    ) -> bool:
+        """Handle up to RECV_BUDGET messages; True if the socket may hold more. Asking
+        ``EVENTS`` first is the documented way to consume ZeroMQ's edge-triggered FD, and it is
+        several times cheaper than a receive that fails with EAGAIN."""
+        for _ in range(RECV_BUDGET):
+            try:
+                if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                    return False
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            except zmq.ZMQError as exc:
+                log.warning("%s: receive failed: %s", self.name, exc)
+                return False
+            try:
+                handler(frames)
+            except Exception:
+                self.counters["handler_errors"] += 1
+                log.exception("%s: handler failed", self.name)
+        return True
+
+    def _malformed(self, where: str, exc: Exception) -> None:
+        self.counters["malformed"] += 1
+        count = self.counters["malformed"]
+        if count <= MALFORMED_LOG_FIRST or count % MALFORMED_LOG_EVERY == 0:
+            log.warning("%s: malformed message on %s (%d so far): %s", self.name, where, count, exc)
+
+    # ------------------------------------------------------------------ clients
+
+    def _on_client(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._malformed("client", ProtocolError("no header frame"))
+            return
+        identity = frames[0].bytes
+        try:  # the connection's file descriptor, to match disconnect events to clients
+            fd = int(frames[1].get(zmq.SRCFD))
+        except (zmq.ZMQError, TypeError, ValueError):
+            fd = -1
+        if self._client_fd.get(identity) != fd:
+            self._client_fd[identity] = fd
+            self._fd_clients.setdefault(fd, set()).add(identity)
+        try:
+            msg = codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._malformed("client", exc)
+            request_id = _recover_request_id(frames[1])
+            if request_id is not None:
+                kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
+                    ErrorKind.BAD_REQUEST
+                )
+                self._send_client(identity, InferError(request_id, kind.value, str(exc)))
+            return
+        if type(msg) is InferRequest:
+            self._on_infer(identity, msg)
+        elif type(msg) is CancelRequest:
+            self._on_cancel(identity, msg.request_id)
+        elif type(msg) is StatsRequest:  # counters for a frontend started without supervisor
+            self._send_client(identity, StatsReply(self.name, self.stats(msg.reset)))
+        elif type(msg) is Hello:
+            pass
+        else:
+            self._malformed("client", ProtocolError(f"unexpected {type(msg).__name__}"))
+
+    def _reject(self, identity: bytes, request_id: int, kind: ErrorKind, message: str) -> None:
+        self.counters[f"rejected_{kind.value}"] += 1
+        self._send_client(identity, InferError(request_id, kind.value, message))
+
+    def _on_infer(self, identity: bytes, req: InferRequest) -> None:
+        self.counters["received"] += 1
+        model = self.models.get(req.model)
+        if model is None:
+            self._reject(identity, req.request_id, ErrorKind.BAD_REQUEST,
+                         f"unknown model {req.model!r}")
+            return
+        if self.draining:
+            self._reject(identity, req.request_id, ErrorKind.SHUTTING_DOWN,
+                         f"frontend {self.name} is shutting down")
+            return
+        client_reqs = self.by_client.get(identity)
+        if client_reqs is not None and req.request_id in client_reqs:
+            self._reject(identity, req.request_id, ErrorKind.BAD_REQUEST,
+                         f"request id {req.request_id} is already in flight on this connection")
+            return
+        nbytes = sum(int(a.nbytes) for a in req.inputs.values())
+        if nbytes > self.max_request_bytes:
+            self._reject(identity, req.request_id, ErrorKind.TOO_LARGE,
+                         f"inputs of {nbytes} bytes exceed {self.max_request_bytes}")
+            return
+        if model.signature is not None:
+            try:
+                model.signature.validate_request(req.inputs)
+            except Exception as exc:
+                self._reject(identity, req.request_id, ErrorKind.BAD_REQUEST, str(exc))
+                return
+        if req.slo_ms < 0 or not math.isfinite(req.slo_ms):
+            self._reject(identity, req.request_id, ErrorKind.BAD_REQUEST,
+                         f"slo_ms must be >= 0, got {req.slo_ms}")
+            return
+        if self.shard_socks[model.shard] is None:
+            self._reject(identity, req.request_id, ErrorKind.UNAVAILABLE,
+                         f"scheduler shard {model.shard} is not reachable")
+            return
+        gpus = self.gpus_for_model.get(req.model, -1)
+        if gpus == 0:
+            self._reject(identity, req.request_id, ErrorKind.UNAVAILABLE,
+                         f"no backend serves model {req.model!r}")
+            return
+        if model.pending >= model.max_queue:
+            self._reject(identity, req.request_id, ErrorKind.OVERLOADED,
+                         f"model {req.model!r}: {model.pending} requests queued "
+                         f"(limit {model.max_queue})")
+            return
+        if gpus < 0:
+            gpus = self.cluster.backends.total
+        predicted_wait_s = model.pending / model.capacity_rps(gpus)
+        if predicted_wait_s > model.wait_bound_s:
+            self._reject(identity, req.request_id, ErrorKind.OVERLOADED,
+                         f"model {req.model!r}: predicted wait {predicted_wait_s * 1e3:.1f} ms "
+                         f"exceeds {model.wait_bound_s * 1e3:.1f} ms")
+            return
+        slo_s = model.config.slo_ms / 1e3
+        if req.slo_ms > 0:
+            slo_s = min(slo_s, req.slo_ms / 1e3)
+        arrival = time.monotonic()
+        answer_by = arrival + slo_s
+        deadline = answer_by - self.reply_allowance_s
+        rid = self.next_rid
+        self.next_rid += self.rid_stride
+        self.pending[rid] = _Pending(
+            rid, identity, req.request_id, req.model, req.inputs, arrival, answer_by
+        )
+        if client_reqs is None:
+            client_reqs = self.by_client[identity] = {}
+        client_reqs[req.request_id] = rid
+        model.pending += 1
+        self.idle.clear()
+        self.counters["admitted"] += 1
+        self._push_timer(answer_by, rid)
+        ids, models, arrivals, deadlines = self._meta[model.shard]
+        ids.append(rid)
+        models.append(req.model)
+        arrivals.append(arrival)
+        deadlines.append(deadline)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush_meta)
+
+    def _on_cancel(self, identity: bytes, client_rid: int) -> None:
+        client_reqs = self.by_client.get(identity)
+        if not client_reqs:
+            return
+        if client_rid < 0:  # cancel everything this connection has in flight (client close)
+            for rid in list(client_reqs.values()):
+                self._cancel(rid, answer=False)
+            return
+        target = client_reqs.get(client_rid)
+        if target is not None:
+            self._cancel(target, answer=True)
+
+    def _cancel(self, rid: int, *, answer: bool) -> None:
+        """Cancel a request that has not started; one that has runs on and is answered."""
+        p = self.pending.get(rid)
+        if p is None:
+            return
+        if p.state == _QUEUED:
+            self.counters["cancelled"] += 1
+            if answer:
+                self._answer_error(p, ErrorKind.CANCELLED, "cancelled by the client")
+            else:
+                p.client = None
+                self._finish(p)
+        elif not answer:
+            p.client = None  # started: let it finish, answer nobody
+
+    def _on_monitor_event(self, frames: list[Any]) -> None:
+        event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        fd = event["value"]
+        for identity in self._fd_clients.pop(fd, ()):
+            if self._client_fd.get(identity) != fd:
+                continue
+            del self._client_fd[identity]
+            self._client_gone(identity)
+
+    def _client_gone(self, identity: bytes) -> None:
+        client_reqs = self.by_client.get(identity)
+        if not client_reqs:
+            return
+        self.counters["client_disconnects"] += 1
+        for rid in list(client_reqs.values()):
+            p = self.pending.get(rid)
+            if p is None:
+                continue
+            if p.state == _QUEUED:
+                self.counters["disconnect_cancelled"] += 1
+            p.client = None
+            if p.state == _QUEUED:
+                self._finish(p)
+        self.by_client.pop(identity, None)
+
+    # ------------------------------------------------------------------ answers
+
+    def _send_client(self, identity: bytes, msg: Message) -> bool:
+        assert self.client_sock is not None
+        frames: list[Any] = codec.encode(msg)
+        frames.insert(0, identity)
+        try:
+            procutil.send_frames(self.client_sock, frames)
+        except zmq.Again:
+            self.counters["reply_dropped_hwm"] += 1
+            return False
+        except zmq.ZMQError as exc:
+            self.counters["reply_unroutable"] += 1
+            log.debug("%s: reply to a gone client: %s", self.name, exc)
+            self._client_gone(identity)
+            return False
+        return True
+
+    def _finish(self, p: _Pending) -> None:
+        """Forget a request: release its inputs and every index entry."""
+        del self.pending[p.rid]
+        p.inputs = None
+        model = self.models[p.model]
+        model.pending -= 1
+        if p.state == _FETCHED:
+            fetched = self.fetched_by.get(p.backend)
+            if fetched is not None:
+                fetched.discard(p.rid)
+        client_reqs = self.by_client.get(p.owner)
+        if client_reqs is not None and client_reqs.get(p.client_rid) == p.rid:
+            del client_reqs[p.client_rid]
+            if not client_reqs:
+                del self.by_client[p.owner]
+        if not self.pending:
+            self.idle.set()
+
+    def _answer_error(self, p: _Pending, kind: ErrorKind, message: str) -> None:
+        client = p.client
+        self._finish(p)
+        self.counters[f"error_{kind.value}"] += 1
+        if client is not None:
+            self._send_client(client, InferError(p.client_rid, kind.value, message))
+            self.hops["admit_to_answer"].samples.append(time.monotonic() - p.arrival)
+
+    def _answer_outputs(self, p: _Pending, outputs: dict[str, Any]) -> None:
+        client = p.client
+        self._finish(p)
+        self.counters["replied"] += 1
+        if client is not None:
+            self._send_client(client, InferReply(p.client_rid, outputs))
+            self.hops["admit_to_answer"].samples.append(time.monotonic() - p.arrival)
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _flush_meta(self) -> None:
+        self._flush_scheduled = False
+        if self._closed:
+            return
+        data_address = self.endpoints["data"]
+        for shard, (ids, models, arrivals, deadlines) in enumerate(self._meta):
+            if not ids:
+                continue
+            self._meta[shard] = ([], [], [], [])
+            sock = self.shard_socks[shard]
+            msg = RequestMetaBatch(data_address, ids, models, arrivals, deadlines)
+            try:
+                assert sock is not None
+                procutil.send_frames(sock, codec.encode(msg))
+                self.counters["meta_batches"] += 1
+            except (zmq.ZMQError, AssertionError) as exc:
+                self.counters["meta_send_failed"] += 1
+                for rid in ids:
+                    p = self.pending.get(rid)
+                    if p is not None:
+                        self._answer_error(p, ErrorKind.UNAVAILABLE,
+                                           f"scheduler shard {shard} is not accepting: {exc}")
+        self._schedule_drain()
+
+    def _on_shard(self, frames: list[Any]) -> None:
+        try:
+            msg = codec.decode(frames)
+        except ProtocolError as exc:
+            self._malformed("shard", exc)
+            return
+        if type(msg) is DropNotice:
+            kind = _error_kind(msg.error)
+            for rid in msg.request_ids:
+                p = self.pending.get(rid)
+                if p is not None:
+                    self.counters["dropped_by_scheduler"] += 1
+                    self._answer_error(p, kind, msg.message)
+        elif type(msg) is BackendTable:
+            self._on_backend_table(msg)
+        else:
+            self.counters["ignored"] += 1
+
+    def _on_rank(self, frames: list[Any]) -> None:
+        try:
+            msg = codec.decode(frames)
+        except ProtocolError as exc:
+            self._malformed("rank", exc)
+            return
+        if type(msg) is BackendTable:
+            self._on_backend_table(msg)
+        elif type(msg) is DropNotice:
+            self._on_shard(frames)
+        else:
+            self.counters["ignored"] += 1
+
+    def _on_backend_table(self, msg: BackendTable) -> None:
+        table = dict(zip(msg.names, msg.models, strict=False))
+        previous = self.backend_models or {}
+        self.backend_models = table
+        for name in previous:
+            if name not in table:
+                self._backend_failed(name, "backend left the cluster")
+        counts: dict[str, int] = dict.fromkeys(self.models, 0)
+        for models in table.values():
+            for model in models:
+                if model in counts:
+                    counts[model] += 1
+        self.gpus_for_model = counts
+        # Models without a configured profile use the one their backends measured.
+        for profiles in msg.profiles_ms:
+            for model, table_ms in profiles.items():
+                state = self.models.get(model)
+                if state is not None and state.profile is None and table_ms:
+                    from zserve.scheduler.profiles import LatencyProfile
+
+                    with contextlib.suppress(ValueError):
+                        state.profile = LatencyProfile.from_table_ms(table_ms)
+
+    def _backend_failed(self, backend: str, why: str) -> None:
+        rids = self.fetched_by.pop(backend, set())
+        for rid in list(rids):
+            p = self.pending.get(rid)
+            if p is not None and p.state == _FETCHED and p.backend == backend:
+                self._answer_error(p, ErrorKind.BACKEND_FAILED, f"{backend}: {why}")
+
+    # ------------------------------------------------------------------ backends
+
+    def _on_data(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._malformed("data", ProtocolError("no header frame"))
+            return
+        identity = frames[0].bytes
+        try:
+            msg = codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._malformed("data", exc)
+            return
+        if type(msg) is InputFetch:
+            self._on_fetch(identity, msg)
+        elif type(msg) is BatchOutputs:
+            self._on_outputs(msg)
+        elif type(msg) is BatchFailed:
+            self._on_batch_failed(msg)
+        elif type(msg) is Hello:
+            self._on_backend_hello(msg)
+        else:
+            self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
+
+    def on_control_message(self, msg: Message) -> None:
+        """The supervisor says a backend's process died (``Hello`` with pid 0): the requests
+        that backend had fetched are answered ``BACKEND_FAILED`` now, not at their deadline."""
+        if type(msg) is Hello and msg.role == "backend":
+            self._on_backend_hello(msg)
+            self._schedule_drain()  # answers were sent from outside the socket callbacks
+
+    def _on_backend_hello(self, msg: Hello) -> None:
+        previous = self.backend_pids.get(msg.name)
+        self.backend_pids[msg.name] = msg.pid
+        if previous is not None and previous != msg.pid:
+            self._backend_failed(msg.name, "backend restarted")
+
+    def _on_fetch(self, identity: bytes, msg: InputFetch) -> None:
+        backend = identity.decode(errors="replace")
+        now = time.monotonic()
+        ids: list[int] = []
+        inputs: list[dict[str, Any]] = []
+        missing: list[int] = []
+        fetched = self.fetched_by.setdefault(backend, set())
+        hop = self.hops["admit_to_fetch"].samples
+        for rid in msg.request_ids:
+            p = self.pending.get(rid)
+            if p is None or p.state != _QUEUED or p.inputs is None or p.client is None:
+                missing.append(rid)
+                continue
+            ids.append(rid)
+            inputs.append(p.inputs)
+            p.inputs = None  # the backend has them now; the send below holds the frames
+            p.state = _FETCHED
+            p.backend = backend
+            p.fetched_at = now
+            fetched.add(rid)
+            hop.append(now - p.arrival)
+        reply = InputReply(msg.plan_id, ids, inputs, missing)
+        frames: list[Any] = codec.encode(reply)
+        frames.insert(0, identity)
+        assert self.data_sock is not None
+        try:
+            procutil.send_frames(self.data_sock, frames)
+        except zmq.ZMQError as exc:
+            self.counters["fetch_reply_failed"] += 1
+            for rid in ids:
+                p = self.pending.get(rid)
+                if p is not None:
+                    self._answer_error(p, ErrorKind.BACKEND_FAILED,
+                                       f"cannot send inputs to {backend}: {exc}")
+        self.counters["fetches"] += 1
+        self.counters["fetch_missing"] += len(missing)
+
+    def _on_outputs(self, msg: BatchOutputs) -> None:
+        now = time.monotonic()
+        hop = self.hops["fetch_to_outputs"].samples
+        for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
+            p = self.pending.get(rid)
+            if p is None:
+                self.counters["late_outputs"] += 1
+                continue
+            if p.fetched_at:
+                hop.append(now - p.fetched_at)
+            self._answer_outputs(p, outputs)
+
+    def _on_batch_failed(self, msg: BatchFailed) -> None:
+        kind = _error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.pending.get(rid)
+            if p is not None:
+                self._answer_error(p, kind, msg.message)
+
+    # ------------------------------------------------------------------ deadline timers
+
+    def _push_timer(self, at: float, rid: int) -> None:
+        heapq.heappush(self._timers, (at, rid))
+        if at < self._timer_at:
+            self._arm_timer(at)
+
+    def _arm_timer(self, at: float) -> None:
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        assert self._loop is not None
+        self._timer_at = at
+        self._timer_handle = self._loop.call_later(max(0.0, at - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer_handle = None
+        self._timer_at = math.inf
+        now = time.monotonic() + TIMER_SLACK_S
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            at, rid = heapq.heappop(timers)
+            p = self.pending.get(rid)
+            if p is not None and p.answer_by == at:
+                self.counters["deadline_timer"] += 1
+                where = "running on " + p.backend if p.state == _FETCHED else "queued"
+                self._answer_error(p, ErrorKind.DEADLINE,
+                                   f"no answer within the SLO (request was {where})")
+        # Lazy deletion: entries of answered requests are skipped above; compact when the heap
+        # is mostly stale so it stays proportional to the pending requests.
+        if len(timers) > 1024 and len(timers) > 4 * len(self.pending):
+            self._timers = [(p.answer_by, p.rid) for p in self.pending.values()]
+            heapq.heapify(self._timers)
+            timers = self._timers
+        if timers:
+            self._arm_timer(timers[0][0])
+        self._schedule_drain()
+
+    # ------------------------------------------------------------------ drain and stats
+
+    def answer_all(self, kind: ErrorKind, message: str) -> None:
+        for p in list(self.pending.values()):
+            self._answer_error(p, kind, message)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "pending": len(self.pending),
+            "draining": self.draining,
+            "clients": len(self.by_client),
+            "backends": sorted(self.backend_models or {}),
+            "fetched_by": {name: len(ids) for name, ids in self.fetched_by.items() if ids},
+            "counters": dict(self.counters),
+            "hops": {name: hop.summary() for name, hop in self.hops.items()},
+            "models": {name: m.pending for name, m in self.models.items()},
+        }
+        if reset:
+            self.counters.clear()
+            for hop in self.hops.values():
+                hop.samples.clear()
+        return out
+
+
+def _error_kind(value: str) -> ErrorKind:
+    try:
+        return ErrorKind(value)
+    except ValueError:
+        return ErrorKind.INTERNAL
+
+
+def _recover_request_id(header: Any) -> int | None:
+    """The request id of a malformed client message, if its header still names one."""
+    try:
+        data = header.bytes if isinstance(header, zmq.Frame) else bytes(header)
+        if len(data) > 4096:
+            data = data[:4096]
+        unpacker = msgpack.Unpacker(max_buffer_size=8192, raw=False, strict_map_key=False)
+        unpacker.feed(data)
+        size = unpacker.read_array_header()
+        if size < 2:
+            return None
+        unpacker.skip()
+        value = unpacker.unpack()
+    except Exception:
+        return None
+    return value if type(value) is int else None
+
+
+# --------------------------------------------------------------------------- process entry
+
+
+async def _serve(config: dict[str, Any], control_address: str | None) -> int:
+    loop = asyncio.get_running_loop()
+    ctx: zmq.Context[Any] = zmq.Context()
+    actx = zmq.asyncio.Context.shadow(ctx)
+    frontend = Frontend(config, ctx)
+    control = await procutil.ControlLink.open(
+        actx,
+        control_address,
+        role="frontend",
+        name=frontend.name,
+        stats=frontend.stats,
+        drain_s=frontend.cluster.drain_s,
+        peers=config.get("peers"),
+        on_message=frontend.on_control_message,
+    )
+    try:
+        endpoints = frontend.bind()
+        log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
+        peers = await control.ready(endpoints)
+        frontend.connect(peers)
+        frontend.start(loop)
+        await control.drain.wait()
+        frontend.draining = True
+        drain_s = control.drain.drain_s
+        log.info("%s: draining (%s), %d in flight, up to %.1f s", frontend.name,
+                 control.drain.reason, len(frontend.pending), drain_s)
+        await control.drain.grace(frontend.idle)
+        frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
+        log.info("%s: stopped; counters %s", frontend.name, dict(frontend.counters))
+    finally:
+        frontend.close()
+        await control.close()
+        ctx.term()
+    return 0
+
+
+def run_frontend(config: dict[str, Any], control_address: str | None) -> int:
+    """Process entry point (docs/runtime.md)."""
+    return procutil.run_role(_serve(config, control_address), name=config["name"])
+
+
+def main(argv: list[str]) -> int:
+    """``zserve frontend --config CLUSTER.toml --index N``: run one frontend on its own; its
+    peers' addresses come from the file, overridden by the flags."""
+    parser = argparse.ArgumentParser(prog="zserve frontend", description=main.__doc__)
+    parser.add_argument("--config", required=True, help="cluster.toml")
+    parser.add_argument("--index", type=int, default=0, help="which frontend (default 0)")
+    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
+    parser.add_argument("--client", help="bind the client socket here")
+    parser.add_argument("--data", help="bind the data socket here")
+    parser.add_argument("--rank", help="the rank's address")
+    parser.add_argument("--shard", action="append", default=[],
+                        help="a scheduler shard's address, in shard order (repeat)")
+    args = parser.parse_args(argv)
+    cluster = load_config(args.config)
+    ipc_dir = args.ipc_dir or cluster.ipc_dir
+    config = role_config(cluster, "frontend", args.index, ipc_dir=ipc_dir,
+                         peers=cluster.static_peers(ipc_dir))
+    if args.client:
+        config["bind"]["client"] = args.client
+    if args.data:
+        config["bind"]["data"] = args.data
+    if args.rank:
+        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+    for index, address in enumerate(args.shard):
+        config["peers"][procutil.peer_key(f"shard-{index}", "shard")] = address
+    return run_frontend(config, args.control)

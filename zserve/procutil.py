@@ -1,0 +1,343 @@
+"""Process plumbing shared by every zserve role (frontend, scheduler shard, rank, backend).
+
+A role's entry point ``run_<role>(config, control_address)`` uses this module in four steps::
+
+    def run_backend(config: dict[str, Any], control_address: str | None) -> int:
+        return procutil.run_role(_main(config, control_address), name=config["name"])
+
+    async def _main(config, control_address) -> int:
+        ctx = zmq.asyncio.Context()
+        control = await procutil.ControlLink.open(
+            ctx, control_address, role="backend", name=config["name"], stats=my_stats
+        )                                              # also installs SIGTERM/SIGINT handlers
+        ...bind ROUTERs, load models...
+        peers = await control.ready({"plan": plan_endpoint})   # Ready handshake -> peer endpoints
+        ...connect to peers (procutil.endpoints_of(peers, "data") etc.), serve...
+        await control.drain.wait()                     # SIGTERM, SIGINT or Shutdown
+        ...stop admitting, finish in flight for up to control.drain.drain_s, answer the rest...
+        await control.close()
+        return 0
+
+API (kept small on purpose):
+
+- ``run_role(coro, name=...) -> int``: configure logging for a child process, install uvloop and
+  run ``coro`` to completion; returns its exit code (1 with the traceback logged on an exception).
+- ``ControlLink.open(ctx, control_address, *, role, name, stats=None, drain_s=5.0, peers=None,
+  on_message=None)``:
+  the control DEALER (identity = ``name``) to the supervisor's ``control`` ROUTER, or a detached
+  link when ``control_address`` is None (a role started alone; pass ``peers=config["peers"]``).
+  ``on_message(msg)`` gets any other control message (frontends: the supervisor's
+  ``Hello(role="backend", name, pid=0)`` when that backend's process has died).
+  Installs the signal handlers: SIGTERM drains; SIGINT drains when detached and is ignored under
+  a supervisor (which coordinates the drain). ``drain_s``: the grace period a signal gives.
+- ``await link.ready(endpoints)``: send ``Ready(role, name, pid, endpoints)`` and wait for the
+  supervisor's ``Ready`` whose ``endpoints`` is the *peer map* (below); returns it. Starts the
+  heartbeat task (``Heartbeat`` every ``HEARTBEAT_INTERVAL_S``) and the control receive task (it
+  answers ``StatsRequest`` with ``stats(reset)`` and turns ``Shutdown`` into a drain request).
+  Detached: returns the ``peers`` given to ``open`` at once.
+- ``link.drain``: a ``DrainRequest``; ``await link.drain.wait()``; ``drain.requested``,
+  ``drain.reason``, ``drain.drain_s`` (seconds of grace), ``drain.immediate`` (a second signal
+  or a lost supervisor: skip the grace period); ``await drain.grace(idle_event)`` waits for
+  in-flight work to finish, up to ``drain_s``, cut short by a second request.
+- ``await link.close()``: stop the tasks and close the DEALER (bounded LINGER).
+- ``endpoints_of(peers, socket) -> {process name: address}`` and ``peer_key(name, socket)``.
+- ``send_frames(sock, frames)``: a non-blocking multipart send for a sync socket on a hot path.
+
+The peer map: keys are ``"<process name>/<socket name>"`` (``"rank/rank"``, ``"shard-0/shard"``,
+``"frontend-0/client"``, ``"frontend-0/data"``, ``"backend-1/plan"``), values are the addresses
+from each process's own ``Ready``. The supervisor pins a restarted process to its previous
+addresses, so peers never need updating after a restart.
+
+Orphan safety: when started by a supervisor, a child whose parent process disappears (its parent
+pid changes) requests an immediate drain, so a SIGKILLed supervisor leaves no processes behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zserve.transport import codec
+from zserve.transport.messages import Heartbeat, Ready, Shutdown, StatsReply, StatsRequest
+from zserve.transport.sockets import make_dealer
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_DRAIN_S = 5.0
+CLOSE_LINGER_MS = 200
+ERROR_FILE_ENV = "ZSERVE_ERROR_FILE"
+PROFILE_DIR_ENV = "ZSERVE_PROFILE_DIR"
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
+
+StatsFn = Callable[[bool], dict[str, Any]]
+
+
+def peer_key(name: str, socket: str) -> str:
+    """The peer-map key of one process's socket, e.g. ``peer_key("frontend-0", "data")``."""
+    return f"{name}/{socket}"
+
+
+def endpoints_of(peers: dict[str, str], socket: str) -> dict[str, str]:
+    """``{process name: address}`` of every process in ``peers`` that serves ``socket``,
+    sorted by process name (so ``shard-0`` comes before ``shard-1``)."""
+    found: dict[str, str] = {}
+    for key in sorted(peers):
+        name, _, sock = key.rpartition("/")
+        if sock == socket:
+            found[name] = peers[key]
+    return found
+
+
+# Frames below this many bytes in all are copied by ZeroMQ rather than sent zero-copy: a zero-copy
+# frame costs more to set up (and to release) than a small copy.
+ZERO_COPY_MIN_BYTES = 64 * 1024
+_SEND_MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_SEND_LAST = int(zmq.NOBLOCK)
+
+
+def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Send one multipart message without blocking (raises ``zmq.Again`` at the HWM, and
+    ``zmq.ZMQError`` EHOSTUNREACH for a ROUTER peer that is gone). Small messages are copied,
+    large ones go zero-copy; plain-int flags avoid ``send_multipart``'s per-frame enum math."""
+    size = 0
+    for frame in frames:
+        size += frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    copy = size < ZERO_COPY_MIN_BYTES
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        sock.send(frame, _SEND_MORE if index < last else _SEND_LAST, copy=copy)
+
+
+def configure_logging(level: int | str | None = None) -> None:
+    """Log to stderr with the pid in each line (children are spawned: no inherited config)."""
+    chosen = level or os.environ.get("ZSERVE_LOG_LEVEL", "INFO")
+    logging.basicConfig(level=chosen, format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def install_uvloop() -> None:
+    """Make uvloop the event loop of ``asyncio.run`` in this process (no-op if unavailable)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency; keep running without
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_role(coro: Coroutine[Any, Any, int], *, name: str = "") -> int:
+    """Run a role's main coroutine on uvloop; return its exit code (1 on an exception).
+    The traceback is logged, and also written to ``$ZSERVE_ERROR_FILE`` when set (the
+    supervisor sets it, to report why a child died during start-up). With
+    ``$ZSERVE_PROFILE_DIR`` set, the process runs under cProfile and leaves ``<name>.prof``."""
+    configure_logging()
+    install_uvloop()
+    profile_dir = os.environ.get(PROFILE_DIR_ENV)
+    try:
+        if profile_dir:  # development aid: a cProfile dump per process
+            import cProfile
+
+            profiler = cProfile.Profile()
+            try:
+                return int(profiler.runcall(asyncio.run, coro) or 0)
+            finally:
+                profiler.dump_stats(os.path.join(profile_dir, f"{name or os.getpid()}.prof"))
+        return int(asyncio.run(coro) or 0)
+    except Exception:
+        logging.getLogger(name or __name__).exception("role %s failed", name)
+        error_file = os.environ.get(ERROR_FILE_ENV)
+        if error_file:
+            with contextlib.suppress(OSError), open(error_file, "w") as f:
+                traceback.print_exc(file=f)
+        return 1
+
+
+class DrainRequest:
+    """Set once when the process must stop: a signal, a ``Shutdown`` or a lost supervisor."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._immediate = asyncio.Event()
+        self.reason = ""
+        self.drain_s = DEFAULT_DRAIN_S
+        self.immediate = False
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self, reason: str, drain_s: float | None = None) -> None:
+        """Ask for a drain; a second request makes it immediate (drain_s = 0)."""
+        if self._event.is_set():
+            self.immediate = True
+            self.drain_s = 0.0
+            self._immediate.set()
+            return
+        self.reason = reason
+        if drain_s is not None:
+            self.drain_s = max(0.0, drain_s)
+        self.immediate = self.drain_s == 0.0
+        if self.immediate:
+            self._immediate.set()
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    async def grace(self, done: asyncio.Event) -> bool:
+        """After a drain request: wait until ``done`` is set, for at most ``drain_s``; a second
+        request (immediate) cuts the wait short. Returns whether ``done`` is set."""
+        if done.is_set() or self.immediate:
+            return done.is_set()
+        waiters = [
+            asyncio.ensure_future(done.wait()),
+            asyncio.ensure_future(self._immediate.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, timeout=self.drain_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return done.is_set()
+
+
+class ControlLink:
+    """The control DEALER to the supervisor, plus this process's heartbeat and drain request."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket | None,
+        *,
+        role: str,
+        name: str,
+        stats: StatsFn | None,
+    ) -> None:
+        self._sock = sock
+        self.role = role
+        self.name = name
+        self.drain = DrainRequest()
+        self.peers: dict[str, str] = {}
+        self._stats = stats
+        self._on_message: Callable[[Any], None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._parent_pid = os.getppid()
+        self._seq = 0
+
+    @property
+    def attached(self) -> bool:
+        """True when a supervisor started this process."""
+        return self._sock is not None
+
+    @classmethod
+    async def open(
+        cls,
+        ctx: zmq.asyncio.Context,
+        control_address: str | None,
+        *,
+        role: str,
+        name: str,
+        stats: StatsFn | None = None,
+        drain_s: float = DEFAULT_DRAIN_S,
+        peers: dict[str, str] | None = None,
+        on_message: Callable[[Any], None] | None = None,
+    ) -> ControlLink:
+        sock = None
+        if control_address:
+            sock = make_dealer(ctx, control_address, identity=name.encode())
+        link = cls(sock, role=role, name=name, stats=stats)
+        link._on_message = on_message
+        link.drain.drain_s = drain_s
+        link.peers = dict(peers or {})
+        link._install_signal_handlers()
+        return link
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.drain.request, "SIGTERM")
+        if self.attached:
+            # A terminal Ctrl-C reaches the whole process group; the supervisor coordinates.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            loop.add_signal_handler(signal.SIGINT, self.drain.request, "SIGINT")
+
+    async def ready(self, endpoints: dict[str, str]) -> dict[str, str]:
+        """Announce readiness and return the peer map (``{}`` when detached)."""
+        if self._sock is None:
+            return self.peers
+        ready = Ready(role=self.role, name=self.name, pid=os.getpid(), endpoints=endpoints)
+        await self._send(ready)
+        while True:
+            msg = await self._recv()
+            if isinstance(msg, Ready):
+                self.peers = dict(msg.endpoints)
+                break
+            if isinstance(msg, Shutdown):
+                self.drain.request(msg.reason, msg.drain_s)
+                break
+            if msg is not None:
+                log.warning("%s: ignoring %s before the peer map", self.name, type(msg).__name__)
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._tasks.append(asyncio.create_task(self._receive_loop(), name="control-recv"))
+        return self.peers
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._sock is not None:
+            self._sock.close(linger=CLOSE_LINGER_MS)
+            self._sock = None
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signum)
+
+    async def _send(self, msg: Any) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart(codec.encode(msg), copy=False)
+
+    async def _recv(self) -> Any:
+        assert self._sock is not None
+        frames = await self._sock.recv_multipart(copy=False)
+        try:
+            return codec.decode(frames)
+        except Exception as exc:  # malformed control message: log, keep serving
+            log.warning("%s: bad control message: %s", self.name, exc)
+            return None
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            if os.getppid() != self._parent_pid:
+                log.error("%s: supervisor is gone; exiting", self.name)
+                self.drain.request("supervisor lost", 0.0)
+                return
+            self._seq += 1
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(Heartbeat(name=self.name, seq=self._seq, sent_at=time.monotonic()))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self._recv()
+            if isinstance(msg, Shutdown):
+                self.drain.request(msg.reason, msg.drain_s)
+            elif isinstance(msg, StatsRequest):
+                stats = self._stats(msg.reset) if self._stats is not None else {}
+                await self._send(StatsReply(name=self.name, stats=stats))
+            elif isinstance(msg, Ready):
+                self.peers = dict(msg.endpoints)
+            elif msg is not None and self._on_message is not None:
+                self._on_message(msg)

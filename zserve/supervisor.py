@@ -1,0 +1,792 @@
+"""The supervisor: start a cluster from cluster.toml, keep it running, drain it on request.
+
+Python API (tests and the load generator start clusters in-process)::
+
+    with Cluster("examples/clusters/demo.toml", ipc_base=tmp_path) as cluster:
+        client = zserve.Client(cluster.client_address)
+        ...
+        cluster.kill("backend-1")          # SIGKILL a child; the supervisor restarts it
+        cluster.wait_ready("backend-1", incarnation=2)
+        cluster.stats("frontend-0")        # the child's counters (StatsRequest over control)
+    # leaving the block drains: frontends stop admitting and finish in flight, then the rest
+
+Command line::
+
+    zserve up CLUSTER.toml [--detach] [--state-dir DIR]   # prints where clients connect
+    zserve down [NAME] [--state-dir DIR]                   # drains a detached cluster
+
+Start-up: every role is spawned (multiprocessing ``spawn``) at once with its role config (see
+``zserve.config``); the supervisor polls its ``control`` ROUTER and every child's process
+sentinel in one ``zmq.Poller``, so a child that dies during start-up fails the start at once,
+with the child's traceback. When every child has sent ``Ready``, each gets the peer map (rank
+first, then shards, backends, frontends), and the start completes once every frontend reports
+all backends registered (so the first request finds a serving cluster).
+
+Running: a child that exits is restarted with exponential backoff, pinned to its previous
+addresses (peers never need new addresses); one that stops heartbeating for
+``HEARTBEAT_TIMEOUT_S`` is killed and restarted.
+
+Drain (SIGINT/SIGTERM, ``zserve down``, ``Cluster.stop``): frontends get ``Shutdown(drain_s)``
+(stop admitting, finish in flight for up to drain_s, answer the rest ``SHUTTING_DOWN``); once
+they have exited, the scheduler processes and backends get ``Shutdown``; stragglers get SIGTERM,
+then SIGKILL. Then the ipc folder and state files are removed. A second signal skips the grace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import queue
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from zserve import procutil
+from zserve.config import ClusterConfig, ConfigError, load_config, role_config
+from zserve.errors import ProtocolError
+from zserve.transport import codec
+from zserve.transport.messages import (
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.sockets import make_router
+
+log = logging.getLogger("zserve.supervisor")
+
+ENTRY_POINTS: dict[str, str] = {
+    "rank": "zserve.scheduler.rank_process:run_rank",
+    "shard": "zserve.scheduler.shard:run_shard",
+    "backend": "zserve.backends.process:run_backend",
+    "frontend": "zserve.frontend:run_frontend",
+}
+HEARTBEAT_TIMEOUT_S = 10.0
+RESTART_BACKOFF_S = 0.2
+RESTART_BACKOFF_MAX_S = 5.0
+# A child that stayed up this long has its backoff reset.
+RESTART_HEALTHY_S = 30.0
+# After Shutdown: how much longer than drain_s a child may take before SIGTERM, then SIGKILL.
+EXIT_GRACE_S = 3.0
+KILL_GRACE_S = 2.0
+BACKEND_DRAIN_S = 1.0
+POLL_MAX_MS = 100
+# Cluster API calls run on the supervisor's thread; it answers within one poll.
+COMMAND_TIMEOUT_S = 30.0
+ERROR_TAIL_CHARS = 4000
+
+
+class StartupError(RuntimeError):
+    """The cluster could not start: a child died or a step timed out (the message says which)."""
+
+
+def _child_main(role: str, config: dict[str, Any], control_address: str, error_file: str) -> None:
+    """Spawned child: import the role's entry point and run it (a top-level function so that
+    the spawn start method can pickle it)."""
+    os.environ[procutil.ERROR_FILE_ENV] = error_file
+    try:
+        module_name, func_name = ENTRY_POINTS[role].split(":")
+        entry: Callable[[dict[str, Any], str | None], int] = getattr(
+            importlib.import_module(module_name), func_name
+        )
+        code = entry(config, control_address)
+    except BaseException:
+        import traceback
+
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            traceback.print_exc(file=f)
+        raise
+    sys.exit(code)
+
+
+@dataclasses.dataclass
+class _Child:
+    role: str
+    name: str
+    index: int
+    config: dict[str, Any]
+    process: multiprocessing.process.BaseProcess | None = None
+    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    ready: bool = False
+    incarnation: int = 0  # how many times it has sent Ready
+    restarts: int = 0
+    started_at: float = 0.0
+    last_heartbeat: float = 0.0
+    restart_at: float | None = None
+    stopping: bool = False
+    stats_waiters: list[Future[dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.exitcode is None
+
+
+class Supervisor:
+    """Owns the children and the control socket. ``start`` then ``serve`` (blocking, in the
+    thread that owns the sockets); other threads talk to it through ``call``."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        ipc_base: str | os.PathLike[str] | None = None,
+        restart: bool = True,
+    ) -> None:
+        self.config = config
+        self.restart = restart
+        base = ipc_base if ipc_base is not None else config.ipc_dir
+        self.run_dir = tempfile.mkdtemp(prefix="zs-", dir=base)
+        ipc_dir = self.run_dir if config.transport == "ipc" else None
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        control_bind = (
+            f"ipc://{self.run_dir}/control" if ipc_dir else f"tcp://{config.host}:0"
+        )
+        self.control, self.control_address = make_router(
+            self.ctx, control_bind, name="supervisor control"
+        )
+        self.children: dict[str, _Child] = {}
+        for role, name, index in config.process_names():
+            self.children[name] = _Child(
+                role, name, index, role_config(config, role, index, ipc_dir=ipc_dir)
+            )
+        self._mp = multiprocessing.get_context("spawn")
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._cond = threading.Condition()
+        self._stop_requested = False
+        self._stop_drain_s: float | None = None
+        self.peers: dict[str, str] = {}
+        self.started = False
+        self.closed = False
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def client_addresses(self) -> list[str]:
+        return [
+            c.endpoints["client"]
+            for c in self.children.values()
+            if c.role == "frontend" and "client" in c.endpoints
+        ]
+
+    def _error_file(self, child: _Child) -> str:
+        return os.path.join(self.run_dir, f"{child.name}.err")
+
+    def _spawn(self, child: _Child) -> None:
+        error_file = self._error_file(child)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(error_file)
+        process = self._mp.Process(
+            target=_child_main,
+            args=(child.role, child.config, self.control_address, error_file),
+            name=f"zserve-{child.name}",
+            daemon=False,
+        )
+        process.start()
+        child.process = process
+        child.ready = False
+        child.started_at = time.monotonic()
+        child.last_heartbeat = child.started_at
+        child.restart_at = None
+        log.debug("started %s (pid %s)", child.name, process.pid)
+
+    def _death_message(self, child: _Child) -> str:
+        code = child.process.exitcode if child.process is not None else None
+        reason = f"exit code {code}"
+        if code is not None and code < 0:
+            reason = f"killed by {signal.Signals(-code).name}"
+        text = ""
+        with contextlib.suppress(OSError):
+            text = Path(self._error_file(child)).read_text()[-ERROR_TAIL_CHARS:]
+        return f"{child.name} ({child.role}) died: {reason}" + (f"\n{text}" if text else "")
+
+    def _send(self, child: _Child, msg: Any) -> None:
+        frames: list[Any] = codec.encode(msg)
+        frames.insert(0, child.name.encode())
+        try:
+            self.control.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("cannot send %s to %s: %s", type(msg).__name__, child.name, exc)
+
+    def _poll(self, timeout_ms: int) -> None:
+        """Wait for control messages, child deaths or commands; handle what arrived."""
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        for child in self.children.values():
+            if child.alive:
+                assert child.process is not None
+                poller.register(child.process.sentinel, zmq.POLLIN)
+        poller.poll(timeout_ms)
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+        while True:
+            try:
+                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._on_control(frames)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            command()
+
+    def _on_control(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            return
+        name = frames[0].bytes.decode(errors="replace")
+        child = self.children.get(name)
+        try:
+            msg = codec.decode(frames[1:])
+        except ProtocolError as exc:
+            log.warning("malformed control message from %r: %s", name, exc)
+            return
+        if child is None:
+            log.warning("control message from unknown process %r", name)
+            return
+        child.last_heartbeat = time.monotonic()
+        if type(msg) is Ready:
+            child.endpoints = dict(msg.endpoints)
+            child.ready = True
+            child.incarnation += 1
+            # Pin restarts to these addresses (tcp port 0 becomes the real port).
+            child.config["bind"] = dict(msg.endpoints)
+            log.info("%s ready (pid %d): %s", name, msg.pid, msg.endpoints)
+            if self.started:  # a restart: it gets the same peer map as before
+                self._send(child, self._peer_ready())
+            with self._cond:
+                self._cond.notify_all()
+        elif type(msg) is StatsReply:
+            if child.stats_waiters:
+                waiter = child.stats_waiters.pop(0)
+                if not waiter.done():
+                    waiter.set_result(msg.stats)
+        elif type(msg) is Heartbeat:
+            pass
+
+    def _peer_ready(self) -> Ready:
+        return Ready(role="supervisor", name="supervisor", pid=os.getpid(), endpoints=self.peers)
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Spawn everything, run the handshake; raise StartupError on any failure."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        try:
+            for child in self.children.values():
+                self._spawn(child)
+            while not all(c.ready for c in self.children.values()):
+                self._check_startup(deadline, "Ready")
+                self._poll(POLL_MAX_MS)
+            self.peers = {
+                procutil.peer_key(c.name, sock): address
+                for c in self.children.values()
+                for sock, address in c.endpoints.items()
+            }
+            for child in self.children.values():  # dependency order: rank, shards, ...
+                self._send(child, self._peer_ready())
+            self.started = True
+            self._wait_serving(deadline)
+        except BaseException:
+            self.shutdown(drain_s=0.0)
+            raise
+
+    def _check_startup(self, deadline: float, waiting_for: str) -> None:
+        for child in self.children.values():
+            if child.process is not None and child.process.exitcode is not None:
+                raise StartupError(self._death_message(child))
+        if time.monotonic() > deadline or self._stop_requested:
+            missing = [c.name for c in self.children.values() if not c.ready]
+            why = "stopped" if self._stop_requested else "timed out"
+            raise StartupError(f"start-up {why} waiting for {waiting_for} from {missing}")
+
+    def _wait_serving(self, deadline: float) -> None:
+        """Until every frontend has heard of every backend (asks each frontend for its stats
+        whenever the previous answer has come back)."""
+        expected = self.config.backends.total
+        frontends = [c for c in self.children.values() if c.role == "frontend"]
+        waiting: dict[str, Future[dict[str, Any]]] = {}
+        serving: set[str] = set()
+        while len(serving) < len(frontends):
+            self._check_startup(deadline, "frontends to see every backend")
+            for child in frontends:
+                if child.name in serving:
+                    continue
+                future = waiting.get(child.name)
+                if future is None:
+                    future = Future()
+                    child.stats_waiters.append(future)
+                    waiting[child.name] = future
+                    self._send(child, StatsRequest(reset=False))
+                elif future.done():
+                    del waiting[child.name]
+                    if len(future.result().get("backends", [])) >= expected:
+                        serving.add(child.name)
+                    else:
+                        continue
+            self._poll(POLL_MAX_MS if waiting else 0)
+
+    # ------------------------------------------------------------------ run
+
+    def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Supervise until ``request_stop``; then drain and clean up."""
+        try:
+            if on_ready is not None:
+                on_ready()
+            while not self._stop_requested:
+                now = time.monotonic()
+                for child in self.children.values():
+                    self._supervise(child, now)
+                self._poll(self._poll_timeout_ms())
+        finally:  # also on a bug above: never leave children behind
+            self.shutdown(self._stop_drain_s)
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        timeout = POLL_MAX_MS / 1e3
+        for child in self.children.values():
+            if child.restart_at is not None:
+                timeout = min(timeout, max(0.0, child.restart_at - now))
+        return int(timeout * 1e3)
+
+    def _supervise(self, child: _Child, now: float) -> None:
+        if child.process is not None and child.process.exitcode is not None:
+            if child.restart_at is None:
+                message = self._death_message(child)
+                child.process.join()
+                if child.role == "backend":
+                    self._announce_backend_death(child)
+                if not self.restart:
+                    log.error("%s; not restarting", message)
+                    child.process = None
+                    return
+                healthy = now - child.started_at > RESTART_HEALTHY_S
+                child.restarts = 0 if healthy else child.restarts + 1
+                backoff = RESTART_BACKOFF_S * 2 ** max(0, child.restarts - 1)
+                delay = min(RESTART_BACKOFF_MAX_S, backoff)
+                child.restart_at = now + delay
+                child.ready = False
+                log.error("%s; restarting in %.2f s", message, delay)
+            if now >= child.restart_at:
+                self._spawn(child)
+        elif child.ready and child.alive and now - child.last_heartbeat > HEARTBEAT_TIMEOUT_S:
+            log.error("%s sent no heartbeat for %.1f s; killing it", child.name,
+                      now - child.last_heartbeat)
+            assert child.process is not None
+            child.process.kill()
+
+    def _announce_backend_death(self, backend: _Child) -> None:
+        """Tell every frontend at once, so the requests the backend had fetched are answered
+        BACKEND_FAILED now rather than at their deadlines."""
+        notice = Hello(role="backend", name=backend.name, pid=0)
+        for child in self.children.values():
+            if child.role == "frontend" and child.ready and child.alive:
+                self._send(child, notice)
+
+    def call(self, command: Callable[[], Any]) -> Any:
+        """Run ``command`` on the supervisor's thread and return its result."""
+        result: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(command())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        if self.closed:
+            raise RuntimeError("the supervisor has stopped")
+        self._commands.put(run)
+        self.wake()
+        return result.result(timeout=COMMAND_TIMEOUT_S)
+
+    def wake(self) -> None:
+        if self.closed:  # the pipe is closed: its fd number may belong to someone else now
+            return
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def request_stop(self, drain_s: float | None = None) -> None:
+        """Thread- and signal-safe: ask ``serve`` to drain and return (twice: no grace)."""
+        if self._stop_requested:
+            self._stop_drain_s = 0.0
+        else:
+            self._stop_requested = True
+            self._stop_drain_s = drain_s
+        self.wake()
+
+    # ------------------------------------------------------------------ drain
+
+    def shutdown(self, drain_s: float | None = None) -> None:
+        """Drain frontends, then everything else; reap every child; remove the run folder."""
+        if self.closed:
+            return
+        self._stop_requested = True
+        drain = self.config.drain_s if drain_s is None else drain_s
+        tiers = [
+            [c for c in self.children.values() if c.role == "frontend"],
+            [c for c in self.children.values() if c.role != "frontend"],
+        ]
+        for tier_index, tier in enumerate(tiers):
+            tier_drain = drain if tier_index == 0 else min(drain, BACKEND_DRAIN_S)
+            self._stop_tier(tier, tier_drain)
+        self.closed = True
+        self.control.close(linger=0)
+        self.ctx.destroy(linger=0)  # also closes any socket a caller opened on it
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _stop_tier(self, tier: list[_Child], drain_s: float) -> None:
+        for child in tier:
+            child.stopping = True
+            child.restart_at = None
+            if child.alive:
+                if child.ready:
+                    self._send(child, Shutdown(reason="cluster shutdown", drain_s=drain_s))
+                else:
+                    assert child.process is not None
+                    child.process.terminate()
+        end = time.monotonic() + drain_s + EXIT_GRACE_S
+        self._wait_exit(tier, end)
+        for child in tier:
+            if child.alive:
+                log.warning("%s did not exit after Shutdown; SIGTERM", child.name)
+                assert child.process is not None
+                child.process.terminate()
+        self._wait_exit(tier, time.monotonic() + KILL_GRACE_S)
+        for child in tier:
+            if child.alive:
+                log.warning("%s did not exit after SIGTERM; SIGKILL", child.name)
+                assert child.process is not None
+                child.process.kill()
+        for child in tier:
+            if child.process is not None:
+                child.process.join()
+                child.process.close()
+                child.process = None
+
+    def _wait_exit(self, tier: list[_Child], end: float) -> None:
+        while any(c.alive for c in tier) and time.monotonic() < end:
+            remaining_ms = max(1, int((end - time.monotonic()) * 1e3))
+            self._poll(min(POLL_MAX_MS, remaining_ms))
+
+    # ------------------------------------------------------------------ API helpers
+
+    def child_stats(self, name: str) -> Future[dict[str, Any]]:
+        child = self.children[name]
+        future: Future[dict[str, Any]] = Future()
+        if not child.ready:
+            future.set_exception(RuntimeError(f"{name} is not ready"))
+            return future
+        child.stats_waiters.append(future)
+        self._send(child, StatsRequest(reset=False))
+        return future
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+
+class Cluster:
+    """A cluster started in-process: ``with Cluster(config) as cluster: cluster.client_address``.
+    The supervisor runs on a background thread; leaving the block drains and reaps everything."""
+
+    def __init__(
+        self,
+        config: ClusterConfig | str | os.PathLike[str],
+        *,
+        ipc_base: str | os.PathLike[str] | None = None,
+        restart: bool = True,
+        drain_s: float | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, ClusterConfig) else load_config(config)
+        self._ipc_base = ipc_base
+        self._restart = restart
+        self._drain_s = drain_s
+        self.supervisor: Supervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self) -> Cluster:
+        def run() -> None:
+            try:
+                supervisor = Supervisor(
+                    self.config, ipc_base=self._ipc_base, restart=self._restart
+                )
+                self.supervisor = supervisor
+                supervisor.start()
+            except BaseException as exc:
+                self._error = exc
+                self._started.set()
+                return
+            supervisor.serve(on_ready=self._started.set)
+
+        self._thread = threading.Thread(target=run, name="zserve-supervisor", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    def stop(self, drain_s: float | None = None) -> None:
+        """Drain and reap everything (idempotent)."""
+        if self._thread is None or self.supervisor is None:
+            return
+        self.supervisor.request_stop(self._drain_s if drain_s is None else drain_s)
+        self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def _sup(self) -> Supervisor:
+        assert self.supervisor is not None, "cluster not started"
+        return self.supervisor
+
+    @property
+    def client_address(self) -> str:
+        return self._sup.client_addresses[0]
+
+    @property
+    def client_addresses(self) -> list[str]:
+        return self._sup.client_addresses
+
+    @property
+    def run_dir(self) -> str:
+        return self._sup.run_dir
+
+    def pids(self) -> dict[str, int | None]:
+        return self._sup.call(lambda: {n: c.pid for n, c in self._sup.children.items()})
+
+    def incarnation(self, name: str) -> int:
+        """How many times ``name`` has become ready (1 after start, 2 after one restart)."""
+        return self._sup.call(lambda: self._sup.children[name].incarnation)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to one child; returns its pid."""
+        pid = self.pids()[name]
+        assert pid is not None, f"{name} is not running"
+        os.kill(pid, sig)
+        return pid
+
+    def wait_ready(self, name: str, incarnation: int, timeout: float = 30.0) -> None:
+        """Block until ``name`` has become ready ``incarnation`` times (and has its peers)."""
+        child = self._sup.children[name]
+        if not self._sup.wait_for(lambda: child.incarnation >= incarnation, timeout):
+            raise TimeoutError(f"{name} did not become ready (incarnation {incarnation})")
+
+    def stats(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
+        """A child's counters (its ``StatsReply``)."""
+        future = self._sup.call(lambda: self._sup.child_stats(name))
+        return future.result(timeout)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _state_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "zserve" if runtime else Path(tempfile.gettempdir()) / (
+        f"zserve-{os.getuid()}"
+    )
+
+
+def _state_paths(state_dir: Path, name: str) -> tuple[Path, Path]:
+    return state_dir / f"{name}.pid", state_dir / f"{name}.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main_up(argv: list[str]) -> int:
+    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
+    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+    parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
+    parser.add_argument("config", help="cluster.toml")
+    parser.add_argument("--detach", action="store_true",
+                        help="run in the background; print the client address and return")
+    parser.add_argument("--state-dir", help="where the pid and state files go "
+                        "(default $XDG_RUNTIME_DIR/zserve or /tmp/zserve-$UID)")
+    parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
+                        "(default: cluster.ipc_dir, else the system temp folder)")
+    parser.add_argument("--no-restart", action="store_true", help="do not restart dead roles")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"zserve up: {exc}", file=sys.stderr)
+        return 2
+    state_dir = _state_dir(args.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pid_path, state_path = _state_paths(state_dir, config.name)
+    if args.detach:
+        return _detach(args, pid_path, state_path)
+    procutil.configure_logging()
+    supervisor: Supervisor | None = None
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if supervisor is not None:
+            supervisor.request_stop()
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        supervisor = Supervisor(config, ipc_base=args.ipc_dir, restart=not args.no_restart)
+        supervisor.start()
+    except (StartupError, KeyboardInterrupt) as exc:
+        if supervisor is not None:
+            supervisor.shutdown(0.0)
+        print(f"zserve up: {exc or 'interrupted'}", file=sys.stderr)
+        return 1
+
+    def on_ready() -> None:
+        assert supervisor is not None
+        state = {
+            "name": config.name,
+            "pid": os.getpid(),
+            "config": str(Path(args.config).resolve()),
+            "client_addresses": supervisor.client_addresses,
+            "run_dir": supervisor.run_dir,
+            "pids": {name: child.pid for name, child in supervisor.children.items()},
+        }
+        _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
+        _write_atomic(pid_path, f"{os.getpid()}\n")
+        for address in supervisor.client_addresses:
+            print(f"zserve: cluster {config.name!r} is up; clients connect to {address}",
+                  flush=True)
+
+    try:
+        supervisor.serve(on_ready=on_ready)
+    finally:
+        for path in (pid_path, state_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    print(f"zserve: cluster {config.name!r} stopped", flush=True)
+    return 0
+
+
+def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:
+    """Start ``zserve up`` in a new session with its output in a log file; return once its
+    state file names the client address (or it has died)."""
+    if pid_path.exists():
+        print(f"zserve up: {pid_path} exists: is the cluster already up? (`zserve down`)",
+              file=sys.stderr)
+        return 1
+    log_path = state_path.with_suffix(".log")
+    command = [sys.executable, "-m", "zserve", "up", args.config,
+               "--state-dir", str(pid_path.parent)]
+    if args.no_restart:
+        command.append("--no-restart")
+    if args.ipc_dir:
+        command += ["--ipc-dir", args.ipc_dir]
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True,
+        )
+    # Wait on the child's exit or the state file; the pidfd makes the wait event-driven.
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        while not state_path.exists():
+            readable, _, _ = select.select([pidfd], [], [], 0.05)
+            if readable:
+                process.wait()
+                print(f"zserve up: the cluster failed to start (exit {process.returncode}); "
+                      f"see {log_path}", file=sys.stderr)
+                return 1
+    finally:
+        os.close(pidfd)
+    state = json.loads(state_path.read_text())
+    for address in state["client_addresses"]:
+        print(address)
+    return 0
+
+
+def main_down(argv: list[str]) -> int:
+    """``zserve down [NAME] [--state-dir DIR] [--timeout S]``: drain a cluster started with
+    ``zserve up --detach`` and wait for it to exit."""
+    parser = argparse.ArgumentParser(prog="zserve down", description=main_down.__doc__)
+    parser.add_argument("name", nargs="?", help="cluster name (default: the only one)")
+    parser.add_argument("--state-dir")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    state_dir = _state_dir(args.state_dir)
+    if args.name:
+        pid_path = _state_paths(state_dir, args.name)[0]
+    else:
+        found = sorted(state_dir.glob("*.pid")) if state_dir.exists() else []
+        if len(found) != 1:
+            print(f"zserve down: {len(found)} clusters in {state_dir}; name one",
+                  file=sys.stderr)
+            return 1
+        pid_path = found[0]
+    try:
+        pid = int(pid_path.read_text().strip())
+    except (OSError, ValueError) as exc:
+        print(f"zserve down: no running cluster ({exc})", file=sys.stderr)
+        return 1
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pid_path.unlink(missing_ok=True)
+        print("zserve down: the cluster was not running", file=sys.stderr)
+        return 1
+    try:
+        os.kill(pid, signal.SIGTERM)
+        readable, _, _ = select.select([pidfd], [], [], args.timeout)
+        if not readable:
+            print(f"zserve down: {pid} still running after {args.timeout} s", file=sys.stderr)
+            return 1
+    finally:
+        os.close(pidfd)
+    print(f"zserve down: stopped {pid_path.stem}")
+    return 0
