@@ -2,12 +2,13 @@
 
 A batch of b requests of model m "runs" for ``l(b) = alpha*b + beta`` milliseconds (or the
 model's measured table ``latency_ms[b-1]``, e.g. from a profile file). ``run_async`` computes the
-outputs, then sleeps on the event loop until ``start + l(b)``: a timer, not a busy loop, so one
-small machine hosts many emulated GPUs. ``start`` is when the batch got the (emulated) device:
-the loop time of the call, or when the previous batch on this executor finishes if that is later,
-because one device runs one batch at a time. A batch never completes before ``start + l(b)``
-by the loop clock; it completes later only by the loop's timer lateness (or when computing the
-outputs took longer than l(b)).
+outputs, then sleeps on the event loop until ``start + l(b)``: a precise timer
+(``zserve.timers``), not a busy loop, so one small machine hosts many emulated GPUs. ``start`` is
+when the batch got the (emulated) device: ``time.monotonic()`` at the call, or when the previous
+batch on this executor finishes if that is later, because one device runs one batch at a time.
+A batch never completes before ``start + l(b)`` by ``time.monotonic()`` (the clock of every
+zserve timestamp); it completes later only by the timer's lateness (tens of microseconds on an
+idle core) or when computing the outputs took longer than l(b).
 
 ``run`` (synchronous) does the same with ``time.sleep`` against ``time.monotonic()``; a backend
 process should use ``run_async``.
@@ -22,7 +23,6 @@ answer for one request.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import zlib
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from zserve.backends.executor import (
     BatchInputs,
     Executor,
@@ -41,11 +42,8 @@ from zserve.backends.executor import (
     split_rows,
 )
 from zserve.backends.profiler import PROFILE_FORMAT, LatencyProfile
-
 from zserve.errors import BadRequestError
-
-# uvloop's timers tick in whole milliseconds.
-UVLOOP_TIMER_RESOLUTION_S = 1e-3
+from zserve.timers import sleep_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,21 +212,15 @@ class EmulatedExecutor(Executor):
         return self.compute(model, [request])[0]
 
     async def run_async(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
-        loop = asyncio.get_running_loop()
-        start = max(loop.time(), self._busy_until)
+        start = max(time.monotonic(), self._busy_until)
         batch_size = self._check_batch(model, inputs)
         finish = start + self.latency_s(model, batch_size)
         self._busy_until = finish
         outputs = self.compute(model, inputs)
-        # asyncio.sleep is a loop timer. uvloop's timers have millisecond resolution and may
-        # round a deadline down, so sleep again (at least 1 ms: no spinning through loop
-        # iterations) until the loop clock has really passed `finish`.
-        remaining = finish - loop.time()
-        while remaining > 0:
-            await asyncio.sleep(remaining)
-            remaining = finish - loop.time()
-            if remaining > 0:
-                remaining = max(remaining, UVLOOP_TIMER_RESOLUTION_S)
+        # A precise timer (zserve.timers): uvloop's own timers tick in whole milliseconds, and a
+        # batch that sleeps in whole ticks finishes up to ~2 ms late, which a deferred batch
+        # (planned to end alpha before its deadline) cannot afford.
+        await sleep_until(finish)
         return outputs
 
     def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 import numpy as np
-from zserve.backends.profiler import LatencyProfile, measure_latency
 
+from zserve.backends.profiler import LatencyProfile, measure_latency
 from zserve.errors import BadRequestError, InternalError
 
 Array = np.ndarray[Any, Any]

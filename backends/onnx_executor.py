@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
 from zserve.backends.builtin import ModelSpec, resolve_model_spec
 from zserve.backends.executor import (
     Array,
@@ -52,7 +53,6 @@ from zserve.backends.executor import (
     TensorSpec,
     split_rows,
 )
-
 from zserve.errors import BackendFailedError, BadRequestError
 
 # ONNX Runtime's tensor type names -> numpy dtype names.

@@ -15,8 +15,9 @@
    ``exec_at``, with one timer for the earliest plan. At ``exec_at`` (or at once for a late plan;
    the lateness ``started_at - exec_at`` is recorded) and once its inputs are in, the head plan
    starts -- never while another batch runs on the device. A frontend's missing ids (cancelled,
-   already answered) are left out; ids whose inputs have not come ``INPUT_WAIT_S`` after
-   ``exec_at`` are answered ``UNAVAILABLE`` and the batch runs without them.
+   already answered) are left out, and so are ids it cancels after the fetch (``CancelFetched``)
+   before the batch starts (a plan left empty is skipped); ids whose inputs have not come
+   ``INPUT_WAIT_S`` after ``exec_at`` are answered ``UNAVAILABLE`` and the batch runs without them.
 4. Assembles the batch with one copy per input into a preallocated batch buffer (none for a batch of
    one), runs it (``Executor.run_async``: ONNX Runtime in the executor's worker thread, an emulated
    batch by timer), and sends one ``BatchOutputs`` per frontend (row views of the batch outputs,
@@ -29,10 +30,9 @@ Sends never block the loop: every send is non-blocking, and a message that canno
 (a peer gone, its queue full) is dropped, counted and logged -- the frontends' deadline timers
 answer whatever a lost message leaves unanswered.
 
-Timers: plans are started from one ``loop.call_at`` timer. uvloop's timers have millisecond
-resolution, so the timer is armed ``POLL_WINDOW_S`` early and the last stretch is polled through
-loop iterations (``call_soon``), which keep serving I/O meanwhile: a plan starts within one loop
-iteration of its exec_at, never before it.
+Timers: plans are started from one precise timer (``zserve.timers``: a timerfd on Linux; uvloop's
+own timers tick in whole milliseconds): a plan starts a few tens of microseconds after its
+exec_at, never before it, and the process sleeps until then.
 """
 
 from __future__ import annotations
@@ -55,15 +55,20 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+
+from zserve import procutil, timers
 from zserve.backends.executor import Executor, TensorMap
+from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
-from zserve.scheduler.rank_process import POLL_WINDOW_S, Chunk, recv_chunks, send_nowait
+from zserve.scheduler.rank_process import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
     BatchOutputs,
     BatchPlan,
     BatchStats,
+    CancelFetched,
     Heartbeat,
     Hello,
     InputFetch,
@@ -73,10 +78,6 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.sockets import make_dealer, make_router
-
-from zserve import procutil
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
-from zserve.errors import ErrorKind, ZServeError
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,12 @@ class _Plan:
     plan: BatchPlan
     received_at: float
     awaiting: set[int]  # indices into plan.frontends whose InputReply has not come
-    inputs: dict[int, TensorMap] = field(default_factory=dict)
-    missing: set[int] = field(default_factory=set)
+    # Keyed by (frontend index in the plan, request id): request ids are unique per frontend
+    # only (frontends make them cluster-unique today, but nothing here relies on it).
+    inputs: dict[tuple[int, int], TensorMap] = field(default_factory=dict)
+    missing: set[tuple[int, int]] = field(default_factory=set)
+    # Fetched, then cancelled by their frontend before the batch started: left out of it.
+    cancelled: set[tuple[int, int]] = field(default_factory=set)
     inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
     started_at: float = 0.0
 
@@ -125,6 +130,15 @@ class _Timings:
     run: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     push: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     batch_size: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_model: deque[str] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # Every batch run since the last reset, per model: {model: {str(batch size): batches}}.
+    batch_histogram: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add_batch(self, model: str, size: int) -> None:
+        self.batch_size.append(size)
+        self.batch_model.append(model)
+        sizes = self.batch_histogram.setdefault(model, {})
+        sizes[str(size)] = sizes.get(str(size), 0) + 1
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -144,6 +158,7 @@ class _Timings:
     def samples(self) -> dict[str, Any]:
         return {
             "batch_size": list(self.batch_size),
+            "batch_model": list(self.batch_model),  # the model of each batch_size entry
             "fetch_s": list(self.fetch),
             "assemble_s": list(self.assemble),
             "run_s": list(self.run),
@@ -156,6 +171,8 @@ class _Timings:
         for ring in (self.lateness, self.slack, self.fetch, self.assemble, self.run, self.push):
             ring.clear()
         self.batch_size.clear()
+        self.batch_model.clear()
+        self.batch_histogram.clear()
 
 
 # --------------------------------------------------------------------------- executors
@@ -246,7 +263,8 @@ class Backend:
         self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
         self._seq = 0
         self._running: _Plan | None = None
-        self._timer: asyncio.Handle | None = None
+        self._precise = timers.timers_for(self.loop)
+        self._timer: timers.TimerHandle | None = None
         self._timer_at = 0.0
         self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -266,6 +284,9 @@ class Backend:
                 "requests_failed",
                 "requests_missing",
                 "requests_unavailable",
+                "requests_cancelled",
+                "cancels_too_late",
+                "batches_skipped",
                 "late_plans",
                 "plans_refused",
                 "send_dropped",
@@ -374,6 +395,11 @@ class Backend:
         for _, msg in messages:
             if isinstance(msg, InputReply):
                 self._on_input_reply(address, msg)
+            elif isinstance(msg, CancelFetched):
+                self._on_cancel_fetched(address, msg)
+            elif isinstance(msg, StatsRequest):  # a frontend collecting its cluster's stats
+                self._send(self._data_sock(address),
+                           StatsReply(self.name, self.stats(msg.reset)))
             else:
                 log.warning("%s: unexpected %s on a data socket", self.name, type(msg).__name__)
         self._maybe_start()
@@ -434,10 +460,27 @@ class Backend:
             return
         held.awaiting.discard(index)
         for rid, tensors in zip(reply.request_ids, reply.inputs, strict=False):
-            held.inputs[rid] = tensors
-        held.missing.update(reply.missing)
+            held.inputs[(index, rid)] = tensors
+        held.missing.update((index, rid) for rid in reply.missing)
         if not held.awaiting:
             held.inputs_at = time.monotonic()
+
+    def _on_cancel_fetched(self, address: str, msg: CancelFetched) -> None:
+        """Leave cancelled requests out of their plans if those have not started (a started
+        batch runs; its frontend discards the outputs)."""
+        for plan_id, rid in zip(msg.plan_ids, msg.request_ids, strict=False):
+            held = self._plans.get(plan_id)
+            if held is None or held.started_at:
+                self.counters["cancels_too_late"] += 1
+                continue
+            try:
+                index = held.plan.frontends.index(address)
+            except ValueError:
+                continue
+            key = (index, rid)
+            if held.inputs.pop(key, None) is not None:
+                held.cancelled.add(key)
+                self.counters["requests_cancelled"] += 1
 
     def _data_sock(self, address: str) -> zmq.asyncio.Socket:
         sock = self.data_socks.get(address)
@@ -454,20 +497,14 @@ class Backend:
     # ------------------------------------------------------------------ following plans
 
     def _arm(self, when: float) -> None:
-        """One timer for the follower, at monotonic time ``when`` (see WakeTimer for why the
-        last ``POLL_WINDOW_S`` is polled through loop iterations)."""
+        """One timer for the follower, at monotonic time ``when``: a ``zserve.timers`` precise
+        timer (uvloop's own tick in whole milliseconds; a plan must start at its exec_at)."""
         if self._timer is not None:
             if self._timer_at == when:
                 return
             self._timer.cancel()
         self._timer_at = when
-        remaining = when - time.monotonic()
-        if remaining > POLL_WINDOW_S:
-            # loop.time() and time.monotonic() are the same clock; uvloop caches loop.time().
-            self._timer = self.loop.call_at(self.loop.time() + remaining - POLL_WINDOW_S,
-                                            self._on_timer)
-        else:
-            self._timer = self.loop.call_soon(self._on_timer)
+        self._timer = self._precise.call_at(when, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -505,19 +542,23 @@ class Backend:
         late_ids = [
             i
             for i, (rid, f) in enumerate(zip(plan.request_ids, plan.request_frontend, strict=True))
-            if f in held.awaiting and rid not in held.inputs
+            if f in held.awaiting and (f, rid) not in held.inputs
+            and (f, rid) not in held.cancelled
         ]
         if late_ids:
             self.counters["requests_unavailable"] += len(late_ids)
             self._fail_requests(plan, late_ids, ErrorKind.UNAVAILABLE,
                                 f"inputs did not reach backend {self.name} in time")
-        rows = [i for i, rid in enumerate(plan.request_ids) if rid in held.inputs]
+        keys = list(zip(plan.request_frontend, plan.request_ids, strict=True))
+        rows = [i for i, key in enumerate(keys) if key in held.inputs]
         self.counters["requests_missing"] += sum(
-            1 for rid in plan.request_ids if rid in held.missing and rid not in held.inputs
+            1 for key in keys if key in held.missing and key not in held.inputs
         )
-        if not rows:
+        if not rows:  # every request cancelled or missing: the batch is skipped
             del self._plans[plan.plan_id]
-            self._send_stats(plan, 0, now, now, ok=True)
+            if held.cancelled:
+                self.counters["batches_skipped"] += 1
+            self._send_stats(plan, 0, now, now, ok=True, cancelled=len(held.cancelled))
             return False
         lateness = now - plan.exec_at
         self.timings.lateness.append(lateness)
@@ -553,7 +594,10 @@ class Backend:
         error = ""
         try:
             t0 = time.monotonic()
-            batch = self._assemble(plan.model, [held.inputs[plan.request_ids[i]] for i in rows])
+            batch = self._assemble(
+                plan.model,
+                [held.inputs[(plan.request_frontend[i], plan.request_ids[i])] for i in rows],
+            )
             t1 = time.monotonic()
             outputs = await self.executor.run_async(plan.model, batch)
             t2 = time.monotonic()
@@ -569,7 +613,7 @@ class Backend:
         finished_at = time.monotonic()
         try:
             if ok:
-                self._push_outputs(plan, rows, outputs)
+                self._push_outputs(plan, rows, outputs, started_at, finished_at)
                 self.counters["batches_ok"] += 1
                 self.counters["requests_ok"] += len(rows)
             else:
@@ -578,14 +622,16 @@ class Backend:
                 self.counters["batches_failed"] += 1
                 self.counters["requests_failed"] += len(rows)
             self.timings.push.append(time.monotonic() - finished_at)
-            self.timings.batch_size.append(len(rows))
-            self._send_stats(plan, len(rows), started_at, finished_at, ok=ok)
+            self.timings.add_batch(plan.model, len(rows))
+            self._send_stats(plan, len(rows), started_at, finished_at, ok=ok,
+                             cancelled=len(held.cancelled))
         finally:
             self._plans.pop(plan.plan_id, None)
             self._running = None
             self._maybe_start()
 
-    def _push_outputs(self, plan: BatchPlan, rows: list[int], outputs: list[TensorMap]) -> None:
+    def _push_outputs(self, plan: BatchPlan, rows: list[int], outputs: list[TensorMap],
+                      started_at: float, finished_at: float) -> None:
         by_frontend: dict[int, tuple[list[int], list[TensorMap]]] = {}
         for row, out in zip(rows, outputs, strict=True):
             ids, outs = by_frontend.setdefault(plan.request_frontend[row], ([], []))
@@ -593,7 +639,7 @@ class Backend:
             outs.append(out)
         for index, (ids, outs) in by_frontend.items():
             self._send(self._data_sock(plan.frontends[index]),
-                       BatchOutputs(plan.plan_id, ids, outs))
+                       BatchOutputs(plan.plan_id, ids, outs, started_at, finished_at))
 
     def _fail_requests(self, plan: BatchPlan, rows: list[int], kind: ErrorKind, why: str) -> None:
         by_frontend: dict[int, list[int]] = {}
@@ -604,10 +650,11 @@ class Backend:
                        BatchFailed(plan.plan_id, ids, kind.value, why))
 
     def _send_stats(self, plan: BatchPlan, size: int, started_at: float, finished_at: float, *,
-                    ok: bool) -> None:
+                    ok: bool, cancelled: int = 0) -> None:
         if self.rank_sock is not None:
             self._send(self.rank_sock, BatchStats(plan.plan_id, plan.model, plan.gpu_id, size,
-                                                  plan.exec_at, started_at, finished_at, ok))
+                                                  plan.exec_at, started_at, finished_at, ok,
+                                                  cancelled))
 
     # ------------------------------------------------------------------ liveness and drain
 
@@ -708,6 +755,7 @@ class Backend:
             "counters": dict(self.counters),
             "timings": self.timings.summary(),
             "samples": self.timings.samples(),
+            "batch_sizes": {m: dict(h) for m, h in self.timings.batch_histogram.items()},
         }
         if reset:
             self.timings.clear()

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from zserve.transport import codec
 from zserve.transport.messages import (
     BackendRegister,
@@ -166,7 +167,6 @@ def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str,
     from zserve.backends.builtin import ensure_builtin
     from zserve.backends.onnx_executor import read_signature
     from zserve.backends.process import run_backend
-
     from zserve.config import parse_config, role_config
 
     max_batch = max(batch_sizes)

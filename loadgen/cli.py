@@ -12,6 +12,9 @@ stopped after it) or the ``client`` address of a frontend already running (``tcp
 ``ipc://...``); with an address, ``--cluster CLUSTER.toml`` names its config so that requests get
 the right input tensors and the backends can be asked for statistics, and ``--stats
 NAME=ADDRESS`` adds any process that answers ``StatsRequest`` as a backend's plan socket does.
+The rank's counters and the queueing delay of a cluster at an address come from its frontend:
+``ClusterStatsRequest`` on its client socket answers with the frontend's stats and those
+of the scheduler processes and backends it talks to (``frontend_stats_reader``).
 
 The load is the workload file's (models, SLOs, popularity, arrival process, warmup / measure /
 cooldown, seed); ``--rate`` replaces its rate, ``--steps`` or ``--trace`` its constant rate over
@@ -23,10 +26,11 @@ keep up with is retried once, then ends the search (exit 3).
 
 Statistics come over the wire, never from guesses in the client: every backend is asked
 ``StatsRequest(reset=True)`` once a second (batch sizes and run times of its batches: the batch
-size distribution, GPU busy fraction and GPUs in use per second); with a cluster started here,
-the rank's counters and the frontends' admission-to-fetch delay (the queueing delay) are read over
-the supervisor's control link at the measure window's start and end. What could not be had is
-listed under ``stats.missing`` in the report.
+size distribution, overall and per model, GPU busy fraction and GPUs in use per second); the
+rank's counters and the frontends' queueing delay (batch start on the backend - admission,
+overall and per model) are read at the measure window's start and end: over the supervisor's
+control link for a cluster started here, from the frontend's client socket for one at an
+address. What could not be had is listed under ``stats.missing`` in the report.
 
 Workload models are matched to the cluster's by name (exactly, else case-insensitively, else by
 ``--model-map WORKLOAD_NAME=CLUSTER_NAME``). The report (``--json``) has the schema of
@@ -57,6 +61,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from zserve import procutil
 from zserve.loadgen import schedules
 from zserve.loadgen.generator import (
     DEFAULT_LATENESS_BOUND_MS,
@@ -74,7 +80,7 @@ from zserve.loadgen.search import search_goodput
 from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload
 from zserve.scheduler.policy import DEFAULT_KEEP_TOLERANCE
 from zserve.transport import codec
-from zserve.transport.messages import StatsReply, StatsRequest, TensorMap
+from zserve.transport.messages import ClusterStatsRequest, StatsReply, StatsRequest, TensorMap
 from zserve.transport.sockets import make_dealer
 
 EXIT_OK = 0
@@ -119,6 +125,8 @@ class Target:
     # Every frontend's client address (the generator's workers spread over them); the first is
     # ``client_address``.
     client_addresses: list[str] = field(default_factory=list)
+    # The cluster's process ids by name (in-process clusters only), for CPU accounting.
+    pids: Callable[[], dict[str, int | None]] | None = None
 
 
 def _example_inputs(signature: Any) -> TensorMap:
@@ -181,12 +189,76 @@ def _target_from_config(
             "d_ctrl": config.scheduler.d_ctrl_ms,
             "d_data": config.scheduler.d_data_ms,
             "reply": config.frontends.reply_allowance_ms,
+            "jitter": config.scheduler.jitter_ms,
         },
         policy=config.scheduler.policy,
         drop=config.scheduler.drop,
         keep_tolerance=getattr(config.scheduler, "keep_tolerance", DEFAULT_KEEP_TOLERANCE),
         notes=notes,
     )
+
+
+# The frontend at the address a bench drives, as a name in Target.frontends (its stats come
+# from its client socket, with those of its peers: see frontend_stats_reader).
+FRONTEND_AT_ADDRESS = "frontend"
+# How long a frontend may take to gather its peers' stats (its own bound, 0.5 s, plus slack).
+CLUSTER_STATS_TIMEOUT_S = 1.0
+# Names asked of one frontend within this long share its answer (the names of one mark).
+CLUSTER_STATS_REUSE_S = 0.2
+
+
+def frontend_stats_reader(address: str) -> Callable[[str], dict[str, Any]]:
+    """``control_stats`` for a cluster at an address: asks its frontend's client socket
+    ``ClusterStatsRequest(reset=False)``; the frontend answers with its own stats and those of
+    the shards, rank and backends it talks to. ``FRONTEND_AT_ADDRESS`` names the frontend
+    itself; ``"rank"`` falls back to ``"shard-0"`` (a scheduler embedding the rank). One answer
+    serves the names asked within CLUSTER_STATS_REUSE_S (one mark); a server that did not answer
+    once (not a zserve frontend) is not asked again."""
+    counter = iter(range(1 << 30))
+    last: list[tuple[float, dict[str, Any]]] = []
+    silent = False
+
+    def ask() -> dict[str, Any]:
+        nonlocal silent
+        if silent:
+            raise TimeoutError(f"the server at {address} does not answer ClusterStatsRequest")
+        if last and time.monotonic() - last[0][0] < CLUSTER_STATS_REUSE_S:
+            return last[0][1]
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        identity = f"loadgen-cstats-{os.getpid()}-{next(counter)}".encode()
+        sock = make_dealer(ctx, address, identity=identity)
+        try:
+            sock.send_multipart(codec.encode(ClusterStatsRequest(reset=False)), copy=False)
+            if not sock.poll(int(CLUSTER_STATS_TIMEOUT_S * 1e3)):
+                silent = True
+                raise TimeoutError(f"no StatsReply from the frontend at {address}")
+            msg = codec.decode(sock.recv_multipart(copy=False))
+        finally:
+            sock.close(linger=0)
+        if not isinstance(msg, StatsReply):
+            raise TypeError(f"{type(msg).__name__} instead of a StatsReply from {address}")
+        last[:] = [(time.monotonic(), dict(msg.stats))]
+        return last[0][1]
+
+    def read(name: str) -> dict[str, Any]:
+        stats = ask()
+        if name == FRONTEND_AT_ADDRESS:
+            return stats
+        cluster = stats.get("cluster") or {}
+        for candidate in (name, "shard-0") if name == "rank" else (name,):
+            if isinstance(cluster.get(candidate), dict):
+                return dict(cluster[candidate])
+        raise KeyError(f"the frontend at {address} has no stats of {name!r}")
+
+    return read
+
+
+def _at_address(target: Target) -> Target:
+    """A cluster at an address: its rank counters and queueing delay come from its frontend."""
+    target.control_stats = frontend_stats_reader(target.client_address)
+    target.rank_process = "rank"
+    target.frontends = [FRONTEND_AT_ADDRESS]
+    return target
 
 
 def _backend_addresses(peers: dict[str, str]) -> dict[str, str]:
@@ -207,17 +279,19 @@ def open_target(
 
     if "://" in spec:
         if cluster_config is None:
-            yield Target(
+            yield _at_address(Target(
                 client_address=spec,
                 inputs={m.name: {} for m in workload.models},
                 model_names={m.name: m.name for m in workload.models},
                 stats_addresses={},
                 notes=["no --cluster config: requests carry no inputs"],
-            )
+            ))
             return
         config = load_config(cluster_config)
         peers = config.static_peers(config.ipc_dir)
-        yield _target_from_config(config, spec, _backend_addresses(peers), workload, model_map)
+        yield _at_address(
+            _target_from_config(config, spec, _backend_addresses(peers), workload, model_map)
+        )
         return
     config = load_config(spec)
     from zserve import supervisor
@@ -231,6 +305,7 @@ def open_target(
         target.control_stats = lambda name: cluster.stats(name, timeout=STATS_REPLY_TIMEOUT_S)
         target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
         target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
+        target.pids = cluster.pids
         yield target
 
 
@@ -261,6 +336,7 @@ class StatsPoller:
         control_stats: Callable[[str], dict[str, Any]] | None = None,
         control_names: list[str] | None = None,
         marks: list[tuple[float, str]] | None = None,
+        cpu_pids: Callable[[], dict[str, int | None]] | None = None,
     ) -> None:
         self.addresses = dict(addresses)
         self.interval_s = interval_s
@@ -269,6 +345,9 @@ class StatsPoller:
         self.marks = sorted(marks or []) if control_stats is not None else []
         self.samples: list[StatsSample] = []
         self.at_marks: dict[str, dict[str, dict[str, Any]]] = {}
+        self.cpu_pids = cpu_pids
+        # CPU seconds used so far by each process, at each mark (see cpu_at_marks)
+        self.cpu_at_marks: dict[str, dict[str, float]] = {}
         self.silent: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -294,6 +373,7 @@ class StatsPoller:
             except Exception:
                 self.silent.add(name)
         self.at_marks[label] = taken
+        self.cpu_at_marks[label] = cpu_snapshot(self.cpu_pids() if self.cpu_pids else {})
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -336,6 +416,54 @@ class StatsPoller:
             last[name] = t
 
 
+LOADGEN_PROCESS = "loadgen"
+LOADGEN_WORKERS = "loadgen workers"
+
+
+def cpu_snapshot(cluster_pids: dict[str, int | None]) -> dict[str, float]:
+    """CPU seconds used so far by every cluster process, by this process (the generator's first
+    worker, the stats poller and the supervisor thread) and, summed, by this process's other
+    children (the generator's spawned workers). Empty where ``/proc`` is not available."""
+    snapshot: dict[str, float] = {}
+    known: set[int] = set()
+    for name, pid in cluster_pids.items():
+        if pid is None:
+            continue
+        known.add(pid)
+        seconds = procutil.cpu_seconds(pid)
+        if seconds is not None:
+            snapshot[name] = seconds
+    me = os.getpid()
+    own = procutil.cpu_seconds(me)
+    if own is None:
+        return snapshot
+    snapshot[LOADGEN_PROCESS] = own
+    workers = [procutil.cpu_seconds(p) for p in procutil.child_pids(me) if p not in known]
+    snapshot[LOADGEN_WORKERS] = sum(w for w in workers if w is not None)
+    return snapshot
+
+
+def cpu_per_request(
+    start: dict[str, float], end: dict[str, float], requests: int, seconds: float
+) -> dict[str, Any] | None:
+    """Each process's CPU over a window: microseconds per request sent in it, and cores used."""
+    names = [n for n in end if n in start]
+    if not names or requests <= 0 or seconds <= 0:
+        return None
+    used = {n: max(0.0, end[n] - start[n]) for n in names}
+    if used.get(LOADGEN_WORKERS) == 0.0:
+        del used[LOADGEN_WORKERS]  # one worker: it runs in this process
+    return {
+        "per_request_us": {n: round(v / requests * 1e6, 1) for n, v in sorted(used.items())},
+        "cores": {n: round(v / seconds, 3) for n, v in sorted(used.items())},
+        "total_cores": round(sum(used.values()) / seconds, 3),
+        "requests": requests,
+        "seconds": round(seconds, 3),
+        "cpus": os.cpu_count(),
+        "source": "/proc utime + stime at the measure window's start and end",
+    }
+
+
 def _ask_stats(sock: zmq.Socket[Any]) -> dict[str, Any] | None:
     while True:  # discard replies to earlier polls that timed out
         try:
@@ -357,6 +485,15 @@ class StatsWindow:
     busy_s: float
     backends: int
     seconds: float
+    # The model of each batch_sizes entry (cluster model names), None when a backend did not
+    # report them.
+    batch_models: np.ndarray[Any, Any] | None = None
+
+    def sizes_of(self, model: str) -> np.ndarray[Any, Any] | None:
+        """The batch sizes of ``model``'s batches, None when models were not reported."""
+        if self.batch_models is None:
+            return None
+        return self.batch_sizes[self.batch_models == model]
 
     @property
     def busy_fraction(self) -> float | None:
@@ -371,14 +508,24 @@ def stats_window(samples: list[StatsSample], start_s: float, end_s: float) -> St
     if not chosen:
         return None
     sizes: list[int] = []
+    models: list[str] | None = []
     busy = 0.0
     for s in chosen:
         recorded = s.stats.get("samples", {})
-        sizes.extend(int(b) for b in recorded.get("batch_size", []))
+        batch_sizes = [int(b) for b in recorded.get("batch_size", [])]
+        sizes.extend(batch_sizes)
+        batch_models = recorded.get("batch_model")
+        if models is not None and isinstance(batch_models, list) and (
+            len(batch_models) == len(batch_sizes)
+        ):
+            models.extend(str(m) for m in batch_models)
+        else:
+            models = None  # a backend that does not name its batches' models
         busy += float(sum(recorded.get("run_s", [])))
     names = {s.name for s in samples}
     seconds = max(s.t_s for s in chosen) - min(s.t_s - s.interval_s for s in chosen)
-    return StatsWindow(np.asarray(sizes, dtype=np.int64), busy, len(names), seconds)
+    return StatsWindow(np.asarray(sizes, dtype=np.int64), busy, len(names), seconds,
+                       None if models is None else np.asarray(models, dtype=object))
 
 
 # --------------------------------------------------------------------------- the report
@@ -392,6 +539,7 @@ def live_report(
     samples: list[StatsSample],
     at_marks: dict[str, dict[str, dict[str, Any]]] | None = None,
     stats_missing: list[str],
+    cpu_at_marks: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """The report of one live run in ``zserve.loadgen.report``'s schema."""
     plan = result.plan
@@ -399,6 +547,8 @@ def live_report(
     latency_ms = result.latency_s * 1e3
     window = stats_window(samples, plan.measure_start_s, plan.measure_end_s)
     single_model = len(plan.models) == 1
+    # Workload model name -> the cluster's, which the backends' stats use.
+    cluster_names = target.model_names if target is not None else {}
     outcomes: list[ModelOutcome] = []
     cdfs: dict[str, list[list[float]]] = {}
     # A run stopped early counts what it sent: its unsent requests are neither good nor bad.
@@ -417,7 +567,11 @@ def live_report(
                 late=int(np.count_nonzero(oc == Outcome.LATE)),
                 dropped=int(np.count_nonzero(oc == Outcome.DROPPED)),
                 latencies_ms=latency_ms[mask][served],
-                batch_sizes=window.batch_sizes if (window is not None and single_model) else None,
+                batch_sizes=(
+                    None if window is None
+                    else window.batch_sizes if single_model
+                    else window.sizes_of(cluster_names.get(name, name))
+                ),
                 extra={
                     "errors": int(np.count_nonzero(oc == Outcome.ERROR)),
                     "timeouts": int(np.count_nonzero(oc == Outcome.TIMEOUT)),
@@ -478,6 +632,13 @@ def live_report(
         extra=extra,
     )
     _add_control_stats(report, target, at_marks or {}, stats_missing)
+    cpu_marks = cpu_at_marks or {}
+    if "start" in cpu_marks and "end" in cpu_marks:
+        sent_in_window = int(np.count_nonzero(measured & sent))
+        cpu = cpu_per_request(cpu_marks["start"], cpu_marks["end"], sent_in_window,
+                              plan.measure_s)
+        if cpu is not None:
+            report["cpu"] = cpu
     if window is not None and not single_model and len(window.batch_sizes):
         values, counts = np.unique(window.batch_sizes, return_counts=True)
         report["batch_size"] = {
@@ -518,8 +679,10 @@ def _add_control_stats(
 ) -> None:
     """From the stats taken over the control link at the measure window's start and end: the
     RankThread's counters over the window (the simulator's ``rank`` key), and the queueing delay
-    as the frontend sees it: admission -> a backend fetching the inputs, which happens when the
-    batch plan reaches the backend, just before exec_at (the latest samples at the window's end).
+    the frontends measured: batch start on the backend (``BatchOutputs.started_at``) minus
+    admission, overall and per model (the latest samples at the window's end). Frontends that do
+    not report it leave the older approximation: admission -> the backend's input fetch, which
+    happens when the batch plan reaches the backend, just before exec_at.
     """
     if target is None or target.control_stats is None:
         return
@@ -544,23 +707,42 @@ def _add_control_stats(
     report["frontend_hops_ms"] = {
         name: end[name].get("hops", {}) for name in target.frontends if name in end
     }
-    hops = [
-        end[name].get("hops", {}).get("admit_to_fetch", {})
-        for name in target.frontends
-        if name in end
-    ]
-    hops = [h for h in hops if h.get("count")]
-    if hops:
-        # Several frontends: the figures of the one with the most samples.
-        hop = max(hops, key=lambda h: h["count"])
-        report["queueing_ms"] = {
-            "p50": round(float(hop["p50_ms"]), 4),
-            "p99": round(float(hop["p99_ms"]), 4),
-            "source": "frontend admit_to_fetch hop, latest samples at the window's end",
-            "samples": int(hop["count"]),
-        }
+    for hop_name, source in (
+        ("queueing", "frontend queueing (backend batch start - admission), latest samples at "
+                     "the window's end"),
+        ("admit_to_fetch", "frontend admit_to_fetch hop (an approximation: the frontends did not "
+                           "report batch starts), latest samples at the window's end"),
+    ):
+        hops = [
+            end[name].get("hops", {}).get(hop_name, {})
+            for name in target.frontends
+            if name in end
+        ]
+        hops = [h for h in hops if h.get("count")]
+        if hops:
+            # Several frontends: the figures of the one with the most samples.
+            hop = max(hops, key=lambda h: h["count"])
+            report["queueing_ms"] = {
+                "p50": round(float(hop["p50_ms"]), 4),
+                "p99": round(float(hop["p99_ms"]), 4),
+                "source": source,
+                "samples": int(hop["count"]),
+            }
+            break
     else:
-        missing.append("no admit_to_fetch samples from the frontends: queueing delay unknown")
+        missing.append("no queueing samples from the frontends: queueing delay unknown")
+    for model, entry in report.get("per_model", {}).items():
+        cluster_model = target.model_names.get(model, model)
+        by_model = [
+            end[name].get("queueing_by_model", {}).get(cluster_model, {})
+            for name in target.frontends
+            if name in end
+        ]
+        by_model = [h for h in by_model if h.get("count")]
+        if by_model:
+            hop = max(by_model, key=lambda h: h["count"])
+            entry["queueing_p50_ms"] = round(float(hop["p50_ms"]), 4)
+            entry["queueing_p99_ms"] = round(float(hop["p99_ms"]), 4)
 
 
 def _bound_rps(workload: Workload, gpus: int) -> float | None:
@@ -641,6 +823,7 @@ def run_once(
         control_stats=target.control_stats,
         control_names=control_names,
         marks=[(plan.measure_start_s, "start"), (plan.measure_end_s, "end")],
+        cpu_pids=target.pids,
     )
     missing: list[str] = []
     if not target.stats_addresses:
@@ -649,10 +832,8 @@ def run_once(
             "--cluster with an address): batch sizes and GPU busy fraction are unknown"
         )
     if target.control_stats is None:
-        missing.append(
-            "no control link (a cluster at an address): queueing delay and rank counters are "
-            "unknown"
-        )
+        missing.append("no control link and no frontend to ask: queueing delay and rank "
+                       "counters are unknown")
 
     try:
         result = run_load(
@@ -673,7 +854,8 @@ def run_once(
     if options.records:
         result.save(options.records)
     return live_report(result, workload, target=target, samples=poller.samples,
-                       at_marks=poller.at_marks, stats_missing=missing)
+                       at_marks=poller.at_marks, stats_missing=missing,
+                       cpu_at_marks=poller.cpu_at_marks)
 
 
 def _workers_for(requested: int, plan: LoadPlan, frontends: int = 1) -> int:
@@ -921,6 +1103,11 @@ def main(argv: list[str]) -> int:
         print(f"generator: {gen['workers']} worker(s), send lateness p50 {lat['p50_ms']:.2f} ms "
               f"p99 {lat['p99_ms']:.2f} ms max {lat['max_ms']:.2f} ms (bound "
               f"{lat['bound_ms']:g} ms)")
+        cpu = report.get("cpu")
+        if cpu:
+            costs = "  ".join(f"{name} {us:.0f}" for name, us in cpu["per_request_us"].items())
+            print(f"cpu us/request (measure window, {cpu['total_cores']:.2f} of {cpu['cpus']} "
+                  f"cores busy): {costs}")
         for line in report["stats"]["missing"]:
             print(f"missing: {line}")
     if args.compare:

@@ -29,6 +29,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+
+from zserve.errors import ErrorKind
 from zserve.transport import codec
 from zserve.transport.messages import (
     InferError,
@@ -38,8 +40,6 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.sockets import make_router
-
-from zserve.errors import ErrorKind
 
 START_TIMEOUT_S = 30.0
 STATS_WINDOW = 4096  # as a backend: the most recent "batches" a StatsReply describes

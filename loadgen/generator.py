@@ -52,14 +52,14 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+
+from zserve.errors import ErrorKind
 from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.schedules import RateSchedule
 from zserve.loadgen.workload import ArrivalSpec, Workload
 from zserve.transport import codec
 from zserve.transport.messages import InferError, InferReply, InferRequest, TensorMap
 from zserve.transport.sockets import make_dealer
-
-from zserve.errors import ErrorKind
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 IntArray = np.ndarray[Any, np.dtype[np.int64]]

@@ -15,7 +15,8 @@ A report is a JSON-able dict::
      "batch_size": {"median", "mean", "histogram": {bs: batches}},
      "per_model": {NAME: {"slo_ms", "offered_rps", "total", "good", "late", "dropped", "bad_rate",
                           "p50_ms", "p90_ms", "p99_ms", "p99.9_ms", "queueing_p50_ms",
-                          "queueing_p99_ms", "median_batch", "mean_batch", "batches"}},
+                          "queueing_p99_ms", "median_batch", "mean_batch", "batches",
+                          "batch_histogram": {bs: batches}}},
      "measure_s", "wall_s", ...}
 
 A request is good iff its reply is due no later than arrival + SLO; bad = late + dropped (+ no
@@ -59,6 +60,14 @@ class ModelOutcome:
         return self.bad / self.total if self.total else 0.0
 
 
+def _histogram(sizes: np.ndarray[Any, Any] | None) -> dict[str, int]:
+    """{batch size: batches}, sizes as strings (JSON keys)."""
+    if sizes is None or len(sizes) == 0:
+        return {}
+    values, counts = np.unique(sizes, return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)}
+
+
 def _pct(values: Floats | None, q: float) -> float | None:
     if values is None or len(values) == 0:
         return None
@@ -94,10 +103,7 @@ def build_report(
     all_q = np.concatenate(queues) if queues else None
     sizes = [o.batch_sizes for o in outcomes if o.batch_sizes is not None]
     all_bs = np.concatenate(sizes) if sizes else np.empty(0, dtype=np.int64)
-    histogram: dict[str, int] = {}
-    if len(all_bs):
-        values, counts = np.unique(all_bs, return_counts=True)
-        histogram = {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)}
+    histogram = _histogram(all_bs)
     per_model: dict[str, Any] = {}
     for o in outcomes:
         bs = o.batch_sizes
@@ -118,6 +124,7 @@ def build_report(
             "median_batch": float(np.median(bs)) if bs is not None and len(bs) else None,
             "mean_batch": round(float(np.mean(bs)), 3) if bs is not None and len(bs) else None,
             "batches": len(bs) if bs is not None else None,
+            "batch_histogram": _histogram(bs) if bs is not None else None,
             **o.extra,
         }
     worst = max((o.bad_rate for o in outcomes), default=0.0)

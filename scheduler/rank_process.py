@@ -47,6 +47,10 @@ from typing import Any, cast
 import numpy as np
 import zmq
 import zmq.asyncio
+
+from zserve import procutil, timers
+from zserve.config import load_config, role_config
+from zserve.errors import ZServeError
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport import codec
@@ -64,10 +68,6 @@ from zserve.transport.messages import (
 )
 from zserve.transport.sockets import make_router
 
-from zserve import procutil
-from zserve.config import load_config, role_config
-from zserve.errors import ZServeError
-
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
@@ -77,8 +77,8 @@ BACKEND_TIMEOUT_S = 4 * procutil.HEARTBEAT_INTERVAL_S
 MAX_CHUNK = 512
 SOCKET_CLOSE_LINGER_MS = 200
 STATS_WINDOW = 4096
-# Timers are armed this much early and the rest is polled through loop iterations (WakeTimer).
-POLL_WINDOW_S = 0.0015
+# Kept for importers: the fallback poll window of zserve.timers (hosts without timerfd).
+POLL_WINDOW_S = timers.POLL_WINDOW_S
 
 Chunk = list[tuple[bytes | None, Message]]
 
@@ -93,20 +93,19 @@ class WakeTimer:
     moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.
 
     Precision matters: a deferred batch is granted between its frontrun moment and its latest
-    moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart. uvloop's timers tick in
-    whole milliseconds (a ``call_at`` may fire up to ~1 ms off), so the ``loop.call_at`` handle is
-    armed ``POLL_WINDOW_S`` early and the last stretch is polled with ``call_soon`` through loop
-    iterations, which keep serving I/O: the object is woken within one loop iteration of its
-    moment, never before it.
+    moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart, and uvloop's own timers
+    tick in whole milliseconds. The timer is a ``zserve.timers`` precise timer (a timerfd on
+    Linux): the object is woken a few tens of microseconds after its moment, never before it, and
+    the process sleeps until then.
     """
 
-    __slots__ = ("_at", "_fire", "_handle", "_loop", "obj")
+    __slots__ = ("_at", "_fire", "_handle", "_timers", "obj")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, obj: Any, fire: Callable[[], None]):
-        self._loop = loop
+        self._timers = timers.timers_for(loop)
         self.obj = obj
         self._fire = fire
-        self._handle: asyncio.Handle | None = None
+        self._handle: timers.TimerHandle | None = None
         self._at = math.inf
 
     def sync(self) -> None:
@@ -118,22 +117,10 @@ class WakeTimer:
             self._handle = None
         self._at = wake_at
         if wake_at != math.inf:
-            self._schedule()
-
-    def _schedule(self) -> None:
-        remaining = self._at - time.monotonic()
-        if remaining > POLL_WINDOW_S:
-            # wake_at is on time.monotonic(); loop.time() is the same clock, cached per iteration.
-            when = self._loop.time() + remaining - POLL_WINDOW_S
-            self._handle = self._loop.call_at(when, self._on_handle)
-        else:
-            self._handle = self._loop.call_soon(self._on_handle)
+            self._handle = self._timers.call_at(wake_at, self._on_handle)
 
     def _on_handle(self) -> None:
         self._handle = None
-        if time.monotonic() < self._at:
-            self._schedule()
-            return
         self._at = math.inf
         self._fire()
 
@@ -254,11 +241,13 @@ class RankHost:
         self.model_owner: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.counters: dict[str, int] = dict.fromkeys(
-            ("candidates", "grants", "grant_answers", "batches", "batches_failed", "late_batches",
-             "registrations", "removals", "send_dropped", "bad_messages", "unroutable_grants"),
+            ("candidates", "late_candidates", "grants", "grant_answers", "batches",
+             "batches_failed", "late_batches", "registrations", "removals", "send_dropped",
+             "bad_messages", "unroutable_grants"),
             0,
         )
         self.lateness: deque[float] = deque(maxlen=STATS_WINDOW)
+        self.candidate_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         if self._local_identity is not None:
             self.peers[self._local_identity] = "shard"
 
@@ -300,6 +289,14 @@ class RankHost:
             assert isinstance(msg, CandidateUpdate)
             self.counters["candidates"] += 1
             self.model_owner[msg.model] = identity
+            if msg.batch_size > 0:
+                # How long before its model timer (exec - delay) the candidate came; negative:
+                # the timer is already late (a publish lead shorter than the shard -> rank hop,
+                # or a candidate the ModelThread recomputed after that moment).
+                slack = msg.exec_at - msg.send_delay - now
+                self.candidate_slack.append(slack)
+                if slack < 0:
+                    self.counters["late_candidates"] += 1
             self.rank.on_candidate(now, msg, outbox)
         elif kind is GrantAnswer:
             assert isinstance(msg, GrantAnswer)
@@ -466,8 +463,14 @@ class RankHost:
             out["lateness_ms"] = {"p50": float(np.median(values)),
                                   "p99": float(np.percentile(values, 99)),
                                   "max": float(values.max())}
+        if self.candidate_slack:
+            values = np.asarray(self.candidate_slack) * 1e3
+            out["candidate_slack_ms"] = {"p1": float(np.percentile(values, 1)),
+                                         "p50": float(np.median(values)),
+                                         "min": float(values.min())}
         if reset:
             self.lateness.clear()
+            self.candidate_slack.clear()
             for key in self.counters:
                 self.counters[key] = 0
         return out

@@ -42,6 +42,10 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+
+from zserve import procutil
+from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy, target_batch_size
@@ -70,10 +74,6 @@ from zserve.transport.messages import (
 )
 from zserve.transport.sockets import make_dealer, make_router
 
-from zserve import procutil
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
-from zserve.errors import ErrorKind, ZServeError
-
 log = logging.getLogger(__name__)
 
 ROLE = "shard"
@@ -81,6 +81,11 @@ SOCKET_CLOSE_LINGER_MS = 200
 # While draining, how often the shard checks whether its queues are empty.
 DRAIN_POLL_S = 0.01
 STATS_WINDOW = 4096
+# A ModelThread holds a candidate back until this long before the rank needs it (its model
+# timer at exec - delay(bs)): well above the shard -> rank hop (0.1 ms p50, ~0.3 ms p99 idle;
+# see docs/runtime.md, "Hop latencies"), and the rank counts candidates that still come late
+# (``late_candidates``).
+PUBLISH_LEAD_S = 0.002
 # Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
 MAX_SHARDS = 1024
 
@@ -141,6 +146,7 @@ class ShardHost:
         self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
         self.d_ctrl_s = sched.d_ctrl_ms / 1e3
         self.d_data_s = sched.d_data_ms / 1e3
+        self.jitter_s = sched.jitter_ms / 1e3
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.models = {m.name: m for m in models}
         self.threads: dict[str, ModelThread] = {}
@@ -153,6 +159,7 @@ class ShardHost:
         self.index = index
         self._plan_seq = 0
         self.meta_delay: deque[float] = deque(maxlen=STATS_WINDOW)
+        self.grant_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         self._from_rank: deque[Message] = deque()
         self._pump_scheduled = False
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
@@ -175,7 +182,9 @@ class ShardHost:
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
-            d_data_s=self.d_data_s, budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
+            d_data_s=self.d_data_s, jitter_s=self.jitter_s,
+            budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
+            publish_lead_s=PUBLISH_LEAD_S,
         )
         self.threads[model.name] = thread
         self.timers[model.name] = WakeTimer(
@@ -315,6 +324,11 @@ class ShardHost:
                     log.error("%s: grant for model %r, which it does not host", self.name,
                               msg.model)
                     continue
+                if thread.cand_bs:
+                    # How much of the candidate's grant window was left when the grant came
+                    # (negative: too late for this batch; the ModelThread shrinks or drops it).
+                    delay = thread.d_ctrl_s + thread.d_data_s * thread.cand_bs
+                    self.grant_slack.append(thread.cand_latest - delay - now)
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
@@ -476,10 +490,17 @@ class ShardHost:
             values = np.asarray(self.meta_delay) * 1e3
             out["meta_delay_ms"] = {"p50": float(np.median(values)),
                                     "p99": float(np.percentile(values, 99))}
+        if self.grant_slack:
+            values = np.asarray(self.grant_slack) * 1e3
+            out["grant_slack_ms"] = {"p1": float(np.percentile(values, 1)),
+                                     "p50": float(np.median(values)),
+                                     "late": int(np.count_nonzero(values < 0)),
+                                     "count": len(values)}
         if self.rank_local is not None:
             out["rank"] = self.rank_local.stats(reset)
         if reset:
             self.meta_delay.clear()
+            self.grant_slack.clear()
             for key in self.counters:
                 self.counters[key] = 0
         return out

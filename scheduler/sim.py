@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from zserve.loadgen.arrivals import arrival_times, model_rng
 from zserve.loadgen.report import ModelOutcome, build_report
 from zserve.loadgen.workload import Workload

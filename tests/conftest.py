@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_dealer, make_router
 
 # --------------------------------------------------------------------------- backends

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+
+from zserve.config import ClusterConfig, parse_config, role_config
 from zserve.transport import codec
 from zserve.transport.messages import Message, Ready
 from zserve.transport.sockets import make_dealer, make_router
-
-from zserve.config import ClusterConfig, parse_config, role_config
 
 WAIT_S = 20.0  # generous: the machine is shared; a healthy test never waits this long
 REAP_S = 10.0

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from zserve.config import ClusterConfig, parse_config, role_config
 from zserve.transport import codec
 from zserve.transport.messages import (
     BackendTable,
@@ -25,8 +27,6 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.sockets import make_dealer, make_router
-
-from zserve.config import ClusterConfig, parse_config, role_config
 
 RECV_TIMEOUT_S = 10.0
 

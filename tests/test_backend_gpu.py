@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
+
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import OnnxExecutor
 

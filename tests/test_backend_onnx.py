@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
 from zserve.backends.builtin import ModelSpec, ensure_builtin
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import OnnxExecutor, SessionConfig, read_signature
-
 from zserve.errors import BadRequestError, InternalError
 
 MAX_BATCH = 8

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from zserve.backends import builtin, profiler
 from zserve.backends.onnx_executor import OnnxExecutor
 from zserve.backends.profiler import LatencyProfile, fit_linear, write_profile_file

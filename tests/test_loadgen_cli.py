@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from zserve.loadgen import cli
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.report import summary_text

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from zserve.loadgen import schedules
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.generator import (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.generator import build_plan
 from zserve.loadgen.workload import ArrivalSpec

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from zserve.loadgen import cli
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.search import search_goodput

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
+
+from zserve.errors import ErrorKind
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -23,8 +25,6 @@ from zserve.transport.messages import (
     StatsReply,
     StatsRequest,
 )
-
-from zserve.errors import ErrorKind
 
 ALPHA_MS = 2.0
 BETA_MS = 20.0  # l(b) = 2b + 20 ms: long enough that overlapping plans really overlap
@@ -153,6 +153,29 @@ def test_proc_backend_late_plan_runs_at_once(rig: BackendRig) -> None:
     _, reply = rig.shard.expect(StatsReply)
     assert reply.stats["counters"]["late_plans"] == 1
     assert reply.stats["timings"]["lateness_ms"]["max"] >= 200.0
+
+
+def test_proc_backend_keys_inputs_by_frontend_and_request_id(rig: BackendRig) -> None:
+    # Two frontends that both number a request 5: each request must get its own inputs back.
+    other = rig.h.router("fe-data-1")
+    plan = BatchPlan(
+        plan_id=9, model=MODEL, gpu_id=0, exec_at=time.monotonic() + 0.03,
+        expected_finish_at=time.monotonic() + 0.03 + (ALPHA_MS * 2 + BETA_MS) / 1e3,
+        frontends=[rig.frontend.endpoint, other.endpoint], request_frontend=[0, 1],
+        request_ids=[5, 5],
+    )
+    rig.shard.send(plan)
+    for peer, value in ((rig.frontend, 1.0), (other, 100.0)):
+        identity, fetch = peer.expect(InputFetch)
+        assert fetch.request_ids == [5]
+        inputs = [{"x": np.full((1, 4), value, np.float32)}]
+        peer.send(InputReply(fetch.plan_id, [5], inputs, []), identity)
+    _, first = rig.frontend.expect(BatchOutputs)
+    _, second = other.expect(BatchOutputs)
+    # 2 * sum(inputs) + the model constant: the two answers differ by 2 * 4 * (100 - 1).
+    difference = float(second.outputs[0]["y"][0, 0]) - float(first.outputs[0]["y"][0, 0])
+    assert difference == pytest.approx(2 * 4 * 99.0)
+    assert rig.stats_of(9).batch_size == 2
 
 
 def test_proc_backend_execution_error_fails_only_that_batch(rig: BackendRig) -> None:

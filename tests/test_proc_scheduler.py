@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 from proc_harness import Harness, Peer, cluster_config, role_config_for
+
+from zserve.config import shard_for_model
+from zserve.errors import ErrorKind
 from zserve.transport.messages import (
     BackendRegister,
     BackendTable,
@@ -21,9 +24,6 @@ from zserve.transport.messages import (
     StatsReply,
     StatsRequest,
 )
-
-from zserve.config import shard_for_model
-from zserve.errors import ErrorKind
 
 MODELS = ("alpha", "beta")  # crc32 puts them on different shards when shards = 2
 # alpha 30 ms: the frontrun and latest moments of a batch lie 30 ms apart, far more than the

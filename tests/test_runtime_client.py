@@ -23,10 +23,10 @@ from runtime_helpers import (
     stats,
     wait_stats,
 )
-from zserve.transport import codec
-from zserve.transport.messages import DropNotice
 
 import zserve
+from zserve.transport import codec
+from zserve.transport.messages import DropNotice
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from zserve.backends.process import build_executor
-from zserve.transport.sockets import make_dealer
 
 import zserve
+from zserve.backends.process import build_executor
 from zserve.config import ClusterConfig, load_config, parse_config, shard_for_model
 from zserve.supervisor import Cluster, StartupError
+from zserve.transport.sockets import make_dealer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "clusters"

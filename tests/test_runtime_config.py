@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from zserve.config import (
+    DEFAULT_JITTER_MS,
     ClusterConfig,
     ConfigError,
     load_config,
@@ -41,6 +42,12 @@ def config(**tables: Any) -> ClusterConfig:
         ({"models": [MODEL], "scheduler": {"shards": -1}}, r"^scheduler\.shards: must be >= 0"),
         ({"models": [MODEL], "scheduler": {"policy": "fastest"}}, r"^scheduler\.policy: "),
         ({"models": [MODEL], "scheduler": {"drop": "random"}}, r"^scheduler\.drop: "),
+        ({"models": [MODEL], "scheduler": {"jitter_ms": -0.5}},
+         r"^scheduler\.jitter_ms: must be a finite number >= 0"),
+        ({"models": [MODEL], "scheduler": {"jitter_ms": "1"}},
+         r"^scheduler\.jitter_ms: must be a number"),
+        ({"models": [MODEL], "scheduler": {"jitter_ms": float("inf")}},
+         r"^scheduler\.jitter_ms: must be a finite number"),
         ({"models": [MODEL], "backends": {"device": "tpu"}}, r"^backends\.device: must be"),
         ({"models": [MODEL], "backends": {"devices": ["cuda:0", "gpu"]}},
          r"^backends\.devices\[1\]: "),
@@ -61,6 +68,8 @@ def test_errors_name_the_key(document: dict[str, Any], message: str) -> None:
 def test_defaults_and_round_trip() -> None:
     cluster = config()
     assert cluster.scheduler.shards == 0 and cluster.scheduler.policy == "deferred"
+    assert cluster.scheduler.jitter_ms == DEFAULT_JITTER_MS
+    assert config(scheduler={"jitter_ms": 0}).scheduler.jitter_ms == 0.0
     assert cluster.frontends.count == 1 and cluster.backends.total == 1
     (model,) = cluster.models
     assert model.kind == "emulated" and model.wait_bound_ms == model.slo_ms

@@ -21,6 +21,8 @@ from runtime_helpers import (
     stats,
     wait_stats,
 )
+
+import zserve
 from zserve.transport import codec
 from zserve.transport.messages import (
     DropNotice,
@@ -31,8 +33,6 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.sockets import make_dealer
-
-import zserve
 
 
 @pytest.fixture

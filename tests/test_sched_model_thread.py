@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from zserve.scheduler import bounds
 from zserve.scheduler.policy import RpsMeter, SchedulePolicy, target_batch_size
 from zserve.scheduler.profiles import (

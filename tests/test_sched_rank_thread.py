@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from zserve.scheduler.common import Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.search import search_goodput

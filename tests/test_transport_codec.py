@@ -15,6 +15,8 @@ from transport_helpers import (
     recv_within,
     wait_readable,
 )
+
+from zserve.errors import ProtocolError
 from zserve.transport import codec
 from zserve.transport.arrays import ALLOWED_DTYPE_NAMES
 from zserve.transport.messages import (
@@ -28,8 +30,6 @@ from zserve.transport.messages import (
     RequestMetaBatch,
     StatsReply,
 )
-
-from zserve.errors import ProtocolError
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 MIB = 1024 * 1024

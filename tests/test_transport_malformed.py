@@ -15,11 +15,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_within, wait_readable
+
+from zserve.errors import ProtocolError, TooLargeError
 from zserve.transport import codec
 from zserve.transport.messages import CancelRequest
 from zserve.transport.sockets import make_dealer, make_router
-
-from zserve.errors import ProtocolError, TooLargeError
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 GOOD = CancelRequest(request_id=42)

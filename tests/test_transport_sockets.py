@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, buffer_owner, recv_within
+
+from zserve.errors import ErrorKind, ProtocolError, UnroutableError
 from zserve.transport import codec, sockets
 from zserve.transport.messages import CancelRequest, Heartbeat, InferReply, Message
 from zserve.transport.sockets import IpcDir, bound_endpoint, make_dealer, make_router
-
-from zserve.errors import ErrorKind, ProtocolError, UnroutableError
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 AsyncPair = tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]

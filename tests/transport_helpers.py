@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from zserve.transport import codec
 from zserve.transport.messages import ALL_MESSAGES, Message
 

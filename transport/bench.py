@@ -7,8 +7,29 @@ from the socket factory, over ipc:// and tcp://127.0.0.1, with sync and asyncio 
   messages in flight (credit-based: the receiver acks every ``ack_every``), so the figure is
   throughput, not round-trip latency. "bare" sends the same header bytes with plain pyzmq calls;
   "codec" encodes and decodes a typed message per send (sync_send / sync_recv). Each is run
-  three times, interleaved, and the median is reported; the overhead column is
-  ``1 - codec / bare``.
+  three times, interleaved, and the median is reported.
+
+  With sync sockets the bare loop makes the very pyzmq calls the codec path makes (``send`` of
+  the header bytes; ``recv`` and ``RCVMORE`` frame by frame, the header copied, array frames
+  zero-copy), so the difference is the codec alone and not a difference in pyzmq usage. The
+  asyncio bare loop is plain ``zmq.asyncio`` ``send_multipart``/``recv_multipart``. Neither
+  receiving loop adds per-message work of its own: a silent peer is caught by RCVTIMEO (sync)
+  or one deadline per phase (asyncio), not by a poll or a ``wait_for`` per message, which cost
+  more than the codec and used to hide part of its overhead.
+
+  How the overhead is computed. Sender and receiver are separate processes, each with its own
+  ZeroMQ I/O thread, so the codec's encode cost lands on one side and its decode cost on the
+  other. Two figures are reported:
+
+  * ``overhead`` (throughput) = ``1 - codec_rate / bare_rate``, each rate the median of the
+    interleaved runs. The rate is set by the busier process, or by the total CPU of both when
+    the cores are oversubscribed (four busy threads on a shared 2-core machine), so this is
+    what an application sees, but it mixes both sides and the machine's load.
+  * per-side CPU: each process measures its own CPU time (``time.process_time``: all its
+    threads, ZeroMQ's I/O thread included) over the phase and divides by the messages; the
+    sender reports its figure after the end marker. ``+x%`` is ``codec_cpu / bare_cpu - 1`` on
+    that side: the codec's share of the work of that process, much less sensitive to other
+    load on the machine than the rates.
 - round trip: ping-pong of one small message; p50 in microseconds.
 - arrays (sync sockets): one float32 array per message, 1 KiB .. 64 MiB, bytes per second.
 
@@ -22,6 +43,7 @@ import asyncio
 import json
 import multiprocessing
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -32,6 +54,7 @@ import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
+
 from zserve.transport.codec import (
     async_recv,
     async_send,
@@ -50,6 +73,8 @@ ARRAY_SIZES_BYTES = (1 * KIB, 16 * KIB, 256 * KIB, 4 * MIB, 64 * MIB)
 SMALL_PHASE_S = (0.5, 0.1)
 # Small-message phases run this many times, bare and codec interleaved; the median is reported.
 SMALL_REPEATS = 3
+# Runs of the in-process encode/decode timing; the median is reported.
+CODEC_COST_RUNS = 7
 ARRAY_PHASE_S = (0.6, 0.08)
 ROUND_TRIPS = (2000, 300)
 # Credit window: small messages in flight, and bytes in flight for arrays.
@@ -68,6 +93,8 @@ CLOCK_CHECK_EVERY = 64
 _T = TypeVar("_T")
 _ACK = b"ACK"
 _END = b"END"
+_CPU = b"CPU"  # the sender's CPU seconds for the phase, sent after the end marker
+_RCVMORE = int(zmq.RCVMORE)  # as the codec passes it: a plain int, not the enum member
 _END_MESSAGE = Shutdown(reason="bench-end", drain_s=0.0)
 
 
@@ -148,6 +175,7 @@ def _peer_flood_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
     codec = phase.mode == "codec"
     check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
     sent = acked = 0
+    cpu_started = time.process_time()
     deadline = time.monotonic() + phase.duration_s
     while True:
         if sent - acked >= phase.window:
@@ -162,13 +190,16 @@ def _peer_flood_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
             break
         if codec:
             sync_send(sock, message)
+        elif len(frames) == 1:
+            sock.send(frames[0])  # what sync_send does with a one-frame message
         else:
-            sock.send_multipart(frames, copy=False)
+            sock.send_multipart(frames, copy=False)  # pyzmq copies parts < 64 KiB itself
         sent += 1
     if codec:
         sync_send(sock, _END_MESSAGE)
     else:
         sock.send(_END)
+    sock.send_multipart([_CPU, _pack_seconds(time.process_time() - cpu_started)])
 
 
 def _peer_echo_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
@@ -207,6 +238,7 @@ async def _peer_flood_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
     codec = phase.mode == "codec"
     check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
     sent = acked = 0
+    cpu_started = time.process_time()
     deadline = time.monotonic() + phase.duration_s
     while True:
         if sent - acked >= phase.window:
@@ -228,6 +260,7 @@ async def _peer_flood_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
         await async_send(sock, _END_MESSAGE)
     else:
         await sock.send(_END)
+    await sock.send_multipart([_CPU, _pack_seconds(time.process_time() - cpu_started)])
 
 
 async def _peer_echo_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
@@ -246,10 +279,20 @@ async def _peer_echo_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
 class FloodResult:
     messages: int
     seconds: float
+    receiver_cpu_s: float  # process CPU time of each side over the phase
+    sender_cpu_s: float
 
     @property
     def messages_per_s(self) -> float:
         return self.messages / self.seconds
+
+    @property
+    def receiver_cpu_us(self) -> float:
+        return self.receiver_cpu_s / self.messages * 1e6
+
+    @property
+    def sender_cpu_us(self) -> float:
+        return self.sender_cpu_s / self.messages * 1e6
 
 
 @dataclass
@@ -260,6 +303,11 @@ class PairResult:
     small_codec_msgs_per_s: float = 0.0
     rtt_p50_bare_us: float = 0.0
     rtt_p50_codec_us: float = 0.0
+    # CPU microseconds per small message in each process (medians of the interleaved runs)
+    small_bare_sender_cpu_us: float = 0.0
+    small_codec_sender_cpu_us: float = 0.0
+    small_bare_receiver_cpu_us: float = 0.0
+    small_codec_receiver_cpu_us: float = 0.0
     # array size in bytes -> bytes per second
     array_bare_bytes_per_s: dict[int, float] = field(default_factory=dict)
     array_codec_bytes_per_s: dict[int, float] = field(default_factory=dict)
@@ -268,32 +316,76 @@ class PairResult:
     def small_overhead(self) -> float:
         return 1.0 - self.small_codec_msgs_per_s / self.small_bare_msgs_per_s
 
+    @property
+    def small_sender_cpu_overhead(self) -> float:
+        return self.small_codec_sender_cpu_us / self.small_bare_sender_cpu_us - 1.0
+
+    @property
+    def small_receiver_cpu_overhead(self) -> float:
+        return self.small_codec_receiver_cpu_us / self.small_bare_receiver_cpu_us - 1.0
+
+    def set_small(self, bare: list[FloodResult], codec: list[FloodResult]) -> None:
+        """Medians of the interleaved small-message runs."""
+        median = statistics.median
+        self.small_bare_msgs_per_s = median(run.messages_per_s for run in bare)
+        self.small_codec_msgs_per_s = median(run.messages_per_s for run in codec)
+        self.small_bare_sender_cpu_us = median(run.sender_cpu_us for run in bare)
+        self.small_codec_sender_cpu_us = median(run.sender_cpu_us for run in codec)
+        self.small_bare_receiver_cpu_us = median(run.receiver_cpu_us for run in bare)
+        self.small_codec_receiver_cpu_us = median(run.receiver_cpu_us for run in codec)
+
+
+def _pack_seconds(seconds: float) -> bytes:
+    return struct.pack("!d", seconds)
+
+
+def _unpack_seconds(frames: list[Any]) -> float:
+    if len(frames) != 3 or bytes(frames[1]) != _CPU:
+        raise RuntimeError(f"expected the peer's CPU report, got {frames!r:.80}")
+    seconds: float = struct.unpack("!d", bytes(frames[2]))[0]
+    return seconds
+
 
 def _is_end(frames: list[Any]) -> bool:
     return len(frames) == 2 and bytes(frames[1]) == _END
 
 
+def _recv_bare_sync(router: zmq.Socket[Any]) -> list[Any]:
+    """One routed message with the pyzmq calls sync_recv makes: identity and header copied
+    (small bytes), later frames zero-copy, RCVMORE checked after each frame."""
+    frames: list[Any] = [router.recv()]
+    while router.getsockopt(_RCVMORE):
+        frames.append(router.recv(copy=len(frames) < 2))
+    return frames
+
+
 def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
+    """Receive one flood. A silent peer is caught by the socket's RCVTIMEO (``zmq.Again``), not
+    by a poll per message, which would cost more than the codec being measured."""
     codec = phase.mode == "codec"
-    bare_copy = phase.size_bytes == 0  # bare small messages: plain bytes; arrays: zero-copy
+    cpu_started = time.process_time()
     started = time.perf_counter()
     router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
     received = 0
-    while True:
-        if not router.poll(int(PHASE_TIMEOUT_S * 1000), zmq.POLLIN):
-            raise TimeoutError(f"peer sent nothing for {PHASE_TIMEOUT_S} s during {phase}")
-        if codec:
-            _, message = sync_recv(router, router=True)
-            if type(message) is Shutdown:
-                break
-        else:
-            frames = router.recv_multipart(0, bare_copy)
-            if _is_end(frames):
-                break
-        received += 1
-        if received % phase.ack_every == 0:
-            router.send_multipart([PEER_IDENTITY, _ACK])
-    return FloodResult(received, time.perf_counter() - started)
+    try:
+        while True:
+            if codec:
+                _, message = sync_recv(router, router=True)
+                if type(message) is Shutdown:
+                    break
+            else:
+                frames = _recv_bare_sync(router)
+                if _is_end(frames):
+                    break
+            received += 1
+            if received % phase.ack_every == 0:
+                router.send_multipart([PEER_IDENTITY, _ACK])
+        seconds = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started
+        report = router.recv_multipart()
+    except zmq.Again:
+        raise TimeoutError(f"peer sent nothing for {PHASE_TIMEOUT_S} s during {phase}") from None
+    return FloodResult(received, seconds, cpu_s, _unpack_seconds(report))
 
 
 def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
@@ -314,23 +406,30 @@ def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
 
 
 async def _flood_async(router: zmq.asyncio.Socket, phase: _Phase) -> FloodResult:
+    """Receive one flood under one deadline for the whole phase: ``wait_for`` around each
+    receive would add a task and a timer per message, more than the codec being measured."""
     codec = phase.mode == "codec"
+    cpu_started = time.process_time()
     started = time.perf_counter()
-    await router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
     received = 0
-    while True:
-        if codec:
-            _, message = await asyncio.wait_for(async_recv(router, router=True), PHASE_TIMEOUT_S)
-            if type(message) is Shutdown:
-                break
-        else:
-            frames = await asyncio.wait_for(router.recv_multipart(), PHASE_TIMEOUT_S)
-            if _is_end(frames):
-                break
-        received += 1
-        if received % phase.ack_every == 0:
-            await router.send_multipart([PEER_IDENTITY, _ACK])
-    return FloodResult(received, time.perf_counter() - started)
+    async with asyncio.timeout(PHASE_TIMEOUT_S):
+        await router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+        while True:
+            if codec:
+                _, message = await async_recv(router, router=True)
+                if type(message) is Shutdown:
+                    break
+            else:
+                frames = await router.recv_multipart()
+                if _is_end(frames):
+                    break
+            received += 1
+            if received % phase.ack_every == 0:
+                await router.send_multipart([PEER_IDENTITY, _ACK])
+        seconds = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started
+        report = await router.recv_multipart()
+    return FloodResult(received, seconds, cpu_s, _unpack_seconds(report))
 
 
 async def _round_trips_async(router: zmq.asyncio.Socket, phase: _Phase) -> float:
@@ -397,13 +496,13 @@ def _run_pair_sync(transport: str, endpoint_hint: str, quick: bool, arrays: bool
         if router not in ready:
             raise RuntimeError(f"bench peer did not connect (exit code {peer.exitcode})")
         router.recv_multipart()  # hello
+        router.setsockopt(zmq.RCVTIMEO, int(PHASE_TIMEOUT_S * 1000))
         bare, codec, echo_bare, echo_codec = _small_phases(quick)
-        bare_rates, codec_rates = [], []
+        bare_runs, codec_runs = [], []
         for _ in range(SMALL_REPEATS):
-            bare_rates.append(_flood_sync(router, bare).messages_per_s)
-            codec_rates.append(_flood_sync(router, codec).messages_per_s)
-        result.small_bare_msgs_per_s = statistics.median(bare_rates)
-        result.small_codec_msgs_per_s = statistics.median(codec_rates)
+            bare_runs.append(_flood_sync(router, bare))
+            codec_runs.append(_flood_sync(router, codec))
+        result.set_small(bare_runs, codec_runs)
         result.rtt_p50_bare_us = _round_trips_sync(router, echo_bare)
         result.rtt_p50_codec_us = _round_trips_sync(router, echo_codec)
         for size in ARRAY_SIZES_BYTES if arrays else ():
@@ -429,12 +528,11 @@ async def _run_pair_async_main(transport: str, endpoint_hint: str, quick: bool) 
     try:
         await _wait_for_hello_async(router, peer)
         bare, codec, echo_bare, echo_codec = _small_phases(quick)
-        bare_rates, codec_rates = [], []
+        bare_runs, codec_runs = [], []
         for _ in range(SMALL_REPEATS):
-            bare_rates.append((await _flood_async(router, bare)).messages_per_s)
-            codec_rates.append((await _flood_async(router, codec)).messages_per_s)
-        result.small_bare_msgs_per_s = statistics.median(bare_rates)
-        result.small_codec_msgs_per_s = statistics.median(codec_rates)
+            bare_runs.append(await _flood_async(router, bare))
+            codec_runs.append(await _flood_async(router, codec))
+        result.set_small(bare_runs, codec_runs)
         result.rtt_p50_bare_us = await _round_trips_async(router, echo_bare)
         result.rtt_p50_codec_us = await _round_trips_async(router, echo_codec)
         await router.send_multipart([PEER_IDENTITY, b"quit"])
@@ -477,20 +575,22 @@ def _run_on_uvloop(main: Coroutine[Any, Any, _T]) -> _T:
 
 
 def _codec_cost_us(repeat: int) -> tuple[float, float]:
-    """In-process cost of encode and decode of the small message, microseconds each (best of 5)."""
+    """In-process CPU cost of encode and decode of the small message, microseconds each: the
+    median of ``CODEC_COST_RUNS`` runs of ``repeat`` calls each, timed with this thread's CPU
+    clock so that time spent descheduled on a busy machine does not count."""
     message = _small_message()
     frames = encode(message)
-    best_encode = best_decode = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
+    encode_runs, decode_runs = [], []
+    for _ in range(CODEC_COST_RUNS):
+        start = time.thread_time()
         for _ in range(repeat):
             encode(message)
-        best_encode = min(best_encode, (time.perf_counter() - start) / repeat)
-        start = time.perf_counter()
+        encode_runs.append((time.thread_time() - start) / repeat)
+        start = time.thread_time()
         for _ in range(repeat):
             decode(frames)
-        best_decode = min(best_decode, (time.perf_counter() - start) / repeat)
-    return best_encode * 1e6, best_decode * 1e6
+        decode_runs.append((time.thread_time() - start) / repeat)
+    return statistics.median(encode_runs) * 1e6, statistics.median(decode_runs) * 1e6
 
 
 def _format_rate(value: float) -> str:
@@ -529,8 +629,24 @@ def _print_report(
         " zmq.asyncio)"
     )
     print(
-        f"codec CPU per small message, in process: encode {encode_us:.2f} us, "
-        f"decode {decode_us:.2f} us"
+        "\nCPU per small message in each process (all its threads, ZMQ I/O included), us;"
+        " +x% = codec/bare - 1"
+    )
+    print(
+        f"{'transport':<10}{'io':<9}{'send bare':>10}{'send codec':>11}{'':>7}"
+        f"{'recv bare':>10}{'recv codec':>11}{'':>7}"
+    )
+    for pair in pairs:
+        print(
+            f"{pair.transport:<10}{pair.io:<9}"
+            f"{pair.small_bare_sender_cpu_us:>10.2f}{pair.small_codec_sender_cpu_us:>11.2f}"
+            f"{pair.small_sender_cpu_overhead:>+7.0%}"
+            f"{pair.small_bare_receiver_cpu_us:>10.2f}{pair.small_codec_receiver_cpu_us:>11.2f}"
+            f"{pair.small_receiver_cpu_overhead:>+7.0%}"
+        )
+    print(
+        f"codec CPU per small message, in process (median of {CODEC_COST_RUNS} runs): "
+        f"encode {encode_us:.2f} us, decode {decode_us:.2f} us"
     )
     array_pairs = [pair for pair in pairs if pair.array_bare_bytes_per_s]
     if array_pairs:
@@ -573,7 +689,13 @@ def main(argv: list[str]) -> int:
             "codec_encode_us": encode_us,
             "codec_decode_us": decode_us,
             "pairs": [
-                {**asdict(pair), "small_codec_overhead": pair.small_overhead} for pair in pairs
+                {
+                    **asdict(pair),
+                    "small_codec_overhead": pair.small_overhead,
+                    "small_sender_cpu_overhead": pair.small_sender_cpu_overhead,
+                    "small_receiver_cpu_overhead": pair.small_receiver_cpu_overhead,
+                }
+                for pair in pairs
             ],
         }
         with open(args.json, "w") as out:

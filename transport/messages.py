@@ -212,6 +212,10 @@ class BatchOutputs(Message):
     plan_id: int
     request_ids: list[int]
     outputs: list[TensorMap]
+    # When the batch started and finished on the backend (monotonic seconds; 0: not reported):
+    # the frontend's queueing delay is started_at - arrival, execution finished_at - started_at.
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +227,18 @@ class BatchFailed(Message):
     request_ids: list[int]
     error: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelFetched(Message):
+    """Frontend -> the backend that fetched them (over the frontend's ``data`` ROUTER): these
+    requests were cancelled or their client disconnected. ``plan_ids[i]`` is the plan whose
+    fetch took ``request_ids[i]``. The backend leaves them out of the batch if it has not
+    started; a started batch runs, and the frontend discards those outputs."""
+
+    KIND: ClassVar[str] = "fcancel"
+    plan_ids: list[int]
+    request_ids: list[int]
 
 
 # --------------------------------------------------------------------------- backend -> scheduler
@@ -254,6 +270,9 @@ class BatchStats(Message):
     started_at: float
     finished_at: float
     ok: bool
+    # Requests of the plan left out because the frontend cancelled them after the fetch (a plan
+    # whose every request was cancelled is skipped: batch_size 0, ok True).
+    cancelled: int = 0
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -299,9 +318,20 @@ class Shutdown(Message):
 
 @dataclass(frozen=True, slots=True)
 class StatsRequest(Message):
-    """Anyone -> a process: send me your counters."""
+    """Anyone -> a process: send me your counters (``reset``: and start them again)."""
 
     KIND: ClassVar[str] = "statsreq"
+    reset: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatsRequest(Message):
+    """Client -> a frontend's client socket: a ``StatsReply`` with the frontend's stats and,
+    under ``stats["cluster"][process name]``, those of the scheduler processes and backends it
+    talks to (asked now, with ``reset``; ``stats["cluster_silent"]`` names those that did not
+    answer in time)."""
+
+    KIND: ClassVar[str] = "cstatsreq"
     reset: bool
 
 
@@ -330,6 +360,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     InputReply,
     BatchOutputs,
     BatchFailed,
+    CancelFetched,
     BackendRegister,
     BatchStats,
     Hello,
@@ -338,6 +369,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Shutdown,
     StatsRequest,
     StatsReply,
+    ClusterStatsRequest,
 )
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}

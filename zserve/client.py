@@ -229,8 +229,9 @@ class AsyncClient:
         return future
 
     def cancel(self, future: asyncio.Future[Outputs]) -> bool:
-        """Ask the frontend to cancel a submitted request. It is answered ``CancelledError`` if
-        it had not started, else it completes normally. False if it is no longer in flight."""
+        """Ask the frontend to cancel a submitted request: it is answered ``CancelledError``
+        (a batch that already started runs, and its output is discarded). False if it is no
+        longer in flight."""
         request_id = getattr(future, "request_id", None)
         if request_id is None or request_id not in self._futures or self._sock is None:
             return False

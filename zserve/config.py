@@ -46,9 +46,11 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
 DEFAULT_MAX_BATCH = 32
 DEFAULT_MAX_QUEUE = 1024
+# Scheduling allowances (docs/runtime.md, "Hop latencies and the scheduling allowances").
 DEFAULT_D_CTRL_MS = 2.0
-DEFAULT_D_DATA_MS = 0.02
+DEFAULT_D_DATA_MS = 0.05
 DEFAULT_REPLY_ALLOWANCE_MS = 3.0
+DEFAULT_JITTER_MS = 1.0
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_DRAIN_S = 5.0
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -118,6 +120,7 @@ class SchedulerConfig:
     drop: str = "window"
     d_ctrl_ms: float = DEFAULT_D_CTRL_MS
     d_data_ms: float = DEFAULT_D_DATA_MS
+    jitter_ms: float = DEFAULT_JITTER_MS
     rank_address: str | None = None
     shard_addresses: tuple[str, ...] = ()
 
@@ -479,6 +482,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         drop=drop,
         d_ctrl_ms=sch.float_("d_ctrl_ms", DEFAULT_D_CTRL_MS) or 0.0,
         d_data_ms=sch.float_("d_data_ms", DEFAULT_D_DATA_MS) or 0.0,
+        jitter_ms=sch.float_("jitter_ms", DEFAULT_JITTER_MS) or 0.0,
         rank_address=sch.address("rank_address"),
         shard_addresses=sch.addresses("shard_addresses"),
     )

@@ -1,17 +1,28 @@
-"""``zserve demo``: start a local cluster, send it a bounded burst, check and measure the answers.
+"""``zserve demo``: start a local cluster, check its answers, measure its goodput, stop it.
 
 ::
 
     zserve demo                                  # examples/clusters/demo.toml: `cnn` on 2 CPUs
     zserve demo --requests 2000 --concurrency 32 --stats
     zserve demo --config examples/clusters/emulated-8gpu-resnet50.toml --rate 2000 --duration 3
+    zserve demo --goodput-s 0                    # no goodput search
 
-Closed loop by default (``--concurrency`` requests in flight, ``--requests`` in all); with
-``--rate`` it is open loop (requests sent on a fixed schedule with ``AsyncClient.submit``,
-whatever the replies do). Every output is checked against the model run in this process (ONNX
-Runtime on the CPU, or the emulated model's formula). Prints throughput and latency; ``--stats``
-adds each process's counters and the frontend's per-hop latencies. Exit status 0 when every
-request was answered and every output was right.
+Three parts, on one cluster:
+
+1. Lone requests (``LONE_REQUESTS``, one at a time): under deferred scheduling a lone request
+   waits until one more could no longer join its batch, so each is answered close to its SLO.
+2. A burst: closed loop by default (``--concurrency`` requests in flight, ``--requests`` in all);
+   with ``--rate`` it is open loop (requests sent on a fixed schedule with
+   ``AsyncClient.submit``, whatever the replies do). Prints throughput and latency.
+3. Goodput (``--goodput-s`` seconds, default 20; 0 skips it): the load generator's open-loop
+   Poisson load (``zserve.loadgen``, as ``zserve bench`` runs it) in short probes (0.5 s warm-up,
+   2 s measured), binary-searched to 10% for the highest rate at which at most 1% of the requests
+   miss their SLO; it starts from the burst's throughput and stops when the time is up.
+
+Every output of parts 1 and 2 is checked against the model run in this process (ONNX Runtime on
+the CPU, or the emulated model's formula). ``--stats`` adds each process's CPU time per request,
+counters and timings, and the frontend's per-hop latencies. Exit status 0 when every request of
+parts 1 and 2 was answered and every output was right.
 """
 
 from __future__ import annotations
@@ -19,13 +30,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from zserve import procutil
 from zserve.client import AsyncClient
 from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
@@ -34,13 +45,24 @@ DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "
 # The same cluster as examples/clusters/demo.toml, for installs without the examples folder.
 DEMO_CONFIG: dict[str, Any] = {
     "cluster": {"name": "demo", "drain_s": 5.0},
-    "scheduler": {"shards": 0, "policy": "eager", "d_ctrl_ms": 5.0, "d_data_ms": 0.05},
+    "scheduler": {"shards": 0, "policy": "deferred", "jitter_ms": 1.0, "d_ctrl_ms": 2.0,
+                  "d_data_ms": 0.15},
     "frontends": {"count": 1, "reply_allowance_ms": 10.0},
     "backends": {"count": 2, "device": "cpu"},
     "models": [{"name": "cnn", "builtin": "cnn", "slo_ms": 200.0, "max_batch": 16,
                 "max_queue": 256}],
 }
-WARMUP_REQUESTS = 8
+LONE_REQUESTS = 3
+# `cnn` on this class of machine (`zserve profile cnn`, 2 shared cores): the goodput search's
+# workload profile when the cluster config has none (the scheduler uses the backends' own).
+CNN_ALPHA_MS = 0.778
+CNN_BETA_MS = 5.816
+# Goodput search: probe shape and precision (a short search, not a benchmark: see zserve bench).
+GOODPUT_WARMUP_S = 0.5
+GOODPUT_MEASURE_S = 2.0
+GOODPUT_COOLDOWN_S = 0.2
+GOODPUT_PRECISION = 0.10
+GOODPUT_MAX_BAD_RATE = 0.01
 DISTINCT_INPUTS = 64
 RTOL = 1e-4
 ATOL = 1e-4
@@ -159,14 +181,11 @@ def _percentiles(values_s: list[float]) -> str:
 
 def _cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
     """User + system CPU time of each process so far (Linux /proc; empty elsewhere)."""
-    ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        out[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        seconds = procutil.cpu_seconds(pid) if pid is not None else None
+        if seconds is not None:
+            out[name] = seconds
     return out
 
 
@@ -181,6 +200,15 @@ def _print_cpu(before: dict[str, float], after: dict[str, float], requests: int)
             cost_us = (after[name] - before[name]) / requests * 1e6
             rate = f"  -> ~{1e6 / cost_us:,.0f} req/s on one core" if cost_us > 0 else ""
             print(f"    {name:12s} {cost_us:8.1f} us{rate}")
+
+
+# Per-process timing summaries worth printing (StatsReply keys; each a dict of percentiles, ms).
+_TIMING_KEYS = ("meta_delay_ms", "grant_slack_ms", "candidate_slack_ms", "lateness_ms")
+
+
+def _fmt_summary(summary: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in summary.items())
 
 
 def _print_stats(cluster: Any) -> None:
@@ -199,10 +227,120 @@ def _print_stats(cluster: Any) -> None:
         counters = stats.get("counters", {k: v for k, v in stats.items()
                                           if isinstance(v, int | float)})
         print(f"  {name} counters: {counters}")
+        for source in (stats, stats.get("rank") or {}):
+            for key in _TIMING_KEYS:
+                if isinstance(source.get(key), dict):
+                    print(f"    {key:20s} {_fmt_summary(source[key])}")
+        for key, summary in (stats.get("timings") or {}).items():
+            if isinstance(summary, dict):
+                shown = {k: summary[k] for k in ("count", "p50", "p99", "max") if k in summary}
+                print(f"    {key:20s} {_fmt_summary(shown)}")
+
+
+def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float) -> Any:
+    """The goodput search's load: the model's SLO, Poisson arrivals, the cluster's GPUs and
+    allowances, the model's configured profile (else ``cnn``'s measured one)."""
+    from zserve.loadgen.workload import parse_workload
+
+    alpha, beta = model.alpha_ms, model.beta_ms
+    if alpha is None or beta is None:
+        alpha, beta = CNN_ALPHA_MS, CNN_BETA_MS
+    sched = config.scheduler
+    return parse_workload({
+        "workload": {
+            "name": f"{config.name}-demo", "gpus": config.backends.total, "seed": 1,
+            "rate": rate, "arrival": "poisson", "warmup_s": GOODPUT_WARMUP_S,
+            "measure_s": GOODPUT_MEASURE_S, "cooldown_s": GOODPUT_COOLDOWN_S,
+            "policy": sched.policy, "drop": sched.drop, "jitter_ms": sched.jitter_ms,
+            "d_ctrl_ms": sched.d_ctrl_ms, "d_data_ms": sched.d_data_ms,
+            "reply_ms": config.frontends.reply_allowance_ms,
+        },
+        "models": [{"name": model.name, "slo_ms": model.slo_ms, "alpha_ms": alpha,
+                    "beta_ms": beta, "max_batch": model.max_batch}],
+    }, source="zserve demo")
+
+
+def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
+                    budget_s: float) -> dict[str, Any]:
+    """A short goodput search on the running cluster (see the module docstring)."""
+    from zserve.loadgen import cli as bench
+    from zserve.loadgen.generator import BailRule, GeneratorBehindError
+    from zserve.loadgen.report import set_fraction_of_bound
+    from zserve.loadgen.search import search_goodput
+
+    workload = demo_workload(config, model, start_rps)
+    peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
+    target = bench._target_from_config(config, cluster.client_address,
+                                       bench._backend_addresses(peers), workload, {})
+    target.client_addresses = list(cluster.client_addresses)
+    target.control_stats = lambda name: cluster.stats(name, timeout=bench.STATS_REPLY_TIMEOUT_S)
+    target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
+    target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
+    target.pids = cluster.pids
+    options = bench.BenchOptions(workers=0, lateness_bound_ms=bench.DEFAULT_LATENESS_BOUND_MS,
+                                 bail=BailRule(GOODPUT_MAX_BAD_RATE), progress=False,
+                                 schedule=None)
+    floor_rps = bench.MIN_MEASURED_REQUESTS / GOODPUT_MEASURE_S
+    ends_at = time.monotonic() + budget_s
+    behind: list[float] = []
+
+    def probe(rate: float) -> dict[str, Any]:
+        if rate < floor_rps:
+            return {"bad_rate": 1.0, "bailed": True}
+        try:
+            report = bench.run_once(workload, target, rate, options)
+        except GeneratorBehindError as exc:
+            # This machine's load generator cannot send this rate on time: no verdict on the
+            # cluster; the search treats the rate as too high and says so.
+            behind.append(rate)
+            lateness = exc.result.lateness
+            print(f"  probe {rate:8.1f} r/s: the load generator fell behind its schedule (p99 "
+                  f"{lateness.quantile_ms:.1f} ms late): no verdict, treated as too high",
+                  flush=True)
+            return {"bad_rate": 1.0, "bailed": True}
+        verdict = "pass" if report["bad_rate"] <= GOODPUT_MAX_BAD_RATE else "fail"
+        print(f"  probe {rate:8.1f} r/s: bad rate {report['bad_rate']:7.2%}  {verdict}",
+              flush=True)
+        return report
+
+    def out_of_time(rate: float, report: dict[str, Any]) -> bool:
+        return time.monotonic() >= ends_at
+
+    report = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
+                            rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
+    set_fraction_of_bound(report)
+    report["generator_behind_rps"] = sorted(behind)
+    return report
+
+
+def _print_goodput(report: dict[str, Any]) -> None:
+    search = report.get("search", {})
+    hi = search.get("hi_rps")
+    print(f"zserve demo: goodput {report['goodput_rps']:.0f} r/s (at most "
+          f"{GOODPUT_MAX_BAD_RATE:.0%} of requests late or dropped; "
+          f"{len(search.get('probes', []))} probes"
+          f"{f', first failing rate {hi:.0f} r/s' if hi else ''})")
+    if report.get("generator_behind_rps"):
+        rates = ", ".join(f"{r:.0f}" for r in report["generator_behind_rps"])
+        print(f"  (at {rates} r/s the load generator fell behind its schedule on this machine: "
+              "those probes say nothing about the cluster)")
+    if "per_model" not in report:
+        return
+    lat = report["latency_ms"]
+    bs = report.get("batch_size", {})
+    busy = report.get("gpu_busy_fraction") or 0.0
+    print(f"  at that rate: latency p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms, "
+          f"median batch {bs.get('median', '-')}, GPU busy {busy:.2f}; analytic bound "
+          f"{report.get('bound_rps') or 0:.0f} r/s")
+    cpu = report.get("cpu")
+    if cpu:
+        costs = ", ".join(f"{name} {us:.0f}" for name, us in cpu["per_request_us"].items())
+        print(f"  CPU per request (us): {costs}; {cpu['total_cores']:.2f} of {cpu['cpus']} "
+              "cores busy")
 
 
 def main(argv: list[str]) -> int:
-    """Start a local cluster, send a bounded burst, check outputs, print throughput/latency."""
+    """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
     from zserve.supervisor import Cluster
 
     parser = argparse.ArgumentParser(prog="zserve demo", description=__doc__,
@@ -213,6 +351,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="closed loop: in flight")
     parser.add_argument("--rate", type=float, help="open loop: requests per second")
     parser.add_argument("--duration", type=float, default=2.0, help="open loop: seconds")
+    parser.add_argument("--goodput-s", type=float, default=20.0,
+                        help="time budget of the goodput search in seconds (0: skip it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats", action="store_true", help="print per-process counters "
                         "and the frontend's per-hop latencies")
@@ -229,17 +369,19 @@ def main(argv: list[str]) -> int:
     expected = [reference.outputs(r) for r in inputs]
     reference.close()
     print(f"zserve demo: starting {config.name!r} ({config.backends.total} {config.backends.device}"
-          f" backends, model {model.name!r}, SLO {model.slo_ms:g} ms)", flush=True)
+          f" backends, model {model.name!r}, SLO {model.slo_ms:g} ms, policy "
+          f"{config.scheduler.policy})", flush=True)
     started = time.monotonic()
     with Cluster(config) as cluster:
         print(f"zserve demo: up in {time.monotonic() - started:.1f} s; clients connect to "
               f"{cluster.client_address}", flush=True)
+        lone = Tally()
         tally = Tally()
 
         async def drive() -> float:
             async with AsyncClient(cluster.client_address, timeout=30.0) as client:
-                warm = Work(model.name, inputs, expected, Tally())
-                await _closed_loop(client, warm, requests=WARMUP_REQUESTS, concurrency=1)
+                alone = Work(model.name, inputs, expected, lone)
+                await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
                 work = Work(model.name, inputs, expected, tally)
                 begin = time.monotonic()
                 if args.rate:
@@ -253,15 +395,28 @@ def main(argv: list[str]) -> int:
         cpu_before = {**_cpu_seconds(pids), "demo client": time.process_time()}
         elapsed = asyncio.run(drive())
         cpu_after = {**_cpu_seconds(pids), "demo client": time.process_time()}
+        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
+              f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
+              f"{_percentiles(lone.latencies_s)}")
+        if config.scheduler.policy.startswith("deferred"):
+            print("  (deferred scheduling holds a lone request until one more could no longer "
+                  "join its batch: it is answered close to its SLO, by design)")
         total = tally.ok + tally.wrong + sum(tally.errors.values())
         mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
                 else f"closed loop, {args.concurrency} in flight")
-        print(f"zserve demo: {total} requests ({mode}) in {elapsed:.2f} s: "
+        print(f"zserve demo: burst of {total} requests ({mode}) in {elapsed:.2f} s: "
               f"{tally.ok / elapsed:.0f} correct answers/s")
         print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
         print(f"  latency (client): {_percentiles(tally.latencies_s)}")
         if args.stats:
-            _print_cpu(cpu_before, cpu_after, total + WARMUP_REQUESTS)
+            _print_cpu(cpu_before, cpu_after, total + LONE_REQUESTS)
             _print_stats(cluster)
+        if args.goodput_s > 0 and tally.ok:
+            print(f"zserve demo: measuring goodput (open-loop Poisson load, probes of "
+                  f"{GOODPUT_MEASURE_S:g} s, up to {args.goodput_s:g} s)", flush=True)
+            report = measure_goodput(cluster, config, model, max(tally.ok / elapsed, 60.0),
+                                     args.goodput_s)
+            _print_goodput(report)
     print("zserve demo: cluster stopped", flush=True)
-    return 0 if tally.wrong == 0 and tally.ok > 0 else 1
+    ok = tally.wrong == 0 and lone.wrong == 0 and tally.ok > 0 and lone.ok == LONE_REQUESTS
+    return 0 if ok else 1

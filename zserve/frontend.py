@@ -46,7 +46,9 @@ from zserve.transport.messages import (
     BackendTable,
     BatchFailed,
     BatchOutputs,
+    CancelFetched,
     CancelRequest,
+    ClusterStatsRequest,
     DropNotice,
     Hello,
     InferError,
@@ -78,6 +80,9 @@ _NOBLOCK = int(zmq.NOBLOCK)
 MAX_FRONTENDS = 1024
 # Timer slack: answer deadlines that fall due within this much of now in the same pass.
 TIMER_SLACK_S = 0.0005
+# A client's ClusterStatsRequest is answered once every peer has, or after this long
+# with what came (the ones that did not are listed under "cluster_silent").
+PEER_STATS_TIMEOUT_S = 0.5
 
 _QUEUED = 0  # inputs held, waiting for a backend to fetch them
 _FETCHED = 1  # a backend holds the inputs; the request may be running
@@ -96,6 +101,7 @@ class _Pending:
         "inputs",
         "model",
         "owner",
+        "plan_id",
         "rid",
         "state",
     )
@@ -121,6 +127,19 @@ class _Pending:
         self.state = _QUEUED
         self.backend = ""
         self.fetched_at = 0.0
+        self.plan_id = 0  # the plan whose fetch took the inputs (to cancel it on the backend)
+
+
+class _StatsGathering:
+    """One round of StatsRequests to the frontend's peers, for clients waiting on it."""
+
+    __slots__ = ("handle", "replies", "waiters", "waiting")
+
+    def __init__(self, waiting: set[str]) -> None:
+        self.waiting = waiting  # peer process names not yet answered
+        self.replies: dict[str, Any] = {}
+        self.waiters: list[tuple[bytes, dict[str, Any]]] = []  # (client, frontend's own stats)
+        self.handle: asyncio.TimerHandle | None = None
 
 
 class _ModelState:
@@ -266,7 +285,17 @@ class Frontend:
             "admit_to_fetch": _HopStats(),
             "fetch_to_outputs": _HopStats(),
             "admit_to_answer": _HopStats(),
+            # From the backends' BatchOutputs: batch start - admission (the true queueing
+            # delay, deferral included) and batch start -> finish (execution).
+            "queueing": _HopStats(),
+            "execution": _HopStats(),
         }
+        self.queueing_by_model: dict[str, _HopStats] = {name: _HopStats() for name in self.models}
+        # Cancellations of fetched requests, per backend, sent once per tick (CancelFetched).
+        self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
+        self._cancel_flush_scheduled = False
+        self._gathering: _StatsGathering | None = None
+        self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         # Per-shard metadata of this tick (struct of arrays), flushed once per tick.
         nshards = self.cluster.scheduler_processes
         self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
@@ -320,6 +349,7 @@ class Frontend:
             self.shard_socks[index] = sock
         rank_eps = procutil.endpoints_of(peers, "rank")
         rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
+        self._rank_embedded = "rank" not in rank_eps
         if rank_address is not None:
             self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
             codec.sync_send(self.rank_sock, hello)
@@ -439,6 +469,8 @@ class Frontend:
             self._on_cancel(identity, msg.request_id)
         elif type(msg) is StatsRequest:  # counters for a frontend started without supervisor
             self._send_client(identity, StatsReply(self.name, self.stats(msg.reset)))
+        elif type(msg) is ClusterStatsRequest:  # and those of its peers (`zserve bench ADDR`)
+            self._gather_stats(identity, msg.reset)
         elif type(msg) is Hello:
             pass
         else:
@@ -548,13 +580,16 @@ class Frontend:
             return
         if p.state == _QUEUED:
             self.counters["cancelled"] += 1
-            if answer:
-                self._answer_error(p, ErrorKind.CANCELLED, "cancelled by the client")
-            else:
-                p.client = None
-                self._finish(p)
-        elif not answer:
-            p.client = None  # started: let it finish, answer nobody
+        else:
+            # Fetched: the backend drops it if its batch has not started; if it has, the
+            # outputs come back for a request already answered and are discarded.
+            self.counters["cancelled_fetched"] += 1
+            self._note_cancel(p)
+        if answer:
+            self._answer_error(p, ErrorKind.CANCELLED, "cancelled by the client")
+        else:
+            p.client = None
+            self._finish(p)
 
     def _on_monitor_event(self, frames: list[Any]) -> None:
         event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
@@ -578,10 +613,39 @@ class Frontend:
                 continue
             if p.state == _QUEUED:
                 self.counters["disconnect_cancelled"] += 1
+            else:
+                self.counters["disconnect_cancelled_fetched"] += 1
+                self._note_cancel(p)
             p.client = None
-            if p.state == _QUEUED:
-                self._finish(p)
+            self._finish(p)
         self.by_client.pop(identity, None)
+
+    def _note_cancel(self, p: _Pending) -> None:
+        """Tell the backend that fetched ``p`` to leave it out (one message per backend per
+        tick, sent from ``_flush_cancels``)."""
+        plans, rids = self._cancel_notes.setdefault(p.backend, ([], []))
+        plans.append(p.plan_id)
+        rids.append(p.rid)
+        if not self._cancel_flush_scheduled and self._loop is not None:
+            self._cancel_flush_scheduled = True
+            self._loop.call_soon(self._flush_cancels)
+
+    def _flush_cancels(self) -> None:
+        self._cancel_flush_scheduled = False
+        notes, self._cancel_notes = self._cancel_notes, {}
+        if self._closed or self.data_sock is None:
+            return
+        for backend, (plans, rids) in notes.items():
+            frames: list[Any] = codec.encode(CancelFetched(plans, rids))
+            frames.insert(0, backend.encode())
+            try:
+                procutil.send_frames(self.data_sock, frames)
+                self.counters["cancel_notices"] += 1
+            except zmq.ZMQError as exc:  # the backend is gone: nothing of it will run
+                self.counters["cancel_notice_failed"] += 1
+                log.debug("%s: cannot tell %s to cancel %d requests: %s", self.name, backend,
+                          len(rids), exc)
+        self._schedule_drain()
 
     # ------------------------------------------------------------------ answers
 
@@ -676,6 +740,8 @@ class Frontend:
                     self._answer_error(p, kind, msg.message)
         elif type(msg) is BackendTable:
             self._on_backend_table(msg)
+        elif type(msg) is StatsReply:
+            self._on_peer_stats(msg)
         else:
             self.counters["ignored"] += 1
 
@@ -689,6 +755,8 @@ class Frontend:
             self._on_backend_table(msg)
         elif type(msg) is DropNotice:
             self._on_shard(frames)
+        elif type(msg) is StatsReply:
+            self._on_peer_stats(msg)
         else:
             self.counters["ignored"] += 1
 
@@ -742,6 +810,8 @@ class Frontend:
             self._on_batch_failed(msg)
         elif type(msg) is Hello:
             self._on_backend_hello(msg)
+        elif type(msg) is StatsReply:
+            self._on_peer_stats(msg)
         else:
             self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
 
@@ -777,6 +847,7 @@ class Frontend:
             p.state = _FETCHED
             p.backend = backend
             p.fetched_at = now
+            p.plan_id = msg.plan_id
             fetched.add(rid)
             hop.append(now - p.arrival)
         reply = InputReply(msg.plan_id, ids, inputs, missing)
@@ -798,13 +869,23 @@ class Frontend:
     def _on_outputs(self, msg: BatchOutputs) -> None:
         now = time.monotonic()
         hop = self.hops["fetch_to_outputs"].samples
+        started_at = msg.started_at
+        queueing = self.hops["queueing"].samples
+        if started_at > 0.0 and msg.finished_at >= started_at:
+            self.hops["execution"].samples.append(msg.finished_at - started_at)
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.pending.get(rid)
-            if p is None:
+            if p is None:  # answered already (cancelled, deadline): the outputs are discarded
                 self.counters["late_outputs"] += 1
                 continue
             if p.fetched_at:
                 hop.append(now - p.fetched_at)
+            if started_at > 0.0:
+                delay = started_at - p.arrival
+                queueing.append(delay)
+                by_model = self.queueing_by_model.get(p.model)
+                if by_model is not None:
+                    by_model.samples.append(delay)
             self._answer_outputs(p, outputs)
 
     def _on_batch_failed(self, msg: BatchFailed) -> None:
@@ -851,6 +932,72 @@ class Frontend:
             self._arm_timer(timers[0][0])
         self._schedule_drain()
 
+    # ------------------------------------------------------------------ cluster stats
+
+    def _gather_stats(self, client: bytes, reset: bool) -> None:
+        """Answer ``client`` with this frontend's stats and, under ``cluster``, those of every
+        shard, the rank and every backend it knows, asked now (with ``reset``). A request that
+        comes while a round is open joins it (that round's peers reset once, if the first
+        asked to)."""
+        own = self.stats(reset)
+        gathering = self._gathering
+        if gathering is None:
+            gathering = self._gathering = _StatsGathering(self._ask_peers(reset))
+            assert self._loop is not None
+            gathering.handle = self._loop.call_later(PEER_STATS_TIMEOUT_S, self._stats_gathered)
+        gathering.waiters.append((client, own))
+        if not gathering.waiting:
+            self._stats_gathered()
+
+    def _ask_peers(self, reset: bool) -> set[str]:
+        """Send StatsRequest to every peer; the names of those it reached."""
+        request = codec.encode(StatsRequest(reset=reset))
+        asked: set[str] = set()
+        for index, sock in enumerate(self.shard_socks):
+            if sock is not None and self._try_send(sock, list(request)):
+                asked.add(f"shard-{index}")
+        if self.rank_sock is not None and not self._rank_embedded and self._try_send(
+            self.rank_sock, list(request)
+        ):
+            asked.add("rank")
+        backends = set(self.backend_models or {}) | {
+            name for name, pid in self.backend_pids.items() if pid
+        }
+        for name in sorted(backends):
+            assert self.data_sock is not None
+            if self._try_send(self.data_sock, [name.encode(), *request]):
+                asked.add(name)
+        return asked
+
+    def _try_send(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
+        try:
+            procutil.send_frames(sock, frames)
+        except zmq.ZMQError:
+            return False  # not connected (a backend that never fetched), or its queue is full
+        return True
+
+    def _on_peer_stats(self, msg: StatsReply) -> None:
+        gathering = self._gathering
+        if gathering is None or msg.name not in gathering.waiting:
+            self.counters["late_peer_stats"] += 1
+            return
+        gathering.waiting.discard(msg.name)
+        gathering.replies[msg.name] = msg.stats
+        if not gathering.waiting:
+            self._stats_gathered()
+
+    def _stats_gathered(self) -> None:
+        gathering, self._gathering = self._gathering, None
+        if gathering is None or self._closed:
+            return
+        if gathering.handle is not None:
+            gathering.handle.cancel()
+        silent = sorted(gathering.waiting)
+        for client, own in gathering.waiters:
+            stats = {**own, "cluster": gathering.replies, "cluster_silent": silent}
+            self._send_client(client, StatsReply(self.name, stats))
+        self._schedule_drain()
+
     # ------------------------------------------------------------------ drain and stats
 
     def answer_all(self, kind: ErrorKind, message: str) -> None:
@@ -867,11 +1014,14 @@ class Frontend:
             "fetched_by": {name: len(ids) for name, ids in self.fetched_by.items() if ids},
             "counters": dict(self.counters),
             "hops": {name: hop.summary() for name, hop in self.hops.items()},
+            "queueing_by_model": {
+                name: hop.summary() for name, hop in self.queueing_by_model.items()
+            },
             "models": {name: m.pending for name, m in self.models.items()},
         }
         if reset:
             self.counters.clear()
-            for hop in self.hops.values():
+            for hop in (*self.hops.values(), *self.queueing_by_model.values()):
                 hop.samples.clear()
         return out
 

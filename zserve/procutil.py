@@ -42,6 +42,7 @@ API (kept small on purpose):
 - ``await link.close()``: stop the tasks and close the DEALER (bounded LINGER).
 - ``endpoints_of(peers, socket) -> {process name: address}`` and ``peer_key(name, socket)``.
 - ``send_frames(sock, frames)``: a non-blocking multipart send for a sync socket on a hot path.
+- ``cpu_seconds(pid)``, ``child_pids(parent)``: CPU accounting for benchmarks (Linux ``/proc``).
 
 The peer map: keys are ``"<process name>/<socket name>"`` (``"rank/rank"``, ``"shard-0/shard"``,
 ``"frontend-0/client"``, ``"frontend-0/data"``, ``"backend-1/plan"``), values are the addresses
@@ -118,6 +119,37 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     last = len(frames) - 1
     for index, frame in enumerate(frames):
         sock.send(frame, _SEND_MORE if index < last else _SEND_LAST, copy=copy)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux ``/proc``; None elsewhere or
+    when the process is gone). Resolution: one clock tick (10 ms)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def child_pids(parent: int) -> list[int]:
+    """Processes whose parent is ``parent`` (Linux ``/proc``; [] elsewhere)."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 1 and int(fields[1]) == parent:
+            found.append(int(entry))
+    return found
 
 
 def configure_logging(level: int | str | None = None) -> None:
