@@ -61,7 +61,7 @@ from zserve.backends.executor import Executor, TensorMap
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
-from zserve.scheduler.rank_process import Chunk, recv_chunks, send_nowait
+from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,

@@ -20,10 +20,10 @@ Every ``BackendTable`` change is broadcast to every shard and frontend that said
 peer gets the current table at once. The rank never waits on a peer: sends are non-blocking (a
 message ZeroMQ cannot queue is dropped and counted) and nothing is a request/response.
 
-The hosting helpers at the top of this module (``WakeTimer``, ``send_nowait``, ``recv_chunks``)
-are shared with the shard process: each pure object (RankThread, ModelThread) gets one
-``loop.call_at`` handle, re-armed whenever its ``wake_at`` changes; each socket is drained per loop
-tick and its messages handled as one chunk, then the outbox is flushed once.
+Hosting, shared with the shard and backend processes: each pure object (RankThread, ModelThread)
+gets one ``zserve.timers.WakeTimer``, re-armed whenever its ``wake_at`` changes; each socket is
+drained per loop tick by ``zserve.transport.codec.recv_chunks`` and its messages handled as one
+chunk, then the outbox is flushed once with non-blocking sends (``codec.send_nowait``).
 
 With ``shards = 0`` the shard process embeds a ``RankHost`` (``zserve.scheduler.shard``): the same
 class, with the local shard's messages delivered in-process instead of over a socket.
@@ -35,25 +35,26 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from zserve import procutil, timers
+from zserve import procutil
 from zserve.config import load_config, role_config
 from zserve.errors import ZServeError
+from zserve.procutil import cancel_all, spawn
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
-from zserve.transport import codec
+from zserve.timers import WakeTimer
+from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendRegister,
     BackendTable,
@@ -73,130 +74,8 @@ log = logging.getLogger(__name__)
 ROLE = "rank"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * procutil.HEARTBEAT_INTERVAL_S
-# Most messages taken from one socket in one loop tick before the outbox is flushed.
-MAX_CHUNK = 512
 SOCKET_CLOSE_LINGER_MS = 200
 STATS_WINDOW = 4096
-# Kept for importers: the fallback poll window of zserve.timers (hosts without timerfd).
-POLL_WINDOW_S = timers.POLL_WINDOW_S
-
-Chunk = list[tuple[bytes | None, Message]]
-
-
-# --------------------------------------------------------------------------- hosting helpers
-
-
-class WakeTimer:
-    """One timer for one pure object's ``wake_at`` (see ``zserve.scheduler.common``).
-
-    ``sync()`` after every call into the object re-arms the timer when ``wake_at`` moved; when the
-    moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.
-
-    Precision matters: a deferred batch is granted between its frontrun moment and its latest
-    moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart, and uvloop's own timers
-    tick in whole milliseconds. The timer is a ``zserve.timers`` precise timer (a timerfd on
-    Linux): the object is woken a few tens of microseconds after its moment, never before it, and
-    the process sleeps until then.
-    """
-
-    __slots__ = ("_at", "_fire", "_handle", "_timers", "obj")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, obj: Any, fire: Callable[[], None]):
-        self._timers = timers.timers_for(loop)
-        self.obj = obj
-        self._fire = fire
-        self._handle: timers.TimerHandle | None = None
-        self._at = math.inf
-
-    def sync(self) -> None:
-        wake_at: float = self.obj.wake_at
-        if wake_at == self._at:
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        self._at = wake_at
-        if wake_at != math.inf:
-            self._handle = self._timers.call_at(wake_at, self._on_handle)
-
-    def _on_handle(self) -> None:
-        self._handle = None
-        self._at = math.inf
-        self._fire()
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        self._at = math.inf
-
-
-def send_nowait(
-    sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None
-) -> BaseException | None:
-    """Send without ever blocking; returns the error (EAGAIN: queue full, EHOSTUNREACH: peer not
-    connected) instead of raising, so a slow or vanished peer cannot stall the caller."""
-    frames: list[Any] = codec.encode(msg)
-    if identity is not None:
-        frames.insert(0, identity)
-    # With NOBLOCK the future is already resolved (pyzmq short-circuits non-blocking sends).
-    future = cast("asyncio.Future[Any]",
-                  sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
-    return future.exception() if future.done() else None
-
-
-async def recv_chunks(
-    sock: zmq.asyncio.Socket,
-    *,
-    router: bool,
-    on_chunk: Callable[[Chunk], None],
-    on_bad: Callable[[ZServeError], None] | None = None,
-    max_chunk: int = MAX_CHUNK,
-) -> None:
-    """Forever: wait for a message, take every message already queued (up to ``max_chunk``),
-    decode them and hand them to ``on_chunk`` in one call. Returns when the socket closes."""
-    while True:
-        try:
-            raw = [await sock.recv_multipart(copy=False)]
-        except zmq.ZMQError as exc:
-            if sock.closed or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                return
-            raise
-        while len(raw) < max_chunk:
-            ready = cast("asyncio.Future[list[zmq.Frame]]",
-                         sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
-            if ready.exception() is not None:  # zmq.Again: nothing more queued
-                break
-            raw.append(ready.result())
-        chunk: Chunk = []
-        for parts in raw:
-            try:
-                if router:
-                    chunk.append((parts[0].bytes, codec.decode(parts[1:])))
-                else:
-                    chunk.append((None, codec.decode(parts)))
-            except ZServeError as exc:
-                if on_bad is not None:
-                    on_bad(exc)
-        if chunk:
-            try:
-                on_chunk(chunk)
-            except Exception:  # a bug handling one chunk must not stop the process receiving
-                log.exception("error handling a chunk of %d messages", len(chunk))
-
-
-def spawn(tasks: list[asyncio.Task[None]], coro: Awaitable[None]) -> None:
-    tasks.append(asyncio.ensure_future(coro))
-
-
-async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    tasks.clear()
-
 
 # --------------------------------------------------------------------------- the rank host
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -46,20 +47,14 @@ import zmq.asyncio
 from zserve import procutil
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
+from zserve.procutil import cancel_all, spawn
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy, target_batch_size
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
-from zserve.scheduler.rank_process import (
-    BACKEND_TIMEOUT_S,
-    Chunk,
-    RankHost,
-    WakeTimer,
-    cancel_all,
-    recv_chunks,
-    send_nowait,
-    spawn,
-)
+from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.timers import WakeTimer
+from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendTable,
     BatchPlan,
@@ -188,7 +183,7 @@ class ShardHost:
         )
         self.threads[model.name] = thread
         self.timers[model.name] = WakeTimer(
-            self.loop, thread, lambda name=model.name: self._on_timer(name)
+            self.loop, thread, functools.partial(self._on_timer, model.name)
         )
         outbox: Outbox = []
         thread.set_gpus(now, self.served.get(model.name, []), outbox)

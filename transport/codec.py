@@ -18,7 +18,9 @@ Decoded arrays are read-only views over the received frames (no copy) and keep t
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import operator
 import threading
 import types
@@ -26,17 +28,19 @@ import typing
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from zserve.errors import ProtocolError, TooLargeError
+from zserve.errors import ProtocolError, TooLargeError, ZServeError
 from zserve.transport.arrays import array_to_frame, frame_to_array
 from zserve.transport.messages import ALL_MESSAGES, Message
 from zserve.transport.sockets import typed_send_error
+
+log = logging.getLogger(__name__)
 
 Frames = list[bytes | memoryview]
 FrameLike = zmq.Frame | bytes | bytearray | memoryview
@@ -823,3 +827,66 @@ async def async_recv(
 # The asyncio helpers under their design names: every zserve process runs on asyncio.
 send_message = async_send
 recv_message = async_recv
+
+
+# --------------------------------------------------------------------------- per-tick receive loop
+
+# Most messages taken from one socket in one loop tick before the handler runs: the processes
+# handle a tick's messages as one chunk (one scheduling pass, one outbox flush per tick).
+MAX_CHUNK = 512
+
+Chunk = list[tuple[bytes | None, Message]]
+
+
+def send_nowait(
+    sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None
+) -> BaseException | None:
+    """Send without ever blocking; returns the error (EAGAIN: queue full, EHOSTUNREACH: peer not
+    connected) instead of raising, so a slow or vanished peer cannot stall the caller."""
+    frames: list[Any] = encode(msg)
+    if identity is not None:
+        frames.insert(0, identity)
+    # With NOBLOCK the future is already resolved (pyzmq short-circuits non-blocking sends).
+    future = cast("asyncio.Future[Any]",
+                  sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
+    return future.exception() if future.done() else None
+
+
+async def recv_chunks(
+    sock: zmq.asyncio.Socket,
+    *,
+    router: bool,
+    on_chunk: Callable[[Chunk], None],
+    on_bad: Callable[[ZServeError], None] | None = None,
+    max_chunk: int = MAX_CHUNK,
+) -> None:
+    """Forever: wait for a message, take every message already queued (up to ``max_chunk``),
+    decode them and hand them to ``on_chunk`` in one call. Returns when the socket closes."""
+    while True:
+        try:
+            raw = [await sock.recv_multipart(copy=False)]
+        except zmq.ZMQError as exc:
+            if sock.closed or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                return
+            raise
+        while len(raw) < max_chunk:
+            ready = cast("asyncio.Future[list[zmq.Frame]]",
+                         sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            if ready.exception() is not None:  # zmq.Again: nothing more queued
+                break
+            raw.append(ready.result())
+        chunk: Chunk = []
+        for parts in raw:
+            try:
+                if router:
+                    chunk.append((parts[0].bytes, decode(parts[1:])))
+                else:
+                    chunk.append((None, decode(parts)))
+            except ZServeError as exc:
+                if on_bad is not None:
+                    on_bad(exc)
+        if chunk:
+            try:
+                on_chunk(chunk)
+            except Exception:  # a bug handling one chunk must not stop the process receiving
+                log.exception("error handling a chunk of %d messages", len(chunk))

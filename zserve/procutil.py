@@ -63,7 +63,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import zmq
@@ -373,3 +373,16 @@ class ControlLink:
                 self.peers = dict(msg.endpoints)
             elif msg is not None and self._on_message is not None:
                 self._on_message(msg)
+
+
+def spawn(tasks: list[asyncio.Task[None]], coro: Awaitable[None]) -> None:
+    tasks.append(asyncio.ensure_future(coro))
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    tasks.clear()
