@@ -53,7 +53,6 @@ from zserve.errors import (
     ZServeError,
     error_from_wire,
 )
-from zserve.procutil import send_frames
 from zserve.transport import codec
 from zserve.transport.messages import CancelRequest, InferError, InferReply, InferRequest
 from zserve.transport.sockets import make_dealer
@@ -219,7 +218,7 @@ class AsyncClient:
         future: asyncio.Future[Outputs] = self._loop.create_future()
         frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
         try:
-            send_frames(sock, frames)
+            codec.send_frames_nowait(sock, frames)
         except zmq.Again:
             future.set_exception(OverloadedError("client send queue is full"))
             return future

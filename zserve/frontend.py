@@ -639,7 +639,7 @@ class Frontend:
             frames: list[Any] = codec.encode(CancelFetched(plans, rids))
             frames.insert(0, backend.encode())
             try:
-                procutil.send_frames(self.data_sock, frames)
+                codec.send_frames_nowait(self.data_sock, frames)
                 self.counters["cancel_notices"] += 1
             except zmq.ZMQError as exc:  # the backend is gone: nothing of it will run
                 self.counters["cancel_notice_failed"] += 1
@@ -654,7 +654,7 @@ class Frontend:
         frames: list[Any] = codec.encode(msg)
         frames.insert(0, identity)
         try:
-            procutil.send_frames(self.client_sock, frames)
+            codec.send_frames_nowait(self.client_sock, frames)
         except zmq.Again:
             self.counters["reply_dropped_hwm"] += 1
             return False
@@ -714,7 +714,7 @@ class Frontend:
             msg = RequestMetaBatch(data_address, ids, models, arrivals, deadlines)
             try:
                 assert sock is not None
-                procutil.send_frames(sock, codec.encode(msg))
+                codec.send_frames_nowait(sock, codec.encode(msg))
                 self.counters["meta_batches"] += 1
             except (zmq.ZMQError, AssertionError) as exc:
                 self.counters["meta_send_failed"] += 1
@@ -855,7 +855,7 @@ class Frontend:
         frames.insert(0, identity)
         assert self.data_sock is not None
         try:
-            procutil.send_frames(self.data_sock, frames)
+            codec.send_frames_nowait(self.data_sock, frames)
         except zmq.ZMQError as exc:
             self.counters["fetch_reply_failed"] += 1
             for rid in ids:
@@ -971,7 +971,7 @@ class Frontend:
 
     def _try_send(self, sock: zmq.Socket[Any], frames: list[Any]) -> bool:
         try:
-            procutil.send_frames(sock, frames)
+            codec.send_frames_nowait(sock, frames)
         except zmq.ZMQError:
             return False  # not connected (a backend that never fetched), or its queue is full
         return True

@@ -41,7 +41,6 @@ API (kept small on purpose):
   in-flight work to finish, up to ``drain_s``, cut short by a second request.
 - ``await link.close()``: stop the tasks and close the DEALER (bounded LINGER).
 - ``endpoints_of(peers, socket) -> {process name: address}`` and ``peer_key(name, socket)``.
-- ``send_frames(sock, frames)``: a non-blocking multipart send for a sync socket on a hot path.
 - ``cpu_seconds(pid)``, ``child_pids(parent)``: CPU accounting for benchmarks (Linux ``/proc``).
 
 The peer map: keys are ``"<process name>/<socket name>"`` (``"rank/rank"``, ``"shard-0/shard"``,
@@ -99,26 +98,6 @@ def endpoints_of(peers: dict[str, str], socket: str) -> dict[str, str]:
         if sock == socket:
             found[name] = peers[key]
     return found
-
-
-# Frames below this many bytes in all are copied by ZeroMQ rather than sent zero-copy: a zero-copy
-# frame costs more to set up (and to release) than a small copy.
-ZERO_COPY_MIN_BYTES = 64 * 1024
-_SEND_MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
-_SEND_LAST = int(zmq.NOBLOCK)
-
-
-def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
-    """Send one multipart message without blocking (raises ``zmq.Again`` at the HWM, and
-    ``zmq.ZMQError`` EHOSTUNREACH for a ROUTER peer that is gone). Small messages are copied,
-    large ones go zero-copy; plain-int flags avoid ``send_multipart``'s per-frame enum math."""
-    size = 0
-    for frame in frames:
-        size += frame.nbytes if isinstance(frame, memoryview) else len(frame)
-    copy = size < ZERO_COPY_MIN_BYTES
-    last = len(frames) - 1
-    for index, frame in enumerate(frames):
-        sock.send(frame, _SEND_MORE if index < last else _SEND_LAST, copy=copy)
 
 
 def cpu_seconds(pid: int) -> float | None:
