@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from zserve.scheduler.policy import largest_batch_at_rate
 from zserve.scheduler.profiles import LatencyProfile
 
 
@@ -53,14 +54,7 @@ def gpus_needed(profile: LatencyProfile, budget_s: float, rate_rps: float, d_dat
     if rate_rps <= 0:
         return 0.0
     table = profile.table_s
-    inv = 1.0 / rate_rps
-    lo, hi = 0, profile.max_batch
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if table[mid] + mid * (inv + d_data_s) <= budget_s:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = largest_batch_at_rate(profile, budget_s, rate_rps, d_data_s)
     if lo == 0:
         # too slow a rate to wait for even one more request: batches of one, if they fit
         return rate_rps * table[1] if table[1] + d_data_s <= budget_s else math.inf

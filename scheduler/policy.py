@@ -167,9 +167,18 @@ def target_batch_size(
     """
     if rate_rps is None or rate_rps <= 0:
         return max(1, profile.largest_batch_within(budget_s / 2))
+    return max(1, largest_batch_at_rate(profile, budget_s, rate_rps, d_data_s))
+
+
+def largest_batch_at_rate(
+    profile: LatencyProfile, budget_s: float, rate_rps: float, d_data_s: float
+) -> int:
+    """The largest b with ``l(b) + b/rate + d_data*b <= budget`` (the time to gather b requests
+    at ``rate_rps`` plus running them fits the budget), or 0 if not even b = 1 does. The left
+    side grows with b, so this is a binary search. ``rate_rps`` must be positive."""
     table = profile.table_s
     inv_rate = 1.0 / rate_rps
-    lo, hi = 1, profile.max_batch
+    lo, hi = 0, profile.max_batch
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if table[mid] + mid * (inv_rate + d_data_s) <= budget_s:
