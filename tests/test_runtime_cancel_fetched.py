@@ -56,7 +56,9 @@ def test_cancel_after_fetch_tells_the_backend_and_answers_once(
         _, notice = recv_type(backend, CancelFetched, router=False)
         assert notice.plan_ids == [7] and notice.request_ids == [ids[1]]
         # Had the batch started anyway, its output for the cancelled request is discarded.
-        started_at = fetched_at + 0.001
+        # started_at must lie in the past when the frontend answers (queueing <= answer time):
+        # the fetch moment does, and it follows the request's admission.
+        started_at = fetched_at
         codec.sync_send(backend, _outputs(ids, [8.0, 16.0], 7, started_at, started_at + 0.002))
         assert keep.result(10)["y"][0, 0] == pytest.approx(8.0)
         current = wait_stats(frontend, lambda st: st["counters"].get("late_outputs") == 1)

@@ -87,8 +87,10 @@ def test_shard_rule_is_stable_and_spreads() -> None:
 
 
 def test_layout_addresses_and_role_configs(tmp_path: Path) -> None:
+    # Explicit addresses are only parsed and passed through here, never bound or connected: a
+    # non-zero port is what makes an address known before its process starts.
     cluster = config(
-        scheduler={"shards": 2, "rank_address": "tcp://10.0.0.1:5000"},
+        scheduler={"shards": 2, "rank_address": "tcp://rank.example:5000"},
         frontends={"count": 2, "addresses": ["tcp://0.0.0.0:7000"]},
         backends={"devices": ["cuda:0", "cuda:1", "cpu"]},
     )
@@ -96,7 +98,7 @@ def test_layout_addresses_and_role_configs(tmp_path: Path) -> None:
     assert names == ["rank", "shard-0", "shard-1", "backend-0", "backend-1", "backend-2",
                      "frontend-0", "frontend-1"]
     ipc = str(tmp_path)
-    assert cluster.bind_addresses("rank", 0, ipc) == {"rank": "tcp://10.0.0.1:5000"}
+    assert cluster.bind_addresses("rank", 0, ipc) == {"rank": "tcp://rank.example:5000"}
     assert cluster.bind_addresses("frontend", 0, ipc) == {
         "client": "tcp://0.0.0.0:7000", "data": f"ipc://{ipc}/frontend-0.data"}
     assert cluster.bind_addresses("frontend", 1, None)["client"] == "tcp://127.0.0.1:0"
