@@ -854,11 +854,12 @@ def send_nowait(
     frames: list[Any] = encode(msg)
     if identity is not None:
         frames.insert(0, identity)
-    try:
-        _send_frames(_sync_twin(sock), frames, _NOBLOCK)
-    except zmq.ZMQError as exc:
-        return exc
-    return None
+    # Through the asyncio socket itself, not its sync twin: a send on the twin changes the
+    # socket's edge-triggered ZMQ_FD state behind zmq.asyncio's back, and a receive waiting on the
+    # same socket can then miss its wake-up. With NOBLOCK the future is already resolved.
+    future = cast("asyncio.Future[Any]",
+                  sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
+    return future.exception() if future.done() else None
 
 
 async def recv_chunks(
