@@ -63,7 +63,7 @@ import numpy as np
 import zmq
 
 from zserve import procutil
-from zserve.loadgen import schedules
+from zserve.loadgen import breakdown, schedules
 from zserve.loadgen.generator import (
     DEFAULT_LATENESS_BOUND_MS,
     BailRule,
@@ -116,6 +116,7 @@ class Target:
     control_stats: Callable[[str], dict[str, Any]] | None = None
     rank_process: str | None = None
     frontends: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)  # scheduler shard processes (hop breakdown)
     allowances_ms: dict[str, float] | None = None  # d_ctrl, d_data, reply (the cluster's)
     keep_tolerance: float | None = None  # the window drop's (the cluster's scheduler)
     gpus: int | None = None
@@ -305,6 +306,7 @@ def open_target(
         target.control_stats = lambda name: cluster.stats(name, timeout=STATS_REPLY_TIMEOUT_S)
         target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
         target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
+        target.shards = [n for r, n, _ in config.process_names() if r == "shard"]
         target.pids = cluster.pids
         yield target
 
@@ -410,8 +412,11 @@ class StatsPoller:
         for name, sock in socks.items():
             reply = _ask_stats(sock)
             if reply is None:
+                # Not reset: its counters keep running, so the next sample covers this interval
+                # too (``last`` stays where the previous successful poll left it).
                 self.silent.add(name)
-            elif k > 0:  # the first poll only resets the counters at the run's start
+                continue
+            if k > 0:  # the first poll only resets the counters at the run's start
                 self.samples.append(StatsSample(t, t - last[name], name, reply))
             last[name] = t
 
@@ -639,6 +644,11 @@ def live_report(
                               plan.measure_s)
         if cpu is not None:
             report["cpu"] = cpu
+    if target is not None and at_marks and "end" in at_marks:
+        served = measured & sent & ((result.outcome == Outcome.GOOD)
+                                    | (result.outcome == Outcome.LATE))
+        report["hops"] = _hops(target, end=at_marks["end"], samples=samples, plan=plan,
+                               client_latency_ms=latency_ms[served], cpu=report.get("cpu"))
     if window is not None and not single_model and len(window.batch_sizes):
         values, counts = np.unique(window.batch_sizes, return_counts=True)
         report["batch_size"] = {
@@ -652,6 +662,33 @@ def live_report(
 # Levels of the latency CDF kept in a live report (fraction, latency ms): every percent, then the
 # tail in finer steps, so that the plot shows p99.9 without storing every sample.
 CDF_LEVELS = (*(i / 100 for i in range(100)), 0.995, 0.999, 0.9995, 1.0)
+
+
+def _hops(
+    target: Target,
+    *,
+    end: dict[str, dict[str, Any]],
+    samples: list[StatsSample],
+    plan: LoadPlan,
+    client_latency_ms: np.ndarray[Any, Any],
+    cpu: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The per-hop breakdown (``zserve.loadgen.breakdown``) of one run."""
+    rank = end.get(target.rank_process or "")
+    if rank is not None and isinstance(rank.get("rank"), dict):
+        rank = rank["rank"]  # shards = 0: the shard process hosts the rank
+    in_window = [s for s in samples
+                 if plan.measure_start_s + 1e-6 < s.t_s <= plan.measure_end_s + 1e-6]
+    rows = breakdown.hop_breakdown(
+        client_latency_ms=client_latency_ms,
+        frontends=[end[n] for n in target.frontends if n in end],
+        shards=[end[n] for n in target.shards if n in end],
+        rank=rank,
+        backend_samples=[s.stats["samples"] for s in in_window
+                         if isinstance(s.stats.get("samples"), dict)],
+    )
+    return {"rows": [r.to_dict() for r in rows],
+            "scheduler_cpu_ms_per_1000_requests": breakdown.scheduler_cpu_ms_per_1000(cpu)}
 
 
 def latency_cdf(values_ms: np.ndarray[Any, Any]) -> list[list[float]]:
@@ -817,7 +854,9 @@ def run_once(
     plan = plan_for_workload(workload, rate_rps=rate_rps, schedule=options.schedule)
     plan = _rename(plan, target.model_names)
     inputs = {target.model_names[w]: t for w, t in target.inputs.items()}
-    control_names = [n for n in [target.rank_process, *target.frontends] if n]
+    control_names = list(dict.fromkeys(
+        n for n in [target.rank_process, *target.shards, *target.frontends] if n
+    ))
     poller = StatsPoller(
         target.stats_addresses,
         control_stats=target.control_stats,
@@ -1108,6 +1147,11 @@ def main(argv: list[str]) -> int:
             costs = "  ".join(f"{name} {us:.0f}" for name, us in cpu["per_request_us"].items())
             print(f"cpu us/request (measure window, {cpu['total_cores']:.2f} of {cpu['cpus']} "
                   f"cores busy): {costs}")
+        hops = report.get("hops")
+        if hops and hops["rows"]:
+            print(breakdown.format_table(
+                [breakdown.HopRow(**row) for row in hops["rows"]],
+                hops["scheduler_cpu_ms_per_1000_requests"]))
         for line in report["stats"]["missing"]:
             print(f"missing: {line}")
     if args.compare:

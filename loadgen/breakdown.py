@@ -1,0 +1,171 @@
+"""Where a request's time goes in a live run: one row per hop, p50 and p99 in milliseconds.
+
+``zserve bench CLUSTER.toml WORKLOAD.toml --rate R`` adds ``report["hops"]`` (and prints the
+table) when it started the cluster itself, so that every process's statistics are at hand:
+
+- the load generator's own end-to-end latency (send -> reply, per request);
+- the frontend's hops (``admit_to_answer``, ``queueing`` = batch start - admission, ``overhead`` =
+  answer - admission - execution, ``finish_to_answer`` = the frontend's answer - the backend's
+  batch end), as the frontends reported them at the measure window's end (their latest samples);
+- the shard's ``meta_delay`` (request admitted -> its metadata handled by the shard: the
+  frontend's per-tick coalescing plus the hop) and ``grant_slack`` (margin left when a grant
+  reached the shard);
+- the rank's ``candidate_slack`` (margin left when a candidate reached the rank) and batch-start
+  ``lateness`` (backend start - planned ``exec_at``);
+- every backend's per-batch timings over the measure window, pooled (exact quantiles over all
+  backends): ``slack`` (plan arrival -> exec_at), ``fetch`` (input-fetch round trip),
+  ``lateness``, ``assemble``, ``run`` (execution) and ``push`` (sending the outputs).
+
+Different processes share CLOCK_MONOTONIC on one host, so the cross-process hops (meta delay,
+lateness, finish -> answer) are direct differences of timestamps. The client <-> frontend row is
+the difference of two medians (the client's end-to-end p50 minus the frontend's
+``admit_to_answer`` p50; likewise p99), an approximation stated in its source column.
+
+Rows marked "margin" are slacks (larger is safer; their p99 column holds the 1st percentile, the
+bad tail); all others are delays. The scheduler's CPU cost per
+1,000 requests comes from the run's CPU accounting (shard and rank processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MS_PER_S = 1e3
+# Backend per-batch series in the polled StatsReply ``samples`` (seconds), by hop row.
+BACKEND_SERIES = (
+    ("plan arrives before exec_at (slack, margin)", "slack_s"),
+    ("input fetch round trip", "fetch_s"),
+    ("batch start lateness (start - exec_at)", "lateness_s"),
+    ("assemble the batch", "assemble_s"),
+    ("execution (backend run)", "run_s"),
+    ("push the outputs", "push_s"),
+)
+
+
+@dataclass(frozen=True)
+class HopRow:
+    hop: str
+    p50_ms: float | None
+    p99_ms: float | None
+    samples: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hop": self.hop,
+            "p50_ms": None if self.p50_ms is None else round(self.p50_ms, 4),
+            "p99_ms": None if self.p99_ms is None else round(self.p99_ms, 4),
+            "samples": self.samples,
+            "source": self.source,
+        }
+
+
+def _quantiles_ms(
+    values_s: Iterable[float], tail: float = 99.0
+) -> tuple[float | None, float | None, int]:
+    """(p50, the ``tail`` percentile, count) in milliseconds."""
+    arr = np.fromiter(values_s, dtype=np.float64)
+    if arr.size == 0:
+        return None, None, 0
+    p50, p_tail = np.percentile(arr * MS_PER_S, [50, tail])
+    return float(p50), float(p_tail), int(arr.size)
+
+
+def _hop(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
+    hop = stats.get("hops", {}).get(name)
+    return hop if isinstance(hop, dict) and hop.get("count") else None
+
+
+def _best_frontend(frontends: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The frontend with the most samples of hop ``name`` (several frontends: one of them)."""
+    hops = [h for h in (_hop(s, name) for s in frontends) if h is not None]
+    return max(hops, key=lambda h: h["count"]) if hops else None
+
+
+def hop_breakdown(
+    *,
+    client_latency_ms: np.ndarray[Any, Any],
+    frontends: list[dict[str, Any]],
+    shards: list[dict[str, Any]],
+    rank: dict[str, Any] | None,
+    backend_samples: list[dict[str, Any]],
+) -> list[HopRow]:
+    """The rows of the breakdown, in the order a request meets them.
+
+    ``frontends``/``shards``/``rank``: those processes' StatsReply payloads at the measure
+    window's end; ``backend_samples``: the ``samples`` dicts the backends reported inside the
+    measure window (their polled StatsReply, reset at every poll)."""
+    rows: list[HopRow] = []
+    client = np.asarray(client_latency_ms, dtype=np.float64)
+    answer = _best_frontend(frontends, "admit_to_answer")
+    if client.size and answer is not None:
+        c50, c99 = (float(v) for v in np.percentile(client, [50, 99]))
+        rows.append(HopRow("client <-> frontend, both ways (approx.)",
+                           c50 - float(answer["p50_ms"]), c99 - float(answer["p99_ms"]),
+                           int(client.size),
+                           "client end-to-end quantile - frontend admit_to_answer quantile"))
+    meta = [s["meta_delay_ms"] for s in shards if isinstance(s.get("meta_delay_ms"), dict)]
+    if meta:
+        rows.append(HopRow("frontend tick + hop -> shard", max(m["p50"] for m in meta),
+                           max(m["p99"] for m in meta), 0,
+                           "shard meta_delay: shard receipt - admission (worst shard)"))
+    queueing = _best_frontend(frontends, "queueing")
+    if queueing is not None:
+        rows.append(HopRow("admission -> batch start (deferral by design + control hops)",
+                           float(queueing["p50_ms"]), float(queueing["p99_ms"]),
+                           int(queueing["count"]), "frontend queueing hop"))
+    grant = [s["grant_slack_ms"] for s in shards if isinstance(s.get("grant_slack_ms"), dict)]
+    if grant:
+        rows.append(HopRow("grant reaches shard before its last moment (margin)",
+                           min(g["p50"] for g in grant), min(g["p1"] for g in grant), 0,
+                           "shard grant_slack; the p99 column is the 1st percentile"))
+    if rank is not None and isinstance(rank.get("candidate_slack_ms"), dict):
+        slack = rank["candidate_slack_ms"]
+        rows.append(HopRow("candidate reaches rank before its timer (margin)",
+                           float(slack["p50"]), float(slack["p1"]), 0,
+                           "rank candidate_slack; the p99 column is the 1st percentile"))
+    for label, key in BACKEND_SERIES:
+        values: list[float] = []
+        for sample in backend_samples:
+            series = sample.get(key)
+            if isinstance(series, list):
+                values.extend(float(v) for v in series)
+        margin = key == "slack_s"  # a margin's bad tail is its low end
+        p50, tail, count = _quantiles_ms(values, 1.0 if margin else 99.0)
+        if count:
+            rows.append(HopRow(label, p50, tail, count,
+                               "backends' per-batch timings in the measure window, pooled"
+                               + ("; the p99 column is the 1st percentile" if margin else "")))
+    for name, label in (("finish_to_answer", "batch end -> frontend answers (outputs hop)"),
+                        ("overhead", "overhead: answer - admission - execution")):
+        hop = _best_frontend(frontends, name)
+        if hop is not None:
+            rows.append(HopRow(label, float(hop["p50_ms"]), float(hop["p99_ms"]),
+                               int(hop["count"]), f"frontend {name} hop"))
+    return rows
+
+
+def scheduler_cpu_ms_per_1000(cpu: dict[str, Any] | None) -> float | None:
+    """CPU milliseconds the scheduler processes (shards and rank) spent per 1,000 requests."""
+    if not cpu:
+        return None
+    per_request = cpu.get("per_request_us", {})
+    used = [us for name, us in per_request.items()
+            if name == "rank" or name.startswith("shard")]
+    return round(sum(used), 1) if used else None  # us per request == ms per 1,000 requests
+
+
+def format_table(rows: list[HopRow], scheduler_cpu: float | None = None) -> str:
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:8.3f}"
+
+    width = max((len(r.hop) for r in rows), default=10)
+    lines = [f"{'hop (margins: p1 in the p99 column)':<{width}}  {'p50 ms':>8}  {'p99 ms':>8}"]
+    lines.extend(f"{r.hop:<{width}}  {cell(r.p50_ms)}  {cell(r.p99_ms)}" for r in rows)
+    if scheduler_cpu is not None:
+        lines.append(f"scheduler CPU per 1,000 requests: {scheduler_cpu:.1f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""The per-hop breakdown of a live run (zserve.loadgen.breakdown), from processes' stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zserve.loadgen import breakdown
+
+
+def _frontend(**hops: tuple[float, float, int]) -> dict[str, object]:
+    return {"hops": {name: {"p50_ms": p50, "p99_ms": p99, "count": n}
+                     for name, (p50, p99, n) in hops.items()}}
+
+
+def test_rows_follow_the_request_and_pool_backends() -> None:
+    frontends = [_frontend(admit_to_answer=(20.0, 24.0, 100), queueing=(8.0, 12.0, 90),
+                           overhead=(9.0, 13.0, 90)),
+                 _frontend(admit_to_answer=(30.0, 40.0, 5))]  # fewer samples: not chosen
+    shards = [{"meta_delay_ms": {"p50": 0.2, "p99": 0.9},
+               "grant_slack_ms": {"p1": -0.5, "p50": 1.0}}]
+    rank = {"candidate_slack_ms": {"p1": -1.0, "p50": 1.5, "min": -2.0}}
+    # Two backends' windows: the quantiles are over all batches together, not per backend.
+    backend_samples = [{"fetch_s": [0.001] * 50, "slack_s": [0.002] * 50},
+                       {"fetch_s": [0.003] * 50, "slack_s": [0.0001] * 2 + [0.002] * 48}]
+    client = np.full(100, 21.5)
+    rows = breakdown.hop_breakdown(client_latency_ms=client, frontends=frontends,
+                                   shards=shards, rank=rank, backend_samples=backend_samples)
+    by_hop = {r.hop: r for r in rows}
+    first = rows[0]
+    assert first.hop.startswith("client <-> frontend")
+    assert first.p50_ms == pytest.approx(1.5) and first.p99_ms == pytest.approx(-2.5)
+    assert by_hop["frontend tick + hop -> shard"].p99_ms == pytest.approx(0.9)
+    fetch = by_hop["input fetch round trip"]
+    assert fetch.samples == 100
+    assert fetch.p50_ms == pytest.approx(2.0)  # between the two backends' values
+    assert fetch.p99_ms == pytest.approx(3.0)
+    slack = by_hop["plan arrives before exec_at (slack, margin)"]
+    assert slack.p99_ms == pytest.approx(0.1, abs=0.05)  # the margin's low tail (p1)
+    assert by_hop["overhead: answer - admission - execution"].p50_ms == 9.0
+    order = [r.hop for r in rows]
+    assert order.index("input fetch round trip") > order.index(
+        "admission -> batch start (deferral by design + control hops)")
+
+
+def test_missing_sources_leave_rows_out_and_cpu_sums_scheduler() -> None:
+    rows = breakdown.hop_breakdown(client_latency_ms=np.array([]), frontends=[], shards=[],
+                                   rank=None, backend_samples=[])
+    assert rows == []
+    cpu = {"per_request_us": {"frontend-0": 300.0, "rank": 120.5, "shard-0": 80.0,
+                              "shard-1": 10.0, "loadgen": 99.0}}
+    assert breakdown.scheduler_cpu_ms_per_1000(cpu) == pytest.approx(210.5)
+    assert breakdown.scheduler_cpu_ms_per_1000(None) is None
+    table = breakdown.format_table(
+        [breakdown.HopRow("x", 1.0, None, 1, "s")], scheduler_cpu=210.5)
+    assert "210.5 ms" in table and "-" in table.splitlines()[1]
