@@ -54,14 +54,12 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from zserve import procutil, timers
 from zserve.backends.executor import Executor, TensorMap
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
-from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -77,6 +75,7 @@ from zserve.transport.messages import (
     StatsReply,
     StatsRequest,
 )
+from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer, make_router
 
 log = logging.getLogger(__name__)
@@ -239,9 +238,10 @@ class Backend:
         name: str,
         device: str,
         executor: Executor,
-        ctx: zmq.asyncio.Context,
-        plan_sock: zmq.asyncio.Socket,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        plan_sock: zmq.Socket[Any],
         plan_address: str,
+        reactor: SocketReactor,
     ) -> None:
         self.name = name
         self.identity = name.encode()
@@ -251,8 +251,9 @@ class Backend:
         self.plan_sock = plan_sock
         self.plan_address = plan_address
         self.loop = asyncio.get_running_loop()
-        self.rank_sock: zmq.asyncio.Socket | None = None
-        self.data_socks: dict[str, zmq.asyncio.Socket] = {}
+        self.reactor = reactor
+        self.rank_sock: zmq.Socket[Any] | None = None
+        self.data_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
         self.warmed: dict[str, list[int]] = {}
@@ -325,8 +326,8 @@ class Backend:
 
     def connect_rank(self, rank_address: str) -> None:
         self.rank_sock = make_dealer(self.ctx, rank_address, identity=self.identity)
+        self._watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk)
         self._register()
-        self._spawn(self._recv_loop(self.rank_sock, router=False, on_chunk=self._on_rank_chunk))
         self._spawn(self._rank_heartbeat_loop())
 
     def _register(self) -> None:
@@ -344,7 +345,7 @@ class Backend:
         )
 
     def start(self) -> None:
-        self._spawn(self._recv_loop(self.plan_sock, router=True, on_chunk=self._on_plan_chunk))
+        self._watch(self.plan_sock, router=True, on_chunk=self._on_plan_chunk)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self.loop.create_task(coro)
@@ -353,19 +354,19 @@ class Backend:
 
     # ------------------------------------------------------------------ I/O helpers
 
-    def _send(self, sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> bool:
+    def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
         """Non-blocking send; False (counted, logged) when ZeroMQ cannot take the message."""
-        error = send_nowait(sock, msg, identity)
+        error = self.reactor.send_nowait(sock, msg, identity)
         if error is None:
             return True
         self.counters["send_dropped"] += 1
         log.warning("%s: dropped %s (%s)", self.name, type(msg).__name__, error)
         return False
 
-    def _recv_loop(self, sock: zmq.asyncio.Socket, *, router: bool,
-                   on_chunk: Callable[[Chunk], None]) -> Coroutine[Any, Any, None]:
+    def _watch(self, sock: zmq.Socket[Any], *, router: bool,
+               on_chunk: Callable[[Chunk], None]) -> None:
         """Per loop tick: every message already queued on ``sock``, handed over as one chunk."""
-        return recv_chunks(sock, router=router, on_chunk=on_chunk, on_bad=self._on_bad)
+        self.reactor.watch(sock, router=router, on_chunk=on_chunk, on_bad=self._on_bad)
 
     def _on_bad(self, exc: ZServeError) -> None:
         self.counters["bad_messages"] += 1
@@ -482,16 +483,16 @@ class Backend:
                 held.cancelled.add(key)
                 self.counters["requests_cancelled"] += 1
 
-    def _data_sock(self, address: str) -> zmq.asyncio.Socket:
+    def _data_sock(self, address: str) -> zmq.Socket[Any]:
         sock = self.data_socks.get(address)
         if sock is None:
             sock = make_dealer(self.ctx, address, identity=self.identity)
             self.data_socks[address] = sock
+            self._watch(sock, router=False,
+                        on_chunk=functools.partial(self._on_data_chunk, address))
             # The pid tells the frontend when a backend of this name restarted (it then fails
             # the requests the old process had fetched).
             self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
-            on_chunk = functools.partial(self._on_data_chunk, address)
-            self._spawn(self._recv_loop(sock, router=False, on_chunk=on_chunk))
         return sock
 
     # ------------------------------------------------------------------ following plans
@@ -730,6 +731,7 @@ class Backend:
         if self.rank_sock is not None:
             socks.append(self.rank_sock)
         for sock in socks:
+            self.reactor.unwatch(sock)
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
         if not self._stuck:
             self.executor.close()
@@ -773,7 +775,9 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
     device: str = config.get("device", "cpu")
     drain_s = float(config.get("drain_s", cluster.drain_s if cluster else procutil.DEFAULT_DRAIN_S))
-    ctx = zmq.asyncio.Context()
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reactor = SocketReactor(asyncio.get_running_loop())
     backend: Backend | None = None
     link = None
     try:
@@ -784,7 +788,8 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         )
         plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan")
         backend = Backend(name=name, device=device, executor=build_executor(device, models),
-                          ctx=ctx, plan_sock=plan_sock, plan_address=plan_address)
+                          ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
+                          reactor=reactor)
         backend_ref.append(backend)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
         backend.load_and_warm(models)
@@ -805,6 +810,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     finally:
         if backend is not None:
             await backend.close()
+        reactor.close()
         if link is not None:
             await link.close()
         ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)

@@ -58,7 +58,14 @@ from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.schedules import RateSchedule
 from zserve.loadgen.workload import ArrivalSpec, Workload
 from zserve.transport import codec
-from zserve.transport.messages import InferError, InferReply, InferRequest, TensorMap
+from zserve.transport.messages import (
+    ClientHello,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+    TensorMap,
+)
 from zserve.transport.sockets import make_dealer
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
@@ -87,6 +94,11 @@ WORKER_START_TIMEOUT_S = 60.0
 SEND_BURST = 64
 # Runs shorter than this get no progress bar (and none unless stderr is a terminal).
 PROGRESS_MIN_S = 5.0
+# Plain ints: pyzmq's constants are enum members, whose operators run Python code.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_INT_ONLY = {int}
+_STR_ONLY = {str}
 
 
 class Outcome(enum.IntEnum):
@@ -410,24 +422,44 @@ class RunResult:
 # --------------------------------------------------------------------------- worker
 
 
-def peek_answer(frames: Sequence[Any]) -> tuple[int, str | None] | None:
-    """``(request_id, error kind or None)`` of an ``InferReply`` / ``InferError``, else None.
+def peek_answers(frames: Sequence[Any]) -> list[tuple[int, str | None]]:
+    """``(request_id, error kind or None)`` of each answer in an ``InferReply``, ``InferError``
+    or ``InferAnswers`` message; empty for anything else or anything malformed.
 
-    The generator reads only the header's first fields (``[KIND, request_id, ...]``, the codec's
-    layout): a full ``codec.decode`` validates every output array, which costs ten times more and
-    would cap the rate one worker can sustain. Outputs are not looked at.
+    The generator reads only the header's id and error fields (the codec's layout: ``[KIND,
+    field0, ...]``): a full ``codec.decode`` validates and rebuilds every output array, which
+    costs several times more and would cap the rate one worker can sustain. Outputs are not
+    looked at.
     """
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
     except Exception:
-        return None
-    if not isinstance(header, list) or len(header) < 2 or type(header[1]) is not int:
-        return None
-    if header[0] == InferReply.KIND:
-        return header[1], None
-    if header[0] == InferError.KIND and len(header) >= 3 and isinstance(header[2], str):
-        return header[1], header[2]
-    return None
+        return []
+    if type(header) is not list or len(header) < 2:
+        return []
+    kind = header[0]
+    if kind == InferAnswers.KIND and len(header) == 6:
+        _, request_ids, outputs, error_ids, errors, messages = header
+        if not (
+            type(request_ids) is type(outputs) is type(error_ids) is type(errors) is list
+            and type(messages) is list
+            and len(request_ids) == len(outputs)
+            and len(error_ids) == len(errors) == len(messages)
+            and (not request_ids or set(map(type, request_ids)) == _INT_ONLY)
+            and (not error_ids or set(map(type, error_ids)) == _INT_ONLY)
+            and (not errors or set(map(type, errors)) == _STR_ONLY)
+        ):
+            return []
+        answers: list[tuple[int, str | None]] = [(rid, None) for rid in request_ids]
+        answers.extend(zip(error_ids, errors, strict=True))
+        return answers
+    if type(header[1]) is not int:
+        return []
+    if kind == InferReply.KIND:
+        return [(header[1], None)]
+    if kind == InferError.KIND and len(header) >= 3 and type(header[2]) is str:
+        return [(header[1], header[2])]
+    return []
 
 
 
@@ -458,39 +490,56 @@ current lag behind schedule in seconds; returns a reason to stop, or None."""
 
 
 def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
-    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop."""
+    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop.
+
+    The per-request records live in Python lists while the loop runs and become arrays at the
+    end: indexing a list costs a fraction of indexing a numpy array element, and the loop does
+    it a dozen times per request. The monitor works on arrays of the recent window only."""
     plan = spec.plan
     n = len(plan)
-    times = plan.times_s
-    model_index = plan.model_index
-    measured = plan.measured
+    times = plan.times_s.tolist()
+    model_index = plan.model_index.tolist()
+    measured = plan.measured.tolist()
     slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
-    request_slo_s = slo_s[model_index]
+    request_slo_s = slo_s[plan.model_index].tolist()
+    max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
     names = plan.models
-    model_inputs = [spec.inputs.get(name, {}) for name in names]
-    slo_ms = plan.slo_ms
+    # One request template per model: each request is its template with its own id, encoded
+    # for the cost of packing that id (the inputs are the same arrays every time).
+    encoders = [
+        codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}), plan.slo_ms[m]))
+        for m, name in enumerate(names)
+    ]
 
-    sent = np.full(n, np.nan)
-    replied = np.full(n, np.nan)
-    outcome = np.full(n, Outcome.UNSENT, dtype=np.int8)
-    error_kind = np.full(n, NO_ERROR, dtype=np.int8)
-    counters = np.zeros((len(names), len(COUNTERS)), dtype=np.int64)
-    counters[:, _PLANNED] = np.bincount(model_index[measured], minlength=len(names))
-    answered = np.zeros(n, dtype=bool)
+    nan = math.nan
+    sent = [nan] * n
+    replied = [nan] * n
+    outcome = [int(Outcome.UNSENT)] * n
+    error_kind = [NO_ERROR] * n
+    answered = [False] * n
+    # Requests resolved-as-bad only by being overdue are counted once, at the monitor.
+    overdue_counted = [False] * n
+    overdue_scan_from = 0
+    planned = np.bincount(plan.model_index[plan.measured], minlength=len(names))
+    counters = [[0] * len(COUNTERS) for _ in names]
+    for m, count in enumerate(planned.tolist()):
+        counters[m][_PLANNED] = count
+    good_outcome, late_outcome = int(Outcome.GOOD), int(Outcome.LATE)
+    dropped_outcome, error_outcome = int(Outcome.DROPPED), int(Outcome.ERROR)
     deadline_error = _ERROR_INDEX[ErrorKind.DEADLINE.value]
     blocked_error = _ERROR_INDEX["SEND_BLOCKED"]
     bad_reply_error = _ERROR_INDEX["BAD_REPLY"]
-    # Requests resolved-as-bad only by being overdue are counted once, at the monitor.
-    overdue_scan_from = 0
-    overdue_counted = np.zeros(n, dtype=bool)
 
     ctx = zmq.Context()
     sock = make_dealer(
         ctx, spec.address, identity=spec.identity, send_hwm_messages=GENERATOR_SEND_HWM
     )
     fd = sock.getsockopt(zmq.FD)
+    poll_items = [(sock, _POLLIN)]
+    # First on the connection: answers may come coalesced (InferAnswers), one message per batch.
+    codec.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
     monotonic = time.monotonic
-    encode = codec.encode
+    send_frames = codec.send_frames_nowait
     i = 0
     outstanding = 0
     stopped: str | None = None
@@ -504,18 +553,18 @@ def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
         answered[k] = True
         outstanding -= 1
         replied[k] = t - t0
-        m = model_index[k]
         if kind == NO_ERROR:
             good = (t - t0) - sent[k] <= request_slo_s[k]
-            outcome[k] = Outcome.GOOD if good else Outcome.LATE
+            outcome[k] = good_outcome if good else late_outcome
         else:
             good = False
-            outcome[k] = Outcome.DROPPED if kind == deadline_error else Outcome.ERROR
+            outcome[k] = dropped_outcome if kind == deadline_error else error_outcome
             error_kind[k] = kind
         if measured[k] and not overdue_counted[k]:
-            counters[m, _DECIDED] += 1
+            counts = counters[model_index[k]]
+            counts[_DECIDED] += 1
             if not good:
-                counters[m, _BAD] += 1
+                counts[_BAD] += 1
 
     try:
         while True:
@@ -525,82 +574,99 @@ def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
             burst_end = i + SEND_BURST
             while i < n and i < burst_end and stopped is None and t0 + times[i] <= now:
                 m = model_index[i]
-                t_send = monotonic()
-                sent[i] = t_send - t0
-                frames = encode(InferRequest(i, names[m], model_inputs[m], slo_ms[m]))
+                sent[i] = monotonic() - t0
                 try:
-                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    send_frames(sock, encoders[m](i))
                     outstanding += 1
                 except zmq.Again:
                     answered[i] = True
                     replied[i] = sent[i]
-                    outcome[i] = Outcome.ERROR
+                    outcome[i] = error_outcome
                     error_kind[i] = blocked_error
                     if measured[i]:
-                        counters[m, _DECIDED] += 1
-                        counters[m, _BAD] += 1
+                        counters[m][_DECIDED] += 1
+                        counters[m][_BAD] += 1
                 if measured[i]:
-                    counters[m, _SENT] += 1
+                    counters[m][_SENT] += 1
                 i += 1
                 if i == n:
-                    end_at = monotonic() + float(slo_s.max()) + spec.reply_grace_s
-            # 2. Read every reply that has arrived.
-            while True:
+                    end_at = monotonic() + max_slo_s + spec.reply_grace_s
+            # 2. Read every reply that has arrived. A poll before each receive: cheaper than a
+            #    receive failing with EAGAIN (and than getsockopt(EVENTS), which builds an enum),
+            #    and the last one (nothing queued) rearms the socket's edge-triggered FD for the
+            #    sleep in 5.
+            while zmq.zmq_poll(poll_items, 0):
                 try:
-                    reply_frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    # One whole message; each Frame says whether more follow (no RCVMORE call).
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    reply_frames = [frame]
+                    while frame.more:
+                        frame = sock.recv(_NOBLOCK, copy=False)
+                        reply_frames.append(frame)
                 except zmq.Again:
                     break
                 t_reply = monotonic()
-                answer = peek_answer(reply_frames)
-                if answer is None:
-                    continue  # undecodable: the request will end as TIMEOUT
-                k, error = answer
-                kind = NO_ERROR if error is None else _ERROR_INDEX.get(error, bad_reply_error)
-                if 0 <= k < i:
-                    settle(k, kind, t_reply)
+                # Undecodable answers yield nothing: their requests will end as TIMEOUT.
+                for k, error in peek_answers(reply_frames):
+                    kind = NO_ERROR if error is None else _ERROR_INDEX.get(error, bad_reply_error)
+                    if 0 <= k < i:
+                        settle(k, kind, t_reply)
             now = monotonic()
             # 3. Publish counters, apply the early-stop rule, watch our own lag.
             if now >= next_monitor:
                 next_monitor = now + MONITOR_INTERVAL_S
                 # Count measured requests already past their SLO without an answer as bad now.
-                hi = i
-                window = slice(overdue_scan_from, hi)
-                late_now = (
-                    ~answered[window]
-                    & ~overdue_counted[window]
-                    & measured[window]
-                    & (sent[window] + request_slo_s[window] < now - t0)
-                )
-                if np.any(late_now):
-                    idx = np.nonzero(late_now)[0] + overdue_scan_from
-                    overdue_counted[idx] = True
-                    np.add.at(counters[:, _BAD], model_index[idx], 1)
-                    np.add.at(counters[:, _DECIDED], model_index[idx], 1)
+                lo, hi = overdue_scan_from, i
+                if lo < hi:
+                    late_now = (
+                        ~np.array(answered[lo:hi], dtype=bool)
+                        & ~np.array(overdue_counted[lo:hi], dtype=bool)
+                        & np.array(measured[lo:hi], dtype=bool)
+                        & (
+                            np.array(sent[lo:hi]) + np.array(request_slo_s[lo:hi])
+                            < now - t0
+                        )
+                    )
+                    for k in (np.nonzero(late_now)[0] + lo).tolist():
+                        overdue_counted[k] = True
+                        counts = counters[model_index[k]]
+                        counts[_BAD] += 1
+                        counts[_DECIDED] += 1
                 while overdue_scan_from < hi and (
                     answered[overdue_scan_from] or overdue_counted[overdue_scan_from]
                     or not measured[overdue_scan_from]
                 ):
                     overdue_scan_from += 1
                 lag = now - (t0 + times[i]) if i < n else 0.0
-                reason = monitor(counters, lag)
+                reason = monitor(np.array(counters, dtype=np.int64), lag)
                 if reason is not None and stopped is None:
                     stopped = reason
-                    end_at = min(end_at, now + float(slo_s.max()) + STOP_GRACE_S)
+                    end_at = min(end_at, now + max_slo_s + STOP_GRACE_S)
             # 4. Done when everything is sent and answered, or the grace period is over.
             if (i == n or stopped is not None) and (outstanding == 0 or now >= end_at):
                 break
             # 5. Sleep until the next send, a reply or the next monitor tick.
             wake = min(t0 + times[i] if (i < n and stopped is None) else end_at, next_monitor)
             timeout = wake - monotonic()
-            if timeout > 0 and not (sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            if timeout > 0:
+                # Step 2 was the last operation on the socket and found nothing queued, so the FD
+                # becomes readable when the next message arrives.
                 select.select([fd], [], [], timeout)
     finally:
         sock.close(linger=0)
         ctx.term()
 
-    unanswered = ~answered & ~np.isnan(sent)
-    outcome[unanswered] = Outcome.TIMEOUT
-    return WorkerOutput(sent, replied, outcome, error_kind, stopped)
+    outcomes = np.array(outcome, dtype=np.int8)
+    sent_s = np.array(sent, dtype=np.float64)
+    unanswered = ~np.array(answered, dtype=bool) & ~np.isnan(sent_s)
+    outcomes[unanswered] = Outcome.TIMEOUT
+    return WorkerOutput(
+        sent_s,
+        np.array(replied, dtype=np.float64),
+        outcomes,
+        np.array(error_kind, dtype=np.int8),
+        stopped,
+    )
 
 
 @dataclass

@@ -30,6 +30,16 @@ def _pyplot() -> Any:
     return plt
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, for figures drawn elsewhere (loadgen.experiments)."""
+    return _pyplot()
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Save ``fig`` as this module's PNGs are saved (tight layout, 110 dpi) and close it."""
+    return _save(fig, path, _pyplot())
+
+
 def latency_cdf(report: dict[str, Any], path: Path) -> Path | None:
     cdfs: dict[str, list[list[float]]] = report.get("latency_cdf_ms") or {}
     if not cdfs:

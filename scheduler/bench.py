@@ -140,8 +140,9 @@ class _Probe:
         blocks: list[np.ndarray] = []
         for i in range(self.m):
             first = self.next_t[i]
-            horizon = until - first
-            n = int(lam * max(horizon, 0.0) * 1.2 + 10 * math.sqrt(lam * horizon + 1) + 10)
+            # the next arrival may lie beyond this block (low per-model rates): nothing to draw
+            horizon = max(until - first, 0.0)
+            n = int(lam * horizon * 1.2 + 10 * math.sqrt(lam * horizon + 1) + 10)
             gaps = self.rng.exponential(1.0 / lam, n)
             gaps[0] = 0.0
             times = first + np.cumsum(gaps)

@@ -60,11 +60,12 @@ from zserve.scheduler.common import (
 )
 from zserve.scheduler.policy import (
     DEFAULT_KEEP_TOLERANCE,
+    DEFER_STAGGER_MIN_GPUS,
     DROP_FCFS,
     DROP_WINDOW,
-    KIND_BETA_LAMBDA,
     KIND_DEFERRED,
     KIND_EAGER,
+    KIND_FRONTRUN,
     KIND_LATEST,
     KIND_TIMEOUT,
     RpsMeter,
@@ -155,7 +156,9 @@ class ModelThread:
         self.jitter_s = jitter_s
         self.publish_lead_s = publish_lead_s
         self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
-        self.meter = RpsMeter(rate_bucket_s, rate_window)
+        # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
+        self._defer_below = math.inf
+        self._meter = RpsMeter(rate_bucket_s, rate_window)
         self.keep_tolerance = keep_tolerance
         self.target = 1
         self.keep_min = 1
@@ -196,6 +199,32 @@ class ModelThread:
         self._profile = profile
         self._table = profile.table_s
         self._max_batch = profile.max_batch
+        self._refresh_defer_below()
+
+    @property
+    def meter(self) -> RpsMeter:
+        return self._meter
+
+    @meter.setter
+    def meter(self, meter: RpsMeter) -> None:
+        self._meter = meter
+        self._refresh_defer_below()
+
+    def _refresh_defer_below(self) -> None:
+        """The batch size from which the ``deferred`` policy stops deferring (policy.py), from
+        the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
+        size b (n = lambda*l(b)/b). Cached: it changes only when the meter seals a bucket or the
+        target or profile changes."""
+        rate = self._meter.rate()
+        if rate is None:
+            self._defer_below = math.inf  # no rate yet: plain frontrun
+            return
+        beta_lambda = self._profile.beta_s * rate
+        target = self.target
+        if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
+            self._defer_below = max(beta_lambda, target)
+        else:
+            self._defer_below = beta_lambda - 1.0
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -254,7 +283,7 @@ class ModelThread:
             self._arr = [e[3] for e in merged]
             self._head = 0
         self.n_arrived += count
-        meter = self.meter
+        meter = self._meter
         if meter.add(now, count):
             self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
                                                self.d_data_s))
@@ -324,6 +353,7 @@ class ModelThread:
         l(b)/b is within ``keep_tolerance`` of the target's (equal to the target at tolerance 0,
         the authors' rule)."""
         self.target = target
+        self._refresh_defer_below()
         if self.keep_tolerance <= 0:
             self.keep_min = target
             return
@@ -425,6 +455,11 @@ class ModelThread:
         latest = deadline - table[bs]
         kind = self._kind
         if kind == KIND_DEFERRED:
+            if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
+                exec_at = earliest
+            else:
+                exec_at = deadline - self.jitter_s - table[bs + 1]
+        elif kind == KIND_FRONTRUN:
             exec_at = deadline - self.jitter_s - table[bs + 1]
         elif kind == KIND_EAGER:
             exec_at = earliest
@@ -432,12 +467,6 @@ class ModelThread:
             exec_at = latest - self.jitter_s
         elif kind == KIND_TIMEOUT:
             exec_at = self._arr[head] + self._policy.timeout_fraction * self.slo_s
-        elif kind == KIND_BETA_LAMBDA:
-            rate = self.meter.rate()
-            if rate is not None and bs >= self._profile.beta_s * rate:
-                exec_at = earliest
-            else:
-                exec_at = deadline - self.jitter_s - table[bs + 1]
         else:  # pragma: no cover - parse() admits only the kinds above
             raise AssertionError(kind)
         exec_at = earliest if earliest > exec_at else exec_at

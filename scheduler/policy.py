@@ -3,12 +3,29 @@
 Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` time); every policy
 runs through the same ModelThread/RankThread code paths:
 
-``deferred`` (default)
-    Frontrun: ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which
-    one more request could still have joined the batch (Symphony, section 3.1).
-``deferred-bl``
-    The beta*lambda rule of the second Symphony paper (section 4.3): schedulable at once when
-    ``bs >= beta * lambda`` (lambda from the windowed rate meter), otherwise frontrun.
+``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
+    Frontrun while deferring pays, else schedulable at once. With lambda the model's metered
+    rate, b* its rate-driven target batch size and n = lambda*l(b*)/b* the GPUs its load needs,
+    a candidate of ``bs`` requests waits for its frontrun moment ``d - l(bs + 1)`` only while
+
+    - ``bs < max(beta*lambda, b*)`` when n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1: a
+      model with the load of several GPUs runs staggered (DESIGN section 3), and starting before
+      the staggered batch size wastes the stagger (with beta*lambda < 1, fewer than one request
+      arrives within the fixed cost: batching buys nothing, and it does not wait);
+    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, so at its frontrun
+      moment (a window only ``alpha + jitter`` wide) the GPU it needs is often running another
+      model's batch, and a missed window costs the head request; it waits only while at least
+      one more whole request is expected within beta.
+
+    ``beta*lambda`` is the second Symphony paper's rule (section 4.3): waiting for one more
+    request lowers the cost per request only while fewer than beta*lambda are queued. Plain
+    frontrun (below) fell under 0.95x eager in 59 of the 144 cells of ``zserve experiment
+    eager-floor``, down to 0.01x (1 GPU, 2 models, alpha 1 ms, beta 16 ms, SLO 68 ms: a request
+    waits 49 ms for company, then finds the GPU busy with the other model's batch and is lost).
+``frontrun``
+    Symphony Algorithm 1 as written (section 3.1):
+    ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more
+    request could still have joined the batch, whatever the batch size and rate (for ablations).
 ``latest``
     ``exec = d - l(bs)``: the latest moment that still meets the earliest deadline.
 ``eager``
@@ -46,18 +63,24 @@ batch whose per-request cost l(b)/b is within 5% of the target's still fits. In 
 raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 942 to 970 r/s
 (InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
 
-SCHEDULE_POLICIES = ("deferred", "deferred-bl", "latest", "eager", "timeout")
+DEFER_STAGGER_MIN_GPUS = 2.0
+"""``deferred``: a model whose load needs at least this many GPUs (at its target batch size) is
+treated as running staggered over GPUs of its own and defers at least to its target batch size;
+below it the model shares GPUs and defers only while beta*lambda - 1 exceeds its batch."""
+
+SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "timeout")
 DROP_POLICIES = ("window", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
 KIND_DEFERRED = 0
-KIND_BETA_LAMBDA = 1
+KIND_FRONTRUN = 1
 KIND_LATEST = 2
 KIND_EAGER = 3
 KIND_TIMEOUT = 4
 _KIND_BY_NAME = {
     "deferred": KIND_DEFERRED,
-    "deferred-bl": KIND_BETA_LAMBDA,
+    "deferred-bl": KIND_DEFERRED,
+    "frontrun": KIND_FRONTRUN,
     "latest": KIND_LATEST,
     "eager": KIND_EAGER,
     "timeout": KIND_TIMEOUT,
@@ -80,8 +103,9 @@ class SchedulePolicy:
 
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
-        """``deferred`` | ``deferred-bl`` | ``latest`` | ``eager`` | ``timeout:F``; ``drop`` is
-        ``window`` | ``alone`` | ``fcfs``. Raises ValueError naming the choices."""
+        """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
+        ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``. Raises ValueError naming the
+        choices."""
         base, _, arg = spec.strip().partition(":")
         if base not in _KIND_BY_NAME:
             raise ValueError(f"unknown policy {spec!r}; choose one of {SCHEDULE_POLICIES} "

@@ -22,8 +22,9 @@ message ZeroMQ cannot queue is dropped and counted) and nothing is a request/res
 
 Hosting, shared with the shard and backend processes: each pure object (RankThread, ModelThread)
 gets one ``zserve.timers.WakeTimer``, re-armed whenever its ``wake_at`` changes; each socket is
-drained per loop tick by ``zserve.transport.codec.recv_chunks`` and its messages handled as one
-chunk, then the outbox is flushed once with non-blocking sends (``codec.send_nowait``).
+drained per loop tick by the process's ``zserve.transport.reactor.SocketReactor`` (plain ZeroMQ
+sockets on the event loop) and its messages handled as one chunk, then the outbox is flushed once
+with non-blocking sends (``SocketReactor.send_nowait``).
 
 With ``shards = 0`` the shard process embeds a ``RankHost`` (``zserve.scheduler.shard``): the same
 class, with the local shard's messages delivered in-process instead of over a socket.
@@ -45,7 +46,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from zserve import procutil
 from zserve.config import load_config, role_config
@@ -54,7 +54,6 @@ from zserve.procutil import cancel_all, spawn
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.timers import WakeTimer
-from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendRegister,
     BackendTable,
@@ -67,6 +66,7 @@ from zserve.transport.messages import (
     StatsReply,
     StatsRequest,
 )
+from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_router
 
 log = logging.getLogger(__name__)
@@ -102,12 +102,14 @@ class RankHost:
         self,
         *,
         name: str,
-        sock: zmq.asyncio.Socket,
+        sock: zmq.Socket[Any],
+        reactor: SocketReactor,
         backend_timeout_s: float = BACKEND_TIMEOUT_S,
         local: tuple[str, Callable[[Message], None]] | None = None,
     ) -> None:
         self.name = name
         self.sock = sock
+        self.reactor = reactor
         self.loop = asyncio.get_running_loop()
         self.rank = RankThread([], time.monotonic())
         self.timer = WakeTimer(self.loop, self.rank, self._on_timer)
@@ -131,12 +133,13 @@ class RankHost:
             self.peers[self._local_identity] = "shard"
 
     def start(self) -> None:
-        spawn(self._tasks, recv_chunks(self.sock, router=True, on_chunk=self.on_chunk,
-                                       on_bad=self._on_bad))
+        self.reactor.watch(self.sock, router=True, on_chunk=self.on_chunk, on_bad=self._on_bad)
         spawn(self._tasks, self._liveness_loop())
 
     async def close(self) -> None:
+        """Stop receiving and the timers; the caller closes the socket."""
         self.timer.cancel()
+        self.reactor.unwatch(self.sock)
         await cancel_all(self._tasks)
 
     # ------------------------------------------------------------------ input
@@ -302,7 +305,7 @@ class RankHost:
         if identity == self._local_identity and self._deliver_local is not None:
             self._deliver_local(msg)
             return
-        error = send_nowait(self.sock, msg, identity)
+        error = self.reactor.send_nowait(self.sock, msg, identity)
         if error is not None:
             self.counters["send_dropped"] += 1
             log.warning("%s: dropped %s to %r: %s", self.name, type(msg).__name__, identity, error)
@@ -360,7 +363,9 @@ class RankHost:
 
 async def _main(config: dict[str, Any], control_address: str | None) -> int:
     name: str = config["name"]
-    ctx = zmq.asyncio.Context()
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reactor = SocketReactor(asyncio.get_running_loop())
     host: RankHost | None = None
     link: procutil.ControlLink | None = None
     try:
@@ -370,7 +375,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             stats=lambda reset: holder[0].stats(reset) if holder else {},
         )
         sock, endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
-        host = RankHost(name=name, sock=sock,
+        host = RankHost(name=name, sock=sock, reactor=reactor,
                         backend_timeout_s=float(config.get("backend_timeout_s",
                                                            BACKEND_TIMEOUT_S)))
         holder.append(host)
@@ -382,6 +387,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         if host is not None:
             await host.close()
             host.sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        reactor.close()
         if link is not None:
             await link.close()
         ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)

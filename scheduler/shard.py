@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from zserve import procutil
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
@@ -54,7 +53,6 @@ from zserve.scheduler.policy import SchedulePolicy, target_batch_size
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
 from zserve.timers import WakeTimer
-from zserve.transport.codec import Chunk, recv_chunks, send_nowait
 from zserve.transport.messages import (
     BackendTable,
     BatchPlan,
@@ -67,6 +65,7 @@ from zserve.transport.messages import (
     StatsReply,
     StatsRequest,
 )
+from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer, make_router
 
 log = logging.getLogger(__name__)
@@ -124,8 +123,9 @@ class ShardHost:
         self,
         *,
         name: str,
-        ctx: zmq.asyncio.Context,
-        sock: zmq.asyncio.Socket,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        sock: zmq.Socket[Any],
+        reactor: SocketReactor,
         cluster: ClusterConfig,
         models: list[ModelConfig],
         peers: dict[str, str],
@@ -135,6 +135,7 @@ class ShardHost:
         self.identity = name.encode()
         self.ctx = ctx
         self.sock = sock
+        self.reactor = reactor
         self.loop = asyncio.get_running_loop()
         self.peers = peers
         sched = cluster.scheduler
@@ -148,8 +149,9 @@ class ShardHost:
         self.timers: dict[str, WakeTimer] = {}
         self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
-        self.backend_socks: dict[int, tuple[str, zmq.asyncio.Socket]] = {}
-        self.rank_sock: zmq.asyncio.Socket | None = None
+        # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
+        self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
+        self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
         self._plan_seq = 0
@@ -192,9 +194,9 @@ class ShardHost:
 
     def connect_rank(self, address: str) -> None:
         self.rank_sock = make_dealer(self.ctx, address, identity=self.identity)
+        self.reactor.watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
+                           on_bad=self._on_bad)
         self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
-        spawn(self._tasks, recv_chunks(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
-                                       on_bad=self._on_bad))
         spawn(self._tasks, self._rank_heartbeat_loop())
 
     async def _rank_heartbeat_loop(self) -> None:
@@ -223,18 +225,22 @@ class ShardHost:
         self._on_rank_chunk([(None, m) for m in messages])
 
     def start(self) -> None:
-        spawn(self._tasks, recv_chunks(self.sock, router=True, on_chunk=self._on_frontend_chunk,
-                                       on_bad=self._on_bad))
+        self.reactor.watch(self.sock, router=True, on_chunk=self._on_frontend_chunk,
+                           on_bad=self._on_bad)
 
     async def close(self) -> None:
+        """Stop receiving and the timers; close the DEALERs (the caller closes ``sock``)."""
         for timer in self.timers.values():
             timer.cancel()
+        self.reactor.unwatch(self.sock)
         await cancel_all(self._tasks)
         for _, sock in self.backend_socks.values():
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
         self.backend_socks.clear()
         if self.rank_sock is not None:
+            self.reactor.unwatch(self.rank_sock)
             self.rank_sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+            self.rank_sock = None
 
     # ------------------------------------------------------------------ frontends
 
@@ -424,8 +430,8 @@ class ShardHost:
             self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
                            f"GPU {gpu_id} is gone; the batch was not sent")
 
-    def _send(self, sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> bool:
-        error = send_nowait(sock, msg, identity)
+    def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
+        error = self.reactor.send_nowait(sock, msg, identity)
         if error is None:
             return True
         self.counters["send_dropped"] += 1
@@ -509,15 +515,18 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     embedded = bool(config.get("embedded_rank"))
     cluster = ClusterConfig.from_dict(config["cluster"])
     models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
-    ctx = zmq.asyncio.Context()
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reactor = SocketReactor(asyncio.get_running_loop())
     host: ShardHost | None = None
     rank: RankHost | None = None
     link: procutil.ControlLink | None = None
-    socks: list[zmq.asyncio.Socket] = []
+    socks: list[zmq.Socket[Any]] = []
     try:
         holder: list[ShardHost] = []
         link = await procutil.ControlLink.open(
-            ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
+            ctx, control_address, role=ROLE, name=name,
+            drain_s=cluster.drain_s,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
         )
         sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard")
@@ -527,12 +536,13 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
             socks.append(rank_sock)
             endpoints["rank"] = rank_endpoint
-        host = ShardHost(name=name, ctx=ctx, sock=sock, cluster=cluster, models=models,
-                         peers=dict(config.get("peers", {})), index=int(config.get("index", 0)))
+        host = ShardHost(name=name, ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
+                         models=models, peers=dict(config.get("peers", {})),
+                         index=int(config.get("index", 0)))
         holder.append(host)
         if embedded:
             timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
-            rank = RankHost(name=name, sock=rank_sock, backend_timeout_s=timeout_s,
+            rank = RankHost(name=name, sock=rank_sock, reactor=reactor, backend_timeout_s=timeout_s,
                             local=(name, host.deliver_from_rank))
             host.embed_rank(rank)
             rank.start()
@@ -553,6 +563,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             await host.close()
         if rank is not None:
             await rank.close()
+        reactor.close()
         for s in socks:
             s.close(linger=SOCKET_CLOSE_LINGER_MS)
         if link is not None:

@@ -6,11 +6,14 @@ generator's whole path: codec, DEALER socket, reply matching, outcome rules, wor
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from zserve.loadgen import schedules
 from zserve.loadgen.echo import EchoConfig, EchoServer
@@ -20,9 +23,21 @@ from zserve.loadgen.generator import (
     LoadPlan,
     Outcome,
     build_plan,
+    peek_answers,
     run_load,
 )
 from zserve.loadgen.workload import ArrivalSpec
+from zserve.transport import codec
+from zserve.transport.messages import (
+    ClientHello,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+    Message,
+    StatsReply,
+)
+from zserve.transport.sockets import make_router
 
 # Generous: these tests check behaviour, not this (shared, noisy) machine's timing.
 RELAXED_BOUND_MS = 1000.0
@@ -134,3 +149,88 @@ def test_generator_that_cannot_keep_up_is_refused(echo: EchoServer) -> None:
     lateness = info.value.result.lateness
     assert lateness.behind
     assert max(lateness.quantile_ms, lateness.abandoned_lag_ms or 0.0) > 5.0
+
+
+def test_peek_answers_reads_every_answer_form() -> None:
+    y = {"y": np.zeros((1, 1), np.float32)}
+
+    def peek(message: Message) -> list[tuple[int, str | None]]:
+        return peek_answers([bytes(codec.encode(message)[0])])
+
+    assert peek(InferReply(3, y)) == [(3, None)]
+    assert peek(InferError(4, "DEADLINE", "late")) == [(4, "DEADLINE")]
+    assert peek(InferAnswers([1, 2], [y, y], [5], ["OVERLOADED"], ["busy"])) == [
+        (1, None), (2, None), (5, "OVERLOADED"),
+    ]
+    assert peek(InferAnswers([], [], [], [], [])) == []
+    assert peek(StatsReply("p", {})) == []
+    for header in (
+        ["answers", [1, 2], [{}], [], [], []],  # parallel lists that disagree
+        ["answers", [1], [{}], [2], ["E"], []],
+        ["answers", ["1"], [{}], [], [], []],  # an id that is not an int
+        ["answers", [], [], [True], ["E"], ["m"]],
+        ["answers", [], [], [1], [7], ["m"]],  # an error kind that is not a str
+        ["answers", [1], [{}]],
+        ["reply", "3", {}],
+        ["error", 4, 5, "m"],
+    ):
+        assert peek_answers([msgpack.packb(header)]) == [], header
+    assert peek_answers([b"\xc1 not msgpack"]) == []
+
+
+class _BatchingFrontend:
+    """A stand-in frontend answering each burst of requests in one InferAnswers (every fifth
+    with OVERLOADED), as the real one does for a client that says it accepts that."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock, self.address = make_router(self.ctx, f"ipc://{tmp}/batching")
+        self.hello: ClientHello | None = None
+        self.answers_sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20, zmq.POLLIN):
+                continue
+            burst: list[int] = []
+            identity = b""
+            while self.sock.poll(0, zmq.POLLIN):
+                identity, message = codec.sync_recv(self.sock, router=True)
+                assert identity is not None
+                if isinstance(message, ClientHello):
+                    self.hello = message
+                elif isinstance(message, InferRequest):
+                    burst.append(message.request_id)
+            if burst:
+                ok = [i for i in burst if i % 5]
+                failed = [i for i in burst if not i % 5]
+                outputs = [{"y": np.zeros((1, 1), np.float32)} for _ in ok]
+                answers = InferAnswers(ok, outputs, failed, ["OVERLOADED"] * len(failed),
+                                       ["busy"] * len(failed))
+                codec.sync_send(self.sock, answers, identity=identity)
+                self.answers_sent += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_answers_coalesced_per_batch_settle_every_request(tmp_path: Path) -> None:
+    server = _BatchingFrontend(tmp_path)
+    try:
+        plan = _plan(400.0, 0.4)
+        result = run_load(plan, server.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS)
+    finally:
+        server.close()
+    assert server.hello == ClientHello(accepts=[InferAnswers.KIND])
+    assert server.answers_sent > 0
+    ids = np.arange(len(plan))
+    failed = ids % 5 == 0
+    assert np.all(result.outcome[failed] == Outcome.ERROR)
+    assert np.all(result.outcome[~failed] == Outcome.GOOD)
+    assert set(result.error_counts()) == {"OVERLOADED"}

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from runtime_helpers import (
     FrontendHarness,
     emulated_cluster,
@@ -26,7 +27,14 @@ from runtime_helpers import (
 
 import zserve
 from zserve.transport import codec
-from zserve.transport.messages import DropNotice
+from zserve.transport.messages import (
+    ClientHello,
+    DropNotice,
+    InferAnswers,
+    InferReply,
+    InferRequest,
+)
+from zserve.transport.sockets import make_router
 
 
 @pytest.fixture
@@ -125,3 +133,42 @@ def test_import_creates_no_threads_or_sockets() -> None:
         "c.close()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_client_announces_and_decodes_answers_in_one_message(tmp_path: Any) -> None:
+    """Against a test-owned socket playing the frontend: the client says first that it accepts
+    InferAnswers, then resolves every future such a message names (outputs and errors), counts
+    an answer for no request in flight, and still takes the one-per-request form."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, address = make_router(ctx, f"ipc://{tmp_path}/fake-frontend")
+
+    def receive() -> tuple[bytes, Any]:
+        identity, message = codec.sync_recv(router, router=True)
+        assert identity is not None
+        return identity, message
+
+    async def drive() -> None:
+        async with zserve.AsyncClient(address, timeout=10, max_retries=0) as client:
+            futures = [client.submit("m", sample(i)) for i in range(4)]
+            identity, hello = await asyncio.to_thread(receive)
+            assert hello == ClientHello(accepts=[InferAnswers.KIND])
+            requests = [(await asyncio.to_thread(receive))[1] for _ in futures]
+            assert all(isinstance(r, InferRequest) for r in requests)
+            ids = [r.request_id for r in requests]
+            outputs = [{"y": np.float32([[i]])} for i in range(2)]
+            answers = InferAnswers(ids[:2], outputs, [ids[2], 999], ["OVERLOADED", "DEADLINE"],
+                                   ["busy", "nobody's"])
+            codec.sync_send(router, answers, identity=identity)
+            assert (await futures[0])["y"][0, 0] == 0.0
+            assert (await futures[1])["y"][0, 0] == 1.0
+            with pytest.raises(zserve.OverloadedError, match="busy"):
+                await futures[2]
+            codec.sync_send(router, InferReply(ids[3], outputs[1]), identity=identity)
+            assert (await futures[3])["y"][0, 0] == 1.0
+            assert client.unmatched_replies == 1 and client.in_flight == 0
+
+    try:
+        asyncio.run(drive())
+    finally:
+        router.close(linger=0)
+        ctx.term()

@@ -19,6 +19,7 @@ PAIRS = [
     ("emulated-8gpu-resnet50-slow.toml", "resnet50-slow.toml", True),
     # Symphony's Table 2 row as the paper ran it: the simulator without allowances.
     ("emulated-8gpu-resnet50.toml", "table2-resnet50.toml", False),
+    ("emulated-8gpu-irv2.toml", "table2-irv2.toml", False),
 ]
 
 

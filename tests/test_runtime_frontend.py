@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from runtime_helpers import (
     FrontendHarness,
     emulated_cluster,
@@ -25,8 +26,11 @@ from runtime_helpers import (
 import zserve
 from zserve.transport import codec
 from zserve.transport.messages import (
+    ClientHello,
     DropNotice,
+    InferAnswers,
     InferError,
+    InferReply,
     InferRequest,
     Shutdown,
     StatsReply,
@@ -209,3 +213,63 @@ def test_drain_answers_shutting_down_and_exits_zero(frontend: FrontendHarness) -
             stranded.result(10)
     frontend.process.join(10)
     assert frontend.process.exitcode == 0
+
+
+def test_a_batch_is_answered_in_one_message_to_a_client_that_accepts_it(
+    frontend: FrontendHarness,
+) -> None:
+    frontend.backend_table(["backend-0"], [["m"]])
+    backend = frontend.backend()
+    raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"batched-client")
+    try:
+        codec.sync_send(raw, ClientHello(accepts=[InferAnswers.KIND]))
+        for i in range(6):
+            codec.sync_send(raw, InferRequest(100 + i, "m", sample(i)))
+        ids = meta_ids(frontend, 6)
+        # One BatchOutputs for the first four, a DropNotice for the last two: two messages in,
+        # so two InferAnswers out, each with every answer of its tick and nothing twice.
+        run_batch(backend, ids[:4])
+        _, answers = recv(raw, router=False)
+        assert isinstance(answers, InferAnswers)
+        assert answers.request_ids == [100, 101, 102, 103] and answers.error_ids == []
+        for i, outputs in enumerate(answers.outputs):
+            assert outputs["y"][0, 0] == pytest.approx(8.0 * i)
+        codec.sync_send(frontend.shard, DropNotice(ids[4:], "DEADLINE", "late"),
+                        identity=b"frontend-0")
+        _, answers = recv(raw, router=False)
+        assert isinstance(answers, InferAnswers)
+        assert answers.request_ids == [] and answers.error_ids == [104, 105]
+        assert answers.errors == ["DEADLINE", "DEADLINE"] and answers.messages == ["late"] * 2
+        assert stats(frontend)["pending"] == 0
+        # Requests refused at admission are answered the same way.
+        codec.sync_send(raw, InferRequest(7, "nope", sample(1)))
+        _, answers = recv(raw, router=False)
+        assert isinstance(answers, InferAnswers)
+        assert answers.error_ids == [7] and answers.errors == ["BAD_REQUEST"]
+    finally:
+        raw.close(linger=0)
+
+
+@pytest.mark.parametrize("hello", [None, ClientHello(accepts=[])], ids=["no-hello", "declined"])
+def test_a_client_that_does_not_accept_answers_batches_gets_one_reply_per_request(
+    frontend: FrontendHarness, hello: ClientHello | None
+) -> None:
+    frontend.backend_table(["backend-0"], [["m"]])
+    backend = frontend.backend()
+    raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"plain-client")
+    try:
+        if hello is not None:
+            codec.sync_send(raw, hello)
+        for i in range(3):
+            codec.sync_send(raw, InferRequest(i, "m", sample(i)))
+        run_batch(backend, meta_ids(frontend, 3))
+        replies = []
+        for _ in range(3):
+            assert raw.poll(10_000, zmq.POLLIN)
+            frames = raw.recv_multipart()
+            # Such a client may predate inline arrays: its outputs come as frames of their own.
+            assert msgpack.unpackb(frames[0])[2]["y"][2] == 1 and len(frames) == 2
+            replies.append(codec.decode(frames))
+        assert sorted(r.request_id for r in replies if isinstance(r, InferReply)) == [0, 1, 2]
+    finally:
+        raw.close(linger=0)

@@ -18,11 +18,13 @@ from transport_helpers import (
 
 from zserve.errors import ProtocolError
 from zserve.transport import codec
-from zserve.transport.arrays import ALLOWED_DTYPE_NAMES
+from zserve.transport.arrays import ALLOWED_DTYPE_NAMES, INLINE_BUDGET_BYTES, INLINE_MAX_BYTES
 from zserve.transport.messages import (
     ALL_MESSAGES,
     BatchOutputs,
     CandidateUpdate,
+    ClientHello,
+    InferAnswers,
     InferReply,
     InferRequest,
     InputReply,
@@ -33,6 +35,9 @@ from zserve.transport.messages import (
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 MIB = 1024 * 1024
+# Element counts of int16 arrays just above and at the inline bound: a frame of their own, inline.
+FRAMED_INT16 = INLINE_MAX_BYTES // 2 + 1
+INLINE_INT16 = INLINE_MAX_BYTES // 2
 
 
 def _round_trip(pair: Pair, message: Message) -> Message:
@@ -65,10 +70,16 @@ def test_header_layout_is_kind_then_fields_in_order() -> None:
     (header,) = codec.encode(message)
     assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5]
 
-    array = np.ones((2, 2), dtype=np.int16)
+    array = np.ones((1, FRAMED_INT16), dtype=np.int16)
     frames = codec.encode(InferReply(3, {"y": array}))
-    assert msgpack.unpackb(frames[0]) == ["reply", 3, {"y": ["<i2", [2, 2], 1]}]
+    assert msgpack.unpackb(frames[0]) == ["reply", 3, {"y": ["<i2", [1, FRAMED_INT16], 1]}]
     assert len(frames) == 2
+
+    # A small array rides inside the header: its bytes instead of a frame index.
+    small = np.arange(4, dtype=np.int16).reshape(2, 2)
+    frames = codec.encode(InferReply(3, {"y": small}))
+    assert msgpack.unpackb(frames[0]) == ["reply", 3, {"y": ["<i2", [2, 2], small.tobytes()]}]
+    assert len(frames) == 1
 
 
 SHAPES: dict[str, tuple[int, ...]] = {
@@ -129,21 +140,108 @@ def test_sync_recv_does_not_copy_arrays(transport_pair: Pair) -> None:
 
 
 def test_encode_hands_contiguous_arrays_to_zmq_without_copy() -> None:
-    array = np.arange(1000, dtype=np.int32).reshape(10, 100)
+    array = np.arange(10 * FRAMED_INT16, dtype=np.int32).reshape(10, -1)
     frames = codec.encode(InferReply(1, {"y": array}))
     assert np.shares_memory(np.frombuffer(frames[1], dtype=np.uint8), array)
 
 
-def test_non_contiguous_arrays_are_made_contiguous_once(transport_pair: Pair) -> None:
-    base = np.arange(48, dtype=np.float64).reshape(6, 8)
+@pytest.mark.parametrize("rows", [6, 6 * FRAMED_INT16], ids=["inline", "framed"])
+def test_non_contiguous_arrays_are_made_contiguous_once(transport_pair: Pair, rows: int) -> None:
+    base = np.arange(rows * 8, dtype=np.float64).reshape(rows, 8)
     strided = base[::2, 1::3]
     transposed = base.T
     frames = codec.encode(InferReply(1, {"a": strided, "b": transposed}))
-    assert not np.shares_memory(np.frombuffer(frames[1], dtype=np.uint8), base)
+    for frame in frames[1:]:
+        assert not np.shares_memory(np.frombuffer(frame, dtype=np.uint8), base)
     received = _round_trip(transport_pair, InferReply(1, {"a": strided, "b": transposed}))
     assert isinstance(received, InferReply)
     np.testing.assert_array_equal(received.outputs["a"], strided)
     np.testing.assert_array_equal(received.outputs["b"], transposed)
+
+
+def test_small_arrays_travel_inline_and_arrive_read_only(transport_pair: Pair) -> None:
+    inputs = {
+        "tiny": np.arange(4, dtype=np.float32).reshape(1, 4),
+        "at_bound": np.ones(INLINE_INT16, dtype=np.int16),
+        "empty": np.zeros((3, 0), dtype=np.uint8),
+        "scalar": np.array(True),
+    }
+    sent = InferRequest(1, "m", inputs)
+    assert len(codec.encode(sent)) == 1  # the header alone
+    received = _round_trip(transport_pair, sent)  # equal values, dtypes and shapes
+    assert isinstance(received, InferRequest)
+    assert not any(array.flags.writeable for array in received.inputs.values())
+
+
+def test_inline_arrays_can_be_turned_off_for_an_older_peer() -> None:
+    import msgpack
+
+    outputs = {"y": np.arange(4, dtype=np.int16), "empty": np.zeros(0, dtype=np.float32)}
+    frames = codec.encode(InferReply(3, outputs), inline_arrays=False)
+    assert msgpack.unpackb(frames[0]) == [
+        "reply", 3, {"y": ["<i2", [4], 1], "empty": ["<f4", [0], 2]}
+    ]
+    assert [bytes(frame) for frame in frames[1:]] == [outputs["y"].tobytes(), b""]
+    assert_messages_equal(codec.decode([bytes(f) for f in frames]), InferReply(3, outputs))
+
+
+def test_inline_bytes_per_message_are_bounded() -> None:
+    # Many small arrays: the first INLINE_BUDGET_BYTES of them ride in the header, the rest
+    # get frames, so the header stays far below the decoder's bound.
+    count = INLINE_BUDGET_BYTES // INLINE_MAX_BYTES + 3
+    outputs = [{"y": np.full(INLINE_INT16, i, dtype=np.int16)} for i in range(count)]
+    frames = codec.encode(BatchOutputs(1, list(range(count)), outputs))
+    assert len(frames) == 1 + 3
+    assert len(frames[0]) < INLINE_BUDGET_BYTES + 64 * 1024
+    decoded = codec.decode([bytes(frame) for frame in frames])
+    assert isinstance(decoded, BatchOutputs)
+    for i, output in enumerate(decoded.outputs):
+        assert output["y"].shape == (INLINE_INT16,) and int(output["y"][0]) == i
+
+
+def test_infer_answers_round_trip(transport_pair: Pair) -> None:
+    answers = InferAnswers(
+        request_ids=[3, 1],
+        outputs=[{"y": np.float32([[1.5]])}, {"y": np.float32([[2.5]])}],
+        error_ids=[2],
+        errors=["DEADLINE"],
+        messages=["too late"],
+    )
+    assert_messages_equal(_round_trip(transport_pair, answers), answers)
+    hello = ClientHello(accepts=[InferAnswers.KIND])
+    assert _round_trip(transport_pair, hello) == hello
+
+
+def test_parallel_lists_must_agree_in_length() -> None:
+    import msgpack
+
+    good = ["answers", [1], [{}], [2], ["DEADLINE"], ["m"]]
+    assert isinstance(codec.decode([msgpack.packb(good)]), InferAnswers)
+    for bad, names in (
+        (["answers", [1, 2], [{}], [], [], []], "request_ids 2, outputs 1"),
+        (["answers", [], [], [2], ["E"], []], "error_ids 1, errors 1, messages 0"),
+    ):
+        with pytest.raises(ProtocolError, match=names):
+            codec.decode([msgpack.packb(bad)])
+
+
+def test_encoder_for_ids_matches_encode() -> None:
+    small = {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}
+    large = {"x": np.arange(FRAMED_INT16, dtype=np.int16)}
+    for inputs in (small, large):
+        encode_id = codec.encoder_for_ids(InferRequest(0, "m", inputs, 25.0))
+        for request_id in (0, 1, 127, 128, 2**16, 2**40, -1, -(2**40)):
+            frames = encode_id(request_id)
+            expected = codec.encode(InferRequest(request_id, "m", inputs, 25.0))
+            assert [bytes(f) for f in frames] == [bytes(f) for f in expected]
+            decoded = codec.decode([bytes(f) for f in frames])
+            assert isinstance(decoded, InferRequest) and decoded.request_id == request_id
+    with pytest.raises(ProtocolError):
+        encode_id(2**70)
+    with pytest.raises(ProtocolError):
+        encode_id(True)
+    with pytest.raises(TypeError):
+        codec.encoder_for_ids(StatsReply("p", {}))
 
 
 def test_big_endian_arrays_are_sent_in_native_order(transport_pair: Pair) -> None:
@@ -229,7 +327,7 @@ def test_unregistered_class_is_refused() -> None:
 
 
 def test_decode_accepts_bytes_memoryview_and_frames() -> None:
-    array = np.arange(6, dtype=np.uint16)
+    array = np.arange(FRAMED_INT16, dtype=np.uint16)
     header, buffer = codec.encode(InferReply(2, {"y": array}))
     for frames in (
         [bytes(header), bytes(buffer)],

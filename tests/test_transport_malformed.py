@@ -137,6 +137,52 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         ProtocolError,
         "InferReply.outputs",
     ),
+    # Small arrays travel inline: [dtype, shape, bytes] instead of a frame index.
+    "inline-size-mismatch": (
+        [_array_header(["<f4", [5], _FOUR_FLOATS])],
+        ProtocolError,
+        "inline array holds 16 bytes but dtype float32 and shape [5] need 20",
+    ),
+    "inline-data-float": ([_array_header(["<f4", [4], 1.0])], ProtocolError, "frame index or"),
+    "inline-data-str": ([_array_header(["<f4", [1], "abcd"])], ProtocolError, "frame index or"),
+    "inline-data-bool": ([_array_header(["<f4", [4], True])], ProtocolError, "frame index or"),
+    "inline-bool-not-0-or-1": (
+        [_array_header(["|b1", [2], b"\x01\x07"])],
+        ProtocolError,
+        "other than 0 and 1",
+    ),
+    "inline-with-stray-frame": (
+        [_array_header(["<f4", [4], _FOUR_FLOATS]), _FOUR_FLOATS],
+        ProtocolError,
+        "not referenced",
+    ),
+    "inline-bad-shape": ([_array_header(["<f4", [-4], b""])], ProtocolError, "shape"),
+    "answers-outputs-shorter": (
+        [_pack("answers", [1, 2], [{}], [], [], [])],
+        ProtocolError,
+        "parallel lists differ in length (request_ids 2, outputs 1)",
+    ),
+    "answers-messages-shorter": (
+        [_pack("answers", [], [], [4], ["DEADLINE"], [])],
+        ProtocolError,
+        "parallel lists differ in length (error_ids 1, errors 1, messages 0)",
+    ),
+    "answers-output-not-map": (
+        [_pack("answers", [1], [5], [], [], [])],
+        ProtocolError,
+        "InferAnswers.outputs",
+    ),
+    "answers-error-not-str": (
+        [_pack("answers", [], [], [1], [7], ["m"])],
+        ProtocolError,
+        "InferAnswers.errors",
+    ),
+    "answers-too-few-fields": (
+        [_pack("answers", [1], [{}])],
+        ProtocolError,
+        "has 5 fields",
+    ),
+    "client-hello-not-list": ([_pack("chello", "answers")], ProtocolError, "ClientHello.accepts"),
 }
 
 TIGHT = codec.DecodeLimits(

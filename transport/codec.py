@@ -5,20 +5,22 @@ Layout of one message (after the identity frame a ROUTER adds or strips)::
     [header, buf0, buf1, ...]
     header = msgpack [KIND, field0, field1, ...]   # dataclass field order
     array  = [dtype_str, shape, frame_index]       # in the header, where the array was
+           | [dtype_str, shape, bytes]             # a small array, inline (arrays.INLINE_MAX_BYTES)
 
 Encoding and decoding are compiled once per message class at import time from the dataclass
 annotations (``typing.get_type_hints``): no per-message reflection. Decoding trusts nothing: the
 msgpack parser runs with bounded lengths and no extension types, the kind, the arity and every
-field's type are checked against the annotation, and each array's dtype, shape and frame size
-must agree. Every failure is a ``ProtocolError`` (``MessageTooLargeError`` for size limits, which
-is both a ``ProtocolError`` and a ``TooLargeError``), so a receive loop needs one ``except``.
+field's type are checked against the annotation, parallel lists (``Message.SAME_LENGTH``) must
+agree in length, and each array's dtype, shape and frame or inline size must agree. Every failure
+is a ``ProtocolError`` (``MessageTooLargeError`` for size limits, which is both a
+``ProtocolError`` and a ``TooLargeError``), so a receive loop needs one ``except``.
 
-Decoded arrays are read-only views over the received frames (no copy) and keep those frames alive.
+Decoded arrays are read-only views over the received frames or the header's inline bytes (no
+copy) and keep them alive.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import operator
@@ -28,15 +30,22 @@ import typing
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from zserve.errors import ProtocolError, TooLargeError, ZServeError
-from zserve.transport.arrays import array_to_frame, frame_to_array
+from zserve.errors import ProtocolError, TooLargeError
+from zserve.transport.arrays import (
+    INLINE_BUDGET_BYTES,
+    NO_INLINE,
+    EncodedFrames,
+    decode_array,
+    encode_array,
+    encode_tensor_map,
+)
 from zserve.transport.messages import ALL_MESSAGES, Message
 from zserve.transport.sockets import typed_send_error
 
@@ -131,6 +140,11 @@ class _ArrayContext:
         self.used = [False] * len(buffers)
 
 
+# The context of every message without buffer frames (all its arrays inline, the common case):
+# shared, since nothing marks a frame of it as used (there is none to refer to).
+_NO_FRAMES = _ArrayContext([])
+
+
 def _check_int(value: Any, ctx: Any) -> Any:
     if type(value) is not int:  # bool is an int subclass; it is refused here on purpose
         raise _Mismatch
@@ -218,7 +232,7 @@ def _check_list_of_float(value: Any, ctx: Any) -> Any:
 def _check_array(value: Any, ctx: Any) -> Any:
     if ctx is None:
         raise _Mismatch
-    return frame_to_array(value, ctx.buffers, ctx.used)
+    return decode_array(value, ctx.buffers, ctx.used)
 
 
 def _check_tensor_map(value: Any, ctx: Any) -> Any:
@@ -229,7 +243,7 @@ def _check_tensor_map(value: Any, ctx: Any) -> Any:
     for name, descriptor in value.items():
         if type(name) is not str:
             raise _Mismatch
-        arrays[name] = frame_to_array(descriptor, ctx.buffers, ctx.used)
+        arrays[name] = decode_array(descriptor, ctx.buffers, ctx.used)
     return arrays
 
 
@@ -330,33 +344,36 @@ def _thread_pack() -> Callable[[Any], bytes]:
     return pack
 
 
-def _array_encoder(hint: Any) -> Callable[[Any, list[Any]], Any]:
-    """Replace the arrays inside one field value by descriptors, appending their frames."""
+def _array_encoder(hint: Any) -> Callable[[Any, EncodedFrames], Any]:
+    """Replace the arrays inside one field value by descriptors (appending the frames of the
+    large ones to ``out.frames``)."""
     if _is_array_hint(hint):
-        return array_to_frame
+        return encode_array
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict and args[0] is str and _is_array_hint(args[1]):
+        return encode_tensor_map
     if origin is dict:
         encode_value = _array_encoder(args[1])
 
-        def encode_dict(value: Any, frames: list[Any]) -> Any:
+        def encode_dict(value: Any, out: EncodedFrames) -> Any:
             if type(value) is not dict:
                 raise ProtocolError(f"expected a dict, got {type(value).__name__}")
-            return {key: encode_value(item, frames) for key, item in value.items()}
+            return {key: encode_value(item, out) for key, item in value.items()}
 
         return encode_dict
     if origin is list:
         encode_item = _array_encoder(args[0])
 
-        def encode_list(value: Any, frames: list[Any]) -> Any:
+        def encode_list(value: Any, out: EncodedFrames) -> Any:
             if not isinstance(value, list | tuple):
                 raise ProtocolError(f"expected a list, got {type(value).__name__}")
-            return [encode_item(item, frames) for item in value]
+            return [encode_item(item, out) for item in value]
 
         return encode_list
     raise TypeError(f"cannot encode arrays inside {hint!r}")
 
 
-Encoder = Callable[[Message], Frames]
+Encoder = Callable[[Message, int], Frames]  # (message, inline budget in bytes) -> frames
 Decoder = Callable[[list[Any], list[memoryview]], Message]
 
 
@@ -386,6 +403,7 @@ def _compile_encode(cls: type[Message], hints: list[Any], names: list[str]) -> E
         "_kind": cls.KIND,
         "_packers": _packers,
         "_thread_pack": _thread_pack,
+        "_EncodedFrames": EncodedFrames,
     }
     values = ["_kind"]
     has_arrays = False
@@ -393,16 +411,22 @@ def _compile_encode(cls: type[Message], hints: list[Any], names: list[str]) -> E
         if _has_array(hint):
             has_arrays = True
             namespace[f"_encode{index}"] = _array_encoder(hint)
-            values.append(f"_encode{index}(message.{name}, frames)")
+            values.append(f"_encode{index}(message.{name}, out)")
         else:
             values.append(f"message.{name}")
     header = f"[{', '.join(values)}]"
     if has_arrays:
-        body = f"    frames = [b'']\n    frames[0] = pack({header})\n    return frames\n"
+        # The arrays are encoded while the header list is built, so the header is packed last.
+        body = (
+            "    out = _EncodedFrames(inline_budget)\n"
+            "    frames = out.frames\n"
+            f"    frames[0] = pack({header})\n"
+            "    return frames\n"
+        )
     else:
         body = f"    return [pack({header})]\n"
     source = (
-        "def encode(message):\n"
+        "def encode(message, inline_budget):\n"
         "    try:\n"
         "        pack = _packers.pack\n"
         "    except AttributeError:\n"
@@ -421,6 +445,7 @@ def _compile_class(cls: type[Message]) -> _ClassCodec:
     checks = tuple(_compile_check(hints[name]) for name in names)
     has_arrays = any(_has_array(hints[name]) for name in names)
     arity = len(names) + 1
+    same_length = _same_length_positions(cls, names, hints)
 
     def decode(header: list[Any], buffers: list[memoryview]) -> Message:
         if len(header) != arity:
@@ -441,14 +466,37 @@ def _compile_class(cls: type[Message]) -> _ClassCodec:
         if ctx is not None and not all(ctx.used):
             unused = [i + 1 for i, used in enumerate(ctx.used) if not used]
             raise ProtocolError(f"{cls.__name__}: frames {unused} are not referenced by the header")
+        for group in same_length:
+            lengths = [len(values[index]) for index in group]
+            if min(lengths) != max(lengths):
+                listed = ", ".join(f"{names[i]} {n}" for i, n in zip(group, lengths, strict=True))
+                raise ProtocolError(f"{cls.__name__}: parallel lists differ in length ({listed})")
         return cls(*values)
 
     hint_list = [hints[name] for name in names]
     return _ClassCodec(
         cls,
         _compile_encode(cls, hint_list, list(names)),
-        _compile_fast_decode(cls, hint_list, checks, has_arrays, decode),
+        _compile_fast_decode(
+            cls, hint_list, checks, has_arrays, decode, same_length=same_length
+        ),
     )
+
+
+def _same_length_positions(
+    cls: type[Message], names: tuple[str, ...], hints: dict[str, Any]
+) -> tuple[tuple[int, ...], ...]:
+    """``cls.SAME_LENGTH`` as field positions; a group that names no list field fails at
+    import, not at runtime."""
+    groups = []
+    for group in cls.SAME_LENGTH:
+        for name in group:
+            if name not in names or typing.get_origin(hints[name]) is not list:
+                raise TypeError(f"{cls.__name__}.SAME_LENGTH: {name!r} is not a list field")
+        if len(group) < 2:
+            raise TypeError(f"{cls.__name__}.SAME_LENGTH: a group needs two fields or more")
+        groups.append(tuple(names.index(name) for name in group))
+    return tuple(groups)
 
 
 # Inline type tests for the generated fast path; a float field holding an int fails the inline
@@ -496,6 +544,8 @@ def _compile_fast_decode(
     checks: tuple[_Check, ...],
     has_arrays: bool,
     generic: Decoder,
+    *,
+    same_length: tuple[tuple[int, ...], ...] = (),
 ) -> Decoder:
     """Generate the decoder of one class: one unpacking assignment, one boolean test of the
     scalar fields, a call of the checker of each container field, and the construction, with no
@@ -523,12 +573,19 @@ def _compile_fast_decode(
             "except (_Mismatch, _ProtocolError):",
             "    return _generic(header, buffers)",
         ]
+    # Parallel lists must agree in length (checked once every field passed its own check).
+    final = [
+        " == ".join(f"len({names[i]})" for i in group) for group in same_length
+    ]
     if has_arrays:
-        # Every frame must be claimed by exactly one descriptor (frame_to_array marks them).
-        build = ["ctx = _ArrayContext(buffers)", *build, "if False not in ctx.used:"]
+        # Every frame must be claimed by exactly one descriptor (decode_array marks them).
+        final.insert(0, "False not in ctx.used")
+        build = ["ctx = _ArrayContext(buffers) if buffers else _NO_FRAMES", *build]
         guard = " and ".join(tests) or "True"
     else:
         guard = " and ".join(["not buffers", *tests])
+    if final:
+        build.append(f"if {' and '.join(final)}:")
     body = "".join(f"        {line}\n" for line in build)
     unpack_target = "".join(f"{n}, " for n in names)
     source = (
@@ -539,7 +596,7 @@ def _compile_fast_decode(
         "        return _generic(header, buffers)\n"
         f"    if {guard}:\n"
         f"{body}"
-        f"        {'    ' if has_arrays else ''}return message\n"
+        f"        {'    ' if final else ''}return message\n"
         "    return _generic(header, buffers)\n"
     )
     namespace: dict[str, Any] = {
@@ -549,6 +606,7 @@ def _compile_fast_decode(
         "_Mismatch": _Mismatch,
         "_ProtocolError": ProtocolError,
         "_ArrayContext": _ArrayContext,
+        "_NO_FRAMES": _NO_FRAMES,
         "_int": int,
         "_float": float,
         "_str": str,
@@ -599,21 +657,61 @@ _NBYTES = operator.attrgetter("nbytes")
 # --------------------------------------------------------------------------- encode / decode
 
 
-def encode(message: Message) -> Frames:
+def encode(message: Message, *, inline_arrays: bool = True) -> Frames:
     """``[header, buf0, ...]`` for ``message``; send with ``send_multipart(frames, copy=False)``.
 
-    Array frames are memoryviews of the arrays themselves (no copy); a non-contiguous or
-    big-endian array is converted once, a CuPy array is staged to host once. Because the bytes
-    are not copied, do not write into a sent array afterwards: ZeroMQ's I/O thread may still be
-    reading it after ``send`` returns (the frame keeps the array alive, not unchanged).
+    Small arrays ride inside the header (``arrays.INLINE_MAX_BYTES``); ``inline_arrays=False``
+    sends every array as a frame of its own, for a peer that may predate inline arrays (the
+    frontend's answers to a client that did not say ``ClientHello``). Array frames are
+    memoryviews of the arrays themselves (no copy); a non-contiguous or big-endian array is
+    converted once, a CuPy array is staged to host once. Because the bytes are not copied, do not
+    write into a sent array afterwards: ZeroMQ's I/O thread may still be reading it after
+    ``send`` returns (the frame keeps the array alive, not unchanged).
     """
     encoder = _ENCODERS_BY_CLASS.get(type(message))
     if encoder is None:
         raise ProtocolError(f"{type(message).__name__} is not a registered wire message")
     try:
-        return encoder(message)
+        return encoder(message, INLINE_BUDGET_BYTES if inline_arrays else NO_INLINE)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode {type(message).__name__}: {exc}") from exc
+
+
+def encoder_for_ids(template: Message) -> Callable[[int], Frames]:
+    """An encoder of ``template`` with its first field, an int id, replaced: ``encode_id(7)``
+    gives the frames ``encode(replace(template, <first field>=7))`` gives, for the cost of packing
+    one int. For a sender that sends one message many times with only its id changing (the load
+    generator's requests): the rest of the header is packed once, array frames are shared (so
+    the template's arrays must not be written to while it is in use)."""
+    cls = type(template)
+    fields = dataclasses.fields(cls)
+    if not fields or typing.get_type_hints(cls)[fields[0].name] is not int:
+        raise TypeError(f"{cls.__name__}: the first field is not an int id")
+    frames = encode(template)
+    header = bytes(frames[0])
+    packer = msgpack.Packer(use_bin_type=True)
+    prefix = packer.pack_array_header(len(fields) + 1) + packer.pack(cls.KIND)
+    first = packer.pack(getattr(template, fields[0].name))
+    # The header is [KIND, id, rest...] in msgpack: everything after the id is the same bytes
+    # whatever the id is.
+    if not header.startswith(prefix + first):
+        raise AssertionError(f"{cls.__name__}: unexpected header layout")
+    rest = header[len(prefix) + len(first) :]
+    array_frames = frames[1:]
+
+    def encode_id(value: int) -> Frames:
+        if type(value) is not int:
+            raise ProtocolError(f"cannot encode {cls.__name__}: id {value!r:.40} is not an int")
+        try:
+            pack = _packers.pack
+        except AttributeError:
+            pack = _thread_pack()
+        try:
+            return [prefix + pack(value) + rest, *array_frames]
+        except (TypeError, OverflowError) as exc:  # an int beyond msgpack's 64 bits
+            raise ProtocolError(f"cannot encode {cls.__name__}: {exc}") from exc
+
+    return encode_id
 
 
 def _byte_view(frame: Any) -> memoryview:
@@ -837,66 +935,13 @@ send_message = async_send
 recv_message = async_recv
 
 
-# --------------------------------------------------------------------------- per-tick receive loop
-
-# Most messages taken from one socket in one loop tick before the handler runs: the processes
-# handle a tick's messages as one chunk (one scheduling pass, one outbox flush per tick).
-MAX_CHUNK = 512
-
-Chunk = list[tuple[bytes | None, Message]]
+# --------------------------------------------------------------------------- non-blocking receive
 
 
-def send_nowait(
-    sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None
-) -> BaseException | None:
-    """Send without ever blocking; returns the error (EAGAIN: queue full, EHOSTUNREACH: peer not
-    connected) instead of raising, so a slow or vanished peer cannot stall the caller."""
-    frames: list[Any] = encode(msg)
-    if identity is not None:
-        frames.insert(0, identity)
-    # Through the asyncio socket itself, not its sync twin: a send on the twin changes the
-    # socket's edge-triggered ZMQ_FD state behind zmq.asyncio's back, and a receive waiting on the
-    # same socket can then miss its wake-up. With NOBLOCK the future is already resolved.
-    future = cast("asyncio.Future[Any]",
-                  sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
-    return future.exception() if future.done() else None
-
-
-async def recv_chunks(
-    sock: zmq.asyncio.Socket,
-    *,
-    router: bool,
-    on_chunk: Callable[[Chunk], None],
-    on_bad: Callable[[ZServeError], None] | None = None,
-    max_chunk: int = MAX_CHUNK,
-) -> None:
-    """Forever: wait for a message, take every message already queued (up to ``max_chunk``),
-    decode them and hand them to ``on_chunk`` in one call. Returns when the socket closes."""
-    while True:
-        try:
-            raw = [await sock.recv_multipart(copy=False)]
-        except zmq.ZMQError as exc:
-            if sock.closed or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                return
-            raise
-        while len(raw) < max_chunk:
-            ready = cast("asyncio.Future[list[zmq.Frame]]",
-                         sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
-            if ready.exception() is not None:  # zmq.Again: nothing more queued
-                break
-            raw.append(ready.result())
-        chunk: Chunk = []
-        for parts in raw:
-            try:
-                if router:
-                    chunk.append((parts[0].bytes, decode(parts[1:])))
-                else:
-                    chunk.append((None, decode(parts)))
-            except ZServeError as exc:
-                if on_bad is not None:
-                    on_bad(exc)
-        if chunk:
-            try:
-                on_chunk(chunk)
-            except Exception:  # a bug handling one chunk must not stop the process receiving
-                log.exception("error handling a chunk of %d messages", len(chunk))
+def recv_nowait(
+    sock: zmq.Socket[Any], *, router: bool, limits: DecodeLimits = DEFAULT_LIMITS
+) -> tuple[bytes | None, Message]:
+    """``sync_recv`` that never blocks, for a plain socket driven by an event loop
+    (``zserve.transport.reactor``): raises ``zmq.Again`` when nothing is queued (nothing was
+    consumed). A malformed message is consumed whole and raises ``ProtocolError``."""
+    return _recv_frames(sock, _NOBLOCK, router, limits)

@@ -4,9 +4,10 @@ This module is the wire contract between processes. Each message is a frozen dat
 fields are msgpack-native (int, float, str, bool, bytes, None, lists and str-keyed dicts of those)
 or numpy arrays. On the wire a message is ``[header, buf0, buf1, ...]``: the header is a msgpack
 array ``[KIND, field0, field1, ...]`` in declaration order, with each array replaced by a
-descriptor naming its dtype, shape and frame index; array bytes travel as their own frames
-(see ``zserve.transport.codec``). Decoding validates the kind, the arity and every field's type,
-and rejects anything else with ``zserve.errors.ProtocolError``.
+descriptor naming its dtype, shape and either its bytes (small arrays, inline) or the index of
+the frame that carries them (see ``zserve.transport.arrays`` and ``codec``). Decoding validates
+the kind, the arity, every field's type and the lengths of parallel lists (``SAME_LENGTH``), and
+rejects anything else with ``zserve.errors.ProtocolError``.
 
 Conventions:
 - Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the host's CLOCK_MONOTONIC
@@ -31,9 +32,12 @@ TensorMap = dict[str, Array]
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Base class; ``KIND`` is the tag that leads the encoded header."""
+    """Base class; ``KIND`` is the tag that leads the encoded header. ``SAME_LENGTH`` names groups
+    of fields that are parallel lists (struct of arrays): decoding refuses a message whose lists
+    in one group differ in length."""
 
     KIND: ClassVar[str] = ""
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
 
 # --------------------------------------------------------------------------- client <-> frontend
@@ -68,6 +72,36 @@ class InferError(Message):
     request_id: int
     error: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHello(Message):
+    """Client -> frontend, first on a connection: the optional message kinds this client decodes
+    beyond ``InferReply`` and ``InferError`` (today only ``InferAnswers.KIND``). A client that
+    never sends one is answered with one message per request."""
+
+    KIND: ClassVar[str] = "chello"
+    accepts: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class InferAnswers(Message):
+    """Frontend -> a client that accepts this kind (``ClientHello``): the terminal answers of
+    several of its requests, produced in one event-loop tick (typically one batch's outputs), in
+    one message instead of one per request. ``request_ids[i]`` is answered with ``outputs[i]``
+    (as by ``InferReply``), ``error_ids[i]`` with the error ``errors[i]``, ``messages[i]`` (as by
+    ``InferError``); each request id appears once."""
+
+    KIND: ClassVar[str] = "answers"
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("request_ids", "outputs"),
+        ("error_ids", "errors", "messages"),
+    )
+    request_ids: list[int]
+    outputs: list[TensorMap]
+    error_ids: list[int]
+    errors: list[str]
+    messages: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +382,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
     InferReply,
     InferError,
+    ClientHello,
+    InferAnswers,
     CancelRequest,
     RequestMetaBatch,
     DropNotice,

@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "bench-transport": ("zserve.transport.bench", "main", "transport throughput benchmark"),
     "bench": ("zserve.loadgen.cli", "main", "open-loop load on a live cluster; goodput search"),
+    "experiment": (
+        "zserve.loadgen.experiments",
+        "main",
+        "run a performance experiment (fig6a, zoo, flattop, eager-floor, scale)",
+    ),
     "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model"),
     "models": ("zserve.backends.builtin", "main", "build (or list) the built-in ONNX models"),
 }

@@ -54,7 +54,14 @@ from zserve.errors import (
     error_from_wire,
 )
 from zserve.transport import codec
-from zserve.transport.messages import CancelRequest, InferError, InferReply, InferRequest
+from zserve.transport.messages import (
+    CancelRequest,
+    ClientHello,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+)
 from zserve.transport.sockets import make_dealer
 
 Outputs = dict[str, np.ndarray[Any, Any]]
@@ -65,9 +72,13 @@ DEFAULT_BACKOFF_S = 0.005
 DEFAULT_BACKOFF_MAX_S = 0.25
 # Messages handled per receive pass before yielding to the loop.
 _RECV_BUDGET = 512
-_EVENTS = int(zmq.EVENTS)
+# Plain ints: pyzmq's constants are enum members (Python-level code on every use). Input is
+# looked for with zmq_poll rather than getsockopt(EVENTS), which builds an enum on every call.
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+# What this client tells the frontend it decodes: answers coalesced per event-loop tick.
+_HELLO = codec.encode(ClientHello(accepts=[InferAnswers.KIND]))
 # CancelRequest id that cancels every request of the connection (sent by close()).
 CANCEL_ALL = -1
 _CLOSE_LINGER_MS = 200
@@ -103,6 +114,10 @@ def to_host_array(value: Any) -> Any:
 
 
 def _inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    if type(inputs) is dict and all(
+        type(name) is str and type(value) is np.ndarray for name, value in inputs.items()
+    ):
+        return inputs  # the common case, as is: no conversion to make
     if not isinstance(inputs, Mapping):
         raise TypeError(f"inputs must be a mapping of input name to array, got {type(inputs)}")
     return {str(name): to_host_array(value) for name, value in inputs.items()}
@@ -137,6 +152,8 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[Outputs]] = {}
+        self._poll_sock: list[tuple[zmq.Socket[Any], int]] = []
+        self._poll_monitor: list[tuple[zmq.Socket[Any], int]] = []
         self._drain_scheduled = False
         self._closed = False
         self.retries = 0  # automatic retries made (for reports)
@@ -156,11 +173,16 @@ class AsyncClient:
             self._ctx = zmq.Context()
         identity = b"c" + os.urandom(8).hex().encode()
         sock = make_dealer(self._ctx, self.address, identity=identity)
+        # First on the connection (a DEALER keeps order): the answer forms this client decodes.
+        # A fresh socket's queue is empty, so this cannot meet the HWM.
+        codec.send_frames_nowait(sock, list(_HELLO))
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
+        self._poll_sock = [(sock, _POLLIN)]
+        self._poll_monitor = [(self._monitor, _POLLIN)]
         self._loop = loop
-        loop.add_reader(sock.fileno(), self._on_readable)
-        loop.add_reader(self._monitor.fileno(), self._on_readable)
+        loop.add_reader(sock.fileno(), self._on_sock_readable)
+        loop.add_reader(self._monitor.fileno(), self._on_monitor_readable)
         return sock
 
     @property
@@ -309,23 +331,45 @@ class AsyncClient:
             self._loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
+        """A pass over both sockets (after sends, which can consume the edge of their
+        edge-triggered FDs): look for connection events and replies."""
         self._drain_scheduled = False
-        sock, monitor = self._sock, self._monitor
-        if sock is None or monitor is None:
+        if self._sock is None:
+            return  # closed meanwhile
+        self._on_monitor_readable()
+        self._receive(poll_first=True)
+
+    def _on_sock_readable(self) -> None:
+        """The socket's FD fired: a reply is all but certainly there, so the first receive is
+        tried without a poll (one that finds nothing consumes the edge as a poll would)."""
+        self._receive(poll_first=False)
+
+    def _on_monitor_readable(self) -> None:
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
             return
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+        while zmq.zmq_poll(self._poll_monitor, 0):  # rare: a connection event
+            event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            if event["event"] == _DISCONNECTED:
                 self._connection_lost()
-        for _ in range(_RECV_BUDGET):
-            # EVENTS first: cheaper than a receive failing with EAGAIN, and it rearms the FD.
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+
+    def _receive(self, *, poll_first: bool) -> None:
+        """Handle every reply queued, up to _RECV_BUDGET (then again on the next iteration).
+        A poll before each receive (but a first one the caller expects to succeed) is cheaper
+        than a receive failing with EAGAIN, and than getsockopt(EVENTS), which builds an enum."""
+        sock = self._sock
+        if sock is None:
+            return
+        for count in range(_RECV_BUDGET):
+            if (count or poll_first) and not zmq.zmq_poll(self._poll_sock, 0):
                 return
             try:
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                # One whole message; each Frame says whether more follow (no RCVMORE getsockopt).
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 return
             self._on_message(frames)
@@ -336,7 +380,9 @@ class AsyncClient:
             msg = codec.decode(frames)
         except ProtocolError:
             return  # a broken reply cannot be matched to a request; its timeout answers it
-        if type(msg) is InferReply:
+        if type(msg) is InferAnswers:
+            self._on_answers(msg)
+        elif type(msg) is InferReply:
             future = self._futures.pop(msg.request_id, None)
             if future is None:
                 self.unmatched_replies += 1
@@ -348,6 +394,22 @@ class AsyncClient:
                 self.unmatched_replies += 1
             elif not future.done():
                 future.set_exception(error_from_wire(msg.error, msg.message))
+
+    def _on_answers(self, msg: InferAnswers) -> None:
+        futures = self._futures
+        for request_id, outputs in zip(msg.request_ids, msg.outputs, strict=True):
+            future = futures.pop(request_id, None)
+            if future is None:
+                self.unmatched_replies += 1
+            elif not future.done():
+                future.set_result(outputs)
+        for request_id, error, message in zip(msg.error_ids, msg.errors, msg.messages,
+                                              strict=True):
+            future = futures.pop(request_id, None)
+            if future is None:
+                self.unmatched_replies += 1
+            elif not future.done():
+                future.set_exception(error_from_wire(error, message))
 
     def _connection_lost(self) -> None:
         futures, self._futures = self._futures, {}

@@ -6,7 +6,7 @@ A role's entry point ``run_<role>(config, control_address)`` uses this module in
         return procutil.run_role(_main(config, control_address), name=config["name"])
 
     async def _main(config, control_address) -> int:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()                            # plain sockets: transport.reactor
         control = await procutil.ControlLink.open(
             ctx, control_address, role="backend", name=config["name"], stats=my_stats
         )                                              # also installs SIGTERM/SIGINT handlers
@@ -26,6 +26,9 @@ API (kept small on purpose):
   on_message=None)``:
   the control DEALER (identity = ``name``) to the supervisor's ``control`` ROUTER, or a detached
   link when ``control_address`` is None (a role started alone; pass ``peers=config["peers"]``).
+  ``ctx`` is the process's sync ``zmq.Context`` (the link makes its socket from a
+  ``zmq.asyncio`` shadow of it: a heartbeat twice a second and a stats reply now and then are no
+  hot path) or a ``zmq.asyncio.Context``.
   ``on_message(msg)`` gets any other control message (frontends: the supervisor's
   ``Hello(role="backend", name, pid=0)`` when that backend's process has died).
   Installs the signal handlers: SIGTERM drains; SIGINT drains when detached and is ignored under
@@ -252,7 +255,7 @@ class ControlLink:
     @classmethod
     async def open(
         cls,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         control_address: str | None,
         *,
         role: str,
@@ -264,7 +267,8 @@ class ControlLink:
     ) -> ControlLink:
         sock = None
         if control_address:
-            sock = make_dealer(ctx, control_address, identity=name.encode())
+            actx = ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context.shadow(ctx)
+            sock = make_dealer(actx, control_address, identity=name.encode())
         link = cls(sock, role=role, name=name, stats=stats)
         link._on_message = on_message
         link.drain.drain_s = drain_s
