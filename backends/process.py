@@ -30,6 +30,12 @@ Sends never block the loop: every send is non-blocking, and a message that canno
 (a peer gone, its queue full) is dropped, counted and logged -- the frontends' deadline timers
 answer whatever a lost message leaves unanswered.
 
+Time: every time on the wire (``exec_at``, ``started_at``, ...) is on the cluster clock (the rank's
+CLOCK_MONOTONIC, ``zserve.clock``): the backend estimates its offset before it registers, reads
+``now`` as ``clock.now()``, and arms its plan timer at ``clock.to_local(exec_at)``. (The executors
+time batches on the local clock: only durations matter there. ``warm_finished_at`` in the stats is
+local too: it is measured before the offset is known.)
+
 Timers: plans are started from one precise timer (``zserve.timers``: a timerfd on Linux; uvloop's
 own timers tick in whole milliseconds): a plan starts a few tens of microseconds after its
 exec_at, never before it, and the process sleeps until then.
@@ -57,6 +63,7 @@ import zmq
 
 from zserve import procutil, timers
 from zserve.backends.executor import Executor, TensorMap
+from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
@@ -242,8 +249,11 @@ class Backend:
         plan_sock: zmq.Socket[Any],
         plan_address: str,
         reactor: SocketReactor,
+        clock: ClusterClock | None = None,
     ) -> None:
         self.name = name
+        # Set before the backend starts (its offset is estimated after Ready, before it serves).
+        self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.device = device
         self.executor = executor
@@ -406,7 +416,7 @@ class Backend:
         self._maybe_start()
 
     def _on_plan(self, plan: BatchPlan) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         self.counters["plans"] += 1
         count = len(plan.request_ids)
         if count == 0:
@@ -464,7 +474,7 @@ class Backend:
             held.inputs[(index, rid)] = tensors
         held.missing.update((index, rid) for rid in reply.missing)
         if not held.awaiting:
-            held.inputs_at = time.monotonic()
+            held.inputs_at = self.clock.now()
 
     def _on_cancel_fetched(self, address: str, msg: CancelFetched) -> None:
         """Leave cancelled requests out of their plans if those have not started (a started
@@ -498,14 +508,15 @@ class Backend:
     # ------------------------------------------------------------------ following plans
 
     def _arm(self, when: float) -> None:
-        """One timer for the follower, at monotonic time ``when``: a ``zserve.timers`` precise
-        timer (uvloop's own tick in whole milliseconds; a plan must start at its exec_at)."""
+        """One timer for the follower, at cluster time ``when``: a ``zserve.timers`` precise
+        timer (uvloop's own tick in whole milliseconds; a plan must start at its exec_at), armed
+        at the local time of ``when``."""
         if self._timer is not None:
             if self._timer_at == when:
                 return
             self._timer.cancel()
         self._timer_at = when
-        self._timer = self._precise.call_at(when, self._on_timer)
+        self._timer = self._precise.call_at(self.clock.to_local(when), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -518,7 +529,7 @@ class Backend:
         while self._heap:
             exec_at, _, plan_id = self._heap[0]
             held = self._plans[plan_id]
-            now = time.monotonic()
+            now = self.clock.now()
             if now < exec_at:
                 self._arm(exec_at)
                 return
@@ -594,14 +605,14 @@ class Backend:
         outputs: list[TensorMap] = []
         error = ""
         try:
-            t0 = time.monotonic()
+            t0 = self.clock.now()
             batch = self._assemble(
                 plan.model,
                 [held.inputs[(plan.request_frontend[i], plan.request_ids[i])] for i in rows],
             )
-            t1 = time.monotonic()
+            t1 = self.clock.now()
             outputs = await self.executor.run_async(plan.model, batch)
-            t2 = time.monotonic()
+            t2 = self.clock.now()
             if len(outputs) != len(rows):
                 raise ValueError(f"executor returned {len(outputs)} outputs for {len(rows)} rows")
             self.timings.assemble.append(t1 - t0)
@@ -611,7 +622,7 @@ class Backend:
             error = f"{type(exc).__name__}: {exc}"
             log.error("%s: batch %d of %s (%d requests) failed: %s", self.name, plan.plan_id,
                       plan.model, len(rows), error)
-        finished_at = time.monotonic()
+        finished_at = self.clock.now()
         try:
             if ok:
                 self._push_outputs(plan, rows, outputs, started_at, finished_at)
@@ -622,7 +633,7 @@ class Backend:
                                     f"backend {self.name}: {error}")
                 self.counters["batches_failed"] += 1
                 self.counters["requests_failed"] += len(rows)
-            self.timings.push.append(time.monotonic() - finished_at)
+            self.timings.push.append(self.clock.now() - finished_at)
             self.timings.add_batch(plan.model, len(rows))
             self._send_stats(plan, len(rows), started_at, finished_at, ok=ok,
                              cancelled=len(held.cancelled))
@@ -669,7 +680,7 @@ class Backend:
 
     async def _rank_heartbeat_loop(self) -> None:
         while True:
-            now = time.monotonic()
+            now = self.clock.now()
             if self.wedged(now):
                 if not self._wedged_logged:
                     self._wedged_logged = True
@@ -685,7 +696,7 @@ class Backend:
         """Refuse new plans; run the held plans that can start within ``drain_s``; answer the
         others SHUTTING_DOWN; wait (bounded) for the running batch."""
         self._draining = True
-        now = time.monotonic()
+        now = self.clock.now()
         self._drain_deadline = now + drain_s
         self._shed_beyond(self._drain_deadline)
         self._maybe_start()
@@ -694,7 +705,7 @@ class Backend:
         self._shed_beyond(-float("inf"))
         if self._running is not None:
             held = self._running
-            grace = max(0.0, held.plan.expected_finish_at - time.monotonic()) + WEDGED_MIN_S
+            grace = max(0.0, held.plan.expected_finish_at - self.clock.now()) + WEDGED_MIN_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=grace)
         log.info("%s: drained (%s)", self.name, self.counters)
@@ -709,7 +720,8 @@ class Backend:
                 self._fail_requests(plan, list(range(len(plan.request_ids))),
                                     ErrorKind.SHUTTING_DOWN,
                                     f"backend {self.name} is shutting down")
-                self._send_stats(plan, 0, time.monotonic(), time.monotonic(), ok=False)
+                now = self.clock.now()
+                self._send_stats(plan, 0, now, now, ok=False)
                 del self._plans[entry[2]]
             else:
                 keep.append(entry)
@@ -758,6 +770,7 @@ class Backend:
             "timings": self.timings.summary(),
             "samples": self.timings.samples(),
             "batch_sizes": {m: dict(h) for m, h in self.timings.batch_histogram.items()},
+            "clock": self.clock.stats(),
         }
         if reset:
             self.timings.clear()
@@ -780,13 +793,15 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     reactor = SocketReactor(asyncio.get_running_loop())
     backend: Backend | None = None
     link = None
+    clock_sync: ClockSync | None = None
     try:
         backend_ref: list[Backend] = []
         link = await procutil.ControlLink.open(
             ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
             stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
         )
-        plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan")
+        plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan",
+                                              advertise_host=config.get("advertise_host"))
         backend = Backend(name=name, device=device, executor=build_executor(device, models),
                           ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
                           reactor=reactor)
@@ -796,18 +811,21 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         peers = {**config.get("peers", {}), **await link.ready({"plan": plan_address})}
         if link.drain.requested:
             return 0
-        rank_address = peers.get(procutil.peer_key("rank", "rank")) or next(
-            iter(procutil.endpoints_of(peers, "rank").values()), None
-        )
-        if rank_address is None:
-            log.error("%s: no rank address in the peer map %s", name, sorted(peers))
-            return 2
+        # The plan timer and every timestamp use the cluster clock: estimate it before serving.
+        clock_sync = await procutil.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
+                                                       clock=backend.clock)
+        if clock_sync is None:
+            return 0 if link.drain.requested else 2
+        rank_address = procutil.rank_address(peers)
+        assert rank_address is not None
         backend.start()
         backend.connect_rank(rank_address)
         await link.drain.wait()
         await backend.drain(link.drain.drain_s)
         return 0
     finally:
+        if clock_sync is not None:
+            await clock_sync.close()
         if backend is not None:
             await backend.close()
         reactor.close()
@@ -836,12 +854,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--control", default=None, help="supervisor control address")
     parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
     parser.add_argument("--bind", default=None, help="plan socket bind address")
+    parser.add_argument("--advertise", default=None, metavar="HOST",
+                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
+                             "address (default: this machine's host name)")
     parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
     cluster = load_config(args.config)
     ipc_dir = args.ipc_dir or cluster.ipc_dir
     config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir))
+                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.bind:
         config["bind"]["plan"] = args.bind
     if args.rank:

@@ -33,12 +33,14 @@ from typing import Any
 import numpy as np
 import zmq
 
+from zserve.clock import reply_to_probe
 from zserve.transport import codec
 from zserve.transport.messages import (
     BackendRegister,
     BatchOutputs,
     BatchPlan,
     CandidateUpdate,
+    ClockProbe,
     GrantGpu,
     Heartbeat,
     InputFetch,
@@ -240,11 +242,14 @@ def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str,
 
 
 def _expect(sock: zmq.Socket[Any], kind: type[Any], *, router: bool) -> tuple[Any, Any]:
+    """The next ``kind`` message; a ``ClockProbe`` (to the bench's stand-in rank) is answered."""
     while True:
         if not sock.poll(WAIT_MS):
             raise TimeoutError(f"no {kind.__name__} within {WAIT_MS} ms")
         identity, msg = codec.sync_recv(sock, router=router)
-        if isinstance(msg, kind):
+        if router and isinstance(msg, ClockProbe):
+            codec.sync_send(sock, reply_to_probe(msg), identity=identity)
+        elif isinstance(msg, kind):
             return identity, msg
 
 

@@ -10,7 +10,14 @@ DEALERs whose identity is their process name:
   under the same name keeps its id) and removes a backend that has not heartbeated for
   ``BACKEND_TIMEOUT_S``;
 - frontends send ``Hello`` and receive ``BackendTable`` (so they can fail the requests a removed
-  backend held).
+  backend held);
+- every other process's clock DEALER (identity ``<name>.clock``) sends ``ClockProbe``; the rank
+  answers each at once with a ``ClockReply`` (its CLOCK_MONOTONIC is the cluster clock, see
+  ``zserve.clock``).
+
+A backend leaves the table when it stops heartbeating for ``BACKEND_TIMEOUT_S``, or at once when
+the supervisor says its process died (``Hello(role="backend", name, pid=0)`` on the control link):
+the shards then answer the requests they had planned onto it ``BACKEND_FAILED``.
 
 A restarted rank knows nobody: when a peer it does not know heartbeats (backends and shards
 heartbeat to the rank), it answers ``Hello``, and the peer introduces itself again (a backend
@@ -48,6 +55,7 @@ import numpy as np
 import zmq
 
 from zserve import procutil
+from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import load_config, role_config
 from zserve.errors import ZServeError
 from zserve.procutil import cancel_all, spawn
@@ -59,6 +67,7 @@ from zserve.transport.messages import (
     BackendTable,
     BatchStats,
     CandidateUpdate,
+    ClockProbe,
     GrantAnswer,
     Heartbeat,
     Hello,
@@ -127,6 +136,10 @@ class RankHost:
              "bad_messages", "unroutable_grants"),
             0,
         )
+        self.counters["deaths_announced"] = 0
+        self.counters["clock_probes"] = 0
+        # The rank's own CLOCK_MONOTONIC is the cluster clock (offset 0 by definition).
+        self.clock = ClusterClock(reference=True)
         self.lateness: deque[float] = deque(maxlen=STATS_WINDOW)
         self.candidate_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         if self._local_identity is not None:
@@ -207,11 +220,34 @@ class RankHost:
         elif kind is Hello:
             assert isinstance(msg, Hello)
             self._new_peer(identity, msg.role)
+        elif kind is ClockProbe:
+            assert isinstance(msg, ClockProbe)
+            self.counters["clock_probes"] += 1
+            self._send(reply_to_probe(msg), identity)  # read the clock as late as possible
         elif kind is StatsRequest:
             assert isinstance(msg, StatsRequest)
             self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
         else:
             log.warning("%s: unexpected %s from %r", self.name, kind.__name__, identity)
+
+    def on_control_message(self, msg: Message) -> None:
+        """From the supervisor: ``Hello(role="backend", name, pid=0)`` says that backend's
+        process died. Remove it now rather than after BACKEND_TIMEOUT_S of silence, so the shards
+        answer the requests planned onto it BACKEND_FAILED at once. (A restarted backend
+        registers again and gets its GPU back.)"""
+        if type(msg) is not Hello or msg.role != "backend" or msg.pid != 0:
+            return
+        gpu_id = self.gpu_by_name.get(msg.name)
+        backend = self.backends.get(gpu_id) if gpu_id is not None else None
+        if backend is None or not backend.alive:
+            return
+        self.counters["deaths_announced"] += 1
+        log.warning("%s: backend %s (GPU %d) died: removed", self.name, backend.name,
+                    backend.gpu_id)
+        outbox: Outbox = []
+        self._remove(time.monotonic(), backend, outbox)
+        self._broadcast_table()
+        self._flush(outbox)
 
     def _on_timer(self) -> None:
         outbox: Outbox = []
@@ -261,14 +297,17 @@ class RankHost:
                 if backend.alive and now - backend.last_seen > self.backend_timeout_s:
                     log.warning("%s: backend %s (GPU %d) silent for %.1f s: removed", self.name,
                                 backend.name, backend.gpu_id, now - backend.last_seen)
-                    backend.alive = False
-                    self.counters["removals"] += 1
-                    with contextlib.suppress(ValueError):
-                        self.rank.remove_gpu(now, backend.gpu_id, outbox)
+                    self._remove(now, backend, outbox)
                     changed = True
             if changed:
                 self._broadcast_table()
             self._flush(outbox)
+
+    def _remove(self, now: float, backend: _Backend, outbox: Outbox) -> None:
+        backend.alive = False
+        self.counters["removals"] += 1
+        with contextlib.suppress(ValueError):
+            self.rank.remove_gpu(now, backend.gpu_id, outbox)
 
     def table(self) -> BackendTable:
         alive = sorted((b for b in self.backends.values() if b.alive), key=lambda b: b.gpu_id)
@@ -328,6 +367,7 @@ class RankHost:
             "role": ROLE,
             "name": self.name,
             "counters": dict(self.counters),
+            "clock": self.clock.stats(),
             "gpus": {
                 str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device}
                 for b in self.backends.values()
@@ -373,13 +413,16 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         link = await procutil.ControlLink.open(
             ctx, control_address, role=ROLE, name=name,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
+            on_message=lambda msg: holder[0].on_control_message(msg) if holder else None,
         )
-        sock, endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
+        sock, endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank",
+                                     advertise_host=config.get("advertise_host"))
         host = RankHost(name=name, sock=sock, reactor=reactor,
                         backend_timeout_s=float(config.get("backend_timeout_s",
                                                            BACKEND_TIMEOUT_S)))
         holder.append(host)
         host.start()
+        log.info("%s: %s", name, host.clock.describe())
         await link.ready({"rank": endpoint})
         await link.drain.wait()
         return 0
@@ -404,11 +447,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="cluster.toml")
     parser.add_argument("--control", default=None, help="supervisor control address")
     parser.add_argument("--bind", default=None, help="rank socket bind address")
+    parser.add_argument("--advertise", default=None, metavar="HOST",
+                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
+                             "address (default: this machine's host name)")
     parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
     cluster = load_config(args.config)
     ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir))
+    config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir),
+                         advertise_host=args.advertise)
     if args.bind:
         config["bind"]["rank"] = args.bind
     return run_rank(config, args.control)

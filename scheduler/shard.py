@@ -15,7 +15,15 @@ frontends connect (DEALER identity = frontend name). Model ``m`` lives on shard
 - Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the
   ``BackendTable`` (connected when a backend appears, closed when it leaves).
 - Shard -> frontends: ``DropNotice`` (``DEADLINE`` from the ModelThread; ``UNAVAILABLE`` for a model
-  no live backend serves; ``SHUTTING_DOWN`` while draining).
+  no live backend serves; ``SHUTTING_DOWN`` while draining; ``BACKEND_FAILED`` for the requests of
+  the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
+  requests a backend had fetched, but only the shard knows those planned onto it and not yet
+  fetched, e.g. plans queued for a backend that died).
+
+Time: every time this process handles (arrivals, deadlines, ``exec_at``, ``now``) is on the cluster
+clock (``zserve.clock``: the rank's CLOCK_MONOTONIC); a shard not embedded with the rank estimates
+its offset before it takes requests, and its ModelThread timers are armed at the local time of
+each ``wake_at``.
 
 Latency profiles: a ModelThread uses the model's configured profile (profile file or emulated
 alpha/beta) until backends register; then the slowest registered profile of the backends serving
@@ -44,6 +52,7 @@ import numpy as np
 import zmq
 
 from zserve import procutil
+from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.procutil import cancel_all, spawn
@@ -130,8 +139,10 @@ class ShardHost:
         models: list[ModelConfig],
         peers: dict[str, str],
         index: int = 0,
+        clock: ClusterClock | None = None,
     ) -> None:
         self.name = name
+        self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.ctx = ctx
         self.sock = sock
@@ -151,6 +162,11 @@ class ShardHost:
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
         # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
+        # Plans sent to each GPU, kept until no request of theirs can still be waiting for an
+        # answer (exec_at + the model's SLO: every request of a plan arrived before exec_at), so
+        # that a backend leaving the table fails them. (forget_at, gpu_id, plan_id) in send order.
+        self._sent_plans: dict[int, dict[int, BatchPlan]] = {}
+        self._sent_expiry: deque[tuple[float, int, int]] = deque()
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
@@ -164,10 +180,11 @@ class ShardHost:
         self.draining = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
-             "shutting_down", "send_dropped", "bad_messages", "unknown_model"),
+             "shutting_down", "send_dropped", "bad_messages", "unknown_model",
+             "backend_failed"),
             0,
         )
-        now = time.monotonic()
+        now = self.clock.now()
         for model in models:
             profile = configured_profile(model)
             if profile is not None:
@@ -185,7 +202,7 @@ class ShardHost:
         )
         self.threads[model.name] = thread
         self.timers[model.name] = WakeTimer(
-            self.loop, thread, functools.partial(self._on_timer, model.name)
+            self.loop, thread, functools.partial(self._on_timer, model.name), self.clock
         )
         outbox: Outbox = []
         thread.set_gpus(now, self.served.get(model.name, []), outbox)
@@ -205,7 +222,7 @@ class ShardHost:
         seq = 0
         while self.rank_sock is not None:
             seq += 1
-            self._send(self.rank_sock, Heartbeat(self.name, seq, time.monotonic()))
+            self._send(self.rank_sock, Heartbeat(self.name, seq, self.clock.now()))
             await asyncio.sleep(procutil.HEARTBEAT_INTERVAL_S)
 
     def embed_rank(self, host: RankHost) -> None:
@@ -257,7 +274,7 @@ class ShardHost:
         return named or meta.frontend
 
     def _on_frontend_chunk(self, chunk: Chunk) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         outbox: Outbox = []
         # (model, data address) -> (ids, arrivals, deadlines), merged over the whole chunk
         arrivals: dict[tuple[str, str], tuple[list[int], list[float], list[float]]] = {}
@@ -315,7 +332,7 @@ class ShardHost:
     # ------------------------------------------------------------------ rank
 
     def _on_rank_chunk(self, chunk: Chunk) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         outbox: Outbox = []
         for _, msg in chunk:
             if type(msg) is GrantGpu:
@@ -349,6 +366,7 @@ class ShardHost:
             if live.get(gpu_id) != address:
                 sock.close(linger=SOCKET_CLOSE_LINGER_MS)
                 del self.backend_socks[gpu_id]
+                self._fail_sent_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster")
         for gpu_id, address in live.items():
             if gpu_id not in self.backend_socks:
                 sock = make_dealer(self.ctx, address, identity=self.identity)
@@ -379,7 +397,7 @@ class ShardHost:
 
     def _on_timer(self, model: str) -> None:
         outbox: Outbox = []
-        self.threads[model].on_timer(time.monotonic(), outbox)
+        self.threads[model].on_timer(self.clock.now(), outbox)
         self._dirty.add(model)
         self._flush(outbox)
 
@@ -421,6 +439,7 @@ class ShardHost:
         if entry is not None and self._send(entry[1], plan):
             self.counters["plans"] += 1
             self.counters["planned_requests"] += len(plan.request_ids)
+            self._remember_sent(gpu_id, plan)
             return
         # The backend left (or cannot take it): its requests will not run.
         by_frontend: dict[int, list[int]] = {}
@@ -429,6 +448,37 @@ class ShardHost:
         for f, ids in by_frontend.items():
             self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
                            f"GPU {gpu_id} is gone; the batch was not sent")
+
+    def _remember_sent(self, gpu_id: int, plan: BatchPlan) -> None:
+        self._forget_sent(self.clock.now())
+        model = self.models.get(plan.model)
+        slo_s = model.slo_ms / 1e3 if model is not None else 0.0
+        self._sent_plans.setdefault(gpu_id, {})[plan.plan_id] = plan
+        self._sent_expiry.append((plan.exec_at + slo_s, gpu_id, plan.plan_id))
+
+    def _forget_sent(self, now: float) -> None:
+        """Drop the records of plans whose requests have all been answered by now (their
+        frontends' deadline timers fire by exec_at + SLO at the latest)."""
+        expiry = self._sent_expiry
+        while expiry and expiry[0][0] <= now:
+            _, gpu_id, plan_id = expiry.popleft()
+            plans = self._sent_plans.get(gpu_id)
+            if plans is not None:
+                plans.pop(plan_id, None)
+
+    def _fail_sent_plans(self, now: float, gpu_id: int, why: str) -> None:
+        """The backend of ``gpu_id`` is gone: answer every request of the plans sent to it
+        ``BACKEND_FAILED``. Requests already answered (the batch ran, or the frontend failed
+        the ones the backend fetched) are ignored by their frontend, which answers once."""
+        self._forget_sent(now)
+        plans = self._sent_plans.pop(gpu_id, {})
+        by_frontend: dict[str, list[int]] = {}
+        for plan in plans.values():
+            for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
+                by_frontend.setdefault(plan.frontends[f], []).append(rid)
+        for address, ids in by_frontend.items():
+            self.counters["backend_failed"] += len(ids)
+            self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
 
     def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
         error = self.reactor.send_nowait(sock, msg, identity)
@@ -473,6 +523,8 @@ class ShardHost:
             "role": ROLE,
             "name": self.name,
             "counters": dict(self.counters),
+            "clock": self.clock.stats(),
+            "sent_plans_held": sum(len(p) for p in self._sent_plans.values()),
             "models": {
                 name: {
                     "queued": t.queue_length,
@@ -521,6 +573,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     host: ShardHost | None = None
     rank: RankHost | None = None
     link: procutil.ControlLink | None = None
+    clock_sync: ClockSync | None = None
     socks: list[zmq.Socket[Any]] = []
     try:
         holder: list[ShardHost] = []
@@ -528,17 +581,24 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             ctx, control_address, role=ROLE, name=name,
             drain_s=cluster.drain_s,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
+            on_message=lambda msg: rank.on_control_message(msg) if rank is not None else None,
         )
-        sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard")
+        advertise = config.get("advertise_host")
+        sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard",
+                                     advertise_host=advertise)
         socks.append(sock)
         endpoints = {"shard": endpoint}
         if embedded:
-            rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank")
+            rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank",
+                                                   advertise_host=advertise)
             socks.append(rank_sock)
             endpoints["rank"] = rank_endpoint
+        # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
+        # before the shard takes requests (the ModelThreads' timers read this same object).
+        clock = ClusterClock(reference=embedded)
         host = ShardHost(name=name, ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
                          models=models, peers=dict(config.get("peers", {})),
-                         index=int(config.get("index", 0)))
+                         index=int(config.get("index", 0)), clock=clock)
         holder.append(host)
         if embedded:
             timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
@@ -546,19 +606,25 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
                             local=(name, host.deliver_from_rank))
             host.embed_rank(rank)
             rank.start()
-        host.start()
+            host.start()
+            log.info("%s: %s", name, clock.describe())
         peers = await link.ready(endpoints)
         host.peers.update(peers)
         if not embedded:
-            rank_address = host.peers.get(procutil.peer_key("rank", "rank"))
-            if rank_address is None:
-                log.error("%s: no rank address in the peer map %s", name, sorted(host.peers))
-                return 2
+            clock_sync = await procutil.sync_cluster_clock(ctx, host.peers, name=name,
+                                                           drain=link.drain, clock=clock)
+            if clock_sync is None:
+                return 0 if link.drain.requested else 2
+            rank_address = procutil.rank_address(host.peers)
+            assert rank_address is not None
+            host.start()
             host.connect_rank(rank_address)
         await link.drain.wait()
         await host.drain(link.drain.drain_s)
         return 0
     finally:
+        if clock_sync is not None:
+            await clock_sync.close()
         if host is not None:
             await host.close()
         if rank is not None:
@@ -584,14 +650,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--control", default=None, help="supervisor control address")
     parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
     parser.add_argument("--bind", default=None, help="shard socket bind address")
+    parser.add_argument("--rank-bind", default=None,
+                        help="with shards = 0: the embedded rank's bind address")
+    parser.add_argument("--advertise", default=None, metavar="HOST",
+                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
+                             "address (default: this machine's host name)")
     parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
     cluster = load_config(args.config)
     ipc_dir = args.ipc_dir or cluster.ipc_dir
     config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir))
+                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.bind:
         config["bind"]["shard"] = args.bind
+    if args.rank_bind:
+        if "rank" not in config["bind"]:
+            parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
+        config["bind"]["rank"] = args.rank_bind
     if args.rank:
         config["peers"][procutil.peer_key("rank", "rank")] = args.rank
     return run_shard(config, args.control)

@@ -4,6 +4,10 @@ The test plays the supervisor (a ``control`` ROUTER: it receives each child's ``
 answers with the peer map) and whatever peers a test needs (a rank ROUTER, a frontend ``data``
 ROUTER, a shard DEALER...). Every wait is a ``poll`` with a timeout on a socket: nothing sleeps to
 wait, and a test that would hang fails with a message instead. Every child is reaped.
+
+A ROUTER the test plays the rank on answers ``ClockProbe`` by itself, as the rank does (every
+other process estimates its offset to the rank's clock before it serves; the test shares the
+children's host, so they find offset 0).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Any, TypeVar
 
 import zmq
 
+from zserve.clock import reply_to_probe
 from zserve.config import ClusterConfig, parse_config, role_config
 from zserve.transport import codec
-from zserve.transport.messages import Message, Ready
+from zserve.transport.messages import ClockProbe, Message, Ready
 from zserve.transport.sockets import make_dealer, make_router
 
 WAIT_S = 20.0  # generous: the machine is shared; a healthy test never waits this long
@@ -106,12 +111,25 @@ class Peer:
             identity = identity.encode()
         codec.sync_send(self.sock, msg, identity=identity)
 
+    def _receive(self) -> tuple[bytes | None, Message] | None:
+        """One queued message; None for a clock probe, which it answers (as the rank would)."""
+        identity, msg = codec.sync_recv(self.sock, router=self.router)
+        if self.router and isinstance(msg, ClockProbe):
+            self.send(reply_to_probe(msg), identity)
+            return None
+        return identity, msg
+
     def recv(self, timeout: float = WAIT_S) -> tuple[bytes | None, Message]:
         if self.backlog:
             return self.backlog.pop(0)
-        if not self.sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"nothing arrived at {self.endpoint} within {timeout} s")
-        return codec.sync_recv(self.sock, router=self.router)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise TimeoutError(f"nothing arrived at {self.endpoint} within {timeout} s")
+            received = self._receive()
+            if received is not None:
+                return received
 
     def expect(self, kind: type[M], timeout: float = WAIT_S,
                where: Callable[[M], bool] | None = None) -> tuple[bytes | None, M]:
@@ -130,7 +148,10 @@ class Peer:
                     raise TimeoutError(
                         f"no {kind.__name__} at {self.endpoint} within {timeout} s; saw {seen}"
                     )
-                identity, msg = codec.sync_recv(self.sock, router=self.router)
+                received = self._receive()
+                if received is None:
+                    continue
+                identity, msg = received
                 if isinstance(msg, kind) and (where is None or where(msg)):
                     return identity, msg
                 skipped.append((identity, msg))
@@ -142,7 +163,10 @@ class Peer:
         out: list[M] = [m for _, m in self.backlog if isinstance(m, kind)]
         self.backlog = [(i, m) for i, m in self.backlog if not isinstance(m, kind)]
         while self.sock.poll(0):
-            identity, msg = codec.sync_recv(self.sock, router=self.router)
+            received = self._receive()
+            if received is None:
+                continue
+            identity, msg = received
             if isinstance(msg, kind):
                 out.append(msg)
             else:

@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 import zmq
 
+from zserve.clock import reply_to_probe
 from zserve.config import ClusterConfig, parse_config, role_config
 from zserve.transport import codec
 from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,
+    ClockProbe,
     Hello,
     InputFetch,
     InputReply,
@@ -34,9 +36,17 @@ RECV_TIMEOUT_S = 10.0
 def recv(sock: zmq.Socket[Any], *, router: bool, timeout: float = RECV_TIMEOUT_S) -> tuple[
     bytes | None, Message
 ]:
-    """One message, or AssertionError after ``timeout`` seconds (a hang is a failure)."""
-    assert sock.poll(int(timeout * 1e3), zmq.POLLIN), "no message within the timeout"
-    return codec.sync_recv(sock, router=router)
+    """One message, or AssertionError after ``timeout`` seconds (a hang is a failure). A
+    ``ClockProbe`` to a ROUTER the test plays the rank on is answered, as the rank does."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        assert left > 0 and sock.poll(int(left * 1e3), zmq.POLLIN), "no message within the timeout"
+        identity, msg = codec.sync_recv(sock, router=router)
+        if router and isinstance(msg, ClockProbe):
+            codec.sync_send(sock, reply_to_probe(msg), identity=identity)
+            continue
+        return identity, msg
 
 
 def recv_type(sock: zmq.Socket[Any], cls: type[Any], *, router: bool) -> tuple[bytes | None, Any]:
@@ -90,8 +100,9 @@ class FrontendHarness:
         codec.sync_send(
             self.control, Ready("supervisor", "supervisor", os.getpid(), peers), identity=identity
         )
-        recv_type(self.shard, Hello, router=True)
+        # The frontend estimates its clock offset (probes to the rank) before it connects.
         recv_type(self.rank, Hello, router=True)
+        recv_type(self.shard, Hello, router=True)
         self.backends: dict[str, zmq.Socket[Any]] = {}
 
     @property

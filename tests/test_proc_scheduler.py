@@ -180,6 +180,29 @@ def test_proc_scheduler_removes_silent_backend(tmp_path: Path) -> None:
         h.close()
 
 
+@pytest.mark.parametrize("shards", [0, 1])
+def test_proc_scheduler_fails_plans_of_a_dead_backend(tmp_path: Path, shards: int) -> None:
+    """The supervisor says a backend died (``Hello(pid=0)`` to the process hosting the rank):
+    the rank removes it at once, and the shard answers BACKEND_FAILED the requests it had
+    planned onto it, which the backend never fetched (only the shard knows of those)."""
+    h = Harness(tmp_path)
+    try:
+        rig = SchedulerRig(h, shards=shards)
+        rig.register_backend()
+        rig.send_requests("beta", [51, 52], budget_s=0.2)
+        _, plan = rig.plans.expect(BatchPlan)  # the test's backend never fetches: it is "dead"
+        assert sorted(plan.request_ids) == [51, 52]
+        rank_host = "rank" if shards else "shard-0"
+        h.control.send(Hello(role="backend", name="backend-0", pid=0), rank_host)
+        # At once: the rig's backend timeout (30 s) is far beyond the wait.
+        rig.fe_rank.expect(BackendTable, where=lambda t: t.names == [])
+        _, drop = rig.shard_of("beta").expect(
+            DropNotice, where=lambda d: d.error == ErrorKind.BACKEND_FAILED)
+        assert sorted(drop.request_ids) == [51, 52], drop
+    finally:
+        h.close()
+
+
 def test_proc_scheduler_survives_rank_restart(tmp_path: Path) -> None:
     """A restarted rank knows nobody: heartbeats make the backend re-register and the shard say
     hello again, and requests are planned as before."""

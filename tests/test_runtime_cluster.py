@@ -4,7 +4,9 @@ a backend killed mid-batch, SIGTERM under load. Emulated backends except for the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -226,6 +228,48 @@ def test_backend_killed_mid_batch(tmp_path: Path) -> None:
         cluster.wait_ready(victim, incarnation=2)
         for i in range(4, 6):
             expect.check("m", i, client.infer("m", expect.inputs["m"][i]))
+
+
+def test_backend_killed_before_fetching_its_plans(tmp_path: Path) -> None:
+    """Requests planned onto a backend that dies before it fetches their inputs are answered
+    BACKEND_FAILED at once (the supervisor tells the rank, the rank's table tells the shard,
+    which knows what it planned there), not DEADLINE at the end of their SLO."""
+    slo_s = 20.0
+    config = emulated(backends=1, alpha_ms=1.0, beta_ms=5.0, slo_ms=slo_s * 1e3,
+                      policy="eager")
+    expect = Expect(config, 4)
+    with Cluster(config, ipc_base=tmp_path) as cluster, zserve.Client(
+        cluster.client_address, timeout=60, max_retries=0
+    ) as client:
+        expect.check("m", 0, client.infer("m", expect.inputs["m"][0]))
+        planned = cluster.stats("shard-0")["counters"]["planned_requests"]
+        pid = cluster.pids()["backend-0"]
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # alive, but it cannot fetch the plans it is sent
+        try:
+            futures = [client.submit("m", expect.inputs["m"][i]) for i in range(1, 4)]
+            end = time.monotonic() + slo_s / 2
+            while cluster.stats("shard-0")["counters"]["planned_requests"] < planned + 3:
+                assert time.monotonic() < end, "the requests were never planned"
+            assert cluster.stats("frontend-0")["fetched_by"] == {}
+            killed_at = time.monotonic()
+            cluster.kill("backend-0")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for future in futures:
+            with pytest.raises(zserve.BackendFailedError):
+                future.result(slo_s)
+        assert time.monotonic() - killed_at < slo_s / 4
+        cluster.wait_ready("backend-0", incarnation=2)
+        # Served again once the restarted backend has registered (UNAVAILABLE until then).
+        end = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                expect.check("m", 1, client.infer("m", expect.inputs["m"][1]))
+                break
+            except zserve.UnavailableError:
+                assert time.monotonic() < end, "the restarted backend never served"
 
 
 def test_up_on_resnet50_8gpu_drains_on_sigterm_under_load(tmp_path: Path) -> None:

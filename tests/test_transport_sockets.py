@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 
 import numpy as np
@@ -16,7 +17,13 @@ from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, buffer_own
 from zserve.errors import ErrorKind, ProtocolError, UnroutableError
 from zserve.transport import codec, sockets
 from zserve.transport.messages import CancelRequest, Heartbeat, InferReply, Message
-from zserve.transport.sockets import IpcDir, bound_endpoint, make_dealer, make_router
+from zserve.transport.sockets import (
+    IpcDir,
+    advertised_endpoint,
+    bound_endpoint,
+    make_dealer,
+    make_router,
+)
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 AsyncPair = tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]
@@ -185,3 +192,20 @@ async def test_async_send_waits_at_the_high_water_mark_and_keeps_order(
         _, message = await _async_recv(router, router=True)
         assert isinstance(message, InferReply) and message.request_id == index
     await asyncio.wait_for(producer, ASYNC_TIMEOUT_S)
+
+
+def test_wildcard_binds_are_advertised_by_a_reachable_name(transport_ctx: Ctx) -> None:
+    """A socket bound to every interface is announced as a host peers can connect to."""
+    assert advertised_endpoint("tcp://0.0.0.0:7000", "10.0.0.2") == "tcp://10.0.0.2:7000"
+    assert advertised_endpoint("tcp://[::]:7000", "node-b") == "tcp://node-b:7000"
+    assert advertised_endpoint("tcp://0.0.0.0:7000") == f"tcp://{socket.gethostname()}:7000"
+    for unchanged in ("tcp://127.0.0.1:7000", "tcp://10.0.0.2:7000", "ipc:///tmp/x"):
+        assert advertised_endpoint(unchanged, "elsewhere") == unchanged
+    router, endpoint = make_router(transport_ctx, "tcp://0.0.0.0:0", advertise_host="127.0.0.1")
+    port = bound_endpoint(router).rsplit(":", 1)[1]
+    assert bound_endpoint(router) == f"tcp://0.0.0.0:{port}" and port != "0"
+    assert endpoint == f"tcp://127.0.0.1:{port}"
+    dealer = make_dealer(transport_ctx, endpoint, identity=b"peer")
+    codec.sync_send(dealer, Heartbeat("peer", 1, 0.0))
+    identity, msg = recv_within(router, router=True)
+    assert identity == b"peer" and isinstance(msg, Heartbeat)

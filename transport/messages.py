@@ -10,9 +10,11 @@ the kind, the arity, every field's type and the lengths of parallel lists (``SAM
 rejects anything else with ``zserve.errors.ProtocolError``.
 
 Conventions:
-- Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the host's CLOCK_MONOTONIC
-  (``time.monotonic()``), which every process on one host shares. Durations carry their unit in
-  the name (``slo_ms``).
+- Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the *cluster clock*: the rank
+  process's CLOCK_MONOTONIC. Every other process reads it as ``time.monotonic()`` plus its
+  estimated offset (``zserve.clock``; exactly 0 on the rank's host). Durations carry their unit
+  in the name (``slo_ms``). Exceptions, named for it: ``ClockProbe``/``ClockReply`` (how the
+  offset is measured) and the ``Heartbeat`` on the supervisor's control link (host-local).
 - ``request_id`` between client and frontend is the client's own id, unique per connection. From
   the frontend on, ``request_id`` is the frontend's global id, unique within that frontend;
   ``(frontend, request_id)`` is unique in the cluster.
@@ -335,10 +337,35 @@ class Ready(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
+    """A process -> its supervisor (control link; ``sent_at`` host-local) and backends and shards
+    -> the rank (``sent_at`` on the cluster clock). Informational: receivers time liveness by
+    arrival."""
+
     KIND: ClassVar[str] = "hb"
     name: str
     seq: int
     sent_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClockProbe(Message):
+    """Any process -> the rank (over its own DEALER, identity ``<name>.clock``): a clock sample
+    request. The sender keeps its local send time under ``seq``."""
+
+    KIND: ClassVar[str] = "clkprobe"
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClockReply(Message):
+    """Rank -> the prober: ``rank_time`` is the rank's CLOCK_MONOTONIC (the cluster clock) read
+    while answering probe ``seq``; ``rank_host`` identifies the rank's clock (boot id and time
+    namespace, ``zserve.clock.host_identity``): a prober with the same one shares the clock."""
+
+    KIND: ClassVar[str] = "clkreply"
+    seq: int
+    rank_time: float
+    rank_host: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +433,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     StatsRequest,
     StatsReply,
     ClusterStatsRequest,
+    ClockProbe,
+    ClockReply,
 )
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}

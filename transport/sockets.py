@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import tempfile
 from types import TracebackType
 from typing import Any, TypeVar
@@ -46,6 +47,9 @@ RECONNECT_INTERVAL_MAX_MS = 5_000
 
 # Default bind: loopback, a free port chosen by the kernel (read it back with bound_endpoint).
 LOOPBACK_TCP_ANY_PORT = "tcp://127.0.0.1:0"
+
+# Bind hosts that mean "every interface": no peer can connect to them by that name.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_IPC_PATH_BYTES = 107
@@ -87,15 +91,19 @@ def make_router(
     bind: str = LOOPBACK_TCP_ANY_PORT,
     *,
     name: str = "router",
+    advertise_host: str | None = None,
     send_hwm_messages: int = SEND_HWM_MESSAGES,
     recv_hwm_messages: int = RECV_HWM_MESSAGES,
     max_message_bytes: int = MAX_FRAME_BYTES,
     linger_ms: int = LINGER_MS,
 ) -> tuple[_SocketT, str]:
-    """Create a ROUTER bound to ``bind`` and return it with the endpoint it actually bound.
+    """Create a ROUTER bound to ``bind`` and return it with the endpoint peers connect to.
 
     ``bind`` is an explicit address (from cluster.toml), ``IpcDir.endpoint(...)``, or the default
-    ``tcp://127.0.0.1:0`` whose kernel-chosen port is read back. ``name`` only labels errors.
+    ``tcp://127.0.0.1:0`` whose kernel-chosen port is read back. A wildcard host
+    (``tcp://0.0.0.0:PORT``, every interface) is returned as ``advertise_host`` (default: this
+    machine's host name), because that is the name other hosts can reach; see
+    ``advertised_endpoint``. ``name`` only labels errors.
     """
     sock = ctx.socket(zmq.ROUTER)
     try:
@@ -115,7 +123,7 @@ def make_router(
             sock.bind(bind)
         except zmq.ZMQError as exc:
             raise zmq.ZMQError(exc.errno, f"{name}: cannot bind {bind!r}: {exc.strerror}") from exc
-        return sock, bound_endpoint(sock)
+        return sock, advertised_endpoint(bound_endpoint(sock), advertise_host)
     except BaseException:
         sock.close(linger=0)
         raise
@@ -163,6 +171,19 @@ def bound_endpoint(sock: zmq.Socket[Any]) -> str:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
     return endpoint.decode()
+
+
+def advertised_endpoint(endpoint: str, advertise_host: str | None = None) -> str:
+    """Where peers connect to a socket bound at ``endpoint``: unchanged, except that a tcp
+    wildcard host (``0.0.0.0``, ``*``, ``::``) becomes ``advertise_host``, else this machine's
+    host name (``socket.gethostname()``, which the other hosts must be able to resolve; give an
+    address when they cannot)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or host not in WILDCARD_HOSTS:
+        return endpoint
+    return f"tcp://{advertise_host or socket.gethostname()}:{port}"
 
 
 def typed_send_error(exc: zmq.ZMQError, peer: bytes | None) -> Exception:

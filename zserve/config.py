@@ -22,6 +22,8 @@ What a process gets: every role's entry point is ``run_<role>(config, control_ad
                                     # (a shard: the models it owns; others: all of them)
       "shards": 2,                  # number of scheduler shard processes (0 = embedded rank)
       "embedded_rank": False,       # shard: True when shards == 0 (binds "rank" and "shard")
+      "advertise_host": None,       # the host name peers are given for a socket bound to a
+                                    # wildcard address (tcp://0.0.0.0:PORT); None: the host name
     }
 
 Socket names in ``bind`` and in the peer map: rank ``rank``; shard ``shard`` (and ``rank`` when
@@ -275,6 +277,7 @@ def role_config(
     ipc_dir: str | None,
     bind: dict[str, str] | None = None,
     peers: dict[str, str] | None = None,
+    advertise_host: str | None = None,
 ) -> dict[str, Any]:
     """The dict a process is started with (see the module docstring)."""
     shards = cluster.scheduler.shards
@@ -291,6 +294,7 @@ def role_config(
         "models": [m.to_dict() for m in models],
         "shards": shards,
         "embedded_rank": role == "shard" and shards == 0,
+        "advertise_host": advertise_host,
     }
     if role == "backend":
         config["device"] = cluster.backends.device_of(index)

@@ -12,6 +12,10 @@ pid says ``Hello``) or leaves the ``BackendTable`` fails the requests it had fet
 are released when it is answered, cancelled, or its client disconnects (socket monitor events
 matched to the connection's file descriptor), so memory stays bounded by the admission limits.
 
+Time: ``arrival``, deadlines and every hop timing are on the cluster clock (``zserve.clock``: the
+rank's CLOCK_MONOTONIC), read as ``self.clock.now()``; the frontend estimates its offset before it
+connects to the scheduler. Its deadline timers are relative delays on the loop (no conversion).
+
 Event loop structure: the sockets are plain (sync) ZeroMQ sockets, each with its FD watched by
 ``loop.add_reader``; its callback drains that socket without blocking. ZeroMQ's FD is
 edge-triggered: a socket is polled before each receive until it has no more input, and every send
@@ -33,7 +37,6 @@ import heapq
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +47,7 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 from zserve import procutil
+from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config, shard_for_model
 from zserve.errors import ErrorKind, ProtocolError
 from zserve.transport import codec
@@ -334,6 +338,9 @@ class Frontend:
         self.cluster = ClusterConfig.from_dict(config["cluster"])
         self.ctx = ctx
         self.bind_addresses: dict[str, str] = config["bind"]
+        self.advertise_host: str | None = config.get("advertise_host")
+        # Offset 0 until _serve has estimated it (the rank's clock is the cluster clock).
+        self.clock = ClusterClock()
         self.reply_allowance_s = self.cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = self.cluster.frontends.max_request_bytes
         shards = self.cluster.scheduler.shards
@@ -413,10 +420,12 @@ class Frontend:
 
     def bind(self) -> dict[str, str]:
         self.client_sock, client_ep = make_router(
-            self.ctx, self.bind_addresses["client"], name=f"{self.name} client"
+            self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
+            advertise_host=self.advertise_host,
         )
         self.data_sock, data_ep = make_router(
-            self.ctx, self.bind_addresses["data"], name=f"{self.name} data"
+            self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
+            advertise_host=self.advertise_host,
         )
         self.monitor_sock = self.client_sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -440,7 +449,8 @@ class Frontend:
             self.shard_socks[index] = sock
         rank_eps = procutil.endpoints_of(peers, "rank")
         rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
-        self._rank_embedded = "rank" not in rank_eps
+        # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
+        self._rank_embedded = self.cluster.scheduler.shards == 0
         if rank_address is not None:
             self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
             codec.sync_send(self.rank_sock, hello)
@@ -709,7 +719,7 @@ class Frontend:
         slo_s = model.slo_s
         if req.slo_ms > 0:
             slo_s = min(slo_s, req.slo_ms / 1e3)
-        arrival = time.monotonic()
+        arrival = self.clock.now()
         answer_by = arrival + slo_s
         rid = self.next_rid
         self.next_rid += self.rid_stride
@@ -903,7 +913,7 @@ class Frontend:
         self.counters[_ERROR_COUNTERS[kind]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message)
-            self._answer_hop.append(time.monotonic() - p.arrival)
+            self._answer_hop.append(self.clock.now() - p.arrival)
 
     def _answer_outputs(self, p: _Pending, outputs: dict[str, Any], now: float) -> None:
         client = p.client
@@ -1045,7 +1055,7 @@ class Frontend:
 
     def _on_fetch(self, identity: bytes, msg: InputFetch) -> None:
         backend = identity.decode(errors="replace")
-        now = time.monotonic()
+        now = self.clock.now()
         ids: list[int] = []
         inputs: list[dict[str, Any]] = []
         missing: list[int] = []
@@ -1082,7 +1092,7 @@ class Frontend:
         self.counters["fetch_missing"] += len(missing)
 
     def _on_outputs(self, msg: BatchOutputs) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         hop = self.hops["fetch_to_outputs"].samples
         started_at = msg.started_at
         queueing = self.hops["queueing"].samples
@@ -1122,12 +1132,14 @@ class Frontend:
             self._timer_handle.cancel()
         assert self._loop is not None
         self._timer_at = at
-        self._timer_handle = self._loop.call_later(max(0.0, at - time.monotonic()), self._on_timer)
+        # A relative delay on the loop's (local) clock: the cluster time needs no conversion.
+        self._timer_handle = self._loop.call_later(max(0.0, at - self.clock.now()),
+                                                   self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer_handle = None
         self._timer_at = math.inf
-        now = time.monotonic() + TIMER_SLACK_S
+        now = self.clock.now() + TIMER_SLACK_S
         timers = self._timers
         pending = self.pending
         self._in_callback = True
@@ -1246,6 +1258,7 @@ class Frontend:
                 name: hop.summary() for name, hop in self.queueing_by_model.items()
             },
             "models": {name: m.pending for name, m in self.models.items()},
+            "clock": self.clock.stats(),
         }
         if reset:
             self.counters.clear()
@@ -1294,10 +1307,16 @@ async def _serve(config: dict[str, Any], control_address: str | None) -> int:
         peers=config.get("peers"),
         on_message=frontend.on_control_message,
     )
+    clock_sync: ClockSync | None = None
     try:
         endpoints = frontend.bind()
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
         peers = await control.ready(endpoints)
+        # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
+        clock_sync = await procutil.sync_cluster_clock(actx, peers, name=frontend.name,
+                                                       drain=control.drain, clock=frontend.clock)
+        if clock_sync is None:
+            return 0 if control.drain.requested else 2
         frontend.connect(peers)
         frontend.start(loop)
         await control.drain.wait()
@@ -1309,6 +1328,8 @@ async def _serve(config: dict[str, Any], control_address: str | None) -> int:
         frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
         log.info("%s: stopped; counters %s", frontend.name, dict(frontend.counters))
     finally:
+        if clock_sync is not None:
+            await clock_sync.close()
         frontend.close()
         await control.close()
         ctx.term()
@@ -1333,11 +1354,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rank", help="the rank's address")
     parser.add_argument("--shard", action="append", default=[],
                         help="a scheduler shard's address, in shard order (repeat)")
+    parser.add_argument("--advertise", default=None, metavar="HOST",
+                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
+                             "address (default: this machine's host name)")
     args = parser.parse_args(argv)
     cluster = load_config(args.config)
     ipc_dir = args.ipc_dir or cluster.ipc_dir
     config = role_config(cluster, "frontend", args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir))
+                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.client:
         config["bind"]["client"] = args.client
     if args.data:

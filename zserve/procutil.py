@@ -12,9 +12,12 @@ A role's entry point ``run_<role>(config, control_address)`` uses this module in
         )                                              # also installs SIGTERM/SIGINT handlers
         ...bind ROUTERs, load models...
         peers = await control.ready({"plan": plan_endpoint})   # Ready handshake -> peer endpoints
+        clock_sync = await procutil.sync_cluster_clock(         # the rank's clock (not in rank)
+            ctx, peers, name=config["name"], drain=control.drain, clock=my_clock)
         ...connect to peers (procutil.endpoints_of(peers, "data") etc.), serve...
         await control.drain.wait()                     # SIGTERM, SIGINT or Shutdown
         ...stop admitting, finish in flight for up to control.drain.drain_s, answer the rest...
+        await clock_sync.close()
         await control.close()
         return 0
 
@@ -29,8 +32,9 @@ API (kept small on purpose):
   ``ctx`` is the process's sync ``zmq.Context`` (the link makes its socket from a
   ``zmq.asyncio`` shadow of it: a heartbeat twice a second and a stats reply now and then are no
   hot path) or a ``zmq.asyncio.Context``.
-  ``on_message(msg)`` gets any other control message (frontends: the supervisor's
-  ``Hello(role="backend", name, pid=0)`` when that backend's process has died).
+  ``on_message(msg)`` gets any other control message (frontends and the process hosting the
+  rank: the supervisor's ``Hello(role="backend", name, pid=0)`` when that backend's process has
+  died).
   Installs the signal handlers: SIGTERM drains; SIGINT drains when detached and is ignored under
   a supervisor (which coordinates the drain). ``drain_s``: the grace period a signal gives.
 - ``await link.ready(endpoints)``: send ``Ready(role, name, pid, endpoints)`` and wait for the
@@ -43,7 +47,13 @@ API (kept small on purpose):
   or a lost supervisor: skip the grace period); ``await drain.grace(idle_event)`` waits for
   in-flight work to finish, up to ``drain_s``, cut short by a second request.
 - ``await link.close()``: stop the tasks and close the DEALER (bounded LINGER).
-- ``endpoints_of(peers, socket) -> {process name: address}`` and ``peer_key(name, socket)``.
+- ``endpoints_of(peers, socket) -> {process name: address}`` and ``peer_key(name, socket)``;
+  ``rank_address(peers)``: where the rank listens (``rank/rank``, or ``shard-0/rank`` when the rank
+  is embedded in the one scheduler process).
+- ``await sync_cluster_clock(ctx, peers, name=..., drain=link.drain, clock=clock)``: the
+  ``ClockSync`` that keeps ``clock`` (a ``zserve.clock.ClusterClock``) on the rank's clock, started
+  once its first estimate is in; a process that is not the rank calls it after ``ready`` and
+  before it serves, and ``await sync.close()`` at exit.
 - ``cpu_seconds(pid)``, ``child_pids(parent)``: CPU accounting for benchmarks (Linux ``/proc``).
 
 The peer map: keys are ``"<process name>/<socket name>"`` (``"rank/rank"``, ``"shard-0/shard"``,
@@ -59,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -71,6 +82,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from zserve.clock import ClockSync, ClusterClock
 from zserve.transport import codec
 from zserve.transport.messages import Heartbeat, Ready, Shutdown, StatsReply, StatsRequest
 from zserve.transport.sockets import make_dealer
@@ -101,6 +113,40 @@ def endpoints_of(peers: dict[str, str], socket: str) -> dict[str, str]:
         if sock == socket:
             found[name] = peers[key]
     return found
+
+
+def rank_address(peers: dict[str, str]) -> str | None:
+    """The rank's address in a peer map: ``rank/rank``, else the embedded rank's
+    ``shard-0/rank`` (``shards = 0``)."""
+    return peers.get(peer_key("rank", "rank")) or next(
+        iter(endpoints_of(peers, "rank").values()), None
+    )
+
+
+async def sync_cluster_clock(
+    ctx: zmq.asyncio.Context | zmq.Context[Any], peers: dict[str, str], *, name: str,
+    drain: DrainRequest, clock: ClusterClock,
+) -> ClockSync | None:
+    """Estimate ``clock``'s offset to the cluster clock (the rank's) before the process serves,
+    and keep it refreshed; None when the peer map names no rank (logged) or a drain came first.
+    A sync ``ctx`` (processes on the SocketReactor) is shadowed with zmq.asyncio: the probes are
+    a few messages every few seconds, no hot path."""
+    if not isinstance(ctx, zmq.asyncio.Context):
+        ctx = zmq.asyncio.Context.shadow(ctx.underlying)
+    address = rank_address(peers)
+    if address is None:
+        log.error("%s: no rank address in the peer map %s", name, sorted(peers))
+        return None
+    sync = ClockSync(ctx, address, name=name, clock=clock)
+    try:
+        started = await sync.start(drain.event)
+    except BaseException:  # its socket must be closed, or the context's term() would wait on it
+        await sync.close()
+        raise
+    if not started:
+        await sync.close()
+        return None
+    return sync
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -189,6 +235,11 @@ class DrainRequest:
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+    @property
+    def event(self) -> asyncio.Event:
+        """Set once a drain is requested (to wait on it together with something else)."""
+        return self._event
 
     def request(self, reason: str, drain_s: float | None = None) -> None:
         """Ask for a drain; a second request makes it immediate (drain_s = 0)."""
@@ -286,8 +337,10 @@ class ControlLink:
             loop.add_signal_handler(signal.SIGINT, self.drain.request, "SIGINT")
 
     async def ready(self, endpoints: dict[str, str]) -> dict[str, str]:
-        """Announce readiness and return the peer map (``{}`` when detached)."""
+        """Announce readiness and return the peer map (the ``peers`` given to ``open`` when
+        detached: then the endpoints are logged, one JSON object, for whoever started it)."""
         if self._sock is None:
+            log.info("%s ready: endpoints %s", self.name, json.dumps(endpoints, sort_keys=True))
             return self.peers
         ready = Ready(role=self.role, name=self.name, pid=os.getpid(), endpoints=endpoints)
         await self._send(ready)

@@ -405,11 +405,15 @@ class Supervisor:
             child.process.kill()
 
     def _announce_backend_death(self, backend: _Child) -> None:
-        """Tell every frontend at once, so the requests the backend had fetched are answered
-        BACKEND_FAILED now rather than at their deadlines."""
+        """Tell every frontend and the rank at once, so that the backend's requests are answered
+        BACKEND_FAILED now rather than at their deadlines: the frontends fail those it had
+        fetched, and the rank removes it from the table, whereupon the shards fail those they had
+        planned onto it (fetched or not)."""
         notice = Hello(role="backend", name=backend.name, pid=0)
+        rank_host = "rank" if self.config.scheduler.shards > 0 else "shard-0"
         for child in self.children.values():
-            if child.role == "frontend" and child.ready and child.alive:
+            told = child.role == "frontend" or child.name == rank_host
+            if told and child.ready and child.alive:
                 self._send(child, notice)
 
     def call(self, command: Callable[[], Any]) -> Any:

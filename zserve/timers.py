@@ -34,7 +34,10 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zserve.clock import ClusterClock
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +270,8 @@ class WakeTimer:
 
     ``sync()`` after every call into the object re-arms the timer when ``wake_at`` moved; when the
     moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.
+    ``wake_at`` is on the cluster clock when ``clock`` is given (``zserve.clock``): the timer is
+    armed at ``clock.to_local(wake_at)``, this process's own CLOCK_MONOTONIC.
 
     Precision matters: a deferred batch is granted between its frontrun moment and its latest
     moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart, and uvloop's own timers
@@ -275,10 +280,12 @@ class WakeTimer:
     the process sleeps until then.
     """
 
-    __slots__ = ("_at", "_fire", "_handle", "_timers", "obj")
+    __slots__ = ("_at", "_clock", "_fire", "_handle", "_timers", "obj")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, obj: Any, fire: Callable[[], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, obj: Any, fire: Callable[[], None],
+                 clock: ClusterClock | None = None):
         self._timers = timers_for(loop)
+        self._clock = clock
         self.obj = obj
         self._fire = fire
         self._handle: TimerHandle | None = None
@@ -293,7 +300,8 @@ class WakeTimer:
             self._handle = None
         self._at = wake_at
         if wake_at != math.inf:
-            self._handle = self._timers.call_at(wake_at, self._on_handle)
+            local = wake_at if self._clock is None else self._clock.to_local(wake_at)
+            self._handle = self._timers.call_at(local, self._on_handle)
 
     def _on_handle(self) -> None:
         self._handle = None
