@@ -87,14 +87,16 @@ def test_bench_search_finds_a_live_servers_capacity(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     with EchoServer(EchoConfig(service_ms=5.0, servers=2)) as server:
         code = cli.main([
-            server.address, str(workload), "--search", "goodput", "--start-rate", "300",
+            server.address, str(workload), "--search", "goodput", "--start-rate", "200",
             "--precision", "0.05", "--max-lateness-ms", "1000", "--json", str(out), "--quiet",
         ])
     assert code == cli.EXIT_OK
     report = json.loads(out.read_text())
     probes = report["search"]["probes"]
     # Generous below: the echo server is a Python process on a shared machine, and its timers
-    # slip under load (then its real capacity is lower); never above the capacity by much.
+    # slip under load (then its real capacity is lower); never above the capacity by much. The
+    # first probe is at half the capacity: a first probe that fails on a load spike leaves the
+    # search only probes too short to judge (a CI run that started at 300 r/s failed that way).
     assert 0.6 * 400 <= report["goodput_rps"] <= 1.1 * 400, probes
     assert any(p["pass"] for p in probes) and any(not p["pass"] for p in probes)
     assert report["source"] == "live"
