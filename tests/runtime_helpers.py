@@ -57,6 +57,21 @@ def recv_type(sock: zmq.Socket[Any], cls: type[Any], *, router: bool) -> tuple[b
             return identity, msg
 
 
+def ask_frontend_stats(address: str, request: Any, identity: bytes) -> dict[str, Any]:
+    """Send ``request`` (a StatsRequest or ClusterStatsRequest) to a frontend's client address
+    and return the stats of its StatsReply."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = make_dealer(ctx, address, identity=identity)
+    try:
+        codec.sync_send(sock, request)
+        assert sock.poll(10_000), "no StatsReply from the frontend"
+        _, msg = codec.sync_recv(sock, router=False)
+    finally:
+        sock.close(linger=0)
+    assert isinstance(msg, StatsReply)
+    return dict(msg.stats)
+
+
 def emulated_cluster(**overrides: Any) -> ClusterConfig:
     """A one-model emulated cluster config; ``overrides`` patch the model table."""
     model = {

@@ -8,28 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
+from runtime_helpers import ask_frontend_stats
 
 import zserve
 from zserve.config import parse_config
 from zserve.loadgen.cli import FRONTEND_AT_ADDRESS, frontend_stats_reader
 from zserve.supervisor import Cluster
-from zserve.transport import codec
-from zserve.transport.messages import ClusterStatsRequest, StatsReply
-from zserve.transport.sockets import make_dealer
+from zserve.transport.messages import ClusterStatsRequest
 
 
 def _ask(address: str, *, reset: bool) -> dict[str, Any]:
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = make_dealer(ctx, address, identity=b"test-cluster-stats")
-    try:
-        codec.sync_send(sock, ClusterStatsRequest(reset=reset))
-        assert sock.poll(10_000), "no StatsReply from the frontend"
-        _, msg = codec.sync_recv(sock, router=False)
-    finally:
-        sock.close(linger=0)
-    assert isinstance(msg, StatsReply)
-    return dict(msg.stats)
+    return ask_frontend_stats(address, ClusterStatsRequest(reset=reset), b"test-cluster-stats")
 
 
 def test_frontend_gathers_and_resets_cluster_stats(tmp_path: Path) -> None:

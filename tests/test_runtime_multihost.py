@@ -29,15 +29,14 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
-import zmq
+from runtime_helpers import ask_frontend_stats
 
 import zserve
 from zserve.backends.process import build_executor
 from zserve.config import load_config
 from zserve.procutil import child_pids
-from zserve.transport import codec
-from zserve.transport.messages import ClusterStatsRequest, StatsReply, StatsRequest
-from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, make_dealer
+from zserve.transport.messages import ClusterStatsRequest, StatsRequest
+from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT
 
 BACKEND_SHIFT_S = 1000  # the backend's CLOCK_MONOTONIC runs this far ahead of the rank's
 FRONTEND_SHIFT_S = 2000
@@ -174,16 +173,7 @@ class Role:
 
 
 def _ask(address: str, request: Any) -> dict[str, Any]:
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = make_dealer(ctx, address, identity=f"multihost-test-{os.getpid()}".encode())
-    try:
-        codec.sync_send(sock, request)
-        assert sock.poll(10_000), "no StatsReply from the frontend"
-        _, msg = codec.sync_recv(sock, router=False)
-    finally:
-        sock.close(linger=0)
-    assert isinstance(msg, StatsReply)
-    return dict(msg.stats)
+    return ask_frontend_stats(address, request, f"multihost-test-{os.getpid()}".encode())
 
 
 def _in_namespace(prefix: tuple[str, ...], shift_s: int) -> list[str]:
