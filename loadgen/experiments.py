@@ -328,7 +328,9 @@ def emulated_cluster_toml(
     rank and the model threads, one frontend) with the live allowances."""
     lines = [
         "# written by zserve experiment (loadgen/experiments.py)",
-        "[cluster]", f'name = "{name}"', "",
+        # idle pollers keep the 2 vCPUs awake: a halted vCPU takes milliseconds to wake
+        # (zserve/idle_poll.py), which the live runs would measure instead of the scheduler
+        "[cluster]", f'name = "{name}"', "idle_poll = true", "",
         "[scheduler]", "shards = 0", f'policy = "{policy}"', 'drop = "window"',
         f"d_ctrl_ms = {LIVE_D_CTRL_MS}", f"d_data_ms = {LIVE_D_DATA_MS}",
         f"jitter_ms = {jitter_ms}", "",

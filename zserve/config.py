@@ -164,6 +164,9 @@ class ClusterConfig:
     ipc_dir: str | None = None
     drain_s: float = DEFAULT_DRAIN_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    # Keep the CPUs awake while the cluster runs (zserve.idle_poll): off by default, since it
+    # shows every CPU busy; the benchmark clusters turn it on.
+    idle_poll: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     frontends: FrontendsConfig = field(default_factory=FrontendsConfig)
     backends: BackendsConfig = field(default_factory=BackendsConfig)
@@ -332,6 +335,12 @@ class _Table:
             raise ConfigError(f"{self.key_path(key)}: must be >= {minimum}, got {value}")
         return value
 
+    def bool_(self, key: str, default: bool) -> bool:
+        value = self.take(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.key_path(key)}: must be true or false, got {value!r}")
+        return value
+
     def float_(
         self, key: str, default: float | None, *, positive: bool = False
     ) -> float | None:
@@ -470,6 +479,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
     ipc_dir = cluster.str_("ipc_dir", None)
     drain_s = cluster.float_("drain_s", DEFAULT_DRAIN_S)
     start_timeout_s = cluster.float_("start_timeout_s", DEFAULT_START_TIMEOUT_S, positive=True)
+    idle_poll = cluster.bool_("idle_poll", False)
     cluster.finish()
 
     sch = _Table(root.take("scheduler", {}), "scheduler")
@@ -553,6 +563,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         ipc_dir=ipc_dir,
         drain_s=drain_s,
         start_timeout_s=start_timeout_s,
+        idle_poll=idle_poll,
         scheduler=scheduler,
         frontends=frontends,
         backends=backends,

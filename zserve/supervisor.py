@@ -63,6 +63,7 @@ import zmq
 from zserve import procutil
 from zserve.config import ClusterConfig, ConfigError, load_config, role_config
 from zserve.errors import ProtocolError
+from zserve.idle_poll import IdlePollers
 from zserve.transport import codec
 from zserve.transport.messages import (
     Heartbeat,
@@ -185,6 +186,7 @@ class Supervisor:
         self.peers: dict[str, str] = {}
         self.started = False
         self.closed = False
+        self.idle_pollers: IdlePollers | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -302,6 +304,8 @@ class Supervisor:
         """Spawn everything, run the handshake; raise StartupError on any failure."""
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
+            if self.config.idle_poll:
+                self.idle_pollers = IdlePollers().start()
             for child in self.children.values():
                 self._spawn(child)
             while not all(c.ready for c in self.children.values()):
@@ -463,6 +467,8 @@ class Supervisor:
             tier_drain = drain if tier_index == 0 else min(drain, BACKEND_DRAIN_S)
             self._stop_tier(tier, tier_drain)
         self.closed = True
+        if self.idle_pollers is not None:
+            self.idle_pollers.stop()
         self.control.close(linger=0)
         self.ctx.destroy(linger=0)  # also closes any socket a caller opened on it
         os.close(self._wake_r)

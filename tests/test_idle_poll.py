@@ -1,0 +1,102 @@
+"""Idle pollers (zserve.idle_poll): SCHED_IDLE spinners that keep the CPUs awake."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+
+import pytest
+
+from zserve.config import ConfigError, parse_config
+from zserve.idle_poll import IdlePollers, available_cpus, ping_pong_rtts_us
+
+pytestmark = pytest.mark.skipif(not IdlePollers.supported(), reason="needs Linux SCHED_IDLE")
+
+WAIT_S = 10.0
+
+
+def _wait_for(predicate: Callable[[], bool], what: str) -> None:
+    end = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _policy(pid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie of ours still answers kill(0): reaped processes are gone, others must be zombies
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_pollers_run_at_sched_idle_and_stop_cleanly() -> None:
+    with IdlePollers(2) as pollers:
+        pids = [p.pid for p in pollers.processes]
+        assert len(pids) == 2
+        for pid in pids:
+            _wait_for(lambda pid=pid: _policy(pid) == os.SCHED_IDLE, f"poller {pid} at SCHED_IDLE")
+        for p in pollers.processes:
+            assert p.poll() is None  # still spinning
+    assert pollers.processes == []
+    for pid in pids:
+        assert _gone(pid)
+
+
+def test_default_count_is_one_per_available_cpu() -> None:
+    assert IdlePollers().count == available_cpus() >= 1
+
+
+def test_pollers_die_with_their_parent() -> None:
+    """PR_SET_PDEATHSIG: a SIGKILLed supervisor leaves no spinning processes behind."""
+    script = textwrap.dedent("""
+        import sys, time
+        from zserve.idle_poll import IdlePollers
+        pollers = IdlePollers(1).start()
+        print(pollers.processes[0].pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        poller_pid = int(parent.stdout.readline())
+        _wait_for(lambda: _policy(poller_pid) == os.SCHED_IDLE, "the poller at SCHED_IDLE")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        _wait_for(lambda: _gone(poller_pid), "the orphaned poller to die")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_ping_pong_measures_round_trips() -> None:
+    rtts = ping_pong_rtts_us(0.0, round_trips=50)
+    assert rtts.shape == (50,)
+    assert (rtts > 0).all()
+
+
+def test_config_idle_poll_is_a_checked_boolean() -> None:
+    models = [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 1.0}, "slo_ms": 50.0}]
+    assert parse_config({"models": models}).idle_poll is False
+    assert parse_config({"cluster": {"idle_poll": True}, "models": models}).idle_poll is True
+    with pytest.raises(ConfigError, match=r"cluster\.idle_poll: must be true or false"):
+        parse_config({"cluster": {"idle_poll": 1}, "models": models})
