@@ -63,6 +63,7 @@ import numpy as np
 import zmq
 
 from zserve import procutil
+from zserve.idle_poll import IdlePollers
 from zserve.loadgen import breakdown, schedules
 from zserve.loadgen.generator import (
     DEFAULT_LATENESS_BOUND_MS,
@@ -443,6 +444,7 @@ def cpu_snapshot(cluster_pids: dict[str, int | None]) -> dict[str, float]:
     if own is None:
         return snapshot
     snapshot[LOADGEN_PROCESS] = own
+    known |= IdlePollers.live_pids()  # they run only on otherwise idle CPU: not load
     workers = [procutil.cpu_seconds(p) for p in procutil.child_pids(me) if p not in known]
     snapshot[LOADGEN_WORKERS] = sum(w for w in workers if w is not None)
     return snapshot

@@ -56,7 +56,9 @@ def test_pollers_run_at_sched_idle_and_stop_cleanly() -> None:
             _wait_for(lambda pid=pid: _policy(pid) == os.SCHED_IDLE, f"poller {pid} at SCHED_IDLE")
         for p in pollers.processes:
             assert p.poll() is None  # still spinning
+        assert IdlePollers.live_pids() >= set(pids)  # CPU accounting leaves them out
     assert pollers.processes == []
+    assert not IdlePollers.live_pids() & set(pids)
     for pid in pids:
         assert _gone(pid)
 

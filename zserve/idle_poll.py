@@ -75,11 +75,19 @@ def _become_idle_poller() -> None:
 
 class IdlePollers:
     """``count`` idle poller processes (default: one per available CPU); ``start``/``stop``, or a
-    context manager. Does nothing (and says so once) where ``SCHED_IDLE`` does not exist."""
+    context manager. Does nothing (and says so once) where ``SCHED_IDLE`` does not exist.
+    ``live_pids()`` lists this process's running pollers, so that CPU accounting can leave them
+    out (they burn only time no one else wanted)."""
+
+    _live: set[int] = set()
 
     def __init__(self, count: int | None = None) -> None:
         self.count = available_cpus() if count is None else count
         self.processes: list[subprocess.Popen[bytes]] = []
+
+    @classmethod
+    def live_pids(cls) -> frozenset[int]:
+        return frozenset(cls._live)
 
     @staticmethod
     def supported() -> bool:
@@ -96,6 +104,7 @@ class IdlePollers:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 close_fds=True,
             ))
+            self._live.add(self.processes[-1].pid)
         log.info("idle_poll: %d idle poller(s) keep the CPUs awake (SCHED_IDLE)",
                  len(self.processes))
         return self
@@ -110,6 +119,7 @@ class IdlePollers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            self._live.discard(process.pid)
         self.processes = []
 
     def __enter__(self) -> IdlePollers:

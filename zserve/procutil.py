@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -97,6 +98,61 @@ PROFILE_DIR_ENV = "ZSERVE_PROFILE_DIR"
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 
 StatsFn = Callable[[bool], dict[str, Any]]
+
+
+# --------------------------------------------------------------------------- garbage collection
+#
+# A full collection in a role process walks its ~30,000 start-up objects and takes 13-17 ms here,
+# longer than a ResNet50 batch; so every role's stats report its collections and their pauses
+# ("gc": counts, total and longest pause per generation). Measured at 1,000 r/s on the emulated
+# ResNet50 cluster: 5-6 generation-0 collections per process in 15 s (under 1.5 ms each) and no
+# full collection -- steady-state serving frees what it allocates, so the collector stays out of
+# the way and needs no tuning (gc.freeze was tried: no pause to remove).
+
+
+class GcWatch:
+    """Counts collections and their pause times per generation (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self._started_at = 0.0
+        self.collections = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self.max_pause_s = [0.0, 0.0, 0.0]
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started_at = time.perf_counter()
+            return
+        generation = info.get("generation", 2)
+        pause = time.perf_counter() - self._started_at
+        self.collections[generation] += 1
+        self.pause_s[generation] += pause
+        self.max_pause_s[generation] = max(self.max_pause_s[generation], pause)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out = {
+            "collections": list(self.collections),
+            "pause_ms_total": [round(x * 1e3, 3) for x in self.pause_s],
+            "pause_ms_max": [round(x * 1e3, 3) for x in self.max_pause_s],
+        }
+        if reset:
+            self.collections = [0, 0, 0]
+            self.pause_s = [0.0, 0.0, 0.0]
+            self.max_pause_s = [0.0, 0.0, 0.0]
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._callback)
+
+
+_gc_watch: GcWatch | None = None
+
+
+def gc_stats(reset: bool = False) -> dict[str, Any]:
+    """This process's collection counts and pauses per generation (empty before ``run_role``)."""
+    return _gc_watch.stats(reset) if _gc_watch is not None else {}
 
 
 def peer_key(name: str, socket: str) -> str:
@@ -200,8 +256,10 @@ def run_role(coro: Coroutine[Any, Any, int], *, name: str = "") -> int:
     The traceback is logged, and also written to ``$ZSERVE_ERROR_FILE`` when set (the
     supervisor sets it, to report why a child died during start-up). With
     ``$ZSERVE_PROFILE_DIR`` set, the process runs under cProfile and leaves ``<name>.prof``."""
+    global _gc_watch
     configure_logging()
     install_uvloop()
+    _gc_watch = GcWatch()
     profile_dir = os.environ.get(PROFILE_DIR_ENV)
     try:
         if profile_dir:  # development aid: a cProfile dump per process
@@ -212,7 +270,10 @@ def run_role(coro: Coroutine[Any, Any, int], *, name: str = "") -> int:
                 return int(profiler.runcall(asyncio.run, coro) or 0)
             finally:
                 profiler.dump_stats(os.path.join(profile_dir, f"{name or os.getpid()}.prof"))
-        return int(asyncio.run(coro) or 0)
+        code = int(asyncio.run(coro) or 0)
+        log.info("%s: garbage collection while running: %s", name or os.getpid(),
+                 json.dumps(gc_stats()))
+        return code
     except Exception:
         logging.getLogger(name or __name__).exception("role %s failed", name)
         error_file = os.environ.get(ERROR_FILE_ENV)
@@ -404,6 +465,7 @@ class ControlLink:
                 self.drain.request(msg.reason, msg.drain_s)
             elif isinstance(msg, StatsRequest):
                 stats = self._stats(msg.reset) if self._stats is not None else {}
+                stats.setdefault("gc", gc_stats(msg.reset))
                 await self._send(StatsReply(name=self.name, stats=stats))
             elif isinstance(msg, Ready):
                 self.peers = dict(msg.endpoints)
