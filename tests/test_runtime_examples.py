@@ -30,6 +30,8 @@ def test_example_pairs_match(cluster_file: str, workload_file: str, same_allowan
     (model,) = cluster.models
     (spec,) = workload.models
     assert workload.gpus == cluster.backends.total
+    # `zserve bench CLUSTER WORKLOAD` maps models by case-insensitive name: no --model-map needed
+    assert spec.name.lower() == model.name.lower()
     assert spec.slo_ms == model.slo_ms
     assert workload.policy == cluster.scheduler.policy
     assert workload.jitter_ms == cluster.scheduler.jitter_ms
