@@ -18,11 +18,20 @@
    already answered) are left out, and so are ids it cancels after the fetch (``CancelFetched``)
    before the batch starts (a plan left empty is skipped); ids whose inputs have not come
    ``INPUT_WAIT_S`` after ``exec_at`` are answered ``UNAVAILABLE`` and the batch runs without them.
+   Late shedding: a batch that starts so late that it cannot finish by every request's
+   ``finish_by`` (the plan's per-request deadlines) leaves out the requests with the earliest
+   ones, one at a time, until the rest can (``now + l(k) <= min finish_by + shed grace``, with
+   this backend's own profile l); those are answered ``DEADLINE`` at once (counter
+   ``requests_shed_late``) instead of spending device time on answers that would come too late.
 4. Assembles the batch with one copy per input into a preallocated batch buffer (none for a batch of
    one), runs it (``Executor.run_async``: ONNX Runtime in the executor's worker thread, an emulated
    batch by timer), and sends one ``BatchOutputs`` per frontend (row views of the batch outputs,
    zero-copy frames) and a ``BatchStats`` to the rank. An execution error fails that batch only:
-   one ``BatchFailed(BACKEND_FAILED)`` per frontend; the backend keeps serving.
+   one ``BatchFailed(BACKEND_FAILED)`` per frontend; the backend keeps serving. The BatchStats of
+   a finished or skipped plan carries ``device_free_at``: the device is free now, plus each plan
+   still held, in exec_at order, for its planned duration (``_device_free_at``). The rank moves
+   its view of the GPU later to it, so that overruns (timer lateness, the output push, a
+   descheduled process) do not accumulate under saturation.
 5. On SIGTERM/SIGINT or ``Shutdown``: plans that arrive from then on, and held plans that cannot
    start before the grace period ends, are answered ``SHUTTING_DOWN``; the rest run; it exits 0.
 
@@ -64,7 +73,13 @@ import zmq
 from zserve import procutil, timers
 from zserve.backends.executor import Executor, TensorMap
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.config import (
+    DEFAULT_REPLY_ALLOWANCE_MS,
+    ClusterConfig,
+    ModelConfig,
+    load_config,
+    role_config,
+)
 from zserve.errors import ErrorKind, ZServeError
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.transport.messages import (
@@ -102,6 +117,30 @@ STATS_WINDOW = 4096
 # Repeats per batch size when a profile has to be measured at start-up.
 PROFILE_REPEATS = 3
 SOCKET_CLOSE_LINGER_MS = 200
+# Late shedding keeps a request whose batch finishes up to this fraction of the cluster's reply
+# allowance after its finish_by: the reply allowance exists to absorb small lateness (the push
+# and the reply hop take well under half of it), so such a request is still answered in time.
+SHED_GRACE_FRACTION = 0.5
+
+
+def shed_late_rows(
+    rows: list[int], finish_by: Sequence[float], now: float, table_s: Sequence[float],
+    grace_s: float = 0.0,
+) -> tuple[list[int], list[int]]:
+    """Late shedding for a batch starting at ``now``: ``(kept, shed)`` rows. While the ``k``
+    rows left cannot finish by the earliest ``finish_by`` among them (``now + table_s[k] >
+    min + grace_s``), the row with the earliest ``finish_by`` is shed. ``kept`` keeps the order
+    of ``rows``; ``shed`` is in shedding order. ``table_s[k]`` is l(k) (``LatencyProfile``)."""
+    order = sorted(rows, key=finish_by.__getitem__)
+    count = len(order)
+    cut = 0
+    while cut < count and now + table_s[count - cut] > finish_by[order[cut]] + grace_s:
+        cut += 1
+    if cut == 0:
+        return rows, []
+    shed = order[:cut]
+    dropped = set(shed)
+    return [row for row in rows if row not in dropped], shed
 
 
 # --------------------------------------------------------------------------- plans
@@ -250,8 +289,11 @@ class Backend:
         plan_address: str,
         reactor: SocketReactor,
         clock: ClusterClock | None = None,
+        shed_grace_s: float = 0.0,
     ) -> None:
         self.name = name
+        # How far past a request's finish_by its batch may finish before late shedding drops it.
+        self.shed_grace_s = shed_grace_s
         # Set before the backend starts (its offset is estimated after Ready, before it serves).
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
@@ -296,6 +338,7 @@ class Backend:
                 "requests_missing",
                 "requests_unavailable",
                 "requests_cancelled",
+                "requests_shed_late",
                 "cancels_too_late",
                 "batches_skipped",
                 "late_plans",
@@ -425,6 +468,7 @@ class Backend:
             len(plan.request_frontend) != count
             or any(not 0 <= i < len(plan.frontends) for i in plan.request_frontend)
             or count > self.executor.max_batch(plan.model)
+            or (plan.finish_by and len(plan.finish_by) != count)
         ):
             self._refuse(plan, now)
             return
@@ -566,13 +610,25 @@ class Backend:
         self.counters["requests_missing"] += sum(
             1 for key in keys if key in held.missing and key not in held.inputs
         )
-        if not rows:  # every request cancelled or missing: the batch is skipped
-            del self._plans[plan.plan_id]
-            if held.cancelled:
-                self.counters["batches_skipped"] += 1
-            self._send_stats(plan, 0, now, now, ok=True, cancelled=len(held.cancelled))
-            return False
         lateness = now - plan.exec_at
+        shed: list[int] = []
+        if rows and plan.finish_by:
+            rows, shed = shed_late_rows(rows, plan.finish_by, now,
+                                        self.profiles[plan.model].table_s, self.shed_grace_s)
+            if shed:
+                self.counters["requests_shed_late"] += len(shed)
+                self._fail_requests(
+                    plan, shed, ErrorKind.DEADLINE,
+                    f"batch started {lateness * 1e3:.2f} ms late on backend {self.name}; "
+                    "could not finish by its deadline",
+                )
+        if not rows:  # every request cancelled, missing or shed: the batch is skipped
+            del self._plans[plan.plan_id]
+            if held.cancelled or shed:
+                self.counters["batches_skipped"] += 1
+            self._send_stats(plan, 0, now, now, ok=True, cancelled=len(held.cancelled),
+                             device_free_at=self._device_free_at(self.clock.now()))
+            return False
         self.timings.lateness.append(lateness)
         if lateness > LATE_TOLERANCE_S:
             self.counters["late_plans"] += 1
@@ -633,10 +689,13 @@ class Backend:
                                     f"backend {self.name}: {error}")
                 self.counters["batches_failed"] += 1
                 self.counters["requests_failed"] += len(rows)
-            self.timings.push.append(self.clock.now() - finished_at)
+            pushed_at = self.clock.now()
+            self.timings.push.append(pushed_at - finished_at)
             self.timings.add_batch(plan.model, len(rows))
+            # The next plan can start only now, after the push: project from here.
             self._send_stats(plan, len(rows), started_at, finished_at, ok=ok,
-                             cancelled=len(held.cancelled))
+                             cancelled=len(held.cancelled),
+                             device_free_at=self._device_free_at(pushed_at))
         finally:
             self._plans.pop(plan.plan_id, None)
             self._running = None
@@ -662,11 +721,23 @@ class Backend:
                        BatchFailed(plan.plan_id, ids, kind.value, why))
 
     def _send_stats(self, plan: BatchPlan, size: int, started_at: float, finished_at: float, *,
-                    ok: bool, cancelled: int = 0) -> None:
+                    ok: bool, cancelled: int = 0, device_free_at: float = 0.0) -> None:
         if self.rank_sock is not None:
             self._send(self.rank_sock, BatchStats(plan.plan_id, plan.model, plan.gpu_id, size,
                                                   plan.exec_at, started_at, finished_at, ok,
-                                                  cancelled))
+                                                  cancelled, device_free_at))
+
+    def _device_free_at(self, free_at: float) -> float:
+        """When the device will be free, given that it is free at ``free_at`` (no batch running):
+        each plan still held runs at max(previous finish, its exec_at) for its planned duration
+        (``expected_finish_at - exec_at``), in exec_at order."""
+        if not self._heap:
+            return free_at
+        plans = self._plans
+        for exec_at, _, plan_id in sorted(self._heap):
+            plan = plans[plan_id].plan
+            free_at = max(free_at, exec_at) + max(0.0, plan.expected_finish_at - plan.exec_at)
+        return free_at
 
     # ------------------------------------------------------------------ liveness and drain
 
@@ -802,9 +873,12 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         )
         plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan",
                                               advertise_host=config.get("advertise_host"))
+        reply_allowance_ms = (cluster.frontends.reply_allowance_ms if cluster is not None
+                              else DEFAULT_REPLY_ALLOWANCE_MS)
         backend = Backend(name=name, device=device, executor=build_executor(device, models),
                           ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
-                          reactor=reactor)
+                          reactor=reactor,
+                          shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_ms / 1e3)
         backend_ref.append(backend)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
         backend.load_and_warm(models)
@@ -874,4 +948,4 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["Backend", "build_executor", "main", "run_backend"]
+__all__ = ["Backend", "build_executor", "main", "run_backend", "shed_late_rows"]

@@ -338,6 +338,7 @@ class ModelThread:
             frontends=frontends,
             request_frontend=request_frontend,
             request_ids=request_ids,
+            finish_by=self._dl[head:stop],  # each request's deadline d (latest = d - l(bs))
         )
         self.n_planned += bs
         self.n_batches += 1

@@ -8,7 +8,11 @@ DEALERs whose identity is their process name:
 - backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
   ``BatchStats``; the rank assigns GPU ids in registration order (a backend that registers again
   under the same name keeps its id) and removes a backend that has not heartbeated for
-  ``BACKEND_TIMEOUT_S``;
+  ``BACKEND_TIMEOUT_S``. A BatchStats' ``device_free_at`` (when the backend projects its device
+  free, having started batches later than planned) moves the GPU's free time in the RankThread
+  later, never earlier (``RankThread.on_device_free_at``; counted in ``rank_thread`` stats as
+  ``drift_corrections`` / ``drift_corrected_ms``): without it the rank's belief, built from
+  planned finishes only, falls behind the device under saturation and every batch starts later;
 - frontends send ``Hello`` and receive ``BackendTable`` (so they can fail the requests a removed
   backend held);
 - every other process's clock DEALER (identity ``<name>.clock``) sends ``ClockProbe``; the rank
@@ -213,7 +217,7 @@ class RankHost:
                 self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
         elif kind is BatchStats:
             assert isinstance(msg, BatchStats)
-            self._on_batch_stats(msg)
+            self._on_batch_stats(now, identity, msg, outbox)
         elif kind is BackendRegister:
             assert isinstance(msg, BackendRegister)
             self._on_register(now, identity, msg, outbox)
@@ -351,7 +355,14 @@ class RankHost:
 
     # ------------------------------------------------------------------ stats
 
-    def _on_batch_stats(self, msg: BatchStats) -> None:
+    def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats,
+                        outbox: Outbox) -> None:
+        if msg.device_free_at > 0.0:
+            # Drift correction: the backend's device frees later than the grants planned (it
+            # started batches late). Only from the live backend that holds this GPU.
+            backend = self.backends.get(msg.gpu_id)
+            if backend is not None and backend.alive and backend.identity == identity:
+                self.rank.on_device_free_at(now, msg.gpu_id, msg.device_free_at, outbox)
         if msg.batch_size == 0:
             return
         self.counters["batches"] += 1
@@ -378,6 +389,8 @@ class RankHost:
                 "gpu_matches": self.rank.n_gpu_matches,
                 "stale": self.rank.n_stale,
                 "purged": self.rank.n_purged,
+                "drift_corrections": self.rank.n_drift_corrections,
+                "drift_corrected_ms": self.rank.drift_corrected_s * 1e3,
             },
         }
         if self.lateness:

@@ -8,6 +8,10 @@ Inputs (host -> RankThread):
   wins; ``batch_size`` 0 withdraws). Ignored while the model has an unanswered grant.
 - ``on_grant_answer(now, answer: GrantAnswer, outbox)``: the GPU is busy until ``free_at`` (or is
   returned untouched); the model's candidates are accepted again.
+- ``on_device_free_at(now, gpu_id, free_at, outbox)``: the GPU's backend projects its device
+  free at ``free_at`` (``BatchStats.device_free_at``: it started batches later than planned).
+  Moves the GPU's free time later, never earlier (the rank may have granted a batch the backend
+  has not received yet); ignored while the GPU is granted and unanswered (the answer sets it).
 - ``add_gpu(now, gpu_id, outbox, free_at=None)``, ``remove_gpu(now, gpu_id, outbox)``: GPU-set
   changes at run time. A removed GPU finishes what it holds and is granted nothing new.
 - ``on_timer(now, outbox)``: ``now >= wake_at`` (model timers and the GPU timer are internal).
@@ -73,6 +77,8 @@ class RankThread:
         self.n_gpu_matches = 0
         self.n_stale = 0
         self.n_purged = 0
+        self.n_drift_corrections = 0  # device_free_at reports that moved a GPU later
+        self.drift_corrected_s = 0.0  # and by how much, in total
         for gpu_id in gpu_ids:
             self._insert_gpu(gpu_id, now, now)
 
@@ -151,6 +157,21 @@ class RankThread:
         elif gpu_id in self._state:
             self._insert_gpu(gpu_id, answer.free_at, now)
         self._fire_due(now, outbox)
+
+    def on_device_free_at(self, now: float, gpu_id: int, free_at: float, outbox: Outbox) -> bool:
+        """The backend of ``gpu_id`` reports that its device frees at ``free_at``; True when that
+        moved the GPU's free time (later). The GPU timer and matching are re-evaluated."""
+        state = self._state.get(gpu_id)
+        if state is None or state == _GRANTED or not math.isfinite(free_at):
+            return False
+        old = self._free_at[gpu_id]
+        if free_at <= old:
+            return False
+        self.n_drift_corrections += 1
+        self.drift_corrected_s += free_at - old
+        self._insert_gpu(gpu_id, free_at, now)  # new stamp: its old heap entry is void
+        self._fire_due(now, outbox)
+        return True
 
     def on_timer(self, now: float, outbox: Outbox) -> None:
         self._fire_due(now, outbox)

@@ -203,7 +203,11 @@ class BackendTable(Message):
 @dataclass(frozen=True, slots=True)
 class BatchPlan(Message):
     """Shard -> backend: run one batch of ``model`` at ``exec_at`` on ``gpu_id``. Request i lives
-    on frontend ``frontends[request_frontend[i]]`` (a frontend address)."""
+    on frontend ``frontends[request_frontend[i]]`` (a frontend address). ``finish_by[i]`` is the
+    time by which request i's batch must finish for it to be answered within its SLO (its
+    scheduler deadline: arrival + SLO - reply allowance); the backend leaves out requests a late
+    batch can no longer finish in time. Empty: unknown (nothing is left out); otherwise exactly
+    one entry per request (a backend refuses a plan whose list has another length)."""
 
     KIND: ClassVar[str] = "plan"
     plan_id: int
@@ -214,6 +218,7 @@ class BatchPlan(Message):
     frontends: list[str]
     request_frontend: list[int]
     request_ids: list[int]
+    finish_by: list[float] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- backend <-> frontend
@@ -309,6 +314,11 @@ class BatchStats(Message):
     # Requests of the plan left out because the frontend cancelled them after the fetch (a plan
     # whose every request was cancelled is skipped: batch_size 0, ok True).
     cancelled: int = 0
+    # When the device will be free, as the backend projects it when it reports (after a batch
+    # finished or a plan was skipped): that moment, then each plan it still holds run in exec_at
+    # order for its planned duration. The rank moves the GPU's free time later to it (never
+    # earlier). 0: unknown (not reported).
+    device_free_at: float = 0.0
 
 
 # --------------------------------------------------------------------------- lifecycle
