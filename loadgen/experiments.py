@@ -232,13 +232,14 @@ class Goodput:
     wall_s: float
     search: list[dict[str, Any]]
     refused_probes: int = 0  # live: probes the generator could not keep up with (twice)
+    cpu: dict[str, Any] | None = None  # live: CPU per process at the best passing probe
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "goodput_rps": self.goodput_rps, "bound_rps": self.bound_rps, "probes": self.probes,
             "median_batch": self.median_batch, "busy_fraction": self.busy_fraction,
             "wall_s": round(self.wall_s, 2), "search": self.search,
-            "refused_probes": self.refused_probes,
+            "refused_probes": self.refused_probes, "cpu": self.cpu,
         }
 
 
@@ -391,6 +392,7 @@ def live_run(
 
 def live_goodput(
     target: Any, workload: Workload, *, start_rps: float, precision: float, say: Say, label: str,
+    max_rate_rps: float = LIVE_MAX_RATE_RPS,
 ) -> Goodput:
     """Goodput search on a live cluster. Rates above LIVE_MAX_RATE_RPS count as failing without a
     run (this machine cannot carry them; see the constant), and so does a probe the generator
@@ -403,7 +405,7 @@ def live_goodput(
 
     def probe(rate: float) -> dict[str, Any]:
         nonlocal refused
-        if rate > LIVE_MAX_RATE_RPS:
+        if rate > max_rate_rps:
             say(f"  {label} probe {rate:8.1f} r/s: above the live cap, counted as failing")
             return {"bad_rate": 1.0, "bailed": True}
         if rate < floor_rps:
@@ -418,10 +420,11 @@ def live_goodput(
             f"{' (stopped early)' if report.get('bailed') else ''}")
         return report
 
-    report = search_goodput(probe, min(start_rps, LIVE_MAX_RATE_RPS), max_bad_rate=MAX_BAD_RATE,
+    report = search_goodput(probe, min(start_rps, max_rate_rps), max_bad_rate=MAX_BAD_RATE,
                             rel_precision=precision)
     found = _reduce(report, report.get("bound_rps"), started)
     found.refused_probes = refused
+    found.cpu = report.get("cpu")
     return found
 
 
@@ -1237,10 +1240,62 @@ def run_scale(opts: Options) -> Outcome:
     config = {"models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
               "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
               "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)"}
-    outcome = Outcome(config, tables, [], {"probes": rows, "largest_gpus": largest})
+    points: dict[str, Any] = {"probes": rows, "largest_gpus": largest}
+    if opts.live:
+        live = _scale_live(opts)
+        points["live"] = live
+        config["live"] = {k: live[k] for k in ("gpus", "model", "slo_ms", "policy")}
+        cpu = live.get("cpu") or {}
+        per_request = cpu.get("per_request_us", {})
+        tables.append(Table(
+            f"End to end through real processes on this machine: the load generator, one "
+            f"frontend, the scheduler and {live['gpus']} emulated GPUs running a near-free model "
+            f"(l(b) = {SCALE_LIVE_ALPHA_MS} ms x b + {SCALE_LIVE_BETA_MS} ms, SLO "
+            f"{SCALE_LIVE_SLO_MS:g} ms, {live['policy']}): the highest rate with <= 1% bad",
+            ["goodput r/s", "probes", "refused probes", "cores busy", "us/request (all)",
+             "us/request by process"],
+            [[live["goodput_rps"], live["probes"], live["refused_probes"],
+              cpu.get("total_cores"),
+              round(sum(per_request.values()), 1) if per_request else None,
+              ", ".join(f"{k} {v:g}" for k, v in per_request.items()) or None]],
+        ))
+    outcome = Outcome(config, tables, [], points)
     if opts.plots:
         outcome.plots.append(_plot_scale(rows, opts.out_dir / "scale.png"))
     return outcome
+
+
+# scale --live: the machine's end-to-end ceiling, with a model so cheap that the GPUs never are
+SCALE_LIVE_GPUS = 4
+SCALE_LIVE_ALPHA_MS = 0.01
+SCALE_LIVE_BETA_MS = 0.1
+SCALE_LIVE_SLO_MS = 100.0
+SCALE_LIVE_START_RPS = 2000.0
+SCALE_LIVE_MAX_RATE_RPS = 20000.0
+
+
+def _scale_live(opts: Options) -> dict[str, Any]:
+    quick = opts.quick
+    data = {"workload": {"name": "scale-live", "gpus": SCALE_LIVE_GPUS, "policy": "eager",
+                         "arrival": "poisson", "rate": SCALE_LIVE_START_RPS,
+                         "warmup_s": 1.0, "measure_s": 1.0, "cooldown_s": 0.5, "jitter_ms": 1.0},
+            "models": [{"name": "tiny", "slo_ms": SCALE_LIVE_SLO_MS,
+                        "alpha_ms": SCALE_LIVE_ALPHA_MS, "beta_ms": SCALE_LIVE_BETA_MS,
+                        "max_batch": 64}]}
+    workload = live_allowances(with_windows(
+        parse_workload(data, source="scale-live"),
+        LIVE_QUICK_WINDOWS_S if quick else LIVE_WINDOWS_S))
+    toml = emulated_cluster_toml("scale-live", emulated_models(workload), gpus=workload.gpus,
+                                 policy="eager", jitter_ms=workload.jitter_ms)
+    with tempfile.TemporaryDirectory(prefix="zserve-exp-") as tmp, \
+            live_cluster(toml, workload, Path(tmp)) as target:
+        found = live_goodput(target, workload, start_rps=SCALE_LIVE_START_RPS,
+                             precision=QUICK_PRECISION if quick else LIVE_PRECISION,
+                             say=opts.say, label="end to end",
+                             max_rate_rps=SCALE_LIVE_MAX_RATE_RPS)
+    opts.say(f"end to end: {found.goodput_rps:.0f} r/s with <= 1% bad")
+    return {**found.to_dict(), "gpus": workload.gpus, "model": "tiny",
+            "slo_ms": SCALE_LIVE_SLO_MS, "policy": "eager"}
 
 
 def _bench_probe(
@@ -1291,7 +1346,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "zoo": (run_zoo, "the 37-model A100 zoo on 64 GPUs: deferred vs eager vs timeout"),
     "flattop": (run_flattop, "goodput, bad rate, GPU busy vs offered load (0.1x..2x)"),
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
-    "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler)"),
+    "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
+              "machine's end-to-end ceiling"),
 }
 
 
@@ -1344,7 +1400,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=sorted(EXPERIMENTS), help="the experiment")
     p.add_argument("--live", action="store_true",
-                   help="add the live parts (fig6a, flattop): clusters of emulated backends")
+                   help="add the live parts (fig6a, flattop, scale): clusters of emulated "
+                   "backends")
     p.add_argument("--quick", action="store_true", help="a small version (< 30 s), for tests")
     p.add_argument("--out", default=str(DEFAULT_OUT_DIR),
                    help=f"results go to OUT/NAME/ (default {DEFAULT_OUT_DIR})")
