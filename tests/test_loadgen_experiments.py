@@ -93,6 +93,18 @@ def test_time_dilation_stretches_the_same_arrivals_and_profile() -> None:
 # --------------------------------------------------------------------------- the scheduling fix
 
 
+def test_live_lateness_bound_follows_the_tightest_slo() -> None:
+    # ResNet50's 25 ms SLO keeps the 5 ms floor; the x20 flat-top workload (SLO 500 ms) and
+    # fig6a's x10 shape at beta 15 ms (SLO 460 ms) allow 2% of their SLO
+    tight = ex.fig6a_workload(1.0, "deferred", gpus=4, models=2)  # SLO 2 * l(8) = 18 ms
+    assert ex.live_lateness_bound_ms(tight) == ex.LIVE_MAX_LATENESS_MS
+    flat = ex.flattop_live_workload("deferred", quick=True)
+    assert flat.models[0].slo_ms == pytest.approx(500.0)
+    assert ex.live_lateness_bound_ms(flat) == pytest.approx(10.0)
+    wide = ex.fig6a_workload(15.0, "deferred", gpus=4, models=2, dilation=10.0)
+    assert ex.live_lateness_bound_ms(wide) == pytest.approx(0.02 * 460.0)
+
+
 def test_deferred_keeps_the_eager_floor_where_plain_frontrun_collapses() -> None:
     # 1 GPU, 2 models, l(b) = b + 4 ms, SLO 20 ms: a frontrun batch waits for a window alpha +
     # jitter wide and loses its head whenever the other model's batch holds the GPU through it.
