@@ -7,6 +7,11 @@ one-screen summary; ``--json`` writes the report (schema in ``zserve.loadgen.rep
 (``--max-bad-rate``) by doubling then bisecting to a relative precision of 1% (``--precision``),
 starting from the analytic staggered bound (or ``--rate``). Doomed probes bail out early once a
 model's bad rate in the measure window exceeds 3x the bound (with at least 200 bad requests).
+
+``--allowances-from CLUSTER.toml`` schedules with that cluster's allowances (``d_ctrl_ms``,
+``d_data_ms``, ``jitter_ms`` of ``[scheduler]``, ``reply_allowance_ms`` of ``[frontends]``)
+instead of the workload's: the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which
+schedules with the same budget as the live scheduler. ``--jitter-ms`` still wins over it.
 Exit status: 0 on success, 1 if an invariant broke, 2 on a usage or workload error.
 """
 
@@ -32,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival", help="constant | poisson | gamma:K")
     p.add_argument("--keep-tolerance", type=float, help="window drop tolerance (see workload)")
     p.add_argument("--jitter-ms", type=float, help="timer lateness allowance (see workload)")
+    p.add_argument("--allowances-from", metavar="CLUSTER.toml",
+                   help="take d_ctrl, d_data, reply and jitter allowances from this cluster file")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--rate", type=float, help="total offered rate (r/s)")
     group.add_argument("--search", choices=["goodput"], help="binary-search the goodput")
@@ -47,11 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def cluster_allowances(cluster_toml: str) -> dict[str, float]:
+    """The workload overrides that give the simulator a cluster file's scheduling allowances."""
+    from zserve.config import load_config  # its ConfigError is a ValueError: exit status 2
+
+    config = load_config(cluster_toml)
+    return {"d_ctrl_ms": config.scheduler.d_ctrl_ms, "d_data_ms": config.scheduler.d_data_ms,
+            "reply_ms": config.frontends.reply_allowance_ms,
+            "jitter_ms": config.scheduler.jitter_ms}
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         workload = load_workload(args.workload)
         overrides: dict[str, Any] = {}
+        if args.allowances_from is not None:
+            overrides.update(cluster_allowances(args.allowances_from))
         for key, value in (("policy", args.policy), ("drop", args.drop), ("rate", args.rate),
                            ("seed", args.seed), ("gpus", args.gpus),
                            ("measure_s", args.measure), ("warmup_s", args.warmup),

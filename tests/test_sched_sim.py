@@ -212,6 +212,32 @@ def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert sim_cli.main([str(path), "--policy", "nope"]) == 2
 
 
+def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
+    # the simulated twin of `zserve bench CLUSTER WORKLOAD`: the cluster's budget, not the
+    # workload's (which has none here), and a lower bound because of it
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[workload]\ngpus = 2\nrate = 300.0\nwarmup_s = 0.2\nmeasure_s = 1.0\ncooldown_s = 0.1\n"
+        '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n'
+    )
+    plain, twin = tmp_path / "plain.json", tmp_path / "twin.json"
+    assert sim_cli.main([str(path), "--quiet", "--json", str(plain)]) == 0
+    cluster = ROOT / "examples" / "clusters" / "emulated-8gpu-resnet50.toml"
+    assert sim_cli.main([str(path), "--allowances-from", str(cluster), "--quiet",
+                         "--json", str(twin)]) == 0
+    plain_report, twin_report = (json.loads(f.read_text()) for f in (plain, twin))
+    assert plain_report["allowances_ms"] == {"d_ctrl": 0.0, "d_data": 0.0, "reply": 0.0,
+                                             "jitter": 0.0}
+    assert twin_report["allowances_ms"] == {"d_ctrl": 3.0, "d_data": 0.02, "reply": 3.0,
+                                            "jitter": 1.0}
+    assert twin_report["bound_rps"] < plain_report["bound_rps"]
+    # --jitter-ms still wins; a missing cluster file is a usage error
+    assert sim_cli.main([str(path), "--allowances-from", str(cluster), "--jitter-ms", "2",
+                         "--quiet", "--json", str(twin)]) == 0
+    assert json.loads(twin.read_text())["allowances_ms"]["jitter"] == 2.0
+    assert sim_cli.main([str(path), "--allowances-from", str(tmp_path / "none.toml")]) == 2
+
+
 def test_bench_scheduler_cli_smoke(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     rc = bench.main(["--models", "3", "--gpus", "50", "--rate", "20000", "--duration", "0.3",
