@@ -1187,7 +1187,8 @@ def _plot_floor(rows: list[dict[str, Any]], path: Path) -> Path:
 # --------------------------------------------------------------------------- scale
 
 SCALE_MODELS = (1, 8, 32, 128)
-SCALE_GPUS = (16, 32, 64, 128, 256)
+# up to 512: one core runs out between 256 and 512 GPUs, so the grid shows where
+SCALE_GPUS = (16, 32, 64, 128, 256, 512)
 SCALE_REPEATS = 3  # CPU figures on a shared machine: the median of three probes
 SCALE_QUICK_MODELS = (1, 4)
 SCALE_QUICK_GPUS = (8, 32)

@@ -68,6 +68,11 @@ def test_cancel_after_fetch_tells_the_backend_and_answers_once(
     hops = current["hops"]
     assert hops["queueing"]["count"] == 1 and hops["execution"]["count"] == 1
     assert hops["execution"]["p50_ms"] == pytest.approx(2.0, abs=1e-6)
+    # per batch: finish -> outputs handled; per answered request: answer - admission - run
+    assert hops["finish_to_answer"]["count"] == 1 and hops["overhead"]["count"] == 1
+    # one sample each: answer - admission - run = (start - admission) + (answer - finish)
+    assert hops["overhead"]["p50_ms"] == pytest.approx(
+        hops["queueing"]["p50_ms"] + hops["finish_to_answer"]["p50_ms"], abs=1e-6)
     assert current["queueing_by_model"]["m"]["count"] == 1
     assert 0.0 < hops["queueing"]["p50_ms"] <= hops["admit_to_answer"]["p50_ms"]
     reset = frontend_stats_reset(frontend)

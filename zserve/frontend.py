@@ -373,6 +373,11 @@ class Frontend:
             # delay, deferral included) and batch start -> finish (execution).
             "queueing": _HopStats(),
             "execution": _HopStats(),
+            # batch finish -> its outputs handled here (the push and the BatchOutputs hop), per
+            # batch; and per request, answer - admission - execution: everything a request
+            # spends outside its batch's run, deferral included (issue 7's "overhead").
+            "finish_to_answer": _HopStats(),
+            "overhead": _HopStats(),
         }
         self.queueing_by_model: dict[str, _HopStats] = {name: _HopStats() for name in self.models}
         self._answer_hop = self.hops["admit_to_answer"].samples  # appended once per answer
@@ -1096,8 +1101,12 @@ class Frontend:
         hop = self.hops["fetch_to_outputs"].samples
         started_at = msg.started_at
         queueing = self.hops["queueing"].samples
+        execution = 0.0
+        overhead = self.hops["overhead"].samples
         if started_at > 0.0 and msg.finished_at >= started_at:
-            self.hops["execution"].samples.append(msg.finished_at - started_at)
+            execution = msg.finished_at - started_at
+            self.hops["execution"].samples.append(execution)
+            self.hops["finish_to_answer"].samples.append(now - msg.finished_at)
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
@@ -1108,6 +1117,7 @@ class Frontend:
             if started_at > 0.0:
                 delay = started_at - p.arrival
                 queueing.append(delay)
+                overhead.append(now - p.arrival - execution)
                 by_model = self.queueing_by_model.get(p.model)
                 if by_model is not None:
                     by_model.samples.append(delay)
