@@ -21,7 +21,7 @@ cooldown, seed); ``--rate`` replaces its rate, ``--steps`` or ``--trace`` its co
 the measure window (warmup and cooldown run at the first and last rate). ``--search goodput``
 bisects the total rate (``zserve.loadgen.search``) for the highest one whose worst per-model bad
 rate is <= ``--max-bad-rate`` (1%), to ``--precision`` (1%), starting from the analytic bound;
-a probe already clearly failing stops early (``BailRule``), and a probe the generator could not
+a probe certain to fail stops early (``BailRule``), and a probe the generator could not
 keep up with is retried once, then ends the search (exit 3).
 
 Statistics come over the wire, never from guesses in the client: every backend is asked
@@ -88,6 +88,10 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_BEHIND = 3
 
+# The mark at which every process's hop statistics are taken: after the last measured request's
+# deadline (the window's end + the largest SLO + this margin), or at the run's end if sooner.
+HOPS_MARK = "hops"
+HOPS_MARK_MARGIN_S = 0.05
 # Scheduler statistics are polled from every backend once per interval, aligned to the run's
 # start, with reset: each reply covers exactly one interval, which gives the per-second timeline
 # and, summed over the measure window, the window's batch sizes and GPU busy time.
@@ -328,8 +332,9 @@ class StatsSample:
 class StatsPoller:
     """Polls ``StatsRequest(reset=True)`` from each address every STATS_INTERVAL_S, aligned to the
     run's start, in a background thread (the send loop never waits for it). At each *mark* (a
-    time from the run start and a label) it also takes ``control_stats(name)`` of the named
-    processes (cumulative counters over the supervisor's control link)."""
+    time from the run start, a label and, optionally, the names to ask; all ``control_names``
+    when None) it also takes ``control_stats(name)`` of those processes (cumulative counters
+    over the supervisor's control link) and the CPU snapshot."""
 
     def __init__(
         self,
@@ -338,7 +343,7 @@ class StatsPoller:
         interval_s: float = STATS_INTERVAL_S,
         control_stats: Callable[[str], dict[str, Any]] | None = None,
         control_names: list[str] | None = None,
-        marks: list[tuple[float, str]] | None = None,
+        marks: list[tuple[float, str, list[str] | None]] | None = None,
         cpu_pids: Callable[[], dict[str, int | None]] | None = None,
     ) -> None:
         self.addresses = dict(addresses)
@@ -367,10 +372,10 @@ class StatsPoller:
         if self._thread is not None:
             self._thread.join()
 
-    def _take_mark(self, label: str) -> None:
+    def _take_mark(self, label: str, names: list[str] | None) -> None:
         assert self.control_stats is not None
         taken: dict[str, dict[str, Any]] = {}
-        for name in self.control_names:
+        for name in self.control_names if names is None else names:
             try:
                 taken[name] = self.control_stats(name)
             except Exception:
@@ -396,7 +401,8 @@ class StatsPoller:
                 if at == math.inf or self._stop.wait(max(0.0, at - time.monotonic())):
                     break
                 if mark_at <= poll_at:
-                    self._take_mark(marks.pop(0)[1])
+                    _, label, names = marks.pop(0)
+                    self._take_mark(label, names)
                     continue
                 self._poll(socks, at, k, last)
                 k += 1
@@ -649,7 +655,8 @@ def live_report(
     if target is not None and at_marks and "end" in at_marks:
         served = measured & sent & ((result.outcome == Outcome.GOOD)
                                     | (result.outcome == Outcome.LATE))
-        report["hops"] = _hops(target, end=at_marks["end"], samples=samples, plan=plan,
+        report["hops"] = _hops(target, end=at_marks.get(HOPS_MARK) or at_marks["end"],
+                               samples=samples, plan=plan,
                                client_latency_ms=latency_ms[served], cpu=report.get("cpu"))
     if window is not None and not single_model and len(window.batch_sizes):
         values, counts = np.unique(window.batch_sizes, return_counts=True)
@@ -719,9 +726,9 @@ def _add_control_stats(
     """From the stats taken over the control link at the measure window's start and end: the
     RankThread's counters over the window (the simulator's ``rank`` key), and the queueing delay
     the frontends measured: batch start on the backend (``BatchOutputs.started_at``) minus
-    admission, overall and per model (the latest samples at the window's end). Frontends that do
-    not report it leave the older approximation: admission -> the backend's input fetch, which
-    happens when the batch plan reaches the backend, just before exec_at.
+    admission, overall and per model (the latest samples, taken just after the window).
+    Frontends that do not report it leave the older approximation: admission -> the backend's
+    input fetch, which happens when the batch plan reaches the backend, just before exec_at.
     """
     if target is None or target.control_stats is None:
         return
@@ -730,6 +737,8 @@ def _add_control_stats(
                        "queueing delay over the window")
         return
     start, end = at_marks.get("start", {}), at_marks["end"]
+    # the frontends' hop statistics come from the later mark that asked every process
+    latest = at_marks.get(HOPS_MARK) or end
     rank_name = target.rank_process or ""
     before = _rank_counters(start.get(rank_name, {}))
     after = _rank_counters(end.get(rank_name, {}))
@@ -744,18 +753,18 @@ def _add_control_stats(
     # Every hop the frontends time, as they reported it at the window's end (to compare the
     # frontend's view of latency, admit_to_answer, with the client's).
     report["frontend_hops_ms"] = {
-        name: end[name].get("hops", {}) for name in target.frontends if name in end
+        name: latest[name].get("hops", {}) for name in target.frontends if name in latest
     }
     for hop_name, source in (
-        ("queueing", "frontend queueing (backend batch start - admission), latest samples at "
-                     "the window's end"),
+        ("queueing", "frontend queueing (backend batch start - admission), latest samples just "
+                     "after the window"),
         ("admit_to_fetch", "frontend admit_to_fetch hop (an approximation: the frontends did not "
-                           "report batch starts), latest samples at the window's end"),
+                           "report batch starts), latest samples just after the window"),
     ):
         hops = [
-            end[name].get("hops", {}).get(hop_name, {})
+            latest[name].get("hops", {}).get(hop_name, {})
             for name in target.frontends
-            if name in end
+            if name in latest
         ]
         hops = [h for h in hops if h.get("count")]
         if hops:
@@ -773,9 +782,9 @@ def _add_control_stats(
     for model, entry in report.get("per_model", {}).items():
         cluster_model = target.model_names.get(model, model)
         by_model = [
-            end[name].get("queueing_by_model", {}).get(cluster_model, {})
+            latest[name].get("queueing_by_model", {}).get(cluster_model, {})
             for name in target.frontends
-            if name in end
+            if name in latest
         ]
         by_model = [h for h in by_model if h.get("count")]
         if by_model:
@@ -859,11 +868,21 @@ def run_once(
     control_names = list(dict.fromkeys(
         n for n in [target.rank_process, *target.shards, *target.frontends] if n
     ))
+    # Asking a process for its stats costs it a millisecond or more of its event loop (the
+    # frontend's hop quantiles: 2-5 ms), and a stall of that size inside the measure window is a
+    # burst of bad requests under a 25 ms SLO. So the window's start and end ask only the rank,
+    # whose counters are all that is needed there (the RankThread's counters over the window);
+    # the hop statistics (the latest samples, not differences) are taken from every process a
+    # little after the window, when a stall no longer touches a measured request.
+    rank_only = [target.rank_process] if target.rank_process else []
+    last_answer_s = plan.measure_end_s + max(plan.slo_ms, default=0.0) / 1e3 + HOPS_MARK_MARGIN_S
+    hops_at = min(last_answer_s, plan.duration_s)
     poller = StatsPoller(
         target.stats_addresses,
         control_stats=target.control_stats,
         control_names=control_names,
-        marks=[(plan.measure_start_s, "start"), (plan.measure_end_s, "end")],
+        marks=[(plan.measure_start_s, "start", rank_only), (plan.measure_end_s, "end", rank_only),
+               (hops_at, HOPS_MARK, None)],
         cpu_pids=target.pids,
     )
     missing: list[str] = []

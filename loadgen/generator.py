@@ -27,8 +27,7 @@ DROPPED; any other error is ERROR (its kind recorded); no answer by the end of t
 Only requests planned inside the measure window count. All but GOOD are bad.
 
 Early stop: with a :class:`BailRule`, the run stops as soon as one model's measured requests are
-already clearly failing (definitely: more bad requests than its whole bad budget; or clearly: a
-bad fraction far above the budget over enough answered requests), so a goodput search does not
+certain to fail (more bad requests than its whole bad budget), so a goodput search does not
 spend a full probe on a rate that fails.
 """
 
@@ -293,30 +292,27 @@ def plan_for_workload(
 
 @dataclass(frozen=True)
 class BailRule:
-    """Stop a run whose verdict is already known to be a failure.
+    """Stop a run whose verdict is already known to be a failure: a model whose bad count
+    exceeds ``bad_budget`` (0.01) times its planned measured requests cannot pass any more.
 
-    ``bad_budget`` is the largest passing bad fraction (0.01). A model *definitely* fails when its
-    bad count exceeds ``bad_budget`` times its planned measured requests; it *clearly* fails when,
-    over at least ``min_decided`` measured requests whose fate is known, the bad fraction is at
-    least ``clear_factor`` times the budget.
+    There is deliberately no "clearly failing" rule on a bad fraction of the first requests
+    decided: losses on a live cluster come in bursts (a host stall of a few ms costs every
+    request in flight), and such a rule (10% bad of the first 200) stopped probes of ResNet50
+    (25 ms SLO, 1,500-2,200 r/s) that ended at 0.3-0.5% bad when run to the end. A probe that
+    fails throughout still stops early: at 10% bad, after a tenth of its window.
     """
 
     bad_budget: float = 0.01
-    clear_factor: float = 10.0
-    min_decided: int = 200
 
     def verdict(self, counters: IntArray, models: Sequence[str]) -> str | None:
         """``counters``: shape (models, len(COUNTERS)) summed over workers."""
         for m, name in enumerate(models):
-            planned, _, decided, bad = (int(v) for v in counters[m])
+            planned, _, _, bad = (int(v) for v in counters[m])
             if planned and bad > self.bad_budget * planned:
                 return (
                     f"{name}: {bad} bad of {planned} planned exceeds the "
                     f"{self.bad_budget:.2%} budget"
                 )
-            clear_bad = self.clear_factor * self.bad_budget * decided
-            if decided >= self.min_decided and bad >= clear_bad:
-                return f"{name}: {bad} bad of {decided} decided ({bad / decided:.1%})"
         return None
 
 

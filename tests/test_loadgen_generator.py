@@ -131,7 +131,7 @@ def test_clearly_failing_run_stops_early() -> None:
         plan = _plan(500.0, 5.0)
         result = run_load(
             plan, failing.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS,
-            bail=BailRule(bad_budget=0.01, min_decided=50),
+            bail=BailRule(bad_budget=0.01),
         )
     assert result.stopped_early is not None and "early stop" in result.stopped_early
     assert np.count_nonzero(result.outcome == Outcome.UNSENT) > len(plan) // 2
