@@ -407,6 +407,10 @@ class StatsPoller:
                 self._poll(socks, at, k, last)
                 k += 1
             self._poll(socks, time.monotonic(), k, last)  # the last, partial interval
+            # The hop statistics are wanted even when the run ended before their mark (it falls
+            # after the last measured deadline, which may be past the run's last request).
+            if any(label == HOPS_MARK for _, label, _ in marks) and "end" in self.at_marks:
+                self._take_mark(HOPS_MARK, None)
         finally:
             for sock in socks.values():
                 sock.close(linger=0)

@@ -34,7 +34,6 @@ def test_example_pairs_match(cluster_file: str, workload_file: str, same_allowan
     assert spec.name.lower() == model.name.lower()
     assert spec.slo_ms == model.slo_ms
     assert workload.policy == cluster.scheduler.policy
-    assert workload.jitter_ms == cluster.scheduler.jitter_ms
     if model.alpha_ms is not None and model.beta_ms is not None:
         assert spec.profile.alpha_s * 1e3 == pytest.approx(model.alpha_ms)
         assert spec.profile.beta_s * 1e3 == pytest.approx(model.beta_ms)
@@ -43,6 +42,11 @@ def test_example_pairs_match(cluster_file: str, workload_file: str, same_allowan
         assert workload.d_ctrl_ms == cluster.scheduler.d_ctrl_ms
         assert workload.d_data_ms == cluster.scheduler.d_data_ms
         assert workload.reply_ms == cluster.frontends.reply_allowance_ms
+        assert workload.jitter_ms == cluster.scheduler.jitter_ms
+    else:
+        # the paper's setting in the workload, the machine's allowances in the cluster (wider:
+        # `zserve sim WORKLOAD --allowances-from CLUSTER` is the live cluster's twin)
+        assert workload.jitter_ms <= cluster.scheduler.jitter_ms
 
 
 def test_demo_cluster_schedules_deferred_and_has_a_builtin_twin() -> None:

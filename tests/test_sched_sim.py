@@ -229,7 +229,7 @@ def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
     assert plain_report["allowances_ms"] == {"d_ctrl": 0.0, "d_data": 0.0, "reply": 0.0,
                                              "jitter": 0.0}
     assert twin_report["allowances_ms"] == {"d_ctrl": 3.0, "d_data": 0.02, "reply": 3.0,
-                                            "jitter": 1.0}
+                                            "jitter": 3.0}
     assert twin_report["bound_rps"] < plain_report["bound_rps"]
     # --jitter-ms still wins; a missing cluster file is a usage error
     assert sim_cli.main([str(path), "--allowances-from", str(cluster), "--jitter-ms", "2",
