@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -18,14 +17,6 @@ from zserve.idle_poll import IdlePollers, available_cpus, ping_pong_rtts_us
 pytestmark = pytest.mark.skipif(not IdlePollers.supported(), reason="needs Linux SCHED_IDLE")
 
 WAIT_S = 10.0
-
-
-def _wait_for(predicate: Callable[[], bool], what: str) -> None:
-    end = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _policy(pid: int) -> int | None:
@@ -52,8 +43,8 @@ def test_pollers_run_at_sched_idle_and_stop_cleanly() -> None:
     with IdlePollers(2) as pollers:
         pids = [p.pid for p in pollers.processes]
         assert len(pids) == 2
-        for pid in pids:
-            _wait_for(lambda pid=pid: _policy(pid) == os.SCHED_IDLE, f"poller {pid} at SCHED_IDLE")
+        for pid in pids:  # start() returned after each poller's ready byte
+            assert _policy(pid) == os.SCHED_IDLE
         for p in pollers.processes:
             assert p.poll() is None  # still spinning
         assert IdlePollers.live_pids() >= set(pids)  # CPU accounting leaves them out
@@ -70,20 +61,26 @@ def test_default_count_is_one_per_available_cpu() -> None:
 def test_pollers_die_with_their_parent() -> None:
     """PR_SET_PDEATHSIG: a SIGKILLed supervisor leaves no spinning processes behind."""
     script = textwrap.dedent("""
-        import sys, time
+        import signal
         from zserve.idle_poll import IdlePollers
         pollers = IdlePollers(1).start()
         print(pollers.processes[0].pid, flush=True)
-        time.sleep(60)
+        signal.pause()  # until the test kills this process
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         poller_pid = int(parent.stdout.readline())
-        _wait_for(lambda: _policy(poller_pid) == os.SCHED_IDLE, "the poller at SCHED_IDLE")
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        _wait_for(lambda: _gone(poller_pid), "the orphaned poller to die")
+        assert _policy(poller_pid) == os.SCHED_IDLE
+        exited = os.pidfd_open(poller_pid)  # readable once the poller has exited
+        try:
+            parent.send_signal(signal.SIGKILL)
+            parent.wait()
+            readable, _, _ = select.select([exited], [], [], WAIT_S)
+            assert readable, "the orphaned poller did not die with its parent"
+        finally:
+            os.close(exited)
+        assert _gone(poller_pid)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -46,6 +47,11 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # How long ``stop`` waits for a poller to exit after SIGTERM before it kills it.
 POLLER_STOP_TIMEOUT_S = 2.0
+# Ready handshake: a poller writes this byte to its stdout once it runs at SCHED_IDLE; ``start``
+# waits up to the timeout for it (a Python start-up each, in parallel), so a cluster's CPUs are
+# kept awake from its first request on, not from whenever the pollers get there.
+POLLER_READY_BYTE = b"R"
+POLLER_READY_TIMEOUT_S = 10.0
 # ``--bench``: gaps between ping-pongs, and round trips per gap.
 BENCH_GAPS_S = (0.0, 0.001, 0.005, 0.02)
 BENCH_ROUND_TRIPS = 400
@@ -69,13 +75,28 @@ def _become_idle_poller() -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     os.nice(19)  # where SCHED_IDLE is missing, at least yield to everything else
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    os.write(1, POLLER_READY_BYTE)
+    os.close(1)
     while True:
         pass
 
 
+def _await_ready(process: subprocess.Popen[bytes], deadline: float) -> bool:
+    """Wait (until ``deadline``) for a poller's ready byte; closes its stdout either way."""
+    assert process.stdout is not None
+    try:
+        readable, _, _ = select.select([process.stdout], [], [],
+                                       max(0.0, deadline - time.monotonic()))
+        return bool(readable) and process.stdout.read(1) == POLLER_READY_BYTE
+    finally:
+        process.stdout.close()
+
+
 class IdlePollers:
     """``count`` idle poller processes (default: one per available CPU); ``start``/``stop``, or a
-    context manager. Does nothing (and says so once) where ``SCHED_IDLE`` does not exist.
+    context manager; ``start`` returns once every poller runs at ``SCHED_IDLE`` (one that does not
+    say so in time is killed and left out). Does nothing (and says so once) where
+    ``SCHED_IDLE`` does not exist.
     ``live_pids()`` lists this process's running pollers, so that CPU accounting can leave them
     out (they burn only time no one else wanted)."""
 
@@ -97,14 +118,25 @@ class IdlePollers:
         if not self.supported():
             log.warning("idle_poll: SCHED_IDLE is not available on this platform; not polling")
             return self
-        for _ in range(self.count):
-            self.processes.append(subprocess.Popen(
+        started = [
+            subprocess.Popen(
                 [sys.executable, "-c", "from zserve.idle_poll import _become_idle_poller; "
                  "_become_idle_poller()"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 close_fds=True,
-            ))
-            self._live.add(self.processes[-1].pid)
+            )
+            for _ in range(self.count)
+        ]
+        deadline = time.monotonic() + POLLER_READY_TIMEOUT_S
+        for process in started:
+            if _await_ready(process, deadline):
+                self.processes.append(process)
+                self._live.add(process.pid)
+            else:
+                log.warning("idle_poll: poller %d did not reach SCHED_IDLE in time; stopped",
+                            process.pid)
+                process.kill()
+                process.wait()
         log.info("idle_poll: %d idle poller(s) keep the CPUs awake (SCHED_IDLE)",
                  len(self.processes))
         return self
@@ -164,10 +196,8 @@ def bench(gaps_s: tuple[float, ...] = BENCH_GAPS_S, round_trips: int = BENCH_ROU
     lines = ["| idle pollers | gap ms | p50 us | p90 us | p99 us | max us |",
              "| --- | --- | --- | --- | --- | --- |"]
     for polling in (False, True):
-        pollers = IdlePollers().start() if polling else None
+        pollers = IdlePollers().start() if polling else None  # returns once they spin
         try:
-            if pollers is not None:
-                time.sleep(0.5)  # let the pollers reach SCHED_IDLE and spin
             for gap in gaps_s:
                 r = ping_pong_rtts_us(gap, round_trips)
                 lines.append(
