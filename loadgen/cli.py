@@ -659,8 +659,7 @@ def live_report(
     if target is not None and at_marks and "end" in at_marks:
         served = measured & sent & ((result.outcome == Outcome.GOOD)
                                     | (result.outcome == Outcome.LATE))
-        report["hops"] = _hops(target, end=at_marks.get(HOPS_MARK) or at_marks["end"],
-                               samples=samples, plan=plan,
+        report["hops"] = _hops(target, latest=_latest_stats(at_marks), samples=samples, plan=plan,
                                client_latency_ms=latency_ms[served], cpu=report.get("cpu"))
     if window is not None and not single_model and len(window.batch_sizes):
         values, counts = np.unique(window.batch_sizes, return_counts=True)
@@ -680,22 +679,22 @@ CDF_LEVELS = (*(i / 100 for i in range(100)), 0.995, 0.999, 0.9995, 1.0)
 def _hops(
     target: Target,
     *,
-    end: dict[str, dict[str, Any]],
+    latest: dict[str, dict[str, Any]],
     samples: list[StatsSample],
     plan: LoadPlan,
     client_latency_ms: np.ndarray[Any, Any],
     cpu: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The per-hop breakdown (``zserve.loadgen.breakdown``) of one run."""
-    rank = end.get(target.rank_process or "")
+    rank = latest.get(target.rank_process or "")
     if rank is not None and isinstance(rank.get("rank"), dict):
         rank = rank["rank"]  # shards = 0: the shard process hosts the rank
     in_window = [s for s in samples
                  if plan.measure_start_s + 1e-6 < s.t_s <= plan.measure_end_s + 1e-6]
     rows = breakdown.hop_breakdown(
         client_latency_ms=client_latency_ms,
-        frontends=[end[n] for n in target.frontends if n in end],
-        shards=[end[n] for n in target.shards if n in end],
+        frontends=[latest[n] for n in target.frontends if n in latest],
+        shards=[latest[n] for n in target.shards if n in latest],
         rank=rank,
         backend_samples=[s.stats["samples"] for s in in_window
                          if isinstance(s.stats.get("samples"), dict)],
@@ -721,6 +720,14 @@ def _rank_counters(stats: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def _latest_stats(
+    at_marks: dict[str, dict[str, dict[str, Any]]],
+) -> dict[str, dict[str, Any]]:
+    """Every process's stats as of just after the window (the hops mark, which asked them all),
+    or the window's end mark when the run ended before the hops mark could be taken."""
+    return at_marks.get(HOPS_MARK) or at_marks["end"]
+
+
 def _add_control_stats(
     report: dict[str, Any],
     target: Target | None,
@@ -741,8 +748,7 @@ def _add_control_stats(
                        "queueing delay over the window")
         return
     start, end = at_marks.get("start", {}), at_marks["end"]
-    # the frontends' hop statistics come from the later mark that asked every process
-    latest = at_marks.get(HOPS_MARK) or end
+    latest = _latest_stats(at_marks)
     rank_name = target.rank_process or ""
     before = _rank_counters(start.get(rank_name, {}))
     after = _rank_counters(end.get(rank_name, {}))

@@ -7,12 +7,12 @@ one-screen summary; ``--json`` writes the report (schema in ``zserve.loadgen.rep
 (``--max-bad-rate``) by doubling then bisecting to a relative precision of 1% (``--precision``),
 starting from the analytic staggered bound (or ``--rate``). Doomed probes bail out early once a
 model's bad rate in the measure window exceeds 3x the bound (with at least 200 bad requests).
+Exit status: 0 on success, 1 if an invariant broke, 2 on a usage or workload error.
 
 ``--allowances-from CLUSTER.toml`` schedules with that cluster's allowances (``d_ctrl_ms``,
 ``d_data_ms``, ``jitter_ms`` of ``[scheduler]``, ``reply_allowance_ms`` of ``[frontends]``)
 instead of the workload's: the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which
 schedules with the same budget as the live scheduler. ``--jitter-ms`` still wins over it.
-Exit status: 0 on success, 1 if an invariant broke, 2 on a usage or workload error.
 """
 
 from __future__ import annotations

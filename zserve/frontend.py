@@ -1101,12 +1101,14 @@ class Frontend:
         hop = self.hops["fetch_to_outputs"].samples
         started_at = msg.started_at
         queueing = self.hops["queueing"].samples
+        # overhead (answer - admission - execution) only for batches that reported both times
+        overhead = None
         execution = 0.0
-        overhead = self.hops["overhead"].samples
         if started_at > 0.0 and msg.finished_at >= started_at:
             execution = msg.finished_at - started_at
             self.hops["execution"].samples.append(execution)
             self.hops["finish_to_answer"].samples.append(now - msg.finished_at)
+            overhead = self.hops["overhead"].samples
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
@@ -1117,7 +1119,8 @@ class Frontend:
             if started_at > 0.0:
                 delay = started_at - p.arrival
                 queueing.append(delay)
-                overhead.append(now - p.arrival - execution)
+                if overhead is not None:
+                    overhead.append(now - p.arrival - execution)
                 by_model = self.queueing_by_model.get(p.model)
                 if by_model is not None:
                     by_model.samples.append(delay)
