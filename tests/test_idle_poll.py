@@ -12,7 +12,13 @@ import textwrap
 import pytest
 
 from zserve.config import ConfigError, parse_config
-from zserve.idle_poll import IdlePollers, available_cpus, ping_pong_rtts_us
+from zserve.idle_poll import (
+    IdlePollers,
+    available_cpus,
+    ping_pong_rtts_us,
+    spin_gaps,
+    stall_probe,
+)
 
 pytestmark = pytest.mark.skipif(not IdlePollers.supported(), reason="needs Linux SCHED_IDLE")
 
@@ -99,3 +105,29 @@ def test_config_idle_poll_is_a_checked_boolean() -> None:
     assert parse_config({"cluster": {"idle_poll": True}, "models": models}).idle_poll is True
     with pytest.raises(ConfigError, match=r"cluster\.idle_poll: must be true or false"):
         parse_config({"cluster": {"idle_poll": 1}, "models": models})
+
+
+def test_spin_gaps_reports_every_gap_above_the_threshold_in_order() -> None:
+    """With a zero threshold every clock step is a gap: they are in time order, inside the
+    window, and add up to about the window (nothing is lost between readings)."""
+    gaps = spin_gaps(0.05, min_gap_s=0.0)
+    assert gaps, "a 50 ms spin read the clock more than once"
+    starts = [t for t, _ in gaps]
+    assert starts == sorted(starts) and starts[0] >= 0.0 and starts[-1] < 0.05
+    assert all(gap > 0.0 for _, gap in gaps)
+    assert 0.04 < sum(gap for _, gap in gaps) < 1.0
+    assert spin_gaps(0.01, min_gap_s=10.0) == []  # no gap can exceed the whole window
+
+
+def test_stall_probe_prints_one_row_per_process(capsys: pytest.CaptureFixture[str]) -> None:
+    from zserve.idle_poll import main
+
+    table = stall_probe(0.05, cpus=2)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["0", "1"]
+    for row in rows:
+        stalls, over5, over10 = (int(c) for c in row.split("|")[2:5])
+        assert stalls >= over5 >= over10 >= 0
+    with pytest.raises(SystemExit):
+        main(["--stalls", "0"])
+    assert "--stalls must be > 0" in capsys.readouterr().err

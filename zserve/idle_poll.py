@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -209,12 +210,73 @@ def bench(gaps_s: tuple[float, ...] = BENCH_GAPS_S, round_trips: int = BENCH_ROU
     return "\n".join(lines)
 
 
+# ``--stalls``: a gap in a spinning loop longer than this is counted as a stall.
+STALL_MIN_S = 0.002
+
+
+def spin_gaps(duration_s: float, min_gap_s: float = STALL_MIN_S) -> list[tuple[float, float]]:
+    """Spin for ``duration_s`` reading the monotonic clock; return each gap between two
+    consecutive readings longer than ``min_gap_s`` as (seconds from the start, gap seconds).
+    With nothing else runnable on the CPU, a gap is time the CPU was taken away from a runnable
+    process: by the host (a VM's vCPU not scheduled) or by the kernel's own work."""
+    gaps: list[tuple[float, float]] = []
+    start = last = time.monotonic()
+    end = start + duration_s
+    while last < end:
+        now = time.monotonic()
+        if now - last > min_gap_s:
+            gaps.append((last - start, now - last))
+        last = now
+    return gaps
+
+
+def _spin_gaps_child(duration_s: float, conn: Any) -> None:
+    conn.send(spin_gaps(duration_s))
+    conn.close()
+
+
+def stall_probe(duration_s: float, cpus: int | None = None) -> str:
+    """One spinning process per CPU for ``duration_s``: the stalls each one saw (gaps longer
+    than STALL_MIN_S), as a table. Run it on an otherwise idle machine: it measures the floor
+    of what any process on this host can be delayed by, whatever zserve does."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    count = cpus or available_cpus()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
+    procs = [ctx.Process(target=_spin_gaps_child, args=(duration_s, w)) for _, w in pipes]
+    for proc in procs:
+        proc.start()
+    results = [r.recv() for r, _ in pipes]
+    for proc in procs:
+        proc.join()
+    lines = [f"{count} spinning process(es), {duration_s:g} s each; a stall is a gap > "
+             f"{STALL_MIN_S * 1e3:g} ms between two clock readings",
+             "| process | stalls | > 5 ms | > 10 ms | longest ms | stalls per minute |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for i, gaps in enumerate(results):
+        sizes = [g for _, g in gaps]
+        lines.append(
+            f"| {i} | {len(sizes)} | {sum(g > 0.005 for g in sizes)} | "
+            f"{sum(g > 0.010 for g in sizes)} | {max(sizes, default=0.0) * 1e3:.1f} | "
+            f"{len(sizes) * 60.0 / duration_s:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m zserve.idle_poll",
-        description="Measure process wake-up latency with and without idle pollers.")
+        description="Measure process wake-up latency with and without idle pollers, or "
+                    "(--stalls S) how often and how long this host stalls a running process.")
     p.add_argument("--round-trips", type=int, default=BENCH_ROUND_TRIPS)
+    p.add_argument("--stalls", type=float, metavar="SECONDS",
+                   help="instead: spin one process per CPU this long and report its stalls")
     args = p.parse_args(argv)
+    if args.stalls is not None:
+        if not args.stalls > 0:
+            p.error("--stalls must be > 0")
+        print(stall_probe(args.stalls))
+        return 0
     print(f"{available_cpus()} CPU(s); one-byte socket-pair ping-pong, "
           f"{args.round_trips} round trips per gap")
     print(bench(round_trips=args.round_trips))
