@@ -164,6 +164,36 @@ class _Plan:
 
 
 @dataclass(slots=True)
+class BusyMeter:
+    """The device's busy time inside each stats window, exactly: a batch running across a window
+    boundary counts in both windows for the part that fell in each. (Summing whole run times
+    per window credited a batch to the window in which it ended, so a window could show more
+    busy time than its length.)"""
+
+    window_start: float
+    accumulated_s: float = 0.0
+    running_since: float | None = None
+
+    def start(self, t: float) -> None:
+        self.running_since = t
+
+    def stop(self, t: float) -> None:
+        if self.running_since is not None:
+            self.accumulated_s += max(0.0, t - max(self.running_since, self.window_start))
+            self.running_since = None
+
+    def take(self, now: float, reset: bool) -> float:
+        """Busy seconds from the window's start to ``now``; ``reset`` starts a new window."""
+        busy = self.accumulated_s
+        if self.running_since is not None:
+            busy += max(0.0, now - max(self.running_since, self.window_start))
+        if reset:
+            self.accumulated_s = 0.0
+            self.window_start = now
+        return busy
+
+
+@dataclass(slots=True)
 class _Timings:
     """Rings of per-batch durations in seconds (for stats and the benchmark)."""
 
@@ -349,6 +379,8 @@ class Backend:
             0,
         )
         self.timings = _Timings()
+        self.busy = BusyMeter(self.clock.now())
+        self._counted_before_reset: dict[str, int] = {}
 
     # ------------------------------------------------------------------ start-up
 
@@ -667,8 +699,12 @@ class Backend:
                 [held.inputs[(plan.request_frontend[i], plan.request_ids[i])] for i in rows],
             )
             t1 = self.clock.now()
-            outputs = await self.executor.run_async(plan.model, batch)
-            t2 = self.clock.now()
+            self.busy.start(t1)
+            try:
+                outputs = await self.executor.run_async(plan.model, batch)
+            finally:
+                t2 = self.clock.now()
+                self.busy.stop(t2)
             if len(outputs) != len(rows):
                 raise ValueError(f"executor returned {len(outputs)} outputs for {len(rows)} rows")
             self.timings.assemble.append(t1 - t0)
@@ -779,7 +815,7 @@ class Backend:
             grace = max(0.0, held.plan.expected_finish_at - self.clock.now()) + WEDGED_MIN_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=grace)
-        log.info("%s: drained (%s)", self.name, self.counters)
+        log.info("%s: drained; counters since start %s", self.name, self.counter_totals())
 
     def _shed_beyond(self, deadline: float) -> None:
         """Answer SHUTTING_DOWN for every held, unstarted plan with exec_at > deadline."""
@@ -838,16 +874,24 @@ class Backend:
             "warm_finished_at": self.warm_finished_at,
             "held_plans": len(self._plans),
             "counters": dict(self.counters),
+            "counters_total": self.counter_totals(),
             "timings": self.timings.summary(),
-            "samples": self.timings.samples(),
+            "samples": {**self.timings.samples(),
+                        "busy_s": self.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in self.timings.batch_histogram.items()},
             "clock": self.clock.stats(),
         }
         if reset:
             self.timings.clear()
-            for key in self.counters:
+            for key, value in self.counters.items():
+                self._counted_before_reset[key] = self._counted_before_reset.get(key, 0) + value
                 self.counters[key] = 0
         return out
+
+    def counter_totals(self) -> dict[str, int]:
+        """The counters since the process started (``stats(reset=True)`` zeroes the live ones)."""
+        return {key: self._counted_before_reset.get(key, 0) + value
+                for key, value in self.counters.items()}
 
 
 # --------------------------------------------------------------------------- entry points

@@ -519,6 +519,16 @@ class StatsWindow:
         return self.busy_s / (self.backends * self.seconds)
 
 
+def _busy_s(recorded: dict[str, Any]) -> float:
+    """A poll's device busy time: the backend's exact in-window ``busy_s``; from a backend that
+    does not report it (an older one, the echo server), the sum of the batches' run times,
+    which credits a batch to the poll in which it ended."""
+    busy = recorded.get("busy_s")
+    if isinstance(busy, (int, float)):
+        return float(busy)
+    return float(sum(recorded.get("run_s", [])))
+
+
 def stats_window(samples: list[StatsSample], start_s: float, end_s: float) -> StatsWindow | None:
     """Sum the samples whose interval ends inside (start_s, end_s] (to the poll granularity)."""
     chosen = [s for s in samples if start_s + 1e-6 < s.t_s <= end_s + 1e-6]
@@ -538,7 +548,7 @@ def stats_window(samples: list[StatsSample], start_s: float, end_s: float) -> St
             models.extend(str(m) for m in batch_models)
         else:
             models = None  # a backend that does not name its batches' models
-        busy += float(sum(recorded.get("run_s", [])))
+        busy += _busy_s(recorded)
     names = {s.name for s in samples}
     seconds = max(s.t_s for s in chosen) - min(s.t_s - s.interval_s for s in chosen)
     return StatsWindow(np.asarray(sizes, dtype=np.int64), busy, len(names), seconds,
@@ -834,9 +844,10 @@ def timeline(result: RunResult, samples: list[StatsSample]) -> dict[str, Any]:
         for s in samples:
             # A poll at t covers (t - interval, t]: the second that ends at ceil(t).
             k = min(seconds - 1, max(0, math.ceil(s.t_s - 1e-6) - 1))
-            run = s.stats.get("samples", {}).get("run_s", [])
-            busy[k] += float(sum(run))
-            if run:
+            recorded = s.stats.get("samples", {})
+            busy_s = _busy_s(recorded)
+            busy[k] += busy_s
+            if recorded.get("run_s") or busy_s > 0:
                 active[k].add(s.name)
         gpus_busy = [round(float(b), 4) for b in busy]
         gpus_active = [len(a) for a in active]

@@ -129,3 +129,18 @@ def test_usage_errors(workload_file: Path) -> None:
         cli.EXIT_USAGE
     )
     assert cli.main(["tcp://127.0.0.1:1", str(workload_file), "--workers", "x"]) == cli.EXIT_USAGE
+
+
+def test_stats_window_takes_the_backends_in_window_busy_time() -> None:
+    """A backend's ``busy_s`` (its exact busy time in the poll's window) wins over the sum of
+    its batches' run times (which credits a batch to the poll in which it ended); a backend
+    without it falls back to the sum."""
+    exact = {"samples": {"batch_size": [4, 4], "run_s": [0.6, 0.6], "busy_s": 0.95}}
+    legacy = {"samples": {"batch_size": [2], "run_s": [0.5]}}
+    samples = [cli.StatsSample(1.0, 1.0, "backend-0", exact),
+               cli.StatsSample(1.0, 1.0, "backend-1", legacy)]
+    window = cli.stats_window(samples, 0.0, 1.0)
+    assert window is not None
+    assert window.busy_s == pytest.approx(0.95 + 0.5)
+    assert window.busy_fraction == pytest.approx((0.95 + 0.5) / 2)
+    assert list(window.batch_sizes) == [4, 4, 2]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
 
+from zserve.backends.process import BusyMeter
 from zserve.errors import ErrorKind
 from zserve.transport.messages import (
     BackendRegister,
@@ -125,6 +126,43 @@ def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:
     assert stats.ok and stats.batch_size == 3
     assert stats.started_at >= exec_at
     assert stats.finished_at - stats.started_at >= (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3
+
+
+def test_proc_backend_reports_busy_time_per_stats_window(rig: BackendRig) -> None:
+    """``samples.busy_s`` is the device time used since the last reset: one batch's run, then
+    nothing in the next window."""
+    rig.shard.send(StatsRequest(reset=True))  # open a window
+    rig.shard.expect(StatsReply)
+    rig.plan(1, [1, 2, 3], time.monotonic() + 0.03)
+    rig.serve_fetch()
+    rig.frontend.expect(BatchOutputs)
+    stats = rig.stats_of(1)
+    rig.shard.send(StatsRequest(reset=True))
+    _, reply = rig.shard.expect(StatsReply)
+    busy = reply.stats["samples"]["busy_s"]
+    assert (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3 <= busy <= stats.finished_at - stats.started_at
+    rig.shard.send(StatsRequest(reset=True))
+    _, reply = rig.shard.expect(StatsReply)
+    assert reply.stats["samples"]["busy_s"] == 0.0
+    # The window's counters were zeroed by the resets; the totals since start were not.
+    assert reply.stats["counters"]["batches_ok"] == 0
+    assert reply.stats["counters_total"]["batches_ok"] == 1
+    assert reply.stats["counters_total"]["requests_ok"] == 3
+
+
+def test_busy_meter_splits_a_batch_across_windows() -> None:
+    meter = BusyMeter(window_start=10.0)
+    meter.start(10.5)
+    assert meter.take(11.0, reset=True) == pytest.approx(0.5)  # running at the boundary
+    meter.stop(11.25)
+    assert meter.take(12.0, reset=False) == pytest.approx(0.25)  # only its part after 11.0
+    meter.start(12.25)  # the next batch, still running at the window's end
+    assert meter.take(12.5, reset=True) == pytest.approx(0.5)  # 0.25 + 0.25
+    assert meter.take(12.5, reset=True) == pytest.approx(0.0)
+    meter.stop(13.0)
+    assert meter.take(13.5, reset=True) == pytest.approx(0.5)
+    meter.stop(13.75)  # a stop without a start adds nothing
+    assert meter.take(14.0, reset=True) == 0.0
 
 
 def test_proc_backend_never_overlaps_batches(rig: BackendRig) -> None:
