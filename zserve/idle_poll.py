@@ -247,9 +247,16 @@ def stall_probe(duration_s: float, cpus: int | None = None) -> str:
     procs = [ctx.Process(target=_spin_gaps_child, args=(duration_s, w)) for _, w in pipes]
     for proc in procs:
         proc.start()
-    results = [r.recv() for r, _ in pipes]
-    for proc in procs:
-        proc.join()
+    for _, write_end in pipes:
+        write_end.close()  # the children hold theirs: a child that dies gives EOFError, not a hang
+    try:
+        results = [read_end.recv() for read_end, _ in pipes]
+    finally:
+        for proc in procs:
+            proc.join(timeout=duration_s + POLLER_STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     lines = [f"{count} spinning process(es), {duration_s:g} s each; a stall is a gap > "
              f"{STALL_MIN_S * 1e3:g} ms between two clock readings",
              "| process | stalls | > 5 ms | > 10 ms | longest ms | stalls per minute |",
