@@ -2,7 +2,7 @@
 
 ::
 
-    zserve bench CLUSTER.toml|ADDRESS WORKLOAD.toml [--rate R | --search goodput]
+    zserve bench CLUSTER.toml|ADDRESS WORKLOAD.toml [--rate R | --search goodput [--repeat N]]
                  [--steps 10:2000,10:4000 | --trace RATES.txt] [--workers N|auto]
                  [--json OUT] [--plots DIR] [--records OUT.npz] [--max-lateness-ms 5]
     zserve bench --max-rate-check [--workers N] [--json OUT]
@@ -22,7 +22,9 @@ the measure window (warmup and cooldown run at the first and last rate). ``--sea
 bisects the total rate (``zserve.loadgen.search``) for the highest one whose worst per-model bad
 rate is <= ``--max-bad-rate`` (1%), to ``--precision`` (1%), starting from the analytic bound;
 a probe certain to fail stops early (``BailRule``), and a probe the generator could not
-keep up with is retried once, then ends the search (exit 3).
+keep up with is retried once, then ends the search (exit 3). ``--repeat N`` runs N searches on
+the same cluster and reports the median one, with every search's goodput under ``repeats``: on
+a shared host one search can differ from the next by a third, so one search is an anecdote.
 
 Statistics come over the wire, never from guesses in the client: every backend is asked
 ``StatsRequest(reset=True)`` once a second (batch sizes and run times of its batches: the batch
@@ -51,6 +53,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -1045,6 +1048,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bad-rate", type=float, default=0.01)
     p.add_argument("--precision", type=float, default=0.01, help="relative search precision")
     p.add_argument("--no-early-stop", action="store_true", help="run every probe to its end")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="with --search: run N searches on the same cluster and report the "
+                   "median one (every goodput is listed); live goodputs vary from search to "
+                   "search with the host, so quote the median of several")
     p.add_argument("--json", dest="json_out", help="write the report here")
     p.add_argument("--plots", help="write plots (PNG) into this folder (needs matplotlib)")
     p.add_argument("--records", help="write per-request records (.npz) of the run (with "
@@ -1142,6 +1149,10 @@ def main(argv: list[str]) -> int:
         print("zserve bench: need CLUSTER_OR_ADDRESS and WORKLOAD (or --max-rate-check)",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.repeat < 1 or (args.repeat > 1 and not args.search):
+        print("zserve bench: --repeat N needs N >= 1, and N > 1 needs --search goodput",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         workload, schedule = _load(args)
         model_map = _pairs(args.model_map, "--model-map")
@@ -1179,6 +1190,11 @@ def main(argv: list[str]) -> int:
         say(f"plots: {', '.join(str(p) for p in written)}")
     if not args.quiet:
         print(summary_text(report))
+        repeats = report.get("repeats")
+        if repeats:
+            listed = ", ".join(f"{g:.1f}" for g in repeats["goodput_rps"])
+            print(f"goodput over {len(repeats['goodput_rps'])} searches: {listed} r/s; median "
+                  f"{repeats['median_rps']:.1f} (the report above is the median search's)")
         gen = report["generator"]
         lat = gen["lateness_ms"]
         print(f"generator: {gen['workers']} worker(s), send lateness p50 {lat['p50_ms']:.2f} ms "
@@ -1209,13 +1225,42 @@ class _BelowFloor(Exception):
     """A search probe would measure too few requests to judge a 1% bad rate."""
 
 
+def repeat_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """N goodput searches as one report: the median search's report (for an even N the lower of
+    the two middle ones, so that it is a search that ran) with ``repeats``: every search's
+    goodput in the order run, their median, min and max."""
+    goodputs = [float(r["goodput_rps"]) for r in reports]
+    chosen = sorted(reports, key=lambda r: float(r["goodput_rps"]))[(len(reports) - 1) // 2]
+    return {**chosen, "repeats": {"goodput_rps": goodputs,
+                                  "median_rps": float(statistics.median(goodputs)),
+                                  "min_rps": min(goodputs), "max_rps": max(goodputs)}}
+
+
 def _bench(
     args: argparse.Namespace, workload: Workload, target: Target, options: BenchOptions,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     if not args.search:
         return run_once(workload, target, None if options.schedule else workload.rate, options)
+    if args.repeat == 1:
+        return _search(args, workload, target, options, say)
+    reports = []
+    for k in range(args.repeat):
+        say(f"search {k + 1} of {args.repeat}")
+        run_options = options
+        if options.records:  # one set of files per search
+            path = Path(options.records)
+            run_options = dataclasses.replace(
+                options, records=str(path.with_name(f"{path.stem}-search{k + 1}{path.suffix}"))
+            )
+        reports.append(_search(args, workload, target, run_options, say))
+    return repeat_summary(reports)
 
+
+def _search(
+    args: argparse.Namespace, workload: Workload, target: Target, options: BenchOptions,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     last: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
     floor_rps = MIN_MEASURED_REQUESTS / workload.measure_s

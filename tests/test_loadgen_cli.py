@@ -144,3 +144,27 @@ def test_stats_window_takes_the_backends_in_window_busy_time() -> None:
     assert window.busy_s == pytest.approx(0.95 + 0.5)
     assert window.busy_fraction == pytest.approx((0.95 + 0.5) / 2)
     assert list(window.batch_sizes) == [4, 4, 2]
+
+
+def test_repeat_reports_the_median_search_and_lists_them_all() -> None:
+    def search(goodput: float, tag: str) -> dict[str, object]:
+        return {"goodput_rps": goodput, "tag": tag}
+
+    odd = cli.repeat_summary([search(3900.0, "a"), search(2100.0, "b"), search(2900.0, "c")])
+    assert odd["tag"] == "c" and odd["goodput_rps"] == 2900.0
+    assert odd["repeats"] == {"goodput_rps": [3900.0, 2100.0, 2900.0], "median_rps": 2900.0,
+                              "min_rps": 2100.0, "max_rps": 3900.0}
+    even = cli.repeat_summary([search(4000.0, "a"), search(3000.0, "b")])
+    assert even["tag"] == "b"  # the lower middle: a search that ran
+    assert even["repeats"]["median_rps"] == 3500.0
+    one = cli.repeat_summary([search(1234.0, "x")])
+    assert one["repeats"]["median_rps"] == 1234.0 and one["tag"] == "x"
+
+
+def test_repeat_needs_a_search_and_a_positive_count(
+    workload_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for extra in (["--rate", "100", "--repeat", "2"], ["--search", "goodput", "--repeat", "0"]):
+        code = cli.main(["ipc:///nonexistent/zserve-test", str(workload_file), *extra, "--quiet"])
+        assert code == cli.EXIT_USAGE
+        assert "--repeat N needs N >= 1" in capsys.readouterr().err
