@@ -212,3 +212,21 @@ def test_live_run_on_an_emulated_cluster(tmp_path: Path) -> None:
     assert report["per_model"]["synthetic-0"]["total"] >= 60
     assert report["bad_rate"] <= 0.02
     assert 0 < report["gpu_busy_fraction"] < 1.0
+
+
+def test_scale_live_measures_the_end_to_end_ceiling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`zserve experiment scale --live`'s live part on real processes, capped at 4,000 r/s so
+    that the search stays short: a goodput found by probes, and the CPU of every process."""
+    monkeypatch.setattr(ex, "SCALE_LIVE_MAX_RATE_RPS", 4000.0)
+    lines: list[str] = []
+    opts = ex.Options(quick=True, live=True, out_dir=tmp_path, plots=False, say=lines.append)
+    live = ex._scale_live(opts)
+    assert live["gpus"] == ex.SCALE_LIVE_GPUS and live["policy"] == "eager"
+    assert live["probes"] >= 2 and 0 < live["goodput_rps"] <= 4000.0
+    assert any("above the live cap" in line for line in lines) or live["goodput_rps"] < 4000.0
+    per_process = live["cpu"]["per_request_us"]
+    assert {"frontend-0", "shard-0"} <= set(per_process)
+    assert sum(name.startswith("backend-") for name in per_process) == ex.SCALE_LIVE_GPUS
+    assert per_process["frontend-0"] > 0 and per_process["shard-0"] > 0
