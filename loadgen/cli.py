@@ -1247,14 +1247,19 @@ def _bench(
     reports = []
     for k in range(args.repeat):
         say(f"search {k + 1} of {args.repeat}")
-        run_options = options
-        if options.records:  # one set of files per search
-            path = Path(options.records)
-            run_options = dataclasses.replace(
-                options, records=str(path.with_name(f"{path.stem}-search{k + 1}{path.suffix}"))
-            )
-        reports.append(_search(args, workload, target, run_options, say))
+        # one set of record files per search
+        reports.append(_search(args, workload, target,
+                               _records_suffixed(options, f"search{k + 1}"), say))
     return repeat_summary(reports)
+
+
+def _records_suffixed(options: BenchOptions, suffix: str) -> BenchOptions:
+    """``options`` writing its per-request records to ``NAME-<suffix>.npz`` instead of
+    ``NAME.npz`` (unchanged when it writes none)."""
+    if not options.records:
+        return options
+    path = Path(options.records)
+    return dataclasses.replace(options, records=str(path.with_name(f"{path.stem}-{suffix}.npz")))
 
 
 def _search(
@@ -1268,12 +1273,7 @@ def _search(
     def probe(rate: float) -> dict[str, Any]:
         if rate < floor_rps:
             raise _BelowFloor
-        probe_options = options
-        if options.records:
-            path = Path(options.records)
-            probe_options = dataclasses.replace(
-                options, records=str(path.with_name(f"{path.stem}-{rate:.0f}rps.npz"))
-            )
+        probe_options = _records_suffixed(options, f"{rate:.0f}rps")
         try:
             report = run_once(workload, target, rate, probe_options)
         except GeneratorBehindError as exc:

@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -230,7 +230,7 @@ def spin_gaps(duration_s: float, min_gap_s: float = STALL_MIN_S) -> list[tuple[f
     return gaps
 
 
-def _spin_gaps_child(duration_s: float, conn: Any) -> None:
+def _spin_gaps_child(duration_s: float, conn: Connection) -> None:
     conn.send(spin_gaps(duration_s))
     conn.close()
 
