@@ -168,3 +168,14 @@ def test_repeat_needs_a_search_and_a_positive_count(
         code = cli.main(["ipc:///nonexistent/zserve-test", str(workload_file), *extra, "--quiet"])
         assert code == cli.EXIT_USAGE
         assert "--repeat N needs N >= 1" in capsys.readouterr().err
+
+
+def test_record_files_are_named_per_search_and_per_probe(tmp_path: Path) -> None:
+    options = cli.BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
+                               schedule=None, records=str(tmp_path / "run.npz"))
+    search = cli._records_suffixed(options, "search2")
+    probe = cli._records_suffixed(search, "3100rps")
+    assert probe.records == str(tmp_path / "run-search2-3100rps.npz")
+    none = cli.BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
+                            schedule=None)
+    assert cli._records_suffixed(none, "search1") is none
