@@ -32,6 +32,15 @@ from the socket factory, over ipc:// and tcp://127.0.0.1, with sync and asyncio 
     load on the machine than the rates.
 - round trip: ping-pong of one small message; p50 in microseconds.
 - arrays (sync sockets): one float32 array per message, 1 KiB .. 64 MiB, bytes per second.
+- spaced messages (ipc, sync sockets, codec): the peer sleeps ``gap`` and sends one small message,
+  ``count`` times, so the connection is idle between messages, as it is in a serving process at
+  moderate load; then the same sleeps without the sends. Each side's CPU per message (all its
+  threads) is the median of interleaved runs, and "one message" is the sender's CPU less the
+  sleeps' plus the receiver's. A flood amortises ZeroMQ's wake-ups over many messages; a spaced
+  message pays them all: the sender's I/O thread is woken by an eventfd, the receiver's I/O
+  thread by the socket and its application thread by another eventfd. On a small VM each wake-up
+  costs far more than the message itself (docs/performance.md, "Overhead"), which is what makes
+  the per-request CPU of a live cluster at a few thousand requests per second.
 
 Numbers on a shared machine are noisy; run it on an idle one for figures you quote.
 """
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import statistics
@@ -55,6 +65,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from zserve.idle_poll import IdlePollers
 from zserve.transport.codec import (
     async_recv,
     async_send,
@@ -86,6 +97,10 @@ PEER_START_TIMEOUT_S = 60.0
 PHASE_TIMEOUT_S = 60.0
 PEER_POLL_INTERVAL_S = 0.1
 PEER_IDENTITY = b"bench-peer"
+# Spaced messages: the gaps between sends, messages per run (full, --quick), interleaved runs.
+SPACED_GAPS_S = (0.0003, 0.001)
+SPACED_MESSAGES = (1000, 150)
+SPACED_REPEATS = 3
 # The peer checks the clock once per this many small sends, so the clock is not what we measure
 # (and before every array send, where it costs nothing in comparison).
 CLOCK_CHECK_EVERY = 64
@@ -118,13 +133,15 @@ def _bare_frames(message: Message) -> list[Any]:
 class _Phase:
     """One streaming phase: what the peer sends and how."""
 
-    op: str  # "flood" or "echo"
+    op: str  # "flood", "echo", "spaced" (sleep, send; codec only) or "sleep" (the sleeps alone)
     mode: str  # "bare" or "codec"
     size_bytes: int  # 0 for the small message
     duration_s: float = 0.0
     window: int = 1
     ack_every: int = 1
     round_trips: int = 0
+    gap_s: float = 0.0
+    count: int = 0
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -165,6 +182,8 @@ def _peer_loop_sync(sock: zmq.Socket[Any]) -> None:
         phase = _Phase.unpack(command[1])
         if phase.op == "flood":
             _peer_flood_sync(sock, phase)
+        elif phase.op in ("spaced", "sleep"):
+            _peer_spaced_sync(sock, phase)
         else:
             _peer_echo_sync(sock, phase)
 
@@ -200,6 +219,21 @@ def _peer_flood_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
     else:
         sock.send(_END)
     sock.send_multipart([_CPU, _pack_seconds(time.process_time() - cpu_started)])
+
+
+def _peer_spaced_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
+    """Sleep ``gap_s`` and send one small message, ``count`` times ("sleep": the sleeps alone),
+    then the end marker and this process's CPU seconds over the loop."""
+    message = phase.message()
+    sends = phase.op == "spaced"
+    cpu_started = time.process_time()
+    for _ in range(phase.count):
+        time.sleep(phase.gap_s)
+        if sends:
+            sync_send(sock, message)
+    cpu_s = time.process_time() - cpu_started
+    sync_send(sock, _END_MESSAGE)
+    sock.send_multipart([_CPU, _pack_seconds(cpu_s)])
 
 
 def _peer_echo_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
@@ -296,6 +330,22 @@ class FloodResult:
 
 
 @dataclass
+class SpacedResult:
+    """CPU microseconds per message at one gap: medians of the interleaved runs."""
+
+    gap_s: float
+    messages: int  # per run
+    sender_cpu_us: float  # the sender's loop: its sleep and its send
+    sleep_cpu_us: float  # the same loop without the send
+    receiver_cpu_us: float
+
+    @property
+    def message_cpu_us(self) -> float:
+        """One message, both processes: the sender's cost beyond its sleep, plus the receiver's."""
+        return max(0.0, self.sender_cpu_us - self.sleep_cpu_us) + self.receiver_cpu_us
+
+
+@dataclass
 class PairResult:
     transport: str
     io: str
@@ -311,6 +361,7 @@ class PairResult:
     # array size in bytes -> bytes per second
     array_bare_bytes_per_s: dict[int, float] = field(default_factory=dict)
     array_codec_bytes_per_s: dict[int, float] = field(default_factory=dict)
+    spaced: list[SpacedResult] = field(default_factory=list)
 
     @property
     def small_overhead(self) -> float:
@@ -386,6 +437,37 @@ def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
     except zmq.Again:
         raise TimeoutError(f"peer sent nothing for {PHASE_TIMEOUT_S} s during {phase}") from None
     return FloodResult(received, seconds, cpu_s, _unpack_seconds(report))
+
+
+def _spaced_run_sync(router: zmq.Socket[Any], phase: _Phase) -> tuple[float, float]:
+    """One spaced (or sleep-only) run: (receiver CPU seconds, sender CPU seconds). The receiver
+    blocks in ``recv`` between messages, as a serving process waits in its poll."""
+    router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
+    cpu_started = time.process_time()
+    try:
+        while True:
+            _, message = sync_recv(router, router=True)
+            if type(message) is Shutdown:
+                break
+        cpu_s = time.process_time() - cpu_started
+        report = router.recv_multipart()
+    except zmq.Again:
+        raise TimeoutError(f"peer sent nothing for {PHASE_TIMEOUT_S} s during {phase}") from None
+    return cpu_s, _unpack_seconds(report)
+
+
+def _spaced_sync(router: zmq.Socket[Any], gap_s: float, count: int) -> SpacedResult:
+    """Spaced sends and the bare sleeps, interleaved ``SPACED_REPEATS`` times."""
+    spaced = _Phase("spaced", "codec", 0, gap_s=gap_s, count=count)
+    sleeps = _Phase("sleep", "codec", 0, gap_s=gap_s, count=count)
+    sender, sleep, receiver = [], [], []
+    for _ in range(SPACED_REPEATS):
+        receiver_s, sender_s = _spaced_run_sync(router, spaced)
+        receiver.append(receiver_s / count * 1e6)
+        sender.append(sender_s / count * 1e6)
+        sleep.append(_spaced_run_sync(router, sleeps)[1] / count * 1e6)
+    median = statistics.median
+    return SpacedResult(gap_s, count, median(sender), median(sleep), median(receiver))
 
 
 def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
@@ -482,7 +564,9 @@ def _stop_peer(peer: multiprocessing.process.BaseProcess) -> None:
         peer.join(timeout=5)
 
 
-def _run_pair_sync(transport: str, endpoint_hint: str, quick: bool, arrays: bool) -> PairResult:
+def _run_pair_sync(
+    transport: str, endpoint_hint: str, quick: bool, arrays: bool, spaced: bool = False
+) -> PairResult:
     result = PairResult(transport, "sync")
     ctx = zmq.Context()
     router, endpoint = make_router(ctx, endpoint_hint, name="bench")
@@ -512,6 +596,8 @@ def _run_pair_sync(transport: str, endpoint_hint: str, quick: bool, arrays: bool
             ):
                 flood = _flood_sync(router, _array_phase(mode, size, quick))
                 table[size] = flood.messages * size / flood.seconds
+        for gap_s in SPACED_GAPS_S if spaced else ():
+            result.spaced.append(_spaced_sync(router, gap_s, SPACED_MESSAGES[quick]))
         router.send_multipart([PEER_IDENTITY, b"quit"])
     finally:
         _stop_peer(peer)
@@ -659,6 +745,29 @@ def _print_report(
                 cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
                 cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
             print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+    for pair in pairs:
+        if not pair.spaced:
+            continue
+        print(
+            f"\nspaced messages ({pair.transport}, {pair.io}, codec): one small message per gap,"
+            " the connection idle between them;\nCPU us per message (all threads), medians of"
+            f" {SPACED_REPEATS} interleaved runs"
+        )
+        print(
+            f"{'gap':<9}{'messages':>9}{'sender':>9}{'its sleep':>11}{'receiver':>10}"
+            f"{'one message':>13}{'vs flood':>10}"
+        )
+        flood_us = pair.small_codec_sender_cpu_us + pair.small_codec_receiver_cpu_us
+        for row in pair.spaced:
+            print(
+                f"{f'{row.gap_s * 1e3:g} ms':<9}{row.messages:>9}{row.sender_cpu_us:>9.1f}"
+                f"{row.sleep_cpu_us:>11.1f}{row.receiver_cpu_us:>10.1f}"
+                f"{row.message_cpu_us:>13.1f}{row.message_cpu_us / flood_us:>9.0f}x"
+            )
+        print(
+            "(one message = sender - its sleep + receiver; vs flood: against the same message's"
+            " send + recv CPU in the flood above)"
+        )
     print(f"\n(total {elapsed_s:.1f} s; noisy on a shared machine: compare runs, quote medians)")
 
 
@@ -669,22 +778,37 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="short phases (~10 s in all)")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument(
+        "--idle-poll",
+        action="store_true",
+        help="keep the CPUs awake while it runs, as the benchmark clusters do (zserve.idle_poll)",
+    )
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
     pairs: list[PairResult] = []
-    with IpcDir() as ipc:
+    with contextlib.ExitStack() as stack:
+        if args.idle_poll:
+            stack.enter_context(IdlePollers())
+        ipc = stack.enter_context(IpcDir())
         for transport in ("ipc", "tcp"):
             sync_bind = ipc.endpoint("sync") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
             async_bind = ipc.endpoint("async") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
-            pairs.append(_run_pair_sync(transport, sync_bind, args.quick, arrays=True))
+            pairs.append(
+                _run_pair_sync(
+                    transport, sync_bind, args.quick, arrays=True, spaced=transport == "ipc"
+                )
+            )
             pairs.append(_run_pair_async(transport, async_bind, args.quick))
     encode_us, decode_us = _codec_cost_us(2000 if args.quick else 20000)
     elapsed = time.perf_counter() - started
+    if args.idle_poll:
+        print("(run with idle pollers: the CPUs kept awake)")
     _print_report(pairs, encode_us, decode_us, elapsed)
     if args.json:
         report = {
             "quick": args.quick,
+            "idle_poll": args.idle_poll,
             "elapsed_s": elapsed,
             "codec_encode_us": encode_us,
             "codec_decode_us": decode_us,
@@ -694,6 +818,9 @@ def main(argv: list[str]) -> int:
                     "small_codec_overhead": pair.small_overhead,
                     "small_sender_cpu_overhead": pair.small_sender_cpu_overhead,
                     "small_receiver_cpu_overhead": pair.small_receiver_cpu_overhead,
+                    "spaced": [
+                        {**asdict(row), "message_cpu_us": row.message_cpu_us} for row in pair.spaced
+                    ],
                 }
                 for pair in pairs
             ],
