@@ -60,6 +60,9 @@ from zserve.scheduler.common import (
 )
 from zserve.scheduler.policy import (
     DEFAULT_KEEP_TOLERANCE,
+    DEFER_MISS_MAX_S,
+    DEFER_MISS_RELAX_S,
+    DEFER_MISS_WIDEN_S,
     DEFER_STAGGER_MIN_GPUS,
     DROP_FCFS,
     DROP_WINDOW,
@@ -158,6 +161,7 @@ class ModelThread:
         self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
         # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
         self._defer_below = math.inf
+        self._defer_shared = False  # set with _defer_below: the model shares its GPUs
         self._meter = RpsMeter(rate_bucket_s, rate_window)
         self.keep_tolerance = keep_tolerance
         self.target = 1
@@ -181,7 +185,12 @@ class ModelThread:
         self.cand_exec = 0.0
         self.cand_latest = 0.0
         self._sent: tuple[int, float, float] | None = None
+        # deferred: whether the candidate waits for its frontrun moment, and the margin this
+        # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
+        self._cand_deferred = False
+        self.miss_margin_s = 0.0
         # counters (for stats and tests)
+        self.n_window_misses = 0
         self.n_arrived = 0
         self.n_dropped = 0
         self.n_planned = 0
@@ -216,6 +225,7 @@ class ModelThread:
         size b (n = lambda*l(b)/b). Cached: it changes only when the meter seals a bucket or the
         target or profile changes."""
         rate = self._meter.rate()
+        self._defer_shared = False
         if rate is None:
             self._defer_below = math.inf  # no rate yet: plain frontrun
             return
@@ -225,6 +235,7 @@ class ModelThread:
             self._defer_below = max(beta_lambda, target)
         else:
             self._defer_below = beta_lambda - 1.0
+            self._defer_shared = True
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -293,6 +304,17 @@ class ModelThread:
     def on_timer(self, now: float, outbox: Outbox) -> None:
         if now < self.wake_at:
             return
+        bs = self.cand_bs
+        if (
+            bs
+            and self._cand_deferred
+            and now + self.d_ctrl_s + self.d_data_s * bs > self.cand_latest
+        ):
+            # A deferred candidate's grant window closed with no GPU granted (the rank calls it
+            # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S.
+            self.n_window_misses += 1
+            margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
+            self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -320,6 +342,9 @@ class ModelThread:
             )
             self._publish(now, outbox)
             return
+        if self.miss_margin_s:
+            margin = self.miss_margin_s - DEFER_MISS_RELAX_S
+            self.miss_margin_s = margin if margin > 0.0 else 0.0
         head = self._head
         stop = head + bs
         request_ids = self._rid[head:stop]
@@ -455,10 +480,14 @@ class ModelThread:
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
         latest = deadline - table[bs]
         kind = self._kind
+        deferred = False
         if kind == KIND_DEFERRED:
             if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
                 exec_at = earliest
-            else:
+            elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
+                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + 1]
+                deferred = True
+            else:  # staggered: a missed window is the stagger at work; the authors' aim
                 exec_at = deadline - self.jitter_s - table[bs + 1]
         elif kind == KIND_FRONTRUN:
             exec_at = deadline - self.jitter_s - table[bs + 1]
@@ -475,6 +504,7 @@ class ModelThread:
         self.cand_bs = bs
         self.cand_exec = exec_at
         self.cand_latest = latest
+        self._cand_deferred = deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 

@@ -532,6 +532,8 @@ class ShardHost:
                     "dropped": t.n_dropped,
                     "planned": t.n_planned,
                     "batches": t.n_batches,
+                    "window_misses": t.n_window_misses,
+                    "miss_margin_ms": t.miss_margin_s * 1e3,
                     "target": t.target,
                     "max_batch": t.profile.max_batch,
                     "gpus": list(self.served.get(name, [])),

@@ -8,7 +8,12 @@ import pytest
 
 from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
-from zserve.scheduler.policy import SchedulePolicy
+from zserve.scheduler.policy import (
+    DEFER_MISS_MAX_S,
+    DEFER_MISS_RELAX_S,
+    DEFER_MISS_WIDEN_S,
+    SchedulePolicy,
+)
 from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchPlan,
@@ -315,3 +320,82 @@ def test_publish_ahead_holds_candidate_until_lead_before_its_rank_timer() -> Non
     out.clear()
     _arrive(mt, 2.5 * MS, [4], outbox=out)  # the rank holds one now: changes go out at once
     assert _cands(out)[0].batch_size == 4
+
+
+def _taught_meter(rate_per_10ms: int) -> ModelThread:
+    """A ModelThread whose meter has seen ``rate_per_10ms`` requests every 10 ms for 2 s."""
+    teacher = _mt()
+    now, rid = 0.0, 10
+    for _ in range(200):
+        now += 0.01
+        ids = list(range(rid, rid + rate_per_10ms))
+        teacher.on_arrivals(now, "fe", ids, [now] * len(ids), [now + 1.0] * len(ids), [])
+        rid += rate_per_10ms
+    return teacher
+
+
+def _mt30(policy: str = "deferred") -> ModelThread:
+    # SLO 30 ms: target batch 10, so at 1000 r/s the load needs under 2 GPUs (l(10)/10 = 1.5 ms
+    # per request) and at 10,000 r/s about 15
+    return ModelThread("m", PROFILE, 30 * MS, SchedulePolicy.parse(policy, "window"),
+                       publish_lead_s=None)
+
+
+def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() -> None:
+    # 1000 r/s: beta * lambda = 5 requests, and the load needs under 2 GPUs, so the model
+    # shares its GPUs and defers while its batch is below beta * lambda - 1 = 4.
+    meter = _taught_meter(10).meter
+    now = 2.0
+    mt = _mt30()
+    mt.meter = meter
+    (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
+    d = now + 30 * MS
+    assert cand.exec_at == pytest.approx(d - PROFILE.latency(2))  # frontrun: waiting pays
+    assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
+    # No grant came before the window closed: a miss, and the aim moves earlier.
+    mt.on_timer(mt.wake_at, [])
+    assert mt.n_window_misses == 1
+    assert mt.miss_margin_s == pytest.approx(DEFER_MISS_WIDEN_S)
+    later = mt.wake_at + 1 * MS
+    (cand2,) = _cands(_arrive(mt, later, [2], slo=30 * MS))
+    assert cand2.exec_at == pytest.approx(later + 30 * MS - DEFER_MISS_WIDEN_S - PROFILE.latency(2))
+    # Each granted batch gives a little of the margin back.
+    out: Outbox = []
+    mt.on_grant(later, GrantGpu("m", 0, 1, free_at=later), out)
+    assert any(isinstance(m, BatchPlan) for _, m in out)
+    assert mt.miss_margin_s == pytest.approx(DEFER_MISS_WIDEN_S - DEFER_MISS_RELAX_S)
+
+
+def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
+    meter = _taught_meter(10).meter
+    mt = _mt30()
+    mt.meter = meter
+    now = 2.0
+    for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
+        _arrive(mt, now, [rid], slo=30 * MS)
+        mt.on_timer(mt.wake_at, [])
+        now = mt.wake_at + 1 * MS if math.isfinite(mt.wake_at) else now + 1 * MS
+    assert mt.n_window_misses == 40
+    assert mt.miss_margin_s == pytest.approx(DEFER_MISS_MAX_S)
+
+
+@pytest.mark.parametrize("policy", ["frontrun", "eager"])
+def test_other_policies_learn_no_margin(policy: str) -> None:
+    meter = _taught_meter(10).meter
+    mt = _mt30(policy)
+    mt.meter = meter
+    _arrive(mt, 2.0, [1], slo=30 * MS)
+    mt.on_timer(mt.wake_at, [])
+    assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
+
+
+def test_staggered_model_learns_no_margin() -> None:
+    # 10,000 r/s needs about 15 GPUs at the target batch: the model runs staggered over GPUs of
+    # its own, where a missed window is the stagger at work, and keeps the authors' aim.
+    meter = _taught_meter(100).meter
+    mt = _mt30()
+    mt.meter = meter
+    _arrive(mt, 2.0, [1], slo=30 * MS)
+    assert mt.cand_exec > 2.0  # it defers
+    mt.on_timer(mt.wake_at, [])
+    assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
