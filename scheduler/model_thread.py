@@ -311,7 +311,9 @@ class ModelThread:
             and now + self.d_ctrl_s + self.d_data_s * bs > self.cand_latest
         ):
             # A deferred candidate's grant window closed with no GPU granted (the rank calls it
-            # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S.
+            # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
+            # grant still on its way when the window closes counts too: it came too late for the
+            # batch as planned, and the cap bounds what such misses can cost.
             self.n_window_misses += 1
             margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
             self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S

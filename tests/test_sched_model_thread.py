@@ -12,6 +12,7 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    RpsMeter,
     SchedulePolicy,
 )
 from zserve.scheduler.profiles import LatencyProfile
@@ -27,6 +28,22 @@ from zserve.transport.messages import (
 MS = 1e-3
 # l(b) = b + 5 ms
 PROFILE = LatencyProfile.linear(1.0, 5.0, 32)
+
+
+# _taught_meter's requests end at this time; a ModelThread given its meter carries on from it.
+TAUGHT_UNTIL_S = 2.0
+
+
+def _taught_meter(rate_per_10ms: int) -> RpsMeter:
+    """A rate meter that has seen ``rate_per_10ms`` requests every 10 ms until TAUGHT_UNTIL_S."""
+    teacher = _mt()
+    rid = 10
+    for step in range(1, 201):
+        now = step * 0.01
+        ids = list(range(rid, rid + rate_per_10ms))
+        teacher.on_arrivals(now, "fe", ids, [now] * len(ids), [now + 1.0] * len(ids), [])
+        rid += rate_per_10ms
+    return teacher.meter
 
 
 def _mt(policy: str = "deferred", drop: str = "window", **kw: float) -> ModelThread:
@@ -92,16 +109,11 @@ def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() ->
     # no rate sample yet: frontrun
     (cand,) = _cands(_arrive(mt, 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
-    # teach the meter a rate of 1000 r/s: beta * lambda = 5 ms * 1000/s = 5 requests
-    now, rid = 0.0, 10
-    for _ in range(200):
-        now += 0.01
-        mt.on_arrivals(now, "fe", list(range(rid, rid + 10)), [now] * 10, [now + 1.0] * 10, [])
-        rid += 10
-    rate = mt.meter.rate()
-    assert rate == pytest.approx(1000.0, rel=0.1)
+    # a meter taught 1000 r/s: beta * lambda = 5 ms * 1000/s = 5 requests
+    meter, now = _taught_meter(10), TAUGHT_UNTIL_S
+    assert meter.rate() == pytest.approx(1000.0, rel=0.1)
     small = _mt("deferred-bl")
-    small.meter = mt.meter
+    small.meter = meter
     (c3,) = _cands(_arrive(small, now, [1, 2, 3], slo=30 * MS))
     assert c3.exec_at > now  # 3 < ~5: frontrun
     (c8,) = _cands(_arrive(small, now, [4, 5, 6, 7, 8], slo=30 * MS))
@@ -322,18 +334,6 @@ def test_publish_ahead_holds_candidate_until_lead_before_its_rank_timer() -> Non
     assert _cands(out)[0].batch_size == 4
 
 
-def _taught_meter(rate_per_10ms: int) -> ModelThread:
-    """A ModelThread whose meter has seen ``rate_per_10ms`` requests every 10 ms for 2 s."""
-    teacher = _mt()
-    now, rid = 0.0, 10
-    for _ in range(200):
-        now += 0.01
-        ids = list(range(rid, rid + rate_per_10ms))
-        teacher.on_arrivals(now, "fe", ids, [now] * len(ids), [now + 1.0] * len(ids), [])
-        rid += rate_per_10ms
-    return teacher
-
-
 def _mt30(policy: str = "deferred") -> ModelThread:
     # SLO 30 ms: target batch 10, so at 1000 r/s the load needs under 2 GPUs (l(10)/10 = 1.5 ms
     # per request) and at 10,000 r/s about 15
@@ -344,8 +344,8 @@ def _mt30(policy: str = "deferred") -> ModelThread:
 def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() -> None:
     # 1000 r/s: beta * lambda = 5 requests, and the load needs under 2 GPUs, so the model
     # shares its GPUs and defers while its batch is below beta * lambda - 1 = 4.
-    meter = _taught_meter(10).meter
-    now = 2.0
+    meter = _taught_meter(10)
+    now = TAUGHT_UNTIL_S
     mt = _mt30()
     mt.meter = meter
     (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
@@ -367,10 +367,10 @@ def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() 
 
 
 def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
-    meter = _taught_meter(10).meter
+    meter = _taught_meter(10)
     mt = _mt30()
     mt.meter = meter
-    now = 2.0
+    now = TAUGHT_UNTIL_S
     for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
         _arrive(mt, now, [rid], slo=30 * MS)
         mt.on_timer(mt.wake_at, [])
@@ -381,10 +381,10 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
 
 @pytest.mark.parametrize("policy", ["frontrun", "eager"])
 def test_other_policies_learn_no_margin(policy: str) -> None:
-    meter = _taught_meter(10).meter
+    meter = _taught_meter(10)
     mt = _mt30(policy)
     mt.meter = meter
-    _arrive(mt, 2.0, [1], slo=30 * MS)
+    _arrive(mt, TAUGHT_UNTIL_S, [1], slo=30 * MS)
     mt.on_timer(mt.wake_at, [])
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
 
@@ -392,10 +392,10 @@ def test_other_policies_learn_no_margin(policy: str) -> None:
 def test_staggered_model_learns_no_margin() -> None:
     # 10,000 r/s needs about 15 GPUs at the target batch: the model runs staggered over GPUs of
     # its own, where a missed window is the stagger at work, and keeps the authors' aim.
-    meter = _taught_meter(100).meter
+    meter = _taught_meter(100)
     mt = _mt30()
     mt.meter = meter
-    _arrive(mt, 2.0, [1], slo=30 * MS)
-    assert mt.cand_exec > 2.0  # it defers
+    _arrive(mt, TAUGHT_UNTIL_S, [1], slo=30 * MS)
+    assert mt.cand_exec > TAUGHT_UNTIL_S  # it defers
     mt.on_timer(mt.wake_at, [])
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
