@@ -818,7 +818,7 @@ def _add_control_stats(
 
 def _bound_rps(workload: Workload, gpus: int) -> float | None:
     try:
-        from zserve.scheduler.sim import workload_bound_rps
+        from zserve.loadgen.sim import workload_bound_rps
 
         bound = workload_bound_rps(workload.with_overrides(gpus=gpus))
     except Exception:

@@ -1,4 +1,4 @@
-"""Scheduling logic (pure), shard/rank processes and the discrete-event simulator.
+"""Scheduling logic (pure) and the shard/rank processes that host it.
 
 Pure scheduling objects (no I/O, no clock; hosted alike by the simulator and the processes):
 
@@ -9,6 +9,7 @@ Pure scheduling objects (no I/O, no clock; hosted alike by the simulator and the
 - ``zserve.scheduler.profiles``: latency profiles and the ``zserve-profile/1`` file format.
 - ``zserve.scheduler.bounds``: analytic staggered/uncoordinated bounds.
 
-Hosts: ``zserve.scheduler.sim`` (``zserve sim``), ``zserve.scheduler.bench``
-(``zserve bench-scheduler``), and the shard/rank processes.
+Hosts: the shard/rank processes, ``zserve.scheduler.bench`` (``zserve bench-scheduler``), and the
+discrete-event simulator ``zserve.loadgen.sim`` (``zserve sim``), which sits above every role
+because it hosts the pure cores of all of them.
 """

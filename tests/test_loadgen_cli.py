@@ -12,7 +12,7 @@ from zserve.loadgen import cli
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.workload import load_workload
-from zserve.scheduler.sim import simulate
+from zserve.loadgen.sim import simulate
 
 WORKLOAD = """
 [workload]

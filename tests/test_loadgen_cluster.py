@@ -9,7 +9,7 @@ from pathlib import Path
 
 from zserve.loadgen import cli
 from zserve.loadgen.workload import load_workload
-from zserve.scheduler.sim import simulate
+from zserve.loadgen.sim import simulate
 
 CLUSTER = """
 [cluster]

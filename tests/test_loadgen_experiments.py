@@ -13,7 +13,7 @@ import pytest
 
 from zserve import cli as zserve_cli
 from zserve.loadgen import experiments as ex
-from zserve.scheduler.sim import Simulator
+from zserve.loadgen.sim import Simulator
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MAX_PLOT_BYTES = 200_000  # docs/perf PNGs stay small

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zserve.loadgen.workload import parse_workload
-from zserve.scheduler.sim import SimConfig, Simulator
+from zserve.loadgen.sim import SimConfig, Simulator
 
 GAP_S = 0.00075
 MS = 1e-3

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "scheduler": ("zserve.scheduler.shard", "main", "run one scheduler shard process"),
     "rank": ("zserve.scheduler.rank_process", "main", "run the rank process"),
     "backend": ("zserve.backends.process", "main", "run one backend process"),
-    "sim": ("zserve.scheduler.sim_cli", "main", "run a workload in the discrete-event simulator"),
+    "sim": ("zserve.loadgen.sim_cli", "main", "run a workload in the discrete-event simulator"),
     "bench-scheduler": (
         "zserve.scheduler.bench",
         "main",

@@ -1,6 +1,6 @@
 """``zserve sim WORKLOAD [--policy P] [--rate R | --search goodput] [--json OUT]``.
 
-Runs a workload file in the discrete-event simulator (``zserve.scheduler.sim``) and prints a
+Runs a workload file in the discrete-event simulator (``zserve.loadgen.sim``) and prints a
 one-screen summary; ``--json`` writes the report (schema in ``zserve.loadgen.report``).
 
 ``--search goodput`` finds the highest total rate whose worst per-model bad rate is <= 1%
@@ -26,7 +26,7 @@ from typing import Any
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.workload import ArrivalSpec, load_workload
-from zserve.scheduler.sim import InvariantError, SimConfig, simulate, workload_bound_rps
+from zserve.loadgen.sim import InvariantError, SimConfig, simulate, workload_bound_rps
 
 
 def _parser() -> argparse.ArgumentParser:

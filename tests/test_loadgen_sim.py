@@ -15,7 +15,7 @@ from zserve.loadgen.search import search_goodput
 from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
 from zserve.scheduler import bench, sim_cli
 from zserve.scheduler.profiles import LatencyProfile, save_profiles
-from zserve.scheduler.sim import InvariantError, SimConfig, Simulator, simulate
+from zserve.loadgen.sim import InvariantError, SimConfig, Simulator, simulate
 from zserve.transport.messages import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
