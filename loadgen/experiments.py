@@ -71,10 +71,10 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sim import SimConfig, simulate, workload_bound_rps
 from zserve.loadgen.workload import Workload, load_workload, parse_workload
 from zserve.scheduler.bounds import staggered_bound_rps
 from zserve.scheduler.profiles import LatencyProfile, load_zoo_csv
-from zserve.loadgen.sim import SimConfig, simulate, workload_bound_rps
 
 EXPERIMENT_SCHEMA = "zserve-experiment/1"
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"

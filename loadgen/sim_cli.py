@@ -25,8 +25,8 @@ from typing import Any
 
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
-from zserve.loadgen.workload import ArrivalSpec, load_workload
 from zserve.loadgen.sim import InvariantError, SimConfig, simulate, workload_bound_rps
+from zserve.loadgen.workload import ArrivalSpec, load_workload
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,8 +11,8 @@ import pytest
 from zserve.loadgen import cli
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.report import summary_text
-from zserve.loadgen.workload import load_workload
 from zserve.loadgen.sim import simulate
+from zserve.loadgen.workload import load_workload
 
 WORKLOAD = """
 [workload]

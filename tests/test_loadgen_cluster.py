@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from zserve.loadgen import cli
-from zserve.loadgen.workload import load_workload
 from zserve.loadgen.sim import simulate
+from zserve.loadgen.workload import load_workload
 
 CLUSTER = """
 [cluster]

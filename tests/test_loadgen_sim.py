@@ -9,13 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zserve.loadgen import sim_cli
 from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.search import search_goodput
-from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
-from zserve.scheduler import bench, sim_cli
-from zserve.scheduler.profiles import LatencyProfile, save_profiles
 from zserve.loadgen.sim import InvariantError, SimConfig, Simulator, simulate
+from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
+from zserve.scheduler import bench
+from zserve.scheduler.profiles import LatencyProfile, save_profiles
 from zserve.transport.messages import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]

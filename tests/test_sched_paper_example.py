@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zserve.loadgen.workload import parse_workload
 from zserve.loadgen.sim import SimConfig, Simulator
+from zserve.loadgen.workload import parse_workload
 
 GAP_S = 0.00075
 MS = 1e-3
