@@ -41,8 +41,9 @@ from zserve.backends.executor import (
     TensorSpec,
     split_rows,
 )
-from zserve.backends.profiler import PROFILE_FORMAT, LatencyProfile
+from zserve.backends.profiler import LatencyMeasurement
 from zserve.errors import BadRequestError
+from zserve.profiles import PROFILE_FORMAT
 from zserve.timers import sleep_until
 
 
@@ -176,12 +177,12 @@ class EmulatedExecutor(Executor):
         *,
         repeats: int = 10,
         warmup: int = 2,
-    ) -> LatencyProfile:
+    ) -> LatencyMeasurement:
         """The configured profile, exactly (nothing is measured)."""
         m = self.model(model)
         sizes = sorted(set(batch_sizes or range(1, m.max_batch + 1)))
         latency = [m.latency_s(b) * 1e3 for b in sizes]
-        return LatencyProfile.from_measurements(
+        return LatencyMeasurement.from_measurements(
             model, self.device, {b: [x] for b, x in zip(sizes, latency, strict=True)}
         )
 

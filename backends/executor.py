@@ -49,7 +49,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from zserve.backends.profiler import LatencyProfile, measure_latency
+from zserve.backends.profiler import LatencyMeasurement, measure_latency
 from zserve.errors import BadRequestError, InternalError
 
 Array = np.ndarray[Any, Any]
@@ -301,7 +301,7 @@ class Executor(abc.ABC):
         *,
         repeats: int = 10,
         warmup: int = 2,
-    ) -> LatencyProfile:
+    ) -> LatencyMeasurement:
         """Measure l(b) of ``model`` at each batch size (default 1..max_batch) and fit
         ``alpha*b + beta``. Batch sizes are interleaved across repeats, so that a slow stretch
         of the machine spreads over every size instead of bending the curve."""

@@ -81,7 +81,7 @@ from zserve.config import (
     role_config,
 )
 from zserve.errors import ErrorKind, ZServeError
-from zserve.scheduler.profiles import LatencyProfile, load_profiles
+from zserve.profiles import LatencyProfile, configured_profile
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -287,18 +287,6 @@ def _emulated_model(model: ModelConfig) -> Any:
                          latency_ms=tuple(profile.latency_ms_list()),
                          input_shape=tuple(model.input_shape), input_dtype=model.input_dtype,
                          output_shape=tuple(model.output_shape))
-
-
-def configured_profile(model: ModelConfig) -> LatencyProfile | None:
-    """The profile cluster.toml gives for ``model``: its profile file, or emulated alpha/beta."""
-    if model.profile:
-        profiles = load_profiles(model.profile)
-        if model.name not in profiles:
-            raise ValueError(f"profile file {model.profile} has no entry for {model.name!r}")
-        return profiles[model.name]
-    if model.alpha_ms is not None and model.beta_ms is not None:
-        return LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
-    return None
 
 
 # --------------------------------------------------------------------------- the follower

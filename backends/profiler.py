@@ -16,7 +16,7 @@ CPU profiles use ONE intra-op thread by default (``--threads``): a backend is on
 CPU "device" one thread per backend is what keeps backends from fighting over cores; it also
 makes l(b) reproducible on a shared machine.
 
-Profile file (read by ``zserve.scheduler.profiles.load_profiles``)::
+Profile file (the one format of ``zserve.profiles``, read by its ``load_profiles``)::
 
     {"format": "zserve-profile/1",
      "device": "cpu",
@@ -32,11 +32,8 @@ device, the model's entry is added or replaced and the other models are kept.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,12 +42,30 @@ from typing import Any
 
 import numpy as np
 
-PROFILE_FORMAT = "zserve-profile/1"
+from zserve.profiles import (
+    PROFILE_FORMAT,
+    LatencyProfile,
+    ProfileEntry,
+    profile_file_dict,
+    write_profile_entries,
+)
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "LatencyMeasurement",
+    "fit_linear",
+    "main",
+    "measure_latency",
+    "plot_profile",
+    "write_profile_file",
+]
 
 
 @dataclass(frozen=True, slots=True)
-class LatencyProfile:
-    """l(b) of one model on one device. Index i of each list is batch size ``batch_sizes[i]``."""
+class LatencyMeasurement:
+    """What profiling one model on one device measured: the spread of l(b) per batch size and
+    the line fitted to it. Index i of each list is batch size ``batch_sizes[i]``. The scheduler's
+    l(b) is :meth:`to_profile` (``zserve.profiles.LatencyProfile``)."""
 
     model: str
     device: str
@@ -69,7 +84,7 @@ class LatencyProfile:
     @classmethod
     def from_measurements(
         cls, model: str, device: str, samples_ms: Mapping[int, Sequence[float]]
-    ) -> LatencyProfile:
+    ) -> LatencyMeasurement:
         sizes = sorted(samples_ms)
         median = [float(np.median(samples_ms[b])) for b in sizes]
         p10 = [float(np.percentile(samples_ms[b], 10)) for b in sizes]
@@ -79,7 +94,7 @@ class LatencyProfile:
 
     @classmethod
     def linear(cls, model: str, device: str, alpha_ms: float, beta_ms: float,
-               max_batch: int) -> LatencyProfile:
+               max_batch: int) -> LatencyMeasurement:
         """An exact linear profile (what the emulated executor runs)."""
         sizes = list(range(1, max_batch + 1))
         latency = [alpha_ms * b + beta_ms for b in sizes]
@@ -95,13 +110,18 @@ class LatencyProfile:
             )
         return [float(x) for x in np.maximum.accumulate(self.latency_ms)]
 
-    def to_file_entry(self) -> dict[str, Any]:
-        return {
-            "alpha_ms": float(self.alpha_ms),
-            "beta_ms": float(self.beta_ms),
-            "max_batch": int(self.batch_sizes[-1]),
-            "latency_ms": self.table_ms(),
-        }
+    def to_file_entry(self) -> ProfileEntry:
+        """Its profile-file entry: the fitted line and the monotone table."""
+        return ProfileEntry(
+            alpha_ms=float(self.alpha_ms),
+            beta_ms=float(self.beta_ms),
+            max_batch=int(self.batch_sizes[-1]),
+            latency_ms=self.table_ms(),
+        )
+
+    def to_profile(self) -> LatencyProfile:
+        """The l(b) the scheduler uses: the monotone table of the medians."""
+        return LatencyProfile.from_table_ms(self.table_ms())
 
     def report(self) -> str:
         lines = [
@@ -153,7 +173,7 @@ def measure_latency(
     *,
     repeats: int = 10,
     warmup: int = 2,
-) -> LatencyProfile:
+) -> LatencyMeasurement:
     """Time ``run_batch(b)`` (synchronous: returns when the batch is done) for each size."""
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -169,50 +189,21 @@ def measure_latency(
             start = time.perf_counter()
             run_batch(b)
             samples[b].append((time.perf_counter() - start) * 1e3)
-    return LatencyProfile.from_measurements(model, device, samples)
+    return LatencyMeasurement.from_measurements(model, device, samples)
 
 
 # --------------------------------------------------------------------------- profile file
 
 
-def profile_file_dict(device: str, profiles: Sequence[LatencyProfile]) -> dict[str, Any]:
-    """The profile file's JSON object for ``profiles`` (all of one device)."""
-    return {
-        "format": PROFILE_FORMAT,
-        "device": device,
-        "models": {p.model: p.to_file_entry() for p in profiles},
-    }
-
-
-def write_profile_file(path: Path, device: str, profiles: Sequence[LatencyProfile],
+def write_profile_file(path: Path, device: str, profiles: Sequence[LatencyMeasurement],
                        *, merge: bool = True) -> dict[str, Any]:
-    """Write (atomically) the profile file. With ``merge`` and an existing file of the same
-    device, its other models are kept. Returns the written object."""
-    data = profile_file_dict(device, profiles)
-    if merge and path.is_file():
-        existing = json.loads(path.read_text())
-        if existing.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"{path}: not a {PROFILE_FORMAT} profile file; not overwriting")
-        if existing.get("device") != device:
-            raise ValueError(
-                f"{path} holds profiles of device {existing.get('device')!r}, not {device!r}; "
-                "write the profiles of each device to their own file"
-            )
-        data["models"] = {**existing.get("models", {}), **data["models"]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as tmp:
-            json.dump(data, tmp, indent=1)
-            tmp.write("\n")
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return data
+    """Write (atomically) the profile file of ``profiles``, all of one device. With ``merge`` and
+    an existing file of the same device, its other models are kept. Returns the written object."""
+    entries = {p.model: p.to_file_entry() for p in profiles}
+    return profile_file_dict(write_profile_entries(path, device, entries, merge=merge))
 
 
-def plot_profile(profile: LatencyProfile, path: Path) -> None:
+def plot_profile(profile: LatencyMeasurement, path: Path) -> None:
     """Plot measured l(b) (median with p10-p90 band) and the fit to a PNG. Needs matplotlib."""
     try:
         import matplotlib

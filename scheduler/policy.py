@@ -56,16 +56,32 @@ Drop policies decide *which* requests leave the queue unserved (DESIGN section 3
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from zserve.scheduler.profiles import LatencyProfile
+# The policy names and their parse live in the runtime kit (configuration validates them);
+# re-exported here, where the scheduler code imports them with the rest of its policy.
+from zserve.policies import (
+    DEFAULT_KEEP_TOLERANCE,
+    DROP_ALONE,
+    DROP_FCFS,
+    DROP_POLICIES,
+    DROP_WINDOW,
+    KIND_DEFERRED,
+    KIND_EAGER,
+    KIND_FRONTRUN,
+    KIND_LATEST,
+    KIND_TIMEOUT,
+    SCHEDULE_POLICIES,
+    SchedulePolicy,
+)
+from zserve.profiles import LatencyProfile
 
-DEFAULT_KEEP_TOLERANCE = 0.05
-"""Default ``keep_tolerance`` of the window drop policy (see ``ModelThread``). 0 is exactly the
-authors' rule (drop a head that would force a batch below the target); 0.05 keeps a head while a
-batch whose per-request cost l(b)/b is within 5% of the target's still fits. In the simulator it
-raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 942 to 970 r/s
-(InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
+__all__ = [
+    "DEFAULT_KEEP_TOLERANCE", "DEFER_MISS_MAX_S", "DEFER_MISS_RELAX_S", "DEFER_MISS_WIDEN_S",
+    "DEFER_STAGGER_MIN_GPUS", "DROP_ALONE", "DROP_FCFS", "DROP_POLICIES", "DROP_WINDOW",
+    "KIND_DEFERRED", "KIND_EAGER", "KIND_FRONTRUN", "KIND_LATEST", "KIND_TIMEOUT",
+    "SCHEDULE_POLICIES", "RpsMeter", "SchedulePolicy", "largest_batch_at_rate",
+    "target_batch_size",
+]
 
 DEFER_STAGGER_MIN_GPUS = 2.0
 """``deferred``: a model whose load needs at least this many GPUs (at its target batch size) is
@@ -96,64 +112,6 @@ DEFER_MISS_RELAX_S = DEFER_MISS_WIDEN_S / 200
 """``deferred``: how much of the learned margin each granted batch gives back, so the margin
 settles where about one deferred candidate in 200 misses its window (0.5% of batches, well
 inside a 1% bad-rate budget), and shrinks again when the cluster has room."""
-
-SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "timeout")
-DROP_POLICIES = ("window", "alone", "fcfs")
-
-# Schedule kinds as small ints: compared on the hot path.
-KIND_DEFERRED = 0
-KIND_FRONTRUN = 1
-KIND_LATEST = 2
-KIND_EAGER = 3
-KIND_TIMEOUT = 4
-_KIND_BY_NAME = {
-    "deferred": KIND_DEFERRED,
-    "deferred-bl": KIND_DEFERRED,
-    "frontrun": KIND_FRONTRUN,
-    "latest": KIND_LATEST,
-    "eager": KIND_EAGER,
-    "timeout": KIND_TIMEOUT,
-}
-DROP_WINDOW = 0
-DROP_ALONE = 1
-DROP_FCFS = 2
-_DROP_BY_NAME = {"window": DROP_WINDOW, "alone": DROP_ALONE, "fcfs": DROP_FCFS}
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulePolicy:
-    """A parsed policy name. ``timeout_fraction`` is only meaningful for ``timeout``."""
-
-    name: str
-    kind: int
-    timeout_fraction: float = 0.0
-    drop: int = DROP_WINDOW
-    drop_name: str = "window"
-
-    @classmethod
-    def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
-        """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
-        ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``. Raises ValueError naming the
-        choices."""
-        base, _, arg = spec.strip().partition(":")
-        if base not in _KIND_BY_NAME:
-            raise ValueError(f"unknown policy {spec!r}; choose one of {SCHEDULE_POLICIES} "
-                             "(timeout takes a fraction of the SLO: timeout:0.3)")
-        if drop not in _DROP_BY_NAME:
-            raise ValueError(f"unknown drop policy {drop!r}; choose one of {DROP_POLICIES}")
-        fraction = 0.0
-        if base == "timeout":
-            try:
-                fraction = float(arg)
-            except ValueError:
-                raise ValueError(f"timeout needs a fraction of the SLO, e.g. timeout:0.3; "
-                                 f"got {spec!r}") from None
-            if not 0.0 <= fraction <= 1.0:
-                raise ValueError(f"timeout fraction must be within [0, 1], got {fraction}")
-        elif arg:
-            raise ValueError(f"policy {base!r} takes no argument, got {spec!r}")
-        return cls(spec.strip(), _KIND_BY_NAME[base], fraction, _DROP_BY_NAME[drop], drop)
-
 
 class RpsMeter:
     """Windowed request-rate meter: counts sealed every ``bucket_s`` (50 ms), mean over the last

@@ -56,10 +56,10 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.procutil import cancel_all, spawn
+from zserve.profiles import LatencyProfile, configured_profile
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy, target_batch_size
-from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
@@ -91,16 +91,6 @@ STATS_WINDOW = 4096
 PUBLISH_LEAD_S = 0.002
 # Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
 MAX_SHARDS = 1024
-
-
-def configured_profile(model: ModelConfig) -> LatencyProfile | None:
-    """The profile cluster.toml gives: the model's profile file, or its emulated alpha/beta."""
-    if model.profile:
-        profiles = load_profiles(model.profile)
-        return profiles.get(model.name)
-    if model.alpha_ms is not None and model.beta_ms is not None:
-        return LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
-    return None
 
 
 def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfile | None:

@@ -20,7 +20,7 @@ import pytest
 import uvloop
 
 from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
-from zserve.backends.profiler import LatencyProfile, write_profile_file
+from zserve.backends.profiler import LatencyMeasurement, write_profile_file
 from zserve.errors import BadRequestError, InternalError
 
 LATENESS_BOUND_S = 0.5
@@ -148,11 +148,11 @@ async def test_bad_batches_are_rejected_without_waiting() -> None:
 def test_profile_and_profile_file(tmp_path: Path) -> None:
     executor = _executor()
     profile = executor.profile("resnet")
-    assert isinstance(profile, LatencyProfile)
+    assert isinstance(profile, LatencyMeasurement)
     assert profile.alpha_ms == pytest.approx(2.0)
     assert profile.beta_ms == pytest.approx(10.0)
     assert profile.r2 == pytest.approx(1.0)
-    entry = profile.to_file_entry()
+    entry = profile.to_file_entry().to_dict()
     model = EmulatedModel.from_profile_entry("resnet", entry)
     assert model.max_batch == 16
     assert model.latency_s(16) == pytest.approx(0.042)

@@ -10,7 +10,7 @@ import pytest
 
 from zserve.backends import builtin, profiler
 from zserve.backends.onnx_executor import OnnxExecutor
-from zserve.backends.profiler import LatencyProfile, fit_linear, write_profile_file
+from zserve.backends.profiler import LatencyMeasurement, fit_linear, write_profile_file
 from zserve.scheduler.profiles import load_profiles
 
 
@@ -35,19 +35,19 @@ def test_fit_linear_reports_misfit() -> None:
 
 
 def test_profile_table_is_monotone() -> None:
-    profile = LatencyProfile.from_measurements(
+    profile = LatencyMeasurement.from_measurements(
         "m", "cpu", {1: [5.0, 5.2, 4.8], 2: [4.9, 4.9, 4.9], 3: [6.0]}
     )
     assert profile.latency_ms == [5.0, 4.9, 6.0]
     assert profile.p10_ms[0] == pytest.approx(4.84)
     assert profile.table_ms() == [5.0, 5.0, 6.0]
     with pytest.raises(ValueError, match=r"every size 1\.\.max_batch"):
-        LatencyProfile.from_measurements("m", "cpu", {1: [1.0], 3: [2.0]}).table_ms()
+        LatencyMeasurement.from_measurements("m", "cpu", {1: [1.0], 3: [2.0]}).table_ms()
 
 
 def test_profile_file_schema_and_scheduler_loader(tmp_path: Path) -> None:
     path = tmp_path / "profiles.json"
-    cnn = LatencyProfile.linear("cnn", "cpu", 0.5, 3.5, 4)
+    cnn = LatencyMeasurement.linear("cnn", "cpu", 0.5, 3.5, 4)
     data = write_profile_file(path, "cpu", [cnn])
     on_disk = json.loads(path.read_text())
     assert on_disk == data
@@ -60,7 +60,7 @@ def test_profile_file_schema_and_scheduler_loader(tmp_path: Path) -> None:
         },
     }
     # A second model merges into the same file; the scheduler's loader reads both.
-    write_profile_file(path, "cpu", [LatencyProfile.linear("mlp", "cpu", 0.01, 0.1, 2)])
+    write_profile_file(path, "cpu", [LatencyMeasurement.linear("mlp", "cpu", 0.01, 0.1, 2)])
     loaded = load_profiles(path)
     assert sorted(loaded) == ["cnn", "mlp"]
     assert loaded["cnn"].max_batch == 4

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zserve.scheduler.policy import SchedulePolicy
+from zserve.policies import SchedulePolicy
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0

@@ -231,15 +231,12 @@ class _ModelState:
 
 
 def _load_profile(config: ModelConfig) -> Any:
-    from zserve.scheduler.profiles import LatencyProfile, load_profiles
+    from zserve.profiles import configured_profile
 
-    if config.alpha_ms is not None and config.beta_ms is not None:
-        return LatencyProfile.linear(config.alpha_ms, config.beta_ms, config.max_batch)
-    if config.profile:
-        try:
-            return load_profiles(config.profile).get(config.name)
-        except (OSError, ValueError) as exc:
-            log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
+    try:
+        return configured_profile(config)
+    except (OSError, ValueError) as exc:
+        log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
     return None
 
 
@@ -1008,7 +1005,7 @@ class Frontend:
             for model, table_ms in profiles.items():
                 state = self.models.get(model)
                 if state is not None and state.profile is None and table_ms:
-                    from zserve.scheduler.profiles import LatencyProfile
+                    from zserve.profiles import LatencyProfile
 
                     with contextlib.suppress(ValueError):
                         state.profile = LatencyProfile.from_table_ms(table_ms)
