@@ -1,30 +1,13 @@
 """``cluster.toml``: the schema, its strict validation, and what each process is started with.
 
-The file format is documented in ``docs/cluster-toml.md``. Parsing is strict: an unknown key, a
-missing required key, a wrong type or a bad value raises ``ConfigError`` naming the key's path
-(``models[1].slo_ms: must be > 0``).
+The file format is documented in ``docs/cluster-toml.md``. The schema is a tree of msgspec Structs
+(``ClusterFile`` and the tables under it), decoded by ``zserve.schema``: an unknown key (with a
+"did you mean"), a missing required key, a wrong type or a bad value raises ``ConfigError`` naming
+the key's path (``models[1].slo_ms: must be a finite number > 0, got 0.0``). ``ClusterConfig`` is
+the validated file with the ``[cluster]`` table's keys at its top and relative paths resolved.
 
 What a process gets: every role's entry point is ``run_<role>(config, control_address)`` where
-``config`` is the *role config*, a plain dict (picklable for the spawn start method) built by
-``role_config``::
-
-    {
-      "role": "backend",            # rank | shard | backend | frontend
-      "name": "backend-1",          # also its DEALER identity everywhere
-      "index": 1,                   # index within its role
-      "bind": {"plan": "ipc:///tmp/zs-x/backend-1.plan"},  # socket name -> address to bind
-      "peers": {...},               # peer map ("<name>/<socket>" -> address) for a role started
-                                    # alone; {} under a supervisor (the Ready handshake gives it)
-      "cluster": {...},             # ClusterConfig.to_dict(); ClusterConfig.from_dict() reads it
-      # role-specific conveniences:
-      "device": "emulated",         # backend: cpu | cuda:N | emulated
-      "models": [...],              # every role: ModelConfig.to_dict() of the models it needs
-                                    # (a shard: the models it owns; others: all of them)
-      "shards": 2,                  # number of scheduler shard processes (0 = embedded rank)
-      "embedded_rank": False,       # shard: True when shards == 0 (binds "rank" and "shard")
-      "advertise_host": None,       # the host name peers are given for a socket bound to a
-                                    # wildcard address (tcp://0.0.0.0:PORT); None: the host name
-    }
+``config`` is its ``RoleConfig`` (``zserve.role_config``), built by :func:`role_config`.
 
 Socket names in ``bind`` and in the peer map: rank ``rank``; shard ``shard`` (and ``rank`` when
 embedded); backend ``plan``; frontend ``client`` and ``data``. With ``shards = 0`` the one
@@ -33,16 +16,17 @@ scheduler process is named ``shard-0`` and serves both ``shard-0/shard`` and ``s
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
 import zlib
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from zserve.policies import SchedulePolicy
+import msgspec
+
+from zserve.policies import PolicyError, SchedulePolicy
+from zserve.schema import FieldError, SchemaError, check_finite, decode
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
@@ -58,13 +42,16 @@ DEFAULT_DRAIN_S = 5.0
 DEFAULT_START_TIMEOUT_S = 120.0
 
 TRANSPORTS = ("ipc", "tcp")
+Transport = Literal["ipc", "tcp"]
+DType = Literal["float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
 _DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
-_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
 
 
-class ConfigError(ValueError):
+class ConfigError(SchemaError):
     """A cluster.toml problem; the message starts with the offending key's path."""
 
 
@@ -76,49 +63,122 @@ def shard_for_model(model: str, shards: int) -> int:
     return zlib.crc32(model.encode("utf-8")) % shards
 
 
+def _check_name(key: str, name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise FieldError(key, f"must match {_NAME_RE.pattern}, got {name!r}")
+
+
+def _check_addresses(key: str, addresses: tuple[str, ...], limit: int, limit_name: str) -> None:
+    for i, address in enumerate(addresses):
+        _check_address(f"{key}[{i}]", address)
+    if len(addresses) > limit:
+        raise FieldError(key, f"more addresses than {limit_name}")
+
+
+def _check_address(key: str, address: str | None) -> None:
+    if address is not None and not _ADDRESS_RE.match(address):
+        raise FieldError(
+            key, f"not a ZeroMQ address (tcp://host:port, ipc://path), got {address!r}"
+        )
+
+
 # --------------------------------------------------------------------------- schema
 
 
-@dataclass(frozen=True)
-class ModelConfig:
+class EmulatedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[models.emulated]``: l(b) = alpha*b + beta and per-sample tensor shapes
+    (zserve.backends.emulated.EmulatedModel)."""
+
+    alpha_ms: float
+    beta_ms: float
+    input_shape: tuple[Dimension, ...] = (4,)
+    input_dtype: DType = "float32"
+    output_shape: tuple[Dimension, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        check_finite("alpha_ms", self.alpha_ms)
+        check_finite("beta_ms", self.beta_ms)
+        if self.alpha_ms + self.beta_ms <= 0:
+            raise FieldError("alpha_ms", "alpha_ms + beta_ms must be > 0")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[models]]``: one model; exactly one of ``onnx``, ``builtin``, ``emulated``."""
+
     name: str
-    kind: str  # "onnx" | "builtin" | "emulated"
     onnx: str | None = None
     builtin: str | None = None
-    alpha_ms: float | None = None
-    beta_ms: float | None = None
+    emulated: EmulatedConfig | None = None
     profile: str | None = None
     slo_ms: float = DEFAULT_SLO_MS
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: Count = DEFAULT_MAX_BATCH
+    max_queue: Count = DEFAULT_MAX_QUEUE
     max_wait_ms: float | None = None  # admission bound on the predicted wait; None = slo_ms
-    # Emulated models only (zserve.backends.emulated.EmulatedModel): per-sample tensor shapes.
-    input_shape: tuple[int, ...] = (4,)
-    input_dtype: str = "float32"
-    output_shape: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        sources = [s for s in (self.onnx, self.builtin, self.emulated) if s is not None]
+        if len(sources) != 1:
+            raise FieldError("", "exactly one of onnx, builtin, emulated is required")
+        check_finite("slo_ms", self.slo_ms, positive=True)
+        check_finite("max_wait_ms", self.max_wait_ms, positive=True)
+
+    @property
+    def kind(self) -> Literal["onnx", "builtin", "emulated"]:
+        if self.onnx is not None:
+            return "onnx"
+        return "builtin" if self.builtin is not None else "emulated"
 
     @property
     def wait_bound_ms(self) -> float:
         return self.slo_ms if self.max_wait_ms is None else self.max_wait_ms
 
+    # An emulated model's l(b) and tensors; the defaults of EmulatedConfig for the others.
+    @property
+    def alpha_ms(self) -> float | None:
+        return None if self.emulated is None else self.emulated.alpha_ms
+
+    @property
+    def beta_ms(self) -> float | None:
+        return None if self.emulated is None else self.emulated.beta_ms
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (4,) if self.emulated is None else self.emulated.input_shape
+
+    @property
+    def input_dtype(self) -> str:
+        return "float32" if self.emulated is None else self.emulated.input_dtype
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return (1,) if self.emulated is None else self.emulated.output_shape
+
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["input_shape"] = list(self.input_shape)
-        out["output_shape"] = list(self.output_shape)
+        out: dict[str, Any] = msgspec.to_builtins(self)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        data = dict(data)
-        data["input_shape"] = tuple(data.get("input_shape", (4,)))
-        data["output_shape"] = tuple(data.get("output_shape", (1,)))
-        return cls(**data)
+        return msgspec.convert(data, cls)
+
+    def resolved(self, base: Path) -> ModelConfig:
+        """Relative ``onnx`` and ``profile`` paths made absolute against ``base``."""
+
+        def resolve(path: str | None) -> str | None:
+            if path is None or os.path.isabs(path):
+                return path
+            return str((base / path).resolve())
+
+        return msgspec.structs.replace(self, onnx=resolve(self.onnx),
+                                       profile=resolve(self.profile))
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    shards: int = 0
-    policy: str = "deferred"  # zserve.scheduler.policy.SchedulePolicy.parse names
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[scheduler]``."""
+
+    shards: Annotated[int, msgspec.Meta(ge=0)] = 0
+    policy: str = "deferred"  # zserve.policies.SchedulePolicy.parse names
     drop: str = "window"
     d_ctrl_ms: float = DEFAULT_D_CTRL_MS
     d_data_ms: float = DEFAULT_D_DATA_MS
@@ -126,23 +186,51 @@ class SchedulerConfig:
     rank_address: str | None = None
     shard_addresses: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        try:
+            SchedulePolicy.parse(self.policy, self.drop)
+        except PolicyError as exc:
+            raise FieldError(exc.key, str(exc)) from None
+        for key in ("d_ctrl_ms", "d_data_ms", "jitter_ms"):
+            check_finite(key, getattr(self, key))
+        _check_address("rank_address", self.rank_address)
+        _check_addresses("shard_addresses", self.shard_addresses, max(1, self.shards),
+                         "scheduler processes")
 
-@dataclass(frozen=True)
-class FrontendsConfig:
-    count: int = 1
+
+class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[frontends]``."""
+
+    count: Count = 1
     addresses: tuple[str, ...] = ()  # client ROUTER bind addresses, one per frontend
     data_addresses: tuple[str, ...] = ()  # data ROUTER bind addresses, one per frontend
     reply_allowance_ms: float = DEFAULT_REPLY_ALLOWANCE_MS
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: Count = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        check_finite("reply_allowance_ms", self.reply_allowance_ms)
+        _check_addresses("addresses", self.addresses, self.count, "frontends.count")
+        _check_addresses("data_addresses", self.data_addresses, self.count, "frontends.count")
 
 
-@dataclass(frozen=True)
-class BackendsConfig:
-    count: int = 1
+class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[backends]``."""
+
+    count: Count = 1
     device: str = "cpu"
     devices: tuple[str, ...] = ()  # per-backend devices; overrides count and device
-    host: str = DEFAULT_HOST
+    host: str | None = None  # None: cluster.host
     plan_addresses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _DEVICE_RE.match(self.device):
+            raise FieldError("device",
+                             f"must be cpu, emulated, cuda or cuda:N, got {self.device!r}")
+        for i, device in enumerate(self.devices):
+            if not _DEVICE_RE.match(device) or device == "cuda":
+                raise FieldError(f"devices[{i}]",
+                                 f"must be cpu, emulated or cuda:N, got {device!r}")
+        _check_addresses("plan_addresses", self.plan_addresses, self.total, "backends")
 
     def device_of(self, index: int) -> str:
         if self.devices:
@@ -156,10 +244,11 @@ class BackendsConfig:
         return len(self.devices) if self.devices else self.count
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[cluster]``."""
+
     name: str = "zserve"
-    transport: str = "ipc"
+    transport: Transport = "ipc"
     host: str = DEFAULT_HOST
     ipc_dir: str | None = None
     drain_s: float = DEFAULT_DRAIN_S
@@ -167,37 +256,60 @@ class ClusterConfig:
     # Keep the CPUs awake while the cluster runs (zserve.idle_poll): off by default, since it
     # shows every CPU busy; the benchmark clusters turn it on.
     idle_poll: bool = False
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    frontends: FrontendsConfig = field(default_factory=FrontendsConfig)
-    backends: BackendsConfig = field(default_factory=BackendsConfig)
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        check_finite("drain_s", self.drain_s)
+        check_finite("start_timeout_s", self.start_timeout_s, positive=True)
+
+
+def _check_models(models: tuple[ModelConfig, ...]) -> None:
+    if not models:
+        raise FieldError("models", "at least one [[models]] table is required")
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if model.name in seen:
+            raise FieldError(f"models[{i}].name", f"duplicate model {model.name!r}")
+        seen.add(model.name)
+
+
+class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole document, as written."""
+
+    cluster: ClusterTable = ClusterTable()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    frontends: FrontendsConfig = FrontendsConfig()
+    backends: BackendsConfig = BackendsConfig()
+    models: tuple[ModelConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_models(self.models)
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A validated cluster.toml: ``[cluster]``'s keys at the top, the other tables below."""
+
+    name: str = "zserve"
+    transport: Transport = "ipc"
+    host: str = DEFAULT_HOST
+    ipc_dir: str | None = None
+    drain_s: float = DEFAULT_DRAIN_S
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    idle_poll: bool = False
+    scheduler: SchedulerConfig = SchedulerConfig()
+    frontends: FrontendsConfig = FrontendsConfig()
+    backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
 
     # ------------------------------------------------------------------ conversions
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["models"] = [m.to_dict() for m in self.models]
+        out: dict[str, Any] = msgspec.to_builtins(self)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
-        data = dict(data)
-        sched = dict(data.pop("scheduler"))
-        sched["shard_addresses"] = tuple(sched.get("shard_addresses", ()))
-        fronts = dict(data.pop("frontends"))
-        fronts["addresses"] = tuple(fronts.get("addresses", ()))
-        fronts["data_addresses"] = tuple(fronts.get("data_addresses", ()))
-        backs = dict(data.pop("backends"))
-        backs["devices"] = tuple(backs.get("devices", ()))
-        backs["plan_addresses"] = tuple(backs.get("plan_addresses", ()))
-        models = tuple(ModelConfig.from_dict(m) for m in data.pop("models"))
-        return cls(
-            scheduler=SchedulerConfig(**sched),
-            frontends=FrontendsConfig(**fronts),
-            backends=BackendsConfig(**backs),
-            models=models,
-            **data,
-        )
+        return msgspec.convert(data, cls)
 
     # ------------------------------------------------------------------ layout
 
@@ -245,7 +357,7 @@ class ClusterConfig:
             }
         else:
             raise ValueError(f"unknown role {role!r}")
-        host = self.backends.host if role == "backend" else self.host
+        host = (self.backends.host or self.host) if role == "backend" else self.host
         out: dict[str, str] = {}
         for sock, explicit_address in sockets.items():
             if explicit_address:
@@ -307,267 +419,20 @@ def role_config(
 # --------------------------------------------------------------------------- parsing
 
 
-class _Table:
-    """A TOML table being validated: every read key is consumed; leftovers are errors."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path or '<root>'}: must be a table")
-        self.data = dict(data)
-        self.path = path
-
-    def key_path(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def take(self, key: str, default: Any = None) -> Any:
-        return self.data.pop(key, default)
-
-    def finish(self) -> None:
-        if self.data:
-            unknown = sorted(self.data)[0]
-            raise ConfigError(f"{self.key_path(unknown)}: unknown key")
-
-    def int_(self, key: str, default: int, *, minimum: int = 0) -> int:
-        value = self.take(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{self.key_path(key)}: must be an integer, got {value!r}")
-        if value < minimum:
-            raise ConfigError(f"{self.key_path(key)}: must be >= {minimum}, got {value}")
-        return value
-
-    def bool_(self, key: str, default: bool) -> bool:
-        value = self.take(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self.key_path(key)}: must be true or false, got {value!r}")
-        return value
-
-    def float_(
-        self, key: str, default: float | None, *, positive: bool = False
-    ) -> float | None:
-        value = self.take(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{self.key_path(key)}: must be a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            bound = "> 0" if positive else ">= 0"
-            raise ConfigError(f"{self.key_path(key)}: must be a finite number {bound}, got {value}")
-        return value
-
-    def req_float(self, key: str, *, positive: bool = False) -> float:
-        if key not in self.data:
-            raise ConfigError(f"{self.key_path(key)}: required")
-        value = self.float_(key, None, positive=positive)
-        assert value is not None
-        return value
-
-    def str_(self, key: str, default: str | None, choices: tuple[str, ...] = ()) -> str | None:
-        value = self.take(key, default)
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(f"{self.key_path(key)}: must be a string, got {value!r}")
-        if choices and value not in choices:
-            raise ConfigError(
-                f"{self.key_path(key)}: must be one of {', '.join(choices)}, got {value!r}"
-            )
-        return value
-
-    def address(self, key: str) -> str | None:
-        value = self.str_(key, None)
-        if value is not None:
-            _check_address(value, self.key_path(key))
-        return value
-
-    def addresses(self, key: str) -> tuple[str, ...]:
-        value = self.take(key, [])
-        if not isinstance(value, list):
-            raise ConfigError(f"{self.key_path(key)}: must be a list of addresses")
-        for i, item in enumerate(value):
-            if not isinstance(item, str):
-                raise ConfigError(f"{self.key_path(key)}[{i}]: must be a string")
-            _check_address(item, f"{self.key_path(key)}[{i}]")
-        return tuple(value)
-
-
-def _check_address(value: str, path: str) -> None:
-    if not _ADDRESS_RE.match(value):
-        raise ConfigError(
-            f"{path}: not a ZeroMQ address (tcp://host:port, ipc://path), got {value!r}"
-        )
-
-
-def _shape(table: _Table, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    value = table.take(key, list(default))
-    if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
-    ):
-        raise ConfigError(f"{table.key_path(key)}: must be a list of positive integers")
-    return tuple(value)
-
-
-def _parse_model(data: Any, path: str, base: Path) -> ModelConfig:
-    t = _Table(data, path)
-    name = t.str_("name", None)
-    if name is None:
-        raise ConfigError(f"{t.key_path('name')}: required")
-    if not _NAME_RE.match(name):
-        raise ConfigError(f"{t.key_path('name')}: must match {_NAME_RE.pattern}, got {name!r}")
-    onnx = t.str_("onnx", None)
-    builtin = t.str_("builtin", None)
-    emulated_raw = t.take("emulated", None)
-    sources = [k for k, v in (("onnx", onnx), ("builtin", builtin), ("emulated", emulated_raw))
-               if v is not None]
-    if len(sources) != 1:
-        raise ConfigError(f"{path}: exactly one of onnx, builtin, emulated is required")
-    kind = sources[0]
-    alpha_ms = beta_ms = None
-    input_shape: tuple[int, ...] = (4,)
-    output_shape: tuple[int, ...] = (1,)
-    input_dtype = "float32"
-    if emulated_raw is not None:
-        em = _Table(emulated_raw, t.key_path("emulated"))
-        alpha_ms = em.req_float("alpha_ms")
-        beta_ms = em.req_float("beta_ms")
-        input_shape = _shape(em, "input_shape", input_shape)
-        input_dtype = em.str_("input_dtype", input_dtype, _DTYPES) or input_dtype
-        output_shape = _shape(em, "output_shape", output_shape)
-        em.finish()
-        if alpha_ms + beta_ms <= 0:
-            raise ConfigError(f"{em.key_path('alpha_ms')}: alpha_ms + beta_ms must be > 0")
-    if onnx is not None:
-        onnx = str((base / onnx).resolve()) if not os.path.isabs(onnx) else onnx
-    profile = t.str_("profile", None)
-    if profile is not None and not os.path.isabs(profile):
-        profile = str((base / profile).resolve())
-    slo_ms = t.float_("slo_ms", DEFAULT_SLO_MS, positive=True)
-    max_batch = t.int_("max_batch", DEFAULT_MAX_BATCH, minimum=1)
-    max_queue = t.int_("max_queue", DEFAULT_MAX_QUEUE, minimum=1)
-    max_wait_ms = t.float_("max_wait_ms", None, positive=True)
-    t.finish()
-    assert slo_ms is not None
-    return ModelConfig(
-        name=name,
-        kind=kind,
-        onnx=onnx,
-        builtin=builtin,
-        alpha_ms=alpha_ms,
-        beta_ms=beta_ms,
-        profile=profile,
-        slo_ms=slo_ms,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        max_wait_ms=max_wait_ms,
-        input_shape=input_shape,
-        input_dtype=input_dtype,
-        output_shape=output_shape,
-    )
-
-
 def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> ClusterConfig:
-    """Validate a parsed TOML document (or an equivalent dict) into a ClusterConfig."""
-    base = Path(base_dir)
-    root = _Table(data, "")
-    cluster = _Table(root.take("cluster", {}), "cluster")
-    name = cluster.str_("name", "zserve")
-    assert name is not None
-    if not _NAME_RE.match(name):
-        raise ConfigError(f"cluster.name: must match {_NAME_RE.pattern}, got {name!r}")
-    transport = cluster.str_("transport", "ipc", TRANSPORTS)
-    host = cluster.str_("host", DEFAULT_HOST)
-    ipc_dir = cluster.str_("ipc_dir", None)
-    drain_s = cluster.float_("drain_s", DEFAULT_DRAIN_S)
-    start_timeout_s = cluster.float_("start_timeout_s", DEFAULT_START_TIMEOUT_S, positive=True)
-    idle_poll = cluster.bool_("idle_poll", False)
-    cluster.finish()
-
-    sch = _Table(root.take("scheduler", {}), "scheduler")
-    policy = sch.str_("policy", "deferred") or "deferred"
-    drop = sch.str_("drop", "window") or "window"
+    """Validate a parsed TOML document (or an equivalent dict) into a ClusterConfig; relative
+    model paths resolve against ``base_dir``."""
     try:
-        SchedulePolicy.parse(policy, drop)
-    except ValueError as exc:
-        key = "drop" if "drop" in str(exc) else "policy"
-        raise ConfigError(f"scheduler.{key}: {exc}") from None
-    scheduler = SchedulerConfig(
-        shards=sch.int_("shards", 0, minimum=0),
-        policy=policy,
-        drop=drop,
-        d_ctrl_ms=sch.float_("d_ctrl_ms", DEFAULT_D_CTRL_MS) or 0.0,
-        d_data_ms=sch.float_("d_data_ms", DEFAULT_D_DATA_MS) or 0.0,
-        jitter_ms=sch.float_("jitter_ms", DEFAULT_JITTER_MS) or 0.0,
-        rank_address=sch.address("rank_address"),
-        shard_addresses=sch.addresses("shard_addresses"),
-    )
-    sch.finish()
-    if len(scheduler.shard_addresses) > max(1, scheduler.shards):
-        raise ConfigError("scheduler.shard_addresses: more addresses than scheduler processes")
-
-    fr = _Table(root.take("frontends", {}), "frontends")
-    frontends = FrontendsConfig(
-        count=fr.int_("count", 1, minimum=1),
-        addresses=fr.addresses("addresses"),
-        data_addresses=fr.addresses("data_addresses"),
-        reply_allowance_ms=fr.float_("reply_allowance_ms", DEFAULT_REPLY_ALLOWANCE_MS) or 0.0,
-        max_request_bytes=fr.int_("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, minimum=1),
-    )
-    fr.finish()
-    for key in ("addresses", "data_addresses"):
-        if len(getattr(frontends, key)) > frontends.count:
-            raise ConfigError(f"frontends.{key}: more addresses than frontends.count")
-
-    be = _Table(root.take("backends", {}), "backends")
-    count = be.int_("count", 1, minimum=1)
-    device = be.str_("device", "cpu") or "cpu"
-    if not _DEVICE_RE.match(device):
-        raise ConfigError(
-            f"backends.device: must be cpu, emulated, cuda or cuda:N, got {device!r}"
-        )
-    devices_raw = be.take("devices", [])
-    if not isinstance(devices_raw, list):
-        raise ConfigError("backends.devices: must be a list of devices")
-    for i, dev in enumerate(devices_raw):
-        if not isinstance(dev, str) or not _DEVICE_RE.match(dev) or dev == "cuda":
-            raise ConfigError(
-                f"backends.devices[{i}]: must be cpu, emulated or cuda:N, got {dev!r}"
-            )
-    backends = BackendsConfig(
-        count=len(devices_raw) or count,
-        device=device,
-        devices=tuple(devices_raw),
-        host=be.str_("host", host) or DEFAULT_HOST,
-        plan_addresses=be.addresses("plan_addresses"),
-    )
-    be.finish()
-    if len(backends.plan_addresses) > backends.total:
-        raise ConfigError("backends.plan_addresses: more addresses than backends")
-
-    models_raw = root.take("models", None)
-    if not isinstance(models_raw, list) or not models_raw:
-        raise ConfigError("models: at least one [[models]] table is required")
-    models = tuple(_parse_model(m, f"models[{i}]", base) for i, m in enumerate(models_raw))
-    seen: set[str] = set()
-    for i, m in enumerate(models):
-        if m.name in seen:
-            raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
-        seen.add(m.name)
-    root.finish()
-
-    assert transport is not None and host is not None
-    assert drain_s is not None and start_timeout_s is not None
+        document = decode(data, ClusterFile)
+    except SchemaError as exc:
+        raise ConfigError(exc.path, exc.problem) from None
+    base = Path(base_dir)
     return ClusterConfig(
-        name=name,
-        transport=transport,
-        host=host,
-        ipc_dir=ipc_dir,
-        drain_s=drain_s,
-        start_timeout_s=start_timeout_s,
-        idle_poll=idle_poll,
-        scheduler=scheduler,
-        frontends=frontends,
-        backends=backends,
-        models=models,
+        **msgspec.structs.asdict(document.cluster),
+        scheduler=document.scheduler,
+        frontends=document.frontends,
+        backends=document.backends,
+        models=tuple(model.resolved(base) for model in document.models),
     )
 
 
@@ -578,5 +443,5 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(str(path), str(exc)) from exc
     return parse_config(data, base_dir=path.parent)

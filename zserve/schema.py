@@ -101,13 +101,13 @@ def _schema_error(message: str, document: Any, schema: type[Any]) -> SchemaError
 
 
 def _expected_problem(expected: re.Match[str], value: Any) -> str:
-    type_name, bound = expected["type"], expected["bound"].strip()
-    words = _TYPE_WORDS.get(type_name, f"of type {type_name}")
+    bound = expected["bound"].strip()
     if bound:
-        # msgspec writes bounds as ``>= 1`` or ``> 0.0``: print them as the file would.
+        # The type was right and a bound failed; msgspec writes ``> 0.0``: print ``> 0``.
         bound = _TRAILING_ZERO_RE.sub(r"\1", bound)
-        return f"must be {words} {bound}, got {value!r}"
-    return f"must be {words}, got {value!r}"
+        return f"must be {bound}, got {value!r}"
+    type_name = expected["type"]
+    return f"must be {_TYPE_WORDS.get(type_name, f'of type {type_name}')}, got {value!r}"
 
 
 def unknown_key_problem(key: str, known: list[str]) -> str:
