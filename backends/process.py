@@ -75,8 +75,8 @@ from zserve.backends.executor import Executor, TensorMap
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import (
     DEFAULT_REPLY_ALLOWANCE_MS,
-    ClusterConfig,
     ModelConfig,
+    RoleConfig,
     load_config,
     role_config,
 )
@@ -885,12 +885,12 @@ class Backend:
 # --------------------------------------------------------------------------- entry points
 
 
-async def _main(config: dict[str, Any], control_address: str | None) -> int:
-    name: str = config["name"]
-    cluster = ClusterConfig.from_dict(config["cluster"]) if config.get("cluster") else None
-    models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
-    device: str = config.get("device", "cpu")
-    drain_s = float(config.get("drain_s", cluster.drain_s if cluster else procutil.DEFAULT_DRAIN_S))
+async def _main(config: RoleConfig, control_address: str | None) -> int:
+    name = config.name
+    cluster = config.cluster
+    models = list(config.models)
+    device = config.device
+    drain_s = cluster.drain_s
     # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reactor = SocketReactor(asyncio.get_running_loop())
@@ -903,8 +903,8 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
             stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
         )
-        plan_sock, plan_address = make_router(ctx, config["bind"]["plan"], name=f"{name} plan",
-                                              advertise_host=config.get("advertise_host"))
+        plan_sock, plan_address = make_router(ctx, config.bind["plan"], name=f"{name} plan",
+                                              advertise_host=config.advertise_host)
         reply_allowance_ms = (cluster.frontends.reply_allowance_ms if cluster is not None
                               else DEFAULT_REPLY_ALLOWANCE_MS)
         backend = Backend(name=name, device=device, executor=build_executor(device, models),
@@ -914,7 +914,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         backend_ref.append(backend)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
         backend.load_and_warm(models)
-        peers = {**config.get("peers", {}), **await link.ready({"plan": plan_address})}
+        peers = {**config.peers, **await link.ready({"plan": plan_address})}
         if link.drain.requested:
             return 0
         # The plan timer and every timestamp use the cluster clock: estimate it before serving.
@@ -947,9 +947,9 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             os._exit(1)
 
 
-def run_backend(config: dict[str, Any], control_address: str | None) -> int:
+def run_backend(config: RoleConfig, control_address: str | None) -> int:
     """Run one backend process until it is told to stop; returns the exit code."""
-    return procutil.run_role(_main(config, control_address), name=config["name"])
+    return procutil.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -970,9 +970,9 @@ def main(argv: list[str]) -> int:
     config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
                          peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.bind:
-        config["bind"]["plan"] = args.bind
+        config.bind["plan"] = args.bind
     if args.rank:
-        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[procutil.peer_key("rank", "rank")] = args.rank
     return run_backend(config, args.control)
 
 

@@ -60,7 +60,7 @@ import zmq
 
 from zserve import procutil
 from zserve.clock import ClusterClock, reply_to_probe
-from zserve.config import load_config, role_config
+from zserve.config import RoleConfig, load_config, role_config
 from zserve.errors import ZServeError
 from zserve.procutil import cancel_all, spawn
 from zserve.scheduler.common import DEST_MODEL, Outbox
@@ -414,8 +414,8 @@ class RankHost:
 # --------------------------------------------------------------------------- entry points
 
 
-async def _main(config: dict[str, Any], control_address: str | None) -> int:
-    name: str = config["name"]
+async def _main(config: RoleConfig, control_address: str | None) -> int:
+    name = config.name
     # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reactor = SocketReactor(asyncio.get_running_loop())
@@ -428,11 +428,10 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             stats=lambda reset: holder[0].stats(reset) if holder else {},
             on_message=lambda msg: holder[0].on_control_message(msg) if holder else None,
         )
-        sock, endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank",
-                                     advertise_host=config.get("advertise_host"))
+        sock, endpoint = make_router(ctx, config.bind["rank"], name=f"{name} rank",
+                                     advertise_host=config.advertise_host)
         host = RankHost(name=name, sock=sock, reactor=reactor,
-                        backend_timeout_s=float(config.get("backend_timeout_s",
-                                                           BACKEND_TIMEOUT_S)))
+                        backend_timeout_s=config.backend_timeout_s or BACKEND_TIMEOUT_S)
         holder.append(host)
         host.start()
         log.info("%s: %s", name, host.clock.describe())
@@ -449,9 +448,9 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
 
 
-def run_rank(config: dict[str, Any], control_address: str | None) -> int:
+def run_rank(config: RoleConfig, control_address: str | None) -> int:
     """Run the rank process until it is told to stop; returns the exit code."""
-    return procutil.run_role(_main(config, control_address), name=config["name"])
+    return procutil.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -470,7 +469,7 @@ def main(argv: list[str]) -> int:
     config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir),
                          advertise_host=args.advertise)
     if args.bind:
-        config["bind"]["rank"] = args.bind
+        config.bind["rank"] = args.bind
     return run_rank(config, args.control)
 
 

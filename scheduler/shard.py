@@ -53,7 +53,7 @@ import zmq
 
 from zserve import procutil
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.config import ClusterConfig, ModelConfig, RoleConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
 from zserve.procutil import cancel_all, spawn
 from zserve.profiles import LatencyProfile, configured_profile
@@ -554,11 +554,11 @@ class ShardHost:
 # --------------------------------------------------------------------------- entry points
 
 
-async def _main(config: dict[str, Any], control_address: str | None) -> int:
-    name: str = config["name"]
-    embedded = bool(config.get("embedded_rank"))
-    cluster = ClusterConfig.from_dict(config["cluster"])
-    models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
+async def _main(config: RoleConfig, control_address: str | None) -> int:
+    name = config.name
+    embedded = config.embedded_rank
+    cluster = config.cluster
+    models = list(config.models)
     # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reactor = SocketReactor(asyncio.get_running_loop())
@@ -575,13 +575,13 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
             stats=lambda reset: holder[0].stats(reset) if holder else {},
             on_message=lambda msg: rank.on_control_message(msg) if rank is not None else None,
         )
-        advertise = config.get("advertise_host")
-        sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard",
+        advertise = config.advertise_host
+        sock, endpoint = make_router(ctx, config.bind["shard"], name=f"{name} shard",
                                      advertise_host=advertise)
         socks.append(sock)
         endpoints = {"shard": endpoint}
         if embedded:
-            rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank",
+            rank_sock, rank_endpoint = make_router(ctx, config.bind["rank"], name=f"{name} rank",
                                                    advertise_host=advertise)
             socks.append(rank_sock)
             endpoints["rank"] = rank_endpoint
@@ -589,11 +589,11 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         # before the shard takes requests (the ModelThreads' timers read this same object).
         clock = ClusterClock(reference=embedded)
         host = ShardHost(name=name, ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
-                         models=models, peers=dict(config.get("peers", {})),
-                         index=int(config.get("index", 0)), clock=clock)
+                         models=models, peers=dict(config.peers),
+                         index=config.index, clock=clock)
         holder.append(host)
         if embedded:
-            timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
+            timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
             rank = RankHost(name=name, sock=rank_sock, reactor=reactor, backend_timeout_s=timeout_s,
                             local=(name, host.deliver_from_rank))
             host.embed_rank(rank)
@@ -629,9 +629,9 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
 
 
-def run_shard(config: dict[str, Any], control_address: str | None) -> int:
-    """Run one scheduler shard (with the rank embedded when ``config["embedded_rank"]``)."""
-    return procutil.run_role(_main(config, control_address), name=config["name"])
+def run_shard(config: RoleConfig, control_address: str | None) -> int:
+    """Run one scheduler shard (with the rank embedded when ``config.embedded_rank``)."""
+    return procutil.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -654,13 +654,13 @@ def main(argv: list[str]) -> int:
     config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
                          peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.bind:
-        config["bind"]["shard"] = args.bind
+        config.bind["shard"] = args.bind
     if args.rank_bind:
-        if "rank" not in config["bind"]:
+        if "rank" not in config.bind:
             parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
-        config["bind"]["rank"] = args.rank_bind
+        config.bind["rank"] = args.rank_bind
     if args.rank:
-        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[procutil.peer_key("rank", "rank")] = args.rank
     return run_shard(config, args.control)
 
 

@@ -12,7 +12,6 @@ children's host, so they find offset 0).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,10 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 
 from zserve.clock import reply_to_probe
-from zserve.config import ClusterConfig, parse_config, role_config
+from zserve.config import ClusterConfig, RoleConfig, parse_config, role_config
 from zserve.transport import codec
 from zserve.transport.messages import ClockProbe, Message, Ready
 from zserve.transport.sockets import make_dealer, make_router
@@ -42,9 +42,11 @@ _ENTRY = {
 }
 
 _RUNNER = """
-import importlib, json, sys
+import importlib, sys
+import msgspec
+from zserve.config import RoleConfig
 module, _, func = sys.argv[1].partition(":")
-config = json.loads(sys.argv[2])
+config = msgspec.json.decode(sys.argv[2], type=RoleConfig)
 control = sys.argv[3] or None
 sys.exit(getattr(importlib.import_module(module), func)(config, control))
 """
@@ -57,21 +59,22 @@ def cluster_config(models: list[dict[str, Any]], **sections: Any) -> ClusterConf
 
 def role_config_for(
     cluster: ClusterConfig, role: str, index: int, ipc_dir: Path
-) -> dict[str, Any]:
+) -> RoleConfig:
     return role_config(cluster, role, index, ipc_dir=str(ipc_dir))
 
 
 class Child:
     """One role process started with ``run_<role>(config, control_address)``."""
 
-    def __init__(self, role: str, config: dict[str, Any], control: str | None, log_dir: Path):
+    def __init__(self, role: str, config: RoleConfig, control: str | None, log_dir: Path):
         self.role = role
-        self.name: str = config["name"]
+        self.name: str = config.name
         self.log_path = log_dir / f"{self.name}.log"
         env = dict(os.environ, ZSERVE_LOG_LEVEL=os.environ.get("ZSERVE_LOG_LEVEL", "INFO"))
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _RUNNER, _ENTRY[role], json.dumps(config), control or ""],
+                [sys.executable, "-c", _RUNNER, _ENTRY[role], msgspec.json.encode(config).decode(),
+                 control or ""],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -199,7 +202,7 @@ class Harness:
         self.peers.append(peer)
         return peer
 
-    def start(self, role: str, config: dict[str, Any]) -> Child:
+    def start(self, role: str, config: RoleConfig) -> Child:
         child = Child(role, config, self.control.endpoint, self.dir)
         self.children.append(child)
         return child

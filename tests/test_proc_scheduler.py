@@ -55,13 +55,13 @@ class SchedulerRig:
         peers: dict[str, str] = {}
         if shards > 0:
             config = role_config_for(cluster, "rank", 0, h.dir)
-            config["backend_timeout_s"] = backend_timeout_s
+            config.backend_timeout_s = backend_timeout_s
             rank = h.start("rank", config)
             peers["rank/rank"] = h.await_ready(rank, {}).endpoints["rank"]
         self.shard_endpoints: list[str] = []
         for index in range(max(1, shards)):
             config = role_config_for(cluster, "shard", index, h.dir)
-            config["backend_timeout_s"] = backend_timeout_s
+            config.backend_timeout_s = backend_timeout_s
             shard = h.start("shard", config)
             ready = h.await_ready(shard, dict(peers))
             self.shard_endpoints.append(ready.endpoints["shard"])
@@ -220,7 +220,7 @@ def test_proc_scheduler_survives_rank_restart(tmp_path: Path) -> None:
             backends={"device": "emulated"},
         )
         config = role_config_for(cluster, "rank", 0, h.dir)
-        config["bind"]["rank"] = rig.rank_endpoint  # pinned to its old address, as on restart
+        config.bind["rank"] = rig.rank_endpoint  # pinned to its old address, as on restart
         h.await_ready(h.start("rank", config), {})
         # The (test) backend heartbeats; the new rank asks it to introduce itself again.
         while True:

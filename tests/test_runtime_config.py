@@ -103,9 +103,9 @@ def test_layout_addresses_and_role_configs(tmp_path: Path) -> None:
         "client": "tcp://0.0.0.0:7000", "data": f"ipc://{ipc}/frontend-0.data"}
     assert cluster.bind_addresses("frontend", 1, None)["client"] == "tcp://127.0.0.1:0"
     backend = role_config(cluster, "backend", 1, ipc_dir=ipc)
-    assert backend["name"] == "backend-1" and backend["device"] == "cuda:1"
+    assert backend.name == "backend-1" and backend.device == "cuda:1"
     shard = role_config(cluster, "shard", shard_for_model("m", 2), ipc_dir=ipc)
-    assert [m["name"] for m in shard["models"]] == ["m"] and not shard["embedded_rank"]
+    assert [m.name for m in shard.models] == ["m"] and not shard.embedded_rank
     peers = cluster.static_peers(ipc)
     assert endpoints_of(peers, "shard") == {
         "shard-0": f"ipc://{ipc}/shard-0.shard", "shard-1": f"ipc://{ipc}/shard-1.shard"}
@@ -119,7 +119,7 @@ def test_embedded_rank_layout() -> None:
     assert [n for _, n, _ in cluster.process_names()] == [
         "shard-0", "backend-0", "backend-1", "frontend-0"]
     assert set(cluster.bind_addresses("shard", 0, "/r")) == {"shard", "rank"}
-    assert role_config(cluster, "shard", 0, ipc_dir="/r")["embedded_rank"]
+    assert role_config(cluster, "shard", 0, ipc_dir="/r").embedded_rank
     assert cluster.backends.device_of(1) == "cuda:1"
 
 

@@ -7,7 +7,8 @@ the key's path (``models[1].slo_ms: must be a finite number > 0, got 0.0``). ``C
 the validated file with the ``[cluster]`` table's keys at its top and relative paths resolved.
 
 What a process gets: every role's entry point is ``run_<role>(config, control_address)`` where
-``config`` is its ``RoleConfig`` (``zserve.role_config``), built by :func:`role_config`.
+``config`` is its :class:`RoleConfig` (a Struct, picklable for spawn), built by
+:func:`role_config`.
 
 Socket names in ``bind`` and in the peer map: rank ``rank``; shard ``shard`` (and ``rank`` when
 embedded); backend ``plan``; frontend ``client`` and ``data``. With ``shards = 0`` the one
@@ -384,6 +385,31 @@ def process_name(role: str, index: int) -> str:
     return "rank" if role == "rank" else f"{role}-{index}"
 
 
+class RoleConfig(msgspec.Struct, kw_only=True):
+    """What a process is started with: picklable for the spawn start method. ``bind`` and
+    ``peers`` stay mutable, so a role started alone can apply its command-line overrides."""
+
+    role: str  # rank | shard | backend | frontend
+    name: str  # also its DEALER identity everywhere
+    index: int  # index within its role
+    cluster: ClusterConfig
+    # Socket name -> address to bind ({"plan": "ipc:///tmp/zs-x/backend-1.plan"}).
+    bind: dict[str, str]
+    # Peer map ("<name>/<socket>" -> address) for a role started alone; {} under a supervisor
+    # (the Ready handshake gives it).
+    peers: dict[str, str] = msgspec.field(default_factory=dict)
+    # The models it needs: a shard the models it owns, every other role all of them.
+    models: tuple[ModelConfig, ...] = ()
+    shards: int = 0  # scheduler shard processes (0 = embedded rank)
+    embedded_rank: bool = False  # shard: True when shards == 0 (binds "rank" and "shard")
+    # The host name peers are given for a socket bound to a wildcard address
+    # (tcp://0.0.0.0:PORT); None: the host name.
+    advertise_host: str | None = None
+    device: str = "cpu"  # backend: cpu | cuda:N | emulated
+    # rank and shard: how long a silent backend stays registered (None: the role's default).
+    backend_timeout_s: float | None = None
+
+
 def role_config(
     cluster: ClusterConfig,
     role: str,
@@ -393,27 +419,26 @@ def role_config(
     bind: dict[str, str] | None = None,
     peers: dict[str, str] | None = None,
     advertise_host: str | None = None,
-) -> dict[str, Any]:
-    """The dict a process is started with (see the module docstring)."""
+) -> RoleConfig:
+    """The RoleConfig of process ``index`` of ``role`` (binding what cluster.toml names, else
+    what ``bind_addresses`` allocates under ``ipc_dir``)."""
     shards = cluster.scheduler.shards
-    models = list(cluster.models)
+    models = cluster.models
     if role == "shard":
-        models = [m for m in models if shard_for_model(m.name, shards) == index]
-    config: dict[str, Any] = {
-        "role": role,
-        "name": process_name(role, index),
-        "index": index,
-        "bind": dict(bind) if bind is not None else cluster.bind_addresses(role, index, ipc_dir),
-        "peers": dict(peers or {}),
-        "cluster": cluster.to_dict(),
-        "models": [m.to_dict() for m in models],
-        "shards": shards,
-        "embedded_rank": role == "shard" and shards == 0,
-        "advertise_host": advertise_host,
-    }
-    if role == "backend":
-        config["device"] = cluster.backends.device_of(index)
-    return config
+        models = tuple(m for m in models if shard_for_model(m.name, shards) == index)
+    return RoleConfig(
+        role=role,
+        name=process_name(role, index),
+        index=index,
+        cluster=cluster,
+        bind=dict(bind) if bind is not None else cluster.bind_addresses(role, index, ipc_dir),
+        peers=dict(peers or {}),
+        models=models,
+        shards=shards,
+        embedded_rank=role == "shard" and shards == 0,
+        advertise_host=advertise_host,
+        device=cluster.backends.device_of(index) if role == "backend" else "cpu",
+    )
 
 
 # --------------------------------------------------------------------------- parsing

@@ -48,7 +48,7 @@ import zmq.utils.monitor
 
 from zserve import procutil
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config, shard_for_model
+from zserve.config import ModelConfig, RoleConfig, load_config, role_config, shard_for_model
 from zserve.errors import ErrorKind, ProtocolError
 from zserve.transport import codec
 from zserve.transport.messages import (
@@ -330,12 +330,12 @@ class _HopStats:
 class Frontend:
     """The frontend's state and handlers. ``run_frontend`` drives it; tests may too."""
 
-    def __init__(self, config: dict[str, Any], ctx: zmq.Context[Any]) -> None:
-        self.name: str = config["name"]
-        self.cluster = ClusterConfig.from_dict(config["cluster"])
+    def __init__(self, config: RoleConfig, ctx: zmq.Context[Any]) -> None:
+        self.name: str = config.name
+        self.cluster = config.cluster
         self.ctx = ctx
-        self.bind_addresses: dict[str, str] = config["bind"]
-        self.advertise_host: str | None = config.get("advertise_host")
+        self.bind_addresses: dict[str, str] = config.bind
+        self.advertise_host: str | None = config.advertise_host
         # Offset 0 until _serve has estimated it (the rank's clock is the cluster clock).
         self.clock = ClusterClock()
         self.reply_allowance_s = self.cluster.frontends.reply_allowance_ms / 1e3
@@ -357,7 +357,7 @@ class Frontend:
         # id = seq * MAX_FRONTENDS + frontend index, so a batch that mixes frontends never holds
         # two requests with one id (a backend may key a plan's inputs by id alone).
         self.rid_stride = MAX_FRONTENDS
-        self.next_rid = MAX_FRONTENDS + int(config.get("index", 0)) % MAX_FRONTENDS
+        self.next_rid = MAX_FRONTENDS + config.index % MAX_FRONTENDS
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -1302,7 +1302,7 @@ def _recover_request_id(header: Any) -> int | None:
 # --------------------------------------------------------------------------- process entry
 
 
-async def _serve(config: dict[str, Any], control_address: str | None) -> int:
+async def _serve(config: RoleConfig, control_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
@@ -1314,7 +1314,7 @@ async def _serve(config: dict[str, Any], control_address: str | None) -> int:
         name=frontend.name,
         stats=frontend.stats,
         drain_s=frontend.cluster.drain_s,
-        peers=config.get("peers"),
+        peers=config.peers,
         on_message=frontend.on_control_message,
     )
     clock_sync: ClockSync | None = None
@@ -1346,9 +1346,9 @@ async def _serve(config: dict[str, Any], control_address: str | None) -> int:
     return 0
 
 
-def run_frontend(config: dict[str, Any], control_address: str | None) -> int:
+def run_frontend(config: RoleConfig, control_address: str | None) -> int:
     """Process entry point (docs/runtime.md)."""
-    return procutil.run_role(_serve(config, control_address), name=config["name"])
+    return procutil.run_role(_serve(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -1373,11 +1373,11 @@ def main(argv: list[str]) -> int:
     config = role_config(cluster, "frontend", args.index, ipc_dir=ipc_dir,
                          peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
     if args.client:
-        config["bind"]["client"] = args.client
+        config.bind["client"] = args.client
     if args.data:
-        config["bind"]["data"] = args.data
+        config.bind["data"] = args.data
     if args.rank:
-        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[procutil.peer_key("rank", "rank")] = args.rank
     for index, address in enumerate(args.shard):
-        config["peers"][procutil.peer_key(f"shard-{index}", "shard")] = address
+        config.peers[procutil.peer_key(f"shard-{index}", "shard")] = address
     return run_frontend(config, args.control)

@@ -61,7 +61,7 @@ from typing import Any
 import zmq
 
 from zserve import procutil
-from zserve.config import ClusterConfig, ConfigError, load_config, role_config
+from zserve.config import ClusterConfig, ConfigError, RoleConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
 from zserve.transport import codec
@@ -102,13 +102,13 @@ class StartupError(RuntimeError):
     """The cluster could not start: a child died or a step timed out (the message says which)."""
 
 
-def _child_main(role: str, config: dict[str, Any], control_address: str, error_file: str) -> None:
+def _child_main(role: str, config: RoleConfig, control_address: str, error_file: str) -> None:
     """Spawned child: import the role's entry point and run it (a top-level function so that
     the spawn start method can pickle it)."""
     os.environ[procutil.ERROR_FILE_ENV] = error_file
     try:
         module_name, func_name = ENTRY_POINTS[role].split(":")
-        entry: Callable[[dict[str, Any], str | None], int] = getattr(
+        entry: Callable[[RoleConfig, str | None], int] = getattr(
             importlib.import_module(module_name), func_name
         )
         code = entry(config, control_address)
@@ -126,7 +126,7 @@ class _Child:
     role: str
     name: str
     index: int
-    config: dict[str, Any]
+    config: RoleConfig
     process: multiprocessing.process.BaseProcess | None = None
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     ready: bool = False
@@ -281,7 +281,7 @@ class Supervisor:
             child.ready = True
             child.incarnation += 1
             # Pin restarts to these addresses (tcp port 0 becomes the real port).
-            child.config["bind"] = dict(msg.endpoints)
+            child.config.bind = dict(msg.endpoints)
             log.info("%s ready (pid %d): %s", name, msg.pid, msg.endpoints)
             if self.started:  # a restart: it gets the same peer map as before
                 self._send(child, self._peer_ready())
