@@ -46,24 +46,80 @@ import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from zserve.scheduler.policy import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
-from zserve.scheduler.profiles import LatencyProfile, load_profiles, load_zoo_csv
+import msgspec
+
+from zserve.policies import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
+from zserve.profiles import LatencyProfile, load_profiles
+from zserve.scheduler.profiles import load_zoo_csv
+from zserve.schema import FieldError, SchemaError, decode
 
 
 class WorkloadError(ValueError):
     """The workload file is invalid; the message names the file and the key path."""
 
 
-WORKLOAD_KEYS = {
-    "name", "gpus", "seed", "rate", "arrival", "popularity", "warmup_s", "measure_s",
-    "cooldown_s", "policy", "drop", "d_ctrl_ms", "d_data_ms", "reply_ms", "sim_tick_ms",
-    "zoo_csv", "max_batch", "keep_tolerance", "jitter_ms",
-}
-MODEL_KEYS = {
-    "name", "slo_ms", "alpha_ms", "beta_ms", "max_batch", "profile", "profile_model", "share",
-}
+# --------------------------------------------------------------------------- the file's schema
+# Types, required and unknown keys; value checks are in _validate, which overrides go through too.
+
+
+class WorkloadTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[workload]`` (see the module docstring)."""
+
+    name: str | None = None  # None: the file's stem
+    gpus: int = 1
+    seed: int = 1
+    rate: float = 100.0
+    arrival: str = "poisson"
+    popularity: str | list[float] = "equal"
+    warmup_s: float = 2.0
+    measure_s: float = 10.0
+    cooldown_s: float = 1.0
+    policy: str = "deferred"
+    drop: str = "window"
+    d_ctrl_ms: float = 0.0
+    d_data_ms: float = 0.0
+    reply_ms: float = 0.0
+    jitter_ms: float = 0.0
+    sim_tick_ms: float = 0.0
+    zoo_csv: str | list[str] | None = None
+    max_batch: int = 0  # cap on every model's batch size (0: none)
+    keep_tolerance: float = DEFAULT_KEEP_TOLERANCE
+
+    def zoo_paths(self) -> list[str]:
+        if self.zoo_csv is None:
+            return []
+        return [self.zoo_csv] if isinstance(self.zoo_csv, str) else list(self.zoo_csv)
+
+
+class WorkloadModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[models]]``: an SLO and either a linear profile or an entry of a profile file."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    slo_ms: float
+    alpha_ms: float | None = None
+    beta_ms: float | None = None
+    max_batch: int | None = None
+    profile: str | None = None
+    profile_model: str | None = None  # the entry in the profile file (default: name)
+    share: float | None = None  # explicit popularity weight
+
+    def __post_init__(self) -> None:
+        linear = self.alpha_ms is not None or self.beta_ms is not None
+        if self.profile is not None and linear:
+            raise FieldError("", "give either profile or alpha_ms/beta_ms, not both")
+        if self.profile is None:
+            for key in ("alpha_ms", "beta_ms"):
+                if getattr(self, key) is None:
+                    raise FieldError(key, "required (or give profile)")
+
+
+class WorkloadFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole document."""
+
+    workload: WorkloadTable = WorkloadTable()
+    models: list[WorkloadModel] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +205,6 @@ class Workload:
         return [self.rate * share for share in self.shares()]
 
 
-def _number(value: Any, where: str, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise WorkloadError(f"{where}: expected a number, got {value!r}")
-    if integer and not isinstance(value, int):
-        raise WorkloadError(f"{where}: expected an integer, got {value!r}")
-    return value
-
-
 def load_workload(path: str | Path) -> Workload:
     """Parse and validate a workload TOML file (see the module docstring)."""
     path = Path(path)
@@ -171,136 +219,100 @@ def parse_workload(
     data: dict[str, Any], base_dir: Path | str = ".", source: str = "<workload>",
     default_name: str = "workload",
 ) -> Workload:
+    """Validate a parsed workload document; paths in it resolve against ``base_dir``."""
     base_dir = Path(base_dir)
-    unknown_top = set(data) - {"workload", "models"}
-    if unknown_top:
-        raise WorkloadError(f"{source}: unknown top-level key(s) {sorted(unknown_top)}")
-    section = data.get("workload", {})
-    if not isinstance(section, dict):
-        raise WorkloadError(f"{source}: [workload] must be a table")
-    for key in section:
-        if key not in WORKLOAD_KEYS:
-            raise WorkloadError(
-                f"{source}: unknown key workload.{key}; allowed: {sorted(WORKLOAD_KEYS)}"
-            )
-
-    def get(key: str, default: Any, *, integer: bool = False) -> float:
-        value = section.get(key, default)
-        return _number(value, f"{source}: workload.{key}", integer=integer)
-
-    gpus = int(get("gpus", 1, integer=True))
-    seed = int(get("seed", 1, integer=True))
-    rate = float(get("rate", 100.0))
     try:
-        arrival = ArrivalSpec.parse(str(section.get("arrival", "poisson")))
+        document = decode(data, WorkloadFile)
+    except SchemaError as exc:
+        raise WorkloadError(f"{source}: {exc}") from None
+    table = document.workload
+    try:
+        arrival = ArrivalSpec.parse(table.arrival)
     except ValueError as exc:
         raise WorkloadError(f"{source}: workload.arrival: {exc}") from None
-    popularity_raw = section.get("popularity", "equal")
-    popularity: str | list[float]
-    if isinstance(popularity_raw, list):
-        popularity = [
-            float(_number(v, f"{source}: workload.popularity[{i}]"))
-            for i, v in enumerate(popularity_raw)
-        ]
-    elif isinstance(popularity_raw, str):
-        popularity = popularity_raw
-    else:
-        raise WorkloadError(f"{source}: workload.popularity: expected a string or a list")
-    policy = str(section.get("policy", "deferred"))
-    drop = str(section.get("drop", "window"))
-    cap = int(get("max_batch", 0, integer=True))
+    models = _zoo_models(table, base_dir, source)
+    models += _listed_models(document.models, table.max_batch, base_dir, source)
+    workload = Workload(
+        name=table.name if table.name is not None else default_name,
+        gpus=table.gpus,
+        seed=table.seed,
+        rate=table.rate,
+        arrival=arrival,
+        popularity=table.popularity,
+        warmup_s=table.warmup_s,
+        measure_s=table.measure_s,
+        cooldown_s=table.cooldown_s,
+        policy=table.policy,
+        drop=table.drop,
+        d_ctrl_ms=table.d_ctrl_ms,
+        d_data_ms=table.d_data_ms,
+        reply_ms=table.reply_ms,
+        sim_tick_ms=table.sim_tick_ms,
+        models=models,
+        keep_tolerance=table.keep_tolerance,
+        jitter_ms=table.jitter_ms,
+        source=source,
+    )
+    _validate(workload, source)
+    return workload
 
+
+def _zoo_models(table: WorkloadTable, base_dir: Path, source: str) -> list[ModelSpec]:
+    """One linear-profile model per row of each ``zoo_csv`` file."""
     models: list[ModelSpec] = []
-    zoo = section.get("zoo_csv")
-    zoo_paths = [] if zoo is None else (zoo if isinstance(zoo, list) else [zoo])
-    for zi, zoo_path in enumerate(zoo_paths):
-        if not isinstance(zoo_path, str):
-            raise WorkloadError(f"{source}: workload.zoo_csv[{zi}]: expected a path string")
+    for zoo_path in table.zoo_paths():
         try:
             rows = load_zoo_csv(base_dir / zoo_path)
         except (OSError, ValueError, KeyError) as exc:
             raise WorkloadError(f"{source}: workload.zoo_csv: {exc}") from None
         for row in rows:
             profile = LatencyProfile.linear_for_slo(row.alpha_ms, row.beta_ms, row.slo_ms,
-                                                    cap or None)
+                                                    table.max_batch or None)
             models.append(ModelSpec(row.name, row.slo_ms, profile))
+    return models
 
-    raw_models = data.get("models", [])
-    if not isinstance(raw_models, list):
-        raise WorkloadError(f"{source}: models must be an array of tables ([[models]])")
-    profile_cache: dict[Path, dict[str, LatencyProfile]] = {}
-    for index, entry in enumerate(raw_models):
+
+def _listed_models(
+    entries: list[WorkloadModel], cap: int, base_dir: Path, source: str
+) -> list[ModelSpec]:
+    """The ``[[models]]`` tables; each profile file is read once."""
+    profile_files: dict[Path, dict[str, LatencyProfile]] = {}
+    models: list[ModelSpec] = []
+    for index, entry in enumerate(entries):
         where = f"{source}: models[{index}]"
-        if not isinstance(entry, dict):
-            raise WorkloadError(f"{where}: expected a table")
-        for key in entry:
-            if key not in MODEL_KEYS:
-                raise WorkloadError(f"{where}.{key}: unknown key; allowed: {sorted(MODEL_KEYS)}")
-        name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            raise WorkloadError(f"{where}.name: required (a non-empty string)")
-        if "slo_ms" not in entry:
-            raise WorkloadError(f"{where}.slo_ms: required")
-        slo_ms = float(_number(entry["slo_ms"], f"{where}.slo_ms"))
-        max_batch = entry.get("max_batch")
-        if max_batch is not None:
-            max_batch = int(_number(max_batch, f"{where}.max_batch", integer=True))
-        elif cap:
-            max_batch = cap
-        if "profile" in entry:
-            if "alpha_ms" in entry or "beta_ms" in entry:
-                raise WorkloadError(f"{where}: give either profile or alpha_ms/beta_ms, not both")
-            profile_path = (base_dir / str(entry["profile"])).resolve()
-            if profile_path not in profile_cache:
-                try:
-                    profile_cache[profile_path] = load_profiles(profile_path)
-                except (OSError, ValueError) as exc:
-                    raise WorkloadError(f"{where}.profile: {exc}") from None
-            key = str(entry.get("profile_model", name))
-            if key not in profile_cache[profile_path]:
-                raise WorkloadError(f"{where}.profile: {profile_path} has no model {key!r}")
-            profile = profile_cache[profile_path][key]
-            if max_batch is not None and max_batch < profile.max_batch:
-                profile = LatencyProfile.from_table_ms(profile.latency_ms_list()[:max_batch])
+        max_batch = entry.max_batch if entry.max_batch is not None else (cap or None)
+        if entry.profile is not None:
+            profile = _file_profile(entry, max_batch, base_dir / entry.profile, profile_files,
+                                    where)
         else:
-            for key in ("alpha_ms", "beta_ms"):
-                if key not in entry:
-                    raise WorkloadError(f"{where}.{key}: required (or give profile)")
-            alpha = float(_number(entry["alpha_ms"], f"{where}.alpha_ms"))
-            beta = float(_number(entry["beta_ms"], f"{where}.beta_ms"))
+            assert entry.alpha_ms is not None and entry.beta_ms is not None  # __post_init__
             try:
-                profile = LatencyProfile.linear_for_slo(alpha, beta, slo_ms, max_batch)
+                profile = LatencyProfile.linear_for_slo(entry.alpha_ms, entry.beta_ms,
+                                                        entry.slo_ms, max_batch)
             except ValueError as exc:
                 raise WorkloadError(f"{where}: {exc}") from None
-        share = entry.get("share")
-        models.append(
-            ModelSpec(name, slo_ms, profile,
-                      None if share is None else float(_number(share, f"{where}.share")))
-        )
+        models.append(ModelSpec(entry.name, entry.slo_ms, profile, entry.share))
+    return models
 
-    workload = Workload(
-        name=str(section.get("name", default_name)),
-        gpus=gpus,
-        seed=seed,
-        rate=rate,
-        arrival=arrival,
-        popularity=popularity,
-        warmup_s=float(get("warmup_s", 2.0)),
-        measure_s=float(get("measure_s", 10.0)),
-        cooldown_s=float(get("cooldown_s", 1.0)),
-        policy=policy,
-        drop=drop,
-        d_ctrl_ms=float(get("d_ctrl_ms", 0.0)),
-        d_data_ms=float(get("d_data_ms", 0.0)),
-        reply_ms=float(get("reply_ms", 0.0)),
-        sim_tick_ms=float(get("sim_tick_ms", 0.0)),
-        models=models,
-        keep_tolerance=float(get("keep_tolerance", DEFAULT_KEEP_TOLERANCE)),
-        jitter_ms=float(get("jitter_ms", 0.0)),
-        source=source,
-    )
-    _validate(workload, source)
-    return workload
+
+def _file_profile(
+    entry: WorkloadModel, max_batch: int | None, path: Path,
+    profile_files: dict[Path, dict[str, LatencyProfile]], where: str,
+) -> LatencyProfile:
+    """The model's entry of a profile file, cut at ``max_batch``."""
+    path = path.resolve()
+    if path not in profile_files:
+        try:
+            profile_files[path] = load_profiles(path)
+        except (OSError, ValueError) as exc:
+            raise WorkloadError(f"{where}.profile: {exc}") from None
+    key = entry.profile_model or entry.name
+    if key not in profile_files[path]:
+        raise WorkloadError(f"{where}.profile: {path} has no model {key!r}")
+    profile = profile_files[path][key]
+    if max_batch is not None and max_batch < profile.max_batch:
+        profile = LatencyProfile.from_table_ms(profile.latency_ms_list()[:max_batch])
+    return profile
 
 
 def _validate(w: Workload, source: str) -> None:
