@@ -66,6 +66,16 @@ def test_unknown_keys_name_their_path(tmp_path: Path) -> None:
     path.write_text("[workload]\ngpus = 'x'\n")
     with pytest.raises(WorkloadError, match=r"workload\.gpus"):
         load_workload(path)
+    with pytest.raises(WorkloadError,
+                       match=r"w\.toml: workload\.gpus: must be an integer, got 'x'$"):
+        load_workload(path)
+    with pytest.raises(WorkloadError,
+                       match=r"workload\.arival: unknown key \(did you mean 'arrival'"):
+        parse_workload(_small(arival="poisson"))
+    bad = _small()
+    bad["models"][0]["profile"] = "p.json"
+    with pytest.raises(WorkloadError, match=r"models\[0\]: give either profile or alpha_ms"):
+        parse_workload(bad)
 
 
 def test_profile_file_and_zoo_paths_are_relative_to_the_workload(tmp_path: Path) -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from zserve.config import (
     DEFAULT_JITTER_MS,
     ClusterConfig,
     ConfigError,
+    RoleConfig,
     load_config,
     parse_config,
     role_config,
@@ -133,3 +136,42 @@ def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
     bad.write_text("[[models]\n")
     with pytest.raises(ConfigError, match=r"bad\.toml"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"models": [MODEL], "schedulr": {}}, r"^schedulr: unknown key \(did you mean 'scheduler'"),
+        ({"models": [{**MODEL, "slo": 5}]},
+         r"^models\[0\]\.slo: unknown key \(did you mean 'slo_ms'"),
+        ({"models": [MODEL], "backends": {"xyz": 1}},
+         r"^backends\.xyz: unknown key; allowed: count, device, devices, host, plan_addresses$"),
+        ({"models": [{**MODEL, "emulated": {**MODEL["emulated"], "input_dtype": "f32"}}]},
+         r"^models\[0\]\.emulated\.input_dtype: must be one of .*float32.*, got 'f32'$"),
+        ({"models": [MODEL], "cluster": {"transport": "udp"}},
+         r"^cluster\.transport: must be one of ipc, tcp, got 'udp'$"),
+        ({"models": [MODEL], "frontends": {"count": 0}},
+         r"^frontends\.count: must be >= 1, got 0$"),
+        ({"models": [MODEL], "cluster": {"idle_poll": 1}},
+         r"^cluster\.idle_poll: must be true or false, got 1$"),
+    ],
+)
+def test_errors_suggest_keys_and_list_choices(document: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(document)
+
+
+def test_role_config_is_typed_and_survives_spawn_and_json(tmp_path: Path) -> None:
+    cluster = config(scheduler={"shards": 2}, backends={"devices": ["emulated", "cpu"]})
+    shard = role_config(cluster, "shard", shard_for_model("m", 2), ipc_dir=str(tmp_path),
+                        peers={"rank/rank": "ipc:///r"})
+    assert isinstance(shard, RoleConfig) and shard.cluster == cluster
+    assert shard.models == (cluster.model("m"),) and shard.peers == {"rank/rank": "ipc:///r"}
+    # The supervisor's children are spawned: the config crosses a pickle; a test harness's
+    # children get it as JSON on their command line.
+    assert pickle.loads(pickle.dumps(shard)) == shard
+    assert msgspec.json.decode(msgspec.json.encode(shard), type=RoleConfig) == shard
+    backend = role_config(cluster, "backend", 0, ipc_dir=None)
+    assert backend.device == "emulated" and backend.bind == {"plan": "tcp://127.0.0.1:0"}
+    with pytest.raises(ValueError, match="unknown role"):
+        role_config(cluster, "router", 0, ipc_dir=None)

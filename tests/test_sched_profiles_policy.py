@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from zserve.config import ModelConfig, parse_config
+from zserve.profiles import configured_profile, write_profile_entries
 from zserve.scheduler import bounds
 from zserve.scheduler.policy import RpsMeter, SchedulePolicy, target_batch_size
 from zserve.scheduler.profiles import (
@@ -139,3 +142,58 @@ def test_bounds_reproduce_table2() -> None:
     assert bounds.staggered_bound_rps([(resnet, 0.025, 1.0)], 8) == pytest.approx(5839, rel=1e-3)
     two = bounds.staggered_bound_rps([(resnet, 0.025, 0.5), (resnet, 0.025, 0.5)], 16)
     assert two == pytest.approx(2 * 5839, rel=2e-3)
+
+
+def _model(**keys: object) -> ModelConfig:
+    (model,) = parse_config({"models": [{"name": "m", **keys}]}).models
+    return model
+
+
+def test_configured_profile_one_rule(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    save_profiles(path, {"m": LatencyProfile.from_table_ms([1.0, 1.5]),
+                         "other": LatencyProfile.linear(1.0, 1.0, 2)}, "cpu")
+    emulated = {"alpha_ms": 10.0, "beta_ms": 10.0}
+    # 1. The profile file wins over the emulated line (a measured l(b) beats a configured one).
+    both = configured_profile(_model(emulated=emulated, profile=str(path), max_batch=8))
+    assert both is not None and both.latency_ms_list() == pytest.approx([1.0, 1.5])
+    # 2. Else the emulated line, up to the model's max_batch.
+    line = configured_profile(_model(emulated=emulated, max_batch=8))
+    assert line is not None and line.max_batch == 8 and line.latency(1) == pytest.approx(0.02)
+    # 3. Else nothing: the backends measure it.
+    assert configured_profile(_model(builtin="cnn")) is None
+    # A file without the model's entry is an error, never a silent fallback.
+    with pytest.raises(ValueError, match=r"has no entry for 'm' \(it has other\)"):
+        save_profiles(path, {"other": LatencyProfile.linear(1.0, 1.0, 2)}, "cpu")
+        configured_profile(_model(emulated=emulated, profile=str(path)))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"format": "zserve-profile/1", "models": {"m": {"alpha_ms": 1, "beta_ms": 1,
+                                                         "max_bach": 4}}},
+         r"bad\.json: models\.m\.max_bach: unknown key \(did you mean 'max_batch'\?\)$"),
+        ({"format": "zserve-profile/1", "models": {"m": {"latency_ms": [1.0, "x"]}}},
+         r"bad\.json: models\.m\.latency_ms\[1\]: must be a number, got 'x'$"),
+        ({"format": "zserve-profile/1", "models": {"m": {"latency_ms": [1.0], "max_batch": 2}}},
+         r"bad\.json: models\.m: max_batch 2 > len\(latency_ms\) 1$"),
+        ({"models": {}}, r"bad\.json: format: required$"),
+    ],
+)
+def test_profile_file_errors_name_the_key(tmp_path: Path, data: dict[str, object],
+                                          message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        load_profiles(path)
+
+
+def test_profile_files_merge_per_device(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    write_profile_entries(path, "cpu", {"a": LatencyProfile.linear(1.0, 2.0, 4).to_entry()})
+    write_profile_entries(path, "cpu", {"b": LatencyProfile.from_table_ms([3.0]).to_entry()})
+    assert sorted(load_profiles(path)) == ["a", "b"]
+    assert tomllib.loads(path.read_text())["device"] == "cpu"
+    with pytest.raises(ValueError, match="device 'cpu', not 'cuda:0'"):
+        write_profile_entries(path, "cuda:0", {})
