@@ -50,6 +50,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from zserve.loadgen.arrivals import popularity_shares
 from zserve.policies import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
 from zserve.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.profiles import load_zoo_csv
@@ -197,9 +198,8 @@ class Workload:
 
     def shares(self) -> list[float]:
         """Each model's fraction of the total rate (sums to 1)."""
-        from zserve.loadgen.arrivals import popularity_shares
-
-        return popularity_shares(self.popularity, self.models)
+        shares: list[float] = popularity_shares(self.popularity, self.models)
+        return shares
 
     def model_rates(self) -> list[float]:
         return [self.rate * share for share in self.shares()]
