@@ -92,7 +92,7 @@ QUICK_PRECISION = 0.03
 QUICK_WINDOWS_S = (1.0, 1.5, 0.5)  # warmup, measure, cooldown of --quick simulations
 
 # Live runs (a cluster of emulated backends on this machine). The allowances are those of
-# examples/clusters/emulated-8gpu-resnet50-slow.toml (measured hop latencies, docs/runtime.md).
+# examples/clusters/emulated-8gpu-resnet50-slow.toml (measured hop latencies, docs/design-notes.md).
 LIVE_D_CTRL_MS = 3.0
 LIVE_D_DATA_MS = 0.02
 LIVE_REPLY_MS = 3.0

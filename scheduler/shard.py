@@ -86,8 +86,8 @@ DRAIN_POLL_S = 0.01
 STATS_WINDOW = 4096
 # A ModelThread holds a candidate back until this long before the rank needs it (its model
 # timer at exec - delay(bs)): well above the shard -> rank hop (0.1 ms p50, ~0.3 ms p99 idle;
-# see docs/runtime.md, "Hop latencies"), and the rank counts candidates that still come late
-# (``late_candidates``).
+# see docs/performance.md, "Hops one message at a time"), and the rank counts candidates that
+# still come late (``late_candidates``).
 PUBLISH_LEAD_S = 0.002
 # Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
 MAX_SHARDS = 1024

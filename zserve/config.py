@@ -33,7 +33,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
 DEFAULT_MAX_BATCH = 32
 DEFAULT_MAX_QUEUE = 1024
-# Scheduling allowances (docs/runtime.md, "Hop latencies and the scheduling allowances").
+# Scheduling allowances (docs/design-notes.md, "The shipped defaults").
 DEFAULT_D_CTRL_MS = 2.0
 DEFAULT_D_DATA_MS = 0.05
 DEFAULT_REPLY_ALLOWANCE_MS = 3.0
