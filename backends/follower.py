@@ -102,6 +102,11 @@ def shed_late_rows(
     return [row for row in rows if row not in dropped], shed
 
 
+def _indexes_within(indexes: list[int], count: int) -> bool:
+    """Every index in ``0 <= i < count``."""
+    return not indexes or (min(indexes) >= 0 and max(indexes) < count)
+
+
 @dataclass(frozen=True, slots=True)
 class RunBatch(Message):  # type: ignore[misc, unused-ignore]  # Message is Any to some mypy runs
     """Follower -> its host, never on the wire (no codec knows it): run ``rows`` of ``plan`` now,
@@ -271,8 +276,11 @@ class PlanFollower:
         self._seq += 1
         heapq.heappush(self._heap, (plan.exec_at, self._seq, plan.plan_id))
         ids_by_frontend: list[list[int]] = [[] for _ in plan.frontends]
-        for rid, index in zip(plan.request_ids, plan.request_frontend, strict=True):
-            ids_by_frontend[index].append(rid)
+        if len(ids_by_frontend) == 1:  # the common case: one frontend
+            ids_by_frontend[0] = list(plan.request_ids)
+        else:
+            for rid, index in zip(plan.request_ids, plan.request_frontend, strict=True):
+                ids_by_frontend[index].append(rid)
         for address, ids in zip(plan.frontends, ids_by_frontend, strict=True):
             outbox.append(((DEST_FRONTEND, address), InputFetch(plan.plan_id, ids)))
         self._advance(now, outbox)
@@ -281,7 +289,7 @@ class PlanFollower:
         count = len(plan.request_ids)
         return (plan.plan_id not in self._plans and plan.model in self.profiles
                 and len(plan.request_frontend) == count
-                and all(0 <= i < len(plan.frontends) for i in plan.request_frontend)
+                and _indexes_within(plan.request_frontend, len(plan.frontends))
                 and count <= self.max_batch[plan.model]
                 and (not plan.finish_by or len(plan.finish_by) == count))
 
@@ -298,7 +306,7 @@ class PlanFollower:
         count = len(plan.request_ids)
         if kind is not ErrorKind.INTERNAL or (
             len(plan.request_frontend) == count
-            and all(0 <= i < len(plan.frontends) for i in plan.request_frontend)
+            and _indexes_within(plan.request_frontend, len(plan.frontends))
         ):
             self._fail_rows(plan, list(range(count)), kind, why, outbox)
         outbox.append((TO_RANK, self._stats(plan, 0, now, now, ok=False)))
@@ -425,17 +433,20 @@ class PlanFollower:
     def _rows_with_inputs(self, held: HeldPlan, outbox: Outbox) -> list[int]:
         """The rows whose inputs came; the rows still awaited are answered UNAVAILABLE."""
         plan = held.plan
+        inputs = held.inputs
         keys = list(zip(plan.request_frontend, plan.request_ids, strict=True))
-        late = [i for i, key in enumerate(keys)
-                if key[0] in held.awaiting and key not in held.inputs
-                and key not in held.cancelled]
-        if late:
-            self.counters["requests_unavailable"] += len(late)
-            self._fail_rows(plan, late, ErrorKind.UNAVAILABLE,
-                            f"inputs did not reach backend {self.name} in time", outbox)
-        self.counters["requests_missing"] += sum(
-            1 for key in keys if key in held.missing and key not in held.inputs)
-        return [i for i, key in enumerate(keys) if key in held.inputs]
+        if held.awaiting:
+            late = [i for i, key in enumerate(keys)
+                    if key[0] in held.awaiting and key not in inputs
+                    and key not in held.cancelled]
+            if late:
+                self.counters["requests_unavailable"] += len(late)
+                self._fail_rows(plan, late, ErrorKind.UNAVAILABLE,
+                                f"inputs did not reach backend {self.name} in time", outbox)
+        if held.missing:
+            self.counters["requests_missing"] += sum(
+                1 for key in keys if key in held.missing and key not in inputs)
+        return [i for i, key in enumerate(keys) if key in inputs]
 
     # ------------------------------------------------------------------ drain
 
