@@ -171,6 +171,7 @@ class Simulator:
         self._gpu_wake = [math.inf] * w.gpus
         self._payloads: dict[int, Message] = {}  # event seq -> the plan or inputs it delivers
         self._plan_seq = 0
+        self._inputs_due: dict[int, float] = {}  # plan id -> when its inputs are in
         self._ptr = [0] * len(self.models)
         self._now = 0.0
         self._measured_dropped = [0] * len(self.models)
@@ -254,6 +255,9 @@ class Simulator:
         self._plan_seq += 1
         plan = dataclasses.replace(plan, plan_id=self._plan_seq)
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
+        # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
+        # on-time plan's inputs are never an ulp late).
+        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + self.d_data_s * len(ids))
 
     def _check_plan(self, now: float, plan: BatchPlan, ids: np.ndarray[Any, Any]) -> None:
         eps = FEASIBILITY_EPS_S
@@ -310,7 +314,8 @@ class Simulator:
             elif type(msg) is InputFetch:
                 ids = msg.request_ids
                 reply = InputReply(msg.plan_id, ids, [{}] * len(ids), [])
-                self._push(now + self.d_data_s * len(ids), _EV_INPUTS, gpu, reply)
+                due = self._inputs_due.pop(msg.plan_id, now + self.d_data_s * len(ids))
+                self._push(max(now, due), _EV_INPUTS, gpu, reply)
             elif type(msg) is BatchFailed:
                 self._on_backend_failed(msg)
             elif type(msg) is BatchStats and msg.device_free_at > 0.0:
