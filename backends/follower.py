@@ -39,8 +39,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zserve.errors import ErrorKind
-from zserve.scheduler.common import DEST_FRONTEND, TO_RANK, Outbox
-from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,
@@ -52,6 +50,13 @@ from zserve.transport.messages import (
     TensorMap,
 )
 
+# The outbox vocabulary of ``zserve.scheduler.common``, spelled out here because backends/ may
+# not import scheduler/ (the folders' layer contract); tests/test_backend_follower.py checks that
+# the two agree.
+Destination = tuple[str, str | int]
+Outbox = list[tuple[Destination, Message]]
+TO_RANK: Destination = ("rank", "")
+DEST_FRONTEND = "frontend"
 DEST_DEVICE = "device"
 # How long after exec_at the head plan waits for a frontend's InputReply before it runs without
 # those requests (a frontend that is alive answers within a millisecond or two).
@@ -215,7 +220,7 @@ class PlanFollower:
         self.shed_grace_s = shed_grace_s
         self.input_wait_s = input_wait_s
         self.wake_at = math.inf
-        self.profiles: dict[str, LatencyProfile] = {}
+        self.latency_s: dict[str, Sequence[float]] = {}  # per model: l(b) at [b], as table_s
         self.max_batch: dict[str, int] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.timings = BatchTimings()
@@ -225,9 +230,11 @@ class PlanFollower:
         self._seq = 0
         self._running: HeldPlan | None = None
 
-    def add_model(self, model: str, profile: LatencyProfile, max_batch: int) -> None:
-        """Serve ``model``: its latency profile (for shedding) and largest batch."""
-        self.profiles[model] = profile
+    def add_model(self, model: str, latency_s: Sequence[float], max_batch: int) -> None:
+        """Serve ``model``: ``latency_s[b]`` is l(b) in seconds for ``1 <= b <= max_batch``
+        (``LatencyProfile.table_s``; late shedding reads it) and ``max_batch`` its largest
+        batch."""
+        self.latency_s[model] = latency_s
         self.max_batch[model] = max_batch
 
     # ------------------------------------------------------------------ read back
@@ -287,7 +294,7 @@ class PlanFollower:
 
     def _well_formed(self, plan: BatchPlan) -> bool:
         count = len(plan.request_ids)
-        return (plan.plan_id not in self._plans and plan.model in self.profiles
+        return (plan.plan_id not in self._plans and plan.model in self.latency_s
                 and len(plan.request_frontend) == count
                 and _indexes_within(plan.request_frontend, len(plan.frontends))
                 and count <= self.max_batch[plan.model]
@@ -299,7 +306,7 @@ class PlanFollower:
             kind, why = ErrorKind.SHUTTING_DOWN, f"backend {self.name} is shutting down"
         elif plan.plan_id in self._plans:
             kind, why = ErrorKind.INTERNAL, f"duplicate plan id {plan.plan_id}"
-        elif plan.model not in self.profiles:
+        elif plan.model not in self.latency_s:
             kind, why = ErrorKind.INTERNAL, f"backend {self.name} does not serve {plan.model!r}"
         else:
             kind, why = ErrorKind.INTERNAL, f"malformed plan {plan.plan_id}"
@@ -404,7 +411,7 @@ class PlanFollower:
         shed: list[int] = []
         if rows and plan.finish_by:
             rows, shed = shed_late_rows(rows, plan.finish_by, now,
-                                        self.profiles[plan.model].table_s, self.shed_grace_s)
+                                        self.latency_s[plan.model], self.shed_grace_s)
             if shed:
                 self.counters["requests_shed_late"] += len(shed)
                 self._fail_rows(
@@ -488,10 +495,13 @@ class PlanFollower:
 
 __all__ = [
     "DEST_DEVICE",
+    "DEST_FRONTEND",
     "INPUT_WAIT_S",
     "SHED_GRACE_FRACTION",
+    "TO_RANK",
     "BatchTimings",
     "HeldPlan",
+    "Outbox",
     "PlanFollower",
     "RunBatch",
     "shed_late_rows",

@@ -57,8 +57,10 @@ from zserve import procutil, timers
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
     DEST_DEVICE,
+    DEST_FRONTEND,
     INPUT_WAIT_S,
     SHED_GRACE_FRACTION,
+    Outbox,
     PlanFollower,
     RunBatch,
     shed_late_rows,
@@ -72,7 +74,6 @@ from zserve.config import (
     role_config,
 )
 from zserve.errors import ErrorKind, ZServeError
-from zserve.scheduler.common import DEST_FRONTEND, Outbox
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.transport.messages import (
     BackendRegister,
@@ -261,7 +262,7 @@ class Backend:
                 measured = self.executor.profile(model, repeats=PROFILE_REPEATS, warmup=0)
                 profile = LatencyProfile.from_table_ms(measured.table_ms())
             self.profiles[model] = profile
-            self.follower.add_model(model, profile, self.executor.max_batch(model))
+            self.follower.add_model(model, profile.table_s, self.executor.max_batch(model))
         self.warm_finished_at = time.monotonic()
         self.warm_s = self.warm_finished_at - started
         log.info("%s: %d model(s) loaded and warmed in %.2f s", self.name, len(self.models),

@@ -141,7 +141,7 @@ class Simulator:
         ]
         for follower in self.followers:
             for m in w.models:
-                follower.add_model(m.name, m.profile, m.profile.max_batch)
+                follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
         self.arrivals = _arrivals_of(w, arrivals)
         self.offsets = [0, *np.cumsum([len(a) for a in self.arrivals])[:-1].tolist()]
         total = sum(len(a) for a in self.arrivals)

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from zserve.backends import follower as follower_module
 from zserve.backends.follower import (
     DEST_DEVICE,
     INPUT_WAIT_S,
@@ -17,6 +18,7 @@ from zserve.backends.follower import (
     shed_late_rows,
 )
 from zserve.errors import ErrorKind
+from zserve.scheduler import common
 from zserve.scheduler.common import TO_RANK, Outbox
 from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
@@ -41,7 +43,7 @@ def l_s(bs: int) -> float:
 
 def make_follower() -> PlanFollower:
     follower = PlanFollower("backend-0", shed_grace_s=GRACE_S)
-    follower.add_model(MODEL, PROFILE, PROFILE.max_batch)
+    follower.add_model(MODEL, PROFILE.table_s, PROFILE.max_batch)
     return follower
 
 
@@ -305,3 +307,10 @@ def test_wake_at_is_always_in_the_future_after_a_call() -> None:
         assert len(started) <= 1 and not (running and started)
         running = running or bool(started)
         assert follower.wake_at > now
+
+
+def test_outbox_vocabulary_is_the_scheduler_s() -> None:
+    # spelled out in follower.py (backends/ may not import scheduler/): must stay equal
+    assert follower_module.TO_RANK == common.TO_RANK
+    assert follower_module.DEST_FRONTEND == common.DEST_FRONTEND
+    assert follower_module.Outbox == common.Outbox
