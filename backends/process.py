@@ -46,14 +46,13 @@ import os
 import sys
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
 from zserve import procutil, timers
+from zserve.backends.batch_runner import BatchRunner, BusyMeter
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
     DEST_DEVICE,
@@ -103,36 +102,6 @@ WEDGED_MIN_S = 2.0
 PROFILE_REPEATS = 3
 SOCKET_CLOSE_LINGER_MS = 200
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages")
-
-
-@dataclass(slots=True)
-class BusyMeter:
-    """The device's busy time inside each stats window, exactly: a batch running across a window
-    boundary counts in both windows for the part that fell in each. (Summing whole run times
-    per window credited a batch to the window in which it ended, so a window could show more
-    busy time than its length.)"""
-
-    window_start: float
-    accumulated_s: float = 0.0
-    running_since: float | None = None
-
-    def start(self, t: float) -> None:
-        self.running_since = t
-
-    def stop(self, t: float) -> None:
-        if self.running_since is not None:
-            self.accumulated_s += max(0.0, t - max(self.running_since, self.window_start))
-            self.running_since = None
-
-    def take(self, now: float, reset: bool) -> float:
-        """Busy seconds from the window's start to ``now``; ``reset`` starts a new window."""
-        busy = self.accumulated_s
-        if self.running_since is not None:
-            busy += max(0.0, now - max(self.running_since, self.window_start))
-        if reset:
-            self.accumulated_s = 0.0
-            self.window_start = now
-        return busy
 
 
 # --------------------------------------------------------------------------- executors
@@ -229,7 +198,6 @@ class Backend:
         self._precise = timers.timers_for(self.loop)
         self._timer: timers.TimerHandle | None = None
         self._timer_at = 0.0
-        self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stuck = False
         self._idle = asyncio.Event()
@@ -237,7 +205,7 @@ class Backend:
         self._hb_seq = 0
         self._wedged_logged = False
         self.counters: dict[str, int] = dict.fromkeys(HOST_COUNTER_NAMES, 0)
-        self.busy = BusyMeter(self.clock.now())
+        self.runner = BatchRunner(executor, self.clock, self.follower.timings)
         self._counted_before_reset: dict[str, int] = {}
 
     # ------------------------------------------------------------------ start-up
@@ -250,11 +218,7 @@ class Backend:
         self.executor.warm()
         for model in self.models:
             self.warmed[model] = list(range(1, self.executor.max_batch(model) + 1))
-            for spec in self.executor.signature(model).inputs:
-                shape = (self.executor.max_batch(model), *(int(d or 0) for d in spec.shape))
-                buffer = np.empty(shape, np.dtype(spec.dtype))
-                buffer.fill(0)  # touch every page now, not on the first batch
-                self._buffers[(model, spec.name)] = buffer
+            self.runner.allocate(model)
         by_name = {m.name: m for m in models}
         for model in self.models:
             profile = configured_profile(by_name[model]) if model in by_name else None
@@ -329,8 +293,7 @@ class Backend:
                     assert isinstance(msg, RunBatch)
                     self._spawn(self._execute(msg))
                 elif kind == DEST_FRONTEND:
-                    address = str(where)
-                    self._connect_frontend(address)  # known already; a no-op on this path
+                    address = str(where)  # connected when the host learned it
                     if not self._send(self.data_socks[address], msg) and isinstance(
                             msg, InputFetch):
                         lost.append((msg.plan_id, address))
@@ -400,53 +363,19 @@ class Backend:
 
     # ------------------------------------------------------------------ the device
 
-    def _assemble(self, model: str, requests: list[TensorMap]) -> TensorMap:
-        """One stacked batch: one copy per input into the preallocated buffer, none for one
-        request. A request whose arrays do not match fails the batch (ValueError/TypeError)."""
-        if len(requests) == 1:
-            return requests[0]
-        batch: TensorMap = {}
-        size = len(requests)
-        for spec in self.executor.signature(model).inputs:
-            buffer = self._buffers[(model, spec.name)]
-            np.concatenate([r[spec.name] for r in requests], axis=0, out=buffer[:size],
-                           casting="no")
-            batch[spec.name] = buffer[:size]
-        return batch
-
     async def _execute(self, run: RunBatch) -> None:
         """Run one batch, send its outputs (or fail it), and free the device."""
-        plan, timings = run.plan, self.follower.timings
-        outputs: list[TensorMap] = []
-        error = ""
-        try:
-            t0 = self.clock.now()
-            batch = self._assemble(plan.model, run.inputs)
-            t1 = self.clock.now()
-            self.busy.start(t1)
-            try:
-                outputs = await self.executor.run_async(plan.model, batch)
-            finally:
-                t2 = self.clock.now()
-                self.busy.stop(t2)
-            if len(outputs) != len(run.rows):
-                raise ValueError(f"executor returned {len(outputs)} outputs for "
-                                 f"{len(run.rows)} rows")
-            timings.assemble.append(t1 - t0)
-            timings.run.append(t2 - t1)
-        except Exception as exc:  # an execution error fails this batch only
-            error = f"{type(exc).__name__}: {exc}"
-            log.error("%s: batch %d of %s (%d requests) failed: %s", self.name, plan.plan_id,
-                      plan.model, len(run.rows), error)
-        finished_at = self.clock.now()
+        result = await self.runner.run(run)
+        if result.error:
+            log.error("%s: batch %d of %s (%d requests) failed: %s", self.name,
+                      run.plan.plan_id, run.plan.model, len(run.rows), result.error)
         outbox: Outbox = []
         try:
-            self._answer(run, outputs, error, finished_at)
-            pushed_at = self.clock.now()
-            timings.push.append(pushed_at - finished_at)
+            self._answer(run, result.outputs, result.error, result.finished_at)
+            self.follower.timings.push.append(self.clock.now() - result.finished_at)
         finally:
-            self.follower.on_batch_done(self.clock.now(), ok=not error, finished_at=finished_at,
-                                        outbox=outbox)
+            self.follower.on_batch_done(self.clock.now(), ok=not result.error,
+                                        finished_at=result.finished_at, outbox=outbox)
             self._deliver(outbox)
 
     def _answer(self, run: RunBatch, outputs: list[TensorMap], error: str,
@@ -555,7 +484,8 @@ class Backend:
             "counters": self._counters(),
             "counters_total": self.counter_totals(),
             "timings": timings.summary(),
-            "samples": {**timings.samples(), "busy_s": self.busy.take(self.clock.now(), reset)},
+            "samples": {**timings.samples(),
+                        "busy_s": self.runner.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in timings.batch_histogram.items()},
             "clock": self.clock.stats(),
         }
