@@ -1,38 +1,28 @@
 """The backend process: a thin host around one device's PlanFollower.
 
 ``run_backend(config, control_address)`` (``zserve backend``) serves one device (``cpu``,
-``cuda:N`` or ``emulated``) with one executor (``zserve.backends.executor``). The decisions --
-holding plans, fetching inputs, the start decision, late shedding, the device-free projection --
-are the pure :class:`~zserve.backends.follower.PlanFollower` (the simulator hosts the same one).
-This host owns the sockets, the executor, the plan timer and the heartbeats:
+``cuda:N`` or ``emulated``). The decisions -- holding plans, fetching inputs, the start decision,
+late shedding, the device-free projection -- are the pure ``PlanFollower``
+(``zserve.backends.follower``; the simulator hosts the same one), and the executor side is the
+``BatchRunner`` (``zserve.backends.batch_runner``). This host owns the rest:
 
-1. Binds its ``plan`` ROUTER (scheduler shards connect), loads every model and warms it at every
-   batch size 1..max_batch, fixes each model's latency profile (the configured profile file, the
-   emulated alpha/beta, or one measured here), and only then sends ``Ready`` to the supervisor.
-2. Connects a DEALER (identity = its name) to the rank and registers (``BackendRegister``); opens
-   a DEALER to every frontend ``data`` address in the peer map at once (each says ``Hello`` with
-   this process's pid, so a frontend knows when a backend of this name restarted), and to any
-   other frontend the moment a plan first names it, before the follower sees the plan. Heartbeats
-   to the rank every ``HEARTBEAT_INTERVAL_S`` from the same event loop that runs the batches, and
-   stops while a batch is wedged (runs ``WEDGED_FACTOR`` times longer than planned), so the rank
-   removes a stuck device.
-3. Delivers the follower's outbox: InputFetch/BatchFailed to the frontends, BatchStats to the
-   rank; a ``RunBatch`` is assembled with one copy per input into a preallocated batch buffer
-   (none for a batch of one), run (``Executor.run_async``), and answered with one
-   ``BatchOutputs`` per frontend (zero-copy row views) or, on an execution error, one
-   ``BatchFailed(BACKEND_FAILED)`` per frontend; then ``on_batch_done`` frees the device.
-4. On SIGTERM/SIGINT or ``Shutdown``: the follower refuses new plans and answers SHUTTING_DOWN
-   for held plans that cannot start before the grace period ends; the rest run; it exits 0.
+1. Start-up: binds its ``plan`` ROUTER, loads and warms every model at every batch size, fixes
+   each model's profile (the configured file, the emulated alpha/beta, or measured here), and
+   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``) and opens a
+   DEALER to every frontend ``data`` address of the peer map at once (its ``Hello`` carries the
+   pid, so a frontend knows when a backend of this name restarted); a frontend a plan names
+   first is connected when that plan arrives, before the follower fetches from it.
+2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock), delivers
+   its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
+   frontend, then ``on_batch_done``), and arms one precise timer (``zserve.timers``) at
+   ``follower.wake_at``: a plan starts tens of microseconds after its exec_at, never before.
+   Heartbeats to the rank stop while a batch is wedged (``WEDGED_FACTOR`` x its plan).
+3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
+   and new plans are answered SHUTTING_DOWN; the rest run; exit 0.
 
-Sends never block the loop: a message ZeroMQ cannot queue (a peer gone, its queue full) is
-dropped, counted and logged (a lost InputFetch is reported to the follower, which then runs
-without those inputs); the frontends' deadline timers answer whatever a lost message leaves.
-
-Time: every time on the wire is on the cluster clock (``zserve.clock``): the backend estimates its
-offset before it registers, feeds the follower ``clock.now()``, and arms one precise timer
-(``zserve.timers``: a timerfd on Linux) at ``clock.to_local(follower.wake_at)``, so a plan starts
-a few tens of microseconds after its exec_at, never before it. (The executors time batches on the
-local clock: only durations matter there; ``warm_finished_at`` is local too.)
+Sends never block: a message ZeroMQ cannot queue is dropped, counted and logged (a lost
+InputFetch is reported to the follower, which runs without those inputs); the frontends'
+deadline timers answer whatever a lost message leaves.
 """
 
 from __future__ import annotations
@@ -604,13 +594,5 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = [
-    "INPUT_WAIT_S",
-    "Backend",
-    "BusyMeter",
-    "build_executor",
-    "configured_profile",
-    "main",
-    "run_backend",
-    "shed_late_rows",
-]
+__all__ = ["INPUT_WAIT_S", "Backend", "BusyMeter", "build_executor", "configured_profile", "main",
+           "run_backend", "shed_late_rows"]

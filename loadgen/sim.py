@@ -123,25 +123,9 @@ class Simulator:
         self.keep_tolerance = w.keep_tolerance if tol is None else tol
         reply_s = w.reply_ms / 1e3
         d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
-        self.models = [
-            ModelThread(
-                m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s,
-                jitter_s=w.jitter_ms / 1e3,
-                budget_s=m.slo_s - reply_s - d_ctrl_s,
-                keep_tolerance=self.keep_tolerance,
-            )
-            for m in w.models
-        ]
+        self.models, self.rank, self.followers = self._build_roles(d_ctrl_s, d_data_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
-        self.rank = RankThread(list(range(w.gpus)), 0.0)
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
-        self.followers = [
-            PlanFollower(f"gpu-{gpu}", shed_grace_s=SHED_GRACE_FRACTION * reply_s)
-            for gpu in range(w.gpus)
-        ]
-        for follower in self.followers:
-            for m in w.models:
-                follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
         self.arrivals = _arrivals_of(w, arrivals)
         self.offsets = [0, *np.cumsum([len(a) for a in self.arrivals])[:-1].tolist()]
         total = sum(len(a) for a in self.arrivals)
@@ -175,6 +159,30 @@ class Simulator:
         self._ptr = [0] * len(self.models)
         self._now = 0.0
         self._measured_dropped = [0] * len(self.models)
+
+    def _build_roles(self, d_ctrl_s: float, d_data_s: float,
+                     ) -> tuple[list[ModelThread], RankThread, list[PlanFollower]]:
+        """One ModelThread per model, the RankThread, and one PlanFollower per GPU, configured
+        as the live processes configure theirs."""
+        w = self.w
+        reply_s = w.reply_ms / 1e3
+        models = [
+            ModelThread(
+                m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s,
+                jitter_s=w.jitter_ms / 1e3,
+                budget_s=m.slo_s - reply_s - d_ctrl_s,
+                keep_tolerance=self.keep_tolerance,
+            )
+            for m in w.models
+        ]
+        followers = [
+            PlanFollower(f"gpu-{gpu}", shed_grace_s=SHED_GRACE_FRACTION * reply_s)
+            for gpu in range(w.gpus)
+        ]
+        for follower in followers:
+            for m in w.models:
+                follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
+        return models, RankThread(list(range(w.gpus)), 0.0), followers
 
     # ------------------------------------------------------------------ event plumbing
 
@@ -437,36 +445,9 @@ class Simulator:
     def _report(self, wall_s: float) -> dict[str, Any]:
         w = self.w
         lo_w, hi_w = self.window
-        arr = self.arrival_all
-        in_window = (arr >= lo_w) & (arr < hi_w)
-        reply_s = w.reply_ms / 1e3
+        in_window = (self.arrival_all >= lo_w) & (self.arrival_all < hi_w)
         batches = np.array(self.batches, dtype=np.float64).reshape(-1, 5)
-        outcomes: list[ModelOutcome] = []
-        for i, spec in enumerate(w.models):
-            base = self.offsets[i]
-            sl = slice(base, base + len(self.arrivals[i]))
-            mask = in_window[sl]
-            status = self.status[sl][mask]
-            a = arr[sl][mask]
-            served = (status == _GOOD) | (status == _LATE)
-            latencies = (self.finish[sl][mask][served] + reply_s - a[served]) * 1e3
-            queueing = (self.exec[sl][mask][served] - a[served]) * 1e3
-            mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
-            total = int(mask.sum())
-            if self.bailed:
-                # an unfinished run: count what has ended; pending requests count as bad
-                pass
-            outcomes.append(ModelOutcome(
-                name=spec.name,
-                slo_ms=spec.slo_ms,
-                total=total,
-                good=int(np.count_nonzero(status == _GOOD)),
-                late=int(np.count_nonzero(status == _LATE)),
-                dropped=int(np.count_nonzero(status == _DROPPED)),
-                latencies_ms=latencies,
-                queueing_ms=queueing,
-                batch_sizes=mine[:, 4].astype(np.int64),
-            ))
+        outcomes = [self._outcome(i, in_window, batches) for i in range(len(w.models))]
         busy = 0.0
         if len(batches):
             starts = np.clip(batches[:, 2], lo_w, hi_w)
@@ -476,8 +457,46 @@ class Simulator:
             bound = workload_bound_rps(w)
         except (ValueError, ZeroDivisionError):
             bound = None
+        report: dict[str, Any] = build_report(
+            outcomes, source="sim", workload=w.name, policy=self.policy.name,
+            drop=self.policy.drop_name, seed=w.seed, gpus=w.gpus, measure_s=w.measure_s,
+            gpu_busy_fraction=busy, bound_rps=bound, extra=self._extra(wall_s),
+        )
+        return report
+
+    def _outcome(self, i: int, in_window: np.ndarray[Any, Any],
+                 batches: np.ndarray[Any, Any]) -> ModelOutcome:
+        """Model ``i``'s requests that arrived in the measure window (after a bailed run,
+        pending requests count as bad) and its batches that started in it."""
+        spec = self.w.models[i]
+        lo_w, hi_w = self.window
+        base = self.offsets[i]
+        sl = slice(base, base + len(self.arrivals[i]))
+        mask = in_window[sl]
+        status = self.status[sl][mask]
+        a = self.arrival_all[sl][mask]
+        served = (status == _GOOD) | (status == _LATE)
+        reply_s = self.w.reply_ms / 1e3
+        latencies = (self.finish[sl][mask][served] + reply_s - a[served]) * 1e3
+        queueing = (self.exec[sl][mask][served] - a[served]) * 1e3
+        mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
+        return ModelOutcome(
+            name=spec.name,
+            slo_ms=spec.slo_ms,
+            total=int(mask.sum()),
+            good=int(np.count_nonzero(status == _GOOD)),
+            late=int(np.count_nonzero(status == _LATE)),
+            dropped=int(np.count_nonzero(status == _DROPPED)),
+            latencies_ms=latencies,
+            queueing_ms=queueing,
+            batch_sizes=mine[:, 4].astype(np.int64),
+        )
+
+    def _extra(self, wall_s: float) -> dict[str, Any]:
+        """The simulator's own report keys."""
+        w = self.w
         rank = self.rank
-        extra = {
+        return {
             "rate_rps": w.rate,
             "arrival": str(w.arrival),
             "bailed": self.bailed,
@@ -500,12 +519,6 @@ class Simulator:
             "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
                               "jitter": w.jitter_ms},
         }
-        report: dict[str, Any] = build_report(
-            outcomes, source="sim", workload=w.name, policy=self.policy.name,
-            drop=self.policy.drop_name, seed=w.seed, gpus=w.gpus, measure_s=w.measure_s,
-            gpu_busy_fraction=busy, bound_rps=bound, extra=extra,
-        )
-        return report
 
 
 class _ArrivalFeed:
