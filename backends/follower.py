@@ -273,10 +273,14 @@ class PlanFollower:
         """Hold ``plan`` and fetch its inputs from each of its frontends at once."""
         self.counters["plans"] += 1
         if not plan.request_ids:
-            return
-        if self.draining or not self._well_formed(plan):
+            pass
+        elif self.draining or not self._well_formed(plan):
             self._refuse(now, plan, outbox)
-            return
+        else:
+            self._hold(now, plan, outbox)
+        self._advance(now, outbox)
+
+    def _hold(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
         self.timings.slack.append(plan.exec_at - now)
         held = HeldPlan(plan, now, set(range(len(plan.frontends))))
         self._plans[plan.plan_id] = held
@@ -290,7 +294,6 @@ class PlanFollower:
                 ids_by_frontend[index].append(rid)
         for address, ids in zip(plan.frontends, ids_by_frontend, strict=True):
             outbox.append(((DEST_FRONTEND, address), InputFetch(plan.plan_id, ids)))
-        self._advance(now, outbox)
 
     def _well_formed(self, plan: BatchPlan) -> bool:
         count = len(plan.request_ids)

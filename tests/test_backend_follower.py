@@ -291,7 +291,11 @@ def test_wake_at_is_always_in_the_future_after_a_call() -> None:
     for _ in range(300):
         now += float(rng.exponential(0.004))
         outbox: Outbox = []
-        if follower.wake_at <= now:
+        if rng.random() < 0.05:  # an empty and a refused plan, while a timer may be overdue
+            follower.on_plan(now, BatchPlan(0, MODEL, 0, now, now, [FRONTEND], [], []), outbox)
+            follower.on_plan(now, BatchPlan(0, "other", 0, now, now, [FRONTEND], [0], [1]),
+                             outbox)
+        elif follower.wake_at <= now:
             follower.on_timer(now, outbox)
         elif running and rng.random() < 0.5:
             follower.on_batch_done(now, ok=True, finished_at=now, outbox=outbox)
