@@ -166,14 +166,11 @@ def bench_hops(repeats: int) -> dict[str, dict[str, float]]:
 
 
 def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str, Any]:
-    from zserve.backends.builtin import ensure_builtin
-    from zserve.backends.onnx_executor import read_signature
     from zserve.backends.process import run_backend
     from zserve.config import parse_config, role_config
 
-    max_batch = max(batch_sizes)
     cluster = parse_config({"models": [{"name": model, "builtin": model,
-                                        "max_batch": max_batch}],
+                                        "max_batch": max(batch_sizes)}],
                             "backends": {"device": "cpu"}})
     with tempfile.TemporaryDirectory(prefix="zs-bb-") as tmp:
         ctx: zmq.Context[Any] = zmq.Context()
@@ -193,42 +190,10 @@ def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str,
             _, register = _expect(rank, BackendRegister, router=True)
             shard = make_dealer(ctx, register.plan_address, identity=b"shard-0")
             socks.append(shard)
-            signature = read_signature(ensure_builtin(model), model)
-            rng = np.random.default_rng(0)
-            store = {
-                rid: {s.name: rng.standard_normal((1, *(int(d or 1) for d in s.shape)))
-                      .astype(s.dtype) for s in signature.inputs}
-                for rid in range(max_batch)
-            }
+            bench = _BackendBench(model, max(batch_sizes), shard, data, data_ep)
             results: dict[str, Any] = {"model": model, "device": "cpu", "batch_sizes": {}}
-            plan_id = 0
             for bs in batch_sizes:
-                e2e: list[float] = []
-                for i in range(repeats + 5):
-                    if i == 5:  # discard the warm-up batches' timings
-                        codec.sync_send(shard, StatsRequest(reset=True))
-                        _expect(shard, StatsReply, router=False)
-                    plan_id += 1
-                    sent = time.monotonic()
-                    codec.sync_send(shard, BatchPlan(plan_id, model, 0, sent, sent + 0.05,
-                                                     [data_ep], [0] * bs, list(range(bs))))
-                    identity, fetch = _expect(data, InputFetch, router=True)
-                    codec.sync_send(data, InputReply(fetch.plan_id, fetch.request_ids,
-                                                     [store[r] for r in fetch.request_ids], []),
-                                    identity=identity)
-                    _expect(data, BatchOutputs, router=True)
-                    if i >= 5:
-                        e2e.append(time.monotonic() - sent)
-                codec.sync_send(shard, StatsRequest(reset=True))
-                _, reply = _expect(shard, StatsReply, router=False)
-                samples = reply.stats["samples"]
-                row: dict[str, float] = {}
-                for key in ("fetch_s", "assemble_s", "run_s", "push_s"):
-                    row[key.replace("_s", "_ms")] = float(np.median(samples[key])) * 1e3
-                row["end_to_end_ms"] = float(np.median(e2e)) * 1e3
-                overhead = np.asarray(e2e) - np.asarray(samples["run_s"][-len(e2e):])
-                row["overhead_ms"] = float(np.median(overhead)) * 1e3
-                results["batch_sizes"][str(bs)] = row
+                results["batch_sizes"][str(bs)] = bench.measure(bs, repeats)
             return results
         finally:
             proc.terminate()
@@ -239,6 +204,60 @@ def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str,
             for sock in socks:
                 sock.close(linger=0)
             ctx.term()
+
+
+class _BackendBench:
+    """Plays the shard (plans that start at once) and the frontend (inputs from memory) for a
+    backend process, and reads the backend's own per-batch timings back."""
+
+    WARMUP_BATCHES = 5
+
+    def __init__(self, model: str, max_batch: int, shard: zmq.Socket[Any],
+                 data: zmq.Socket[Any], data_ep: str) -> None:
+        from zserve.backends.builtin import ensure_builtin
+        from zserve.backends.onnx_executor import read_signature
+
+        self.model = model
+        self.shard, self.data, self.data_ep = shard, data, data_ep
+        self.plan_id = 0
+        signature = read_signature(ensure_builtin(model), model)
+        rng = np.random.default_rng(0)
+        self.store = {
+            rid: {s.name: rng.standard_normal((1, *(int(d or 1) for d in s.shape)))
+                  .astype(s.dtype) for s in signature.inputs}
+            for rid in range(max_batch)
+        }
+
+    def one_batch(self, bs: int) -> float:
+        """Plan sent -> outputs received for one batch of ``bs``, in seconds."""
+        self.plan_id += 1
+        sent = time.monotonic()
+        codec.sync_send(self.shard, BatchPlan(self.plan_id, self.model, 0, sent, sent + 0.05,
+                                              [self.data_ep], [0] * bs, list(range(bs))))
+        identity, fetch = _expect(self.data, InputFetch, router=True)
+        codec.sync_send(self.data, InputReply(fetch.plan_id, fetch.request_ids,
+                                              [self.store[r] for r in fetch.request_ids], []),
+                        identity=identity)
+        _expect(self.data, BatchOutputs, router=True)
+        return time.monotonic() - sent
+
+    def measure(self, bs: int, repeats: int) -> dict[str, float]:
+        """Median fetch/assemble/run/push (the backend's timings) and end to end of ``bs``."""
+        for _ in range(self.WARMUP_BATCHES):
+            self.one_batch(bs)
+        codec.sync_send(self.shard, StatsRequest(reset=True))  # discard the warm-up timings
+        _expect(self.shard, StatsReply, router=False)
+        e2e = [self.one_batch(bs) for _ in range(repeats)]
+        codec.sync_send(self.shard, StatsRequest(reset=True))
+        _, reply = _expect(self.shard, StatsReply, router=False)
+        samples = reply.stats["samples"]
+        row: dict[str, float] = {}
+        for key in ("fetch_s", "assemble_s", "run_s", "push_s"):
+            row[key.replace("_s", "_ms")] = float(np.median(samples[key])) * 1e3
+        row["end_to_end_ms"] = float(np.median(e2e)) * 1e3
+        overhead = np.asarray(e2e) - np.asarray(samples["run_s"][-len(e2e):])
+        row["overhead_ms"] = float(np.median(overhead)) * 1e3
+        return row
 
 
 def _expect(sock: zmq.Socket[Any], kind: type[Any], *, router: bool) -> tuple[Any, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zserve.backends.follower import RunBatch
+from zserve.errors import ErrorKind
 from zserve.loadgen import sim_cli
 from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
 from zserve.loadgen.report import summary_text
@@ -202,6 +205,70 @@ def test_invariant_checker_catches_broken_plans() -> None:
         sim._on_plan(0.0, BatchPlan(4, "a", 1, 0.030, 0.030 + 0.006125, ["sim"], [0], [1]))
     with pytest.raises(InvariantError, match="after its exec_at"):
         sim._on_plan(0.01, BatchPlan(5, "a", 1, 0.005, 0.005 + 0.006125, ["sim"], [0], [1]))
+
+
+def test_invariant_checker_catches_a_follower_running_two_batches_at_once() -> None:
+    w = parse_workload(_small())
+    sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.001]), np.array([0.0])])
+    first = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [0])
+    sim._run_batch(0.002, 0, RunBatch(first, [0], [{}], 0.002))
+    second = BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [1])
+    with pytest.raises(InvariantError, match="two batches at once"):
+        sim._run_batch(0.003, 0, RunBatch(second, [0], [{}], 0.003))
+
+
+def _drain_gpu_events(sim: Simulator) -> None:
+    """Run the GPU events the test queued (no arrivals: ``run`` is never called)."""
+    while sim._events:
+        now, seq, kind, idx = heapq.heappop(sim._events)
+        sim._now = now
+        sim._on_gpu_event(now, kind, idx, seq)
+
+
+def test_plans_and_inputs_reach_the_follower_after_their_delays_and_start_on_time() -> None:
+    w = parse_workload(_small(d_ctrl_ms=2.0, d_data_ms=0.5))
+    sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.0]), np.array([0.0])])
+    # granted at 0: the plan arrives at 2 ms, its two inputs at 3 ms, its exec_at
+    plan = BatchPlan(1, "a", 0, 0.003, 0.003 + w.models[0].profile.latency(2), ["sim"],
+                     [0, 0], [0, 1], [0.025, 0.025])
+    sim._on_plan(0.0, plan)
+    follower = sim.followers[0]
+    now, seq, kind, gpu = heapq.heappop(sim._events)
+    assert now == pytest.approx(0.002) and gpu == 0
+    sim._on_gpu_event(now, kind, gpu, seq)
+    assert follower.held_plans == 1 and follower.running is None
+    assert sim._events[0][0] == pytest.approx(0.003)  # the inputs: d_data per request later
+    _drain_gpu_events(sim)
+    assert sim.batches == [(0, 0, pytest.approx(0.003), pytest.approx(plan.expected_finish_at),
+                            2)]
+    assert sim.late_starts == 0 and follower.idle
+    assert list(sim.status[:2]) == [1, 1]  # good
+
+
+def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() -> None:
+    # d_ctrl 5 ms, but this plan's exec_at leaves none of it: the follower gets it 5 ms late,
+    # starts it at once, and sheds the request whose deadline the late batch would miss
+    w = parse_workload(_small(d_ctrl_ms=5.0))
+    sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.0]), np.array([0.0])])
+    l2 = w.models[0].profile.latency(2)
+    l1 = w.models[0].profile.latency(1)
+    sim.deadline_all[0] = 0.001 + l2  # too tight once the batch starts at 5 ms
+    plan = BatchPlan(1, "a", 1, 0.0, l2, ["sim"], [0, 0], [0, 1],
+                     [float(sim.deadline_all[0]), float(sim.deadline_all[1])])
+    sim._on_plan(0.0, plan)
+    _drain_gpu_events(sim)
+    assert sim.late_starts == 1
+    assert sim.backend_failed == {ErrorKind.DEADLINE.value: 1}
+    assert list(sim.status[:2]) == [3, 1]  # shed (dropped), then good
+    assert sim.batches == [(0, 1, pytest.approx(0.005), pytest.approx(0.005 + l1), 1)]
+    lateness = sim.followers[1].timings.lateness
+    assert list(lateness) == [pytest.approx(0.005)]
+
+
+def test_report_counts_what_the_followers_did() -> None:
+    report = simulate(parse_workload(_small(d_ctrl_ms=1.0, d_data_ms=0.1)))
+    assert report["backends"] == {"late_starts": 0, "answered": {}, "drift_corrections": 0}
+    assert report["bad_rate"] <= 0.01
 
 
 def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

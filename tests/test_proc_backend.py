@@ -21,6 +21,7 @@ from zserve.transport.messages import (
     BatchPlan,
     BatchStats,
     Heartbeat,
+    Hello,
     InputFetch,
     InputReply,
     StatsReply,
@@ -74,7 +75,8 @@ class BackendRig:
         return self.rank.expect(BatchStats, where=lambda m: m.plan_id == plan_id)[1]
 
 
-def start_backend(h: Harness, *, drain_s: float = 5.0) -> BackendRig:
+def start_backend(h: Harness, *, drain_s: float = 5.0,
+                  frontend_in_peers: bool = False) -> BackendRig:
     cluster = cluster_config(
         [{"name": MODEL, "max_batch": MAX_BATCH,
           "emulated": {"alpha_ms": ALPHA_MS, "beta_ms": BETA_MS}}],
@@ -84,7 +86,10 @@ def start_backend(h: Harness, *, drain_s: float = 5.0) -> BackendRig:
     rank = h.router("rank")
     frontend = h.router("fe-data")
     child = h.start("backend", role_config_for(cluster, "backend", 0, h.dir))
-    ready = h.await_ready(child, {"rank/rank": rank.endpoint})
+    peers = {"rank/rank": rank.endpoint}
+    if frontend_in_peers:
+        peers[f"{FRONTEND}/data"] = frontend.endpoint
+    ready = h.await_ready(child, peers)
     _, register = rank.expect(BackendRegister)
     assert register.plan_address == ready.endpoints["plan"]
     shard = h.dealer(register.plan_address, "shard-0")
@@ -109,6 +114,24 @@ def test_proc_backend_registers_after_warmup(rig: BackendRig) -> None:
     _, reply = rig.shard.expect(StatsReply)
     assert reply.stats["warmed"] == {MODEL: list(range(1, MAX_BATCH + 1))}
     rig.rank.expect(Heartbeat)
+
+
+def test_proc_backend_connects_the_frontends_it_learns_before_any_plan(tmp_path: Path) -> None:
+    """The frontends of the peer map get the backend's Hello as it starts serving; a frontend a
+    plan names first gets it before that plan's InputFetch."""
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, frontend_in_peers=True)
+        _, hello = rig.frontend.expect(Hello)  # no plan sent yet
+        assert (hello.role, hello.name, hello.pid) == ("backend", "backend-0", rig.child.proc.pid)
+        other = h.router("fe-other")
+        rig.shard.send(BatchPlan(1, MODEL, 0, time.monotonic(), time.monotonic() + 0.03,
+                                 [other.endpoint], [0], [7]))
+        _, first = other.recv()
+        assert isinstance(first, Hello)
+        other.expect(InputFetch)
+    finally:
+        h.close()
 
 
 def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:

@@ -1,0 +1,118 @@
+"""The executor side of a backend: a follower's RunBatch assembled, run and timed.
+
+``BatchRunner`` owns the preallocated batch buffers (one per model input, max_batch rows, touched
+at start-up) and the device's ``BusyMeter``. ``run`` stacks the batch's inputs with one copy per
+input (none for a batch of one), awaits ``Executor.run_async`` (ONNX Runtime in the executor's
+worker thread, an emulated batch by timer) and returns the outputs, or the error that failed this
+batch only. The process host (``zserve.backends.process``) sends what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zserve.backends.executor import Executor, TensorMap
+from zserve.backends.follower import BatchTimings, RunBatch
+from zserve.clock import ClusterClock
+
+
+@dataclass(slots=True)
+class BusyMeter:
+    """The device's busy time inside each stats window, exactly: a batch running across a window
+    boundary counts in both windows for the part that fell in each. (Summing whole run times
+    per window credited a batch to the window in which it ended, so a window could show more
+    busy time than its length.)"""
+
+    window_start: float
+    accumulated_s: float = 0.0
+    running_since: float | None = None
+
+    def start(self, t: float) -> None:
+        self.running_since = t
+
+    def stop(self, t: float) -> None:
+        if self.running_since is not None:
+            self.accumulated_s += max(0.0, t - max(self.running_since, self.window_start))
+            self.running_since = None
+
+    def take(self, now: float, reset: bool) -> float:
+        """Busy seconds from the window's start to ``now``; ``reset`` starts a new window."""
+        busy = self.accumulated_s
+        if self.running_since is not None:
+            busy += max(0.0, now - max(self.running_since, self.window_start))
+        if reset:
+            self.accumulated_s = 0.0
+            self.window_start = now
+        return busy
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """What one batch gave: its outputs, one per row (empty when it failed), the error that
+    failed it ("" when it ran) and when it finished (cluster clock)."""
+
+    outputs: list[TensorMap]
+    error: str
+    finished_at: float
+
+
+class BatchRunner:
+    """Runs batches on one executor, one at a time (the follower never starts two)."""
+
+    def __init__(self, executor: Executor, clock: ClusterClock, timings: BatchTimings) -> None:
+        self.executor = executor
+        self.clock = clock
+        self.timings = timings  # the follower's: assemble and run are filled here
+        self.busy = BusyMeter(clock.now())
+        self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
+
+    def allocate(self, model: str) -> None:
+        """The batch buffers of ``model``, every page touched now, not on the first batch."""
+        max_batch = self.executor.max_batch(model)
+        for spec in self.executor.signature(model).inputs:
+            buffer = np.empty((max_batch, *(int(d or 0) for d in spec.shape)),
+                              np.dtype(spec.dtype))
+            buffer.fill(0)
+            self._buffers[(model, spec.name)] = buffer
+
+    def assemble(self, model: str, requests: list[TensorMap]) -> TensorMap:
+        """One stacked batch: one copy per input into the preallocated buffer, none for one
+        request. A request whose arrays do not match fails the batch (ValueError/TypeError)."""
+        if len(requests) == 1:
+            return requests[0]
+        batch: TensorMap = {}
+        size = len(requests)
+        for spec in self.executor.signature(model).inputs:
+            buffer = self._buffers[(model, spec.name)]
+            np.concatenate([r[spec.name] for r in requests], axis=0, out=buffer[:size],
+                           casting="no")
+            batch[spec.name] = buffer[:size]
+        return batch
+
+    async def run(self, run: RunBatch) -> BatchResult:
+        """Assemble and run ``run``; an execution error is returned, not raised."""
+        model = run.plan.model
+        try:
+            t0 = self.clock.now()
+            batch = self.assemble(model, run.inputs)
+            t1 = self.clock.now()
+            self.busy.start(t1)
+            try:
+                outputs = await self.executor.run_async(model, batch)
+            finally:
+                t2 = self.clock.now()
+                self.busy.stop(t2)
+            if len(outputs) != len(run.rows):
+                raise ValueError(f"executor returned {len(outputs)} outputs for "
+                                 f"{len(run.rows)} rows")
+            self.timings.assemble.append(t1 - t0)
+            self.timings.run.append(t2 - t1)
+        except Exception as exc:  # an execution error fails this batch only
+            return BatchResult([], f"{type(exc).__name__}: {exc}", self.clock.now())
+        return BatchResult(outputs, "", self.clock.now())
+
+
+__all__ = ["BatchResult", "BatchRunner", "BusyMeter"]

@@ -1,0 +1,511 @@
+"""PlanFollower: one device's plans from arrival to the device freeing again (pure logic).
+
+The backend process (``zserve.backends.process``) and the simulator (``zserve.loadgen.sim``) host
+the same follower, so live and simulated runs share input waiting, the start decision, late
+shedding and the device-free projection (the rank's drift correction). Hosting contract as in
+``zserve.scheduler.common``: every method takes ``now`` (cluster-clock seconds) and an outbox, does
+no I/O and reads no clock; ``wake_at`` (``math.inf``: no timer) is read back after every call and
+``on_timer`` is called at the first moment ``now >= wake_at``.
+
+Inputs (host -> follower): ``on_plan``, ``on_input_reply``, ``on_cancel_fetched``,
+``on_fetch_lost`` (an InputFetch the host could not send), ``on_batch_done`` (the device is free
+again), ``on_timer``, ``drain``.
+
+Outputs (appended to the outbox):
+
+- ``(("frontend", address), InputFetch | BatchFailed)``: one fetch per frontend of a plan at once;
+  requests answered here (UNAVAILABLE inputs, DEADLINE shed, SHUTTING_DOWN, refused plans).
+- ``(TO_RANK, BatchStats)``: a plan refused, skipped or finished; a skipped or finished one carries
+  ``device_free_at`` (:meth:`PlanFollower.device_free_at`).
+- ``(("device", gpu_id), RunBatch)``: run these rows now. The host runs them, sends their outputs
+  (or BACKEND_FAILED) and calls ``on_batch_done`` once the device is free. Never two at once.
+
+Start decision: the held plan with the earliest ``exec_at`` starts at its exec_at (at once when it
+is already late; lateness is recorded) once every frontend answered its fetch, or ``input_wait_s``
+after max(exec_at, arrival) without the inputs that have not come (those are answered
+UNAVAILABLE). Late shedding (:func:`shed_late_rows`) then leaves out the rows that cannot finish
+by their ``finish_by`` plus ``shed_grace_s`` (answered DEADLINE); a plan left empty is skipped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from zserve.errors import ErrorKind
+from zserve.transport.messages import (
+    BatchFailed,
+    BatchPlan,
+    BatchStats,
+    CancelFetched,
+    InputFetch,
+    InputReply,
+    Message,
+    TensorMap,
+)
+
+# The outbox vocabulary of ``zserve.scheduler.common``, spelled out here because backends/ may
+# not import scheduler/ (the folders' layer contract); tests/test_backend_follower.py checks that
+# the two agree.
+Destination = tuple[str, str | int]
+Outbox = list[tuple[Destination, Message]]
+TO_RANK: Destination = ("rank", "")
+DEST_FRONTEND = "frontend"
+DEST_DEVICE = "device"
+# How long after exec_at the head plan waits for a frontend's InputReply before it runs without
+# those requests (a frontend that is alive answers within a millisecond or two).
+INPUT_WAIT_S = 0.050
+# A plan that starts more than this after its exec_at counts as late in the stats.
+LATE_TOLERANCE_S = 0.001
+# Per-batch timing samples kept for the stats (a ring; percentiles are computed on request).
+STATS_WINDOW = 4096
+# Late shedding keeps a request whose batch finishes up to this fraction of the cluster's reply
+# allowance after its finish_by: the reply allowance exists to absorb small lateness (the push
+# and the reply hop take well under half of it), so such a request is still answered in time.
+SHED_GRACE_FRACTION = 0.5
+
+COUNTER_NAMES = (
+    "plans",
+    "batches_ok",
+    "batches_failed",
+    "requests_ok",
+    "requests_failed",
+    "requests_missing",
+    "requests_unavailable",
+    "requests_cancelled",
+    "requests_shed_late",
+    "cancels_too_late",
+    "batches_skipped",
+    "late_plans",
+    "plans_refused",
+)
+
+
+def shed_late_rows(
+    rows: list[int], finish_by: Sequence[float], now: float, table_s: Sequence[float],
+    grace_s: float = 0.0,
+) -> tuple[list[int], list[int]]:
+    """Late shedding for a batch starting at ``now``: ``(kept, shed)`` rows. While the ``k``
+    rows left cannot finish by the earliest ``finish_by`` among them (``now + table_s[k] >
+    min + grace_s``), the row with the earliest ``finish_by`` is shed. ``kept`` keeps the order
+    of ``rows``; ``shed`` is in shedding order. ``table_s[k]`` is l(k) (``LatencyProfile``)."""
+    order = sorted(rows, key=finish_by.__getitem__)
+    count = len(order)
+    cut = 0
+    while cut < count and now + table_s[count - cut] > finish_by[order[cut]] + grace_s:
+        cut += 1
+    if cut == 0:
+        return rows, []
+    shed = order[:cut]
+    dropped = set(shed)
+    return [row for row in rows if row not in dropped], shed
+
+
+def _indexes_within(indexes: list[int], count: int) -> bool:
+    """Every index in ``0 <= i < count``."""
+    return not indexes or (min(indexes) >= 0 and max(indexes) < count)
+
+
+@dataclass(frozen=True, slots=True)
+class RunBatch(Message):  # type: ignore[misc, unused-ignore]  # Message is Any to some mypy runs
+    """Follower -> its host, never on the wire (no codec knows it): run ``rows`` of ``plan`` now,
+    ``inputs[i]`` being row ``rows[i]``'s tensors."""
+
+    KIND: ClassVar[str] = ""
+    plan: BatchPlan
+    rows: list[int]
+    inputs: list[TensorMap]
+    started_at: float
+
+
+@dataclass(slots=True, eq=False)
+class HeldPlan:
+    """A plan the follower holds, from arrival until the device is free after it."""
+
+    plan: BatchPlan
+    received_at: float
+    awaiting: set[int]  # indices into plan.frontends whose InputReply has not come
+    # Keyed by (frontend index in the plan, request id): request ids are unique per frontend
+    # only (frontends make them cluster-unique today, but nothing here relies on it).
+    inputs: dict[tuple[int, int], TensorMap] = field(default_factory=dict)
+    missing: set[tuple[int, int]] = field(default_factory=set)
+    # Fetched, then cancelled by their frontend before the batch started: left out of it.
+    cancelled: set[tuple[int, int]] = field(default_factory=set)
+    inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
+    started_at: float = 0.0
+    rows: int = 0  # the batch size it ran with
+
+    @property
+    def planned_s(self) -> float:
+        """The plan's own duration, ``expected_finish_at - exec_at``."""
+        planned_s: float = self.plan.expected_finish_at - self.plan.exec_at
+        return max(0.0, planned_s)
+
+
+@dataclass(slots=True)
+class BatchTimings:
+    """Rings of per-batch durations in seconds (for stats and the benchmark). The follower fills
+    lateness, slack and fetch; its host fills assemble, run and push."""
+
+    lateness: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # exec_at - plan received: how much of the allowance d_ctrl + d_data*bs was left on arrival
+    slack: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    fetch: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    assemble: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    run: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    push: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_size: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_model: deque[str] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # Every batch run since the last reset, per model: {model: {str(batch size): batches}}.
+    batch_histogram: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    RING_NAMES: ClassVar[tuple[str, ...]] = (
+        "lateness", "slack", "fetch", "assemble", "run", "push")
+
+    def add_batch(self, model: str, size: int) -> None:
+        self.batch_size.append(size)
+        self.batch_model.append(model)
+        sizes = self.batch_histogram.setdefault(model, {})
+        sizes[str(size)] = sizes.get(str(size), 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.RING_NAMES:
+            ring: deque[float] = getattr(self, name)
+            if ring:
+                values = np.asarray(ring) * 1e3
+                out[f"{name}_ms"] = {
+                    "count": len(values),
+                    "p50": float(np.median(values)),
+                    "p99": float(np.percentile(values, 99)),
+                    "max": float(values.max()),
+                    "mean": float(values.mean()),
+                }
+        return out
+
+    def samples(self) -> dict[str, Any]:
+        return {
+            "batch_size": list(self.batch_size),
+            "batch_model": list(self.batch_model),  # the model of each batch_size entry
+            "fetch_s": list(self.fetch),
+            "assemble_s": list(self.assemble),
+            "run_s": list(self.run),
+            "push_s": list(self.push),
+            "lateness_s": list(self.lateness),
+            "slack_s": list(self.slack),
+        }
+
+    def clear(self) -> None:
+        for name in self.RING_NAMES:
+            getattr(self, name).clear()
+        self.batch_size.clear()
+        self.batch_model.clear()
+        self.batch_histogram.clear()
+
+
+class PlanFollower:
+    """The plans of one device: holds them, collects their inputs, starts each at its exec_at,
+    sheds late rows and projects when the device frees (see the module docstring)."""
+
+    def __init__(self, name: str, *, shed_grace_s: float = 0.0,
+                 input_wait_s: float = INPUT_WAIT_S) -> None:
+        self.name = name
+        # How far past a request's finish_by its batch may finish before late shedding drops it.
+        self.shed_grace_s = shed_grace_s
+        self.input_wait_s = input_wait_s
+        self.wake_at = math.inf
+        self.latency_s: dict[str, Sequence[float]] = {}  # per model: l(b) at [b], as table_s
+        self.max_batch: dict[str, int] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self.timings = BatchTimings()
+        self.draining = False
+        self._plans: dict[int, HeldPlan] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
+        self._seq = 0
+        self._running: HeldPlan | None = None
+
+    def add_model(self, model: str, latency_s: Sequence[float], max_batch: int) -> None:
+        """Serve ``model``: ``latency_s[b]`` is l(b) in seconds for ``1 <= b <= max_batch``
+        (``LatencyProfile.table_s``; late shedding reads it) and ``max_batch`` its largest
+        batch."""
+        self.latency_s[model] = latency_s
+        self.max_batch[model] = max_batch
+
+    # ------------------------------------------------------------------ read back
+
+    @property
+    def running(self) -> HeldPlan | None:
+        """The plan whose batch holds the device (from RunBatch until ``on_batch_done``)."""
+        return self._running
+
+    @property
+    def held_plans(self) -> int:
+        return len(self._plans)
+
+    @property
+    def idle(self) -> bool:
+        """No plan held and no batch running."""
+        return not self._plans
+
+    def device_free_at(self, free_at: float) -> float:
+        """When the device will be free, given that it is free at ``free_at`` (no batch running):
+        each plan still held runs at max(previous finish, its exec_at) for its planned duration
+        (``expected_finish_at - exec_at``), in exec_at order. A plan that starts on time ends at
+        its own ``expected_finish_at`` exactly (no float drift), so an on-time device projects
+        exactly what the rank planned."""
+        for exec_at, _, plan_id in sorted(self._heap):
+            plan = self._plans[plan_id].plan
+            if free_at <= exec_at:
+                free_at = max(exec_at, plan.expected_finish_at)
+            else:
+                free_at += max(0.0, plan.expected_finish_at - exec_at)
+        return free_at
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_plan(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
+        """Hold ``plan`` and fetch its inputs from each of its frontends at once."""
+        self.counters["plans"] += 1
+        if not plan.request_ids:
+            pass
+        elif self.draining or not self._well_formed(plan):
+            self._refuse(now, plan, outbox)
+        else:
+            self._hold(now, plan, outbox)
+        self._advance(now, outbox)
+
+    def _hold(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
+        self.timings.slack.append(plan.exec_at - now)
+        held = HeldPlan(plan, now, set(range(len(plan.frontends))))
+        self._plans[plan.plan_id] = held
+        self._seq += 1
+        heapq.heappush(self._heap, (plan.exec_at, self._seq, plan.plan_id))
+        ids_by_frontend: list[list[int]] = [[] for _ in plan.frontends]
+        if len(ids_by_frontend) == 1:  # the common case: one frontend
+            ids_by_frontend[0] = list(plan.request_ids)
+        else:
+            for rid, index in zip(plan.request_ids, plan.request_frontend, strict=True):
+                ids_by_frontend[index].append(rid)
+        for address, ids in zip(plan.frontends, ids_by_frontend, strict=True):
+            outbox.append(((DEST_FRONTEND, address), InputFetch(plan.plan_id, ids)))
+
+    def _well_formed(self, plan: BatchPlan) -> bool:
+        count = len(plan.request_ids)
+        return (plan.plan_id not in self._plans and plan.model in self.latency_s
+                and len(plan.request_frontend) == count
+                and _indexes_within(plan.request_frontend, len(plan.frontends))
+                and count <= self.max_batch[plan.model]
+                and (not plan.finish_by or len(plan.finish_by) == count))
+
+    def _refuse(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
+        self.counters["plans_refused"] += 1
+        if self.draining:
+            kind, why = ErrorKind.SHUTTING_DOWN, f"backend {self.name} is shutting down"
+        elif plan.plan_id in self._plans:
+            kind, why = ErrorKind.INTERNAL, f"duplicate plan id {plan.plan_id}"
+        elif plan.model not in self.latency_s:
+            kind, why = ErrorKind.INTERNAL, f"backend {self.name} does not serve {plan.model!r}"
+        else:
+            kind, why = ErrorKind.INTERNAL, f"malformed plan {plan.plan_id}"
+        count = len(plan.request_ids)
+        if kind is not ErrorKind.INTERNAL or (
+            len(plan.request_frontend) == count
+            and _indexes_within(plan.request_frontend, len(plan.frontends))
+        ):
+            self._fail_rows(plan, list(range(count)), kind, why, outbox)
+        outbox.append((TO_RANK, self._stats(plan, 0, now, now, ok=False)))
+
+    def on_fetch_lost(self, now: float, plan_id: int, address: str, outbox: Outbox) -> None:
+        """The host could not send the InputFetch to ``address``: nothing will come from it."""
+        held = self._plans.get(plan_id)
+        if held is not None and not held.started_at and address in held.plan.frontends:
+            self._frontend_answered(now, held, held.plan.frontends.index(address))
+        self._advance(now, outbox)
+
+    def on_input_reply(self, now: float, address: str, reply: InputReply, outbox: Outbox) -> None:
+        """A frontend's inputs for one plan (ignored once the plan started without them)."""
+        held = self._plans.get(reply.plan_id)
+        if held is not None and not held.started_at and address in held.plan.frontends:
+            index = held.plan.frontends.index(address)
+            for rid, tensors in zip(reply.request_ids, reply.inputs, strict=False):
+                held.inputs[(index, rid)] = tensors
+            held.missing.update((index, rid) for rid in reply.missing)
+            self._frontend_answered(now, held, index)
+        self._advance(now, outbox)
+
+    def _frontend_answered(self, now: float, held: HeldPlan, index: int) -> None:
+        held.awaiting.discard(index)
+        if not held.awaiting:
+            held.inputs_at = now
+
+    def on_cancel_fetched(self, now: float, address: str, msg: CancelFetched,
+                          outbox: Outbox) -> None:
+        """Leave cancelled requests out of their plans if those have not started (a started
+        batch runs; its frontend discards the outputs)."""
+        for plan_id, rid in zip(msg.plan_ids, msg.request_ids, strict=False):
+            held = self._plans.get(plan_id)
+            if held is None or held.started_at:
+                self.counters["cancels_too_late"] += 1
+                continue
+            if address not in held.plan.frontends:
+                continue
+            key = (held.plan.frontends.index(address), rid)
+            if held.inputs.pop(key, None) is not None:
+                held.cancelled.add(key)
+                self.counters["requests_cancelled"] += 1
+        self._advance(now, outbox)
+
+    # ------------------------------------------------------------------ the device
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        self._advance(now, outbox)
+
+    def on_batch_done(self, now: float, *, ok: bool, finished_at: float, outbox: Outbox) -> None:
+        """The running batch finished executing at ``finished_at`` (``ok``: its outputs went
+        out; else it failed) and the device is free again at ``now`` (after the push: the
+        next plan can start only now, so the projection starts here)."""
+        held = self._running
+        assert held is not None, "on_batch_done without a running batch"
+        plan = held.plan
+        prefix = "batches_ok" if ok else "batches_failed"
+        self.counters[prefix] += 1
+        self.counters["requests_ok" if ok else "requests_failed"] += held.rows
+        self.timings.add_batch(plan.model, held.rows)
+        self._running = None
+        del self._plans[plan.plan_id]
+        outbox.append((TO_RANK, self._stats(plan, held.rows, held.started_at, finished_at, ok=ok,
+                                            cancelled=len(held.cancelled),
+                                            device_free_at=self.device_free_at(now))))
+        self._advance(now, outbox)
+
+    def _advance(self, now: float, outbox: Outbox) -> None:
+        """Start the head plan if its time has come, its inputs are in (or waited for long
+        enough) and the device is free; then set ``wake_at``."""
+        self.wake_at = math.inf
+        if self._running is not None:
+            return  # on_batch_done advances
+        while self._heap:
+            exec_at, _, plan_id = self._heap[0]
+            held = self._plans[plan_id]
+            if now < exec_at:
+                self.wake_at = exec_at
+                return
+            if held.awaiting:
+                give_up_at = max(exec_at, held.received_at) + self.input_wait_s
+                if now < give_up_at:
+                    self.wake_at = give_up_at  # or the InputReply comes first
+                    return
+            heapq.heappop(self._heap)
+            if self._start(now, held, outbox):
+                return
+
+    def _start(self, now: float, held: HeldPlan, outbox: Outbox) -> bool:
+        """Start ``held``; False when nothing was left to run (the caller moves on)."""
+        plan = held.plan
+        held.started_at = now
+        rows = self._rows_with_inputs(held, outbox)
+        lateness = now - plan.exec_at
+        shed: list[int] = []
+        if rows and plan.finish_by:
+            rows, shed = shed_late_rows(rows, plan.finish_by, now,
+                                        self.latency_s[plan.model], self.shed_grace_s)
+            if shed:
+                self.counters["requests_shed_late"] += len(shed)
+                self._fail_rows(
+                    plan, shed, ErrorKind.DEADLINE,
+                    f"batch started {lateness * 1e3:.2f} ms late on backend {self.name}; "
+                    "could not finish by its deadline", outbox)
+        if not rows:  # every request cancelled, missing or shed: the batch is skipped
+            del self._plans[plan.plan_id]
+            if held.cancelled or shed:
+                self.counters["batches_skipped"] += 1
+            outbox.append((TO_RANK, self._stats(plan, 0, now, now, ok=True,
+                                                cancelled=len(held.cancelled),
+                                                device_free_at=self.device_free_at(now))))
+            return False
+        self.timings.lateness.append(lateness)
+        if lateness > LATE_TOLERANCE_S:
+            self.counters["late_plans"] += 1
+        self.timings.fetch.append((held.inputs_at or now) - held.received_at)
+        held.rows = len(rows)
+        self._running = held
+        keys = [(plan.request_frontend[i], plan.request_ids[i]) for i in rows]
+        outbox.append(((DEST_DEVICE, plan.gpu_id),
+                       RunBatch(plan, rows, [held.inputs[key] for key in keys], now)))
+        return True
+
+    def _rows_with_inputs(self, held: HeldPlan, outbox: Outbox) -> list[int]:
+        """The rows whose inputs came; the rows still awaited are answered UNAVAILABLE."""
+        plan = held.plan
+        inputs = held.inputs
+        keys = list(zip(plan.request_frontend, plan.request_ids, strict=True))
+        if held.awaiting:
+            late = [i for i, key in enumerate(keys)
+                    if key[0] in held.awaiting and key not in inputs
+                    and key not in held.cancelled]
+            if late:
+                self.counters["requests_unavailable"] += len(late)
+                self._fail_rows(plan, late, ErrorKind.UNAVAILABLE,
+                                f"inputs did not reach backend {self.name} in time", outbox)
+        if held.missing:
+            self.counters["requests_missing"] += sum(
+                1 for key in keys if key in held.missing and key not in inputs)
+        return [i for i, key in enumerate(keys) if key in inputs]
+
+    # ------------------------------------------------------------------ drain
+
+    def drain(self, now: float, deadline: float, outbox: Outbox) -> None:
+        """Refuse plans from now on and answer SHUTTING_DOWN for every held plan that has not
+        started and whose exec_at is after ``deadline`` (``-inf``: all of them)."""
+        self.draining = True
+        keep: list[tuple[float, int, int]] = []
+        for entry in self._heap:
+            if entry[0] > deadline:
+                plan = self._plans.pop(entry[2]).plan
+                self._fail_rows(plan, list(range(len(plan.request_ids))),
+                                ErrorKind.SHUTTING_DOWN,
+                                f"backend {self.name} is shutting down", outbox)
+                outbox.append((TO_RANK, self._stats(plan, 0, now, now, ok=False)))
+            else:
+                keep.append(entry)
+        heapq.heapify(keep)
+        self._heap = keep
+        self._advance(now, outbox)
+
+    # ------------------------------------------------------------------ messages out
+
+    def _fail_rows(self, plan: BatchPlan, rows: list[int], kind: ErrorKind, why: str,
+                   outbox: Outbox) -> None:
+        by_frontend: dict[int, list[int]] = {}
+        for row in rows:
+            by_frontend.setdefault(plan.request_frontend[row], []).append(plan.request_ids[row])
+        for index, ids in by_frontend.items():
+            outbox.append(((DEST_FRONTEND, plan.frontends[index]),
+                           BatchFailed(plan.plan_id, ids, kind.value, why)))
+
+    @staticmethod
+    def _stats(plan: BatchPlan, size: int, started_at: float, finished_at: float, *, ok: bool,
+               cancelled: int = 0, device_free_at: float = 0.0) -> BatchStats:
+        return BatchStats(plan.plan_id, plan.model, plan.gpu_id, size, plan.exec_at, started_at,
+                          finished_at, ok, cancelled, device_free_at)
+
+
+__all__ = [
+    "DEST_DEVICE",
+    "DEST_FRONTEND",
+    "INPUT_WAIT_S",
+    "SHED_GRACE_FRACTION",
+    "TO_RANK",
+    "BatchTimings",
+    "HeldPlan",
+    "Outbox",
+    "PlanFollower",
+    "RunBatch",
+    "shed_late_rows",
+]

@@ -1,0 +1,320 @@
+"""PlanFollower, the backend's pure plan logic, driven with no sockets: the test is its host (it
+passes ``now`` and an outbox, reads ``wake_at`` back, and answers RunBatch with on_batch_done)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from zserve.backends import follower as follower_module
+from zserve.backends.follower import (
+    DEST_DEVICE,
+    INPUT_WAIT_S,
+    LATE_TOLERANCE_S,
+    PlanFollower,
+    RunBatch,
+    shed_late_rows,
+)
+from zserve.errors import ErrorKind
+from zserve.scheduler import common
+from zserve.scheduler.common import TO_RANK, Outbox
+from zserve.scheduler.profiles import LatencyProfile
+from zserve.transport.messages import (
+    BatchFailed,
+    BatchPlan,
+    BatchStats,
+    CancelFetched,
+    InputFetch,
+    InputReply,
+)
+
+MODEL = "m"
+FRONTEND = "ipc://frontend-0.data"
+OTHER_FRONTEND = "ipc://frontend-1.data"
+PROFILE = LatencyProfile.linear(1.0, 10.0, 8)  # l(b) = b + 10 ms
+GRACE_S = 0.002
+
+
+def l_s(bs: int) -> float:
+    return PROFILE.table_s[bs]
+
+
+def make_follower() -> PlanFollower:
+    follower = PlanFollower("backend-0", shed_grace_s=GRACE_S)
+    follower.add_model(MODEL, PROFILE.table_s, PROFILE.max_batch)
+    return follower
+
+
+def make_plan(plan_id: int, exec_at: float, ids: list[int], *,
+              finish_by: list[float] | None = None,
+              frontend_of: list[int] | None = None) -> BatchPlan:
+    frontend_of = frontend_of or [0] * len(ids)
+    frontends = [FRONTEND, OTHER_FRONTEND][: max(frontend_of) + 1]
+    return BatchPlan(plan_id, MODEL, 0, exec_at, exec_at + l_s(len(ids)), frontends,
+                     frontend_of, ids,
+                     finish_by if finish_by is not None else [exec_at + 1.0] * len(ids))
+
+
+def inputs_for(ids: list[int], plan_id: int) -> InputReply:
+    return InputReply(plan_id, ids, [{"x": np.full((1, 2), rid, np.float32)} for rid in ids], [])
+
+
+def of_type(outbox: Outbox, kind: type) -> list:
+    return [msg for _, msg in outbox if isinstance(msg, kind)]
+
+
+def runs(outbox: Outbox) -> list[RunBatch]:
+    found = [msg for dest, msg in outbox if dest[0] == DEST_DEVICE]
+    assert all(isinstance(m, RunBatch) for m in found)
+    return found
+
+
+def hold(follower: PlanFollower, now: float, plan: BatchPlan) -> Outbox:
+    """Deliver a plan and, at the same moment, its inputs; the combined outbox."""
+    outbox: Outbox = []
+    follower.on_plan(now, plan, outbox)
+    follower.on_input_reply(now, FRONTEND, inputs_for(plan.request_ids, plan.plan_id), outbox)
+    return outbox
+
+
+def test_plan_fetches_its_inputs_from_every_frontend_at_once() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [5, 6, 7], frontend_of=[0, 1, 0]), outbox)
+    fetches = [(dest, msg) for dest, msg in outbox if isinstance(msg, InputFetch)]
+    assert fetches == [(("frontend", FRONTEND), InputFetch(1, [5, 7])),
+                       (("frontend", OTHER_FRONTEND), InputFetch(1, [6]))]
+    assert follower.wake_at == 0.010
+    assert not runs(outbox)
+
+
+def test_plan_starts_at_its_exec_at_not_before() -> None:
+    follower = make_follower()
+    assert not runs(hold(follower, 0.0, make_plan(1, 0.010, [1, 2])))
+    assert follower.wake_at == 0.010
+    early: Outbox = []
+    follower.on_timer(0.009, early)  # a host calling early: a no-op
+    assert not runs(early) and follower.wake_at == 0.010
+    outbox: Outbox = []
+    follower.on_timer(0.010, outbox)
+    (run,) = runs(outbox)
+    assert run.started_at == 0.010 and run.rows == [0, 1]
+    assert [t["x"][0, 0] for t in run.inputs] == [1.0, 2.0]
+    assert follower.wake_at == math.inf  # nothing to wake for while the batch runs
+    assert follower.timings.lateness[-1] == 0.0
+
+
+def test_late_plan_runs_at_once_and_records_lateness() -> None:
+    follower = make_follower()
+    outbox = hold(follower, 0.105, make_plan(1, 0.100, [1, 2]))
+    (run,) = runs(outbox)
+    assert run.started_at == 0.105
+    assert follower.timings.lateness[-1] == pytest.approx(0.005)
+    assert follower.counters["late_plans"] == 1
+    assert follower.timings.slack[-1] == pytest.approx(-0.005)
+
+
+def test_never_two_batches_at_once_on_one_device() -> None:
+    follower = make_follower()
+    first = hold(follower, 0.0, make_plan(1, 0.0, [1, 2]))
+    assert len(runs(first)) == 1
+    outbox = hold(follower, 0.001, make_plan(2, 0.005, [3]))  # exec_at inside batch 1
+    follower.on_timer(0.005, outbox)
+    follower.on_timer(0.010, outbox)
+    assert not runs(outbox)
+    assert follower.wake_at == math.inf  # on_batch_done drives the next start
+    done: Outbox = []
+    follower.on_batch_done(0.012, ok=True, finished_at=0.012, outbox=done)
+    (run,) = runs(done)
+    assert run.plan.plan_id == 2 and run.started_at == 0.012
+    assert follower.timings.lateness[-1] == pytest.approx(0.007)
+    (stats,) = of_type(done, BatchStats)
+    assert (stats.plan_id, stats.batch_size, stats.ok) == (1, 2, True)
+
+
+def test_rows_that_would_finish_past_their_deadline_are_shed() -> None:
+    follower = make_follower()
+    now = 0.020  # 20 ms late: l(3) = 13 ms ends at 0.033
+    finish_by = [0.040, 0.030, 0.034]  # row 1 cannot make it even with the 2 ms grace
+    outbox = hold(follower, now, make_plan(1, 0.000, [10, 11, 12], finish_by=finish_by))
+    (failed,) = of_type(outbox, BatchFailed)
+    assert (failed.request_ids, failed.error) == ([11], ErrorKind.DEADLINE.value)
+    (run,) = runs(outbox)
+    assert run.rows == [0, 2]  # l(2) = 12 ms ends at 0.032 <= 0.034 + grace
+    assert follower.counters["requests_shed_late"] == 1
+    assert shed_late_rows([0, 1, 2], finish_by, now, PROFILE.table_s, GRACE_S) == ([0, 2], [1])
+
+
+def test_plan_whose_every_row_is_late_is_skipped_and_reports_the_device_free() -> None:
+    follower = make_follower()
+    outbox = hold(follower, 0.050, make_plan(1, 0.000, [1, 2], finish_by=[0.02, 0.02]))
+    assert not runs(outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert sorted(failed.request_ids) == [1, 2]
+    (stats,) = of_type(outbox, BatchStats)
+    assert (stats.batch_size, stats.ok, stats.device_free_at) == (0, True, 0.050)
+    assert follower.counters["batches_skipped"] == 1
+    assert follower.idle
+
+
+def test_device_free_projection_over_the_plans_still_held() -> None:
+    follower = make_follower()
+    hold(follower, 0.0, make_plan(1, 0.0, [1]))  # runs; l(1) = 11 ms
+    hold(follower, 0.001, make_plan(2, 0.011, [2, 3]))  # right after batch 1: ends 0.023
+    last = make_plan(3, 0.040, [4])  # a gap before it: ends 0.051
+    hold(follower, 0.001, last)
+    # on time: the device frees when the last plan held was planned to finish
+    assert follower.device_free_at(0.011) == last.expected_finish_at
+    # batch 1 overran by 20 ms: plan 2 slides to 0.031 and pushes plan 3 to 0.043 + 11 ms
+    late = follower.device_free_at(0.031)
+    assert late == pytest.approx(0.031 + l_s(2) + l_s(1))
+    outbox: Outbox = []
+    follower.on_batch_done(0.031, ok=True, finished_at=0.030, outbox=outbox)
+    stats = [m for dest, m in outbox if dest == TO_RANK and isinstance(m, BatchStats)]
+    assert stats[0].plan_id == 1
+    # reported before plan 2 starts: plans 2 and 3 still held
+    assert stats[0].device_free_at == pytest.approx(late)
+    assert stats[0].finished_at == 0.030
+
+
+def test_projection_of_an_on_time_chain_is_exactly_the_planned_finish() -> None:
+    follower = make_follower()
+    exec_at = 1e5 + 0.1  # live times are ~1e5 s: no float drift allowed in the projection
+    plan = make_plan(1, exec_at, [1, 2, 3])
+    hold(follower, exec_at - 0.01, plan)
+    assert follower.device_free_at(exec_at - 0.001) == plan.expected_finish_at
+
+
+def test_inputs_arriving_after_exec_at_start_the_plan_when_they_come() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2]), outbox)
+    follower.on_timer(0.010, outbox)
+    assert not runs(outbox)
+    assert follower.wake_at == pytest.approx(0.010 + INPUT_WAIT_S)  # gives up then
+    follower.on_input_reply(0.013, FRONTEND, inputs_for([1, 2], 1), outbox)
+    (run,) = runs(outbox)
+    assert run.started_at == 0.013
+    assert follower.timings.fetch[-1] == pytest.approx(0.013)
+    assert follower.timings.lateness[-1] == pytest.approx(0.003)
+    assert LATE_TOLERANCE_S < 0.003 and follower.counters["late_plans"] == 1
+
+
+def test_inputs_that_never_come_are_answered_unavailable_and_the_rest_runs() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    plan = make_plan(1, 0.010, [1, 2, 3], frontend_of=[0, 1, 0])
+    follower.on_plan(0.0, plan, outbox)
+    follower.on_input_reply(0.001, FRONTEND, inputs_for([1, 3], 1), outbox)
+    follower.on_timer(0.010, outbox)
+    assert not runs(outbox)
+    give_up = follower.wake_at
+    assert give_up == pytest.approx(0.010 + INPUT_WAIT_S)
+    follower.on_timer(give_up, outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert (failed.request_ids, failed.error) == ([2], ErrorKind.UNAVAILABLE.value)
+    (run,) = runs(outbox)
+    assert run.rows == [0, 2]
+    assert follower.counters["requests_unavailable"] == 1
+    late = inputs_for([2], 1)
+    follower.on_input_reply(give_up + 0.001, OTHER_FRONTEND, late, outbox)  # ignored: started
+    assert len(runs(outbox)) == 1
+
+
+def test_a_lost_fetch_runs_without_that_frontend_at_exec_at() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2], frontend_of=[0, 1]), outbox)
+    follower.on_input_reply(0.001, FRONTEND, inputs_for([1], 1), outbox)
+    follower.on_fetch_lost(0.001, 1, OTHER_FRONTEND, outbox)
+    assert follower.wake_at == 0.010  # no input wait: nothing more will come
+    follower.on_timer(0.010, outbox)
+    (run,) = runs(outbox)
+    assert run.rows == [0]
+
+
+def test_missing_and_cancelled_requests_are_left_out() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2, 3]), outbox)
+    follower.on_input_reply(0.001, FRONTEND, InputReply(1, [1, 2], [{}, {}], [3]), outbox)
+    follower.on_cancel_fetched(0.002, FRONTEND, CancelFetched([1], [2]), outbox)
+    follower.on_timer(0.010, outbox)
+    (run,) = runs(outbox)
+    assert run.rows == [0]
+    assert follower.counters["requests_missing"] == 1
+    assert follower.counters["requests_cancelled"] == 1
+    follower.on_cancel_fetched(0.011, FRONTEND, CancelFetched([1], [1]), outbox)
+    assert follower.counters["cancels_too_late"] == 1
+    done: Outbox = []
+    follower.on_batch_done(0.022, ok=True, finished_at=0.021, outbox=done)
+    (stats,) = of_type(done, BatchStats)
+    assert (stats.batch_size, stats.cancelled) == (1, 1)
+
+
+def test_malformed_or_unknown_plans_are_refused() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    bad = BatchPlan(1, MODEL, 0, 0.01, 0.02, [FRONTEND], [0, 0], [1, 2], [0.5])
+    follower.on_plan(0.0, bad, outbox)
+    unknown = BatchPlan(2, "other", 0, 0.01, 0.02, [FRONTEND], [0], [3], [])
+    follower.on_plan(0.0, unknown, outbox)
+    failed = of_type(outbox, BatchFailed)
+    assert [(f.request_ids, f.error) for f in failed] == [
+        ([1, 2], ErrorKind.INTERNAL.value), ([3], ErrorKind.INTERNAL.value)]
+    assert [s.batch_size for s in of_type(outbox, BatchStats)] == [0, 0]
+    assert follower.counters["plans_refused"] == 2 and follower.idle
+
+
+def test_drain_runs_what_starts_in_time_and_refuses_the_rest() -> None:
+    follower = make_follower()
+    hold(follower, 0.0, make_plan(1, 0.010, [1]))
+    hold(follower, 0.0, make_plan(2, 0.500, [2]))
+    outbox: Outbox = []
+    follower.drain(0.001, 0.101, outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert (failed.request_ids, failed.error) == ([2], ErrorKind.SHUTTING_DOWN.value)
+    follower.on_plan(0.002, make_plan(3, 0.020, [3]), outbox)
+    assert of_type(outbox, BatchFailed)[-1].error == ErrorKind.SHUTTING_DOWN.value
+    follower.on_timer(0.010, outbox)
+    assert [r.plan.plan_id for r in runs(outbox)] == [1]
+    follower.on_batch_done(0.022, ok=True, finished_at=0.021, outbox=outbox)
+    assert follower.idle
+
+
+def test_wake_at_is_always_in_the_future_after_a_call() -> None:
+    follower = make_follower()
+    rng = np.random.default_rng(3)
+    now, plan_id, running = 0.0, 0, False
+    for _ in range(300):
+        now += float(rng.exponential(0.004))
+        outbox: Outbox = []
+        if rng.random() < 0.05:  # an empty and a refused plan, while a timer may be overdue
+            follower.on_plan(now, BatchPlan(0, MODEL, 0, now, now, [FRONTEND], [], []), outbox)
+            follower.on_plan(now, BatchPlan(0, "other", 0, now, now, [FRONTEND], [0], [1]),
+                             outbox)
+        elif follower.wake_at <= now:
+            follower.on_timer(now, outbox)
+        elif running and rng.random() < 0.5:
+            follower.on_batch_done(now, ok=True, finished_at=now, outbox=outbox)
+            running = False
+        else:
+            plan_id += 1
+            size = int(rng.integers(1, 5))
+            exec_at = now + float(rng.uniform(-0.005, 0.02))
+            finish_by = [exec_at + l_s(size) + float(rng.uniform(-0.01, 0.02))] * size
+            outbox = hold(follower, now, make_plan(plan_id, exec_at, list(range(size)),
+                                                   finish_by=finish_by))
+        started = runs(outbox)
+        assert len(started) <= 1 and not (running and started)
+        running = running or bool(started)
+        assert follower.wake_at > now
+
+
+def test_outbox_vocabulary_is_the_scheduler_s() -> None:
+    # spelled out in follower.py (backends/ may not import scheduler/): must stay equal
+    assert follower_module.TO_RANK == common.TO_RANK
+    assert follower_module.DEST_FRONTEND == common.DEST_FRONTEND
+    assert follower_module.Outbox == common.Outbox
