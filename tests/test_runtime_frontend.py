@@ -24,7 +24,7 @@ from runtime_helpers import (
 )
 
 import zserve
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     ClientHello,
     DropNotice,
@@ -96,7 +96,9 @@ def test_drop_notice_answers_deadline(frontend: FrontendHarness) -> None:
         future = client.submit("m", sample(1))
         (rid,) = meta_ids(frontend, 1)
         identity, _ = b"frontend-0", None
-        codec.sync_send(frontend.shard, DropNotice([rid], "DEADLINE", "dropped"), identity=identity)
+        socket_io.sync_send(
+            frontend.shard, DropNotice([rid], "DEADLINE", "dropped"), identity=identity
+        )
         with pytest.raises(zserve.DeadlineError):
             future.result(10)
 
@@ -155,7 +157,7 @@ def test_malformed_messages_are_counted_and_service_continues(frontend: Frontend
         raw.send_multipart([msgpack.packb(["no-such-kind", 1])])
         _, answer = recv(raw, router=False)  # its id is recoverable too
         assert isinstance(answer, InferError) and answer.request_id == 1
-        codec.sync_send(raw, StatsRequest(reset=False))  # a client may ask for the counters too
+        socket_io.sync_send(raw, StatsRequest(reset=False))  # a client may ask for the counters too
         _, reply = recv(raw, router=False)
         assert isinstance(reply, StatsReply) and reply.stats["counters"]["malformed"] == 3
         backend = frontend.backend()
@@ -173,7 +175,7 @@ def test_malformed_messages_are_counted_and_service_continues(frontend: Frontend
 def test_disconnected_client_requests_are_not_executed(frontend: FrontendHarness) -> None:
     raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"vanishing")
     for i in range(10):
-        codec.sync_send(raw, InferRequest(i, "m", sample(i)))
+        socket_io.sync_send(raw, InferRequest(i, "m", sample(i)))
     ids = meta_ids(frontend, 10)
     raw.close(linger=0)  # no cancel: the connection just goes away
     backend = frontend.backend()
@@ -222,9 +224,9 @@ def test_a_batch_is_answered_in_one_message_to_a_client_that_accepts_it(
     backend = frontend.backend()
     raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"batched-client")
     try:
-        codec.sync_send(raw, ClientHello(accepts=[InferAnswers.KIND]))
+        socket_io.sync_send(raw, ClientHello(accepts=[InferAnswers.KIND]))
         for i in range(6):
-            codec.sync_send(raw, InferRequest(100 + i, "m", sample(i)))
+            socket_io.sync_send(raw, InferRequest(100 + i, "m", sample(i)))
         ids = meta_ids(frontend, 6)
         # One BatchOutputs for the first four, a DropNotice for the last two: two messages in,
         # so two InferAnswers out, each with every answer of its tick and nothing twice.
@@ -234,7 +236,7 @@ def test_a_batch_is_answered_in_one_message_to_a_client_that_accepts_it(
         assert answers.request_ids == [100, 101, 102, 103] and answers.error_ids == []
         for i, outputs in enumerate(answers.outputs):
             assert outputs["y"][0, 0] == pytest.approx(8.0 * i)
-        codec.sync_send(frontend.shard, DropNotice(ids[4:], "DEADLINE", "late"),
+        socket_io.sync_send(frontend.shard, DropNotice(ids[4:], "DEADLINE", "late"),
                         identity=b"frontend-0")
         _, answers = recv(raw, router=False)
         assert isinstance(answers, InferAnswers)
@@ -242,7 +244,7 @@ def test_a_batch_is_answered_in_one_message_to_a_client_that_accepts_it(
         assert answers.errors == ["DEADLINE", "DEADLINE"] and answers.messages == ["late"] * 2
         assert stats(frontend)["pending"] == 0
         # Requests refused at admission are answered the same way.
-        codec.sync_send(raw, InferRequest(7, "nope", sample(1)))
+        socket_io.sync_send(raw, InferRequest(7, "nope", sample(1)))
         _, answers = recv(raw, router=False)
         assert isinstance(answers, InferAnswers)
         assert answers.error_ids == [7] and answers.errors == ["BAD_REQUEST"]
@@ -259,9 +261,9 @@ def test_a_client_that_does_not_accept_answers_batches_gets_one_reply_per_reques
     raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"plain-client")
     try:
         if hello is not None:
-            codec.sync_send(raw, hello)
+            socket_io.sync_send(raw, hello)
         for i in range(3):
-            codec.sync_send(raw, InferRequest(i, "m", sample(i)))
+            socket_io.sync_send(raw, InferRequest(i, "m", sample(i)))
         run_batch(backend, meta_ids(frontend, 3))
         replies = []
         for _ in range(3):
