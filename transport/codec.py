@@ -97,7 +97,7 @@ class DecodeLimits:
         object.__setattr__(self, "short_header_bytes", short)
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def _refuse_ext(code: int, data: bytes | memoryview) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
@@ -162,8 +162,9 @@ def encode(message: Message) -> Frames:
         values = [message.KIND, *msgspec.structs.astuple(message)]
         for position, encode_field in array_fields:
             values[position] = encode_field(values[position], out)
-        out.frames[0] = _pack(values)
-        return out.frames
+        frames: Frames = out.frames
+        frames[0] = _pack(values)
+        return frames
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode {type(message).__name__}: {exc}") from exc
 
@@ -272,8 +273,12 @@ def _split_frames(
     if count > limits.max_frames:
         raise MessageTooLargeError(f"{count} frames exceed the limit of {limits.max_frames}")
     first = frames[0]
-    header = first if type(first) is bytes else _byte_view(first)
-    header_bytes = len(header) if type(header) is bytes else header.nbytes
+    header: bytes | memoryview
+    if type(first) is bytes:  # what socket_io receives: msgspec reads bytes fastest
+        header, header_bytes = first, len(first)
+    else:
+        header = _byte_view(first)
+        header_bytes = header.nbytes
     if header_bytes > limits.max_header_bytes:
         raise MessageTooLargeError(
             f"header of {header_bytes} bytes exceeds the limit of {limits.max_header_bytes}"
@@ -321,7 +326,8 @@ def _explain(
 ) -> ProtocolError:
     """The error of a header that failed to decode or a check after it (the slow path)."""
     items = bounded_parse(header, limits)
-    return schema.first_problem(items, buffers, cause)
+    error: ProtocolError = schema.first_problem(items, buffers, cause)
+    return error
 
 
 def _header_arity(header: bytes | memoryview) -> int:

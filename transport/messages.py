@@ -47,7 +47,7 @@ class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
 # --------------------------------------------------------------------------- client <-> frontend
 
 
-class InferRequest(Message, tag="infer"):
+class InferRequest(Message, frozen=True, tag="infer"):
     """Client -> frontend: run ``model`` on ``inputs``. ``slo_ms`` 0 means the model's own SLO;
     a positive value may only tighten it."""
 
@@ -57,14 +57,14 @@ class InferRequest(Message, tag="infer"):
     slo_ms: float = 0.0
 
 
-class InferReply(Message, tag="reply"):
+class InferReply(Message, frozen=True, tag="reply"):
     """Frontend -> client: the outputs of one request."""
 
     request_id: int
     outputs: TensorMap
 
 
-class InferError(Message, tag="error"):
+class InferError(Message, frozen=True, tag="error"):
     """Frontend -> client: the terminal error of one request (``error`` is an ErrorKind)."""
 
     request_id: int
@@ -72,7 +72,7 @@ class InferError(Message, tag="error"):
     message: str
 
 
-class ClientHello(Message, tag="chello"):
+class ClientHello(Message, frozen=True, tag="chello"):
     """Client -> frontend, first on a connection: the optional message kinds this client decodes
     beyond ``InferReply`` and ``InferError`` (today only ``InferAnswers.KIND``). A client that
     never sends one is answered with one message per request."""
@@ -80,7 +80,7 @@ class ClientHello(Message, tag="chello"):
     accepts: list[str]
 
 
-class InferAnswers(Message, tag="answers"):
+class InferAnswers(Message, frozen=True, tag="answers"):
     """Frontend -> a client that accepts this kind (``ClientHello``): the terminal answers of
     several of its requests, produced in one event-loop tick (typically one batch's outputs), in
     one message instead of one per request. ``request_ids[i]`` is answered with ``outputs[i]``
@@ -98,7 +98,7 @@ class InferAnswers(Message, tag="answers"):
     messages: list[str]
 
 
-class CancelRequest(Message, tag="cancel"):
+class CancelRequest(Message, frozen=True, tag="cancel"):
     """Client -> frontend: cancel a request if it has not started executing."""
 
     request_id: int
@@ -107,7 +107,7 @@ class CancelRequest(Message, tag="cancel"):
 # --------------------------------------------------------------------------- frontend <-> shard
 
 
-class RequestMetaBatch(Message, tag="meta"):
+class RequestMetaBatch(Message, frozen=True, tag="meta"):
     """Frontend -> owning scheduler shard: the metadata of the requests admitted in one event-loop
     tick, as parallel lists (struct of arrays: one message and no per-request objects).
     ``frontend`` is the frontend's ``data`` address (what a BatchPlan lists in ``frontends``);
@@ -120,7 +120,7 @@ class RequestMetaBatch(Message, tag="meta"):
     deadlines: list[float]
 
 
-class DropNotice(Message, tag="drop"):
+class DropNotice(Message, frozen=True, tag="drop"):
     """Shard -> frontend: these requests were dropped by the scheduler and get ``error``."""
 
     request_ids: list[int]
@@ -131,7 +131,7 @@ class DropNotice(Message, tag="drop"):
 # --------------------------------------------------------------------------- shard <-> rank
 
 
-class CandidateUpdate(Message, tag="cand"):
+class CandidateUpdate(Message, frozen=True, tag="cand"):
     """Shard -> rank: a model's current batch candidate (latest value wins).
     ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size."""
 
@@ -142,7 +142,7 @@ class CandidateUpdate(Message, tag="cand"):
     send_delay: float
 
 
-class GrantGpu(Message, tag="grant"):
+class GrantGpu(Message, frozen=True, tag="grant"):
     """Rank -> shard: ``gpu_id`` is granted to ``model``'s candidate. ``free_at`` is when that GPU
     becomes free. The rank ignores the model's candidates until it gets a GrantAnswer."""
 
@@ -152,7 +152,7 @@ class GrantGpu(Message, tag="grant"):
     free_at: float
 
 
-class GrantAnswer(Message, tag="gans"):
+class GrantAnswer(Message, frozen=True, tag="gans"):
     """Shard -> rank: the answer to a grant. ``used`` False returns the GPU untouched (the queue
     emptied meanwhile); otherwise the GPU is busy until ``free_at``. Also resumes candidates."""
 
@@ -163,7 +163,7 @@ class GrantAnswer(Message, tag="gans"):
     free_at: float
 
 
-class BackendTable(Message, tag="btable"):
+class BackendTable(Message, frozen=True, tag="btable"):
     """Rank -> shards (and frontends): the backends that exist, by GPU id, with the address at
     which each one's plan socket listens and the models it serves. Sent whenever it changes."""
 
@@ -178,7 +178,7 @@ class BackendTable(Message, tag="btable"):
 # --------------------------------------------------------------------------- shard -> backend
 
 
-class BatchPlan(Message, tag="plan"):
+class BatchPlan(Message, frozen=True, tag="plan"):
     """Shard -> backend: run one batch of ``model`` at ``exec_at`` on ``gpu_id``. Request i lives
     on frontend ``frontends[request_frontend[i]]`` (a frontend address). ``finish_by[i]`` is the
     time by which request i's batch must finish for it to be answered within its SLO (its
@@ -200,14 +200,14 @@ class BatchPlan(Message, tag="plan"):
 # --------------------------------------------------------------------------- backend <-> frontend
 
 
-class InputFetch(Message, tag="fetch"):
+class InputFetch(Message, frozen=True, tag="fetch"):
     """Backend -> frontend: send me the inputs of these requests of one plan."""
 
     plan_id: int
     request_ids: list[int]
 
 
-class InputReply(Message, tag="inputs"):
+class InputReply(Message, frozen=True, tag="inputs"):
     """Frontend -> backend: the inputs of the requests it still holds, one TensorMap each, and the
     ids it no longer holds (cancelled, already answered) which the backend leaves out."""
 
@@ -217,7 +217,7 @@ class InputReply(Message, tag="inputs"):
     missing: list[int]
 
 
-class BatchOutputs(Message, tag="outputs"):
+class BatchOutputs(Message, frozen=True, tag="outputs"):
     """Backend -> frontend: the outputs of this frontend's requests of one batch."""
 
     plan_id: int
@@ -229,7 +229,7 @@ class BatchOutputs(Message, tag="outputs"):
     finished_at: float = 0.0
 
 
-class BatchFailed(Message, tag="bfail"):
+class BatchFailed(Message, frozen=True, tag="bfail"):
     """Backend -> frontend: these requests of one batch failed with ``error``."""
 
     plan_id: int
@@ -238,7 +238,7 @@ class BatchFailed(Message, tag="bfail"):
     message: str
 
 
-class CancelFetched(Message, tag="fcancel"):
+class CancelFetched(Message, frozen=True, tag="fcancel"):
     """Frontend -> the backend that fetched them (over the frontend's ``data`` ROUTER): these
     requests were cancelled or their client disconnected. ``plan_ids[i]`` is the plan whose
     fetch took ``request_ids[i]``. The backend leaves them out of the batch if it has not
@@ -251,7 +251,7 @@ class CancelFetched(Message, tag="fcancel"):
 # --------------------------------------------------------------------------- backend -> scheduler
 
 
-class BackendRegister(Message, tag="breg"):
+class BackendRegister(Message, frozen=True, tag="breg"):
     """Backend -> rank: this backend exists. ``profiles_ms[model][b-1]`` is l(b) in milliseconds
     for b = 1..max batch; ``plan_address`` is where its plan socket can be reached."""
 
@@ -262,7 +262,7 @@ class BackendRegister(Message, tag="breg"):
     profiles_ms: dict[str, list[float]]
 
 
-class BatchStats(Message, tag="bstats"):
+class BatchStats(Message, frozen=True, tag="bstats"):
     """Backend -> scheduler: what happened to one plan (for reports and lateness accounting)."""
 
     plan_id: int
@@ -286,7 +286,7 @@ class BatchStats(Message, tag="bstats"):
 # --------------------------------------------------------------------------- lifecycle
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, frozen=True, tag="hello"):
     """Any process -> its peer on connect."""
 
     role: str
@@ -294,14 +294,14 @@ class Hello(Message, tag="hello"):
     pid: int
 
 
-class BackendGone(Message, tag="bgone"):
+class BackendGone(Message, frozen=True, tag="bgone"):
     """Supervisor -> the rank's host and every frontend (control link): backend ``name``'s
     process died. Its requests are answered BACKEND_FAILED now rather than at their deadlines."""
 
     name: str
 
 
-class Ready(Message, tag="ready"):
+class Ready(Message, frozen=True, tag="ready"):
     """Child -> supervisor: sockets bound and models loaded; ``endpoints`` names what it serves."""
 
     role: str
@@ -310,7 +310,7 @@ class Ready(Message, tag="ready"):
     endpoints: dict[str, str]
 
 
-class Heartbeat(Message, tag="hb"):
+class Heartbeat(Message, frozen=True, tag="hb"):
     """A process -> its supervisor (control link; ``sent_at`` host-local) and backends and shards
     -> the rank (``sent_at`` on the cluster clock). Informational: receivers time liveness by
     arrival."""
@@ -320,14 +320,14 @@ class Heartbeat(Message, tag="hb"):
     sent_at: float
 
 
-class ClockProbe(Message, tag="clkprobe"):
+class ClockProbe(Message, frozen=True, tag="clkprobe"):
     """Any process -> the rank (over its own DEALER, identity ``<name>.clock``): a clock sample
     request. The sender keeps its local send time under ``seq``."""
 
     seq: int
 
 
-class ClockReply(Message, tag="clkreply"):
+class ClockReply(Message, frozen=True, tag="clkreply"):
     """Rank -> the prober: ``rank_time`` is the rank's CLOCK_MONOTONIC (the cluster clock) read
     while answering probe ``seq``; ``rank_host`` identifies the rank's clock (boot id and time
     namespace, ``zserve.clock.host_identity``): a prober with the same one shares the clock."""
@@ -337,20 +337,20 @@ class ClockReply(Message, tag="clkreply"):
     rank_host: str
 
 
-class Shutdown(Message, tag="shutdown"):
+class Shutdown(Message, frozen=True, tag="shutdown"):
     """Supervisor -> child: drain (stop admitting, finish in flight up to ``drain_s``) and exit."""
 
     reason: str
     drain_s: float
 
 
-class StatsRequest(Message, tag="statsreq"):
+class StatsRequest(Message, frozen=True, tag="statsreq"):
     """Anyone -> a process: send me your counters (``reset``: and start them again)."""
 
     reset: bool
 
 
-class ClusterStatsRequest(Message, tag="cstatsreq"):
+class ClusterStatsRequest(Message, frozen=True, tag="cstatsreq"):
     """Client -> a frontend's client socket: a ``StatsReply`` with the frontend's stats and,
     under ``stats["cluster"][process name]``, those of the scheduler processes and backends it
     talks to (asked now, with ``reset``; ``stats["cluster_silent"]`` names those that did not
@@ -359,7 +359,7 @@ class ClusterStatsRequest(Message, tag="cstatsreq"):
     reset: bool
 
 
-class StatsReply(Message, tag="stats"):
+class StatsReply(Message, frozen=True, tag="stats"):
     """A process's counters and histograms (msgpack-native values only)."""
 
     name: str
@@ -401,7 +401,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 
 # KIND is each class's msgspec tag, read back once here so that the tag is written only once.
 for _cls in ALL_MESSAGES:
-    _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment, misc]
+    _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment]
 del _cls
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}

@@ -53,11 +53,14 @@ def has_native_values(hint: Any) -> bool:
 def _array_encoder(hint: Any) -> ArrayFieldEncoder:
     """Replace the arrays inside one field value by descriptors (appending the frames of the
     large ones to ``out.frames``), refusing a value whose containers do not fit ``hint``."""
+    # Typed locals: under the project's mypy layout imports of zserve.* may resolve to Any.
     if _is_array_hint(hint):
-        return encode_array
+        encode_one: ArrayFieldEncoder = encode_array
+        return encode_one
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is dict and args[0] is str and _is_array_hint(args[1]):
-        return encode_tensor_map
+        encode_map: ArrayFieldEncoder = encode_tensor_map
+        return encode_map
     if origin is dict:
         encode_value = _array_encoder(args[1])
 
