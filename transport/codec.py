@@ -89,10 +89,14 @@ class DecodeLimits:
             "ext_hook": _refuse_ext,
         }
         object.__setattr__(self, "unpack_options", options)
-        # A complete msgpack object of N bytes cannot hold a string, a bin, an array or a map
-        # longer than N, so a header no longer than every length limit needs no bounded parse.
+        # In msgpack a string of L bytes takes at least L + 1 bytes, a bin L + 2, an array of
+        # n items n + 1 and a map of n entries 2n + 1, so a header no longer than this cannot
+        # break a length limit and needs no bounded parse.
         short = min(
-            self.max_str_bytes, self.max_bin_bytes, self.max_array_items, self.max_map_items
+            self.max_str_bytes + 1,
+            self.max_bin_bytes + 2,
+            self.max_array_items + 1,
+            2 * self.max_map_items + 1,
         )
         object.__setattr__(self, "short_header_bytes", short)
 
