@@ -55,8 +55,9 @@ MAX_ARRAY_DIM = 1 << 40
 INLINE_MAX_BYTES = 16 * 1024
 # At most this many array bytes are inlined into one header; the arrays past it go as frames. It
 # keeps the header of a message with many small arrays (a large batch's inputs or outputs) far
-# below the decoder's header bound (codec.MAX_HEADER_BYTES, 16 MiB).
-INLINE_BUDGET_BYTES = 1024 * 1024
+# below the decoder's header bound (codec.MAX_HEADER_BYTES, 16 MiB), and, with the descriptors
+# and ids around them, under 1 MiB, which the decoder parses once (DecodeLimits).
+INLINE_BUDGET_BYTES = 960 * 1024
 
 # dtype -> wire name: a dict lookup is several times cheaper than ``dtype.str``, which builds a
 # new string on every call. numpy dtypes compare (and hash) by value, so an equivalent dtype

@@ -52,7 +52,10 @@ MAX_FRAMES = 65_536
 MAX_STR_BYTES = 1024 * 1024
 MAX_BIN_BYTES = 1024 * 1024
 MAX_ARRAY_ITEMS = 1 << 20
-MAX_MAP_ITEMS = 1 << 16
+# A map entry takes at least 2 bytes, so this bound admits no more entries than a 1 MiB header
+# can hold anyway: headers up to 1 MiB (arrays.INLINE_BUDGET_BYTES) then break no length limit
+# and are decoded in one parse (see DecodeLimits.short_header_bytes).
+MAX_MAP_ITEMS = 1 << 19
 
 
 class MessageTooLargeError(TooLargeError, ProtocolError):
