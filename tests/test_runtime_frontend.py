@@ -26,6 +26,7 @@ from runtime_helpers import (
 import zserve
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
+    BackendGone,
     ClientHello,
     DropNotice,
     InferAnswers,
@@ -116,7 +117,7 @@ def test_deadline_timer_answers_unserved_request(tmp_path: Any) -> None:
         h.close()
 
 
-@pytest.mark.parametrize("how", ["restart", "table"])
+@pytest.mark.parametrize("how", ["restart", "table", "announced"])
 def test_fetched_requests_fail_when_their_backend_dies(frontend: FrontendHarness, how: str) -> None:
     frontend.backend_table(["backend-0"], [["m"]])
     backend = frontend.backend(pid=100)
@@ -126,6 +127,8 @@ def test_fetched_requests_fail_when_their_backend_dies(frontend: FrontendHarness
         fetch(backend, ids)
         if how == "restart":
             frontend.backend(pid=101)  # same name, new pid: a new incarnation
+        elif how == "announced":  # the supervisor saw its process die
+            frontend.control_send(BackendGone(name="backend-0"))
         else:
             frontend.backend_table([], [])
         with pytest.raises(zserve.BackendFailedError):

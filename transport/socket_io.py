@@ -21,10 +21,9 @@ from zserve.transport.codec import DEFAULT_LIMITS, DecodeLimits, decode, encode
 from zserve.transport.messages import Message
 from zserve.transport.sockets import typed_send_error
 
-#
 # These send and receive frame by frame with plain ``send``/``recv`` instead of
 # ``send_multipart``/``recv_multipart``: for small messages that halves pyzmq's per-message cost
-# (no per-part type checks, and the header arrives as ``bytes``, which msgpack reads fastest,
+# (no per-part type checks, and the header arrives as ``bytes``, which msgspec reads fastest,
 # while buffer frames arrive as zero-copy ``zmq.Frame``s). A multipart message is atomic in ZMQ:
 # once its first frame can be sent or received, so can the rest, so only the first call may block.
 
