@@ -307,20 +307,18 @@ def decode(frames: Sequence[FrameLike], *, limits: DecodeLimits = DEFAULT_LIMITS
     header, buffers = _split_frames(frames, limits)
     if len(header) > limits.short_header_bytes:
         bounded_parse(header, limits)  # raises on a length limit; msgspec has none
+    frames_unused = False
     try:
         if buffers:
             received = _frames_decoder(buffers)
             message = received.decoder.decode(header)
-            if False in received.used:
-                raise _explain(header, buffers, limits, None)
+            frames_unused = False in received.used
         else:
             message = _SINGLE_FRAME_DECODER.decode(header)
-    except ProtocolError as exc:  # a bad array descriptor: name the field that holds it
-        raise _explain(header, buffers, limits, exc) from None
-    except Exception as exc:  # msgspec's errors, and anything a hook let through
+    except Exception as exc:  # msgspec's errors, a bad array descriptor (ProtocolError), ...
         raise _explain(header, buffers, limits, exc) from None
     check = _AFTER_DECODE.get(type(message))
-    if check is not None and not check(message, header):
+    if frames_unused or (check is not None and not check(message, header)):
         raise _explain(header, buffers, limits, None)
     return message
 
