@@ -311,7 +311,10 @@ def decode(frames: Sequence[FrameLike], *, limits: DecodeLimits = DEFAULT_LIMITS
     try:
         if buffers:
             received = _frames_decoder(buffers)
-            message = received.decoder.decode(header)
+            try:
+                message = received.decoder.decode(header)
+            finally:  # the thread's state must not pin this message's frames after it
+                received.buffers = _NO_BUFFERS
             frames_unused = False in received.used
         else:
             message = _SINGLE_FRAME_DECODER.decode(header)
