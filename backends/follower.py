@@ -112,12 +112,10 @@ def _indexes_within(indexes: list[int], count: int) -> bool:
     return not indexes or (min(indexes) >= 0 and max(indexes) < count)
 
 
-@dataclass(frozen=True, slots=True)
-class RunBatch(Message):  # type: ignore[misc, unused-ignore]  # Message is Any to some mypy runs
-    """Follower -> its host, never on the wire (no codec knows it): run ``rows`` of ``plan`` now,
-    ``inputs[i]`` being row ``rows[i]``'s tensors."""
+class RunBatch(Message, frozen=True):  # type: ignore[call-arg, unused-ignore]  # see pyproject [tool.mypy]
+    """Follower -> its host, never on the wire (it has no tag, so the codec refuses it): run
+    ``rows`` of ``plan`` now, ``inputs[i]`` being row ``rows[i]``'s tensors."""
 
-    KIND: ClassVar[str] = ""
     plan: BatchPlan
     rows: list[int]
     inputs: list[TensorMap]

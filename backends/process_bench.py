@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from zserve.clock import reply_to_probe
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     BackendRegister,
     BatchOutputs,
@@ -80,7 +80,7 @@ def _echo_server(endpoint: str) -> None:
             if isinstance(msg, Ready):
                 break
             seq += 1
-            await codec.async_send(sock, Heartbeat("echo", seq, now), identity=frames[0].bytes)
+            await socket_io.async_send(sock, Heartbeat("echo", seq, now), identity=frames[0].bytes)
         sock.close(linger=0)
         ctx.term()
 
@@ -141,17 +141,17 @@ def bench_hops(repeats: int) -> dict[str, dict[str, float]]:
                 for i in range(repeats + repeats // 10):
                     msg = make()
                     sent = time.monotonic()
-                    codec.sync_send(sock, msg)
+                    socket_io.sync_send(sock, msg)
                     if not sock.poll(WAIT_MS):
                         raise TimeoutError("echo server does not answer")
-                    _, echo = codec.sync_recv(sock, router=False)
+                    _, echo = socket_io.sync_recv(sock, router=False)
                     assert isinstance(echo, Heartbeat)
                     if i >= repeats // 10:  # the first tenth warms caches and connections
                         samples.append(echo.sent_at - sent)
                 values = np.asarray(samples) * 1e6
                 results[label] = {"p50_us": float(np.median(values)),
                                   "p99_us": float(np.percentile(values, 99))}
-            codec.sync_send(sock, Ready("bench", "bench", os.getpid(), {}))
+            socket_io.sync_send(sock, Ready("bench", "bench", os.getpid(), {}))
         finally:
             sock.close(linger=100)
             ctx.term()
@@ -185,7 +185,7 @@ def bench_backend(model: str, batch_sizes: list[int], repeats: int) -> dict[str,
         socks = [control, rank, data]
         try:
             identity, _ = _expect(control, Ready, router=True)
-            codec.sync_send(control, Ready("bench", "bench", os.getpid(),
+            socket_io.sync_send(control, Ready("bench", "bench", os.getpid(),
                                            {"rank/rank": rank_ep}), identity=identity)
             _, register = _expect(rank, BackendRegister, router=True)
             shard = make_dealer(ctx, register.plan_address, identity=b"shard-0")
@@ -232,10 +232,10 @@ class _BackendBench:
         """Plan sent -> outputs received for one batch of ``bs``, in seconds."""
         self.plan_id += 1
         sent = time.monotonic()
-        codec.sync_send(self.shard, BatchPlan(self.plan_id, self.model, 0, sent, sent + 0.05,
+        socket_io.sync_send(self.shard, BatchPlan(self.plan_id, self.model, 0, sent, sent + 0.05,
                                               [self.data_ep], [0] * bs, list(range(bs))))
         identity, fetch = _expect(self.data, InputFetch, router=True)
-        codec.sync_send(self.data, InputReply(fetch.plan_id, fetch.request_ids,
+        socket_io.sync_send(self.data, InputReply(fetch.plan_id, fetch.request_ids,
                                               [self.store[r] for r in fetch.request_ids], []),
                         identity=identity)
         _expect(self.data, BatchOutputs, router=True)
@@ -245,10 +245,10 @@ class _BackendBench:
         """Median fetch/assemble/run/push (the backend's timings) and end to end of ``bs``."""
         for _ in range(self.WARMUP_BATCHES):
             self.one_batch(bs)
-        codec.sync_send(self.shard, StatsRequest(reset=True))  # discard the warm-up timings
+        socket_io.sync_send(self.shard, StatsRequest(reset=True))  # discard the warm-up timings
         _expect(self.shard, StatsReply, router=False)
         e2e = [self.one_batch(bs) for _ in range(repeats)]
-        codec.sync_send(self.shard, StatsRequest(reset=True))
+        socket_io.sync_send(self.shard, StatsRequest(reset=True))
         _, reply = _expect(self.shard, StatsReply, router=False)
         samples = reply.stats["samples"]
         row: dict[str, float] = {}
@@ -265,9 +265,9 @@ def _expect(sock: zmq.Socket[Any], kind: type[Any], *, router: bool) -> tuple[An
     while True:
         if not sock.poll(WAIT_MS):
             raise TimeoutError(f"no {kind.__name__} within {WAIT_MS} ms")
-        identity, msg = codec.sync_recv(sock, router=router)
+        identity, msg = socket_io.sync_recv(sock, router=router)
         if router and isinstance(msg, ClockProbe):
-            codec.sync_send(sock, reply_to_probe(msg), identity=identity)
+            socket_io.sync_send(sock, reply_to_probe(msg), identity=identity)
         elif isinstance(msg, kind):
             return identity, msg
 

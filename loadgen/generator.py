@@ -56,7 +56,7 @@ from zserve.errors import ErrorKind
 from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.schedules import RateSchedule
 from zserve.loadgen.workload import ArrivalSpec, Workload
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     ClientHello,
     InferAnswers,
@@ -533,9 +533,9 @@ def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     fd = sock.getsockopt(zmq.FD)
     poll_items = [(sock, _POLLIN)]
     # First on the connection: answers may come coalesced (InferAnswers), one message per batch.
-    codec.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
+    socket_io.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
     monotonic = time.monotonic
-    send_frames = codec.send_frames_nowait
+    send_frames = socket_io.send_frames_nowait
     i = 0
     outstanding = 0
     stopped: str | None = None

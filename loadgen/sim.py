@@ -25,7 +25,6 @@ the measure window are counted.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -33,6 +32,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
@@ -261,7 +261,7 @@ class Simulator:
         # Plan ids are per ModelThread; one follower holds plans of every model: renumber them
         # (as a shard does).
         self._plan_seq += 1
-        plan = dataclasses.replace(plan, plan_id=self._plan_seq)
+        plan = msgspec.structs.replace(plan, plan_id=self._plan_seq)
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).

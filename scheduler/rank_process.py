@@ -20,7 +20,7 @@ DEALERs whose identity is their process name:
   ``zserve.clock``).
 
 A backend leaves the table when it stops heartbeating for ``BACKEND_TIMEOUT_S``, or at once when
-the supervisor says its process died (``Hello(role="backend", name, pid=0)`` on the control link):
+the supervisor says its process died (``BackendGone(name)`` on the control link):
 the shards then answer the requests they had planned onto it ``BACKEND_FAILED``.
 
 A restarted rank knows nobody: when a peer it does not know heartbeats (backends and shards
@@ -67,6 +67,7 @@ from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
+    BackendGone,
     BackendRegister,
     BackendTable,
     BatchStats,
@@ -235,11 +236,11 @@ class RankHost:
             log.warning("%s: unexpected %s from %r", self.name, kind.__name__, identity)
 
     def on_control_message(self, msg: Message) -> None:
-        """From the supervisor: ``Hello(role="backend", name, pid=0)`` says that backend's
+        """From the supervisor: ``BackendGone(name)`` says that backend's
         process died. Remove it now rather than after BACKEND_TIMEOUT_S of silence, so the shards
         answer the requests planned onto it BACKEND_FAILED at once. (A restarted backend
         registers again and gets its GPU back.)"""
-        if type(msg) is not Hello or msg.role != "backend" or msg.pid != 0:
+        if type(msg) is not BackendGone:
             return
         gpu_id = self.gpu_by_name.get(msg.name)
         backend = self.backends.get(gpu_id) if gpu_id is not None else None

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -48,6 +47,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -255,14 +255,6 @@ class ShardHost:
         self.counters["bad_messages"] += 1
         log.warning("%s: bad message: %s", self.name, exc)
 
-    def _data_address(self, meta: RequestMetaBatch) -> str:
-        """``RequestMetaBatch.frontend`` is the frontend's data address; a frontend name (an
-        older sender) is looked up in the peer map."""
-        if "://" in meta.frontend:
-            return meta.frontend
-        named = self.peers.get(procutil.peer_key(meta.frontend, "data"))
-        return named or meta.frontend
-
     def _on_frontend_chunk(self, chunk: Chunk) -> None:
         now = self.clock.now()
         outbox: Outbox = []
@@ -273,7 +265,7 @@ class ShardHost:
             if type(msg) is RequestMetaBatch:
                 self.counters["meta_batches"] += 1
                 self.counters["requests"] += len(msg.request_ids)
-                address = self._data_address(msg)
+                address = msg.frontend
                 if msg.arrivals:  # admission of the tick's last request -> here
                     self.meta_delay.append(now - max(msg.arrivals))
                 self.frontends[address] = identity
@@ -424,7 +416,7 @@ class ShardHost:
         # models from many shards and matches InputReplies by plan id, so make ids unique in the
         # cluster: this shard's own sequence, with the shard index in the low bits.
         self._plan_seq += 1
-        plan = dataclasses.replace(plan, plan_id=self._plan_seq * MAX_SHARDS + self.index)
+        plan = msgspec.structs.replace(plan, plan_id=self._plan_seq * MAX_SHARDS + self.index)
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
             self.counters["plans"] += 1

@@ -26,7 +26,7 @@ import zmq
 
 from zserve.clock import reply_to_probe
 from zserve.config import ClusterConfig, RoleConfig, parse_config, role_config
-from zserve.transport import codec
+from zserve.transport import socket_io
 from zserve.transport.messages import ClockProbe, Message, Ready
 from zserve.transport.sockets import make_dealer, make_router
 
@@ -112,11 +112,11 @@ class Peer:
     def send(self, msg: Message, identity: bytes | str | None = None) -> None:
         if isinstance(identity, str):
             identity = identity.encode()
-        codec.sync_send(self.sock, msg, identity=identity)
+        socket_io.sync_send(self.sock, msg, identity=identity)
 
     def _receive(self) -> tuple[bytes | None, Message] | None:
         """One queued message; None for a clock probe, which it answers (as the rank would)."""
-        identity, msg = codec.sync_recv(self.sock, router=self.router)
+        identity, msg = socket_io.sync_recv(self.sock, router=self.router)
         if self.router and isinstance(msg, ClockProbe):
             self.send(reply_to_probe(msg), identity)
             return None

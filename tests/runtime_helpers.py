@@ -14,7 +14,7 @@ import zmq
 
 from zserve.clock import reply_to_probe
 from zserve.config import ClusterConfig, parse_config, role_config
-from zserve.transport import codec
+from zserve.transport import socket_io
 from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,
@@ -42,9 +42,9 @@ def recv(sock: zmq.Socket[Any], *, router: bool, timeout: float = RECV_TIMEOUT_S
     while True:
         left = end - time.monotonic()
         assert left > 0 and sock.poll(int(left * 1e3), zmq.POLLIN), "no message within the timeout"
-        identity, msg = codec.sync_recv(sock, router=router)
+        identity, msg = socket_io.sync_recv(sock, router=router)
         if router and isinstance(msg, ClockProbe):
-            codec.sync_send(sock, reply_to_probe(msg), identity=identity)
+            socket_io.sync_send(sock, reply_to_probe(msg), identity=identity)
             continue
         return identity, msg
 
@@ -63,9 +63,9 @@ def ask_frontend_stats(address: str, request: Any, identity: bytes) -> dict[str,
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = make_dealer(ctx, address, identity=identity)
     try:
-        codec.sync_send(sock, request)
+        socket_io.sync_send(sock, request)
         assert sock.poll(10_000), "no StatsReply from the frontend"
-        _, msg = codec.sync_recv(sock, router=False)
+        _, msg = socket_io.sync_recv(sock, router=False)
     finally:
         sock.close(linger=0)
     assert isinstance(msg, StatsReply)
@@ -112,7 +112,7 @@ class FrontendHarness:
         assert identity == b"frontend-0"
         self.endpoints = ready.endpoints
         peers = {"rank/rank": rank_ep, "shard-0/shard": shard_ep}
-        codec.sync_send(
+        socket_io.sync_send(
             self.control, Ready("supervisor", "supervisor", os.getpid(), peers), identity=identity
         )
         # The frontend estimates its clock offset (probes to the rank) before it connects.
@@ -126,7 +126,7 @@ class FrontendHarness:
 
     def backend_table(self, names: list[str], models: list[list[str]]) -> None:
         table = BackendTable(list(range(len(names))), names, ["ipc://x"] * len(names), models)
-        codec.sync_send(self.rank, table, identity=b"frontend-0")
+        socket_io.sync_send(self.rank, table, identity=b"frontend-0")
 
     def backend(self, name: str = "backend-0", pid: int = 1) -> zmq.Socket[Any]:
         """A backend's DEALER to the frontend's data socket (it says Hello with ``pid``)."""
@@ -134,11 +134,11 @@ class FrontendHarness:
         if sock is None:
             sock = make_dealer(self.ctx, self.endpoints["data"], identity=name.encode())
             self.backends[name] = sock
-        codec.sync_send(sock, Hello("backend", name, pid))
+        socket_io.sync_send(sock, Hello("backend", name, pid))
         return sock
 
     def control_send(self, msg: Message) -> None:
-        codec.sync_send(self.control, msg, identity=b"frontend-0")
+        socket_io.sync_send(self.control, msg, identity=b"frontend-0")
 
     def close(self) -> int | None:
         if self.process.is_alive():
@@ -183,7 +183,7 @@ def meta_ids(h: FrontendHarness, count: int) -> list[int]:
 
 
 def fetch(backend: zmq.Socket[Any], ids: list[int], plan_id: int = 1) -> InputReply:
-    codec.sync_send(backend, InputFetch(plan_id, ids))
+    socket_io.sync_send(backend, InputFetch(plan_id, ids))
     _, reply = recv_type(backend, InputReply, router=False)
     assert reply.plan_id == plan_id
     return reply
@@ -193,7 +193,7 @@ def run_batch(backend: zmq.Socket[Any], ids: list[int], plan_id: int = 1) -> Inp
     """Fetch, 'execute' (y = 2 * sum(x)), push outputs: what a backend does with one plan."""
     reply = fetch(backend, ids, plan_id)
     outputs = [{"y": np.array([[2 * float(t["x"].sum())]], np.float32)} for t in reply.inputs]
-    codec.sync_send(backend, BatchOutputs(plan_id, reply.request_ids, outputs))
+    socket_io.sync_send(backend, BatchOutputs(plan_id, reply.request_ids, outputs))
     return reply
 
 

@@ -27,7 +27,7 @@ from zserve.loadgen.generator import (
     run_load,
 )
 from zserve.loadgen.workload import ArrivalSpec
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     ClientHello,
     InferAnswers,
@@ -198,7 +198,7 @@ class _BatchingFrontend:
             burst: list[int] = []
             identity = b""
             while self.sock.poll(0, zmq.POLLIN):
-                identity, message = codec.sync_recv(self.sock, router=True)
+                identity, message = socket_io.sync_recv(self.sock, router=True)
                 assert identity is not None
                 if isinstance(message, ClientHello):
                     self.hello = message
@@ -210,7 +210,7 @@ class _BatchingFrontend:
                 outputs = [{"y": np.zeros((1, 1), np.float32)} for _ in ok]
                 answers = InferAnswers(ok, outputs, failed, ["OVERLOADED"] * len(failed),
                                        ["busy"] * len(failed))
-                codec.sync_send(self.sock, answers, identity=identity)
+                socket_io.sync_send(self.sock, answers, identity=identity)
                 self.answers_sent += 1
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from proc_harness import Harness, Peer, cluster_config, role_config_for
 from zserve.config import shard_for_model
 from zserve.errors import ErrorKind
 from zserve.transport.messages import (
+    BackendGone,
     BackendRegister,
     BackendTable,
     BatchPlan,
@@ -182,7 +183,7 @@ def test_proc_scheduler_removes_silent_backend(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("shards", [0, 1])
 def test_proc_scheduler_fails_plans_of_a_dead_backend(tmp_path: Path, shards: int) -> None:
-    """The supervisor says a backend died (``Hello(pid=0)`` to the process hosting the rank):
+    """The supervisor says a backend died (``BackendGone`` to the process hosting the rank):
     the rank removes it at once, and the shard answers BACKEND_FAILED the requests it had
     planned onto it, which the backend never fetched (only the shard knows of those)."""
     h = Harness(tmp_path)
@@ -193,7 +194,7 @@ def test_proc_scheduler_fails_plans_of_a_dead_backend(tmp_path: Path, shards: in
         _, plan = rig.plans.expect(BatchPlan)  # the test's backend never fetches: it is "dead"
         assert sorted(plan.request_ids) == [51, 52]
         rank_host = "rank" if shards else "shard-0"
-        h.control.send(Hello(role="backend", name="backend-0", pid=0), rank_host)
+        h.control.send(BackendGone(name="backend-0"), rank_host)
         # At once: the rig's backend timeout (30 s) is far beyond the wait.
         rig.fe_rank.expect(BackendTable, where=lambda t: t.names == [])
         _, drop = rig.shard_of("beta").expect(

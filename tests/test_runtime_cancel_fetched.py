@@ -23,7 +23,7 @@ from runtime_helpers import (
 )
 
 import zserve
-from zserve.transport import codec
+from zserve.transport import socket_io
 from zserve.transport.messages import BatchOutputs, CancelFetched, InferRequest
 from zserve.transport.sockets import make_dealer
 
@@ -59,7 +59,7 @@ def test_cancel_after_fetch_tells_the_backend_and_answers_once(
         # started_at must lie in the past when the frontend answers (queueing <= answer time):
         # the fetch moment does, and it follows the request's admission.
         started_at = fetched_at
-        codec.sync_send(backend, _outputs(ids, [8.0, 16.0], 7, started_at, started_at + 0.002))
+        socket_io.sync_send(backend, _outputs(ids, [8.0, 16.0], 7, started_at, started_at + 0.002))
         assert keep.result(10)["y"][0, 0] == pytest.approx(8.0)
         current = wait_stats(frontend, lambda st: st["counters"].get("late_outputs") == 1)
     counters = current["counters"]
@@ -87,7 +87,7 @@ def frontend_stats_reset(h: FrontendHarness) -> dict[str, Any]:
 
     sock = make_dealer(h.ctx, h.client_address, identity=b"stats-reader")
     try:
-        codec.sync_send(sock, StatsRequest(reset=True))
+        socket_io.sync_send(sock, StatsRequest(reset=True))
         _, reply = recv_type(sock, StatsReply, router=False)
     finally:
         sock.close(linger=0)
@@ -98,7 +98,7 @@ def test_disconnect_after_fetch_tells_the_backend(frontend: FrontendHarness) -> 
     backend = frontend.backend()
     raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"vanishing")
     for i in range(3):
-        codec.sync_send(raw, InferRequest(i, "m", sample(i)))
+        socket_io.sync_send(raw, InferRequest(i, "m", sample(i)))
     ids = meta_ids(frontend, 3)
     assert fetch(backend, ids[:2], plan_id=3).missing == []
     raw.close(linger=0)

@@ -26,7 +26,7 @@ from runtime_helpers import (
 )
 
 import zserve
-from zserve.transport import codec
+from zserve.transport import socket_io
 from zserve.transport.messages import (
     ClientHello,
     DropNotice,
@@ -54,7 +54,7 @@ def test_retries_only_errors_that_prove_the_request_never_ran(frontend: Frontend
         assert client._async.retries == 2  # three attempts in all
         assert stats(frontend)["counters"]["rejected_OVERLOADED"] == 3
         # DEADLINE may have run: never retried.
-        codec.sync_send(frontend.shard, DropNotice(ids[:1], "DEADLINE", "late"),
+        socket_io.sync_send(frontend.shard, DropNotice(ids[:1], "DEADLINE", "late"),
                         identity=b"frontend-0")
         with pytest.raises(zserve.DeadlineError) as late:
             held[0].result(10)
@@ -143,7 +143,7 @@ def test_client_announces_and_decodes_answers_in_one_message(tmp_path: Any) -> N
     router, address = make_router(ctx, f"ipc://{tmp_path}/fake-frontend")
 
     def receive() -> tuple[bytes, Any]:
-        identity, message = codec.sync_recv(router, router=True)
+        identity, message = socket_io.sync_recv(router, router=True)
         assert identity is not None
         return identity, message
 
@@ -158,12 +158,12 @@ def test_client_announces_and_decodes_answers_in_one_message(tmp_path: Any) -> N
             outputs = [{"y": np.float32([[i]])} for i in range(2)]
             answers = InferAnswers(ids[:2], outputs, [ids[2], 999], ["OVERLOADED", "DEADLINE"],
                                    ["busy", "nobody's"])
-            codec.sync_send(router, answers, identity=identity)
+            socket_io.sync_send(router, answers, identity=identity)
             assert (await futures[0])["y"][0, 0] == 0.0
             assert (await futures[1])["y"][0, 0] == 1.0
             with pytest.raises(zserve.OverloadedError, match="busy"):
                 await futures[2]
-            codec.sync_send(router, InferReply(ids[3], outputs[1]), identity=identity)
+            socket_io.sync_send(router, InferReply(ids[3], outputs[1]), identity=identity)
             assert (await futures[3])["y"][0, 0] == 1.0
             assert client.unmatched_replies == 1 and client.in_flight == 0
 

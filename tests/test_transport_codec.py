@@ -17,7 +17,7 @@ from transport_helpers import (
 )
 
 from zserve.errors import ProtocolError
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.arrays import ALLOWED_DTYPE_NAMES, INLINE_BUDGET_BYTES, INLINE_MAX_BYTES
 from zserve.transport.messages import (
     ALL_MESSAGES,
@@ -43,11 +43,11 @@ INLINE_INT16 = INLINE_MAX_BYTES // 2
 def _round_trip(pair: Pair, message: Message) -> Message:
     """dealer -> router -> dealer, decoding on each side; returns what the dealer got back."""
     router, dealer = pair
-    codec.sync_send(dealer, message)
+    socket_io.sync_send(dealer, message)
     identity, at_router = recv_within(router, router=True)
     assert identity == b"peer-0"
     assert_messages_equal(at_router, message)
-    codec.sync_send(router, at_router, identity=identity)
+    socket_io.sync_send(router, at_router, identity=identity)
     peer, at_dealer = recv_within(dealer, router=False)
     assert peer is None
     return at_dealer
@@ -118,7 +118,7 @@ def test_every_allowed_dtype_and_shape_round_trips(transport_pair: Pair, dtype_n
 def test_received_arrays_are_views_of_the_received_frames(transport_pair: Pair) -> None:
     router, dealer = transport_pair
     array = np.arange(100_000, dtype=np.float32)
-    codec.sync_send(dealer, InputReply(9, [1, 2], [{"x": array}, {"x": array[::-1]}], []))
+    socket_io.sync_send(dealer, InputReply(9, [1, 2], [{"x": array}, {"x": array[::-1]}], []))
     wait_readable(router)
     frames = router.recv_multipart(copy=False)
     message = codec.decode(frames[1:])
@@ -133,7 +133,7 @@ def test_received_arrays_are_views_of_the_received_frames(transport_pair: Pair) 
 
 def test_sync_recv_does_not_copy_arrays(transport_pair: Pair) -> None:
     router, dealer = transport_pair
-    codec.sync_send(dealer, InferReply(1, {"y": np.zeros(4096, dtype=np.float64)}))
+    socket_io.sync_send(dealer, InferReply(1, {"y": np.zeros(4096, dtype=np.float64)}))
     _, message = recv_within(router, router=True)
     assert isinstance(message, InferReply)
     assert isinstance(buffer_owner(message.outputs["y"]), zmq.Frame)
@@ -171,18 +171,6 @@ def test_small_arrays_travel_inline_and_arrive_read_only(transport_pair: Pair) -
     received = _round_trip(transport_pair, sent)  # equal values, dtypes and shapes
     assert isinstance(received, InferRequest)
     assert not any(array.flags.writeable for array in received.inputs.values())
-
-
-def test_inline_arrays_can_be_turned_off_for_an_older_peer() -> None:
-    import msgpack
-
-    outputs = {"y": np.arange(4, dtype=np.int16), "empty": np.zeros(0, dtype=np.float32)}
-    frames = codec.encode(InferReply(3, outputs), inline_arrays=False)
-    assert msgpack.unpackb(frames[0]) == [
-        "reply", 3, {"y": ["<i2", [4], 1], "empty": ["<f4", [0], 2]}
-    ]
-    assert [bytes(frame) for frame in frames[1:]] == [outputs["y"].tobytes(), b""]
-    assert_messages_equal(codec.decode([bytes(f) for f in frames]), InferReply(3, outputs))
 
 
 def test_inline_bytes_per_message_are_bounded() -> None:
@@ -247,7 +235,7 @@ def test_encoder_for_ids_matches_encode() -> None:
 def test_big_endian_arrays_are_sent_in_native_order(transport_pair: Pair) -> None:
     router, dealer = transport_pair
     array = np.arange(10, dtype=">i4")
-    codec.sync_send(dealer, InferReply(1, {"y": array}))
+    socket_io.sync_send(dealer, InferReply(1, {"y": array}))
     _, received = recv_within(router, router=True)
     assert isinstance(received, InferReply)
     assert received.outputs["y"].dtype == np.dtype("int32")
@@ -257,7 +245,7 @@ def test_big_endian_arrays_are_sent_in_native_order(transport_pair: Pair) -> Non
 def test_64_mib_array_round_trips_without_copy(transport_pair: Pair) -> None:
     router, dealer = transport_pair
     array = np.random.default_rng(1).integers(0, 255, size=64 * MIB, dtype=np.uint8)
-    codec.sync_send(dealer, InferRequest(5, "big", {"x": array}))
+    socket_io.sync_send(dealer, InferRequest(5, "big", {"x": array}))
     wait_readable(router)
     frames = router.recv_multipart(copy=False)
     message = codec.decode(frames[1:])

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_within, wait_readable
 
 from zserve.errors import ProtocolError, TooLargeError
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import CancelRequest
 from zserve.transport.sockets import make_dealer, make_router
 
@@ -211,7 +211,7 @@ def test_malformed_message_is_rejected_and_the_loop_goes_on(
     frames, error, fragment = MALFORMED[case]
     router, dealer = transport_pair
     _send_raw(dealer, frames)
-    codec.sync_send(dealer, GOOD)
+    socket_io.sync_send(dealer, GOOD)
     with pytest.raises(error, match=re.escape(fragment)):
         recv_within(router, router=True)
     identity, message = recv_within(router, router=True)
@@ -222,10 +222,10 @@ def test_malformed_message_is_rejected_and_the_loop_goes_on(
 def test_malformed_message_to_a_dealer_is_rejected(transport_pair: Pair, case: str) -> None:
     frames, error, fragment = MALFORMED[case]
     router, dealer = transport_pair
-    codec.sync_send(dealer, GOOD)  # the router learns the dealer's identity
+    socket_io.sync_send(dealer, GOOD)  # the router learns the dealer's identity
     recv_within(router, router=True)
     _send_raw(router, [b"peer-0", *frames])
-    codec.sync_send(router, GOOD, identity=b"peer-0")
+    socket_io.sync_send(router, GOOD, identity=b"peer-0")
     with pytest.raises(error, match=re.escape(fragment)):
         recv_within(dealer, router=False)
     assert recv_within(dealer, router=False) == (None, GOOD)
@@ -235,7 +235,7 @@ def test_malformed_message_to_a_dealer_is_rejected(transport_pair: Pair, case: s
 def test_codec_size_limits_raise_too_large(transport_pair: Pair, case: str) -> None:
     router, dealer = transport_pair
     _send_raw(dealer, OVERSIZED[case])
-    codec.sync_send(dealer, GOOD)
+    socket_io.sync_send(dealer, GOOD)
     with pytest.raises(codec.MessageTooLargeError) as caught:
         recv_within(router, router=True, limits=TIGHT)
     # One except clause catches every decode failure; the wire kind says TOO_LARGE.
@@ -246,14 +246,14 @@ def test_codec_size_limits_raise_too_large(transport_pair: Pair, case: str) -> N
 
 def test_router_message_without_header_frame_is_rejected(transport_pair: Pair) -> None:
     router, dealer = transport_pair
-    codec.sync_send(dealer, GOOD)
+    socket_io.sync_send(dealer, GOOD)
     recv_within(router, router=True)
     # A one-frame message read as routed has an identity and no header. A real ROUTER never
     # delivers that, so read a one-frame message arriving at the dealer as if it were routed.
     router.send_multipart([b"peer-0", b"only-one-frame"])
     wait_readable(dealer)
     with pytest.raises(ProtocolError, match="identity frame and a header frame"):
-        codec.sync_recv(dealer, router=True)
+        socket_io.sync_recv(dealer, router=True)
 
 
 def test_oversized_frame_is_dropped_by_maxmsgsize_and_the_router_goes_on(
@@ -265,7 +265,7 @@ def test_oversized_frame_is_dropped_by_maxmsgsize_and_the_router_goes_on(
     try:
         # ZMQ drops the hog's connection on the oversized frame; nothing of it is delivered.
         hog.send_multipart([_array_header(["|u1", [8192], 1]), b"\x00" * 8192])
-        codec.sync_send(good, GOOD)
+        socket_io.sync_send(good, GOOD)
         assert recv_within(router, router=True) == (b"good", GOOD)
         assert not router.poll(200, zmq.POLLIN)  # the oversized message never arrives
     finally:

@@ -5,17 +5,17 @@ goes on."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_within
 
 from zserve.errors import ProtocolError
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import BatchPlan, BatchStats, CancelRequest, Message
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
@@ -50,7 +50,7 @@ MALFORMED: dict[str, tuple[list[bytes], str]] = {
 @pytest.mark.parametrize("message", [PLAN, STATS], ids=lambda m: type(m).__name__)
 def test_new_fields_round_trip(transport_pair: Pair, message: Message) -> None:
     router, dealer = transport_pair
-    codec.sync_send(dealer, message)
+    socket_io.sync_send(dealer, message)
     identity, received = recv_within(router, router=True)
     assert identity == b"peer-0"
     assert_messages_equal(received, message)
@@ -81,9 +81,9 @@ def test_every_class_samples_carry_the_new_fields() -> None:
     assert isinstance(plan, BatchPlan) and isinstance(stats, BatchStats)
     assert len(plan.finish_by) == len(plan.request_ids) > 0
     assert stats.device_free_at > 0.0
-    names = [f.name for f in dataclasses.fields(BatchPlan)]
+    names = [f.name for f in msgspec.structs.fields(BatchPlan)]
     assert names[-1] == "finish_by"
-    assert [f.name for f in dataclasses.fields(BatchStats)][-1] == "device_free_at"
+    assert [f.name for f in msgspec.structs.fields(BatchStats)][-1] == "device_free_at"
 
 
 @pytest.mark.parametrize("case", MALFORMED, ids=str)
@@ -100,7 +100,7 @@ def test_malformed_new_fields_are_rejected_and_the_loop_goes_on(
     frames, fragment = MALFORMED[case]
     router, dealer = transport_pair
     dealer.send_multipart(frames)
-    codec.sync_send(dealer, GOOD)
+    socket_io.sync_send(dealer, GOOD)
     with pytest.raises(ProtocolError, match=re.escape(fragment)):
         recv_within(router, router=True)
     identity, message = recv_within(router, router=True)

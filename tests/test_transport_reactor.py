@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from zserve.errors import ProtocolError, ZServeError
-from zserve.transport import codec
+from zserve.transport import socket_io
 from zserve.transport.messages import CancelRequest, Heartbeat
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import bound_endpoint, make_dealer
@@ -172,7 +172,7 @@ def test_ping_pong_with_sends_on_the_waiting_socket(
         server.watch(router, router=True, on_chunk=on_server)
         client.watch(dealer, router=False, on_chunk=on_client)
         try:
-            codec.sync_send(sink, Heartbeat("hello", 0, 0.0))
+            socket_io.sync_send(sink, Heartbeat("hello", 0, 0.0))
             await _wait(sink_known, lambda: "the sink's hello")
             for seq in range(steps):
                 arrived.clear()
@@ -214,7 +214,7 @@ def test_chunks_keep_order_and_respect_max_chunk(loop_kind: str, transport_pair:
                 done.set()
 
         for seq in range(count):  # queued before the socket is watched
-            codec.sync_send(dealer, CancelRequest(seq))
+            socket_io.sync_send(dealer, CancelRequest(seq))
         reactor.watch(router, router=True, on_chunk=on_chunk, max_chunk=16)
         try:
             await _wait(done, lambda: f"{count - sum(len(c) for c in chunks)} never arrived")
@@ -252,12 +252,12 @@ def test_bad_messages_and_handler_errors_do_not_stop_receiving(
 
         reactor.watch(router, router=True, on_chunk=on_chunk, on_bad=bad.append)
         try:
-            codec.sync_send(dealer, CancelRequest(0))
+            socket_io.sync_send(dealer, CancelRequest(0))
             await _wait(first, lambda: "the first message")
             dealer.send(b"\xc1 not msgpack")
-            codec.sync_send(dealer, CancelRequest(1))
+            socket_io.sync_send(dealer, CancelRequest(1))
             dealer.send(b"")  # an empty header frame: also malformed
-            codec.sync_send(dealer, CancelRequest(2))
+            socket_io.sync_send(dealer, CancelRequest(2))
             await _wait(done, lambda: f"got {good}")
         finally:
             reactor.close()
@@ -317,7 +317,7 @@ def test_close_removes_readers_and_stops_delivery(loop_kind: str, transport_pair
         reactor.watch(router, router=True, on_chunk=on_chunk)
         fd = router.getsockopt(zmq.FD)
         assert reactor.watching(router)
-        codec.sync_send(dealer, CancelRequest(1))
+        socket_io.sync_send(dealer, CancelRequest(1))
         await _wait(first, lambda: "the first message")
         reactor.send_nowait(router, CancelRequest(2), b"peer-0")  # leaves a drain pending
         reactor.close()
@@ -325,12 +325,12 @@ def test_close_removes_readers_and_stops_delivery(loop_kind: str, transport_pair
         assert not reactor.watching(router)
         if loop_kind == "asyncio":  # only asyncio's loop tells whether a reader was there
             assert loop.remove_reader(fd) is False
-        codec.sync_send(dealer, CancelRequest(3))
+        socket_io.sync_send(dealer, CancelRequest(3))
         assert router.poll(int(WAIT_S * 1000), zmq.POLLIN)  # it is queued, and nobody takes it
         for _ in range(10):
             await asyncio.sleep(0)
         assert len(got) == 1
-        assert codec.sync_recv(router, router=True) == (b"peer-0", CancelRequest(3))
+        assert socket_io.sync_recv(router, router=True) == (b"peer-0", CancelRequest(3))
         with pytest.raises(RuntimeError):
             reactor.watch(router, router=True, on_chunk=on_chunk)
 

@@ -15,7 +15,7 @@ import zmq.asyncio
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, buffer_owner, recv_within
 
 from zserve.errors import ErrorKind, ProtocolError, UnroutableError
-from zserve.transport import codec, sockets
+from zserve.transport import socket_io, sockets
 from zserve.transport.messages import CancelRequest, Heartbeat, InferReply, Message
 from zserve.transport.sockets import (
     IpcDir,
@@ -51,7 +51,7 @@ def test_default_bind_is_loopback_with_a_kernel_chosen_port(transport_ctx: Ctx) 
     assert host == "127.0.0.1" and int(port) > 0
     assert bound_endpoint(router) == endpoint
     dealer = make_dealer(transport_ctx, endpoint, identity=b"d")
-    codec.sync_send(dealer, CancelRequest(1))
+    socket_io.sync_send(dealer, CancelRequest(1))
     assert recv_within(router, router=True) == (b"d", CancelRequest(1))
 
 
@@ -98,12 +98,12 @@ def test_bind_failure_names_the_socket_and_address(transport_ctx: Ctx) -> None:
 def test_send_to_unknown_peer_raises_unroutable(transport_pair: Pair) -> None:
     router, dealer = transport_pair
     with pytest.raises(UnroutableError, match="nobody") as caught:
-        codec.sync_send(router, CancelRequest(1), identity=b"nobody")
+        socket_io.sync_send(router, CancelRequest(1), identity=b"nobody")
     assert caught.value.kind == ErrorKind.UNAVAILABLE and caught.value.retryable
     # The router is unharmed: a known peer is still reachable.
-    codec.sync_send(dealer, CancelRequest(2))
+    socket_io.sync_send(dealer, CancelRequest(2))
     recv_within(router, router=True)
-    codec.sync_send(router, CancelRequest(3), identity=b"peer-0")
+    socket_io.sync_send(router, CancelRequest(3), identity=b"peer-0")
     assert recv_within(dealer, router=False) == (None, CancelRequest(3))
 
 
@@ -111,7 +111,7 @@ def test_send_to_unknown_peer_raises_unroutable(transport_pair: Pair) -> None:
 
 
 async def _async_recv(sock: zmq.asyncio.Socket, *, router: bool) -> tuple[bytes | None, Message]:
-    return await asyncio.wait_for(codec.async_recv(sock, router=router), ASYNC_TIMEOUT_S)
+    return await asyncio.wait_for(socket_io.async_recv(sock, router=router), ASYNC_TIMEOUT_S)
 
 
 async def test_every_message_class_round_trips_over_asyncio(
@@ -119,11 +119,11 @@ async def test_every_message_class_round_trips_over_asyncio(
 ) -> None:
     router, dealer = transport_async_pair
     for message in SAMPLE_MESSAGES:
-        await codec.async_send(dealer, message)
+        await socket_io.async_send(dealer, message)
         identity, at_router = await _async_recv(router, router=True)
         assert identity == b"peer-0"
         assert_messages_equal(at_router, message)
-        await codec.async_send(router, at_router, identity=identity)
+        await socket_io.async_send(router, at_router, identity=identity)
         _, at_dealer = await _async_recv(dealer, router=False)
         assert_messages_equal(at_dealer, message)
 
@@ -135,14 +135,14 @@ async def test_async_recv_waits_for_a_message_that_is_not_there_yet(
     receiving = asyncio.ensure_future(_async_recv(router, router=True))
     done, _ = await asyncio.wait([receiving], timeout=0.05)
     assert not done  # nothing was sent: it must be waiting, not failing
-    await codec.async_send(dealer, Heartbeat("d", 1, 2.0))
+    await socket_io.async_send(dealer, Heartbeat("d", 1, 2.0))
     assert await receiving == (b"peer-0", Heartbeat("d", 1, 2.0))
 
 
 async def test_async_arrays_arrive_without_copy(transport_async_pair: AsyncPair) -> None:
     router, dealer = transport_async_pair
     array = np.arange(50_000, dtype=np.int64)
-    await codec.async_send(dealer, InferReply(1, {"y": array}))
+    await socket_io.async_send(dealer, InferReply(1, {"y": array}))
     _, message = await _async_recv(router, router=True)
     assert isinstance(message, InferReply)
     assert isinstance(buffer_owner(message.outputs["y"]), zmq.Frame)
@@ -154,7 +154,7 @@ async def test_async_malformed_message_is_rejected_and_the_loop_goes_on(
 ) -> None:
     router, dealer = transport_async_pair
     await dealer.send_multipart([b"\x92\xa6cancel"])  # truncated msgpack
-    await codec.async_send(dealer, CancelRequest(7))
+    await socket_io.async_send(dealer, CancelRequest(7))
     with pytest.raises(ProtocolError):
         await _async_recv(router, router=True)
     assert await _async_recv(router, router=True) == (b"peer-0", CancelRequest(7))
@@ -165,7 +165,7 @@ async def test_async_send_to_unknown_peer_raises_unroutable(
 ) -> None:
     router, _ = transport_async_pair
     with pytest.raises(UnroutableError):
-        await codec.async_send(router, CancelRequest(1), identity=b"nobody")
+        await socket_io.async_send(router, CancelRequest(1), identity=b"nobody")
 
 
 async def test_async_send_waits_at_the_high_water_mark_and_keeps_order(
@@ -183,7 +183,7 @@ async def test_async_send_waits_at_the_high_water_mark_and_keeps_order(
 
     async def produce() -> None:
         for index in range(count):
-            await codec.async_send(dealer, InferReply(index, {"y": payload}))
+            await socket_io.async_send(dealer, InferReply(index, {"y": payload}))
 
     producer = asyncio.ensure_future(produce())
     done, _ = await asyncio.wait([producer], timeout=0.2)
@@ -206,6 +206,6 @@ def test_wildcard_binds_are_advertised_by_a_reachable_name(transport_ctx: Ctx) -
     assert bound_endpoint(router) == f"tcp://0.0.0.0:{port}" and port != "0"
     assert endpoint == f"tcp://127.0.0.1:{port}"
     dealer = make_dealer(transport_ctx, endpoint, identity=b"peer")
-    codec.sync_send(dealer, Heartbeat("peer", 1, 0.0))
+    socket_io.sync_send(dealer, Heartbeat("peer", 1, 0.0))
     identity, msg = recv_within(router, router=True)
     assert identity == b"peer" and isinstance(msg, Heartbeat)

@@ -3,14 +3,14 @@ wire annotations, a deep equality that understands arrays, and receives bounded 
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import ALL_MESSAGES, Message
 
 RECV_TIMEOUT_MS = 5_000
@@ -39,8 +39,8 @@ def sample_value(hint: Any, seed: int = 0) -> Any:
 
 
 def sample_message(cls: type[Message]) -> Message:
-    hints = typing.get_type_hints(cls)
-    values = [sample_value(hints[f.name], i) for i, f in enumerate(dataclasses.fields(cls))]
+    fields = msgspec.structs.fields(cls)
+    values = [sample_value(f.type, i) for i, f in enumerate(fields)]
     return cls(*values)
 
 
@@ -67,7 +67,7 @@ def assert_values_equal(received: Any, sent: Any, where: str = "message") -> Non
 
 def assert_messages_equal(received: Message, sent: Message) -> None:
     assert type(received) is type(sent)
-    for f in dataclasses.fields(sent):
+    for f in msgspec.structs.fields(sent):
         assert_values_equal(
             getattr(received, f.name), getattr(sent, f.name), f"{type(sent).__name__}.{f.name}"
         )
@@ -82,7 +82,7 @@ def recv_within(
     sock: zmq.Socket[Any], *, router: bool, limits: codec.DecodeLimits = codec.DEFAULT_LIMITS
 ) -> tuple[bytes | None, Message]:
     wait_readable(sock)
-    return codec.sync_recv(sock, router=router, limits=limits)
+    return socket_io.sync_recv(sock, router=router, limits=limits)
 
 
 def buffer_owner(array: np.ndarray[Any, Any]) -> Any:

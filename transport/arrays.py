@@ -55,11 +55,9 @@ MAX_ARRAY_DIM = 1 << 40
 INLINE_MAX_BYTES = 16 * 1024
 # At most this many array bytes are inlined into one header; the arrays past it go as frames. It
 # keeps the header of a message with many small arrays (a large batch's inputs or outputs) far
-# below the decoder's header bound (codec.MAX_HEADER_BYTES, 16 MiB).
-INLINE_BUDGET_BYTES = 1024 * 1024
-# The budget of a message that inlines no array, not even an empty one (for a peer that may
-# predate inline arrays).
-NO_INLINE = -1
+# below the decoder's header bound (codec.MAX_HEADER_BYTES, 16 MiB), and, with the descriptors
+# and ids around them, under 1 MiB, which the decoder parses once (DecodeLimits).
+INLINE_BUDGET_BYTES = 960 * 1024
 
 # dtype -> wire name: a dict lookup is several times cheaper than ``dtype.str``, which builds a
 # new string on every call. numpy dtypes compare (and hash) by value, so an equivalent dtype
@@ -73,7 +71,7 @@ ArrayDescriptor = list[Any]  # [dtype_str, shape, inline bytes or frame_index]
 class EncodedFrames:
     """The frames of one message being encoded: ``frames[0]`` is the header's place (filled
     last), array frames follow; ``inline_left`` is how many more array bytes may still ride
-    inside the header (``INLINE_BUDGET_BYTES`` per message, or ``NO_INLINE``)."""
+    inside the header (``INLINE_BUDGET_BYTES`` per message)."""
 
     __slots__ = ("frames", "inline_left")
 
@@ -167,40 +165,14 @@ def decode_array(descriptor: Any, buffers: list[memoryview], used: list[bool]) -
             f"array dtype {dtype_str!r:.40} is not allowed "
             f"(allowed: {', '.join(ALLOWED_DTYPE_NAMES)}, native byte order)"
         )
-    # A plain loop: tensors have a handful of dimensions, for which it is cheaper than set(),
-    # min() and max() over the shape; it yields the element count on the way.
-    count = 1
-    if type(shape) is list and len(shape) <= MAX_ARRAY_NDIM:
-        for dim in shape:
-            if type(dim) is not int or not 0 <= dim <= MAX_ARRAY_DIM:
-                count = -1
-                break
-            count *= dim
-    else:
-        count = -1
-    if count < 0:
-        raise ProtocolError(
-            f"array shape must be a list of at most {MAX_ARRAY_NDIM} sizes, got {shape!r:.80}"
-        )
+    count = _element_count(shape)
     if type(data) is bytes:  # inline: the header's own bytes (immutable, so read-only)
         if len(data) != dtype.itemsize * count:
             raise _size_error("inline array", len(data), dtype, shape)
         # The constructor takes the shape at once: cheaper than frombuffer plus reshape.
         array = np.ndarray(shape, dtype, data)
     elif type(data) is int:  # bool is an int subclass; it is refused here on purpose
-        if not 1 <= data <= len(buffers):
-            raise ProtocolError(
-                f"array frame index {data!r:.40} is outside frames 1..{len(buffers)}"
-            )
-        if used[data - 1]:
-            raise ProtocolError(f"array frame {data} is referenced twice")
-        used[data - 1] = True
-        buffer = buffers[data - 1]
-        if buffer.nbytes != dtype.itemsize * count:
-            raise _size_error(f"array frame {data}", buffer.nbytes, dtype, shape)
-        array = np.ndarray(shape, dtype, buffer)
-        if array.flags.writeable:  # a bytearray or a writable frame view: callers must not write
-            array.flags.writeable = False
+        array = _array_over_frame(data, buffers, used, dtype=dtype, shape=shape, count=count)
     else:
         raise ProtocolError(
             f"array data must be a frame index or bytes, got {type(data).__name__}"
@@ -209,6 +181,47 @@ def decode_array(descriptor: Any, buffers: list[memoryview], used: list[bool]) -
         # numpy assumes bool bytes are 0 or 1; other values make comparisons inconsistent.
         where = "inline array" if type(data) is bytes else f"array frame {data}"
         raise ProtocolError(f"bool {where} holds bytes other than 0 and 1")
+    return array
+
+
+def _element_count(shape: Any) -> int:
+    """The element count of a received shape, which must be a short list of sane sizes."""
+    # A plain loop: tensors have a handful of dimensions, for which it is cheaper than set(),
+    # min() and max() over the shape; it yields the element count on the way.
+    if type(shape) is list and len(shape) <= MAX_ARRAY_NDIM:
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim <= MAX_ARRAY_DIM:
+                break
+            count *= dim
+        else:
+            return count
+    raise ProtocolError(
+        f"array shape must be a list of at most {MAX_ARRAY_NDIM} sizes, got {shape!r:.80}"
+    )
+
+
+def _array_over_frame(
+    index: int,
+    buffers: list[memoryview],
+    used: list[bool],
+    *,
+    dtype: np.dtype[Any],
+    shape: list[int],
+    count: int,
+) -> np.ndarray[Any, Any]:
+    """A read-only array over buffer frame ``index`` (1-based), which it marks as used."""
+    if not 1 <= index <= len(buffers):
+        raise ProtocolError(f"array frame index {index!r:.40} is outside frames 1..{len(buffers)}")
+    if used[index - 1]:
+        raise ProtocolError(f"array frame {index} is referenced twice")
+    used[index - 1] = True
+    buffer = buffers[index - 1]
+    if buffer.nbytes != dtype.itemsize * count:
+        raise _size_error(f"array frame {index}", buffer.nbytes, dtype, shape)
+    array: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer)
+    if array.flags.writeable:  # a bytearray or a writable frame view: callers must not write
+        array.flags.writeable = False
     return array
 
 

@@ -66,15 +66,9 @@ import zmq
 import zmq.asyncio
 
 from zserve.idle_poll import IdlePollers
-from zserve.transport.codec import (
-    async_recv,
-    async_send,
-    decode,
-    encode,
-    sync_recv,
-    sync_send,
-)
+from zserve.transport.codec import decode, encode
 from zserve.transport.messages import CandidateUpdate, InferRequest, Message, Shutdown
+from zserve.transport.socket_io import async_recv, async_send, sync_recv, sync_send
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_dealer, make_router
 
 KIB = 1024

@@ -1,13 +1,14 @@
 """Every wire message of zserve, as a typed class.
 
-This module is the wire contract between processes. Each message is a frozen dataclass whose
-fields are msgpack-native (int, float, str, bool, bytes, None, lists and str-keyed dicts of those)
-or numpy arrays. On the wire a message is ``[header, buf0, buf1, ...]``: the header is a msgpack
-array ``[KIND, field0, field1, ...]`` in declaration order, with each array replaced by a
-descriptor naming its dtype, shape and either its bytes (small arrays, inline) or the index of
-the frame that carries them (see ``zserve.transport.arrays`` and ``codec``). Decoding validates
-the kind, the arity, every field's type and the lengths of parallel lists (``SAME_LENGTH``), and
-rejects anything else with ``zserve.errors.ProtocolError``.
+This module is the wire contract between processes. Each message is a frozen ``msgspec.Struct``
+(``array_like``, tagged with its ``KIND``) whose fields are msgpack-native (int, float, str,
+bool, bytes, None, lists and str-keyed dicts of those) or numpy arrays. On the wire a message is
+``[header, buf0, buf1, ...]``: the header is a msgpack array ``[KIND, field0, field1, ...]`` in
+declaration order, with each array replaced by a descriptor naming its dtype, shape and either its
+bytes (small arrays, inline) or the index of the frame that carries them (see
+``zserve.transport.arrays`` and ``codec``). Decoding validates the kind, the arity, every field's
+type and the lengths of parallel lists (``SAME_LENGTH``), and rejects anything else with
+``zserve.errors.ProtocolError``. A changed copy of a message is ``msgspec.structs.replace``.
 
 Conventions:
 - Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the *cluster clock*: the rank
@@ -23,20 +24,21 @@ Conventions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import msgspec
 import numpy as np
 
 Array = np.ndarray[Any, Any]
 TensorMap = dict[str, Array]
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Base class; ``KIND`` is the tag that leads the encoded header. ``SAME_LENGTH`` names groups
-    of fields that are parallel lists (struct of arrays): decoding refuses a message whose lists
-    in one group differ in length."""
+# gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
+# collector need not track it (cheaper to build, msgspec's advice for such structs).
+class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base class; ``KIND`` is the tag that leads the encoded header (each class's ``tag``).
+    ``SAME_LENGTH`` names groups of fields that are parallel lists (struct of arrays): decoding
+    refuses a message whose lists in one group differ in length."""
 
     KIND: ClassVar[str] = ""
     SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = ()
@@ -45,56 +47,46 @@ class Message:
 # --------------------------------------------------------------------------- client <-> frontend
 
 
-@dataclass(frozen=True, slots=True)
-class InferRequest(Message):
+class InferRequest(Message, frozen=True, tag="infer"):
     """Client -> frontend: run ``model`` on ``inputs``. ``slo_ms`` 0 means the model's own SLO;
     a positive value may only tighten it."""
 
-    KIND: ClassVar[str] = "infer"
     request_id: int
     model: str
     inputs: TensorMap
     slo_ms: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class InferReply(Message):
+class InferReply(Message, frozen=True, tag="reply"):
     """Frontend -> client: the outputs of one request."""
 
-    KIND: ClassVar[str] = "reply"
     request_id: int
     outputs: TensorMap
 
 
-@dataclass(frozen=True, slots=True)
-class InferError(Message):
+class InferError(Message, frozen=True, tag="error"):
     """Frontend -> client: the terminal error of one request (``error`` is an ErrorKind)."""
 
-    KIND: ClassVar[str] = "error"
     request_id: int
     error: str
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class ClientHello(Message):
+class ClientHello(Message, frozen=True, tag="chello"):
     """Client -> frontend, first on a connection: the optional message kinds this client decodes
     beyond ``InferReply`` and ``InferError`` (today only ``InferAnswers.KIND``). A client that
     never sends one is answered with one message per request."""
 
-    KIND: ClassVar[str] = "chello"
     accepts: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class InferAnswers(Message):
+class InferAnswers(Message, frozen=True, tag="answers"):
     """Frontend -> a client that accepts this kind (``ClientHello``): the terminal answers of
     several of its requests, produced in one event-loop tick (typically one batch's outputs), in
     one message instead of one per request. ``request_ids[i]`` is answered with ``outputs[i]``
     (as by ``InferReply``), ``error_ids[i]`` with the error ``errors[i]``, ``messages[i]`` (as by
     ``InferError``); each request id appears once."""
 
-    KIND: ClassVar[str] = "answers"
     SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (
         ("request_ids", "outputs"),
         ("error_ids", "errors", "messages"),
@@ -106,25 +98,21 @@ class InferAnswers(Message):
     messages: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class CancelRequest(Message):
+class CancelRequest(Message, frozen=True, tag="cancel"):
     """Client -> frontend: cancel a request if it has not started executing."""
 
-    KIND: ClassVar[str] = "cancel"
     request_id: int
 
 
 # --------------------------------------------------------------------------- frontend <-> shard
 
 
-@dataclass(frozen=True, slots=True)
-class RequestMetaBatch(Message):
+class RequestMetaBatch(Message, frozen=True, tag="meta"):
     """Frontend -> owning scheduler shard: the metadata of the requests admitted in one event-loop
     tick, as parallel lists (struct of arrays: one message and no per-request objects).
     ``frontend`` is the frontend's ``data`` address (what a BatchPlan lists in ``frontends``);
     DropNotices go back to the DEALER identity the message came from."""
 
-    KIND: ClassVar[str] = "meta"
     frontend: str
     request_ids: list[int]
     models: list[str]
@@ -132,11 +120,9 @@ class RequestMetaBatch(Message):
     deadlines: list[float]
 
 
-@dataclass(frozen=True, slots=True)
-class DropNotice(Message):
+class DropNotice(Message, frozen=True, tag="drop"):
     """Shard -> frontend: these requests were dropped by the scheduler and get ``error``."""
 
-    KIND: ClassVar[str] = "drop"
     request_ids: list[int]
     error: str
     message: str
@@ -145,12 +131,10 @@ class DropNotice(Message):
 # --------------------------------------------------------------------------- shard <-> rank
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateUpdate(Message):
+class CandidateUpdate(Message, frozen=True, tag="cand"):
     """Shard -> rank: a model's current batch candidate (latest value wins).
     ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size."""
 
-    KIND: ClassVar[str] = "cand"
     model: str
     batch_size: int
     exec_at: float
@@ -158,24 +142,20 @@ class CandidateUpdate(Message):
     send_delay: float
 
 
-@dataclass(frozen=True, slots=True)
-class GrantGpu(Message):
+class GrantGpu(Message, frozen=True, tag="grant"):
     """Rank -> shard: ``gpu_id`` is granted to ``model``'s candidate. ``free_at`` is when that GPU
     becomes free. The rank ignores the model's candidates until it gets a GrantAnswer."""
 
-    KIND: ClassVar[str] = "grant"
     model: str
     gpu_id: int
     grant_id: int
     free_at: float
 
 
-@dataclass(frozen=True, slots=True)
-class GrantAnswer(Message):
+class GrantAnswer(Message, frozen=True, tag="gans"):
     """Shard -> rank: the answer to a grant. ``used`` False returns the GPU untouched (the queue
     emptied meanwhile); otherwise the GPU is busy until ``free_at``. Also resumes candidates."""
 
-    KIND: ClassVar[str] = "gans"
     model: str
     gpu_id: int
     grant_id: int
@@ -183,25 +163,22 @@ class GrantAnswer(Message):
     free_at: float
 
 
-@dataclass(frozen=True, slots=True)
-class BackendTable(Message):
+class BackendTable(Message, frozen=True, tag="btable"):
     """Rank -> shards (and frontends): the backends that exist, by GPU id, with the address at
     which each one's plan socket listens and the models it serves. Sent whenever it changes."""
 
-    KIND: ClassVar[str] = "btable"
     gpu_ids: list[int]
     names: list[str]
     addresses: list[str]
     models: list[list[str]]
     # Per backend, what it registered: ``profiles_ms[i][model][b-1]`` is l(b) in ms on backend i.
-    profiles_ms: list[dict[str, list[float]]] = field(default_factory=list)
+    profiles_ms: list[dict[str, list[float]]] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- shard -> backend
 
 
-@dataclass(frozen=True, slots=True)
-class BatchPlan(Message):
+class BatchPlan(Message, frozen=True, tag="plan"):
     """Shard -> backend: run one batch of ``model`` at ``exec_at`` on ``gpu_id``. Request i lives
     on frontend ``frontends[request_frontend[i]]`` (a frontend address). ``finish_by[i]`` is the
     time by which request i's batch must finish for it to be answered within its SLO (its
@@ -209,7 +186,6 @@ class BatchPlan(Message):
     batch can no longer finish in time. Empty: unknown (nothing is left out); otherwise exactly
     one entry per request (a backend refuses a plan whose list has another length)."""
 
-    KIND: ClassVar[str] = "plan"
     plan_id: int
     model: str
     gpu_id: int
@@ -218,38 +194,32 @@ class BatchPlan(Message):
     frontends: list[str]
     request_frontend: list[int]
     request_ids: list[int]
-    finish_by: list[float] = field(default_factory=list)
+    finish_by: list[float] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- backend <-> frontend
 
 
-@dataclass(frozen=True, slots=True)
-class InputFetch(Message):
+class InputFetch(Message, frozen=True, tag="fetch"):
     """Backend -> frontend: send me the inputs of these requests of one plan."""
 
-    KIND: ClassVar[str] = "fetch"
     plan_id: int
     request_ids: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class InputReply(Message):
+class InputReply(Message, frozen=True, tag="inputs"):
     """Frontend -> backend: the inputs of the requests it still holds, one TensorMap each, and the
     ids it no longer holds (cancelled, already answered) which the backend leaves out."""
 
-    KIND: ClassVar[str] = "inputs"
     plan_id: int
     request_ids: list[int]
     inputs: list[TensorMap]
     missing: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class BatchOutputs(Message):
+class BatchOutputs(Message, frozen=True, tag="outputs"):
     """Backend -> frontend: the outputs of this frontend's requests of one batch."""
 
-    KIND: ClassVar[str] = "outputs"
     plan_id: int
     request_ids: list[int]
     outputs: list[TensorMap]
@@ -259,25 +229,21 @@ class BatchOutputs(Message):
     finished_at: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class BatchFailed(Message):
+class BatchFailed(Message, frozen=True, tag="bfail"):
     """Backend -> frontend: these requests of one batch failed with ``error``."""
 
-    KIND: ClassVar[str] = "bfail"
     plan_id: int
     request_ids: list[int]
     error: str
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class CancelFetched(Message):
+class CancelFetched(Message, frozen=True, tag="fcancel"):
     """Frontend -> the backend that fetched them (over the frontend's ``data`` ROUTER): these
     requests were cancelled or their client disconnected. ``plan_ids[i]`` is the plan whose
     fetch took ``request_ids[i]``. The backend leaves them out of the batch if it has not
     started; a started batch runs, and the frontend discards those outputs."""
 
-    KIND: ClassVar[str] = "fcancel"
     plan_ids: list[int]
     request_ids: list[int]
 
@@ -285,12 +251,10 @@ class CancelFetched(Message):
 # --------------------------------------------------------------------------- backend -> scheduler
 
 
-@dataclass(frozen=True, slots=True)
-class BackendRegister(Message):
+class BackendRegister(Message, frozen=True, tag="breg"):
     """Backend -> rank: this backend exists. ``profiles_ms[model][b-1]`` is l(b) in milliseconds
     for b = 1..max batch; ``plan_address`` is where its plan socket can be reached."""
 
-    KIND: ClassVar[str] = "breg"
     name: str
     device: str
     plan_address: str
@@ -298,11 +262,9 @@ class BackendRegister(Message):
     profiles_ms: dict[str, list[float]]
 
 
-@dataclass(frozen=True, slots=True)
-class BatchStats(Message):
+class BatchStats(Message, frozen=True, tag="bstats"):
     """Backend -> scheduler: what happened to one plan (for reports and lateness accounting)."""
 
-    KIND: ClassVar[str] = "bstats"
     plan_id: int
     model: str
     gpu_id: int
@@ -324,93 +286,82 @@ class BatchStats(Message):
 # --------------------------------------------------------------------------- lifecycle
 
 
-@dataclass(frozen=True, slots=True)
-class Hello(Message):
+class Hello(Message, frozen=True, tag="hello"):
     """Any process -> its peer on connect."""
 
-    KIND: ClassVar[str] = "hello"
     role: str
     name: str
     pid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Ready(Message):
+class BackendGone(Message, frozen=True, tag="bgone"):
+    """Supervisor -> the rank's host and every frontend (control link): backend ``name``'s
+    process died. Its requests are answered BACKEND_FAILED now rather than at their deadlines."""
+
+    name: str
+
+
+class Ready(Message, frozen=True, tag="ready"):
     """Child -> supervisor: sockets bound and models loaded; ``endpoints`` names what it serves."""
 
-    KIND: ClassVar[str] = "ready"
     role: str
     name: str
     pid: int
     endpoints: dict[str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat(Message):
+class Heartbeat(Message, frozen=True, tag="hb"):
     """A process -> its supervisor (control link; ``sent_at`` host-local) and backends and shards
     -> the rank (``sent_at`` on the cluster clock). Informational: receivers time liveness by
     arrival."""
 
-    KIND: ClassVar[str] = "hb"
     name: str
     seq: int
     sent_at: float
 
 
-@dataclass(frozen=True, slots=True)
-class ClockProbe(Message):
+class ClockProbe(Message, frozen=True, tag="clkprobe"):
     """Any process -> the rank (over its own DEALER, identity ``<name>.clock``): a clock sample
     request. The sender keeps its local send time under ``seq``."""
 
-    KIND: ClassVar[str] = "clkprobe"
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
-class ClockReply(Message):
+class ClockReply(Message, frozen=True, tag="clkreply"):
     """Rank -> the prober: ``rank_time`` is the rank's CLOCK_MONOTONIC (the cluster clock) read
     while answering probe ``seq``; ``rank_host`` identifies the rank's clock (boot id and time
     namespace, ``zserve.clock.host_identity``): a prober with the same one shares the clock."""
 
-    KIND: ClassVar[str] = "clkreply"
     seq: int
     rank_time: float
     rank_host: str
 
 
-@dataclass(frozen=True, slots=True)
-class Shutdown(Message):
+class Shutdown(Message, frozen=True, tag="shutdown"):
     """Supervisor -> child: drain (stop admitting, finish in flight up to ``drain_s``) and exit."""
 
-    KIND: ClassVar[str] = "shutdown"
     reason: str
     drain_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class StatsRequest(Message):
+class StatsRequest(Message, frozen=True, tag="statsreq"):
     """Anyone -> a process: send me your counters (``reset``: and start them again)."""
 
-    KIND: ClassVar[str] = "statsreq"
     reset: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterStatsRequest(Message):
+class ClusterStatsRequest(Message, frozen=True, tag="cstatsreq"):
     """Client -> a frontend's client socket: a ``StatsReply`` with the frontend's stats and,
     under ``stats["cluster"][process name]``, those of the scheduler processes and backends it
     talks to (asked now, with ``reset``; ``stats["cluster_silent"]`` names those that did not
     answer in time)."""
 
-    KIND: ClassVar[str] = "cstatsreq"
     reset: bool
 
 
-@dataclass(frozen=True, slots=True)
-class StatsReply(Message):
+class StatsReply(Message, frozen=True, tag="stats"):
     """A process's counters and histograms (msgpack-native values only)."""
 
-    KIND: ClassVar[str] = "stats"
     name: str
     stats: dict[str, Any]
 
@@ -437,6 +388,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     BackendRegister,
     BatchStats,
     Hello,
+    BackendGone,
     Ready,
     Heartbeat,
     Shutdown,
@@ -446,5 +398,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ClockProbe,
     ClockReply,
 )
+
+# KIND is each class's msgspec tag, read back once here so that the tag is written only once.
+for _cls in ALL_MESSAGES:
+    _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment]
+del _cls
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}

@@ -16,7 +16,7 @@ socket's state may have changed, and any operation on the socket (a receive, a s
 
 - watches each socket's FD with ``loop.add_reader``; when it fires, it drains that socket: while
   ``getsockopt(EVENTS) & POLLIN`` (cheaper than a receive that fails with EAGAIN), it receives one
-  whole message without blocking and decodes it (``codec.recv_nowait``), up to ``max_chunk``
+  whole message without blocking and decodes it (``socket_io.recv_nowait``), up to ``max_chunk``
   messages; a socket that still holds more is drained again on the next loop iteration
   (``call_soon``), so one busy socket cannot starve timers or other sockets;
 - hands the messages of one drain to ``on_chunk`` in one call (a ``Chunk`` of
@@ -47,14 +47,9 @@ import zmq
 import zmq.asyncio
 
 from zserve.errors import ZServeError
-from zserve.transport.codec import (
-    DEFAULT_LIMITS,
-    DecodeLimits,
-    encode,
-    recv_nowait,
-    send_frames_nowait,
-)
+from zserve.transport.codec import DEFAULT_LIMITS, DecodeLimits, encode
 from zserve.transport.messages import Message
+from zserve.transport.socket_io import recv_nowait, send_frames_nowait
 
 log = logging.getLogger(__name__)
 

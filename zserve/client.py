@@ -53,7 +53,7 @@ from zserve.errors import (
     ZServeError,
     error_from_wire,
 )
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     CancelRequest,
     ClientHello,
@@ -175,7 +175,7 @@ class AsyncClient:
         sock = make_dealer(self._ctx, self.address, identity=identity)
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
-        codec.send_frames_nowait(sock, list(_HELLO))
+        socket_io.send_frames_nowait(sock, list(_HELLO))
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
         self._poll_sock = [(sock, _POLLIN)]
@@ -240,7 +240,7 @@ class AsyncClient:
         future: asyncio.Future[Outputs] = self._loop.create_future()
         frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
         try:
-            codec.send_frames_nowait(sock, frames)
+            socket_io.send_frames_nowait(sock, frames)
         except zmq.Again:
             future.set_exception(OverloadedError("client send queue is full"))
             return future

@@ -50,8 +50,9 @@ from zserve import procutil
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig, load_config, role_config, shard_for_model
 from zserve.errors import ErrorKind, ProtocolError
-from zserve.transport import codec
+from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
+    BackendGone,
     BackendTable,
     BatchFailed,
     BatchOutputs,
@@ -447,7 +448,7 @@ class Frontend:
                           self.name, index)
                 continue
             sock = make_dealer(self.ctx, address, identity=identity)
-            codec.sync_send(sock, hello)
+            socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
         rank_eps = procutil.endpoints_of(peers, "rank")
         rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
@@ -455,7 +456,7 @@ class Frontend:
         self._rank_embedded = self.cluster.scheduler.shards == 0
         if rank_address is not None:
             self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
-            codec.sync_send(self.rank_sock, hello)
+            socket_io.sync_send(self.rank_sock, hello)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -553,7 +554,7 @@ class Frontend:
         before the loop sleeps, because a send can consume the edge of the socket's
         edge-triggered FD that a message arriving meanwhile raised."""
         self._sent_on.add(sock)
-        codec.send_frames_nowait(sock, frames)
+        socket_io.send_frames_nowait(sock, frames)
 
     def _sent_on_has_input(self) -> bool:
         """Whether a socket sent on since the last look has input; clears the record. Asking
@@ -851,11 +852,9 @@ class Frontend:
     # ------------------------------------------------------------------ answers
 
     def _send_client(self, identity: bytes, msg: Message, answers: int = 1) -> bool:
-        """Send ``msg`` (carrying ``answers`` answers, for the counters) to a client. A client
-        that did not say ``ClientHello`` may predate inline arrays: it gets every array as a
-        frame."""
+        """Send ``msg`` (carrying ``answers`` answers, for the counters) to a client."""
         assert self.client_sock is not None
-        frames: list[Any] = codec.encode(msg, inline_arrays=identity in self._batched_clients)
+        frames: list[Any] = codec.encode(msg)
         frames.insert(0, identity)
         try:
             self._send(self.client_sock, frames)
@@ -1043,10 +1042,11 @@ class Frontend:
             self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
 
     def on_control_message(self, msg: Message) -> None:
-        """The supervisor says a backend's process died (``Hello`` with pid 0): the requests
-        that backend had fetched are answered ``BACKEND_FAILED`` now, not at their deadline."""
-        if type(msg) is Hello and msg.role == "backend":
-            self._on_backend_hello(msg)
+        """The supervisor says a backend's process died (``BackendGone``): the requests that
+        backend had fetched are answered ``BACKEND_FAILED`` now, not at their deadline."""
+        if type(msg) is BackendGone:
+            # Recorded as pid 0, a process that no Hello can have: its next Hello is a restart.
+            self._on_backend_hello(Hello(role="backend", name=msg.name, pid=0))
             self._recheck_sent()  # answers were sent from outside the socket callbacks
 
     def _on_backend_hello(self, msg: Hello) -> None:

@@ -33,7 +33,7 @@ API (kept small on purpose):
   ``zmq.asyncio`` shadow of it: a heartbeat twice a second and a stats reply now and then are no
   hot path) or a ``zmq.asyncio.Context``.
   ``on_message(msg)`` gets any other control message (frontends and the process hosting the
-  rank: the supervisor's ``Hello(role="backend", name, pid=0)`` when that backend's process has
+  rank: the supervisor's ``BackendGone(name)`` when that backend's process has
   died).
   Installs the signal handlers: SIGTERM drains; SIGINT drains when detached and is ignored under
   a supervisor (which coordinates the drain). ``drain_s``: the grace period a signal gives.

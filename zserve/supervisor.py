@@ -66,8 +66,8 @@ from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
 from zserve.transport import codec
 from zserve.transport.messages import (
+    BackendGone,
     Heartbeat,
-    Hello,
     Ready,
     Shutdown,
     StatsReply,
@@ -413,7 +413,7 @@ class Supervisor:
         BACKEND_FAILED now rather than at their deadlines: the frontends fail those it had
         fetched, and the rank removes it from the table, whereupon the shards fail those they had
         planned onto it (fetched or not)."""
-        notice = Hello(role="backend", name=backend.name, pid=0)
+        notice = BackendGone(name=backend.name)
         rank_host = "rank" if self.config.scheduler.shards > 0 else "shard-0"
         for child in self.children.values():
             told = child.role == "frontend" or child.name == rank_host
