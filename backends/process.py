@@ -870,6 +870,7 @@ class Backend:
             "device": self.device,
             "models": list(self.models),
             "warmed": {m: list(b) for m, b in self.warmed.items()},
+            "profiles_ms": {m: p.latency_ms_list() for m, p in self.profiles.items()},
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": len(self._plans),

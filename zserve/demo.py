@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from zserve import procutil
 from zserve.client import AsyncClient
 from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
+from zserve.scheduler.profiles import LatencyProfile
 
 DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "demo.toml"
 # The same cluster as examples/clusters/demo.toml, for installs without the examples folder.
@@ -53,10 +55,6 @@ DEMO_CONFIG: dict[str, Any] = {
                 "max_queue": 256}],
 }
 LONE_REQUESTS = 3
-# `cnn` on this class of machine (`zserve profile cnn`, 2 shared cores): the goodput search's
-# workload profile when the cluster config has none (the scheduler uses the backends' own).
-CNN_ALPHA_MS = 0.778
-CNN_BETA_MS = 5.816
 # Goodput search: probe shape and precision (a short search, not a benchmark: see zserve bench).
 GOODPUT_WARMUP_S = 0.5
 GOODPUT_MEASURE_S = 2.0
@@ -237,16 +235,32 @@ def _print_stats(cluster: Any) -> None:
                 print(f"    {key:20s} {_fmt_summary(shown)}")
 
 
-def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float) -> Any:
+def startup_profile(cluster: Any, config: ClusterConfig, model: ModelConfig) -> LatencyProfile:
+    """The l(b) the scheduler schedules ``model`` with: the slowest, batch size by batch size, of
+    the profiles its backends fixed at start-up (measured there unless cluster.toml gives one),
+    read from their stats. The goodput search's analytic bound comes from it, so the bound is
+    this machine's, not one measured elsewhere."""
+    tables: list[list[float]] = []
+    for role, name, _ in config.process_names():
+        if role != "backend":
+            continue
+        table = cluster.stats(name).get("profiles_ms", {}).get(model.name)
+        if table:
+            tables.append([float(ms) for ms in table])
+    if not tables:
+        raise RuntimeError(f"no backend of {config.name!r} reports a profile of {model.name!r}")
+    size = min(len(t) for t in tables)
+    return LatencyProfile.from_table_ms([max(t[b] for t in tables) for b in range(size)])
+
+
+def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float,
+                  profile: LatencyProfile) -> Any:
     """The goodput search's load: the model's SLO, Poisson arrivals, the cluster's GPUs and
-    allowances, the model's configured profile (else ``cnn``'s measured one)."""
+    allowances, and ``profile`` (the one measured at start-up: ``startup_profile``)."""
     from zserve.loadgen.workload import parse_workload
 
-    alpha, beta = model.alpha_ms, model.beta_ms
-    if alpha is None or beta is None:
-        alpha, beta = CNN_ALPHA_MS, CNN_BETA_MS
     sched = config.scheduler
-    return parse_workload({
+    workload = parse_workload({
         "workload": {
             "name": f"{config.name}-demo", "gpus": config.backends.total, "seed": 1,
             "rate": rate, "arrival": "poisson", "warmup_s": GOODPUT_WARMUP_S,
@@ -255,9 +269,13 @@ def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float) -> Any
             "d_ctrl_ms": sched.d_ctrl_ms, "d_data_ms": sched.d_data_ms,
             "reply_ms": config.frontends.reply_allowance_ms,
         },
-        "models": [{"name": model.name, "slo_ms": model.slo_ms, "alpha_ms": alpha,
-                    "beta_ms": beta, "max_batch": model.max_batch}],
+        # alpha/beta only to pass the parser; the measured table replaces them below.
+        "models": [{"name": model.name, "slo_ms": model.slo_ms,
+                    "alpha_ms": profile.alpha_s * 1e3, "beta_ms": profile.beta_s * 1e3,
+                    "max_batch": profile.max_batch}],
     }, source="zserve demo")
+    spec = dataclasses.replace(workload.models[0], profile=profile)
+    return workload.with_overrides(models=[spec])
 
 
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
@@ -268,7 +286,7 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
     from zserve.loadgen.report import set_fraction_of_bound
     from zserve.loadgen.search import search_goodput
 
-    workload = demo_workload(config, model, start_rps)
+    workload = demo_workload(config, model, start_rps, startup_profile(cluster, config, model))
     peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
     target = bench._target_from_config(config, cluster.client_address,
                                        bench._backend_addresses(peers), workload, {})
@@ -288,7 +306,7 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
         if rate < floor_rps:
             return {"bad_rate": 1.0, "bailed": True}
         try:
-            report = bench.run_once(workload, target, rate, options)
+            report: dict[str, Any] = bench.run_once(workload, target, rate, options)
         except GeneratorBehindError as exc:
             # This machine's load generator cannot send this rate on time: no verdict on the
             # cluster; the search treats the rate as too high and says so.
@@ -306,11 +324,11 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
     def out_of_time(rate: float, report: dict[str, Any]) -> bool:
         return time.monotonic() >= ends_at
 
-    report = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
-                            rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
-    set_fraction_of_bound(report)
-    report["generator_behind_rps"] = sorted(behind)
-    return report
+    found: dict[str, Any] = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
+                                     rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
+    set_fraction_of_bound(found)
+    found["generator_behind_rps"] = sorted(behind)
+    return found
 
 
 def _print_goodput(report: dict[str, Any]) -> None:

@@ -1,0 +1,37 @@
+"""``zserve demo``'s goodput part on the real demo cluster (the built-in CNN on two CPU
+backends): its analytic bound comes from the profile the backends measured at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from zserve import demo
+from zserve.config import parse_config
+from zserve.loadgen.sim import workload_bound_rps
+from zserve.supervisor import Cluster
+
+pytestmark = pytest.mark.slow
+
+# Above the search's floor (100 measured requests in a 2 s probe), and low enough that the probe
+# passes on any machine: the test is about where the bound comes from, not the goodput.
+START_RPS = 100.0
+
+
+def test_demo_bound_comes_from_the_profile_measured_at_start_up() -> None:
+    config = parse_config(demo.DEMO_CONFIG)
+    model = config.models[0]
+    assert model.alpha_ms is None and model.profile is None  # nothing configured: measured
+    with Cluster(config) as cluster:
+        tables = [cluster.stats(name)["profiles_ms"][model.name]
+                  for role, name, _ in config.process_names() if role == "backend"]
+        profile = demo.startup_profile(cluster, config, model)
+        # A budget of 0 s: one probe, then the search stops.
+        report = demo.measure_goodput(cluster, config, model, START_RPS, 0.0)
+    assert len(tables) == config.backends.total
+    slowest = [max(t[b] for t in tables) for b in range(min(len(t) for t in tables))]
+    assert profile.latency_ms_list() == pytest.approx(slowest)
+    workload = demo.demo_workload(config, model, START_RPS, profile)
+    assert workload.models[0].profile.latency_ms_list() == pytest.approx(slowest)
+    expected_bound = workload_bound_rps(workload)
+    assert [p["pass"] for p in report["search"]["probes"]] == [True], report["search"]
+    assert report["bound_rps"] == pytest.approx(expected_bound, abs=0.1)
