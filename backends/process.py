@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zserve import procutil, timers
+from zserve import control_link, peer_map, role_runner, timers
 from zserve.backends.executor import Executor, TensorMap
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import (
@@ -103,7 +103,7 @@ from zserve.transport.sockets import make_dealer, make_router
 log = logging.getLogger(__name__)
 
 ROLE = "backend"
-HEARTBEAT_INTERVAL_S = procutil.HEARTBEAT_INTERVAL_S
+HEARTBEAT_INTERVAL_S = control_link.HEARTBEAT_INTERVAL_S
 # How long after exec_at the head plan waits for a frontend's InputReply before it runs without
 # those requests (a frontend that is alive answers within a millisecond or two).
 INPUT_WAIT_S = 0.050
@@ -903,7 +903,8 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     cluster = ClusterConfig.from_dict(config["cluster"]) if config.get("cluster") else None
     models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
     device: str = config.get("device", "cpu")
-    drain_s = float(config.get("drain_s", cluster.drain_s if cluster else procutil.DEFAULT_DRAIN_S))
+    drain_s = float(config.get("drain_s",
+                               cluster.drain_s if cluster else control_link.DEFAULT_DRAIN_S))
     # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reactor = SocketReactor(asyncio.get_running_loop())
@@ -912,7 +913,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
     clock_sync: ClockSync | None = None
     try:
         backend_ref: list[Backend] = []
-        link = await procutil.ControlLink.open(
+        link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
             stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
         )
@@ -931,11 +932,11 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
         if link.drain.requested:
             return 0
         # The plan timer and every timestamp use the cluster clock: estimate it before serving.
-        clock_sync = await procutil.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
+        clock_sync = await role_runner.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
                                                        clock=backend.clock)
         if clock_sync is None:
             return 0 if link.drain.requested else 2
-        rank_address = procutil.rank_address(peers)
+        rank_address = peer_map.rank_address(peers)
         assert rank_address is not None
         backend.start()
         backend.connect_rank(rank_address)
@@ -962,7 +963,7 @@ async def _main(config: dict[str, Any], control_address: str | None) -> int:
 
 def run_backend(config: dict[str, Any], control_address: str | None) -> int:
     """Run one backend process until it is told to stop; returns the exit code."""
-    return procutil.run_role(_main(config, control_address), name=config["name"])
+    return role_runner.run_role(_main(config, control_address), name=config["name"])
 
 
 def main(argv: list[str]) -> int:
@@ -985,7 +986,7 @@ def main(argv: list[str]) -> int:
     if args.bind:
         config["bind"]["plan"] = args.bind
     if args.rank:
-        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
+        config["peers"][peer_map.peer_key("rank", "rank")] = args.rank
     return run_backend(config, args.control)
 
 

@@ -65,9 +65,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zserve import procutil
-from zserve.idle_poll import IdlePollers
 from zserve.loadgen import breakdown, schedules
+from zserve.loadgen.cpu import cpu_per_request, cpu_snapshot
 from zserve.loadgen.generator import (
     DEFAULT_LATENESS_BOUND_MS,
     BailRule,
@@ -433,55 +432,6 @@ class StatsPoller:
             if k > 0:  # the first poll only resets the counters at the run's start
                 self.samples.append(StatsSample(t, t - last[name], name, reply))
             last[name] = t
-
-
-LOADGEN_PROCESS = "loadgen"
-LOADGEN_WORKERS = "loadgen workers"
-
-
-def cpu_snapshot(cluster_pids: dict[str, int | None]) -> dict[str, float]:
-    """CPU seconds used so far by every cluster process, by this process (the generator's first
-    worker, the stats poller and the supervisor thread) and, summed, by this process's other
-    children (the generator's spawned workers). Empty where ``/proc`` is not available."""
-    snapshot: dict[str, float] = {}
-    known: set[int] = set()
-    for name, pid in cluster_pids.items():
-        if pid is None:
-            continue
-        known.add(pid)
-        seconds = procutil.cpu_seconds(pid)
-        if seconds is not None:
-            snapshot[name] = seconds
-    me = os.getpid()
-    own = procutil.cpu_seconds(me)
-    if own is None:
-        return snapshot
-    snapshot[LOADGEN_PROCESS] = own
-    known |= IdlePollers.live_pids()  # they run only on otherwise idle CPU: not load
-    workers = [procutil.cpu_seconds(p) for p in procutil.child_pids(me) if p not in known]
-    snapshot[LOADGEN_WORKERS] = sum(w for w in workers if w is not None)
-    return snapshot
-
-
-def cpu_per_request(
-    start: dict[str, float], end: dict[str, float], requests: int, seconds: float
-) -> dict[str, Any] | None:
-    """Each process's CPU over a window: microseconds per request sent in it, and cores used."""
-    names = [n for n in end if n in start]
-    if not names or requests <= 0 or seconds <= 0:
-        return None
-    used = {n: max(0.0, end[n] - start[n]) for n in names}
-    if used.get(LOADGEN_WORKERS) == 0.0:
-        del used[LOADGEN_WORKERS]  # one worker: it runs in this process
-    return {
-        "per_request_us": {n: round(v / requests * 1e6, 1) for n, v in sorted(used.items())},
-        "cores": {n: round(v / seconds, 3) for n, v in sorted(used.items())},
-        "total_cores": round(sum(used.values()) / seconds, 3),
-        "requests": requests,
-        "seconds": round(seconds, 3),
-        "cpus": os.cpu_count(),
-        "source": "/proc utime + stime at the measure window's start and end",
-    }
 
 
 def _ask_stats(sock: zmq.Socket[Any]) -> dict[str, Any] | None:

@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from zserve import procutil
 from zserve.client import AsyncClient
 from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
@@ -178,10 +177,12 @@ def _percentiles(values_s: list[float]) -> str:
 
 
 def _cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
-    """User + system CPU time of each process so far (Linux /proc; empty elsewhere)."""
+    """User + system CPU time of each process so far."""
+    from zserve.loadgen.cpu import cpu_seconds
+
     out: dict[str, float] = {}
     for name, pid in pids.items():
-        seconds = procutil.cpu_seconds(pid) if pid is not None else None
+        seconds = cpu_seconds(pid) if pid is not None else None
         if seconds is not None:
             out[name] = seconds
     return out
