@@ -358,10 +358,7 @@ def _print_goodput(report: dict[str, Any]) -> None:
               "cores busy")
 
 
-def main(argv: list[str]) -> int:
-    """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
-    from zserve.supervisor import Cluster
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="cluster.toml (default: examples/clusters/demo.toml)")
@@ -375,67 +372,103 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats", action="store_true", help="print per-process counters "
                         "and the frontend's per-hop latencies")
-    args = parser.parse_args(argv)
-    if args.config:
-        config = load_config(args.config)
-    elif DEMO_TOML.exists():
-        config = load_config(DEMO_TOML)
-    else:
-        config = parse_config(DEMO_CONFIG)
-    model = config.model(args.model) if args.model else config.models[0]
+    return parser
+
+
+def _load_config(path: str | None) -> ClusterConfig:
+    if path:
+        return load_config(path)
+    if DEMO_TOML.exists():
+        return load_config(DEMO_TOML)
+    return parse_config(DEMO_CONFIG)
+
+
+class _Burst:
+    """Parts 1 and 2 on a running cluster: the lone requests, then the burst."""
+
+    def __init__(self, args: argparse.Namespace, model: str, inputs: list[Any],
+                 expected: list[Any]) -> None:
+        self.args, self.model, self.inputs, self.expected = args, model, inputs, expected
+        self.lone = Tally()
+        self.tally = Tally()
+        self.elapsed_s = 0.0
+
+    async def drive(self, address: str) -> None:
+        args = self.args
+        async with AsyncClient(address, timeout=30.0) as client:
+            alone = Work(self.model, self.inputs, self.expected, self.lone)
+            await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
+            work = Work(self.model, self.inputs, self.expected, self.tally)
+            begin = time.monotonic()
+            if args.rate:
+                await _open_loop(client, work, rate=args.rate, duration_s=args.duration)
+            else:
+                await _closed_loop(client, work, requests=args.requests,
+                                   concurrency=args.concurrency)
+            self.elapsed_s = time.monotonic() - begin
+
+    @property
+    def total(self) -> int:
+        return self.tally.ok + self.tally.wrong + sum(self.tally.errors.values())
+
+    @property
+    def ok(self) -> bool:
+        return (self.tally.wrong == 0 and self.lone.wrong == 0 and self.tally.ok > 0
+                and self.lone.ok == LONE_REQUESTS)
+
+    def print(self, policy: str) -> None:
+        lone, tally, args = self.lone, self.tally, self.args
+        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
+              f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
+              f"{_percentiles(lone.latencies_s)}")
+        if policy.startswith("deferred"):
+            print("  (deferred scheduling holds a lone request until one more could no longer "
+                  "join its batch: it is answered close to its SLO, by design)")
+        mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
+                else f"closed loop, {args.concurrency} in flight")
+        print(f"zserve demo: burst of {self.total} requests ({mode}) in {self.elapsed_s:.2f} s: "
+              f"{tally.ok / self.elapsed_s:.0f} correct answers/s")
+        print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
+        print(f"  latency (client): {_percentiles(tally.latencies_s)}")
+
+
+def _expected_outputs(config: ClusterConfig, model: ModelConfig,
+                      seed: int) -> tuple[list[Any], list[Any]]:
     reference = Reference(config, model)
-    inputs = reference.requests(DISTINCT_INPUTS, args.seed)
+    inputs = reference.requests(DISTINCT_INPUTS, seed)
     expected = [reference.outputs(r) for r in inputs]
     reference.close()
+    return inputs, expected
+
+
+def main(argv: list[str]) -> int:
+    """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
+    from zserve.supervisor import Cluster
+
+    args = _parser().parse_args(argv)
+    config = _load_config(args.config)
+    model = config.model(args.model) if args.model else config.models[0]
+    inputs, expected = _expected_outputs(config, model, args.seed)
     print(f"zserve demo: starting {config.name!r} ({config.backends.total} {config.backends.device}"
           f" backends, model {model.name!r}, SLO {model.slo_ms:g} ms, policy "
           f"{config.scheduler.policy})", flush=True)
     started = time.monotonic()
+    burst = _Burst(args, model.name, inputs, expected)
     with Cluster(config) as cluster:
         print(f"zserve demo: up in {time.monotonic() - started:.1f} s; clients connect to "
               f"{cluster.client_address}", flush=True)
-        lone = Tally()
-        tally = Tally()
-
-        async def drive() -> float:
-            async with AsyncClient(cluster.client_address, timeout=30.0) as client:
-                alone = Work(model.name, inputs, expected, lone)
-                await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
-                work = Work(model.name, inputs, expected, tally)
-                begin = time.monotonic()
-                if args.rate:
-                    await _open_loop(client, work, rate=args.rate, duration_s=args.duration)
-                else:
-                    await _closed_loop(client, work, requests=args.requests,
-                                       concurrency=args.concurrency)
-                return time.monotonic() - begin
-
         pids = cluster.pids()
         cpu_before = {**_cpu_seconds(pids), "demo client": time.process_time()}
-        elapsed = asyncio.run(drive())
+        asyncio.run(burst.drive(cluster.client_address))
         cpu_after = {**_cpu_seconds(pids), "demo client": time.process_time()}
-        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
-              f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
-              f"{_percentiles(lone.latencies_s)}")
-        if config.scheduler.policy.startswith("deferred"):
-            print("  (deferred scheduling holds a lone request until one more could no longer "
-                  "join its batch: it is answered close to its SLO, by design)")
-        total = tally.ok + tally.wrong + sum(tally.errors.values())
-        mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
-                else f"closed loop, {args.concurrency} in flight")
-        print(f"zserve demo: burst of {total} requests ({mode}) in {elapsed:.2f} s: "
-              f"{tally.ok / elapsed:.0f} correct answers/s")
-        print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
-        print(f"  latency (client): {_percentiles(tally.latencies_s)}")
+        burst.print(config.scheduler.policy)
         if args.stats:
-            _print_cpu(cpu_before, cpu_after, total + LONE_REQUESTS)
+            _print_cpu(cpu_before, cpu_after, burst.total + LONE_REQUESTS)
             _print_stats(cluster)
-        if args.goodput_s > 0 and tally.ok:
+        if args.goodput_s > 0 and burst.tally.ok:
             print(f"zserve demo: measuring goodput (open-loop Poisson load, probes of "
                   f"{GOODPUT_MEASURE_S:g} s, up to {args.goodput_s:g} s)", flush=True)
-            report = measure_goodput(cluster, config, model, max(tally.ok / elapsed, 60.0),
-                                     args.goodput_s)
-            _print_goodput(report)
+            start_rps = max(burst.tally.ok / burst.elapsed_s, 60.0)
+            _print_goodput(measure_goodput(cluster, config, model, start_rps, args.goodput_s))
     print("zserve demo: cluster stopped", flush=True)
-    ok = tally.wrong == 0 and lone.wrong == 0 and tally.ok > 0 and lone.ok == LONE_REQUESTS
-    return 0 if ok else 1
+    return 0 if burst.ok else 1
