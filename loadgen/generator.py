@@ -115,6 +115,7 @@ class Outcome(enum.IntEnum):
 # generator's own: its send queue was full, or a reply it could not decode.
 ERROR_KINDS: tuple[str, ...] = (*(k.value for k in ErrorKind), "SEND_BLOCKED", "BAD_REPLY")
 _ERROR_INDEX = {kind: i for i, kind in enumerate(ERROR_KINDS)}
+_DEADLINE_ERROR = _ERROR_INDEX[ErrorKind.DEADLINE.value]
 NO_ERROR = -1
 
 # Per-model counters a worker publishes (measure window only), in this order.
@@ -435,20 +436,7 @@ def peek_answers(frames: Sequence[Any]) -> list[tuple[int, str | None]]:
         return []
     kind = header[0]
     if kind == InferAnswers.KIND and len(header) == 6:
-        _, request_ids, outputs, error_ids, errors, messages = header
-        if not (
-            type(request_ids) is type(outputs) is type(error_ids) is type(errors) is list
-            and type(messages) is list
-            and len(request_ids) == len(outputs)
-            and len(error_ids) == len(errors) == len(messages)
-            and (not request_ids or set(map(type, request_ids)) == _INT_ONLY)
-            and (not error_ids or set(map(type, error_ids)) == _INT_ONLY)
-            and (not errors or set(map(type, errors)) == _STR_ONLY)
-        ):
-            return []
-        answers: list[tuple[int, str | None]] = [(rid, None) for rid in request_ids]
-        answers.extend(zip(error_ids, errors, strict=True))
-        return answers
+        return _batch_answers(header)
     if type(header[1]) is not int:
         return []
     if kind == InferReply.KIND:
@@ -456,6 +444,24 @@ def peek_answers(frames: Sequence[Any]) -> list[tuple[int, str | None]]:
     if kind == InferError.KIND and len(header) >= 3 and type(header[2]) is str:
         return [(header[1], header[2])]
     return []
+
+
+def _batch_answers(header: list[Any]) -> list[tuple[int, str | None]]:
+    """The answers of an ``InferAnswers`` header (one message per batch); empty if malformed."""
+    _, request_ids, outputs, error_ids, errors, messages = header
+    if not (
+        type(request_ids) is type(outputs) is type(error_ids) is type(errors) is list
+        and type(messages) is list
+        and len(request_ids) == len(outputs)
+        and len(error_ids) == len(errors) == len(messages)
+        and (not request_ids or set(map(type, request_ids)) == _INT_ONLY)
+        and (not error_ids or set(map(type, error_ids)) == _INT_ONLY)
+        and (not errors or set(map(type, errors)) == _STR_ONLY)
+    ):
+        return []
+    answers: list[tuple[int, str | None]] = [(rid, None) for rid in request_ids]
+    answers.extend(zip(error_ids, errors, strict=True))
+    return answers
 
 
 
@@ -485,47 +491,194 @@ Monitor = Callable[[IntArray, float], str | None]
 current lag behind schedule in seconds; returns a reason to stop, or None."""
 
 
-def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
-    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop.
+class _Sender:
+    """One worker's open-loop run: the per-request records and the steps of its loop.
 
     The per-request records live in Python lists while the loop runs and become arrays at the
     end: indexing a list costs a fraction of indexing a numpy array element, and the loop does
-    it a dozen times per request. The monitor works on arrays of the recent window only."""
-    plan = spec.plan
-    n = len(plan)
-    times = plan.times_s.tolist()
-    model_index = plan.model_index.tolist()
-    measured = plan.measured.tolist()
-    slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
-    request_slo_s = slo_s[plan.model_index].tolist()
-    max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
-    names = plan.models
-    # One request template per model: each request is its template with its own id, encoded
-    # for the cost of packing that id (the inputs are the same arrays every time).
-    encoders = [
-        codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}), plan.slo_ms[m]))
-        for m, name in enumerate(names)
-    ]
+    it a dozen times per request. The hot steps (``send_due``, ``read_replies``) bind what they
+    use to locals once per call, not once per request. The monitor works on arrays of the recent
+    window only."""
 
-    nan = math.nan
-    sent = [nan] * n
-    replied = [nan] * n
-    outcome = [int(Outcome.UNSENT)] * n
-    error_kind = [NO_ERROR] * n
-    answered = [False] * n
-    # Requests resolved-as-bad only by being overdue are counted once, at the monitor.
-    overdue_counted = [False] * n
-    overdue_scan_from = 0
-    planned = np.bincount(plan.model_index[plan.measured], minlength=len(names))
-    counters = [[0] * len(COUNTERS) for _ in names]
-    for m, count in enumerate(planned.tolist()):
-        counters[m][_PLANNED] = count
-    good_outcome, late_outcome = int(Outcome.GOOD), int(Outcome.LATE)
-    dropped_outcome, error_outcome = int(Outcome.DROPPED), int(Outcome.ERROR)
-    deadline_error = _ERROR_INDEX[ErrorKind.DEADLINE.value]
-    blocked_error = _ERROR_INDEX["SEND_BLOCKED"]
-    bad_reply_error = _ERROR_INDEX["BAD_REPLY"]
+    def __init__(self, spec: WorkerSpec, t0: float) -> None:
+        plan = spec.plan
+        n = len(plan)
+        self.spec = spec
+        self.t0 = t0
+        self.n = n
+        self.times = plan.times_s.tolist()
+        self.model_index = plan.model_index.tolist()
+        self.measured = plan.measured.tolist()
+        slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
+        self.request_slo_s = slo_s[plan.model_index].tolist()
+        self.max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
+        # One request template per model: each request is its template with its own id,
+        # encoded for the cost of packing that id (the inputs are the same arrays every time).
+        self.encoders = [
+            codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}),
+                                               plan.slo_ms[m]))
+            for m, name in enumerate(plan.models)
+        ]
+        self.sent = [math.nan] * n
+        self.replied = [math.nan] * n
+        self.outcome = [int(Outcome.UNSENT)] * n
+        self.error_kind = [NO_ERROR] * n
+        self.answered = [False] * n
+        # Requests resolved-as-bad only by being overdue are counted once, at the monitor.
+        self.overdue_counted = [False] * n
+        self.overdue_scan_from = 0
+        planned = np.bincount(plan.model_index[plan.measured], minlength=len(plan.models))
+        self.counters = [[0] * len(COUNTERS) for _ in plan.models]
+        for m, count in enumerate(planned.tolist()):
+            self.counters[m][_PLANNED] = count
+        self.i = 0  # the next request to send
+        self.outstanding = 0
+        self.stopped: str | None = None
+        self.next_monitor = t0 + MONITOR_INTERVAL_S
+        self.end_at = math.inf
 
+    # 1. Send what is due (at most SEND_BURST, so that reply times stay accurate while
+    #    catching up). Never wait for a reply to send.
+    def send_due(self, sock: zmq.Socket[Any], now: float) -> None:
+        if self.stopped is not None:
+            return
+        t0, times, n, i = self.t0, self.times, self.n, self.i
+        model_index, measured, counters = self.model_index, self.measured, self.counters
+        sent, encoders, send_frames = self.sent, self.encoders, codec.send_frames_nowait
+        monotonic = time.monotonic
+        burst_end = i + SEND_BURST
+        while i < n and i < burst_end and t0 + times[i] <= now:
+            m = model_index[i]
+            sent[i] = monotonic() - t0
+            try:
+                send_frames(sock, encoders[m](i))
+                self.outstanding += 1
+            except zmq.Again:
+                self._refused(i, m)
+            if measured[i]:
+                counters[m][_SENT] += 1
+            i += 1
+            if i == n:
+                self.end_at = monotonic() + self.max_slo_s + self.spec.reply_grace_s
+        self.i = i
+
+    def _refused(self, i: int, m: int) -> None:
+        """The socket's queue is full: the request ends at once as an error."""
+        self.answered[i] = True
+        self.replied[i] = self.sent[i]
+        self.outcome[i] = int(Outcome.ERROR)
+        self.error_kind[i] = _ERROR_INDEX["SEND_BLOCKED"]
+        if self.measured[i]:
+            self.counters[m][_DECIDED] += 1
+            self.counters[m][_BAD] += 1
+
+    # 2. Read every reply that has arrived. A poll before each receive: cheaper than a receive
+    #    failing with EAGAIN (and than getsockopt(EVENTS), which builds an enum), and the last
+    #    one (nothing queued) rearms the socket's edge-triggered FD for the sleep in 5.
+    def read_replies(self, sock: zmq.Socket[Any], poll_items: list[Any]) -> None:
+        bad_reply_error = _ERROR_INDEX["BAD_REPLY"]
+        monotonic, settle = time.monotonic, self._settle
+        while zmq.zmq_poll(poll_items, 0):
+            try:
+                # One whole message; each Frame says whether more follow (no RCVMORE call).
+                frame = sock.recv(_NOBLOCK, copy=False)
+                reply_frames = [frame]
+                while frame.more:
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    reply_frames.append(frame)
+            except zmq.Again:
+                break
+            t_reply = monotonic()
+            sent_so_far = self.i
+            # Undecodable answers yield nothing: their requests will end as TIMEOUT.
+            for k, error in peek_answers(reply_frames):
+                kind = NO_ERROR if error is None else _ERROR_INDEX.get(error, bad_reply_error)
+                if 0 <= k < sent_so_far:
+                    settle(k, kind, t_reply)
+
+    def _settle(self, k: int, kind: int, t: float) -> None:
+        if self.answered[k]:
+            return
+        self.answered[k] = True
+        self.outstanding -= 1
+        self.replied[k] = t - self.t0
+        if kind == NO_ERROR:
+            good = (t - self.t0) - self.sent[k] <= self.request_slo_s[k]
+            self.outcome[k] = int(Outcome.GOOD) if good else int(Outcome.LATE)
+        else:
+            good = False
+            self.outcome[k] = (int(Outcome.DROPPED) if kind == _DEADLINE_ERROR
+                               else int(Outcome.ERROR))
+            self.error_kind[k] = kind
+        if self.measured[k] and not self.overdue_counted[k]:
+            counts = self.counters[self.model_index[k]]
+            counts[_DECIDED] += 1
+            if not good:
+                counts[_BAD] += 1
+
+    # 3. Publish counters, apply the early-stop rule, watch our own lag.
+    def monitor(self, now: float, monitor: Monitor) -> None:
+        self.next_monitor = now + MONITOR_INTERVAL_S
+        self._count_overdue(now)
+        i, n = self.i, self.n
+        lag = now - (self.t0 + self.times[i]) if i < n else 0.0
+        reason = monitor(np.array(self.counters, dtype=np.int64), lag)
+        if reason is not None and self.stopped is None:
+            self.stopped = reason
+            self.end_at = min(self.end_at, now + self.max_slo_s + STOP_GRACE_S)
+
+    def _count_overdue(self, now: float) -> None:
+        """Count measured requests already past their SLO without an answer as bad now."""
+        answered, overdue_counted, measured = self.answered, self.overdue_counted, self.measured
+        lo, hi = self.overdue_scan_from, self.i
+        if lo < hi:
+            late_now = (
+                ~np.array(answered[lo:hi], dtype=bool)
+                & ~np.array(overdue_counted[lo:hi], dtype=bool)
+                & np.array(measured[lo:hi], dtype=bool)
+                & (
+                    np.array(self.sent[lo:hi]) + np.array(self.request_slo_s[lo:hi])
+                    < now - self.t0
+                )
+            )
+            for k in (np.nonzero(late_now)[0] + lo).tolist():
+                overdue_counted[k] = True
+                counts = self.counters[self.model_index[k]]
+                counts[_BAD] += 1
+                counts[_DECIDED] += 1
+        scan = self.overdue_scan_from
+        while scan < hi and (answered[scan] or overdue_counted[scan] or not measured[scan]):
+            scan += 1
+        self.overdue_scan_from = scan
+
+    # 4. Done when everything is sent and answered, or the grace period is over.
+    def done(self, now: float) -> bool:
+        return (self.i == self.n or self.stopped is not None) and (
+            self.outstanding == 0 or now >= self.end_at)
+
+    # 5. Sleep until the next send, a reply or the next monitor tick.
+    def wake_at(self) -> float:
+        sending = self.i < self.n and self.stopped is None
+        return min(self.t0 + self.times[self.i] if sending else self.end_at, self.next_monitor)
+
+    def output(self) -> WorkerOutput:
+        outcomes = np.array(self.outcome, dtype=np.int8)
+        sent_s = np.array(self.sent, dtype=np.float64)
+        unanswered = ~np.array(self.answered, dtype=bool) & ~np.isnan(sent_s)
+        outcomes[unanswered] = Outcome.TIMEOUT
+        return WorkerOutput(
+            sent_s,
+            np.array(self.replied, dtype=np.float64),
+            outcomes,
+            np.array(self.error_kind, dtype=np.int8),
+            self.stopped,
+        )
+
+
+def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
+    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop
+    (``_Sender`` holds the records and the steps)."""
+    sender = _Sender(spec, t0)
     ctx = zmq.Context()
     sock = make_dealer(
         ctx, spec.address, identity=spec.identity, send_hwm_messages=GENERATOR_SEND_HWM
@@ -535,115 +688,16 @@ def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     # First on the connection: answers may come coalesced (InferAnswers), one message per batch.
     codec.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
     monotonic = time.monotonic
-    send_frames = codec.send_frames_nowait
-    i = 0
-    outstanding = 0
-    stopped: str | None = None
-    next_monitor = t0 + MONITOR_INTERVAL_S
-    end_at = math.inf
-
-    def settle(k: int, kind: int, t: float) -> None:
-        nonlocal outstanding
-        if answered[k]:
-            return
-        answered[k] = True
-        outstanding -= 1
-        replied[k] = t - t0
-        if kind == NO_ERROR:
-            good = (t - t0) - sent[k] <= request_slo_s[k]
-            outcome[k] = good_outcome if good else late_outcome
-        else:
-            good = False
-            outcome[k] = dropped_outcome if kind == deadline_error else error_outcome
-            error_kind[k] = kind
-        if measured[k] and not overdue_counted[k]:
-            counts = counters[model_index[k]]
-            counts[_DECIDED] += 1
-            if not good:
-                counts[_BAD] += 1
-
     try:
         while True:
+            sender.send_due(sock, monotonic())
+            sender.read_replies(sock, poll_items)
             now = monotonic()
-            # 1. Send what is due (at most SEND_BURST, so that reply times stay accurate while
-            #    catching up). Never wait for a reply to send.
-            burst_end = i + SEND_BURST
-            while i < n and i < burst_end and stopped is None and t0 + times[i] <= now:
-                m = model_index[i]
-                sent[i] = monotonic() - t0
-                try:
-                    send_frames(sock, encoders[m](i))
-                    outstanding += 1
-                except zmq.Again:
-                    answered[i] = True
-                    replied[i] = sent[i]
-                    outcome[i] = error_outcome
-                    error_kind[i] = blocked_error
-                    if measured[i]:
-                        counters[m][_DECIDED] += 1
-                        counters[m][_BAD] += 1
-                if measured[i]:
-                    counters[m][_SENT] += 1
-                i += 1
-                if i == n:
-                    end_at = monotonic() + max_slo_s + spec.reply_grace_s
-            # 2. Read every reply that has arrived. A poll before each receive: cheaper than a
-            #    receive failing with EAGAIN (and than getsockopt(EVENTS), which builds an enum),
-            #    and the last one (nothing queued) rearms the socket's edge-triggered FD for the
-            #    sleep in 5.
-            while zmq.zmq_poll(poll_items, 0):
-                try:
-                    # One whole message; each Frame says whether more follow (no RCVMORE call).
-                    frame = sock.recv(_NOBLOCK, copy=False)
-                    reply_frames = [frame]
-                    while frame.more:
-                        frame = sock.recv(_NOBLOCK, copy=False)
-                        reply_frames.append(frame)
-                except zmq.Again:
-                    break
-                t_reply = monotonic()
-                # Undecodable answers yield nothing: their requests will end as TIMEOUT.
-                for k, error in peek_answers(reply_frames):
-                    kind = NO_ERROR if error is None else _ERROR_INDEX.get(error, bad_reply_error)
-                    if 0 <= k < i:
-                        settle(k, kind, t_reply)
-            now = monotonic()
-            # 3. Publish counters, apply the early-stop rule, watch our own lag.
-            if now >= next_monitor:
-                next_monitor = now + MONITOR_INTERVAL_S
-                # Count measured requests already past their SLO without an answer as bad now.
-                lo, hi = overdue_scan_from, i
-                if lo < hi:
-                    late_now = (
-                        ~np.array(answered[lo:hi], dtype=bool)
-                        & ~np.array(overdue_counted[lo:hi], dtype=bool)
-                        & np.array(measured[lo:hi], dtype=bool)
-                        & (
-                            np.array(sent[lo:hi]) + np.array(request_slo_s[lo:hi])
-                            < now - t0
-                        )
-                    )
-                    for k in (np.nonzero(late_now)[0] + lo).tolist():
-                        overdue_counted[k] = True
-                        counts = counters[model_index[k]]
-                        counts[_BAD] += 1
-                        counts[_DECIDED] += 1
-                while overdue_scan_from < hi and (
-                    answered[overdue_scan_from] or overdue_counted[overdue_scan_from]
-                    or not measured[overdue_scan_from]
-                ):
-                    overdue_scan_from += 1
-                lag = now - (t0 + times[i]) if i < n else 0.0
-                reason = monitor(np.array(counters, dtype=np.int64), lag)
-                if reason is not None and stopped is None:
-                    stopped = reason
-                    end_at = min(end_at, now + max_slo_s + STOP_GRACE_S)
-            # 4. Done when everything is sent and answered, or the grace period is over.
-            if (i == n or stopped is not None) and (outstanding == 0 or now >= end_at):
+            if now >= sender.next_monitor:
+                sender.monitor(now, monitor)
+            if sender.done(now):
                 break
-            # 5. Sleep until the next send, a reply or the next monitor tick.
-            wake = min(t0 + times[i] if (i < n and stopped is None) else end_at, next_monitor)
-            timeout = wake - monotonic()
+            timeout = sender.wake_at() - monotonic()
             if timeout > 0:
                 # Step 2 was the last operation on the socket and found nothing queued, so the FD
                 # becomes readable when the next message arrives.
@@ -651,18 +705,7 @@ def _send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     finally:
         sock.close(linger=0)
         ctx.term()
-
-    outcomes = np.array(outcome, dtype=np.int8)
-    sent_s = np.array(sent, dtype=np.float64)
-    unanswered = ~np.array(answered, dtype=bool) & ~np.isnan(sent_s)
-    outcomes[unanswered] = Outcome.TIMEOUT
-    return WorkerOutput(
-        sent_s,
-        np.array(replied, dtype=np.float64),
-        outcomes,
-        np.array(error_kind, dtype=np.int8),
-        stopped,
-    )
+    return sender.output()
 
 
 @dataclass
@@ -794,6 +837,79 @@ def _identity(worker: int) -> bytes:
     return f"loadgen-{os.getpid()}-{worker}-{os.urandom(4).hex()}".encode()
 
 
+def _start_workers(
+    ctx: Any, spec: WorkerSpec, *, workers: int, channels: _Channels, tmp: str,
+    addresses: list[str], procs: list[Any],
+) -> list[IntArray]:
+    """Spawn one worker per share of the plan (worker w sends requests w, w + workers, ...);
+    appends each process to ``procs`` as it starts (so the caller can stop them whatever
+    happens) and returns the shares."""
+    shares: list[IntArray] = []
+    for w in range(workers):
+        indices = np.arange(w, len(spec.plan), workers, dtype=np.int64)
+        shares.append(indices)
+        worker_spec = replace(
+            spec,
+            plan=spec.plan.subset(indices),
+            identity=_identity(w),
+            address=addresses[w % len(addresses)],
+        )
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(worker_spec, w, channels, os.path.join(tmp, f"worker-{w}.npz")),
+            name=f"loadgen-worker-{w}",
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    return shares
+
+
+def _await_ready(channels: _Channels, procs: list[Any]) -> None:
+    """Wait for every worker's ready release; a worker that died first is an error."""
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    for _ in procs:
+        while not channels.ready.acquire(timeout=0.1):
+            dead = [p.name for p in procs if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise GeneratorError(f"load generator workers failed to start: {dead}")
+
+
+def _watch_workers(procs: list[Any], channels: _Channels, coordinator: _Coordinator,
+                   n_models: int, t0: float) -> None:
+    """Until every worker has exited: sum their counters every MONITOR_INTERVAL_S, and tell
+    them all to stop when the coordinator says so."""
+    view = np.frombuffer(channels.counters, dtype=np.int64).reshape(len(procs), n_models, -1)
+    pending = {p.sentinel for p in procs}
+    while pending:
+        ready_now = multiprocessing.connection.wait(list(pending), timeout=MONITOR_INTERVAL_S)
+        pending.difference_update(ready_now)
+        lag = max(channels.lag_s[:])
+        if coordinator.check(view.sum(axis=0), lag, t0) is not None:
+            channels.stop.set()
+
+
+def _collect_outputs(procs: list[Any], shares: list[IntArray],
+                     tmp: str) -> list[tuple[IntArray, WorkerOutput]]:
+    outputs = []
+    for w, proc in enumerate(procs):
+        proc.join()
+        path = os.path.join(tmp, f"worker-{w}.npz")
+        if proc.exitcode != 0 or not os.path.exists(path):
+            raise GeneratorError(f"load generator worker {w} exited with {proc.exitcode}")
+        with np.load(path) as data:
+            outputs.append(
+                (
+                    shares[w],
+                    WorkerOutput(
+                        data["sent_s"], data["replied_s"], data["outcome"],
+                        data["error_kind"], None,
+                    ),
+                )
+            )
+    return outputs
+
+
 def _run_processes(
     spec: WorkerSpec,
     workers: int,
@@ -814,62 +930,17 @@ def _run_processes(
     )
     tmp = tempfile.mkdtemp(prefix="zserve-loadgen-")
     procs: list[Any] = []
-    shares: list[IntArray] = []
     try:
-        for w in range(workers):
-            indices = np.arange(w, len(spec.plan), workers, dtype=np.int64)
-            shares.append(indices)
-            worker_spec = replace(
-                spec,
-                plan=spec.plan.subset(indices),
-                identity=_identity(w),
-                address=addresses[w % len(addresses)],
-            )
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(worker_spec, w, channels, os.path.join(tmp, f"worker-{w}.npz")),
-                name=f"loadgen-worker-{w}",
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        for _ in range(workers):
-            while not channels.ready.acquire(timeout=0.1):
-                dead = [p.name for p in procs if p.exitcode is not None]
-                if dead or time.monotonic() > deadline:
-                    raise GeneratorError(f"load generator workers failed to start: {dead}")
+        shares = _start_workers(ctx, spec, workers=workers, channels=channels, tmp=tmp,
+                                addresses=addresses, procs=procs)
+        _await_ready(channels, procs)
         t0 = time.monotonic() + START_DELAY_S
         channels.start_at.value = t0
         channels.go.set()
         if on_start is not None:
             on_start(t0)
-        view = np.frombuffer(channels.counters, dtype=np.int64).reshape(workers, n_models, -1)
-        sentinels = [p.sentinel for p in procs]
-        pending = set(sentinels)
-        while pending:
-            ready_now = multiprocessing.connection.wait(list(pending), timeout=MONITOR_INTERVAL_S)
-            pending.difference_update(ready_now)
-            lag = max(channels.lag_s[:])
-            if coordinator.check(view.sum(axis=0), lag, t0) is not None:
-                channels.stop.set()
-        outputs = []
-        for w, proc in enumerate(procs):
-            proc.join()
-            path = os.path.join(tmp, f"worker-{w}.npz")
-            if proc.exitcode != 0 or not os.path.exists(path):
-                raise GeneratorError(f"load generator worker {w} exited with {proc.exitcode}")
-            with np.load(path) as data:
-                outputs.append(
-                    (
-                        shares[w],
-                        WorkerOutput(
-                            data["sent_s"], data["replied_s"], data["outcome"],
-                            data["error_kind"], None,
-                        ),
-                    )
-                )
-        return t0, outputs
+        _watch_workers(procs, channels, coordinator, n_models, t0)
+        return t0, _collect_outputs(procs, shares, tmp)
     finally:
         channels.stop.set()
         channels.go.set()

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "bench": ("zserve.loadgen.cli", "main", "open-loop load on a live cluster; goodput search"),
     "experiment": (
-        "zserve.loadgen.experiments",
+        "zserve.loadgen.experiments.runner",
         "main",
         "run a performance experiment (fig6a, zoo, flattop, eager-floor, scale)",
     ),

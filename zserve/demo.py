@@ -290,24 +290,17 @@ def _analytic_bound_rps(workload: Any) -> float | None:
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
                     budget_s: float) -> dict[str, Any]:
     """A short goodput search on the running cluster (see the module docstring)."""
-    from zserve.loadgen import cli as bench
-    from zserve.loadgen.generator import BailRule, GeneratorBehindError
+    from zserve.loadgen.generator import DEFAULT_LATENESS_BOUND_MS, BailRule, GeneratorBehindError
+    from zserve.loadgen.live_run import MIN_MEASURED_REQUESTS, BenchOptions, run_once
     from zserve.loadgen.report import set_fraction_of_bound
     from zserve.loadgen.search import search_goodput
+    from zserve.loadgen.target import target_for_cluster
 
     workload = demo_workload(config, model, start_rps, startup_profile(cluster, config, model))
-    peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
-    target = bench._target_from_config(config, cluster.client_address,
-                                       bench._backend_addresses(peers), workload, {})
-    target.client_addresses = list(cluster.client_addresses)
-    target.control_stats = lambda name: cluster.stats(name, timeout=bench.STATS_REPLY_TIMEOUT_S)
-    target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
-    target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
-    target.pids = cluster.pids
-    options = bench.BenchOptions(workers=0, lateness_bound_ms=bench.DEFAULT_LATENESS_BOUND_MS,
-                                 bail=BailRule(GOODPUT_MAX_BAD_RATE), progress=False,
-                                 schedule=None)
-    floor_rps = bench.MIN_MEASURED_REQUESTS / GOODPUT_MEASURE_S
+    target = target_for_cluster(cluster, config, workload, {})
+    options = BenchOptions(workers=0, lateness_bound_ms=DEFAULT_LATENESS_BOUND_MS,
+                           bail=BailRule(GOODPUT_MAX_BAD_RATE), progress=False, schedule=None)
+    floor_rps = MIN_MEASURED_REQUESTS / GOODPUT_MEASURE_S
     ends_at = time.monotonic() + budget_s
     behind: list[float] = []
 
@@ -315,7 +308,7 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
         if rate < floor_rps:
             return {"bad_rate": 1.0, "bailed": True}
         try:
-            report: dict[str, Any] = bench.run_once(workload, target, rate, options)
+            report: dict[str, Any] = run_once(workload, target, rate, options)
         except GeneratorBehindError as exc:
             # This machine's load generator cannot send this rate on time: no verdict on the
             # cluster; the search treats the rate as too high and says so.
