@@ -437,12 +437,11 @@ def peek_answers(frames: Sequence[Any]) -> list[tuple[int, str | None]]:
     kind = header[0]
     if kind == InferAnswers.KIND and len(header) == 6:
         return _batch_answers(header)
-    if type(header[1]) is not int:
-        return []
-    if kind == InferReply.KIND:
-        return [(header[1], None)]
-    if kind == InferError.KIND and len(header) >= 3 and type(header[2]) is str:
-        return [(header[1], header[2])]
+    if type(header[1]) is int:
+        if kind == InferReply.KIND:
+            return [(header[1], None)]
+        if kind == InferError.KIND and len(header) >= 3 and type(header[2]) is str:
+            return [(header[1], header[2])]
     return []
 
 
