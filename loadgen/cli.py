@@ -57,18 +57,18 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import breakdown, schedules
-from zserve.loadgen.generator import (
-    DEFAULT_LATENESS_BOUND_MS,
-    BailRule,
-    GeneratorBehindError,
-    GeneratorError,
-)
 from zserve.loadgen.live_report import bound_rps
 from zserve.loadgen.live_run import (
     AUTO_WORKER_RATE_RPS,
     MIN_MEASURED_REQUESTS,
     BenchOptions,
     run_once,
+)
+from zserve.loadgen.load_plan import (
+    DEFAULT_LATENESS_BOUND_MS,
+    BailRule,
+    GeneratorBehindError,
+    GeneratorError,
 )
 from zserve.loadgen.max_rate import MAX_RATE_CHECK_S, max_rate_check
 from zserve.loadgen.report import set_fraction_of_bound, summary_text

@@ -14,7 +14,7 @@ import numpy as np
 
 from zserve.loadgen import breakdown
 from zserve.loadgen.cpu import cpu_per_request
-from zserve.loadgen.generator import LoadPlan, Outcome, RunResult
+from zserve.loadgen.load_plan import LoadPlan, Outcome, RunResult
 from zserve.loadgen.report import ModelOutcome, build_report
 from zserve.loadgen.stats_poller import (
     HOPS_MARK,

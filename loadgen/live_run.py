@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from zserve.loadgen import schedules
-from zserve.loadgen.generator import BailRule, LoadPlan, RunResult, plan_for_workload, run_load
+from zserve.loadgen.generator import run_load
 from zserve.loadgen.live_report import live_report
+from zserve.loadgen.load_plan import BailRule, LoadPlan, RunResult, plan_for_workload
 from zserve.loadgen.stats_poller import HOPS_MARK, HOPS_MARK_MARGIN_S, StatsPoller
 from zserve.loadgen.target import Target
 from zserve.loadgen.workload import Workload

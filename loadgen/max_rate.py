@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from zserve.loadgen import schedules
-from zserve.loadgen.generator import Outcome, run_load
+from zserve.loadgen.generator import run_load
+from zserve.loadgen.load_plan import Outcome
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.workload import ArrivalSpec
 
@@ -29,7 +30,7 @@ def max_rate_check(
     """The highest open-loop rate this machine's generator sustains within the lateness bound,
     against a zero-delay echo server (the real wire protocol, no cluster)."""
     from zserve.loadgen.echo import EchoConfig, EchoServer
-    from zserve.loadgen.generator import build_plan
+    from zserve.loadgen.load_plan import build_plan
 
     inputs = {"echo": {"x": np.zeros((1, 4), dtype=np.float32)}}
     probes: list[dict[str, Any]] = []

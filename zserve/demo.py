@@ -290,8 +290,8 @@ def _analytic_bound_rps(workload: Any) -> float | None:
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
                     budget_s: float) -> dict[str, Any]:
     """A short goodput search on the running cluster (see the module docstring)."""
-    from zserve.loadgen.generator import DEFAULT_LATENESS_BOUND_MS, BailRule, GeneratorBehindError
     from zserve.loadgen.live_run import MIN_MEASURED_REQUESTS, BenchOptions, run_once
+    from zserve.loadgen.load_plan import DEFAULT_LATENESS_BOUND_MS, BailRule, GeneratorBehindError
     from zserve.loadgen.report import set_fraction_of_bound
     from zserve.loadgen.search import search_goodput
     from zserve.loadgen.target import target_for_cluster

@@ -259,7 +259,7 @@ def run_fig6a(opts: Options) -> Outcome:
 
 
 def _fig6a_live(opts: Options) -> list[dict[str, Any]]:
-    from zserve.loadgen.generator import GeneratorBehindError
+    from zserve.loadgen.load_plan import GeneratorBehindError
 
     quick = opts.quick
     say = opts.say

@@ -215,7 +215,7 @@ def _flattop_live(
 ) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """The live sweep and its simulated twin at the same rates; a point the generator could not
     keep up with (twice) is left out and listed in ``refused``."""
-    from zserve.loadgen.generator import GeneratorBehindError
+    from zserve.loadgen.load_plan import GeneratorBehindError
 
     quick = opts.quick
     say = opts.say

@@ -120,8 +120,8 @@ def live_run(
     """One live run at ``rate_rps``; a run the generator could not keep up with (p99 send
     lateness above ``lateness_bound_ms``, by default :func:`live_lateness_bound_ms`) is retried
     once (a burst of other work on a shared machine), then raises GeneratorBehindError."""
-    from zserve.loadgen.generator import BailRule, GeneratorBehindError
     from zserve.loadgen.live_run import BenchOptions, run_once
+    from zserve.loadgen.load_plan import BailRule, GeneratorBehindError
 
     if lateness_bound_ms is None:
         lateness_bound_ms = live_lateness_bound_ms(workload)
@@ -144,7 +144,7 @@ def live_goodput(
     """Goodput search on a live cluster. Rates above LIVE_MAX_RATE_RPS count as failing without a
     run (this machine cannot carry them; see the constant), and so does a probe the generator
     fell behind on twice (counted in ``refused_probes``: a figure to distrust)."""
-    from zserve.loadgen.generator import GeneratorBehindError
+    from zserve.loadgen.load_plan import GeneratorBehindError
 
     started = time.perf_counter()
     floor_rps = MIN_MEASURED_REQUESTS / 10 / workload.measure_s  # 100 requests at least
