@@ -3,10 +3,13 @@ backends): its analytic bound comes from the profile the backends measured at st
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from zserve import demo
 from zserve.config import parse_config
+from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import workload_bound_rps
 from zserve.supervisor import Cluster
 
@@ -35,3 +38,20 @@ def test_demo_bound_comes_from_the_profile_measured_at_start_up() -> None:
     expected_bound = workload_bound_rps(workload)
     assert len(report["search"]["probes"]) == 1
     assert report["bound_rps"] == pytest.approx(expected_bound, abs=0.1)
+
+
+def test_demo_search_stops_at_its_time_budget_or_below_its_floor() -> None:
+    """Halving below the floor cannot pass a probe (too few requests to judge): once there, the
+    search stops instead of filling the headline with 40 instant probes of no verdict."""
+    floor_rps = 50.0
+    assert not demo.search_should_stop(86.8, 10.0, ends_at=20.0, floor_rps=floor_rps)
+    assert demo.search_should_stop(43.4, 10.0, ends_at=20.0, floor_rps=floor_rps)
+    assert demo.search_should_stop(400.0, 20.0, ends_at=20.0, floor_rps=floor_rps)
+
+    def probe(rate: float) -> dict[str, Any]:
+        return {"bad_rate": 1.0, "bailed": True}  # the generator falls behind at every rate
+
+    found = search_goodput(probe, 347.2, on_probe=lambda rate, report: demo.search_should_stop(
+        rate, 0.0, ends_at=20.0, floor_rps=floor_rps))
+    assert [p["rate"] for p in found["search"]["probes"]] == [347.2, 173.6, 86.8, 43.4]
+    assert found["goodput_rps"] == 0.0

@@ -287,6 +287,13 @@ def _analytic_bound_rps(workload: Any) -> float | None:
     return round(bound, 1) if 0 < bound < math.inf else None
 
 
+def search_should_stop(rate: float, now: float, *, ends_at: float, floor_rps: float) -> bool:
+    """The demo's search stops when its time is up, or once it has probed a rate below the
+    floor (too few requests in a probe to judge a 1% bad rate): halving further decides nothing
+    and only fills the headline with probes of no verdict."""
+    return now >= ends_at or rate < floor_rps
+
+
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
                     budget_s: float) -> dict[str, Any]:
     """A short goodput search on the running cluster (see the module docstring)."""
@@ -323,11 +330,11 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
               flush=True)
         return report
 
-    def out_of_time(rate: float, report: dict[str, Any]) -> bool:
-        return time.monotonic() >= ends_at
+    def stop(rate: float, report: dict[str, Any]) -> bool:
+        return search_should_stop(rate, time.monotonic(), ends_at=ends_at, floor_rps=floor_rps)
 
     found: dict[str, Any] = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
-                                     rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
+                                           rel_precision=GOODPUT_PRECISION, on_probe=stop)
     if found.get("bound_rps") is None:  # no probe passed: the bound is the workload's anyway
         found["bound_rps"] = _analytic_bound_rps(workload)
     set_fraction_of_bound(found)
