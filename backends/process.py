@@ -41,7 +41,7 @@ from typing import Any
 
 import zmq
 
-from zserve import procutil, timers
+from zserve import control_link, peer_map, role_runner, timers
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
@@ -84,7 +84,7 @@ from zserve.transport.sockets import make_dealer, make_router
 log = logging.getLogger(__name__)
 
 ROLE = "backend"
-HEARTBEAT_INTERVAL_S = procutil.HEARTBEAT_INTERVAL_S
+HEARTBEAT_INTERVAL_S = control_link.HEARTBEAT_INTERVAL_S
 # A batch running longer than max(WEDGED_MIN_S, WEDGED_FACTOR x its planned duration) is wedged.
 WEDGED_FACTOR = 10.0
 WEDGED_MIN_S = 2.0
@@ -455,6 +455,7 @@ class Backend:
             "device": self.device,
             "models": list(self.models),
             "warmed": {m: list(b) for m, b in self.warmed.items()},
+            "profiles_ms": {m: p.latency_ms_list() for m, p in self.profiles.items()},
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
@@ -501,7 +502,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     clock_sync: ClockSync | None = None
     try:
         backend_ref: list[Backend] = []
-        link = await procutil.ControlLink.open(
+        link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
             stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
         )
@@ -520,13 +521,13 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         if link.drain.requested:
             return 0
         # The plan timer and every timestamp use the cluster clock: estimate it before serving.
-        clock_sync = await procutil.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
+        clock_sync = await role_runner.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
                                                        clock=backend.clock)
         if clock_sync is None:
             return 0 if link.drain.requested else 2
-        rank_address = procutil.rank_address(peers)
+        rank_address = peer_map.rank_address(peers)
         assert rank_address is not None
-        backend.start(rank_address, list(procutil.endpoints_of(peers, "data").values()))
+        backend.start(rank_address, list(peer_map.endpoints_of(peers, "data").values()))
         await link.drain.wait()
         await backend.drain(link.drain.drain_s)
         return 0
@@ -550,7 +551,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
 
 def run_backend(config: RoleConfig, control_address: str | None) -> int:
     """Run one backend process until it is told to stop; returns the exit code."""
-    return procutil.run_role(_main(config, control_address), name=config.name)
+    return role_runner.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -573,7 +574,7 @@ def main(argv: list[str]) -> int:
     if args.bind:
         config.bind["plan"] = args.bind
     if args.rank:
-        config.peers[procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[peer_map.peer_key("rank", "rank")] = args.rank
     return run_backend(config, args.control)
 
 

@@ -67,7 +67,7 @@ def _echo_server(endpoint: str) -> None:
 
     import zmq.asyncio
 
-    from zserve.procutil import install_uvloop
+    from zserve.role_runner import install_uvloop
 
     async def serve() -> None:
         ctx = zmq.asyncio.Context()

@@ -128,6 +128,19 @@ def hop_breakdown(
         rows.append(HopRow("candidate reaches rank before its timer (margin)",
                            float(slack["p50"]), float(slack["p1"]), 0,
                            "rank candidate_slack; the p99 column is the 1st percentile"))
+    rows.extend(_backend_rows(backend_samples))
+    for name, label in (("finish_to_answer", "batch end -> frontend answers (outputs hop)"),
+                        ("overhead", "overhead: answer - admission - execution")):
+        hop = _best_frontend(frontends, name)
+        if hop is not None:
+            rows.append(HopRow(label, float(hop["p50_ms"]), float(hop["p99_ms"]),
+                               int(hop["count"]), f"frontend {name} hop"))
+    return rows
+
+
+def _backend_rows(backend_samples: list[dict[str, Any]]) -> list[HopRow]:
+    """One row per backend timing series, pooled over every backend's samples."""
+    rows: list[HopRow] = []
     for label, key in BACKEND_SERIES:
         values: list[float] = []
         for sample in backend_samples:
@@ -140,12 +153,6 @@ def hop_breakdown(
             rows.append(HopRow(label, p50, tail, count,
                                "backends' per-batch timings in the measure window, pooled"
                                + ("; the p99 column is the 1st percentile" if margin else "")))
-    for name, label in (("finish_to_answer", "batch end -> frontend answers (outputs hop)"),
-                        ("overhead", "overhead: answer - admission - execution")):
-        hop = _best_frontend(frontends, name)
-        if hop is not None:
-            rows.append(HopRow(label, float(hop["p50_ms"]), float(hop["p99_ms"]),
-                               int(hop["count"]), f"frontend {name} hop"))
     return rows
 
 

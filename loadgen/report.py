@@ -81,6 +81,31 @@ def _percentiles(values: Floats | None, qs: tuple[tuple[str, float], ...]) -> di
 _LAT_QS = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
 
 
+def _model_entry(o: ModelOutcome, measure_s: float) -> dict[str, Any]:
+    """One model's entry under ``per_model``."""
+    bs = o.batch_sizes
+    return {
+        "slo_ms": o.slo_ms,
+        "offered_rps": round(o.total / measure_s, 3),
+        "total": o.total,
+        "good": o.good,
+        "late": o.late,
+        "dropped": o.dropped,
+        "bad_rate": round(o.bad_rate, 6),
+        "p50_ms": _pct(o.latencies_ms, 50),
+        "p90_ms": _pct(o.latencies_ms, 90),
+        "p99_ms": _pct(o.latencies_ms, 99),
+        "p99.9_ms": _pct(o.latencies_ms, 99.9),
+        "queueing_p50_ms": _pct(o.queueing_ms, 50),
+        "queueing_p99_ms": _pct(o.queueing_ms, 99),
+        "median_batch": float(np.median(bs)) if bs is not None and len(bs) else None,
+        "mean_batch": round(float(np.mean(bs)), 3) if bs is not None and len(bs) else None,
+        "batches": len(bs) if bs is not None else None,
+        "batch_histogram": _histogram(bs) if bs is not None else None,
+        **o.extra,
+    }
+
+
 def build_report(
     outcomes: list[ModelOutcome],
     *,
@@ -104,29 +129,7 @@ def build_report(
     sizes = [o.batch_sizes for o in outcomes if o.batch_sizes is not None]
     all_bs = np.concatenate(sizes) if sizes else np.empty(0, dtype=np.int64)
     histogram = _histogram(all_bs)
-    per_model: dict[str, Any] = {}
-    for o in outcomes:
-        bs = o.batch_sizes
-        per_model[o.name] = {
-            "slo_ms": o.slo_ms,
-            "offered_rps": round(o.total / measure_s, 3),
-            "total": o.total,
-            "good": o.good,
-            "late": o.late,
-            "dropped": o.dropped,
-            "bad_rate": round(o.bad_rate, 6),
-            "p50_ms": _pct(o.latencies_ms, 50),
-            "p90_ms": _pct(o.latencies_ms, 90),
-            "p99_ms": _pct(o.latencies_ms, 99),
-            "p99.9_ms": _pct(o.latencies_ms, 99.9),
-            "queueing_p50_ms": _pct(o.queueing_ms, 50),
-            "queueing_p99_ms": _pct(o.queueing_ms, 99),
-            "median_batch": float(np.median(bs)) if bs is not None and len(bs) else None,
-            "mean_batch": round(float(np.mean(bs)), 3) if bs is not None and len(bs) else None,
-            "batches": len(bs) if bs is not None else None,
-            "batch_histogram": _histogram(bs) if bs is not None else None,
-            **o.extra,
-        }
+    per_model = {o.name: _model_entry(o, measure_s) for o in outcomes}
     worst = max((o.bad_rate for o in outcomes), default=0.0)
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,

@@ -10,84 +10,101 @@ return a ``zserve.loadgen.report`` dict with ``bad_rate``). Procedure:
 
 The probe may stop a doomed run early (the simulator bails out once the bad rate is clearly above
 the bound); ``on_probe(rate, report)`` is called after each probe, and returning True from it stops
-the search (early-stop hook, e.g. a time budget). The result is the best passing report with
-``goodput_rps`` and a ``search`` record of every probe.
+the search (early-stop hook, e.g. a time budget). A probe that stops the search still counts: the
+headline ``goodput_rps`` and the details of the result always come from the same probe, the
+highest passing one. The result is that probe's report with ``goodput_rps`` and a ``search``
+record of every probe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 Report = dict[str, Any]
+Probe = Callable[[float], Report]
+OnProbe = Callable[[float, Report], bool]
 
 
 def passes(report: Report, max_bad_rate: float) -> bool:
     return bool(report["bad_rate"] <= max_bad_rate and not report.get("bailed", False))
 
 
+@dataclass
+class _Bracket:
+    """The search's state: the highest passing rate ``lo`` (with its report), the lowest failing
+    rate ``hi``, and every probe so far."""
+
+    probe: Probe
+    max_bad_rate: float
+    max_probes: int
+    on_probe: OnProbe | None
+    lo: float | None = None
+    hi: float | None = None
+    best: Report | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def bracketed(self) -> bool:
+        return self.lo is not None and self.hi is not None
+
+    @property
+    def can_probe(self) -> bool:
+        return not self.stopped and len(self.history) < self.max_probes
+
+    def run(self, rate: float) -> bool:
+        """Probe ``rate`` and record the verdict in the bracket *before* asking ``on_probe``
+        whether to stop, so a passing last probe is never lost."""
+        report = self.probe(rate)
+        ok = passes(report, self.max_bad_rate)
+        self.history.append({"rate": round(rate, 3), "bad_rate": report["bad_rate"], "pass": ok})
+        if ok and (self.lo is None or rate > self.lo):
+            self.lo = rate
+            self.best = dict(report)
+        if not ok and (self.hi is None or rate < self.hi):
+            self.hi = rate
+        if self.on_probe is not None and self.on_probe(rate, report):
+            self.stopped = True
+        return ok
+
+
+def _find_bracket(state: _Bracket, start_rps: float) -> None:
+    """Double after a pass, halve after a fail, until one passing and one failing rate."""
+    rate = start_rps
+    while not state.bracketed and state.can_probe:
+        rate = rate * 2 if state.run(rate) else rate / 2
+
+
+def _bisect(state: _Bracket, rel_precision: float) -> None:
+    while state.lo is not None and state.hi is not None and state.can_probe:
+        if state.hi - state.lo <= rel_precision * state.lo:
+            return
+        state.run((state.lo + state.hi) / 2)
+
+
 def search_goodput(
-    probe: Callable[[float], Report],
+    probe: Probe,
     start_rps: float,
     *,
     max_bad_rate: float = 0.01,
     rel_precision: float = 0.01,
     max_probes: int = 40,
-    on_probe: Callable[[float, Report], bool] | None = None,
+    on_probe: OnProbe | None = None,
 ) -> Report:
     if start_rps <= 0:
         raise ValueError("start_rps must be > 0")
-    history: list[dict[str, Any]] = []
-    best: Report | None = None
-    lo: float | None = None
-    hi: float | None = None
-
-    def run(rate: float) -> bool:
-        nonlocal best
-        report = probe(rate)
-        ok = passes(report, max_bad_rate)
-        history.append({"rate": round(rate, 3), "bad_rate": report["bad_rate"], "pass": ok})
-        if ok and (best is None or rate > best["_rate"]):
-            best = dict(report)
-            best["_rate"] = rate
-        stop = on_probe(rate, report) if on_probe is not None else False
-        return ok if not stop else _Stop.raise_(ok)
-
-    try:
-        rate = start_rps
-        while (lo is None or hi is None) and len(history) < max_probes:
-            if run(rate):
-                lo = rate
-                rate = rate * 2 if hi is None else rate
-            else:
-                hi = rate
-                rate = rate / 2 if lo is None else rate
-            if lo is not None and hi is not None:
-                break
-        while lo is not None and hi is not None and hi - lo > rel_precision * lo:
-            if len(history) >= max_probes:
-                break
-            mid = (lo + hi) / 2
-            if run(mid):
-                lo = mid
-            else:
-                hi = mid
-    except _Stop:
-        pass
-    result: Report = dict(best) if best is not None else {"bad_rate": 1.0}
-    result.pop("_rate", None)
-    result["goodput_rps"] = round(lo, 3) if lo is not None else 0.0
+    state = _Bracket(probe, max_bad_rate, max_probes, on_probe)
+    _find_bracket(state, start_rps)
+    _bisect(state, rel_precision)
+    result: Report = dict(state.best) if state.best is not None else {"bad_rate": 1.0}
+    result["goodput_rps"] = round(state.lo, 3) if state.lo is not None else 0.0
     result["search"] = {
         "max_bad_rate": max_bad_rate,
         "rel_precision": rel_precision,
-        "lo_rps": lo,
-        "hi_rps": hi,
-        "probes": history,
+        "lo_rps": state.lo,
+        "hi_rps": state.hi,
+        "probes": state.history,
     }
     return result
-
-
-class _Stop(Exception):
-    @staticmethod
-    def raise_(ok: bool) -> bool:
-        raise _Stop(ok)

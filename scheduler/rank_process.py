@@ -58,11 +58,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zserve import procutil
+from zserve import control_link, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig, load_config, role_config
 from zserve.errors import ZServeError
-from zserve.procutil import cancel_all, spawn
+from zserve.role_runner import cancel_all, spawn
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.timers import WakeTimer
@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 
 ROLE = "rank"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
-BACKEND_TIMEOUT_S = 4 * procutil.HEARTBEAT_INTERVAL_S
+BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
 STATS_WINDOW = 4096
 
@@ -421,10 +421,10 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reactor = SocketReactor(asyncio.get_running_loop())
     host: RankHost | None = None
-    link: procutil.ControlLink | None = None
+    link: control_link.ControlLink | None = None
     try:
         holder: list[RankHost] = []
-        link = await procutil.ControlLink.open(
+        link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
             on_message=lambda msg: holder[0].on_control_message(msg) if holder else None,
@@ -451,7 +451,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
 
 def run_rank(config: RoleConfig, control_address: str | None) -> int:
     """Run the rank process until it is told to stop; returns the exit code."""
-    return procutil.run_role(_main(config, control_address), name=config.name)
+    return role_runner.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:

@@ -51,12 +51,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from zserve import procutil
+from zserve import control_link, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, RoleConfig, load_config, role_config
 from zserve.errors import ErrorKind, ZServeError
-from zserve.procutil import cancel_all, spawn
 from zserve.profiles import LatencyProfile, configured_profile
+from zserve.role_runner import cancel_all, spawn
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy, target_batch_size
@@ -213,7 +213,7 @@ class ShardHost:
         while self.rank_sock is not None:
             seq += 1
             self._send(self.rank_sock, Heartbeat(self.name, seq, self.clock.now()))
-            await asyncio.sleep(procutil.HEARTBEAT_INTERVAL_S)
+            await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
 
     def embed_rank(self, host: RankHost) -> None:
         self.rank_local = host
@@ -556,12 +556,12 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     reactor = SocketReactor(asyncio.get_running_loop())
     host: ShardHost | None = None
     rank: RankHost | None = None
-    link: procutil.ControlLink | None = None
+    link: control_link.ControlLink | None = None
     clock_sync: ClockSync | None = None
     socks: list[zmq.Socket[Any]] = []
     try:
         holder: list[ShardHost] = []
-        link = await procutil.ControlLink.open(
+        link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name,
             drain_s=cluster.drain_s,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
@@ -595,11 +595,11 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         peers = await link.ready(endpoints)
         host.peers.update(peers)
         if not embedded:
-            clock_sync = await procutil.sync_cluster_clock(ctx, host.peers, name=name,
+            clock_sync = await role_runner.sync_cluster_clock(ctx, host.peers, name=name,
                                                            drain=link.drain, clock=clock)
             if clock_sync is None:
                 return 0 if link.drain.requested else 2
-            rank_address = procutil.rank_address(host.peers)
+            rank_address = peer_map.rank_address(host.peers)
             assert rank_address is not None
             host.start()
             host.connect_rank(rank_address)
@@ -623,7 +623,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
 
 def run_shard(config: RoleConfig, control_address: str | None) -> int:
     """Run one scheduler shard (with the rank embedded when ``config.embedded_rank``)."""
-    return procutil.run_role(_main(config, control_address), name=config.name)
+    return role_runner.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -652,7 +652,7 @@ def main(argv: list[str]) -> int:
             parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
         config.bind["rank"] = args.rank_bind
     if args.rank:
-        config.peers[procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[peer_map.peer_key("rank", "rank")] = args.rank
     return run_shard(config, args.control)
 
 

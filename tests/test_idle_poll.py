@@ -1,4 +1,5 @@
-"""Idle pollers (zserve.idle_poll): SCHED_IDLE spinners that keep the CPUs awake."""
+"""Idle pollers (zserve.idle_poll): SCHED_IDLE spinners that keep the CPUs awake; and the
+wake-up and stall probes that measure what they are for (zserve.loadgen.wakeup)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,8 @@ import textwrap
 import pytest
 
 from zserve.config import ConfigError, parse_config
-from zserve.idle_poll import (
-    IdlePollers,
-    available_cpus,
-    ping_pong_rtts_us,
-    spin_gaps,
-    stall_probe,
-)
+from zserve.idle_poll import IdlePollers, available_cpus
+from zserve.loadgen.wakeup import ping_pong_rtts_us, spin_gaps, stall_probe
 
 pytestmark = pytest.mark.skipif(not IdlePollers.supported(), reason="needs Linux SCHED_IDLE")
 
@@ -120,7 +116,7 @@ def test_spin_gaps_reports_every_gap_above_the_threshold_in_order() -> None:
 
 
 def test_stall_probe_prints_one_row_per_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from zserve.idle_poll import main
+    from zserve.loadgen.wakeup import main
 
     table = stall_probe(0.05, cpus=2)
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]

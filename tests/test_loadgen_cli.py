@@ -10,8 +10,11 @@ import pytest
 
 from zserve.loadgen import cli
 from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.live_run import BenchOptions
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.sim import simulate
+from zserve.loadgen.stats_poller import StatsSample, stats_window
+from zserve.loadgen.target import match_models
 from zserve.loadgen.workload import load_workload
 
 WORKLOAD = """
@@ -115,12 +118,12 @@ def test_refuses_a_run_the_generator_cannot_keep_up_with(
 
 def test_models_are_matched_by_name_then_case_then_map(workload_file: Path) -> None:
     workload = load_workload(workload_file)
-    assert cli._match_models(workload, ["small", "tiny"], {}) == {"Small": "small", "tiny": "tiny"}
-    assert cli._match_models(workload, ["a", "b"], {"Small": "a", "tiny": "b"}) == {
+    assert match_models(workload, ["small", "tiny"], {}) == {"Small": "small", "tiny": "tiny"}
+    assert match_models(workload, ["a", "b"], {"Small": "a", "tiny": "b"}) == {
         "Small": "a", "tiny": "b"
     }
     with pytest.raises(ValueError, match="--model-map"):
-        cli._match_models(workload, ["other"], {})
+        match_models(workload, ["other"], {})
 
 
 def test_usage_errors(workload_file: Path) -> None:
@@ -137,9 +140,9 @@ def test_stats_window_takes_the_backends_in_window_busy_time() -> None:
     without it falls back to the sum."""
     exact = {"samples": {"batch_size": [4, 4], "run_s": [0.6, 0.6], "busy_s": 0.95}}
     legacy = {"samples": {"batch_size": [2], "run_s": [0.5]}}
-    samples = [cli.StatsSample(1.0, 1.0, "backend-0", exact),
-               cli.StatsSample(1.0, 1.0, "backend-1", legacy)]
-    window = cli.stats_window(samples, 0.0, 1.0)
+    samples = [StatsSample(1.0, 1.0, "backend-0", exact),
+               StatsSample(1.0, 1.0, "backend-1", legacy)]
+    window = stats_window(samples, 0.0, 1.0)
     assert window is not None
     assert window.busy_s == pytest.approx(0.95 + 0.5)
     assert window.busy_fraction == pytest.approx((0.95 + 0.5) / 2)
@@ -171,11 +174,11 @@ def test_repeat_needs_a_search_and_a_positive_count(
 
 
 def test_record_files_are_named_per_search_and_per_probe(tmp_path: Path) -> None:
-    options = cli.BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
+    options = BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
                                schedule=None, records=str(tmp_path / "run.npz"))
     search = cli._records_suffixed(options, "search2")
     probe = cli._records_suffixed(search, "3100rps")
     assert probe.records == str(tmp_path / "run-search2-3100rps.npz")
-    none = cli.BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
+    none = BenchOptions(workers=1, lateness_bound_ms=5.0, bail=None, progress=False,
                             schedule=None)
     assert cli._records_suffixed(none, "search1") is none

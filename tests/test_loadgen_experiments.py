@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 from zserve import cli as zserve_cli
-from zserve.loadgen import experiments as ex
+from zserve.loadgen.experiments import (
+    common,
+    eager_floor,
+    fig6a,
+    flattop,
+    live,
+    runner,
+    scale,
+    simulated,
+)
 from zserve.loadgen.sim import Simulator
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -20,13 +29,13 @@ MAX_PLOT_BYTES = 200_000  # docs/perf PNGs stay small
 
 
 def _quick(name: str, tmp_path: Path) -> dict[str, Any]:
-    opts = ex.Options(quick=True, live=False, out_dir=tmp_path / name, plots=True,
+    opts = common.Options(quick=True, live=False, out_dir=tmp_path / name, plots=True,
                       say=lambda _line: None)
-    result = ex.run_experiment(name, opts, f"zserve experiment {name} --quick")
+    result = runner.run_experiment(name, opts, f"zserve experiment {name} --quick")
     # what was returned is what was written
     assert json.loads((tmp_path / name / "result.json").read_text()) == json.loads(
         json.dumps(result))
-    assert result["schema"] == ex.EXPERIMENT_SCHEMA
+    assert result["schema"] == common.EXPERIMENT_SCHEMA
     assert result["experiment"] == name and result["quick"] is True and result["live"] is False
     for key in ("command", "started_at", "wall_s", "machine", "config", "tables", "checks",
                 "plots", "points"):
@@ -50,7 +59,7 @@ def _check(result: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def test_table_text_aligns_columns_and_formats_numbers() -> None:
-    table = ex.Table("t", ["name", "rate", "ratio", "ok"],
+    table = common.Table("t", ["name", "rate", "ratio", "ok"],
                      [["a", 1234.56, 0.98765, True], ["bb", None, 12.0, False]])
     lines = table.text().splitlines()
     assert lines[0] == "t"
@@ -63,13 +72,13 @@ def test_table_text_aligns_columns_and_formats_numbers() -> None:
 def test_cli_lists_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
     assert "experiment" in zserve_cli.COMMANDS
     with pytest.raises(SystemExit) as exc:
-        ex.main(["--help"])
+        runner.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ex.EXPERIMENTS:
+    for name in runner.EXPERIMENTS:
         assert name in out
     with pytest.raises(SystemExit) as bad:
-        ex.main(["fig7"])
+        runner.main(["fig7"])
     assert bad.value.code == 2
 
 
@@ -77,8 +86,8 @@ def test_cli_lists_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_time_dilation_stretches_the_same_arrivals_and_profile() -> None:
-    base = ex.fig6a_workload(5.0, "deferred", gpus=4, models=2)
-    slow = ex.fig6a_workload(5.0, "deferred", gpus=4, models=2, dilation=10.0)
+    base = fig6a.fig6a_workload(5.0, "deferred", gpus=4, models=2)
+    slow = fig6a.fig6a_workload(5.0, "deferred", gpus=4, models=2, dilation=10.0)
     assert slow.models[0].slo_ms == pytest.approx(10 * base.models[0].slo_ms)
     assert slow.models[0].slo_ms == pytest.approx(2 * (8 * 10.0 + 50.0))  # 2 * l(8)
     assert slow.models[0].profile.max_batch == base.models[0].profile.max_batch
@@ -96,21 +105,21 @@ def test_time_dilation_stretches_the_same_arrivals_and_profile() -> None:
 def test_live_lateness_bound_follows_the_tightest_slo() -> None:
     # ResNet50's 25 ms SLO keeps the 5 ms floor; the x20 flat-top workload (SLO 500 ms) and
     # fig6a's x10 shape at beta 15 ms (SLO 460 ms) allow 2% of their SLO
-    tight = ex.fig6a_workload(1.0, "deferred", gpus=4, models=2)  # SLO 2 * l(8) = 18 ms
-    assert ex.live_lateness_bound_ms(tight) == ex.LIVE_MAX_LATENESS_MS
-    flat = ex.flattop_live_workload("deferred", quick=True)
+    tight = fig6a.fig6a_workload(1.0, "deferred", gpus=4, models=2)  # SLO 2 * l(8) = 18 ms
+    assert live.live_lateness_bound_ms(tight) == live.LIVE_MAX_LATENESS_MS
+    flat = flattop.flattop_live_workload("deferred", quick=True)
     assert flat.models[0].slo_ms == pytest.approx(500.0)
-    assert ex.live_lateness_bound_ms(flat) == pytest.approx(10.0)
-    wide = ex.fig6a_workload(15.0, "deferred", gpus=4, models=2, dilation=10.0)
-    assert ex.live_lateness_bound_ms(wide) == pytest.approx(0.02 * 460.0)
+    assert live.live_lateness_bound_ms(flat) == pytest.approx(10.0)
+    wide = fig6a.fig6a_workload(15.0, "deferred", gpus=4, models=2, dilation=10.0)
+    assert live.live_lateness_bound_ms(wide) == pytest.approx(0.02 * 460.0)
 
 
 def test_deferred_keeps_the_eager_floor_where_plain_frontrun_collapses() -> None:
     # 1 GPU, 2 models, l(b) = b + 4 ms, SLO 20 ms: a frontrun batch waits for a window alpha +
     # jitter wide and loses its head whenever the other model's batch holds the GPU through it.
     def goodput(policy: str) -> float:
-        w = ex.floor_workload(1, 2, 4.0, 4.0, policy, quick=True)
-        return ex.sim_goodput(w, precision=0.05).goodput_rps
+        w = eager_floor.floor_workload(1, 2, 4.0, 4.0, policy, quick=True)
+        return simulated.sim_goodput(w, precision=0.05).goodput_rps
 
     eager = goodput("eager")
     assert goodput("deferred") >= 0.95 * eager
@@ -123,7 +132,7 @@ def test_deferred_keeps_the_eager_floor_where_plain_frontrun_collapses() -> None
 def test_fig6a_quick(tmp_path: Path) -> None:
     result = _quick("fig6a", tmp_path)
     rows = result["points"]["sim"]
-    assert [r["beta_ms"] for r in rows] == list(ex.FIG6A_QUICK_BETAS_MS)
+    assert [r["beta_ms"] for r in rows] == list(fig6a.FIG6A_QUICK_BETAS_MS)
     for r in rows:
         assert r["slo_ms"] == pytest.approx(2 * (8 + r["beta_ms"]))
         assert 0 < r["deferred_rps"] <= r["bound_rps"] * 1.05
@@ -172,11 +181,11 @@ def test_flattop_quick(tmp_path: Path) -> None:
 def test_eager_floor_quick(tmp_path: Path) -> None:
     result = _quick("eager-floor", tmp_path)
     cells = result["points"]["cells"]
-    assert len(cells) == len(ex.FLOOR_QUICK_CELLS)
+    assert len(cells) == len(eager_floor.FLOOR_QUICK_CELLS)
     for cell in cells:
-        assert cell["deferred_over_eager"] >= ex.FLOOR_THRESHOLD, cell
+        assert cell["deferred_over_eager"] >= eager_floor.FLOOR_THRESHOLD, cell
         assert cell["slo_ms"] == pytest.approx(
-            cell["slo_multiple"] * ex.FLOOR_ALPHA_MS * (1 + cell["beta_over_alpha"]))
+            cell["slo_multiple"] * eager_floor.FLOOR_ALPHA_MS * (1 + cell["beta_over_alpha"]))
     assert _check(result, "deferred >=")["passed"]
 
 
@@ -185,7 +194,7 @@ def test_scale_quick(tmp_path: Path) -> None:
     probes = result["points"]["probes"]
     assert {(p["models"], p["gpus"]) for p in probes} == {(1, 8), (1, 32), (4, 8), (4, 32)}
     for p in probes:
-        assert p["rate_rps"] == pytest.approx(ex.scale_rate(p["models"], p["gpus"]), rel=1e-3)
+        assert p["rate_rps"] == pytest.approx(scale.scale_rate(p["models"], p["gpus"]), rel=1e-3)
         assert 0 < p["cores"] <= 1.0 and p["cpu_us_per_request"] > 0
     by_shape = {(p["models"], p["gpus"]): p for p in probes}
     # four times the GPUs at the same load: about four times the requests, more CPU
@@ -199,15 +208,15 @@ def test_scale_quick(tmp_path: Path) -> None:
 def test_live_run_on_an_emulated_cluster(tmp_path: Path) -> None:
     # 2 emulated GPUs, one model dilated 10x (l(b) = 10 ms * b + 50 ms, SLO 2*l(8) = 260 ms):
     # ~60 r/s is light load; every request should come back good, and the backends say busy.
-    w = ex.live_allowances(ex.fig6a_workload(
-        5.0, "deferred", gpus=2, models=1, dilation=ex.FIG6A_DILATION,
+    w = live.live_allowances(fig6a.fig6a_workload(
+        5.0, "deferred", gpus=2, models=1, dilation=fig6a.FIG6A_DILATION,
         windows_s=(0.5, 1.5, 0.2)))
-    toml = ex.emulated_cluster_toml("exp-test", ex.emulated_models(w), gpus=w.gpus,
+    toml = live.emulated_cluster_toml("exp-test", live.emulated_models(w), gpus=w.gpus,
                                     policy="deferred", jitter_ms=w.jitter_ms)
     assert 'device = "emulated"' in toml and "max_queue = 4096" in toml
-    with ex.live_cluster(toml, w, tmp_path) as target:
+    with live.live_cluster(toml, w, tmp_path) as target:
         # a loaded test machine may starve the generator: judge the cluster, not the lateness
-        report = ex.live_run(target, w, 60.0, bail=False, lateness_bound_ms=1000.0)
+        report = live.live_run(target, w, 60.0, bail=False, lateness_bound_ms=1000.0)
     assert report["source"] == "live"
     assert report["per_model"]["synthetic-0"]["total"] >= 60
     assert report["bad_rate"] <= 0.02
@@ -219,14 +228,14 @@ def test_scale_live_measures_the_end_to_end_ceiling(
 ) -> None:
     """`zserve experiment scale --live`'s live part on real processes, capped at 4,000 r/s so
     that the search stays short: a goodput found by probes, and the CPU of every process."""
-    monkeypatch.setattr(ex, "SCALE_LIVE_MAX_RATE_RPS", 4000.0)
+    monkeypatch.setattr(scale, "SCALE_LIVE_MAX_RATE_RPS", 4000.0)
     lines: list[str] = []
-    opts = ex.Options(quick=True, live=True, out_dir=tmp_path, plots=False, say=lines.append)
-    live = ex._scale_live(opts)
-    assert live["gpus"] == ex.SCALE_LIVE_GPUS and live["policy"] == "eager"
+    opts = common.Options(quick=True, live=True, out_dir=tmp_path, plots=False, say=lines.append)
+    live = scale._scale_live(opts)
+    assert live["gpus"] == scale.SCALE_LIVE_GPUS and live["policy"] == "eager"
     assert live["probes"] >= 2 and 0 < live["goodput_rps"] <= 4000.0
     assert any("above the live cap" in line for line in lines) or live["goodput_rps"] < 4000.0
     per_process = live["cpu"]["per_request_us"]
     assert {"frontend-0", "shard-0"} <= set(per_process)
-    assert sum(name.startswith("backend-") for name in per_process) == ex.SCALE_LIVE_GPUS
+    assert sum(name.startswith("backend-") for name in per_process) == scale.SCALE_LIVE_GPUS
     assert per_process["frontend-0"] > 0 and per_process["shard-0"] > 0

@@ -17,15 +17,9 @@ import zmq
 
 from zserve.loadgen import schedules
 from zserve.loadgen.echo import EchoConfig, EchoServer
-from zserve.loadgen.generator import (
-    BailRule,
-    GeneratorBehindError,
-    LoadPlan,
-    Outcome,
-    build_plan,
-    peek_answers,
-    run_load,
-)
+from zserve.loadgen.generator import run_load
+from zserve.loadgen.load_plan import BailRule, GeneratorBehindError, LoadPlan, Outcome, build_plan
+from zserve.loadgen.sender import peek_answers
 from zserve.loadgen.workload import ArrivalSpec
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (

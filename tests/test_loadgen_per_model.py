@@ -10,6 +10,7 @@ import numpy as np
 
 from zserve.loadgen import cli
 from zserve.loadgen.report import ModelOutcome, build_report
+from zserve.loadgen.stats_poller import StatsSample, stats_window
 
 CLUSTER = """
 [cluster]
@@ -64,19 +65,19 @@ beta_ms = 1.0
 
 def test_stats_window_splits_batch_sizes_by_model() -> None:
     samples = [
-        cli.StatsSample(1.0, 1.0, "backend-0",
+        StatsSample(1.0, 1.0, "backend-0",
                         {"samples": {"batch_size": [1, 4, 2], "batch_model": ["a", "b", "a"]}}),
-        cli.StatsSample(1.0, 1.0, "backend-1",
+        StatsSample(1.0, 1.0, "backend-1",
                         {"samples": {"batch_size": [3], "batch_model": ["b"]}}),
     ]
-    window = cli.stats_window(samples, 0.0, 1.0)
+    window = stats_window(samples, 0.0, 1.0)
     assert window is not None
     a, b = window.sizes_of("a"), window.sizes_of("b")
     assert a is not None and b is not None
     assert a.tolist() == [1, 2] and b.tolist() == [4, 3]
     # A backend that does not name its batches' models: no per-model split.
-    samples.append(cli.StatsSample(1.0, 1.0, "old", {"samples": {"batch_size": [5]}}))
-    old = cli.stats_window(samples, 0.0, 1.0)
+    samples.append(StatsSample(1.0, 1.0, "old", {"samples": {"batch_size": [5]}}))
+    old = stats_window(samples, 0.0, 1.0)
     assert old is not None and old.sizes_of("a") is None and len(old.batch_sizes) == 5
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zserve.loadgen import arrivals, schedules
-from zserve.loadgen.generator import build_plan
+from zserve.loadgen.load_plan import build_plan
 from zserve.loadgen.workload import ArrivalSpec
 
 

@@ -60,6 +60,37 @@ def test_search_converges_on_a_queue_of_known_capacity(poisson: bool) -> None:
         assert 0.5 * capacity < goodput < capacity
 
 
+
+def test_a_budget_ending_on_a_passing_probe_keeps_that_probe_as_the_headline() -> None:
+    """`zserve demo` stops its search when its time budget runs out; when that happens right
+    after a passing probe, the headline is that probe's rate, and the details are that probe's
+    (once it printed 1,799 r/s although 2,099 passed, with the details of the 2,099 probe)."""
+    capacity_rps = 2100.0
+    probed: list[float] = []
+
+    def probe(rate: float) -> dict[str, float]:
+        probed.append(rate)
+        return {"bad_rate": 0.0 if rate <= capacity_rps else 0.5, "probed_rps": rate}
+
+    def budget_ends_after_a_pass(rate: float, report: dict[str, float]) -> bool:
+        return len(probed) >= 2 and report["bad_rate"] == 0.0 and rate > 1800.0
+
+    # 900 pass, 1800 pass, 3600 fail, 2700 fail, 2250 fail, 2025 pass: the budget ends there.
+    found = search_goodput(probe, 900.0, rel_precision=0.01, on_probe=budget_ends_after_a_pass)
+    assert probed == [900.0, 1800.0, 3600.0, 2700.0, 2250.0, 2025.0]
+    assert found["goodput_rps"] == 2025.0
+    assert found["probed_rps"] == 2025.0  # the details come from the headline's probe
+    assert found["search"]["lo_rps"] == 2025.0 and found["search"]["hi_rps"] == 2250.0
+
+
+def test_a_budget_ending_on_a_failing_probe_keeps_the_best_pass() -> None:
+    def probe(rate: float) -> dict[str, float]:
+        return {"bad_rate": 0.0 if rate <= 1000.0 else 0.5, "probed_rps": rate}
+
+    found = search_goodput(probe, 600.0, on_probe=lambda rate, report: rate > 1000.0)
+    assert found["goodput_rps"] == 600.0 and found["probed_rps"] == 600.0
+    assert found["search"]["hi_rps"] == 1200.0
+
 WORKLOAD = """
 [workload]
 name = "echo-ddc"

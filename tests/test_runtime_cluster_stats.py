@@ -12,7 +12,7 @@ from runtime_helpers import ask_frontend_stats
 
 import zserve
 from zserve.config import parse_config
-from zserve.loadgen.cli import FRONTEND_AT_ADDRESS, frontend_stats_reader
+from zserve.loadgen.target import FRONTEND_AT_ADDRESS, frontend_stats_reader
 from zserve.supervisor import Cluster
 from zserve.transport.messages import ClusterStatsRequest
 

@@ -19,7 +19,7 @@ from zserve.config import (
     role_config,
     shard_for_model,
 )
-from zserve.procutil import endpoints_of
+from zserve.peer_map import endpoints_of
 
 MODEL = {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}
 

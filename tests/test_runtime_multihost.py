@@ -34,7 +34,7 @@ from runtime_helpers import ask_frontend_stats
 import zserve
 from zserve.backends.process import build_executor
 from zserve.config import load_config
-from zserve.procutil import child_pids
+from zserve.loadgen.cpu import child_pids
 from zserve.transport.messages import ClusterStatsRequest, StatsRequest
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT
 

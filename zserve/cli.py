@@ -27,9 +27,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "scheduler-only throughput benchmark (no sockets)",
     ),
     "bench-transport": ("zserve.transport.bench", "main", "transport throughput benchmark"),
+    "bench-wakeup": (
+        "zserve.loadgen.wakeup",
+        "main",
+        "process wake-up latency with and without idle pollers; --stalls: host stalls",
+    ),
     "bench": ("zserve.loadgen.cli", "main", "open-loop load on a live cluster; goodput search"),
     "experiment": (
-        "zserve.loadgen.experiments",
+        "zserve.loadgen.experiments.runner",
         "main",
         "run a performance experiment (fig6a, zoo, flattop, eager-floor, scale)",
     ),

@@ -30,16 +30,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zserve import procutil
 from zserve.client import AsyncClient
 from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
+from zserve.scheduler.profiles import LatencyProfile
 
 DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "demo.toml"
 # The same cluster as examples/clusters/demo.toml, for installs without the examples folder.
@@ -53,10 +55,6 @@ DEMO_CONFIG: dict[str, Any] = {
                 "max_queue": 256}],
 }
 LONE_REQUESTS = 3
-# `cnn` on this class of machine (`zserve profile cnn`, 2 shared cores): the goodput search's
-# workload profile when the cluster config has none (the scheduler uses the backends' own).
-CNN_ALPHA_MS = 0.778
-CNN_BETA_MS = 5.816
 # Goodput search: probe shape and precision (a short search, not a benchmark: see zserve bench).
 GOODPUT_WARMUP_S = 0.5
 GOODPUT_MEASURE_S = 2.0
@@ -180,10 +178,12 @@ def _percentiles(values_s: list[float]) -> str:
 
 
 def _cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
-    """User + system CPU time of each process so far (Linux /proc; empty elsewhere)."""
+    """User + system CPU time of each process so far."""
+    from zserve.loadgen.cpu import cpu_seconds
+
     out: dict[str, float] = {}
     for name, pid in pids.items():
-        seconds = procutil.cpu_seconds(pid) if pid is not None else None
+        seconds = cpu_seconds(pid) if pid is not None else None
         if seconds is not None:
             out[name] = seconds
     return out
@@ -237,16 +237,32 @@ def _print_stats(cluster: Any) -> None:
                 print(f"    {key:20s} {_fmt_summary(shown)}")
 
 
-def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float) -> Any:
+def startup_profile(cluster: Any, config: ClusterConfig, model: ModelConfig) -> LatencyProfile:
+    """The l(b) the scheduler schedules ``model`` with: the slowest, batch size by batch size, of
+    the profiles its backends fixed at start-up (measured there unless cluster.toml gives one),
+    read from their stats. The goodput search's analytic bound comes from it, so the bound is
+    this machine's, not one measured elsewhere."""
+    tables: list[list[float]] = []
+    for role, name, _ in config.process_names():
+        if role != "backend":
+            continue
+        table = cluster.stats(name).get("profiles_ms", {}).get(model.name)
+        if table:
+            tables.append([float(ms) for ms in table])
+    if not tables:
+        raise RuntimeError(f"no backend of {config.name!r} reports a profile of {model.name!r}")
+    size = min(len(t) for t in tables)
+    return LatencyProfile.from_table_ms([max(t[b] for t in tables) for b in range(size)])
+
+
+def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float,
+                  profile: LatencyProfile) -> Any:
     """The goodput search's load: the model's SLO, Poisson arrivals, the cluster's GPUs and
-    allowances, the model's configured profile (else ``cnn``'s measured one)."""
+    allowances, and ``profile`` (the one measured at start-up: ``startup_profile``)."""
     from zserve.loadgen.workload import parse_workload
 
-    alpha, beta = model.alpha_ms, model.beta_ms
-    if alpha is None or beta is None:
-        alpha, beta = CNN_ALPHA_MS, CNN_BETA_MS
     sched = config.scheduler
-    return parse_workload({
+    workload = parse_workload({
         "workload": {
             "name": f"{config.name}-demo", "gpus": config.backends.total, "seed": 1,
             "rate": rate, "arrival": "poisson", "warmup_s": GOODPUT_WARMUP_S,
@@ -255,32 +271,43 @@ def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float) -> Any
             "d_ctrl_ms": sched.d_ctrl_ms, "d_data_ms": sched.d_data_ms,
             "reply_ms": config.frontends.reply_allowance_ms,
         },
-        "models": [{"name": model.name, "slo_ms": model.slo_ms, "alpha_ms": alpha,
-                    "beta_ms": beta, "max_batch": model.max_batch}],
+        # alpha/beta only to pass the parser; the measured table replaces them below.
+        "models": [{"name": model.name, "slo_ms": model.slo_ms,
+                    "alpha_ms": profile.alpha_s * 1e3, "beta_ms": profile.beta_s * 1e3,
+                    "max_batch": profile.max_batch}],
     }, source="zserve demo")
+    spec = dataclasses.replace(workload.models[0], profile=profile)
+    return workload.with_overrides(models=[spec])
+
+
+def _analytic_bound_rps(workload: Any) -> float | None:
+    from zserve.loadgen.sim import workload_bound_rps
+
+    bound = workload_bound_rps(workload)
+    return round(bound, 1) if 0 < bound < math.inf else None
+
+
+def search_should_stop(rate: float, now: float, *, ends_at: float, floor_rps: float) -> bool:
+    """The demo's search stops when its time is up, or once it has probed a rate below the
+    floor (too few requests in a probe to judge a 1% bad rate): halving further decides nothing
+    and only fills the headline with probes of no verdict."""
+    return now >= ends_at or rate < floor_rps
 
 
 def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, start_rps: float,
                     budget_s: float) -> dict[str, Any]:
     """A short goodput search on the running cluster (see the module docstring)."""
-    from zserve.loadgen import cli as bench
-    from zserve.loadgen.generator import BailRule, GeneratorBehindError
+    from zserve.loadgen.live_run import MIN_MEASURED_REQUESTS, BenchOptions, run_once
+    from zserve.loadgen.load_plan import DEFAULT_LATENESS_BOUND_MS, BailRule, GeneratorBehindError
     from zserve.loadgen.report import set_fraction_of_bound
     from zserve.loadgen.search import search_goodput
+    from zserve.loadgen.target import target_for_cluster
 
-    workload = demo_workload(config, model, start_rps)
-    peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
-    target = bench._target_from_config(config, cluster.client_address,
-                                       bench._backend_addresses(peers), workload, {})
-    target.client_addresses = list(cluster.client_addresses)
-    target.control_stats = lambda name: cluster.stats(name, timeout=bench.STATS_REPLY_TIMEOUT_S)
-    target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
-    target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
-    target.pids = cluster.pids
-    options = bench.BenchOptions(workers=0, lateness_bound_ms=bench.DEFAULT_LATENESS_BOUND_MS,
-                                 bail=BailRule(GOODPUT_MAX_BAD_RATE), progress=False,
-                                 schedule=None)
-    floor_rps = bench.MIN_MEASURED_REQUESTS / GOODPUT_MEASURE_S
+    workload = demo_workload(config, model, start_rps, startup_profile(cluster, config, model))
+    target = target_for_cluster(cluster, config, workload, {})
+    options = BenchOptions(workers=0, lateness_bound_ms=DEFAULT_LATENESS_BOUND_MS,
+                           bail=BailRule(GOODPUT_MAX_BAD_RATE), progress=False, schedule=None)
+    floor_rps = MIN_MEASURED_REQUESTS / GOODPUT_MEASURE_S
     ends_at = time.monotonic() + budget_s
     behind: list[float] = []
 
@@ -288,7 +315,7 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
         if rate < floor_rps:
             return {"bad_rate": 1.0, "bailed": True}
         try:
-            report = bench.run_once(workload, target, rate, options)
+            report: dict[str, Any] = run_once(workload, target, rate, options)
         except GeneratorBehindError as exc:
             # This machine's load generator cannot send this rate on time: no verdict on the
             # cluster; the search treats the rate as too high and says so.
@@ -303,14 +330,16 @@ def measure_goodput(cluster: Any, config: ClusterConfig, model: ModelConfig, sta
               flush=True)
         return report
 
-    def out_of_time(rate: float, report: dict[str, Any]) -> bool:
-        return time.monotonic() >= ends_at
+    def stop(rate: float, report: dict[str, Any]) -> bool:
+        return search_should_stop(rate, time.monotonic(), ends_at=ends_at, floor_rps=floor_rps)
 
-    report = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
-                            rel_precision=GOODPUT_PRECISION, on_probe=out_of_time)
-    set_fraction_of_bound(report)
-    report["generator_behind_rps"] = sorted(behind)
-    return report
+    found: dict[str, Any] = search_goodput(probe, start_rps, max_bad_rate=GOODPUT_MAX_BAD_RATE,
+                                           rel_precision=GOODPUT_PRECISION, on_probe=stop)
+    if found.get("bound_rps") is None:  # no probe passed: the bound is the workload's anyway
+        found["bound_rps"] = _analytic_bound_rps(workload)
+    set_fraction_of_bound(found)
+    found["generator_behind_rps"] = sorted(behind)
+    return found
 
 
 def _print_goodput(report: dict[str, Any]) -> None:
@@ -339,10 +368,7 @@ def _print_goodput(report: dict[str, Any]) -> None:
               "cores busy")
 
 
-def main(argv: list[str]) -> int:
-    """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
-    from zserve.supervisor import Cluster
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="cluster.toml (default: examples/clusters/demo.toml)")
@@ -356,67 +382,103 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats", action="store_true", help="print per-process counters "
                         "and the frontend's per-hop latencies")
-    args = parser.parse_args(argv)
-    if args.config:
-        config = load_config(args.config)
-    elif DEMO_TOML.exists():
-        config = load_config(DEMO_TOML)
-    else:
-        config = parse_config(DEMO_CONFIG)
-    model = config.model(args.model) if args.model else config.models[0]
+    return parser
+
+
+def _load_config(path: str | None) -> ClusterConfig:
+    if path:
+        return load_config(path)
+    if DEMO_TOML.exists():
+        return load_config(DEMO_TOML)
+    return parse_config(DEMO_CONFIG)
+
+
+class _Burst:
+    """Parts 1 and 2 on a running cluster: the lone requests, then the burst."""
+
+    def __init__(self, args: argparse.Namespace, model: str, inputs: list[Any],
+                 expected: list[Any]) -> None:
+        self.args, self.model, self.inputs, self.expected = args, model, inputs, expected
+        self.lone = Tally()
+        self.tally = Tally()
+        self.elapsed_s = 0.0
+
+    async def drive(self, address: str) -> None:
+        args = self.args
+        async with AsyncClient(address, timeout=30.0) as client:
+            alone = Work(self.model, self.inputs, self.expected, self.lone)
+            await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
+            work = Work(self.model, self.inputs, self.expected, self.tally)
+            begin = time.monotonic()
+            if args.rate:
+                await _open_loop(client, work, rate=args.rate, duration_s=args.duration)
+            else:
+                await _closed_loop(client, work, requests=args.requests,
+                                   concurrency=args.concurrency)
+            self.elapsed_s = time.monotonic() - begin
+
+    @property
+    def total(self) -> int:
+        return self.tally.ok + self.tally.wrong + sum(self.tally.errors.values())
+
+    @property
+    def ok(self) -> bool:
+        return (self.tally.wrong == 0 and self.lone.wrong == 0 and self.tally.ok > 0
+                and self.lone.ok == LONE_REQUESTS)
+
+    def print(self, policy: str) -> None:
+        lone, tally, args = self.lone, self.tally, self.args
+        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
+              f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
+              f"{_percentiles(lone.latencies_s)}")
+        if policy.startswith("deferred"):
+            print("  (deferred scheduling holds a lone request until one more could no longer "
+                  "join its batch: it is answered close to its SLO, by design)")
+        mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
+                else f"closed loop, {args.concurrency} in flight")
+        print(f"zserve demo: burst of {self.total} requests ({mode}) in {self.elapsed_s:.2f} s: "
+              f"{tally.ok / self.elapsed_s:.0f} correct answers/s")
+        print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
+        print(f"  latency (client): {_percentiles(tally.latencies_s)}")
+
+
+def _expected_outputs(config: ClusterConfig, model: ModelConfig,
+                      seed: int) -> tuple[list[Any], list[Any]]:
     reference = Reference(config, model)
-    inputs = reference.requests(DISTINCT_INPUTS, args.seed)
+    inputs = reference.requests(DISTINCT_INPUTS, seed)
     expected = [reference.outputs(r) for r in inputs]
     reference.close()
+    return inputs, expected
+
+
+def main(argv: list[str]) -> int:
+    """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
+    from zserve.supervisor import Cluster
+
+    args = _parser().parse_args(argv)
+    config = _load_config(args.config)
+    model = config.model(args.model) if args.model else config.models[0]
+    inputs, expected = _expected_outputs(config, model, args.seed)
     print(f"zserve demo: starting {config.name!r} ({config.backends.total} {config.backends.device}"
           f" backends, model {model.name!r}, SLO {model.slo_ms:g} ms, policy "
           f"{config.scheduler.policy})", flush=True)
     started = time.monotonic()
+    burst = _Burst(args, model.name, inputs, expected)
     with Cluster(config) as cluster:
         print(f"zserve demo: up in {time.monotonic() - started:.1f} s; clients connect to "
               f"{cluster.client_address}", flush=True)
-        lone = Tally()
-        tally = Tally()
-
-        async def drive() -> float:
-            async with AsyncClient(cluster.client_address, timeout=30.0) as client:
-                alone = Work(model.name, inputs, expected, lone)
-                await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
-                work = Work(model.name, inputs, expected, tally)
-                begin = time.monotonic()
-                if args.rate:
-                    await _open_loop(client, work, rate=args.rate, duration_s=args.duration)
-                else:
-                    await _closed_loop(client, work, requests=args.requests,
-                                       concurrency=args.concurrency)
-                return time.monotonic() - begin
-
         pids = cluster.pids()
         cpu_before = {**_cpu_seconds(pids), "demo client": time.process_time()}
-        elapsed = asyncio.run(drive())
+        asyncio.run(burst.drive(cluster.client_address))
         cpu_after = {**_cpu_seconds(pids), "demo client": time.process_time()}
-        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
-              f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
-              f"{_percentiles(lone.latencies_s)}")
-        if config.scheduler.policy.startswith("deferred"):
-            print("  (deferred scheduling holds a lone request until one more could no longer "
-                  "join its batch: it is answered close to its SLO, by design)")
-        total = tally.ok + tally.wrong + sum(tally.errors.values())
-        mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
-                else f"closed loop, {args.concurrency} in flight")
-        print(f"zserve demo: burst of {total} requests ({mode}) in {elapsed:.2f} s: "
-              f"{tally.ok / elapsed:.0f} correct answers/s")
-        print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
-        print(f"  latency (client): {_percentiles(tally.latencies_s)}")
+        burst.print(config.scheduler.policy)
         if args.stats:
-            _print_cpu(cpu_before, cpu_after, total + LONE_REQUESTS)
+            _print_cpu(cpu_before, cpu_after, burst.total + LONE_REQUESTS)
             _print_stats(cluster)
-        if args.goodput_s > 0 and tally.ok:
+        if args.goodput_s > 0 and burst.tally.ok:
             print(f"zserve demo: measuring goodput (open-loop Poisson load, probes of "
                   f"{GOODPUT_MEASURE_S:g} s, up to {args.goodput_s:g} s)", flush=True)
-            report = measure_goodput(cluster, config, model, max(tally.ok / elapsed, 60.0),
-                                     args.goodput_s)
-            _print_goodput(report)
+            start_rps = max(burst.tally.ok / burst.elapsed_s, 60.0)
+            _print_goodput(measure_goodput(cluster, config, model, start_rps, args.goodput_s))
     print("zserve demo: cluster stopped", flush=True)
-    ok = tally.wrong == 0 and lone.wrong == 0 and tally.ok > 0 and lone.ok == LONE_REQUESTS
-    return 0 if ok else 1
+    return 0 if burst.ok else 1

@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import procutil
+from zserve import control_link, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig, load_config, role_config, shard_for_model
 from zserve.errors import ErrorKind, ProtocolError
@@ -440,7 +440,7 @@ class Frontend:
         """Connect to the shards and rank named in the peer map."""
         identity = self.name.encode()
         hello = Hello(role="frontend", name=self.name, pid=os.getpid())
-        shard_eps = procutil.endpoints_of(peers, "shard")
+        shard_eps = peer_map.endpoints_of(peers, "shard")
         for index in range(len(self.shard_socks)):
             address = shard_eps.get(f"shard-{index}")
             if address is None:
@@ -450,7 +450,7 @@ class Frontend:
             sock = make_dealer(self.ctx, address, identity=identity)
             socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
-        rank_eps = procutil.endpoints_of(peers, "rank")
+        rank_eps = peer_map.endpoints_of(peers, "rank")
         rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
@@ -492,7 +492,7 @@ class Frontend:
             with contextlib.suppress(zmq.ZMQError):
                 self.client_sock.disable_monitor()
         for sock in self._sockets():
-            sock.close(linger=procutil.CLOSE_LINGER_MS)
+            sock.close(linger=control_link.CLOSE_LINGER_MS)
 
     # ------------------------------------------------------------------ receive
 
@@ -1307,7 +1307,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
     frontend = Frontend(config, ctx)
-    control = await procutil.ControlLink.open(
+    control = await control_link.ControlLink.open(
         actx,
         control_address,
         role="frontend",
@@ -1323,7 +1323,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
-        clock_sync = await procutil.sync_cluster_clock(actx, peers, name=frontend.name,
+        clock_sync = await role_runner.sync_cluster_clock(actx, peers, name=frontend.name,
                                                        drain=control.drain, clock=frontend.clock)
         if clock_sync is None:
             return 0 if control.drain.requested else 2
@@ -1348,7 +1348,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
 
 def run_frontend(config: RoleConfig, control_address: str | None) -> int:
     """Process entry point (docs/runtime.md)."""
-    return procutil.run_role(_serve(config, control_address), name=config.name)
+    return role_runner.run_role(_serve(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:
@@ -1377,7 +1377,7 @@ def main(argv: list[str]) -> int:
     if args.data:
         config.bind["data"] = args.data
     if args.rank:
-        config.peers[procutil.peer_key("rank", "rank")] = args.rank
+        config.peers[peer_map.peer_key("rank", "rank")] = args.rank
     for index, address in enumerate(args.shard):
-        config.peers[procutil.peer_key(f"shard-{index}", "shard")] = address
+        config.peers[peer_map.peer_key(f"shard-{index}", "shard")] = address
     return run_frontend(config, args.control)

@@ -60,7 +60,7 @@ from typing import Any
 
 import zmq
 
-from zserve import procutil
+from zserve import peer_map, role_runner
 from zserve.config import ClusterConfig, ConfigError, RoleConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
@@ -105,7 +105,7 @@ class StartupError(RuntimeError):
 def _child_main(role: str, config: RoleConfig, control_address: str, error_file: str) -> None:
     """Spawned child: import the role's entry point and run it (a top-level function so that
     the spawn start method can pickle it)."""
-    os.environ[procutil.ERROR_FILE_ENV] = error_file
+    os.environ[role_runner.ERROR_FILE_ENV] = error_file
     try:
         module_name, func_name = ENTRY_POINTS[role].split(":")
         entry: Callable[[RoleConfig, str | None], int] = getattr(
@@ -312,7 +312,7 @@ class Supervisor:
                 self._check_startup(deadline, "Ready")
                 self._poll(POLL_MAX_MS)
             self.peers = {
-                procutil.peer_key(c.name, sock): address
+                peer_map.peer_key(c.name, sock): address
                 for c in self.children.values()
                 for sock, address in c.endpoints.items()
             }
@@ -678,7 +678,7 @@ def main_up(argv: list[str]) -> int:
     pid_path, state_path = _state_paths(state_dir, config.name)
     if args.detach:
         return _detach(args, pid_path, state_path)
-    procutil.configure_logging()
+    role_runner.configure_logging()
     supervisor: Supervisor | None = None
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -1,0 +1,51 @@
+"""``zserve experiment NAME [--live] [--quick] [--out DIR]``: the performance experiments.
+
+One command per experiment; each prints its figures as tables, writes ``DIR/NAME/result.json``
+(schema ``zserve-experiment/1``, below) and PNG plots next to it. ``docs/performance.md`` quotes
+the full runs and says how to read them.
+
+``fig6a``
+    Symphony Figure 6a: 10 identical models (alpha 1 ms, beta 1..15 ms, SLO = 2*l(8)) on 32
+    simulated GPUs, Poisson, equal popularity. Goodput (search) under deferred, frontrun (Algorithm
+    1 as written), eager and timeout (the best of a few fractions of the SLO) for every beta, and
+    the eager/deferred and timeout/deferred ratios. Then, on a scaled-down
+    shape (8 GPUs, 3 models), that the eager/deferred ratio does not change when every time in
+    the workload is multiplied by the dilation factor (10), and with ``--live`` the same dilated
+    shape on a live cluster of emulated GPUs next to its simulated twin.
+``zoo``
+    The 37-model A100 zoo on 64 simulated GPUs: deferred vs frontrun vs eager vs timeout (a sweep
+    of the timeout fraction, as in Figure 6b) and their ratios to deferred.
+``flattop``
+    Symphony section 3.5: offered load from 0.1x to 2x of the deferred goodput on 24 simulated
+    GPUs (four zoo models), per point goodput, bad rate and GPU busy fraction, for deferred and
+    (same offered rates) frontrun and eager; the checks "goodput beyond the peak stays >= 95% of
+    the peak", "no collapse after the highest good rate" and "busy fraction grows with load"
+    (deferred's are the experiment's; the others' are kept for contrast). ``--live`` adds an
+    8-GPU emulated cluster (ResNet50's profile dilated 20x) next to its simulated twin.
+``eager-floor``
+    A grid of small cases (GPUs x models x beta/alpha x SLO multiple) in the simulator:
+    deferred/eager (and frontrun/eager) goodput per cell and the minimum (Symphony section 3.4.2
+    claims >= 0.95).
+``scale``
+    ``zserve bench-scheduler`` over a models x GPUs sweep (ResNet50's profile, 80% of the
+    staggered bound): the scheduler's CPU per simulated second and whether one core keeps up.
+
+``--quick`` shrinks every experiment to well under 30 s (fewer points, a smaller shape, short
+windows, coarser search): the same code path, for the tests. ``--live`` adds the live parts
+(fig6a, flattop); they start clusters of emulated backends on this machine.
+
+Result JSON::
+
+    {"schema": "zserve-experiment/1", "experiment": NAME, "quick": bool, "live": bool,
+     "command": "zserve experiment ...", "started_at": ISO-8601, "wall_s": float,
+     "machine": {"cpus", "load_average", "python", "platform"},
+     "config": {...what was run...},
+     "tables": [{"title", "columns": [...], "rows": [[...], ...]}, ...],
+     "checks": [{"name", "passed", "detail"}, ...],
+     "plots": [PNG paths], "points": {...raw figures per experiment...}}
+
+Goodput (as everywhere in zserve) is the highest offered rate whose worst per-model bad rate is
+<= 1%, found by ``zserve.loadgen.search``; every probe measures at least
+``MIN_MEASURED_REQUESTS`` requests (the measure window is stretched at low rates), since a 1% bad
+rate over fewer requests decides nothing.
+"""

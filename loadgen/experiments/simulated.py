@@ -1,0 +1,138 @@
+"""Goodput in the simulator: one probe, a search, and the timeout baseline's best tuning."""
+
+from __future__ import annotations
+
+import math
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zserve.loadgen.experiments.common import Say
+from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sim import SimConfig, simulate, workload_bound_rps
+from zserve.loadgen.workload import Workload
+
+MAX_BAD_RATE = 0.01
+# A probe must measure at least this many requests: a 1% bad rate over fewer decides little.
+MIN_MEASURED_REQUESTS = 1000
+# A simulated probe stops once a model's bad rate is clearly above 3x the bound (sim_cli's rule).
+SIM_BAIL_FACTOR = 3.0
+FULL_PRECISION = 0.01  # relative precision of a simulated goodput search
+QUICK_PRECISION = 0.03
+QUICK_WINDOWS_S = (1.0, 1.5, 0.5)  # warmup, measure, cooldown of --quick simulations
+
+
+
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    return tomllib.loads(path.read_text())
+
+
+def with_windows(workload: Workload, windows_s: tuple[float, float, float] | None) -> Workload:
+    if windows_s is None:
+        return workload
+    warmup, measure, cooldown = windows_s
+    return workload.with_overrides(warmup_s=warmup, measure_s=measure, cooldown_s=cooldown)
+
+
+def scaled_windows(
+    windows_s: tuple[float, float, float], factor: float
+) -> tuple[float, float, float]:
+    warmup, measure, cooldown = windows_s
+    return warmup * factor, measure * factor, cooldown * factor
+
+
+def sim_probe(workload: Workload, rate_rps: float, *, bail: bool = True) -> dict[str, Any]:
+    """One simulated run at ``rate_rps``; the measure window is stretched to at least
+    MIN_MEASURED_REQUESTS requests."""
+    measure_s = max(workload.measure_s, MIN_MEASURED_REQUESTS / rate_rps)
+    config = SimConfig(bail_bad_rate=min(1.0, SIM_BAIL_FACTOR * MAX_BAD_RATE) if bail else None)
+    report: dict[str, Any] = simulate(
+        workload.with_overrides(rate=rate_rps, measure_s=measure_s), config)
+    return report
+
+
+@dataclass
+class Goodput:
+    """A simulated or live goodput search, reduced to what the tables need."""
+
+    goodput_rps: float
+    bound_rps: float | None
+    probes: int
+    median_batch: float | None
+    busy_fraction: float | None
+    wall_s: float
+    search: list[dict[str, Any]]
+    refused_probes: int = 0  # live: probes the generator could not keep up with (twice)
+    cpu: dict[str, Any] | None = None  # live: CPU per process at the best passing probe
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "goodput_rps": self.goodput_rps, "bound_rps": self.bound_rps, "probes": self.probes,
+            "median_batch": self.median_batch, "busy_fraction": self.busy_fraction,
+            "wall_s": round(self.wall_s, 2), "search": self.search,
+            "refused_probes": self.refused_probes, "cpu": self.cpu,
+        }
+
+
+def reduce_search(report: dict[str, Any], bound: float | None, started: float) -> Goodput:
+    search = report.get("search", {})
+    return Goodput(
+        goodput_rps=float(report.get("goodput_rps", 0.0)),
+        bound_rps=bound,
+        probes=len(search.get("probes", [])),
+        median_batch=(report.get("batch_size") or {}).get("median"),
+        busy_fraction=report.get("gpu_busy_fraction"),
+        wall_s=time.perf_counter() - started,
+        search=search.get("probes", []),
+    )
+
+
+def sim_goodput(
+    workload: Workload, *, precision: float, start_rps: float | None = None
+) -> Goodput:
+    """The simulated goodput of ``workload`` (its policy), searched from ``start_rps`` (default:
+    the staggered bound)."""
+    started = time.perf_counter()
+    try:
+        bound: float | None = workload_bound_rps(workload)
+    except (ValueError, ZeroDivisionError):
+        bound = None
+    start = start_rps or (bound if bound and math.isfinite(bound) else workload.rate)
+    report = search_goodput(lambda rate: sim_probe(workload, rate), start,
+                            max_bad_rate=MAX_BAD_RATE, rel_precision=precision)
+    return reduce_search(report, bound, started)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator to 4 decimals; None when either is unknown or the denominator 0."""
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return round(numerator / denominator, 4)
+
+
+def timeout_policy(fraction: float) -> str:
+    return f"timeout:{fraction:g}"
+
+
+def best_timeout(
+    make: Callable[[str], Workload], fractions: Sequence[float], *, precision: float,
+    start_rps: float, say: Say, label: str,
+) -> tuple[float, Goodput, dict[str, float]]:
+    """The timeout fraction (of the SLO) with the highest goodput: the most favourable tuning of
+    the baseline, as Figure 6b sweeps it. Returns (fraction, its goodput, every fraction's)."""
+    best: tuple[float, Goodput] | None = None
+    sweep: dict[str, float] = {}
+    for fraction in fractions:
+        found = sim_goodput(make(timeout_policy(fraction)), precision=precision,
+                            start_rps=start_rps)
+        sweep[f"{fraction:g}"] = found.goodput_rps
+        say(f"  {label} timeout:{fraction:g}: {found.goodput_rps:.1f} r/s")
+        if best is None or found.goodput_rps > best[1].goodput_rps:
+            best = (fraction, found)
+    assert best is not None
+    return best[0], best[1], sweep

@@ -1,0 +1,392 @@
+"""One load-generator worker: send its share of the plan open-loop, record every reply.
+
+``send_loop(spec, t0, monitor)`` runs in the calling process (one worker) or in a spawned one
+(``worker_main``, several workers, which share counters with the coordinator through
+``Channels``). It never waits for a reply to send: between sends it only reads the replies that
+have already arrived (``peek_answers`` reads just their ids and error kinds).
+"""
+
+from __future__ import annotations
+
+import math
+import select
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from zserve.loadgen.load_plan import (
+    BAD,
+    COUNTERS,
+    DEADLINE_ERROR,
+    DECIDED,
+    ERROR_INDEX,
+    NO_ERROR,
+    PLANNED,
+    SENT,
+    BailRule,
+    FloatArray,
+    IntArray,
+    LoadPlan,
+    Outcome,
+)
+from zserve.transport import codec, socket_io
+from zserve.transport.messages import (
+    ClientHello,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+    TensorMap,
+)
+from zserve.transport.sockets import make_dealer
+
+# How often a worker publishes its counters, checks the early-stop rule and the stop flag.
+MONITOR_INTERVAL_S = 0.05
+# After the last send, how long to wait for outstanding replies beyond the largest SLO. The
+# frontend answers every admitted request by deadline + reply allowance, so this is generous.
+DEFAULT_REPLY_GRACE_S = 1.0
+# After an early stop, how long to wait for outstanding replies (they no longer change the verdict).
+STOP_GRACE_S = 0.2
+# Queue depth of a worker's DEALER toward the frontend: large, because an open-loop generator
+# must not stall on its own socket; a send that still finds it full is recorded as an error.
+GENERATOR_SEND_HWM = 200_000
+WORKER_START_TIMEOUT_S = 60.0
+# Most requests sent in one pass of the loop before the replies that arrived are read.
+SEND_BURST = 64
+# Plain ints: pyzmq's constants are enum members, whose operators run Python code.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_INT_ONLY = {int}
+_STR_ONLY = {str}
+
+
+
+
+
+def peek_answers(frames: Sequence[Any]) -> list[tuple[int, str | None]]:
+    """``(request_id, error kind or None)`` of each answer in an ``InferReply``, ``InferError``
+    or ``InferAnswers`` message; empty for anything else or anything malformed.
+
+    The generator reads only the header's id and error fields (the codec's layout: ``[KIND,
+    field0, ...]``): a full ``codec.decode`` validates and rebuilds every output array, which
+    costs several times more and would cap the rate one worker can sustain. Outputs are not
+    looked at.
+    """
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+    except Exception:
+        return []
+    if type(header) is not list or len(header) < 2:
+        return []
+    kind = header[0]
+    if kind == InferAnswers.KIND and len(header) == 6:
+        return _batch_answers(header)
+    if type(header[1]) is int:
+        if kind == InferReply.KIND:
+            return [(header[1], None)]
+        if kind == InferError.KIND and len(header) >= 3 and type(header[2]) is str:
+            return [(header[1], header[2])]
+    return []
+
+
+def _batch_answers(header: list[Any]) -> list[tuple[int, str | None]]:
+    """The answers of an ``InferAnswers`` header (one message per batch); empty if malformed."""
+    _, request_ids, outputs, error_ids, errors, messages = header
+    if not (
+        type(request_ids) is type(outputs) is type(error_ids) is type(errors) is list
+        and type(messages) is list
+        and len(request_ids) == len(outputs)
+        and len(error_ids) == len(errors) == len(messages)
+        and (not request_ids or set(map(type, request_ids)) == _INT_ONLY)
+        and (not error_ids or set(map(type, error_ids)) == _INT_ONLY)
+        and (not errors or set(map(type, errors)) == _STR_ONLY)
+    ):
+        return []
+    answers: list[tuple[int, str | None]] = [(rid, None) for rid in request_ids]
+    answers.extend(zip(error_ids, errors, strict=True))
+    return answers
+
+
+
+@dataclass
+class WorkerSpec:
+    """What one worker needs (picklable for spawned processes)."""
+
+    address: str
+    plan: LoadPlan  # this worker's share (request ids are positions in it)
+    inputs: dict[str, TensorMap]
+    identity: bytes
+    reply_grace_s: float = DEFAULT_REPLY_GRACE_S
+    bail: BailRule | None = None
+
+
+@dataclass
+class WorkerOutput:
+    sent_s: FloatArray
+    replied_s: FloatArray
+    outcome: np.ndarray[Any, np.dtype[np.int8]]
+    error_kind: np.ndarray[Any, np.dtype[np.int8]]
+    stopped_early: str | None
+
+
+Monitor = Callable[[IntArray, float], str | None]
+"""Called every MONITOR_INTERVAL_S with the worker's counters (models x COUNTERS) and its
+current lag behind schedule in seconds; returns a reason to stop, or None."""
+
+
+class _Sender:
+    """One worker's open-loop run: the per-request records and the steps of its loop.
+
+    The per-request records live in Python lists while the loop runs and become arrays at the
+    end: indexing a list costs a fraction of indexing a numpy array element, and the loop does
+    it a dozen times per request. The hot steps (``send_due``, ``read_replies``) bind what they
+    use to locals once per call, not once per request. The monitor works on arrays of the recent
+    window only."""
+
+    def __init__(self, spec: WorkerSpec, t0: float) -> None:
+        plan = spec.plan
+        n = len(plan)
+        self.spec = spec
+        self.t0 = t0
+        self.n = n
+        self.times = plan.times_s.tolist()
+        self.model_index = plan.model_index.tolist()
+        self.measured = plan.measured.tolist()
+        slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
+        self.request_slo_s = slo_s[plan.model_index].tolist()
+        self.max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
+        # One request template per model: each request is its template with its own id,
+        # encoded for the cost of packing that id (the inputs are the same arrays every time).
+        self.encoders = [
+            codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}),
+                                               plan.slo_ms[m]))
+            for m, name in enumerate(plan.models)
+        ]
+        self.sent = [math.nan] * n
+        self.replied = [math.nan] * n
+        self.outcome = [int(Outcome.UNSENT)] * n
+        self.error_kind = [NO_ERROR] * n
+        self.answered = [False] * n
+        # Requests resolved-as-bad only by being overdue are counted once, at the monitor.
+        self.overdue_counted = [False] * n
+        self.overdue_scan_from = 0
+        planned = np.bincount(plan.model_index[plan.measured], minlength=len(plan.models))
+        self.counters = [[0] * len(COUNTERS) for _ in plan.models]
+        for m, count in enumerate(planned.tolist()):
+            self.counters[m][PLANNED] = count
+        self.i = 0  # the next request to send
+        self.outstanding = 0
+        self.stopped: str | None = None
+        self.next_monitor = t0 + MONITOR_INTERVAL_S
+        self.end_at = math.inf
+
+    # 1. Send what is due (at most SEND_BURST, so that reply times stay accurate while
+    #    catching up). Never wait for a reply to send.
+    def send_due(self, sock: zmq.Socket[Any], now: float) -> None:
+        if self.stopped is not None:
+            return
+        t0, times, n, i = self.t0, self.times, self.n, self.i
+        model_index, measured, counters = self.model_index, self.measured, self.counters
+        sent, encoders, send_frames = self.sent, self.encoders, socket_io.send_frames_nowait
+        monotonic = time.monotonic
+        burst_end = i + SEND_BURST
+        while i < n and i < burst_end and t0 + times[i] <= now:
+            m = model_index[i]
+            sent[i] = monotonic() - t0
+            try:
+                send_frames(sock, encoders[m](i))
+                self.outstanding += 1
+            except zmq.Again:
+                self._refused(i, m)
+            if measured[i]:
+                counters[m][SENT] += 1
+            i += 1
+            if i == n:
+                self.end_at = monotonic() + self.max_slo_s + self.spec.reply_grace_s
+        self.i = i
+
+    def _refused(self, i: int, m: int) -> None:
+        """The socket's queue is full: the request ends at once as an error."""
+        self.answered[i] = True
+        self.replied[i] = self.sent[i]
+        self.outcome[i] = int(Outcome.ERROR)
+        self.error_kind[i] = ERROR_INDEX["SEND_BLOCKED"]
+        if self.measured[i]:
+            self.counters[m][DECIDED] += 1
+            self.counters[m][BAD] += 1
+
+    # 2. Read every reply that has arrived. A poll before each receive: cheaper than a receive
+    #    failing with EAGAIN (and than getsockopt(EVENTS), which builds an enum), and the last
+    #    one (nothing queued) rearms the socket's edge-triggered FD for the sleep in 5.
+    def read_replies(self, sock: zmq.Socket[Any], poll_items: list[Any]) -> None:
+        bad_reply_error = ERROR_INDEX["BAD_REPLY"]
+        monotonic, settle = time.monotonic, self._settle
+        while zmq.zmq_poll(poll_items, 0):
+            try:
+                # One whole message; each Frame says whether more follow (no RCVMORE call).
+                frame = sock.recv(_NOBLOCK, copy=False)
+                reply_frames = [frame]
+                while frame.more:
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    reply_frames.append(frame)
+            except zmq.Again:
+                break
+            t_reply = monotonic()
+            sent_so_far = self.i
+            # Undecodable answers yield nothing: their requests will end as TIMEOUT.
+            for k, error in peek_answers(reply_frames):
+                kind = NO_ERROR if error is None else ERROR_INDEX.get(error, bad_reply_error)
+                if 0 <= k < sent_so_far:
+                    settle(k, kind, t_reply)
+
+    def _settle(self, k: int, kind: int, t: float) -> None:
+        if self.answered[k]:
+            return
+        self.answered[k] = True
+        self.outstanding -= 1
+        self.replied[k] = t - self.t0
+        if kind == NO_ERROR:
+            good = (t - self.t0) - self.sent[k] <= self.request_slo_s[k]
+            self.outcome[k] = int(Outcome.GOOD) if good else int(Outcome.LATE)
+        else:
+            good = False
+            self.outcome[k] = (int(Outcome.DROPPED) if kind == DEADLINE_ERROR
+                               else int(Outcome.ERROR))
+            self.error_kind[k] = kind
+        if self.measured[k] and not self.overdue_counted[k]:
+            counts = self.counters[self.model_index[k]]
+            counts[DECIDED] += 1
+            if not good:
+                counts[BAD] += 1
+
+    # 3. Publish counters, apply the early-stop rule, watch our own lag.
+    def monitor(self, now: float, monitor: Monitor) -> None:
+        self.next_monitor = now + MONITOR_INTERVAL_S
+        self._count_overdue(now)
+        i, n = self.i, self.n
+        lag = now - (self.t0 + self.times[i]) if i < n else 0.0
+        reason = monitor(np.array(self.counters, dtype=np.int64), lag)
+        if reason is not None and self.stopped is None:
+            self.stopped = reason
+            self.end_at = min(self.end_at, now + self.max_slo_s + STOP_GRACE_S)
+
+    def _count_overdue(self, now: float) -> None:
+        """Count measured requests already past their SLO without an answer as bad now."""
+        answered, overdue_counted, measured = self.answered, self.overdue_counted, self.measured
+        lo, hi = self.overdue_scan_from, self.i
+        if lo < hi:
+            late_now = (
+                ~np.array(answered[lo:hi], dtype=bool)
+                & ~np.array(overdue_counted[lo:hi], dtype=bool)
+                & np.array(measured[lo:hi], dtype=bool)
+                & (
+                    np.array(self.sent[lo:hi]) + np.array(self.request_slo_s[lo:hi])
+                    < now - self.t0
+                )
+            )
+            for k in (np.nonzero(late_now)[0] + lo).tolist():
+                overdue_counted[k] = True
+                counts = self.counters[self.model_index[k]]
+                counts[BAD] += 1
+                counts[DECIDED] += 1
+        scan = self.overdue_scan_from
+        while scan < hi and (answered[scan] or overdue_counted[scan] or not measured[scan]):
+            scan += 1
+        self.overdue_scan_from = scan
+
+    # 4. Done when everything is sent and answered, or the grace period is over.
+    def done(self, now: float) -> bool:
+        return (self.i == self.n or self.stopped is not None) and (
+            self.outstanding == 0 or now >= self.end_at)
+
+    # 5. Sleep until the next send, a reply or the next monitor tick.
+    def wake_at(self) -> float:
+        sending = self.i < self.n and self.stopped is None
+        return min(self.t0 + self.times[self.i] if sending else self.end_at, self.next_monitor)
+
+    def output(self) -> WorkerOutput:
+        outcomes = np.array(self.outcome, dtype=np.int8)
+        sent_s = np.array(self.sent, dtype=np.float64)
+        unanswered = ~np.array(self.answered, dtype=bool) & ~np.isnan(sent_s)
+        outcomes[unanswered] = Outcome.TIMEOUT
+        return WorkerOutput(
+            sent_s,
+            np.array(self.replied, dtype=np.float64),
+            outcomes,
+            np.array(self.error_kind, dtype=np.int8),
+            self.stopped,
+        )
+
+
+def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
+    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop
+    (``_Sender`` holds the records and the steps)."""
+    sender = _Sender(spec, t0)
+    ctx = zmq.Context()
+    sock = make_dealer(
+        ctx, spec.address, identity=spec.identity, send_hwm_messages=GENERATOR_SEND_HWM
+    )
+    fd = sock.getsockopt(zmq.FD)
+    poll_items = [(sock, _POLLIN)]
+    # First on the connection: answers may come coalesced (InferAnswers), one message per batch.
+    socket_io.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
+    monotonic = time.monotonic
+    try:
+        while True:
+            sender.send_due(sock, monotonic())
+            sender.read_replies(sock, poll_items)
+            now = monotonic()
+            if now >= sender.next_monitor:
+                sender.monitor(now, monitor)
+            if sender.done(now):
+                break
+            timeout = sender.wake_at() - monotonic()
+            if timeout > 0:
+                # Step 2 was the last operation on the socket and found nothing queued, so the FD
+                # becomes readable when the next message arrives.
+                select.select([fd], [], [], timeout)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return sender.output()
+
+
+@dataclass
+class Channels:
+    """Shared-memory and synchronisation objects between the coordinator and its workers."""
+
+    counters: Any  # RawArray int64 (workers x models x COUNTERS)
+    lag_s: Any  # RawArray float64 (workers)
+    ready: Any  # Semaphore: released once by each worker when it is ready to start
+    go: Any  # Event: start_at is set, start
+    start_at: Any  # RawValue float64: t0
+    stop: Any  # Event: stop sending now
+
+
+def worker_main(spec: WorkerSpec, slot: int, channels: Channels, out_path: str) -> None:
+    """Entry point of a spawned worker process."""
+    width = len(spec.plan.models) * len(COUNTERS)
+    base = slot * width
+    view = np.frombuffer(channels.counters, dtype=np.int64)
+
+    def publish(counters: IntArray, lag_s: float) -> str | None:
+        view[base : base + width] = counters.reshape(-1)
+        channels.lag_s[slot] = lag_s
+        return "stopped by the coordinator" if channels.stop.is_set() else None
+
+    channels.ready.release()
+    if not channels.go.wait(WORKER_START_TIMEOUT_S) or channels.stop.is_set():
+        return
+    out = send_loop(spec, float(channels.start_at.value), publish)
+    np.savez(
+        out_path,
+        sent_s=out.sent_s,
+        replied_s=out.replied_s,
+        outcome=out.outcome,
+        error_kind=out.error_kind,
+    )

@@ -1,0 +1,244 @@
+"""The target a live run drives: where requests go, what they carry, who answers for stats.
+
+``open_target(spec, workload, ...)`` yields a ``Target`` for a cluster started here from a
+``cluster.toml`` (``target_for_cluster``: stats over the supervisor's control link, its process
+ids for CPU accounting) or for one already running at a frontend's client address (its stats
+from that frontend: ``frontend_stats_reader``). Workload models are matched to the cluster's by
+name (``match_models``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from zserve.loadgen.stats_poller import STATS_REPLY_TIMEOUT_S
+from zserve.loadgen.workload import Workload
+from zserve.scheduler.policy import DEFAULT_KEEP_TOLERANCE
+from zserve.transport import codec
+from zserve.transport.messages import ClusterStatsRequest, StatsReply, TensorMap
+from zserve.transport.sockets import make_dealer
+
+
+@dataclass
+class Target:
+    """Where requests go, what each model's requests carry, and who answers StatsRequest."""
+
+    client_address: str
+    inputs: dict[str, TensorMap]  # by workload model name
+    model_names: dict[str, str]  # workload model name -> cluster model name
+    stats_addresses: dict[str, str]  # process name -> address answering StatsRequest
+    # A process's StatsReply over the supervisor's control link (in-process clusters only), and
+    # the processes worth asking: the one hosting the RankThread, and the frontends.
+    control_stats: Callable[[str], dict[str, Any]] | None = None
+    rank_process: str | None = None
+    frontends: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)  # scheduler shard processes (hop breakdown)
+    allowances_ms: dict[str, float] | None = None  # d_ctrl, d_data, reply (the cluster's)
+    keep_tolerance: float | None = None  # the window drop's (the cluster's scheduler)
+    gpus: int | None = None
+    policy: str | None = None
+    drop: str | None = None
+    notes: list[str] = field(default_factory=list)
+    # Every frontend's client address (the generator's workers spread over them); the first is
+    # ``client_address``.
+    client_addresses: list[str] = field(default_factory=list)
+    # The cluster's process ids by name (in-process clusters only), for CPU accounting.
+    pids: Callable[[], dict[str, int | None]] | None = None
+
+
+def _example_inputs(signature: Any) -> TensorMap:
+    """One request's inputs for a ModelSignature: zeros of shape (1, *sample shape)."""
+    tensors: TensorMap = {}
+    for spec in signature.inputs:
+        shape = (1, *(1 if d is None else int(d) for d in spec.shape))
+        tensors[spec.name] = np.zeros(shape, dtype=np.dtype(spec.dtype))
+    return tensors
+
+
+def match_models(
+    workload: Workload, cluster_names: list[str], model_map: dict[str, str]
+) -> dict[str, str]:
+    by_lower: dict[str, list[str]] = {}
+    for name in cluster_names:
+        by_lower.setdefault(name.lower(), []).append(name)
+    matched: dict[str, str] = {}
+    for model in workload.models:
+        if model.name in model_map:
+            target = model_map[model.name]
+        elif model.name in cluster_names:
+            target = model.name
+        elif len(by_lower.get(model.name.lower(), [])) == 1:
+            target = by_lower[model.name.lower()][0]
+        else:
+            raise ValueError(
+                f"workload model {model.name!r} is not served by the cluster (models: "
+                f"{', '.join(cluster_names)}); use --model-map {model.name}=NAME"
+            )
+        if target not in cluster_names:
+            raise ValueError(f"--model-map names {target!r}, which the cluster does not serve")
+        matched[model.name] = target
+    return matched
+
+
+def target_from_config(
+    config: Any, client_address: str, stats_addresses: dict[str, str], workload: Workload,
+    model_map: dict[str, str],
+) -> Target:
+    from zserve.frontend import model_signature
+
+    names = match_models(workload, [m.name for m in config.models], model_map)
+    inputs: dict[str, TensorMap] = {}
+    notes: list[str] = []
+    for wname, cname in names.items():
+        signature = model_signature(config.model(cname))
+        if signature is None:
+            notes.append(f"no signature for {cname}: requests carry no inputs")
+            inputs[wname] = {}
+        else:
+            inputs[wname] = _example_inputs(signature)
+    return Target(
+        client_address=client_address,
+        inputs=inputs,
+        model_names=names,
+        stats_addresses=stats_addresses,
+        gpus=config.backends.total,
+        allowances_ms={
+            "d_ctrl": config.scheduler.d_ctrl_ms,
+            "d_data": config.scheduler.d_data_ms,
+            "reply": config.frontends.reply_allowance_ms,
+            "jitter": config.scheduler.jitter_ms,
+        },
+        policy=config.scheduler.policy,
+        drop=config.scheduler.drop,
+        keep_tolerance=getattr(config.scheduler, "keep_tolerance", DEFAULT_KEEP_TOLERANCE),
+        notes=notes,
+    )
+
+
+# The frontend at the address a bench drives, as a name in Target.frontends (its stats come
+# from its client socket, with those of its peers: see frontend_stats_reader).
+FRONTEND_AT_ADDRESS = "frontend"
+# How long a frontend may take to gather its peers' stats (its own bound, 0.5 s, plus slack).
+CLUSTER_STATS_TIMEOUT_S = 1.0
+# Names asked of one frontend within this long share its answer (the names of one mark).
+CLUSTER_STATS_REUSE_S = 0.2
+
+
+def frontend_stats_reader(address: str) -> Callable[[str], dict[str, Any]]:
+    """``control_stats`` for a cluster at an address: asks its frontend's client socket
+    ``ClusterStatsRequest(reset=False)``; the frontend answers with its own stats and those of
+    the shards, rank and backends it talks to. ``FRONTEND_AT_ADDRESS`` names the frontend
+    itself; ``"rank"`` falls back to ``"shard-0"`` (a scheduler embedding the rank). One answer
+    serves the names asked within CLUSTER_STATS_REUSE_S (one mark); a server that did not answer
+    once (not a zserve frontend) is not asked again."""
+    counter = iter(range(1 << 30))
+    last: list[tuple[float, dict[str, Any]]] = []
+    silent = False
+
+    def ask() -> dict[str, Any]:
+        nonlocal silent
+        if silent:
+            raise TimeoutError(f"the server at {address} does not answer ClusterStatsRequest")
+        if last and time.monotonic() - last[0][0] < CLUSTER_STATS_REUSE_S:
+            return last[0][1]
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        identity = f"loadgen-cstats-{os.getpid()}-{next(counter)}".encode()
+        sock = make_dealer(ctx, address, identity=identity)
+        try:
+            sock.send_multipart(codec.encode(ClusterStatsRequest(reset=False)), copy=False)
+            if not sock.poll(int(CLUSTER_STATS_TIMEOUT_S * 1e3)):
+                silent = True
+                raise TimeoutError(f"no StatsReply from the frontend at {address}")
+            msg = codec.decode(sock.recv_multipart(copy=False))
+        finally:
+            sock.close(linger=0)
+        if not isinstance(msg, StatsReply):
+            raise TypeError(f"{type(msg).__name__} instead of a StatsReply from {address}")
+        last[:] = [(time.monotonic(), dict(msg.stats))]
+        return last[0][1]
+
+    def read(name: str) -> dict[str, Any]:
+        stats = ask()
+        if name == FRONTEND_AT_ADDRESS:
+            return stats
+        cluster = stats.get("cluster") or {}
+        for candidate in (name, "shard-0") if name == "rank" else (name,):
+            if isinstance(cluster.get(candidate), dict):
+                return dict(cluster[candidate])
+        raise KeyError(f"the frontend at {address} has no stats of {name!r}")
+
+    return read
+
+
+def at_address(target: Target) -> Target:
+    """A cluster at an address: its rank counters and queueing delay come from its frontend."""
+    target.control_stats = frontend_stats_reader(target.client_address)
+    target.rank_process = "rank"
+    target.frontends = [FRONTEND_AT_ADDRESS]
+    return target
+
+
+def backend_addresses(peers: dict[str, str]) -> dict[str, str]:
+    """``backend-i/plan`` entries of a peer map: backends answer StatsRequest on that socket."""
+    return {
+        key.rpartition("/")[0]: address
+        for key, address in sorted(peers.items())
+        if key.startswith("backend-") and key.endswith("/plan") and not address.endswith(":0")
+    }
+
+
+@contextlib.contextmanager
+def open_target(
+    spec: str, workload: Workload, *, cluster_config: str | None, model_map: dict[str, str]
+) -> Iterator[Target]:
+    """A running cluster to drive: started here from a cluster.toml, or one at an address."""
+    from zserve.config import load_config
+
+    if "://" in spec:
+        if cluster_config is None:
+            yield at_address(Target(
+                client_address=spec,
+                inputs={m.name: {} for m in workload.models},
+                model_names={m.name: m.name for m in workload.models},
+                stats_addresses={},
+                notes=["no --cluster config: requests carry no inputs"],
+            ))
+            return
+        config = load_config(cluster_config)
+        peers = config.static_peers(config.ipc_dir)
+        yield at_address(
+            target_from_config(config, spec, backend_addresses(peers), workload, model_map)
+        )
+        return
+    config = load_config(spec)
+    from zserve import supervisor
+
+    with supervisor.Cluster(config) as cluster:
+        yield target_for_cluster(cluster, config, workload, model_map)
+
+
+def target_for_cluster(
+    cluster: Any, config: Any, workload: Workload, model_map: dict[str, str]
+) -> Target:
+    """The target of a cluster running in this process (a ``zserve.supervisor.Cluster`` started
+    from ``config``): every frontend, stats over the supervisor's control link, and the
+    processes' ids for CPU accounting."""
+    peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
+    target = target_from_config(
+        config, cluster.client_address, backend_addresses(peers), workload, model_map
+    )
+    target.client_addresses = list(cluster.client_addresses)
+    target.control_stats = lambda name: cluster.stats(name, timeout=STATS_REPLY_TIMEOUT_S)
+    target.rank_process = "rank" if config.scheduler.shards > 0 else "shard-0"
+    target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
+    target.shards = [n for r, n, _ in config.process_names() if r == "shard"]
+    target.pids = cluster.pids
+    return target
