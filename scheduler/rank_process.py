@@ -43,28 +43,26 @@ class, with the local shard's messages delivered in-process instead of over a so
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
 from zserve import procutil
 from zserve.clock import ClusterClock, reply_to_probe
-from zserve.config import load_config, role_config
 from zserve.errors import ZServeError
 from zserve.procutil import cancel_all, spawn
+from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
+from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendRegister,
@@ -88,7 +86,14 @@ ROLE = "rank"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * procutil.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
-STATS_WINDOW = 4096
+RANK_COUNTERS = (
+    "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
+    "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
+    "unroutable_grants", "deaths_announced", "clock_probes",
+)
+# lateness: batch start - planned exec_at; candidate_slack: how long before its model timer
+# (exec - delay) a candidate came (negative: late).
+RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
 
 # --------------------------------------------------------------------------- the rank host
 
@@ -134,18 +139,12 @@ class RankHost:
         self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
         self.model_owner: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("candidates", "late_candidates", "grants", "grant_answers", "batches",
-             "batches_failed", "late_batches", "registrations", "removals", "send_dropped",
-             "bad_messages", "unroutable_grants"),
-            0,
-        )
-        self.counters["deaths_announced"] = 0
-        self.counters["clock_probes"] = 0
+        self._stats = Stats(RANK_COUNTERS, RANK_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self._lateness = self._stats.histograms["lateness"]
+        self._candidate_slack = self._stats.histograms["candidate_slack"]
         # The rank's own CLOCK_MONOTONIC is the cluster clock (offset 0 by definition).
         self.clock = ClusterClock(reference=True)
-        self.lateness: deque[float] = deque(maxlen=STATS_WINDOW)
-        self.candidate_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         if self._local_identity is not None:
             self.peers[self._local_identity] = "shard"
 
@@ -193,7 +192,7 @@ class RankHost:
                 # the timer is already late (a publish lead shorter than the shard -> rank hop,
                 # or a candidate the ModelThread recomputed after that moment).
                 slack = msg.exec_at - msg.send_delay - now
-                self.candidate_slack.append(slack)
+                self._candidate_slack.observe(slack)
                 if slack < 0:
                     self.counters["late_candidates"] += 1
             self.rank.on_candidate(now, msg, outbox)
@@ -369,7 +368,7 @@ class RankHost:
         if not msg.ok:
             self.counters["batches_failed"] += 1
         lateness = msg.started_at - msg.exec_at
-        self.lateness.append(lateness)
+        self._lateness.observe(lateness)
         if lateness > 1e-3:
             self.counters["late_batches"] += 1
 
@@ -377,7 +376,6 @@ class RankHost:
         out: dict[str, Any] = {
             "role": ROLE,
             "name": self.name,
-            "counters": dict(self.counters),
             "clock": self.clock.stats(),
             "gpus": {
                 str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device}
@@ -393,21 +391,7 @@ class RankHost:
                 "drift_corrected_ms": self.rank.drift_corrected_s * 1e3,
             },
         }
-        if self.lateness:
-            values = np.asarray(self.lateness) * 1e3
-            out["lateness_ms"] = {"p50": float(np.median(values)),
-                                  "p99": float(np.percentile(values, 99)),
-                                  "max": float(values.max())}
-        if self.candidate_slack:
-            values = np.asarray(self.candidate_slack) * 1e3
-            out["candidate_slack_ms"] = {"p1": float(np.percentile(values, 1)),
-                                         "p50": float(np.median(values)),
-                                         "min": float(values.min())}
-        if reset:
-            self.lateness.clear()
-            self.candidate_slack.clear()
-            for key in self.counters:
-                self.counters[key] = 0
+        out.update(self._stats.snapshot(reset))
         return out
 
 
@@ -456,19 +440,10 @@ def run_rank(config: dict[str, Any], control_address: str | None) -> int:
 
 def main(argv: list[str]) -> int:
     """``zserve rank``: run the rank process of a cluster.toml on its own."""
-    parser = argparse.ArgumentParser(prog="zserve rank", description=main.__doc__)
-    parser.add_argument("--config", required=True, help="cluster.toml")
-    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser = role_parser("zserve rank", main.__doc__, indexed=False, rank_flag=False)
     parser.add_argument("--bind", default=None, help="rank socket bind address")
-    parser.add_argument("--advertise", default=None, metavar="HOST",
-                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
-                             "address (default: this machine's host name)")
-    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
-    cluster = load_config(args.config)
-    ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir),
-                         advertise_host=args.advertise)
+    config = role_config_from_args(args, ROLE)
     if args.bind:
         config["bind"]["rank"] = args.bind
     return run_rank(config, args.control)

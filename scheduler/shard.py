@@ -37,7 +37,6 @@ queue drained on the next loop iteration, so neither side re-enters the other).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import functools
@@ -48,19 +47,20 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import zmq
 
 from zserve import procutil
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, load_config, role_config
+from zserve.config import ClusterConfig, ModelConfig
 from zserve.errors import ErrorKind, ZServeError
 from zserve.procutil import cancel_all, spawn
+from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy, target_batch_size
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendTable,
@@ -83,7 +83,13 @@ ROLE = "shard"
 SOCKET_CLOSE_LINGER_MS = 200
 # While draining, how often the shard checks whether its queues are empty.
 DRAIN_POLL_S = 0.01
-STATS_WINDOW = 4096
+SHARD_COUNTERS = (
+    "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
+    "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
+)
+# meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
+# what was left of the candidate's grant window when the grant came (negative: too late).
+SHARD_HISTOGRAMS = {"meta_delay": "signed", "grant_slack": "signed"}
 # A ModelThread holds a candidate back until this long before the rank needs it (its model
 # timer at exec - delay(bs)): well above the shard -> rank hop (0.1 ms p50, ~0.3 ms p99 idle;
 # see docs/runtime.md, "Hop latencies"), and the rank counts candidates that still come late
@@ -171,19 +177,15 @@ class ShardHost:
         self.rank_local: RankHost | None = None
         self.index = index
         self._plan_seq = 0
-        self.meta_delay: deque[float] = deque(maxlen=STATS_WINDOW)
-        self.grant_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         self._from_rank: deque[Message] = deque()
         self._pump_scheduled = False
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
-             "shutting_down", "send_dropped", "bad_messages", "unknown_model",
-             "backend_failed"),
-            0,
-        )
+        self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self._meta_delay = self._stats.histograms["meta_delay"]
+        self._grant_slack = self._stats.histograms["grant_slack"]
         now = self.clock.now()
         for model in models:
             profile = configured_profile(model)
@@ -285,7 +287,7 @@ class ShardHost:
                 self.counters["requests"] += len(msg.request_ids)
                 address = self._data_address(msg)
                 if msg.arrivals:  # admission of the tick's last request -> here
-                    self.meta_delay.append(now - max(msg.arrivals))
+                    self._meta_delay.observe(now - max(msg.arrivals))
                 self.frontends[address] = identity
                 for model, (ids, arr, dls) in split_meta_by_model(msg).items():
                     entry = arrivals.get((model, address))
@@ -346,7 +348,7 @@ class ShardHost:
                     # How much of the candidate's grant window was left when the grant came
                     # (negative: too late for this batch; the ModelThread shrinks or drops it).
                     delay = thread.d_ctrl_s + thread.d_data_s * thread.cand_bs
-                    self.grant_slack.append(thread.cand_latest - delay - now)
+                    self._grant_slack.observe(thread.cand_latest - delay - now)
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
@@ -522,7 +524,6 @@ class ShardHost:
         out: dict[str, Any] = {
             "role": ROLE,
             "name": self.name,
-            "counters": dict(self.counters),
             "clock": self.clock.stats(),
             "sent_plans_held": sum(len(p) for p in self._sent_plans.values()),
             "models": {
@@ -541,23 +542,9 @@ class ShardHost:
                 for name, t in self.threads.items()
             },
         }
-        if self.meta_delay:
-            values = np.asarray(self.meta_delay) * 1e3
-            out["meta_delay_ms"] = {"p50": float(np.median(values)),
-                                    "p99": float(np.percentile(values, 99))}
-        if self.grant_slack:
-            values = np.asarray(self.grant_slack) * 1e3
-            out["grant_slack_ms"] = {"p1": float(np.percentile(values, 1)),
-                                     "p50": float(np.median(values)),
-                                     "late": int(np.count_nonzero(values < 0)),
-                                     "count": len(values)}
         if self.rank_local is not None:
             out["rank"] = self.rank_local.stats(reset)
-        if reset:
-            self.meta_delay.clear()
-            self.grant_slack.clear()
-            for key in self.counters:
-                self.counters[key] = 0
+        out.update(self._stats.snapshot(reset))
         return out
 
 
@@ -646,31 +633,18 @@ def run_shard(config: dict[str, Any], control_address: str | None) -> int:
 
 def main(argv: list[str]) -> int:
     """``zserve scheduler``: run scheduler shard ``--index`` of a cluster.toml on its own."""
-    parser = argparse.ArgumentParser(prog="zserve scheduler", description=main.__doc__)
-    parser.add_argument("--config", required=True, help="cluster.toml")
-    parser.add_argument("--index", type=int, default=0, help="which shard (default 0)")
-    parser.add_argument("--control", default=None, help="supervisor control address")
-    parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
+    parser = role_parser("zserve scheduler", main.__doc__)
     parser.add_argument("--bind", default=None, help="shard socket bind address")
     parser.add_argument("--rank-bind", default=None,
                         help="with shards = 0: the embedded rank's bind address")
-    parser.add_argument("--advertise", default=None, metavar="HOST",
-                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
-                             "address (default: this machine's host name)")
-    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
-    cluster = load_config(args.config)
-    ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
+    config = role_config_from_args(args, ROLE)
     if args.bind:
         config["bind"]["shard"] = args.bind
     if args.rank_bind:
         if "rank" not in config["bind"]:
             parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
         config["bind"]["rank"] = args.rank_bind
-    if args.rank:
-        config["peers"][procutil.peer_key("rank", "rank")] = args.rank
     return run_shard(config, args.control)
 
 
