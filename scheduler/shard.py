@@ -38,8 +38,8 @@ queue drained on the next loop iteration, so neither side re-enters the other).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -53,11 +53,12 @@ from zserve import procutil
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig
 from zserve.errors import ErrorKind, ZServeError
+from zserve.groups import group_by_frontend
 from zserve.procutil import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
-from zserve.scheduler.policy import SchedulePolicy, target_batch_size
+from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
 from zserve.stats import Stats
@@ -119,18 +120,6 @@ def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfi
     return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
 
 
-def _set_profile(thread: ModelThread, profile: LatencyProfile) -> None:
-    """Give a ModelThread a new latency profile and the target batch size that follows from it.
-    (ModelThread has no public call for this yet; its target setter also derives keep_min.)"""
-    thread.profile = profile
-    target = target_batch_size(profile, thread.budget_s, thread.meter.rate(), thread.d_data_s)
-    set_target = getattr(thread, "_set_target", None)
-    if set_target is not None:
-        set_target(target)
-    else:
-        thread.target = target
-
-
 class ShardHost:
     """The ModelThreads of one shard on their sockets; see the module docstring."""
 
@@ -176,7 +165,9 @@ class ShardHost:
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
-        self._plan_seq = 0
+        # One plan-id counter for all of this shard's ModelThreads: seq * MAX_SHARDS + index
+        # (seq = 1, 2, ...), unique in the cluster (see ModelThread, "Plan ids").
+        self._plan_ids = itertools.count(MAX_SHARDS + index, MAX_SHARDS)
         self._from_rank: deque[Message] = deque()
         self._pump_scheduled = False
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
@@ -200,7 +191,7 @@ class ShardHost:
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
             d_data_s=self.d_data_s, jitter_s=self.jitter_s,
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
-            publish_lead_s=PUBLISH_LEAD_S,
+            plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )
         self.threads[model.name] = thread
         self.timers[model.name] = WakeTimer(
@@ -344,11 +335,11 @@ class ShardHost:
                     log.error("%s: grant for model %r, which it does not host", self.name,
                               msg.model)
                     continue
-                if thread.cand_bs:
-                    # How much of the candidate's grant window was left when the grant came
-                    # (negative: too late for this batch; the ModelThread shrinks or drops it).
-                    delay = thread.d_ctrl_s + thread.d_data_s * thread.cand_bs
-                    self._grant_slack.observe(thread.cand_latest - delay - now)
+                # How much of the candidate's grant window was left when the grant came
+                # (negative: too late for this batch; the ModelThread shrinks or drops it).
+                window_left = thread.grant_window_left(now)
+                if window_left is not None:
+                    self._grant_slack.observe(window_left)
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
@@ -391,7 +382,7 @@ class ShardHost:
                     self._make_thread(model, profile, now)
                 continue
             if profile is not None and profile.table_s != thread.profile.table_s:
-                _set_profile(thread, profile)
+                thread.set_profile(profile)
             thread.set_gpus(now, served.get(name, []), outbox)
             self._dirty.add(name)
 
@@ -432,11 +423,6 @@ class ShardHost:
         self._dirty.clear()
 
     def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
-        # A ModelThread numbers its own plans (1, 2, ...); a backend receives plans of many
-        # models from many shards and matches InputReplies by plan id, so make ids unique in the
-        # cluster: this shard's own sequence, with the shard index in the low bits.
-        self._plan_seq += 1
-        plan = dataclasses.replace(plan, plan_id=self._plan_seq * MAX_SHARDS + self.index)
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
             self.counters["plans"] += 1
@@ -444,10 +430,7 @@ class ShardHost:
             self._remember_sent(gpu_id, plan)
             return
         # The backend left (or cannot take it): its requests will not run.
-        by_frontend: dict[int, list[int]] = {}
-        for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
-            by_frontend.setdefault(f, []).append(rid)
-        for f, ids in by_frontend.items():
+        for f, ids in group_by_frontend(plan.request_ids, plan.request_frontend).items():
             self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
                            f"GPU {gpu_id} is gone; the batch was not sent")
 
@@ -474,11 +457,9 @@ class ShardHost:
         the ones the backend fetched) are ignored by their frontend, which answers once."""
         self._forget_sent(now)
         plans = self._sent_plans.pop(gpu_id, {})
-        by_frontend: dict[str, list[int]] = {}
-        for plan in plans.values():
-            for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
-                by_frontend.setdefault(plan.frontends[f], []).append(rid)
-        for address, ids in by_frontend.items():
+        ids_of = [rid for plan in plans.values() for rid in plan.request_ids]
+        frontend_of = [plan.frontends[f] for plan in plans.values() for f in plan.request_frontend]
+        for address, ids in group_by_frontend(ids_of, frontend_of).items():
             self.counters["backend_failed"] += len(ids)
             self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
 
@@ -502,22 +483,16 @@ class ShardHost:
         deadline = time.monotonic() + drain_s
         while self.queued() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+        outbox: Outbox = []
         for thread in self.threads.values():
-            self._shed_queue(thread)
+            self._shed_queue(thread, outbox)
+            self._dirty.add(thread.model)
+        self._flush(outbox)
 
-    def _shed_queue(self, thread: ModelThread) -> None:
-        # ModelThread has no public "take the queue" call yet; its queue is the parallel lists
-        # _rid/_fe (request id, frontend index) from _head on, and _frontends names the indices.
-        head: int = getattr(thread, "_head", 0)
-        ids: list[int] = getattr(thread, "_rid", [])[head:]
-        fe: list[int] = getattr(thread, "_fe", [])[head:]
-        frontends: list[str] = getattr(thread, "_frontends", [])
-        by_frontend: dict[int, list[int]] = {}
-        for rid, fidx in zip(ids, fe, strict=False):
-            by_frontend.setdefault(fidx, []).append(rid)
-        for fidx, ids in by_frontend.items():
+    def _shed_queue(self, thread: ModelThread, outbox: Outbox) -> None:
+        for address, ids in thread.take_queued(self.clock.now(), outbox).items():
             self.counters["shutting_down"] += len(ids)
-            self._drop_now(frontends[fidx], ids, ErrorKind.SHUTTING_DOWN,
+            self._drop_now(address, ids, ErrorKind.SHUTTING_DOWN,
                            f"scheduler {self.name} is shutting down")
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
