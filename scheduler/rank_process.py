@@ -147,6 +147,17 @@ class RankHost:
         self.clock = ClusterClock(reference=True)
         if self._local_identity is not None:
             self.peers[self._local_identity] = "shard"
+        # Handlers by message type (the type test is the dispatch: no isinstance per message).
+        self._handlers: dict[type, Callable[[float, bytes, Any, Outbox], None]] = {
+            CandidateUpdate: self._on_candidate,
+            GrantAnswer: self._on_grant_answer,
+            Heartbeat: self._on_heartbeat,
+            BatchStats: self._on_batch_stats,
+            BackendRegister: self._on_register,
+            Hello: self._on_hello,
+            ClockProbe: self._on_clock_probe,
+            StatsRequest: self._on_stats_request,
+        }
 
     def start(self) -> None:
         self.reactor.watch(self.sock, router=True, on_chunk=self.on_chunk, on_bad=self._on_bad)
@@ -182,56 +193,56 @@ class RankHost:
         self._flush(outbox)
 
     def _handle(self, now: float, identity: bytes, msg: Message, outbox: Outbox) -> None:
-        kind = type(msg)
-        if kind is CandidateUpdate:
-            assert isinstance(msg, CandidateUpdate)
-            self.counters["candidates"] += 1
-            self.model_owner[msg.model] = identity
-            if msg.batch_size > 0:
-                # How long before its model timer (exec - delay) the candidate came; negative:
-                # the timer is already late (a publish lead shorter than the shard -> rank hop,
-                # or a candidate the ModelThread recomputed after that moment).
-                slack = msg.exec_at - msg.send_delay - now
-                self._candidate_slack.observe(slack)
-                if slack < 0:
-                    self.counters["late_candidates"] += 1
-            self.rank.on_candidate(now, msg, outbox)
-        elif kind is GrantAnswer:
-            assert isinstance(msg, GrantAnswer)
-            self.counters["grant_answers"] += 1
-            try:
-                self.rank.on_grant_answer(now, msg, outbox)
-            except ValueError as exc:
-                log.warning("%s: %s", self.name, exc)
-        elif kind is Heartbeat:
-            gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
-            backend = self.backends.get(gpu_id) if gpu_id is not None else None
-            if backend is not None and backend.identity == identity:
-                backend.last_seen = now
-                if not backend.alive:  # came back before re-registering: take it back
-                    self._revive(now, backend, outbox)
-            elif identity not in self.peers:
-                # A peer this rank does not know (the rank restarted): ask it to introduce itself
-                # again; a backend re-registers, a shard says Hello.
-                self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
-        elif kind is BatchStats:
-            assert isinstance(msg, BatchStats)
-            self._on_batch_stats(now, identity, msg, outbox)
-        elif kind is BackendRegister:
-            assert isinstance(msg, BackendRegister)
-            self._on_register(now, identity, msg, outbox)
-        elif kind is Hello:
-            assert isinstance(msg, Hello)
-            self._new_peer(identity, msg.role)
-        elif kind is ClockProbe:
-            assert isinstance(msg, ClockProbe)
-            self.counters["clock_probes"] += 1
-            self._send(reply_to_probe(msg), identity)  # read the clock as late as possible
-        elif kind is StatsRequest:
-            assert isinstance(msg, StatsRequest)
-            self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
         else:
-            log.warning("%s: unexpected %s from %r", self.name, kind.__name__, identity)
+            handler(now, identity, msg, outbox)
+
+    def _on_candidate(self, now: float, identity: bytes, msg: CandidateUpdate,
+                      outbox: Outbox) -> None:
+        self.counters["candidates"] += 1
+        self.model_owner[msg.model] = identity
+        if msg.batch_size > 0:
+            # How long before its model timer (exec - delay) the candidate came; negative: the
+            # timer is already late (a publish lead shorter than the shard -> rank hop, or a
+            # candidate the ModelThread recomputed after that moment).
+            slack = msg.exec_at - msg.send_delay - now
+            self._candidate_slack.observe(slack)
+            if slack < 0:
+                self.counters["late_candidates"] += 1
+        self.rank.on_candidate(now, msg, outbox)
+
+    def _on_grant_answer(self, now: float, identity: bytes, msg: GrantAnswer,
+                         outbox: Outbox) -> None:
+        self.counters["grant_answers"] += 1
+        try:
+            self.rank.on_grant_answer(now, msg, outbox)
+        except ValueError as exc:
+            log.warning("%s: %s", self.name, exc)
+
+    def _on_heartbeat(self, now: float, identity: bytes, msg: Heartbeat, outbox: Outbox) -> None:
+        gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
+        backend = self.backends.get(gpu_id) if gpu_id is not None else None
+        if backend is not None and backend.identity == identity:
+            backend.last_seen = now
+            if not backend.alive:  # came back before re-registering: take it back
+                self._revive(now, backend, outbox)
+        elif identity not in self.peers:
+            # A peer this rank does not know (the rank restarted): ask it to introduce itself
+            # again; a backend re-registers, a shard says Hello.
+            self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
+
+    def _on_hello(self, now: float, identity: bytes, msg: Hello, outbox: Outbox) -> None:
+        self._new_peer(identity, msg.role)
+
+    def _on_clock_probe(self, now: float, identity: bytes, msg: ClockProbe, outbox: Outbox) -> None:
+        self.counters["clock_probes"] += 1
+        self._send(reply_to_probe(msg), identity)  # read the clock as late as possible
+
+    def _on_stats_request(self, now: float, identity: bytes, msg: StatsRequest,
+                          outbox: Outbox) -> None:
+        self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
 
     def on_control_message(self, msg: Message) -> None:
         """From the supervisor: ``Hello(role="backend", name, pid=0)`` says that backend's
@@ -354,8 +365,7 @@ class RankHost:
 
     # ------------------------------------------------------------------ stats
 
-    def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats,
-                        outbox: Outbox) -> None:
+    def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats, outbox: Outbox) -> None:
         if msg.device_free_at > 0.0:
             # Drift correction: the backend's device frees later than the grants planned (it
             # started batches late). Only from the live backend that holds this GPU.

@@ -38,6 +38,7 @@ queue drained on the next loop iteration, so neither side re-enters the other).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -144,12 +145,7 @@ class ShardHost:
         self.reactor = reactor
         self.loop = asyncio.get_running_loop()
         self.peers = peers
-        sched = cluster.scheduler
-        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
-        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
-        self.d_data_s = sched.d_data_ms / 1e3
-        self.jitter_s = sched.jitter_ms / 1e3
-        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self._read_scheduling(cluster)
         self.models = {m.name: m for m in models}
         self.threads: dict[str, ModelThread] = {}
         self.timers: dict[str, WakeTimer] = {}
@@ -184,6 +180,15 @@ class ShardHost:
                 self._make_thread(model, profile, now)
 
     # ------------------------------------------------------------------ set-up
+
+    def _read_scheduling(self, cluster: ClusterConfig) -> None:
+        """The cluster's scheduling settings every ModelThread of this shard gets (seconds)."""
+        sched = cluster.scheduler
+        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
+        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
+        self.d_data_s = sched.d_data_ms / 1e3
+        self.jitter_s = sched.jitter_ms / 1e3
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
 
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
         slo_s = model.slo_ms / 1e3
@@ -261,10 +266,10 @@ class ShardHost:
     def _data_address(self, meta: RequestMetaBatch) -> str:
         """``RequestMetaBatch.frontend`` is the frontend's data address; a frontend name (an
         older sender) is looked up in the peer map."""
-        if "://" in meta.frontend:
-            return meta.frontend
-        named = self.peers.get(procutil.peer_key(meta.frontend, "data"))
-        return named or meta.frontend
+        frontend: str = meta.frontend
+        if "://" in frontend:
+            return frontend
+        return self.peers.get(procutil.peer_key(frontend, "data")) or frontend
 
     def _on_frontend_chunk(self, chunk: Chunk) -> None:
         now = self.clock.now()
@@ -403,13 +408,7 @@ class ShardHost:
                 assert isinstance(msg, BatchPlan)
                 self._send_plan(int(key), msg)
             elif kind == DEST_FRONTEND:
-                if isinstance(msg, DropNotice):
-                    self.counters["dropped"] += len(msg.request_ids)
-                identity = self.frontends.get(str(key))
-                if identity is None:
-                    log.error("%s: no route to frontend %r", self.name, key)
-                else:
-                    self._send(self.sock, msg, identity)
+                self._send_to_frontend(str(key), msg)
             else:
                 log.error("%s: message for unknown destination %r", self.name, (kind, key))
         if to_rank:
@@ -421,6 +420,15 @@ class ShardHost:
         for model in self._dirty:
             self.timers[model].sync()
         self._dirty.clear()
+
+    def _send_to_frontend(self, address: str, msg: Message) -> None:
+        if isinstance(msg, DropNotice):
+            self.counters["dropped"] += len(msg.request_ids)
+        identity = self.frontends.get(address)
+        if identity is None:
+            log.error("%s: no route to frontend %r", self.name, address)
+        else:
+            self._send(self.sock, msg, identity)
 
     def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
         entry = self.backend_socks.get(gpu_id)
@@ -526,79 +534,89 @@ class ShardHost:
 # --------------------------------------------------------------------------- entry points
 
 
+@dataclasses.dataclass
+class _ShardProcess:
+    """What one shard process opened, closed in reverse order by ``close``."""
+
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    reactor: SocketReactor
+    socks: list[zmq.Socket[Any]] = dataclasses.field(default_factory=list)
+    link: procutil.ControlLink | None = None
+    host: ShardHost | None = None
+    rank: RankHost | None = None
+    clock_sync: ClockSync | None = None
+
+    def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
+        sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
+        self.socks.append(sock)
+        return sock, endpoint
+
+    async def close(self) -> None:
+        if self.clock_sync is not None:
+            await self.clock_sync.close()
+        if self.host is not None:
+            await self.host.close()
+        if self.rank is not None:
+            await self.rank.close()
+        self.reactor.close()
+        for sock in self.socks:
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if self.link is not None:
+            await self.link.close()
+        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+
+
 async def _main(config: dict[str, Any], control_address: str | None) -> int:
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
+    try:
+        return await _serve(proc, config, control_address)
+    finally:
+        await proc.close()
+
+
+async def _serve(proc: _ShardProcess, config: dict[str, Any], control_address: str | None) -> int:
     name: str = config["name"]
     embedded = bool(config.get("embedded_rank"))
     cluster = ClusterConfig.from_dict(config["cluster"])
-    models = [ModelConfig.from_dict(m) for m in config.get("models", [])]
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reactor = SocketReactor(asyncio.get_running_loop())
-    host: ShardHost | None = None
-    rank: RankHost | None = None
-    link: procutil.ControlLink | None = None
-    clock_sync: ClockSync | None = None
-    socks: list[zmq.Socket[Any]] = []
-    try:
-        holder: list[ShardHost] = []
-        link = await procutil.ControlLink.open(
-            ctx, control_address, role=ROLE, name=name,
-            drain_s=cluster.drain_s,
-            stats=lambda reset: holder[0].stats(reset) if holder else {},
-            on_message=lambda msg: rank.on_control_message(msg) if rank is not None else None,
-        )
-        advertise = config.get("advertise_host")
-        sock, endpoint = make_router(ctx, config["bind"]["shard"], name=f"{name} shard",
-                                     advertise_host=advertise)
-        socks.append(sock)
-        endpoints = {"shard": endpoint}
-        if embedded:
-            rank_sock, rank_endpoint = make_router(ctx, config["bind"]["rank"], name=f"{name} rank",
-                                                   advertise_host=advertise)
-            socks.append(rank_sock)
-            endpoints["rank"] = rank_endpoint
-        # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
-        # before the shard takes requests (the ModelThreads' timers read this same object).
-        clock = ClusterClock(reference=embedded)
-        host = ShardHost(name=name, ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
-                         models=models, peers=dict(config.get("peers", {})),
-                         index=int(config.get("index", 0)), clock=clock)
-        holder.append(host)
-        if embedded:
-            timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
-            rank = RankHost(name=name, sock=rank_sock, reactor=reactor, backend_timeout_s=timeout_s,
-                            local=(name, host.deliver_from_rank))
-            host.embed_rank(rank)
-            rank.start()
-            host.start()
-            log.info("%s: %s", name, clock.describe())
-        peers = await link.ready(endpoints)
-        host.peers.update(peers)
-        if not embedded:
-            clock_sync = await procutil.sync_cluster_clock(ctx, host.peers, name=name,
-                                                           drain=link.drain, clock=clock)
-            if clock_sync is None:
-                return 0 if link.drain.requested else 2
-            rank_address = procutil.rank_address(host.peers)
-            assert rank_address is not None
-            host.start()
-            host.connect_rank(rank_address)
-        await link.drain.wait()
-        await host.drain(link.drain.drain_s)
-        return 0
-    finally:
-        if clock_sync is not None:
-            await clock_sync.close()
-        if host is not None:
-            await host.close()
-        if rank is not None:
-            await rank.close()
-        reactor.close()
-        for s in socks:
-            s.close(linger=SOCKET_CLOSE_LINGER_MS)
-        if link is not None:
-            await link.close()
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+    link = proc.link = await procutil.ControlLink.open(
+        proc.ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
+        stats=lambda reset: proc.host.stats(reset) if proc.host is not None else {},
+        on_message=lambda msg: proc.rank.on_control_message(msg) if proc.rank else None,
+    )
+    advertise = config.get("advertise_host")
+    sock, endpoint = proc.bind(config["bind"]["shard"], f"{name} shard", advertise)
+    endpoints = {"shard": endpoint}
+    # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
+    # before the shard takes requests (the ModelThreads' timers read this same object).
+    clock = ClusterClock(reference=embedded)
+    host = proc.host = ShardHost(
+        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
+        models=[ModelConfig.from_dict(m) for m in config.get("models", [])],
+        peers=dict(config.get("peers", {})), index=int(config.get("index", 0)), clock=clock)
+    if embedded:
+        rank_sock, endpoints["rank"] = proc.bind(config["bind"]["rank"], f"{name} rank",
+                                                 advertise)
+        timeout_s = float(config.get("backend_timeout_s", BACKEND_TIMEOUT_S))
+        proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
+                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank))
+        host.embed_rank(proc.rank)
+        proc.rank.start()
+        host.start()
+        log.info("%s: %s", name, clock.describe())
+    host.peers.update(await link.ready(endpoints))
+    if not embedded:
+        proc.clock_sync = await procutil.sync_cluster_clock(proc.ctx, host.peers, name=name,
+                                                            drain=link.drain, clock=clock)
+        if proc.clock_sync is None:
+            return 0 if link.drain.requested else 2
+        rank_address = procutil.rank_address(host.peers)
+        assert rank_address is not None
+        host.start()
+        host.connect_rank(rank_address)
+    await link.drain.wait()
+    await host.drain(link.drain.drain_s)
+    return 0
 
 
 def run_shard(config: dict[str, Any], control_address: str | None) -> int:

@@ -136,7 +136,9 @@ def _check_stats_schema(rig: SchedulerRig) -> None:
     merged = merge_snapshots(replies)
     assert merged["counters"]["requests"] == 9
     meta = merged["latency"]["meta_delay"]
-    assert meta["count"] == 3 and 0.0 <= meta["min_ms"] <= meta["p50_ms"] <= meta["max_ms"]
+    # (not necessarily >= 0: a shard apart from the rank reads the cluster clock through its
+    # offset estimate, a few microseconds off)
+    assert meta["count"] == 3 and meta["min_ms"] <= meta["p50_ms"] <= meta["max_ms"]
 
 
 def _run_scenario(tmp_path: Path, shards: int) -> dict[str, Any]:
