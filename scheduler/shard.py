@@ -62,6 +62,7 @@ from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
 from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.sent_plans import SentPlans
 from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
@@ -153,11 +154,8 @@ class ShardHost:
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
         # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
-        # Plans sent to each GPU, kept until no request of theirs can still be waiting for an
-        # answer (exec_at + the model's SLO: every request of a plan arrived before exec_at), so
-        # that a backend leaving the table fails them. (forget_at, gpu_id, plan_id) in send order.
-        self._sent_plans: dict[int, dict[int, BatchPlan]] = {}
-        self._sent_expiry: deque[tuple[float, int, int]] = deque()
+        # so that a backend leaving the table fails the requests planned onto it
+        self._sent_plans = SentPlans()
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
@@ -443,31 +441,15 @@ class ShardHost:
                            f"GPU {gpu_id} is gone; the batch was not sent")
 
     def _remember_sent(self, gpu_id: int, plan: BatchPlan) -> None:
-        self._forget_sent(self.clock.now())
         model = self.models.get(plan.model)
         slo_s = model.slo_ms / 1e3 if model is not None else 0.0
-        self._sent_plans.setdefault(gpu_id, {})[plan.plan_id] = plan
-        self._sent_expiry.append((plan.exec_at + slo_s, gpu_id, plan.plan_id))
-
-    def _forget_sent(self, now: float) -> None:
-        """Drop the records of plans whose requests have all been answered by now (their
-        frontends' deadline timers fire by exec_at + SLO at the latest)."""
-        expiry = self._sent_expiry
-        while expiry and expiry[0][0] <= now:
-            _, gpu_id, plan_id = expiry.popleft()
-            plans = self._sent_plans.get(gpu_id)
-            if plans is not None:
-                plans.pop(plan_id, None)
+        self._sent_plans.remember(self.clock.now(), gpu_id, plan, slo_s)
 
     def _fail_sent_plans(self, now: float, gpu_id: int, why: str) -> None:
         """The backend of ``gpu_id`` is gone: answer every request of the plans sent to it
         ``BACKEND_FAILED``. Requests already answered (the batch ran, or the frontend failed
         the ones the backend fetched) are ignored by their frontend, which answers once."""
-        self._forget_sent(now)
-        plans = self._sent_plans.pop(gpu_id, {})
-        ids_of = [rid for plan in plans.values() for rid in plan.request_ids]
-        frontend_of = [plan.frontends[f] for plan in plans.values() for f in plan.request_frontend]
-        for address, ids in group_by_frontend(ids_of, frontend_of).items():
+        for address, ids in self._sent_plans.take(now, gpu_id).items():
             self.counters["backend_failed"] += len(ids)
             self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
 
@@ -508,7 +490,7 @@ class ShardHost:
             "role": ROLE,
             "name": self.name,
             "clock": self.clock.stats(),
-            "sent_plans_held": sum(len(p) for p in self._sent_plans.values()),
+            "sent_plans_held": len(self._sent_plans),
             "models": {
                 name: {
                     "queued": t.queue_length,
