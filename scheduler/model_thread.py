@@ -6,7 +6,7 @@ Inputs (host -> ModelThread):
 
 - ``on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox)``: a chunk of this model's
   requests from one frontend, parallel lists as in ``RequestMetaBatch`` (use
-  :func:`split_meta_by_model` to cut a RequestMetaBatch into per-model chunks). One candidate
+  ``common.split_meta_by_model`` to cut a RequestMetaBatch into per-model chunks). One candidate
   update per chunk, not per request.
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
@@ -84,32 +84,11 @@ from zserve.transport.messages import (
     DropNotice,
     GrantAnswer,
     GrantGpu,
-    RequestMetaBatch,
 )
 
 _NEG_INF = -math.inf
 DEFAULT_PUBLISH_LEAD_S = 0.002
 _COMPACT_AT = 4096  # compact the queue list once this many popped entries precede the head
-
-
-def split_meta_by_model(
-    meta: RequestMetaBatch,
-) -> dict[str, tuple[list[int], list[float], list[float]]]:
-    """Cut a RequestMetaBatch into ``{model: (request_ids, arrivals, deadlines)}``."""
-    models = meta.models
-    if models and models.count(models[0]) == len(models):
-        return {models[0]: (list(meta.request_ids), list(meta.arrivals), list(meta.deadlines))}
-    out: dict[str, tuple[list[int], list[float], list[float]]] = {}
-    for model, rid, arrival, deadline in zip(
-        models, meta.request_ids, meta.arrivals, meta.deadlines, strict=True
-    ):
-        entry = out.get(model)
-        if entry is None:
-            entry = out[model] = ([], [], [])
-        entry[0].append(rid)
-        entry[1].append(arrival)
-        entry[2].append(deadline)
-    return out
 
 
 class ModelThread:

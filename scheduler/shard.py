@@ -57,8 +57,14 @@ from zserve.errors import ErrorKind, ZServeError
 from zserve.groups import group_by_frontend
 from zserve.procutil import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
-from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
+from zserve.scheduler.common import (
+    DEST_BACKEND,
+    DEST_FRONTEND,
+    TO_RANK,
+    Outbox,
+    split_meta_by_model,
+)
+from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.profiles import LatencyProfile, load_profiles
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost

@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox
-from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
+from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox, split_meta_by_model
+from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
