@@ -14,7 +14,8 @@ which makes them
 ``Stats.snapshot()`` is the one schema every role puts in its ``StatsReply``::
 
     {"counters": {name: int},
-     "latency": {metric: {"count", "mean_ms", "min_ms", "p1_ms", "p50_ms", "p99_ms", "max_ms"}},
+     "latency": {metric: {"count", "mean_ms", "min_ms", "p1_ms", "p50_ms", "p90_ms", "p99_ms",
+                          "max_ms"}},
      "histograms": {metric: {"bounds", "buckets", "counts", "count", "sum_s", "min_s", "max_s"}}}
 
 ``latency`` is the human summary (milliseconds); ``histograms`` the mergeable data (seconds;
@@ -33,7 +34,7 @@ MS_PER_S = 1e3
 BUCKETS_PER_DECADE = 20
 SMALLEST_BOUND_S = 1e-6  # below a microsecond, latencies are not resolved
 LARGEST_BOUND_S = 100.0
-QUANTILES = (("p1_ms", 0.01), ("p50_ms", 0.5), ("p99_ms", 0.99))
+QUANTILES = (("p1_ms", 0.01), ("p50_ms", 0.5), ("p90_ms", 0.9), ("p99_ms", 0.99))
 
 
 def _log_bounds(smallest: float, largest: float, per_decade: int) -> tuple[float, ...]:
