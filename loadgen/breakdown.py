@@ -80,6 +80,12 @@ def _hop(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
     return hop if isinstance(hop, dict) and hop.get("count") else None
 
 
+def _latency(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """A latency summary of the ``zserve.stats`` schema (shard and rank), if it has samples."""
+    summary = stats.get("latency", {}).get(name)
+    return summary if isinstance(summary, dict) and summary.get("count") else None
+
+
 def _best_frontend(frontends: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     """The frontend with the most samples of hop ``name`` (several frontends: one of them)."""
     hops = [h for h in (_hop(s, name) for s in frontends) if h is not None]
@@ -108,25 +114,26 @@ def hop_breakdown(
                            c50 - float(answer["p50_ms"]), c99 - float(answer["p99_ms"]),
                            int(client.size),
                            "client end-to-end quantile - frontend admit_to_answer quantile"))
-    meta = [s["meta_delay_ms"] for s in shards if isinstance(s.get("meta_delay_ms"), dict)]
+    meta = [m for m in (_latency(s, "meta_delay") for s in shards) if m is not None]
     if meta:
-        rows.append(HopRow("frontend tick + hop -> shard", max(m["p50"] for m in meta),
-                           max(m["p99"] for m in meta), 0,
+        rows.append(HopRow("frontend tick + hop -> shard", max(m["p50_ms"] for m in meta),
+                           max(m["p99_ms"] for m in meta), sum(m["count"] for m in meta),
                            "shard meta_delay: shard receipt - admission (worst shard)"))
     queueing = _best_frontend(frontends, "queueing")
     if queueing is not None:
         rows.append(HopRow("admission -> batch start (deferral by design + control hops)",
                            float(queueing["p50_ms"]), float(queueing["p99_ms"]),
                            int(queueing["count"]), "frontend queueing hop"))
-    grant = [s["grant_slack_ms"] for s in shards if isinstance(s.get("grant_slack_ms"), dict)]
+    grant = [g for g in (_latency(s, "grant_slack") for s in shards) if g is not None]
     if grant:
         rows.append(HopRow("grant reaches shard before its last moment (margin)",
-                           min(g["p50"] for g in grant), min(g["p1"] for g in grant), 0,
+                           min(g["p50_ms"] for g in grant), min(g["p1_ms"] for g in grant),
+                           sum(g["count"] for g in grant),
                            "shard grant_slack; the p99 column is the 1st percentile"))
-    if rank is not None and isinstance(rank.get("candidate_slack_ms"), dict):
-        slack = rank["candidate_slack_ms"]
+    slack = _latency(rank, "candidate_slack") if rank is not None else None
+    if slack is not None:
         rows.append(HopRow("candidate reaches rank before its timer (margin)",
-                           float(slack["p50"]), float(slack["p1"]), 0,
+                           float(slack["p50_ms"]), float(slack["p1_ms"]), int(slack["count"]),
                            "rank candidate_slack; the p99 column is the 1st percentile"))
     rows.extend(_backend_rows(backend_samples))
     for name, label in (("finish_to_answer", "batch end -> frontend answers (outputs hop)"),

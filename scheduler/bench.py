@@ -47,6 +47,7 @@ l(b) = 0.005 ms * b + 2 ms, SLO 50 ms, max batch 512.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -56,7 +57,7 @@ import pstats
 import sys
 import time
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,16 @@ class _Probe:
     # ------------------------------------------------------------------ run
 
     def run(self) -> dict[str, Any]:
+        self._generate(GEN_BLOCK_S)
+        clock: Callable[[], float] = (
+            time.thread_time if self.args.clock == "cpu" else time.perf_counter
+        )
+        with _cyclic_gc_off():
+            elapsed = self._loop(clock)
+        return self._result(elapsed)
+
+    def _loop(self, clock: Callable[[], float]) -> float:
+        """The host loop until ``--duration`` of clock; returns the clock time it took."""
         duration = self.args.duration
         outbox: Outbox = []
         models = self.models
@@ -267,17 +278,6 @@ class _Probe:
         pending_pos = self.pending_pos
         lags = self.lags
         m = self.m
-        self._generate(GEN_BLOCK_S)
-        clock: Callable[[], float] = (
-            time.thread_time if self.args.clock == "cpu" else time.perf_counter
-        )
-        # The scheduler's objects form no reference cycles; a cyclic-GC pass over a heap of
-        # millions of queued ids stalls the loop for tens of ms, so the host turns it off (the
-        # process runtime should do the same).
-        gc_was_enabled = gc.isenabled()
-        gc.collect()
-        gc.freeze()
-        gc.disable()
         t0 = clock()
         now = 0.0
         iter_start = 0.0
@@ -297,13 +297,7 @@ class _Probe:
                 break
             iter_start = now
             if now + GEN_BLOCK_S > self.generated_until:
-                # the frontends' and GPUs' share of the work: off the clock
-                paused = clock()
-                self._check_events()
-                self._generate(self.generated_until + GEN_BLOCK_S)
-                spent = clock() - paused
-                self.harness_s += spent
-                t0 += spent
+                t0 += self._run_harness(clock)  # off the clock
                 now = clock() - t0
             if self._run_timers(now, outbox):
                 now = clock() - t0
@@ -328,10 +322,17 @@ class _Probe:
         self.chunks = chunks
         self.delivered = delivered
         self._check_events()
-        if gc_was_enabled:
-            gc.enable()
-        gc.unfreeze()
-        return self._result(elapsed)
+        return elapsed
+
+    def _run_harness(self, clock: Callable[[], float]) -> float:
+        """The frontends' and GPUs' share of the work: check the events so far, generate the
+        next block of arrivals. Returns the clock time it took (taken off the loop's clock)."""
+        paused = clock()
+        self._check_events()
+        self._generate(self.generated_until + GEN_BLOCK_S)
+        spent = clock() - paused
+        self.harness_s += spent
+        return spent
 
     def _result(self, elapsed: float) -> dict[str, Any]:
         n = self.next_id
@@ -373,6 +374,23 @@ class _Probe:
             "gpus_used": int(sum(1 for t in self.gpu_busy_until if t > 0)),
             "rank_grants": self.rank.n_grants,
         }
+
+
+@contextlib.contextmanager
+def _cyclic_gc_off() -> Iterator[None]:
+    """The scheduler's objects form no reference cycles; a cyclic-GC pass over a heap of
+    millions of queued ids stalls the loop for tens of ms, so the host turns it off (the process
+    runtime should do the same)."""
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
 
 
 def _parser() -> argparse.ArgumentParser:

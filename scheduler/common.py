@@ -1,4 +1,5 @@
-"""Shared vocabulary of the pure scheduling objects: destinations, the outbox, timer slack.
+"""Shared vocabulary of the pure scheduling objects: destinations, the outbox, timer slack, and
+the cut of a RequestMetaBatch into per-model chunks that every host feeds them.
 
 Hosting contract (ModelThread and RankThread alike):
 
@@ -19,7 +20,7 @@ Destinations are small tuples: ``TO_RANK``, ``("model", name)``, ``("backend", g
 
 from __future__ import annotations
 
-from zserve.transport.messages import Message
+from zserve.transport.messages import Message, RequestMetaBatch
 
 Destination = tuple[str, str | int]
 Outbox = list[tuple[Destination, Message]]
@@ -36,3 +37,23 @@ instead of waking again at the same instant."""
 
 FEASIBILITY_EPS_S = 1e-9
 """Float tolerance for "finishes by its deadline" in invariant checks (times are ~1e5 s live)."""
+
+
+def split_meta_by_model(
+    meta: RequestMetaBatch,
+) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """Cut a RequestMetaBatch into ``{model: (request_ids, arrivals, deadlines)}``."""
+    models = meta.models
+    if models and models.count(models[0]) == len(models):
+        return {models[0]: (list(meta.request_ids), list(meta.arrivals), list(meta.deadlines))}
+    out: dict[str, tuple[list[int], list[float], list[float]]] = {}
+    for model, rid, arrival, deadline in zip(
+        models, meta.request_ids, meta.arrivals, meta.deadlines, strict=True
+    ):
+        entry = out.get(model)
+        if entry is None:
+            entry = out[model] = ([], [], [])
+        entry[0].append(rid)
+        entry[1].append(arrival)
+        entry[2].append(deadline)
+    return out

@@ -6,7 +6,7 @@ Inputs (host -> ModelThread):
 
 - ``on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox)``: a chunk of this model's
   requests from one frontend, parallel lists as in ``RequestMetaBatch`` (use
-  :func:`split_meta_by_model` to cut a RequestMetaBatch into per-model chunks). One candidate
+  ``common.split_meta_by_model`` to cut a RequestMetaBatch into per-model chunks). One candidate
   update per chunk, not per request.
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
@@ -44,13 +44,15 @@ decisions are bit-identical to the plain formulation.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
 from zserve.errors import ErrorKind
+from zserve.groups import group_by_frontend
 from zserve.scheduler.common import (
     DEST_BACKEND,
     DEST_FRONTEND,
@@ -82,7 +84,6 @@ from zserve.transport.messages import (
     DropNotice,
     GrantAnswer,
     GrantGpu,
-    RequestMetaBatch,
 )
 
 _NEG_INF = -math.inf
@@ -90,28 +91,30 @@ DEFAULT_PUBLISH_LEAD_S = 0.002
 _COMPACT_AT = 4096  # compact the queue list once this many popped entries precede the head
 
 
-def split_meta_by_model(
-    meta: RequestMetaBatch,
-) -> dict[str, tuple[list[int], list[float], list[float]]]:
-    """Cut a RequestMetaBatch into ``{model: (request_ids, arrivals, deadlines)}``."""
-    models = meta.models
-    if models and models.count(models[0]) == len(models):
-        return {models[0]: (list(meta.request_ids), list(meta.arrivals), list(meta.deadlines))}
-    out: dict[str, tuple[list[int], list[float], list[float]]] = {}
-    for model, rid, arrival, deadline in zip(
-        models, meta.request_ids, meta.arrivals, meta.deadlines, strict=True
-    ):
-        entry = out.get(model)
-        if entry is None:
-            entry = out[model] = ([], [], [])
-        entry[0].append(rid)
-        entry[1].append(arrival)
-        entry[2].append(deadline)
-    return out
-
-
 class ModelThread:
-    """One model's queue and candidate. Construct one per model; see the module docstring."""
+    """One model's queue and candidate. Construct one per model; see the module docstring.
+
+    ``slo_s`` is the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``) is the time from
+    arrival to deadline that the target batch size plans with (deadlines arrive precomputed by
+    the frontend: arrival + SLO - reply allowance). ``d_ctrl_s``/``d_data_s`` give
+    ``delay(bs) = d_ctrl + d_data*bs``. ``jitter_s`` is the host's timer lateness allowance (the
+    authors use 100 us): the frontrun and latest policies aim that much before their moment, so
+    a timer that fires up to ``jitter_s`` late still finds the candidate grantable (without it
+    the window [d - l(bs+1), d - l(bs)] is only alpha wide); it is also slack for a GPU that
+    frees a little late when many models share few GPUs. The rate meter seals
+    ``rate_bucket_s`` buckets and averages the last ``rate_window``. ``keep_tolerance`` (window
+    drop only): keep the head while a batch whose per-request cost l(b)/b is within this
+    fraction of the target's still fits; 0 is the authors' rule (drop below the target).
+    ``publish_lead_s``: see ``_publish`` (None publishes every change at once, as the authors'
+    ModelThread does; set it above the shard-to-rank message latency).
+
+    Plan ids: ``plan_ids`` yields them (``next(plan_ids)`` per plan). The id space belongs to
+    the host, not to the ModelThread: backends match InputReplies by plan id and receive plans
+    from every model of every shard, so ids must be unique across the cluster, and only the host
+    knows its place in it (the shard draws ``seq * MAX_SHARDS + shard index`` from one counter
+    shared by its ModelThreads). Without a source the ids are ``crc32(model) << 32`` + 1, 2, ...:
+    distinct across models without coordination, enough for one process (the simulator, tests).
+    """
 
     def __init__(
         self,
@@ -127,25 +130,9 @@ class ModelThread:
         rate_bucket_s: float = 0.05,
         rate_window: int = 100,
         keep_tolerance: float = DEFAULT_KEEP_TOLERANCE,
-        plan_id_base: int | None = None,
+        plan_ids: Iterator[int] | None = None,
         publish_lead_s: float | None = DEFAULT_PUBLISH_LEAD_S,
     ) -> None:
-        """``slo_s`` is the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``) is the time
-        from arrival to deadline that the target batch size plans with (deadlines arrive
-        precomputed by the frontend: arrival + SLO - reply allowance). ``d_ctrl_s``/``d_data_s``
-        give ``delay(bs) = d_ctrl + d_data*bs``. ``jitter_s`` is the host's timer lateness
-        allowance (the authors use 100 us): the frontrun and latest policies aim that much before
-        their moment, so a timer that fires up to ``jitter_s`` late still finds the candidate
-        grantable (without it the window [d - l(bs+1), d - l(bs)] is only alpha wide); it is
-        also slack for a GPU that frees a little late when many models share few GPUs. The rate
-        meter seals ``rate_bucket_s`` buckets and averages the last ``rate_window``.
-        ``keep_tolerance`` (window drop only): keep the
-        head while a batch whose per-request cost l(b)/b is within this fraction of the
-        target's still fits; 0 is the authors' rule (drop below the target). Plan ids are
-        ``plan_id_base + 1, + 2, ...``; the default base ``crc32(model) << 32`` keeps them
-        distinct across models (and processes) without coordination. ``publish_lead_s``: see
-        ``_publish`` (None publishes every change at once, as the authors' ModelThread does; set
-        it above the shard-to-rank message latency)."""
         self.model = model
         self._profile = profile
         self._table: list[float] = profile.table_s
@@ -169,17 +156,29 @@ class ModelThread:
         self._set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
         self.wake_at = math.inf
         self.gpu_ids: set[int] | None = None  # None: accept grants for any GPU
+        self._clear_queue()
+        self._frontends: list[str] = []
+        self._frontend_index: dict[str, int] = {}
+        if plan_ids is None:
+            plan_ids = itertools.count((zlib.crc32(model.encode()) << 32) + 1)
+        self._plan_ids = plan_ids
+        self._clear_candidate()
+        # counters (for stats and tests)
+        self.n_window_misses = 0
+        self.n_arrived = 0
+        self.n_dropped = 0
+        self.n_planned = 0
+        self.n_batches = 0
 
+    def _clear_queue(self) -> None:
+        """An empty queue: parallel lists sorted by deadline, live from ``_head`` on."""
         self._dl: list[float] = []  # deadlines, sorted
         self._rid: list[int] = []
         self._fe: list[int] = []  # frontend index
         self._arr: list[float] = []
         self._head = 0
-        self._frontends: list[str] = []
-        self._frontend_index: dict[str, int] = {}
-        if plan_id_base is None:
-            plan_id_base = zlib.crc32(model.encode()) << 32
-        self._plan_seq = plan_id_base
+
+    def _clear_candidate(self) -> None:
         # the candidate as last computed, and as last sent to the rank (None: rank has none)
         self.cand_bs = 0
         self.cand_exec = 0.0
@@ -189,12 +188,6 @@ class ModelThread:
         # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
         self._cand_deferred = False
         self.miss_margin_s = 0.0
-        # counters (for stats and tests)
-        self.n_window_misses = 0
-        self.n_arrived = 0
-        self.n_dropped = 0
-        self.n_planned = 0
-        self.n_batches = 0
 
     # ------------------------------------------------------------------ attributes
 
@@ -209,6 +202,13 @@ class ModelThread:
         self._table = profile.table_s
         self._max_batch = profile.max_batch
         self._refresh_defer_below()
+
+    def set_profile(self, profile: LatencyProfile) -> None:
+        """A new latency profile (the host merged a new backend set's), and the target batch
+        size that follows from it at the current rate."""
+        self.profile = profile
+        self._set_target(target_batch_size(profile, self.budget_s, self._meter.rate(),
+                                           self.d_data_s))
 
     @property
     def meter(self) -> RpsMeter:
@@ -252,6 +252,26 @@ class ModelThread:
     @property
     def queue_length(self) -> int:
         return len(self._dl) - self._head
+
+    def take_queued(self, now: float, outbox: Outbox) -> dict[str, list[int]]:
+        """Remove every queued request; return their ids by frontend (for a host that stops
+        scheduling them, e.g. a draining shard answering them itself). The candidate goes with
+        them: its withdrawal is in the outbox if the rank held it."""
+        head = self._head
+        groups = group_by_frontend(self._rid[head:], self._fe[head:])
+        self._clear_queue()
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+        return {self._frontends[fidx]: ids for fidx, ids in groups.items()}
+
+    def grant_window_left(self, now: float) -> float | None:
+        """How much of the candidate's grant window is left at ``now`` (its last grantable
+        moment ``latest - delay(bs)`` minus now; negative: a grant now is too late for the
+        batch as planned); None without a candidate."""
+        bs = self.cand_bs
+        if not bs:
+            return None
+        return self.cand_latest - (self.d_ctrl_s + self.d_data_s * bs) - now
 
     def on_arrivals(  # noqa: PLR0917 (mirrors RequestMetaBatch's parallel lists)
         self,
@@ -354,10 +374,9 @@ class ModelThread:
         self._head = stop
         exec_at = self.cand_exec
         finish_at = exec_at + self._table[bs]
-        self._plan_seq += 1
         frontends, request_frontend = self._frontends_of(fe)
         plan = BatchPlan(
-            plan_id=self._plan_seq,
+            plan_id=next(self._plan_ids),
             model=self.model,
             gpu_id=gpu_id,
             exec_at=exec_at,
@@ -411,73 +430,100 @@ class ModelThread:
 
         ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on this hot
         path), and ``b if b < a else a`` for ``min(a, b)``."""
-        dl = self._dl
-        head0 = head = self._head
-        size = len(dl)
-        avail = size - head
-        if not avail:
+        head0 = self._head
+        if len(self._dl) == head0:
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        table = self._table
-        d_ctrl = self.d_ctrl_s
-        start = now + d_ctrl
-        d_data = self.d_data_s
-        drop = self._drop
-        if drop == DROP_WINDOW:
-            # Drop the head while keeping it would force a batch smaller than the target
-            # (keep_min). While at least keep_min requests remain the bar is one deadline
-            # threshold: bisect to it, then step through the short remainder.
-            keep_min = self.keep_min
-            earliest = start + d_data * keep_min
-            earliest = gpu_free_at if gpu_free_at > earliest else earliest
-            threshold = earliest + table[keep_min]
-            if dl[head] < threshold and avail > keep_min:
-                head = bisect_left(dl, threshold, head, size - keep_min)
-                avail = size - head
-            bs = 0
-            while avail:
-                bs = keep_min if keep_min < avail else avail
-                earliest = start + d_data * bs
-                earliest = gpu_free_at if gpu_free_at > earliest else earliest
-                if dl[head] >= earliest + table[bs]:
-                    break
-                head += 1
-                avail -= 1
-            else:
-                bs = 0
+        start = now + self.d_ctrl_s
+        if self._drop == DROP_WINDOW:
+            head, bs = self._size_keeping_target(start, gpu_free_at)
         else:
-            # drop only what cannot finish even alone
-            earliest = start + d_data
-            earliest = gpu_free_at if gpu_free_at > earliest else earliest
-            threshold = earliest + table[1]
-            if dl[head] < threshold:
-                head = bisect_left(dl, threshold, head, size)
-                avail = size - head
-            bs = 1 if avail else 0
-        if bs:
-            deadline = dl[head]
-            max_batch = self._max_batch
-            cap = avail if avail < max_batch else max_batch
-            if drop == DROP_FCFS and self.target < cap:
-                cap = self.target
-            if bs < cap:
-                bs = self._grow(deadline, bs, cap, start, gpu_free_at)
+            head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
             self._emit_drops(head0, head, outbox)
-            self._head = head
-            if head >= _COMPACT_AT and head * 2 >= size:
-                del dl[:head]
-                del self._rid[:head]
-                del self._fe[:head]
-                del self._arr[:head]
-                self._head = head = 0
+            head = self._advance_head(head)
         if bs == 0:
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        deadline = dl[head]
-        delay = d_ctrl + d_data * bs
+        self._aim(now, gpu_free_at, head, bs)
+
+    def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
+        """Window drop: the new head and batch size. Drop the head while keeping it would force
+        a batch smaller than the target (keep_min). While at least keep_min requests remain the
+        bar is one deadline threshold: bisect to it, then step through the short remainder.
+        ``start`` is now + d_ctrl."""
+        dl = self._dl
+        head = self._head
+        size = len(dl)
+        avail = size - head
+        table = self._table
+        d_data = self.d_data_s
+        keep_min = self.keep_min
+        earliest = start + d_data * keep_min
+        earliest = gpu_free_at if gpu_free_at > earliest else earliest
+        threshold = earliest + table[keep_min]
+        if dl[head] < threshold and avail > keep_min:
+            head = bisect_left(dl, threshold, head, size - keep_min)
+            avail = size - head
+        while avail:
+            bs = keep_min if keep_min < avail else avail
+            earliest = start + d_data * bs
+            earliest = gpu_free_at if gpu_free_at > earliest else earliest
+            if dl[head] >= earliest + table[bs]:
+                break
+            head += 1
+            avail -= 1
+        else:
+            return head, 0
+        max_batch = self._max_batch
+        cap = avail if avail < max_batch else max_batch
+        if bs < cap:
+            bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
+        return head, bs
+
+    def _size_feasible(self, start: float, gpu_free_at: float) -> tuple[int, int]:
+        """FCFS and no-drop policies: drop only what cannot finish even alone; the new head and
+        batch size (up to the target under FCFS). ``start`` is now + d_ctrl."""
+        dl = self._dl
+        head = self._head
+        size = len(dl)
+        earliest = start + self.d_data_s
+        earliest = gpu_free_at if gpu_free_at > earliest else earliest
+        threshold = earliest + self._table[1]
+        if dl[head] < threshold:
+            head = bisect_left(dl, threshold, head, size)
+        avail = size - head
+        if not avail:
+            return head, 0
+        max_batch = self._max_batch
+        cap = avail if avail < max_batch else max_batch
+        if self._drop == DROP_FCFS and self.target < cap:
+            cap = self.target
+        bs = 1
+        if bs < cap:
+            bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
+        return head, bs
+
+    def _advance_head(self, head: int) -> int:
+        """Move the queue's head to ``head`` (the drops are emitted); compact the lists once
+        the popped prefix is long and at least half of them. Returns the new head index."""
+        self._head = head
+        if head >= _COMPACT_AT and head * 2 >= len(self._dl):
+            del self._dl[:head]
+            del self._rid[:head]
+            del self._fe[:head]
+            del self._arr[:head]
+            self._head = head = 0
+        return head
+
+    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int) -> None:
+        """Set the candidate ``[head:head + bs]``: its exec time by the policy's kind, clamped
+        into [earliest, latest], and the wake-up at its last grantable moment."""
+        deadline = self._dl[head]
+        table = self._table
+        delay = self.d_ctrl_s + self.d_data_s * bs
         earliest = now + delay
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
         latest = deadline - table[bs]
@@ -542,10 +588,7 @@ class ModelThread:
                 )
             )
             return
-        by_frontend: dict[int, list[int]] = {}
-        for fidx, rid in zip(self._fe[start:stop], ids, strict=True):
-            by_frontend.setdefault(fidx, []).append(rid)
-        for fidx, group in by_frontend.items():
+        for fidx, group in group_by_frontend(ids, self._fe[start:stop]).items():
             outbox.append(
                 (
                     (DEST_FRONTEND, self._frontends[fidx]),

@@ -43,28 +43,27 @@ class, with the local shard's messages delivered in-process instead of over a so
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
 from zserve import control_link, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
-from zserve.config import RoleConfig, load_config, role_config
+from zserve.config import RoleConfig
 from zserve.errors import ZServeError
 from zserve.role_runner import cancel_all, spawn
+from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
+from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendGone,
@@ -89,7 +88,14 @@ ROLE = "rank"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
-STATS_WINDOW = 4096
+RANK_COUNTERS = (
+    "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
+    "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
+    "unroutable_grants", "deaths_announced", "clock_probes",
+)
+# lateness: batch start - planned exec_at; candidate_slack: how long before its model timer
+# (exec - delay) a candidate came (negative: late).
+RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
 
 # --------------------------------------------------------------------------- the rank host
 
@@ -135,20 +141,25 @@ class RankHost:
         self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
         self.model_owner: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("candidates", "late_candidates", "grants", "grant_answers", "batches",
-             "batches_failed", "late_batches", "registrations", "removals", "send_dropped",
-             "bad_messages", "unroutable_grants"),
-            0,
-        )
-        self.counters["deaths_announced"] = 0
-        self.counters["clock_probes"] = 0
+        self._stats = Stats(RANK_COUNTERS, RANK_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self._lateness = self._stats.histograms["lateness"]
+        self._candidate_slack = self._stats.histograms["candidate_slack"]
         # The rank's own CLOCK_MONOTONIC is the cluster clock (offset 0 by definition).
         self.clock = ClusterClock(reference=True)
-        self.lateness: deque[float] = deque(maxlen=STATS_WINDOW)
-        self.candidate_slack: deque[float] = deque(maxlen=STATS_WINDOW)
         if self._local_identity is not None:
             self.peers[self._local_identity] = "shard"
+        # Handlers by message type (the type test is the dispatch: no isinstance per message).
+        self._handlers: dict[type, Callable[[float, bytes, Any, Outbox], None]] = {
+            CandidateUpdate: self._on_candidate,
+            GrantAnswer: self._on_grant_answer,
+            Heartbeat: self._on_heartbeat,
+            BatchStats: self._on_batch_stats,
+            BackendRegister: self._on_register,
+            Hello: self._on_hello,
+            ClockProbe: self._on_clock_probe,
+            StatsRequest: self._on_stats_request,
+        }
 
     def start(self) -> None:
         self.reactor.watch(self.sock, router=True, on_chunk=self.on_chunk, on_bad=self._on_bad)
@@ -184,56 +195,56 @@ class RankHost:
         self._flush(outbox)
 
     def _handle(self, now: float, identity: bytes, msg: Message, outbox: Outbox) -> None:
-        kind = type(msg)
-        if kind is CandidateUpdate:
-            assert isinstance(msg, CandidateUpdate)
-            self.counters["candidates"] += 1
-            self.model_owner[msg.model] = identity
-            if msg.batch_size > 0:
-                # How long before its model timer (exec - delay) the candidate came; negative:
-                # the timer is already late (a publish lead shorter than the shard -> rank hop,
-                # or a candidate the ModelThread recomputed after that moment).
-                slack = msg.exec_at - msg.send_delay - now
-                self.candidate_slack.append(slack)
-                if slack < 0:
-                    self.counters["late_candidates"] += 1
-            self.rank.on_candidate(now, msg, outbox)
-        elif kind is GrantAnswer:
-            assert isinstance(msg, GrantAnswer)
-            self.counters["grant_answers"] += 1
-            try:
-                self.rank.on_grant_answer(now, msg, outbox)
-            except ValueError as exc:
-                log.warning("%s: %s", self.name, exc)
-        elif kind is Heartbeat:
-            gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
-            backend = self.backends.get(gpu_id) if gpu_id is not None else None
-            if backend is not None and backend.identity == identity:
-                backend.last_seen = now
-                if not backend.alive:  # came back before re-registering: take it back
-                    self._revive(now, backend, outbox)
-            elif identity not in self.peers:
-                # A peer this rank does not know (the rank restarted): ask it to introduce itself
-                # again; a backend re-registers, a shard says Hello.
-                self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
-        elif kind is BatchStats:
-            assert isinstance(msg, BatchStats)
-            self._on_batch_stats(now, identity, msg, outbox)
-        elif kind is BackendRegister:
-            assert isinstance(msg, BackendRegister)
-            self._on_register(now, identity, msg, outbox)
-        elif kind is Hello:
-            assert isinstance(msg, Hello)
-            self._new_peer(identity, msg.role)
-        elif kind is ClockProbe:
-            assert isinstance(msg, ClockProbe)
-            self.counters["clock_probes"] += 1
-            self._send(reply_to_probe(msg), identity)  # read the clock as late as possible
-        elif kind is StatsRequest:
-            assert isinstance(msg, StatsRequest)
-            self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
         else:
-            log.warning("%s: unexpected %s from %r", self.name, kind.__name__, identity)
+            handler(now, identity, msg, outbox)
+
+    def _on_candidate(self, now: float, identity: bytes, msg: CandidateUpdate,
+                      outbox: Outbox) -> None:
+        self.counters["candidates"] += 1
+        self.model_owner[msg.model] = identity
+        if msg.batch_size > 0:
+            # How long before its model timer (exec - delay) the candidate came; negative: the
+            # timer is already late (a publish lead shorter than the shard -> rank hop, or a
+            # candidate the ModelThread recomputed after that moment).
+            slack = msg.exec_at - msg.send_delay - now
+            self._candidate_slack.observe(slack)
+            if slack < 0:
+                self.counters["late_candidates"] += 1
+        self.rank.on_candidate(now, msg, outbox)
+
+    def _on_grant_answer(self, now: float, identity: bytes, msg: GrantAnswer,
+                         outbox: Outbox) -> None:
+        self.counters["grant_answers"] += 1
+        try:
+            self.rank.on_grant_answer(now, msg, outbox)
+        except ValueError as exc:
+            log.warning("%s: %s", self.name, exc)
+
+    def _on_heartbeat(self, now: float, identity: bytes, msg: Heartbeat, outbox: Outbox) -> None:
+        gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
+        backend = self.backends.get(gpu_id) if gpu_id is not None else None
+        if backend is not None and backend.identity == identity:
+            backend.last_seen = now
+            if not backend.alive:  # came back before re-registering: take it back
+                self._revive(now, backend, outbox)
+        elif identity not in self.peers:
+            # A peer this rank does not know (the rank restarted): ask it to introduce itself
+            # again; a backend re-registers, a shard says Hello.
+            self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
+
+    def _on_hello(self, now: float, identity: bytes, msg: Hello, outbox: Outbox) -> None:
+        self._new_peer(identity, msg.role)
+
+    def _on_clock_probe(self, now: float, identity: bytes, msg: ClockProbe, outbox: Outbox) -> None:
+        self.counters["clock_probes"] += 1
+        self._send(reply_to_probe(msg), identity)  # read the clock as late as possible
+
+    def _on_stats_request(self, now: float, identity: bytes, msg: StatsRequest,
+                          outbox: Outbox) -> None:
+        self._send(StatsReply(self.name, self.stats(msg.reset)), identity)
 
     def on_control_message(self, msg: Message) -> None:
         """From the supervisor: ``BackendGone(name)`` says that backend's
@@ -356,8 +367,7 @@ class RankHost:
 
     # ------------------------------------------------------------------ stats
 
-    def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats,
-                        outbox: Outbox) -> None:
+    def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats, outbox: Outbox) -> None:
         if msg.device_free_at > 0.0:
             # Drift correction: the backend's device frees later than the grants planned (it
             # started batches late). Only from the live backend that holds this GPU.
@@ -370,7 +380,7 @@ class RankHost:
         if not msg.ok:
             self.counters["batches_failed"] += 1
         lateness = msg.started_at - msg.exec_at
-        self.lateness.append(lateness)
+        self._lateness.observe(lateness)
         if lateness > 1e-3:
             self.counters["late_batches"] += 1
 
@@ -378,7 +388,6 @@ class RankHost:
         out: dict[str, Any] = {
             "role": ROLE,
             "name": self.name,
-            "counters": dict(self.counters),
             "clock": self.clock.stats(),
             "gpus": {
                 str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device}
@@ -394,21 +403,7 @@ class RankHost:
                 "drift_corrected_ms": self.rank.drift_corrected_s * 1e3,
             },
         }
-        if self.lateness:
-            values = np.asarray(self.lateness) * 1e3
-            out["lateness_ms"] = {"p50": float(np.median(values)),
-                                  "p99": float(np.percentile(values, 99)),
-                                  "max": float(values.max())}
-        if self.candidate_slack:
-            values = np.asarray(self.candidate_slack) * 1e3
-            out["candidate_slack_ms"] = {"p1": float(np.percentile(values, 1)),
-                                         "p50": float(np.median(values)),
-                                         "min": float(values.min())}
-        if reset:
-            self.lateness.clear()
-            self.candidate_slack.clear()
-            for key in self.counters:
-                self.counters[key] = 0
+        out.update(self._stats.snapshot(reset))
         return out
 
 
@@ -456,19 +451,10 @@ def run_rank(config: RoleConfig, control_address: str | None) -> int:
 
 def main(argv: list[str]) -> int:
     """``zserve rank``: run the rank process of a cluster.toml on its own."""
-    parser = argparse.ArgumentParser(prog="zserve rank", description=main.__doc__)
-    parser.add_argument("--config", required=True, help="cluster.toml")
-    parser.add_argument("--control", default=None, help="supervisor control address")
+    parser = role_parser("zserve rank", main.__doc__, indexed=False, rank_flag=False)
     parser.add_argument("--bind", default=None, help="rank socket bind address")
-    parser.add_argument("--advertise", default=None, metavar="HOST",
-                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
-                             "address (default: this machine's host name)")
-    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
-    cluster = load_config(args.config)
-    ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, 0, ipc_dir=ipc_dir, peers=cluster.static_peers(ipc_dir),
-                         advertise_host=args.advertise)
+    config = role_config_from_args(args, ROLE)
     if args.bind:
         config.bind["rank"] = args.bind
     return run_rank(config, args.control)

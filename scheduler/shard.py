@@ -37,9 +37,10 @@ queue drained on the next loop iteration, so neither side re-enters the other).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -47,20 +48,28 @@ import time
 from collections import deque
 from typing import Any
 
-import msgspec
-import numpy as np
 import zmq
 
 from zserve import control_link, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, RoleConfig, load_config, role_config
+from zserve.config import ClusterConfig, ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ZServeError
+from zserve.groups import group_by_frontend
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.role_runner import cancel_all, spawn
-from zserve.scheduler.common import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
-from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
-from zserve.scheduler.policy import SchedulePolicy, target_batch_size
+from zserve.rolecli import role_config_from_args, role_parser
+from zserve.scheduler.common import (
+    DEST_BACKEND,
+    DEST_FRONTEND,
+    TO_RANK,
+    Outbox,
+    split_meta_by_model,
+)
+from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.sent_plans import SentPlans
+from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendTable,
@@ -83,7 +92,13 @@ ROLE = "shard"
 SOCKET_CLOSE_LINGER_MS = 200
 # While draining, how often the shard checks whether its queues are empty.
 DRAIN_POLL_S = 0.01
-STATS_WINDOW = 4096
+SHARD_COUNTERS = (
+    "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
+    "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
+)
+# meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
+# what was left of the candidate's grant window when the grant came (negative: too late).
+SHARD_HISTOGRAMS = {"meta_delay": "signed", "grant_slack": "signed"}
 # A ModelThread holds a candidate back until this long before the rank needs it (its model
 # timer at exec - delay(bs)): well above the shard -> rank hop (0.1 ms p50, ~0.3 ms p99 idle;
 # see docs/performance.md, "Hops one message at a time"), and the rank counts candidates that
@@ -101,18 +116,6 @@ def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfi
     if size < 1:
         return None
     return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
-
-
-def _set_profile(thread: ModelThread, profile: LatencyProfile) -> None:
-    """Give a ModelThread a new latency profile and the target batch size that follows from it.
-    (ModelThread has no public call for this yet; its target setter also derives keep_min.)"""
-    thread.profile = profile
-    target = target_batch_size(profile, thread.budget_s, thread.meter.rate(), thread.d_data_s)
-    set_target = getattr(thread, "_set_target", None)
-    if set_target is not None:
-        set_target(target)
-    else:
-        thread.target = target
 
 
 class ShardHost:
@@ -139,12 +142,7 @@ class ShardHost:
         self.reactor = reactor
         self.loop = asyncio.get_running_loop()
         self.peers = peers
-        sched = cluster.scheduler
-        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
-        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
-        self.d_data_s = sched.d_data_ms / 1e3
-        self.jitter_s = sched.jitter_ms / 1e3
-        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self._read_scheduling(cluster)
         self.models = {m.name: m for m in models}
         self.threads: dict[str, ModelThread] = {}
         self.timers: dict[str, WakeTimer] = {}
@@ -152,28 +150,23 @@ class ShardHost:
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
         # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
-        # Plans sent to each GPU, kept until no request of theirs can still be waiting for an
-        # answer (exec_at + the model's SLO: every request of a plan arrived before exec_at), so
-        # that a backend leaving the table fails them. (forget_at, gpu_id, plan_id) in send order.
-        self._sent_plans: dict[int, dict[int, BatchPlan]] = {}
-        self._sent_expiry: deque[tuple[float, int, int]] = deque()
+        # so that a backend leaving the table fails the requests planned onto it
+        self._sent_plans = SentPlans()
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
-        self._plan_seq = 0
-        self.meta_delay: deque[float] = deque(maxlen=STATS_WINDOW)
-        self.grant_slack: deque[float] = deque(maxlen=STATS_WINDOW)
+        # One plan-id counter for all of this shard's ModelThreads: seq * MAX_SHARDS + index
+        # (seq = 1, 2, ...), unique in the cluster (see ModelThread, "Plan ids").
+        self._plan_ids = itertools.count(MAX_SHARDS + index, MAX_SHARDS)
         self._from_rank: deque[Message] = deque()
         self._pump_scheduled = False
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
-             "shutting_down", "send_dropped", "bad_messages", "unknown_model",
-             "backend_failed"),
-            0,
-        )
+        self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self._meta_delay = self._stats.histograms["meta_delay"]
+        self._grant_slack = self._stats.histograms["grant_slack"]
         now = self.clock.now()
         for model in models:
             profile = configured_profile(model)
@@ -182,13 +175,22 @@ class ShardHost:
 
     # ------------------------------------------------------------------ set-up
 
+    def _read_scheduling(self, cluster: ClusterConfig) -> None:
+        """The cluster's scheduling settings every ModelThread of this shard gets (seconds)."""
+        sched = cluster.scheduler
+        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
+        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
+        self.d_data_s = sched.d_data_ms / 1e3
+        self.jitter_s = sched.jitter_ms / 1e3
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
             d_data_s=self.d_data_s, jitter_s=self.jitter_s,
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
-            publish_lead_s=PUBLISH_LEAD_S,
+            plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )
         self.threads[model.name] = thread
         self.timers[model.name] = WakeTimer(
@@ -267,7 +269,7 @@ class ShardHost:
                 self.counters["requests"] += len(msg.request_ids)
                 address = msg.frontend
                 if msg.arrivals:  # admission of the tick's last request -> here
-                    self.meta_delay.append(now - max(msg.arrivals))
+                    self._meta_delay.observe(now - max(msg.arrivals))
                 self.frontends[address] = identity
                 for model, (ids, arr, dls) in split_meta_by_model(msg).items():
                     entry = arrivals.get((model, address))
@@ -324,11 +326,11 @@ class ShardHost:
                     log.error("%s: grant for model %r, which it does not host", self.name,
                               msg.model)
                     continue
-                if thread.cand_bs:
-                    # How much of the candidate's grant window was left when the grant came
-                    # (negative: too late for this batch; the ModelThread shrinks or drops it).
-                    delay = thread.d_ctrl_s + thread.d_data_s * thread.cand_bs
-                    self.grant_slack.append(thread.cand_latest - delay - now)
+                # How much of the candidate's grant window was left when the grant came
+                # (negative: too late for this batch; the ModelThread shrinks or drops it).
+                window_left = thread.grant_window_left(now)
+                if window_left is not None:
+                    self._grant_slack.observe(window_left)
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
@@ -371,7 +373,7 @@ class ShardHost:
                     self._make_thread(model, profile, now)
                 continue
             if profile is not None and profile.table_s != thread.profile.table_s:
-                _set_profile(thread, profile)
+                thread.set_profile(profile)
             thread.set_gpus(now, served.get(name, []), outbox)
             self._dirty.add(name)
 
@@ -392,13 +394,7 @@ class ShardHost:
                 assert isinstance(msg, BatchPlan)
                 self._send_plan(int(key), msg)
             elif kind == DEST_FRONTEND:
-                if isinstance(msg, DropNotice):
-                    self.counters["dropped"] += len(msg.request_ids)
-                identity = self.frontends.get(str(key))
-                if identity is None:
-                    log.error("%s: no route to frontend %r", self.name, key)
-                else:
-                    self._send(self.sock, msg, identity)
+                self._send_to_frontend(str(key), msg)
             else:
                 log.error("%s: message for unknown destination %r", self.name, (kind, key))
         if to_rank:
@@ -411,12 +407,16 @@ class ShardHost:
             self.timers[model].sync()
         self._dirty.clear()
 
+    def _send_to_frontend(self, address: str, msg: Message) -> None:
+        if isinstance(msg, DropNotice):
+            self.counters["dropped"] += len(msg.request_ids)
+        identity = self.frontends.get(address)
+        if identity is None:
+            log.error("%s: no route to frontend %r", self.name, address)
+        else:
+            self._send(self.sock, msg, identity)
+
     def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
-        # A ModelThread numbers its own plans (1, 2, ...); a backend receives plans of many
-        # models from many shards and matches InputReplies by plan id, so make ids unique in the
-        # cluster: this shard's own sequence, with the shard index in the low bits.
-        self._plan_seq += 1
-        plan = msgspec.structs.replace(plan, plan_id=self._plan_seq * MAX_SHARDS + self.index)
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
             self.counters["plans"] += 1
@@ -424,41 +424,20 @@ class ShardHost:
             self._remember_sent(gpu_id, plan)
             return
         # The backend left (or cannot take it): its requests will not run.
-        by_frontend: dict[int, list[int]] = {}
-        for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
-            by_frontend.setdefault(f, []).append(rid)
-        for f, ids in by_frontend.items():
+        for f, ids in group_by_frontend(plan.request_ids, plan.request_frontend).items():
             self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
                            f"GPU {gpu_id} is gone; the batch was not sent")
 
     def _remember_sent(self, gpu_id: int, plan: BatchPlan) -> None:
-        self._forget_sent(self.clock.now())
         model = self.models.get(plan.model)
         slo_s = model.slo_ms / 1e3 if model is not None else 0.0
-        self._sent_plans.setdefault(gpu_id, {})[plan.plan_id] = plan
-        self._sent_expiry.append((plan.exec_at + slo_s, gpu_id, plan.plan_id))
-
-    def _forget_sent(self, now: float) -> None:
-        """Drop the records of plans whose requests have all been answered by now (their
-        frontends' deadline timers fire by exec_at + SLO at the latest)."""
-        expiry = self._sent_expiry
-        while expiry and expiry[0][0] <= now:
-            _, gpu_id, plan_id = expiry.popleft()
-            plans = self._sent_plans.get(gpu_id)
-            if plans is not None:
-                plans.pop(plan_id, None)
+        self._sent_plans.remember(self.clock.now(), gpu_id, plan, slo_s)
 
     def _fail_sent_plans(self, now: float, gpu_id: int, why: str) -> None:
         """The backend of ``gpu_id`` is gone: answer every request of the plans sent to it
         ``BACKEND_FAILED``. Requests already answered (the batch ran, or the frontend failed
         the ones the backend fetched) are ignored by their frontend, which answers once."""
-        self._forget_sent(now)
-        plans = self._sent_plans.pop(gpu_id, {})
-        by_frontend: dict[str, list[int]] = {}
-        for plan in plans.values():
-            for rid, f in zip(plan.request_ids, plan.request_frontend, strict=True):
-                by_frontend.setdefault(plan.frontends[f], []).append(rid)
-        for address, ids in by_frontend.items():
+        for address, ids in self._sent_plans.take(now, gpu_id).items():
             self.counters["backend_failed"] += len(ids)
             self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
 
@@ -482,31 +461,24 @@ class ShardHost:
         deadline = time.monotonic() + drain_s
         while self.queued() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+        outbox: Outbox = []
         for thread in self.threads.values():
-            self._shed_queue(thread)
+            self._shed_queue(thread, outbox)
+            self._dirty.add(thread.model)
+        self._flush(outbox)
 
-    def _shed_queue(self, thread: ModelThread) -> None:
-        # ModelThread has no public "take the queue" call yet; its queue is the parallel lists
-        # _rid/_fe (request id, frontend index) from _head on, and _frontends names the indices.
-        head: int = getattr(thread, "_head", 0)
-        ids: list[int] = getattr(thread, "_rid", [])[head:]
-        fe: list[int] = getattr(thread, "_fe", [])[head:]
-        frontends: list[str] = getattr(thread, "_frontends", [])
-        by_frontend: dict[int, list[int]] = {}
-        for rid, fidx in zip(ids, fe, strict=False):
-            by_frontend.setdefault(fidx, []).append(rid)
-        for fidx, ids in by_frontend.items():
+    def _shed_queue(self, thread: ModelThread, outbox: Outbox) -> None:
+        for address, ids in thread.take_queued(self.clock.now(), outbox).items():
             self.counters["shutting_down"] += len(ids)
-            self._drop_now(frontends[fidx], ids, ErrorKind.SHUTTING_DOWN,
+            self._drop_now(address, ids, ErrorKind.SHUTTING_DOWN,
                            f"scheduler {self.name} is shutting down")
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
             "role": ROLE,
             "name": self.name,
-            "counters": dict(self.counters),
             "clock": self.clock.stats(),
-            "sent_plans_held": sum(len(p) for p in self._sent_plans.values()),
+            "sent_plans_held": len(self._sent_plans),
             "models": {
                 name: {
                     "queued": t.queue_length,
@@ -523,102 +495,98 @@ class ShardHost:
                 for name, t in self.threads.items()
             },
         }
-        if self.meta_delay:
-            values = np.asarray(self.meta_delay) * 1e3
-            out["meta_delay_ms"] = {"p50": float(np.median(values)),
-                                    "p99": float(np.percentile(values, 99))}
-        if self.grant_slack:
-            values = np.asarray(self.grant_slack) * 1e3
-            out["grant_slack_ms"] = {"p1": float(np.percentile(values, 1)),
-                                     "p50": float(np.median(values)),
-                                     "late": int(np.count_nonzero(values < 0)),
-                                     "count": len(values)}
         if self.rank_local is not None:
             out["rank"] = self.rank_local.stats(reset)
-        if reset:
-            self.meta_delay.clear()
-            self.grant_slack.clear()
-            for key in self.counters:
-                self.counters[key] = 0
+        out.update(self._stats.snapshot(reset))
         return out
 
 
 # --------------------------------------------------------------------------- entry points
 
 
+@dataclasses.dataclass
+class _ShardProcess:
+    """What one shard process opened, closed in reverse order by ``close``."""
+
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    reactor: SocketReactor
+    socks: list[zmq.Socket[Any]] = dataclasses.field(default_factory=list)
+    link: control_link.ControlLink | None = None
+    host: ShardHost | None = None
+    rank: RankHost | None = None
+    clock_sync: ClockSync | None = None
+
+    def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
+        sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
+        self.socks.append(sock)
+        return sock, endpoint
+
+    async def close(self) -> None:
+        if self.clock_sync is not None:
+            await self.clock_sync.close()
+        if self.host is not None:
+            await self.host.close()
+        if self.rank is not None:
+            await self.rank.close()
+        self.reactor.close()
+        for sock in self.socks:
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if self.link is not None:
+            await self.link.close()
+        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+
+
 async def _main(config: RoleConfig, control_address: str | None) -> int:
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
+    try:
+        return await _serve(proc, config, control_address)
+    finally:
+        await proc.close()
+
+
+async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str | None) -> int:
     name = config.name
     embedded = config.embedded_rank
     cluster = config.cluster
-    models = list(config.models)
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reactor = SocketReactor(asyncio.get_running_loop())
-    host: ShardHost | None = None
-    rank: RankHost | None = None
-    link: control_link.ControlLink | None = None
-    clock_sync: ClockSync | None = None
-    socks: list[zmq.Socket[Any]] = []
-    try:
-        holder: list[ShardHost] = []
-        link = await control_link.ControlLink.open(
-            ctx, control_address, role=ROLE, name=name,
-            drain_s=cluster.drain_s,
-            stats=lambda reset: holder[0].stats(reset) if holder else {},
-            on_message=lambda msg: rank.on_control_message(msg) if rank is not None else None,
-        )
-        advertise = config.advertise_host
-        sock, endpoint = make_router(ctx, config.bind["shard"], name=f"{name} shard",
-                                     advertise_host=advertise)
-        socks.append(sock)
-        endpoints = {"shard": endpoint}
-        if embedded:
-            rank_sock, rank_endpoint = make_router(ctx, config.bind["rank"], name=f"{name} rank",
-                                                   advertise_host=advertise)
-            socks.append(rank_sock)
-            endpoints["rank"] = rank_endpoint
-        # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
-        # before the shard takes requests (the ModelThreads' timers read this same object).
-        clock = ClusterClock(reference=embedded)
-        host = ShardHost(name=name, ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
-                         models=models, peers=dict(config.peers),
-                         index=config.index, clock=clock)
-        holder.append(host)
-        if embedded:
-            timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
-            rank = RankHost(name=name, sock=rank_sock, reactor=reactor, backend_timeout_s=timeout_s,
-                            local=(name, host.deliver_from_rank))
-            host.embed_rank(rank)
-            rank.start()
-            host.start()
-            log.info("%s: %s", name, clock.describe())
-        peers = await link.ready(endpoints)
-        host.peers.update(peers)
-        if not embedded:
-            clock_sync = await role_runner.sync_cluster_clock(ctx, host.peers, name=name,
-                                                           drain=link.drain, clock=clock)
-            if clock_sync is None:
-                return 0 if link.drain.requested else 2
-            rank_address = peer_map.rank_address(host.peers)
-            assert rank_address is not None
-            host.start()
-            host.connect_rank(rank_address)
-        await link.drain.wait()
-        await host.drain(link.drain.drain_s)
-        return 0
-    finally:
-        if clock_sync is not None:
-            await clock_sync.close()
-        if host is not None:
-            await host.close()
-        if rank is not None:
-            await rank.close()
-        reactor.close()
-        for s in socks:
-            s.close(linger=SOCKET_CLOSE_LINGER_MS)
-        if link is not None:
-            await link.close()
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+    link = proc.link = await control_link.ControlLink.open(
+        proc.ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
+        stats=lambda reset: proc.host.stats(reset) if proc.host is not None else {},
+        on_message=lambda msg: proc.rank.on_control_message(msg) if proc.rank else None,
+    )
+    advertise = config.advertise_host
+    sock, endpoint = proc.bind(config.bind["shard"], f"{name} shard", advertise)
+    endpoints = {"shard": endpoint}
+    # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
+    # before the shard takes requests (the ModelThreads' timers read this same object).
+    clock = ClusterClock(reference=embedded)
+    host = proc.host = ShardHost(
+        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
+        models=list(config.models),
+        peers=dict(config.peers), index=config.index, clock=clock)
+    if embedded:
+        rank_sock, endpoints["rank"] = proc.bind(config.bind["rank"], f"{name} rank",
+                                                 advertise)
+        timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
+        proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
+                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank))
+        host.embed_rank(proc.rank)
+        proc.rank.start()
+        host.start()
+        log.info("%s: %s", name, clock.describe())
+    host.peers.update(await link.ready(endpoints))
+    if not embedded:
+        proc.clock_sync = await role_runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
+                                                            drain=link.drain, clock=clock)
+        if proc.clock_sync is None:
+            return 0 if link.drain.requested else 2
+        rank_address = peer_map.rank_address(host.peers)
+        assert rank_address is not None
+        host.start()
+        host.connect_rank(rank_address)
+    await link.drain.wait()
+    await host.drain(link.drain.drain_s)
+    return 0
 
 
 def run_shard(config: RoleConfig, control_address: str | None) -> int:
@@ -628,31 +596,18 @@ def run_shard(config: RoleConfig, control_address: str | None) -> int:
 
 def main(argv: list[str]) -> int:
     """``zserve scheduler``: run scheduler shard ``--index`` of a cluster.toml on its own."""
-    parser = argparse.ArgumentParser(prog="zserve scheduler", description=main.__doc__)
-    parser.add_argument("--config", required=True, help="cluster.toml")
-    parser.add_argument("--index", type=int, default=0, help="which shard (default 0)")
-    parser.add_argument("--control", default=None, help="supervisor control address")
-    parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
+    parser = role_parser("zserve scheduler", main.__doc__)
     parser.add_argument("--bind", default=None, help="shard socket bind address")
     parser.add_argument("--rank-bind", default=None,
                         help="with shards = 0: the embedded rank's bind address")
-    parser.add_argument("--advertise", default=None, metavar="HOST",
-                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
-                             "address (default: this machine's host name)")
-    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
-    cluster = load_config(args.config)
-    ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
+    config = role_config_from_args(args, ROLE)
     if args.bind:
         config.bind["shard"] = args.bind
     if args.rank_bind:
         if "rank" not in config.bind:
             parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
         config.bind["rank"] = args.rank_bind
-    if args.rank:
-        config.peers[peer_map.peer_key("rank", "rank")] = args.rank
     return run_shard(config, args.control)
 
 

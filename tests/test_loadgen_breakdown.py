@@ -17,9 +17,10 @@ def test_rows_follow_the_request_and_pool_backends() -> None:
     frontends = [_frontend(admit_to_answer=(20.0, 24.0, 100), queueing=(8.0, 12.0, 90),
                            overhead=(9.0, 13.0, 90)),
                  _frontend(admit_to_answer=(30.0, 40.0, 5))]  # fewer samples: not chosen
-    shards = [{"meta_delay_ms": {"p50": 0.2, "p99": 0.9},
-               "grant_slack_ms": {"p1": -0.5, "p50": 1.0}}]
-    rank = {"candidate_slack_ms": {"p1": -1.0, "p50": 1.5, "min": -2.0}}
+    shards = [{"latency": {"meta_delay": {"count": 10, "p50_ms": 0.2, "p99_ms": 0.9},
+                           "grant_slack": {"count": 10, "p1_ms": -0.5, "p50_ms": 1.0}}}]
+    rank = {"latency": {"candidate_slack": {"count": 10, "p1_ms": -1.0, "p50_ms": 1.5,
+                                            "min_ms": -2.0}}}
     # Two backends' windows: the quantiles are over all batches together, not per backend.
     backend_samples = [{"fetch_s": [0.001] * 50, "slack_s": [0.002] * 50},
                        {"fetch_s": [0.003] * 50, "slack_s": [0.0001] * 2 + [0.002] * 48}]

@@ -13,6 +13,8 @@ from proc_harness import Harness, Peer, cluster_config, role_config_for
 
 from zserve.config import shard_for_model
 from zserve.errors import ErrorKind
+from zserve.scheduler.shard import MAX_SHARDS
+from zserve.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendGone,
     BackendRegister,
@@ -122,6 +124,24 @@ class SchedulerRig:
         ))
 
 
+def _check_stats_schema(rig: SchedulerRig) -> None:
+    """Every shard reports zserve.stats' schema: counters, latency summaries, histograms; the
+    meta_delay histograms of all shards merge into one holding every metadata batch."""
+    replies = []
+    for peer in rig.to_shard:
+        peer.send(StatsRequest(reset=False))
+        replies.append(peer.expect(StatsReply)[1].stats)
+    for stats in replies:
+        assert {"counters", "latency", "histograms"} <= stats.keys()
+        assert stats["latency"]["meta_delay"]["count"] == stats["counters"]["meta_batches"]
+    merged = merge_snapshots(replies)
+    assert merged["counters"]["requests"] == 9
+    meta = merged["latency"]["meta_delay"]
+    # (not necessarily >= 0: a shard apart from the rank reads the cluster clock through its
+    # offset estimate, a few microseconds off)
+    assert meta["count"] == 3 and meta["min_ms"] <= meta["p50_ms"] <= meta["max_ms"]
+
+
 def _run_scenario(tmp_path: Path, shards: int) -> dict[str, Any]:
     """Feasible requests of both models and one infeasible one; returns what came out."""
     h = Harness(tmp_path)
@@ -140,9 +160,13 @@ def _run_scenario(tmp_path: Path, shards: int) -> dict[str, Any]:
                 raise TimeoutError(f"{exc}; planned {planned}; {rig.diagnose()}") from None
             assert plan.gpu_id == 0 and plan.frontends == [rig.data_address]
             assert plan.exec_at <= plan.expected_finish_at
+            # plan ids are the shard's: its index in the low bits, unique in the cluster
+            assert plan.plan_id % MAX_SHARDS == shard_for_model(plan.model, rig.shards)
+            assert plan.plan_id >= MAX_SHARDS
             planned[plan.model].append(plan.request_ids)
         _, drop = rig.shard_of("alpha").expect(DropNotice)
         assert drop.request_ids == [99] and drop.error == ErrorKind.DEADLINE
+        _check_stats_schema(rig)
         for child in h.children:  # SIGTERM drains: every scheduler process exits 0
             child.terminate()
         assert [child.wait() for child in h.children] == [0] * len(h.children)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import zlib
 
 import pytest
 
-from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox
-from zserve.scheduler.model_thread import ModelThread, split_meta_by_model
+from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox, split_meta_by_model
+from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
@@ -399,3 +401,52 @@ def test_staggered_model_learns_no_margin() -> None:
     assert mt.cand_exec > TAUGHT_UNTIL_S  # it defers
     mt.on_timer(mt.wake_at, [])
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
+
+
+def test_plan_ids_come_from_the_hosts_source_in_grant_order() -> None:
+    shared = itertools.count(1024 + 3, 1024)  # a shard's: seq * MAX_SHARDS + index 3
+    first = ModelThread("a", PROFILE, 12 * MS, "eager", plan_ids=shared, publish_lead_s=None)
+    second = ModelThread("b", PROFILE, 12 * MS, "eager", plan_ids=shared, publish_lead_s=None)
+    ids = []
+    for mt in (first, second, first):
+        out = _arrive(mt, 0.0, [len(ids)])
+        mt.on_grant(0.0, GrantGpu(mt.model, 0, 1, free_at=0.0), out)
+        ids.append(next(m.plan_id for _, m in out if isinstance(m, BatchPlan)))
+    assert ids == [1024 + 3, 2 * 1024 + 3, 3 * 1024 + 3]
+    # without a source: crc32(model) << 32, + 1, + 2, ...
+    alone = _mt("eager")
+    out = _arrive(alone, 0.0, [1])
+    alone.on_grant(0.0, GrantGpu("m", 0, 1, free_at=0.0), out)
+    plan = next(m for _, m in out if isinstance(m, BatchPlan))
+    assert plan.plan_id == (zlib.crc32(b"m") << 32) + 1
+
+
+def test_take_queued_empties_the_queue_by_frontend_and_withdraws_the_candidate() -> None:
+    mt = _mt("deferred", "alone")
+    _arrive(mt, 0.0, [1, 2], frontend="fa")
+    _arrive(mt, 0.0, [3], frontend="fb")
+    _arrive(mt, 0.0, [4], frontend="fa")
+    assert mt.cand_bs and mt.wake_at < math.inf
+    out: Outbox = []
+    assert mt.take_queued(0.0, out) == {"fa": [1, 2, 4], "fb": [3]}
+    assert mt.queue_length == 0 and mt.cand_bs == 0 and mt.wake_at == math.inf
+    assert [m.batch_size for m in _cands(out)] == [0]  # the rank held a candidate: withdrawn
+    out.clear()
+    assert mt.take_queued(0.0, out) == {} and out == []
+
+
+def test_grant_window_left_is_the_margin_to_the_last_grantable_moment() -> None:
+    mt = _mt("deferred", "alone", d_ctrl_s=0.5 * MS)
+    assert mt.grant_window_left(0.0) is None
+    _arrive(mt, 0.0, [1, 2])  # deadline 12 ms, l(2) = 7 ms: latest 5 ms, delay 0.5 ms
+    assert mt.grant_window_left(1 * MS) == pytest.approx(3.5 * MS)
+    assert mt.grant_window_left(5 * MS) == pytest.approx(-0.5 * MS)
+
+
+def test_set_profile_rederives_the_target_and_keep_min() -> None:
+    mt = _mt(budget_s=12 * MS)
+    slower = LatencyProfile.linear(3.0, 5.0, 32)
+    expected = ModelThread("m", slower, 12 * MS, "deferred", budget_s=12 * MS)
+    mt.set_profile(slower)
+    assert mt.profile is slower
+    assert (mt.target, mt.keep_min) == (expected.target, expected.keep_min)

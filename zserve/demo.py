@@ -202,10 +202,6 @@ def _print_cpu(before: dict[str, float], after: dict[str, float], requests: int)
             print(f"    {name:12s} {cost_us:8.1f} us{rate}")
 
 
-# Per-process timing summaries worth printing (StatsReply keys; each a dict of percentiles, ms).
-_TIMING_KEYS = ("meta_delay_ms", "grant_slack_ms", "candidate_slack_ms", "lateness_ms")
-
-
 def _fmt_summary(summary: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in summary.items())
@@ -228,9 +224,9 @@ def _print_stats(cluster: Any) -> None:
                                           if isinstance(v, int | float)})
         print(f"  {name} counters: {counters}")
         for source in (stats, stats.get("rank") or {}):
-            for key in _TIMING_KEYS:
-                if isinstance(source.get(key), dict):
-                    print(f"    {key:20s} {_fmt_summary(source[key])}")
+            for key, summary in (source.get("latency") or {}).items():
+                if summary.get("count"):
+                    print(f"    {key:20s} {_fmt_summary(summary)}")
         for key, summary in (stats.get("timings") or {}).items():
             if isinstance(summary, dict):
                 shown = {k: summary[k] for k in ("count", "p50", "p99", "max") if k in summary}

@@ -34,12 +34,13 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from zserve.clock import ClusterClock
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Fallback only: the loop's timer is armed this much early and the rest is polled.
 POLL_WINDOW_S = 0.0015
@@ -104,6 +105,80 @@ class _TimerFd:
         self._finalizer()
 
 
+class LazyTimerHeap(Generic[T]):
+    """Timers in deadline order, with lazy deletion: a cancelled or superseded entry stays in
+    the heap until it reaches the top, where ``is_live(when, item)`` tells it apart and it is
+    dropped. Cancelling costs nothing then, which suits timers that are mostly cancelled (most
+    requests are answered well before their deadline timer). Ties fire in push order.
+
+    The owner may report entries that went stale (``mark_stale``); ``compact_if`` rebuilds the
+    heap from its live entries once stale ones dominate, so it stays proportional to the live
+    timers. Used by :class:`PreciseTimers`; the frontend's deadline timers are the same shape.
+    """
+
+    __slots__ = ("_entries", "_is_live", "_seq", "stale")
+
+    def __init__(self, is_live: Callable[[float, T], bool]) -> None:
+        self._entries: list[tuple[float, int, T]] = []
+        self._is_live = is_live
+        self._seq = 0
+        self.stale = 0  # entries reported stale and not yet dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, when: float, item: T) -> None:
+        self._seq += 1
+        heapq.heappush(self._entries, (when, self._seq, item))
+
+    def mark_stale(self) -> None:
+        """One entry in the heap is no longer live (counted for ``compact_if``)."""
+        self.stale += 1
+
+    def pop_due(self, now: float) -> T | None:
+        """The next live item whose time ``<= now`` (removed), or None; stale entries met on
+        the way are dropped."""
+        entries = self._entries
+        is_live = self._is_live
+        while entries and entries[0][0] <= now:
+            when, _, item = heapq.heappop(entries)
+            if is_live(when, item):
+                return item
+            self._dropped_stale()
+        return None
+
+    def next_at(self) -> float:
+        """When the earliest live timer is due (``math.inf``: none); stale tops are dropped."""
+        entries = self._entries
+        while entries:
+            when, _, item = entries[0]
+            if self._is_live(when, item):
+                return when
+            heapq.heappop(entries)
+            self._dropped_stale()
+        return math.inf
+
+    def compact_if(self, live: int, *, factor: float, minimum: int) -> None:
+        """Rebuild from the live entries when there are more than ``minimum`` entries and more
+        than ``factor`` times ``live`` of them."""
+        if len(self._entries) > minimum and len(self._entries) > factor * live:
+            is_live = self._is_live
+            self._entries = [e for e in self._entries if is_live(e[0], e[2])]
+            heapq.heapify(self._entries)
+            self.stale = 0
+
+    def drain(self) -> list[T]:
+        """Remove every entry; return the items (live or not), in no particular order."""
+        items = [e[2] for e in self._entries]
+        self._entries.clear()
+        self.stale = 0
+        return items
+
+    def _dropped_stale(self) -> None:
+        if self.stale:
+            self.stale -= 1
+
+
 class TimerHandle:
     """A callback scheduled with :meth:`PreciseTimers.call_at`."""
 
@@ -118,7 +193,7 @@ class TimerHandle:
     def cancel(self) -> None:
         if not self.cancelled:
             self.cancelled = True
-            self._owner._cancelled += 1
+            self._owner._heap.mark_stale()
 
 
 class PreciseTimers:
@@ -128,9 +203,7 @@ class PreciseTimers:
         # A weak reference: ``timers_for`` keys instances by loop in a WeakKeyDictionary, whose
         # values must not keep their keys alive.
         self._loop_ref = weakref.ref(loop)
-        self._heap: list[tuple[float, int, TimerHandle]] = []
-        self._seq = 0
-        self._cancelled = 0
+        self._heap: LazyTimerHeap[TimerHandle] = LazyTimerHeap(_handle_is_live)
         self._armed_at = math.inf
         self._fd: _TimerFd | None = None
         self._fallback: asyncio.Handle | None = None
@@ -158,22 +231,20 @@ class PreciseTimers:
     def call_at(self, when: float, callback: Callable[[], Any]) -> TimerHandle:
         """Call ``callback()`` on the loop once ``time.monotonic() >= when``."""
         handle = TimerHandle(self, when, callback)
-        self._seq += 1
-        heapq.heappush(self._heap, (when, self._seq, handle))
+        heap = self._heap
+        heap.push(when, handle)
         if when < self._armed_at:
             self._arm(when)
-        if self._cancelled > _COMPACT_MIN and self._cancelled > _COMPACT_FACTOR * (
-            len(self._heap) - self._cancelled
-        ):
-            self._compact()
+        if heap.stale > _COMPACT_MIN:
+            # stale > _COMPACT_FACTOR * live, i.e. size > (_COMPACT_FACTOR + 1) * live
+            heap.compact_if(len(heap) - heap.stale, factor=_COMPACT_FACTOR + 1,
+                            minimum=_COMPACT_MIN)
         return handle
 
     def close(self) -> None:
         """Drop every pending timer and release the timerfd."""
-        for _, _, handle in self._heap:
+        for handle in self._heap.drain():
             handle.cancelled = True
-        self._heap.clear()
-        self._cancelled = 0
         self._armed_at = math.inf
         if self._fallback is not None:
             self._fallback.cancel()
@@ -186,11 +257,6 @@ class PreciseTimers:
             self._fd = None
 
     # ------------------------------------------------------------------ internals
-
-    def _compact(self) -> None:
-        self._heap = [entry for entry in self._heap if not entry[2].cancelled]
-        heapq.heapify(self._heap)
-        self._cancelled = 0
 
     def _arm(self, when: float) -> None:
         self._armed_at = when
@@ -216,21 +282,19 @@ class PreciseTimers:
         now = time.monotonic()
         # ``now`` is read once: a callback that schedules another timer for a moment already
         # past is run on the next wake-up (at once), never in a loop here.
-        while heap and heap[0][0] <= now:
-            _, _, handle = heapq.heappop(heap)
-            if handle.cancelled:
-                self._cancelled -= 1
-                continue
+        while (handle := heap.pop_due(now)) is not None:
             handle.cancelled = True  # fired: a later cancel() is a no-op
             try:
                 handle.callback()
             except Exception:
                 log.exception("timer callback %r failed", handle.callback)
-        while heap and heap[0][2].cancelled:
-            heapq.heappop(heap)
-            self._cancelled -= 1
-        if heap:
-            self._arm(heap[0][0])
+        next_at = heap.next_at()
+        if next_at != math.inf:
+            self._arm(next_at)
+
+
+def _handle_is_live(when: float, handle: TimerHandle) -> bool:
+    return not handle.cancelled
 
 
 _BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PreciseTimers] = (
