@@ -36,13 +36,12 @@ import numpy as np
 from zserve.backends.executor import (
     BatchInputs,
     Executor,
-    ModelSignature,
     TensorMap,
-    TensorSpec,
     split_rows,
 )
 from zserve.backends.profiler import PROFILE_FORMAT, LatencyProfile
 from zserve.errors import BadRequestError
+from zserve.signature import ModelSignature, TensorSpec
 from zserve.timers import sleep_until
 
 

@@ -426,6 +426,7 @@ class Backend:
                 plan_address=self.plan_address,
                 models=list(self.models),
                 profiles_ms=profiles_ms,
+                signatures={m: self.executor.signature(m).to_dict() for m in self.models},
             ),
         )
 

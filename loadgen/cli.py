@@ -147,6 +147,27 @@ def _example_inputs(signature: Any) -> TensorMap:
     return tensors
 
 
+def _config_signature(config: Any) -> Any:
+    """The ``ModelSignature`` of a cluster file's model (read without ONNX Runtime), or None
+    when it cannot be read here."""
+    try:
+        if config.kind == "emulated":
+            from zserve.backends.emulated import EmulatedModel
+
+            return EmulatedModel(
+                config.name, config.alpha_ms, config.beta_ms, max_batch=config.max_batch,
+                input_shape=config.input_shape, input_dtype=config.input_dtype,
+                output_shape=config.output_shape,
+            ).signature
+        from zserve.backends.builtin import ensure_builtin
+        from zserve.backends.onnx_executor import read_signature
+
+        return read_signature(ensure_builtin(config.builtin) if config.builtin else config.onnx,
+                              config.name)
+    except Exception:
+        return None
+
+
 def _match_models(
     workload: Workload, cluster_names: list[str], model_map: dict[str, str]
 ) -> dict[str, str]:
@@ -176,13 +197,11 @@ def _target_from_config(
     config: Any, client_address: str, stats_addresses: dict[str, str], workload: Workload,
     model_map: dict[str, str],
 ) -> Target:
-    from zserve.frontend import model_signature
-
     names = _match_models(workload, [m.name for m in config.models], model_map)
     inputs: dict[str, TensorMap] = {}
     notes: list[str] = []
     for wname, cname in names.items():
-        signature = model_signature(config.model(cname))
+        signature = _config_signature(config.model(cname))
         if signature is None:
             notes.append(f"no signature for {cname}: requests carry no inputs")
             inputs[wname] = {}

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from zserve.backends.executor import ModelSignature, TensorSpec
+from zserve.signature import ModelSignature, TensorSpec
 from zserve.errors import BadRequestError, ErrorKind
 
 
