@@ -316,9 +316,12 @@ class FrontendCore:
 
     def on_drop(self, now: float, msg: DropNotice, outbox: Outbox) -> None:
         """The scheduler dropped requests (it could not serve them in time)."""
-        before = len(self.requests.pending)
-        self._answer_ids(now, msg.request_ids, error_kind(msg.error), msg.message, outbox)
-        self.counters["dropped_by_scheduler"] += before - len(self.requests.pending)
+        kind = error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self.counters["dropped_by_scheduler"] += 1
+                self._answer_error(now, p, kind, msg.message, outbox)
 
     def _answer_ids(self, now: float, rids: list[int], kind: ErrorKind, message: str,
                     outbox: Outbox) -> None:
