@@ -7,7 +7,9 @@ candidate strategy, in interleaved rounds, and prints the CPU time per message o
 - ``events``: ask ``getsockopt(EVENTS) & POLLIN`` before every receive;
 - ``poll``: receive first (the FD fired, so a message is all but certain), then ``zmq_poll``
   with timeout 0 before every further receive;
-- ``recv``: receive until it fails with EAGAIN.
+- ``recv``: receive until it fails with EAGAIN;
+- ``hybrid``: receive first, ask ``zmq_poll`` once, and if more came receive until EAGAIN (a
+  lone message costs one poll, a flood one failing receive per chunk).
 
 "flood": 20,000 messages queued, drained in chunks of up to 512; "spaced": one message at a time
 (each wait for input, then one drain): the cost an idle connection pays per message. The reactor
@@ -73,7 +75,19 @@ def drain_recv(sock: zmq.Socket[Any], _items: list[tuple[zmq.Socket[Any], int]])
     return count
 
 
-STRATEGIES: dict[str, Drain] = {"events": drain_events, "poll": drain_poll, "recv": drain_recv}
+def drain_hybrid(sock: zmq.Socket[Any], items: list[tuple[zmq.Socket[Any], int]]) -> int:
+    count = 0
+    try:
+        while count < CHUNK and (count != 1 or zmq.zmq_poll(items, 0)):
+            _recv_message(sock)
+            count += 1
+    except zmq.Again:
+        pass
+    return count
+
+
+STRATEGIES: dict[str, Drain] = {"events": drain_events, "poll": drain_poll, "recv": drain_recv,
+                                "hybrid": drain_hybrid}
 
 
 def _flood(router: zmq.Socket[Any], dealer: zmq.Socket[Any], drain: Drain, count: int) -> float:
