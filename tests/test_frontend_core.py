@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zserve.config import ClusterConfig, parse_config
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, TO_SHARD, FrontendCore, Outbox
@@ -18,6 +20,7 @@ from zserve.transport.messages import (
     CancelFetched,
     CancelRequest,
     ClientHello,
+    DropNotice,
     Hello,
     InferAnswers,
     InferError,
@@ -296,3 +299,124 @@ def test_a_client_that_accepts_it_gets_one_message_per_tick() -> None:
     assert destination == (TO_CLIENT, CLIENT) and isinstance(answers, InferAnswers)
     assert answers.request_ids == [0, 1] and answers.error_ids == [2]
     assert answers.errors == ["CANCELLED"]
+
+
+# --------------------------------------------------------------------------- exactly one answer
+
+Op = tuple[str, int, int]
+_OPS = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 2), st.integers(0, 1)),
+    st.tuples(st.just("fetch"), st.integers(0, 1), st.integers(1, 4)),
+    st.tuples(st.just("outputs"), st.integers(0, 1), st.just(0)),
+    st.tuples(st.just("cancel"), st.integers(0, 2), st.integers(-1, 8)),
+    st.tuples(st.just("drop"), st.integers(0, 8), st.just(0)),
+    st.tuples(st.just("restart"), st.integers(0, 1), st.just(0)),
+    st.tuples(st.just("gone"), st.integers(0, 2), st.just(0)),
+    st.tuples(st.just("advance"), st.integers(1, 80), st.just(0)),
+    st.tuples(st.just("hello"), st.integers(0, 2), st.just(0)),  # answers batched per tick
+)
+
+
+class _VirtualHost:
+    """Hosts a FrontendCore on a virtual clock the way the process host does: each event, then
+    end_tick; on_timer whenever the clock passes wake_at. Counts the answers each request got."""
+
+    def __init__(self) -> None:
+        self.core = _core(max_queue=6)
+        self.now = 0.0
+        self.next_id = [0, 0, 0]
+        self.answers: dict[tuple[bytes, int], int] = {}
+        self.exempt: set[tuple[bytes, int]] = set()  # in flight when its client went away
+        self.fetched: dict[str, list[int]] = {"backend-0": [], "backend-1": []}
+        self.pids = {"backend-0": 1, "backend-1": 1}
+
+    def deliver(self, outbox: Outbox) -> None:
+        self.core.end_tick(outbox)
+        for (kind, target), msg in outbox:
+            if kind != TO_CLIENT:
+                continue
+            assert isinstance(target, bytes)
+            ids = [msg.request_id] if isinstance(msg, InferReply | InferError) else (
+                [*msg.request_ids, *msg.error_ids] if isinstance(msg, InferAnswers) else [])
+            for request_id in ids:
+                key = (target, request_id)
+                self.answers[key] = self.answers.get(key, 0) + 1
+
+    def advance(self, to: float) -> None:
+        while self.core.wake_at <= to:
+            self.now = max(self.now, self.core.wake_at)
+            outbox: Outbox = []
+            self.core.on_timer(self.now, outbox)
+            self.deliver(outbox)
+        self.now = to
+
+    def apply(self, op: Op) -> None:
+        kind, a, b = op
+        outbox: Outbox = []
+        getattr(self, f"_{kind}")(a, b, outbox)
+        self.deliver(outbox)
+
+    def _submit(self, client_index: int, model: int, outbox: Outbox) -> None:
+        client = f"client-{client_index}".encode()
+        request_id = self.next_id[client_index]
+        self.next_id[client_index] += 1
+        self.answers.setdefault((client, request_id), 0)
+        self.core.on_client_message(self.now, client, InferRequest(
+            request_id, "m" if model else "a", _sample(request_id)), outbox)
+
+    def _fetch(self, backend_index: int, count: int, outbox: Outbox) -> None:
+        backend = f"backend-{backend_index}"
+        queued = [p.rid for p in self.core.pending.values() if p.inputs is not None][:count]
+        self.core.on_fetch(self.now, backend, InputFetch(1, queued), outbox)
+        self.fetched[backend] += queued
+
+    def _outputs(self, backend_index: int, _: int, outbox: Outbox) -> None:
+        backend = f"backend-{backend_index}"
+        rids, self.fetched[backend] = self.fetched[backend], []
+        outputs = [{"y": np.zeros((1, 1), np.float32)}] * len(rids)
+        self.core.on_outputs(self.now, BatchOutputs(1, rids, outputs), outbox)
+
+    def _cancel(self, client_index: int, client_rid: int, outbox: Outbox) -> None:
+        client = f"client-{client_index}".encode()
+        if client_rid < 0:  # the client closes: what it has in flight is answered nothing
+            self._exempt(client)
+        self.core.on_cancel(self.now, client, client_rid, outbox)
+
+    def _drop(self, first: int, _: int, outbox: Outbox) -> None:
+        rids = sorted(self.core.pending)[first:first + 2]
+        self.core.on_drop(self.now, DropNotice(rids, "DEADLINE", "late"), outbox)
+
+    def _restart(self, backend_index: int, _: int, outbox: Outbox) -> None:
+        backend = f"backend-{backend_index}"
+        self.pids[backend] += 1
+        self.core.on_backend_hello(self.now, Hello("backend", backend, self.pids[backend]),
+                                   outbox)
+
+    def _gone(self, client_index: int, _: int, outbox: Outbox) -> None:
+        client = f"client-{client_index}".encode()
+        self._exempt(client)
+        self.core.client_gone(client)
+
+    def _hello(self, client_index: int, _: int, outbox: Outbox) -> None:
+        client = f"client-{client_index}".encode()
+        self.core.on_client_message(self.now, client, ClientHello([InferAnswers.KIND]), outbox)
+
+    def _advance(self, milliseconds: int, _: int, outbox: Outbox) -> None:
+        self.advance(self.now + milliseconds * 1e-3)
+
+    def _exempt(self, client: bytes) -> None:
+        for client_rid in self.core.requests.by_client.get(client, {}):
+            self.exempt.add((client, client_rid))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_OPS, max_size=60))
+def test_every_request_is_answered_exactly_once(ops: list[Op]) -> None:
+    host = _VirtualHost()
+    for op in ops:
+        host.apply(op)
+    host.advance(host.now + 2 * SLO_S)  # every deadline passes
+    assert not host.core.pending and host.core.wake_at == math.inf
+    for key, count in host.answers.items():
+        # One answer each; none for a request whose client went away while it was in flight.
+        assert count == (0 if key in host.exempt else 1), (key, count)
