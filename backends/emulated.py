@@ -36,14 +36,13 @@ import numpy as np
 from zserve.backends.executor import (
     BatchInputs,
     Executor,
-    ModelSignature,
     TensorMap,
-    TensorSpec,
     split_rows,
 )
 from zserve.backends.profiler import LatencyMeasurement
 from zserve.errors import BadRequestError
 from zserve.profiles import PROFILE_FORMAT
+from zserve.signature import ModelSignature, TensorSpec
 from zserve.timers import sleep_until
 
 

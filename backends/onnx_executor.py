@@ -48,12 +48,11 @@ from zserve.backends.executor import (
     BatchInputs,
     Executor,
     ModelLoadError,
-    ModelSignature,
     TensorMap,
-    TensorSpec,
     split_rows,
 )
 from zserve.errors import BackendFailedError, BadRequestError
+from zserve.signature import ModelSignature, TensorSpec
 
 # ONNX Runtime's tensor type names -> numpy dtype names.
 _ORT_DTYPES: dict[str, str] = {

@@ -225,9 +225,17 @@ class Backend:
     def _register(self) -> None:
         assert self.rank_sock is not None
         profiles_ms = {m: p.latency_ms_list() for m, p in self.profiles.items()}
-        self._send(self.rank_sock, BackendRegister(
-            name=self.name, device=self.device, plan_address=self.plan_address,
-            models=list(self.models), profiles_ms=profiles_ms))
+        self._send(
+            self.rank_sock,
+            BackendRegister(
+                name=self.name,
+                device=self.device,
+                plan_address=self.plan_address,
+                models=list(self.models),
+                profiles_ms=profiles_ms,
+                signatures={m: self.executor.signature(m).to_dict() for m in self.models},
+            ),
+        )
 
     def _connect_frontend(self, address: str) -> None:
         """A DEALER to a frontend's ``data`` ROUTER, opened once, when the host learns the

@@ -10,6 +10,7 @@ name (``match_models``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -19,12 +20,16 @@ from typing import Any
 import numpy as np
 import zmq
 
+from zserve.config import ModelConfig
 from zserve.loadgen.stats_poller import STATS_REPLY_TIMEOUT_S
 from zserve.loadgen.workload import Workload
 from zserve.scheduler.policy import DEFAULT_KEEP_TOLERANCE
+from zserve.signature import ModelSignature
 from zserve.transport import codec
 from zserve.transport.messages import ClusterStatsRequest, StatsReply, TensorMap
 from zserve.transport.sockets import make_dealer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,17 +93,39 @@ def match_models(
     return matched
 
 
+def config_signature(config: ModelConfig) -> ModelSignature | None:
+    """The signature of a cluster file's model, read here without ONNX Runtime (the load
+    generator builds each request's inputs from it), or None when it cannot be read here."""
+    try:
+        if config.kind == "emulated":
+            from zserve.backends.emulated import EmulatedModel
+
+            assert config.alpha_ms is not None and config.beta_ms is not None
+            return EmulatedModel(
+                config.name, config.alpha_ms, config.beta_ms, max_batch=config.max_batch,
+                input_shape=config.input_shape, input_dtype=config.input_dtype,
+                output_shape=config.output_shape,
+            ).signature
+        from zserve.backends.builtin import ensure_builtin
+        from zserve.backends.onnx_executor import read_signature
+
+        path = ensure_builtin(config.builtin) if config.builtin else config.onnx
+        assert path is not None
+        return read_signature(path, config.name)
+    except Exception as exc:  # any unreadable model: the requests then carry no inputs
+        log.warning("model %s: no signature here (%s)", config.name, exc)
+        return None
+
+
 def target_from_config(
     config: Any, client_address: str, stats_addresses: dict[str, str], workload: Workload,
     model_map: dict[str, str],
 ) -> Target:
-    from zserve.frontend import model_signature
-
     names = match_models(workload, [m.name for m in config.models], model_map)
     inputs: dict[str, TensorMap] = {}
     notes: list[str] = []
     for wname, cname in names.items():
-        signature = model_signature(config.model(cname))
+        signature = config_signature(config.model(cname))
         if signature is None:
             notes.append(f"no signature for {cname}: requests carry no inputs")
             inputs[wname] = {}

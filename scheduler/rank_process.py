@@ -50,7 +50,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -111,6 +111,7 @@ class _Backend:
     profiles_ms: dict[str, list[float]]
     last_seen: float
     alive: bool = True
+    signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class RankHost:
@@ -287,7 +288,8 @@ class RankHost:
             self.gpu_by_name[msg.name] = gpu_id
         previous = self.backends.get(gpu_id)
         backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
-                           list(msg.models), dict(msg.profiles_ms), now)
+                           list(msg.models), dict(msg.profiles_ms), now,
+                           signatures=dict(msg.signatures))
         self.backends[gpu_id] = backend
         # The table goes out before the GPU can be granted: a shard knows a GPU's plan address
         # before its first plan for it (one FIFO per peer).
@@ -333,6 +335,7 @@ class RankHost:
             addresses=[b.address for b in alive],
             models=[list(b.models) for b in alive],
             profiles_ms=[dict(b.profiles_ms) for b in alive],
+            signatures=[dict(b.signatures) for b in alive],
         )
 
     def _broadcast_table(self) -> None:

@@ -124,8 +124,11 @@ class FrontendHarness:
     def client_address(self) -> str:
         return self.endpoints["client"]
 
-    def backend_table(self, names: list[str], models: list[list[str]]) -> None:
-        table = BackendTable(list(range(len(names))), names, ["ipc://x"] * len(names), models)
+    def backend_table(self, names: list[str], models: list[list[str]],
+                      signatures: list[dict[str, dict[str, Any]]] | None = None) -> None:
+        """Send the rank's BackendTable; ``signatures`` are what each backend registered."""
+        table = BackendTable(list(range(len(names))), names, ["ipc://x"] * len(names), models,
+                             signatures=signatures or [])
         socket_io.sync_send(self.rank, table, identity=b"frontend-0")
 
     def backend(self, name: str = "backend-0", pid: int = 1) -> zmq.Socket[Any]:

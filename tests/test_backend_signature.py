@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from zserve.backends.executor import ModelSignature, TensorSpec
 from zserve.errors import BadRequestError, ErrorKind
+from zserve.signature import ModelSignature, TensorSpec
 
 
 @pytest.fixture

@@ -155,7 +155,7 @@ def test_client_announces_and_decodes_answers_in_one_message(tmp_path: Any) -> N
             requests = [(await asyncio.to_thread(receive))[1] for _ in futures]
             assert all(isinstance(r, InferRequest) for r in requests)
             ids = [r.request_id for r in requests]
-            outputs = [{"y": np.float32([[i]])} for i in range(2)]
+            outputs = [{"y": np.full((1, 1), i, np.float32)} for i in range(2)]
             answers = InferAnswers(ids[:2], outputs, [ids[2], 999], ["OVERLOADED", "DEADLINE"],
                                    ["busy", "nobody's"])
             socket_io.sync_send(router, answers, identity=identity)

@@ -24,6 +24,7 @@ from runtime_helpers import (
 )
 
 import zserve
+from zserve.signature import ModelSignature, TensorSpec
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     BackendGone,
@@ -68,6 +69,11 @@ def test_requests_get_their_own_outputs(frontend: FrontendHarness) -> None:
 
 
 def test_bad_requests_are_typed(frontend: FrontendHarness) -> None:
+    # The frontend validates against the signature its backends registered (passed on by rank).
+    signature = ModelSignature("m", (TensorSpec("x", "float32", (4,)),),
+                               (TensorSpec("y", "float32", (1,)),))
+    frontend.backend_table(["backend-0"], [["m"]], [{"m": signature.to_dict()}])
+    wait_stats(frontend, lambda st: st["backends"] == ["backend-0"])
     with zserve.Client(frontend.client_address, timeout=10) as client:
         with pytest.raises(zserve.BadRequestError, match="unknown model"):
             client.infer("nope", sample(1))
@@ -97,9 +103,8 @@ def test_drop_notice_answers_deadline(frontend: FrontendHarness) -> None:
         future = client.submit("m", sample(1))
         (rid,) = meta_ids(frontend, 1)
         identity, _ = b"frontend-0", None
-        socket_io.sync_send(
-            frontend.shard, DropNotice([rid], "DEADLINE", "dropped"), identity=identity
-        )
+        socket_io.sync_send(frontend.shard, DropNotice([rid], "DEADLINE", "dropped"),
+                            identity=identity)
         with pytest.raises(zserve.DeadlineError):
             future.result(10)
 

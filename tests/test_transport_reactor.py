@@ -46,74 +46,149 @@ async def _wait(event: asyncio.Event, what: Callable[[], str]) -> None:
 # --------------------------------------------------------------------------- the regression tests
 
 
+class _Storm:
+    """Both ends of the storm: the client streams requests from timers (and follow-ups from its
+    handler); the server replies from its handler, from later callbacks and from timers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pair: Pair, requests: int) -> None:
+        self.loop = loop
+        self.router, self.dealer = pair
+        self.requests = requests
+        self.server = SocketReactor(loop)
+        self.client = SocketReactor(loop)
+        self.want_replies = {("reply", s) for s in range(requests)}
+        self.want_replies |= {("follow-reply", s) for s in range(0, requests, 4)}
+        self.want_pushes = {("push", s) for s in range(0, requests, 7)}
+        self.replies: set[tuple[str, int]] = set()
+        self.pushes: set[tuple[str, int]] = set()
+        self.done = asyncio.Event()
+        self.errors: list[BaseException] = []
+
+    def check(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+
+    def reply(self, identity: bytes, name: str, seq: int) -> None:
+        self.check(self.server.send_nowait(self.router, Heartbeat(name, seq, 0.0), identity))
+
+    def on_server(self, chunk: Chunk) -> None:
+        for identity, msg in chunk:
+            assert identity == b"peer-0" and isinstance(msg, Heartbeat)
+            name = "reply" if msg.name == "req" else "follow-reply"
+            if msg.seq % 2:  # later, outside the handler
+                self.loop.call_soon(self.reply, identity, name, msg.seq)
+            else:  # from inside the handler
+                self.reply(identity, name, msg.seq)
+            if msg.name == "req" and msg.seq % 7 == 0:  # from a timer callback
+                self.loop.call_later(0, self.reply, identity, "push", msg.seq)
+
+    def on_client(self, chunk: Chunk) -> None:
+        for identity, msg in chunk:
+            assert identity is None and isinstance(msg, Heartbeat)
+            if msg.name == "push":
+                self.pushes.add((msg.name, msg.seq))
+                continue
+            self.replies.add((msg.name, msg.seq))
+            if msg.name == "reply" and msg.seq % 4 == 0:  # from inside the handler
+                self.check(self.client.send_nowait(self.dealer, Heartbeat("follow", msg.seq, 0.0)))
+        if self.replies == self.want_replies and self.pushes == self.want_pushes:
+            self.done.set()
+
+    def stream(self, first: int) -> None:  # a timer callback, outside every handler
+        for seq in range(first, min(first + 3, self.requests)):
+            self.check(self.client.send_nowait(self.dealer, Heartbeat("req", seq, 0.0)))
+        if first + 3 < self.requests:
+            self.loop.call_later(0, self.stream, first + 3)
+
+    def missing(self) -> str:
+        return (f"{len(self.want_replies - self.replies)} replies and "
+                f"{len(self.want_pushes - self.pushes)} pushes never arrived")
+
+
 @pytest.mark.parametrize("loop_kind", LOOPS)
 def test_storm_in_both_directions_strands_nothing(loop_kind: str, transport_pair: Pair) -> None:
     """Requests from a timer stream and from the client's handler; replies from the server's
     handler and from later callbacks; pushes from server timers. All must arrive."""
-    router, dealer = transport_pair
-    requests = 1500
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = SocketReactor(loop)
-        client = SocketReactor(loop)
-        want_replies = {("reply", s) for s in range(requests)}
-        want_replies |= {("follow-reply", s) for s in range(0, requests, 4)}
-        want_pushes = {("push", s) for s in range(0, requests, 7)}
-        replies: set[tuple[str, int]] = set()
-        pushes: set[tuple[str, int]] = set()
-        done = asyncio.Event()
-        errors: list[BaseException] = []
-
-        def check(error: BaseException | None) -> None:
-            if error is not None:
-                errors.append(error)
-
-        def reply(identity: bytes, name: str, seq: int) -> None:
-            check(server.send_nowait(router, Heartbeat(name, seq, 0.0), identity))
-
-        def on_server(chunk: Chunk) -> None:
-            for identity, msg in chunk:
-                assert identity == b"peer-0" and isinstance(msg, Heartbeat)
-                name = "reply" if msg.name == "req" else "follow-reply"
-                if msg.seq % 2:  # later, outside the handler
-                    loop.call_soon(reply, identity, name, msg.seq)
-                else:  # from inside the handler
-                    reply(identity, name, msg.seq)
-                if msg.name == "req" and msg.seq % 7 == 0:  # from a timer callback
-                    loop.call_later(0, reply, identity, "push", msg.seq)
-
-        def on_client(chunk: Chunk) -> None:
-            for identity, msg in chunk:
-                assert identity is None and isinstance(msg, Heartbeat)
-                if msg.name == "push":
-                    pushes.add((msg.name, msg.seq))
-                    continue
-                replies.add((msg.name, msg.seq))
-                if msg.name == "reply" and msg.seq % 4 == 0:  # from inside the handler
-                    check(client.send_nowait(dealer, Heartbeat("follow", msg.seq, 0.0)))
-            if replies == want_replies and pushes == want_pushes:
-                done.set()
-
-        def stream(first: int) -> None:  # a timer callback, outside every handler
-            for seq in range(first, min(first + 3, requests)):
-                check(client.send_nowait(dealer, Heartbeat("req", seq, 0.0)))
-            if first + 3 < requests:
-                loop.call_later(0, stream, first + 3)
-
-        server.watch(router, router=True, on_chunk=on_server)
-        client.watch(dealer, router=False, on_chunk=on_client)
-        loop.call_later(0, stream, 0)
+        storm = _Storm(loop, transport_pair, requests=1500)
+        storm.server.watch(transport_pair[0], router=True, on_chunk=storm.on_server)
+        storm.client.watch(transport_pair[1], router=False, on_chunk=storm.on_client)
+        loop.call_later(0, storm.stream, 0)
         try:
-            await _wait(done, lambda: f"{len(want_replies - replies)} replies and "
-                                      f"{len(want_pushes - pushes)} pushes never arrived")
+            await _wait(storm.done, storm.missing)
         finally:
-            server.close()
-            client.close()
-        assert not errors
-        assert replies == want_replies and pushes == want_pushes
+            storm.server.close()
+            storm.client.close()
+        assert not storm.errors
+        assert storm.replies == storm.want_replies and storm.pushes == storm.want_pushes
 
     _run(loop_kind, main)
+
+
+class _PingPong:
+    """Both ends of the ping-pong: the server answers pings and sends noise to a sink that never
+    answers; the client sends pings (from several kinds of callback) and noise."""
+
+    NOISE_SENDS = 8
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pair: Pair) -> None:
+        self.loop = loop
+        self.router, self.dealer = pair
+        self.server = SocketReactor(loop)
+        self.client = SocketReactor(loop)
+        self.seq = -1
+        self.got = -1
+        self.client_noise_sent = 0
+        self.server_noise_sent = 0
+        self.sink_known = asyncio.Event()
+        self.arrived = asyncio.Event()
+
+    def server_noise(self, left: int) -> None:
+        if left and self.server.send_nowait(
+                self.router, Heartbeat("noise", left, 0.0), b"sink") is None:
+            self.server_noise_sent += 1
+            self.loop.call_soon(self.server_noise, left - 1)
+
+    def on_server(self, chunk: Chunk) -> None:
+        for identity, msg in chunk:
+            assert isinstance(msg, Heartbeat)
+            if identity == b"sink":
+                self.sink_known.set()
+            elif msg.name == "ping":
+                assert self.server.send_nowait(self.router, msg, identity) is None
+                self.loop.call_soon(self.server_noise, self.NOISE_SENDS)
+
+    def on_client(self, chunk: Chunk) -> None:
+        for identity, msg in chunk:
+            assert identity is None and isinstance(msg, Heartbeat) and msg.name == "ping"
+            self.got = msg.seq
+            if msg.seq == self.seq:
+                self.arrived.set()
+
+    def client_noise(self, left: int) -> None:
+        if left and not self.arrived.is_set():
+            self.client_noise_sent += 1
+            assert self.client.send_nowait(self.dealer, Heartbeat("noise", left, 0.0)) is None
+            self.loop.call_soon(self.client_noise, left - 1)
+
+    def ping(self, seq: int) -> None:
+        assert self.client.send_nowait(self.dealer, Heartbeat("ping", seq, 0.0)) is None
+
+    def step(self, seq: int) -> None:
+        """Send ping ``seq`` from the coroutine, a timer or a later callback; noise on odd
+        steps."""
+        self.arrived.clear()
+        self.seq = seq
+        if seq % 3 == 0:
+            self.ping(seq)  # from the coroutine
+        elif seq % 3 == 1:
+            self.loop.call_later(0, self.ping, seq)  # from a timer
+        else:
+            self.loop.call_soon(self.ping, seq)
+        if seq % 2:
+            self.loop.call_soon(self.client_noise, self.NOISE_SENDS)
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
@@ -129,68 +204,22 @@ def test_ping_pong_with_sends_on_the_waiting_socket(
     router, dealer = transport_pair
     sink = make_dealer(transport_ctx, bound_endpoint(router), identity=b"sink")
     steps = 300
-    noise_sends = 8
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = SocketReactor(loop)
-        client = SocketReactor(loop)
-        state: dict[str, Any] = {"seq": -1, "got": -1, "client_noise": 0, "server_noise": 0}
-        sink_known = asyncio.Event()
-        arrived = asyncio.Event()
-
-        def server_noise(left: int) -> None:
-            if left and server.send_nowait(router, Heartbeat("noise", left, 0.0), b"sink") is None:
-                state["server_noise"] += 1
-                loop.call_soon(server_noise, left - 1)
-
-        def on_server(chunk: Chunk) -> None:
-            for identity, msg in chunk:
-                assert isinstance(msg, Heartbeat)
-                if identity == b"sink":
-                    sink_known.set()
-                elif msg.name == "ping":
-                    assert server.send_nowait(router, msg, identity) is None
-                    loop.call_soon(server_noise, noise_sends)
-
-        def on_client(chunk: Chunk) -> None:
-            for identity, msg in chunk:
-                assert identity is None and isinstance(msg, Heartbeat) and msg.name == "ping"
-                state["got"] = msg.seq
-                if msg.seq == state["seq"]:
-                    arrived.set()
-
-        def client_noise(left: int) -> None:
-            if left and not arrived.is_set():
-                state["client_noise"] += 1
-                assert client.send_nowait(dealer, Heartbeat("noise", left, 0.0)) is None
-                loop.call_soon(client_noise, left - 1)
-
-        def ping(seq: int) -> None:
-            assert client.send_nowait(dealer, Heartbeat("ping", seq, 0.0)) is None
-
-        server.watch(router, router=True, on_chunk=on_server)
-        client.watch(dealer, router=False, on_chunk=on_client)
+        game = _PingPong(asyncio.get_running_loop(), transport_pair)
+        game.server.watch(router, router=True, on_chunk=game.on_server)
+        game.client.watch(dealer, router=False, on_chunk=game.on_client)
         try:
             socket_io.sync_send(sink, Heartbeat("hello", 0, 0.0))
-            await _wait(sink_known, lambda: "the sink's hello")
+            await _wait(game.sink_known, lambda: "the sink's hello")
             for seq in range(steps):
-                arrived.clear()
-                state["seq"] = seq
-                if seq % 3 == 0:
-                    ping(seq)  # from the coroutine
-                elif seq % 3 == 1:
-                    loop.call_later(0, ping, seq)  # from a timer
-                else:
-                    loop.call_soon(ping, seq)
-                if seq % 2:
-                    loop.call_soon(client_noise, noise_sends)
-                await _wait(arrived, lambda: f"pong {state['seq']} (last {state['got']})")
+                game.step(seq)
+                await _wait(game.arrived, lambda: f"pong {game.seq} (last {game.got})")
         finally:
-            server.close()
-            client.close()
+            game.server.close()
+            game.client.close()
             sink.close(linger=0)
-        assert state["client_noise"] > 0 and state["server_noise"] > 0
+        assert game.client_noise_sent > 0 and game.server_noise_sent > 0
 
     _run(loop_kind, main)
 
@@ -315,7 +344,7 @@ def test_close_removes_readers_and_stops_delivery(loop_kind: str, transport_pair
             first.set()
 
         reactor.watch(router, router=True, on_chunk=on_chunk)
-        fd = router.getsockopt(zmq.FD)
+        fd = int(router.getsockopt(zmq.FD))
         assert reactor.watching(router)
         socket_io.sync_send(dealer, CancelRequest(1))
         await _wait(first, lambda: "the first message")
@@ -358,3 +387,52 @@ def test_watch_refuses_asyncio_sockets_and_double_watches(transport_pair: Pair) 
             asock.close(linger=0)
 
     _run("asyncio", main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_raw_frame_watch_hands_over_whole_messages_in_order(
+    loop_kind: str, transport_pair: Pair
+) -> None:
+    """``watch_frames``: each message's frames (a ROUTER's identity first), undecoded, in
+    order, in chunks of at most ``max_chunk``; replies through ``send_frames`` strand nothing."""
+    router, dealer = transport_pair
+    count = 300
+
+    async def main() -> None:
+        reactor = SocketReactor()
+        server = SocketReactor()
+        received: list[list[bytes]] = []
+        sizes: list[int] = []
+        echoed: list[bytes] = []
+        done = asyncio.Event()
+
+        def on_router(messages: list[list[zmq.Frame]]) -> None:
+            sizes.append(len(messages))
+            for frames in messages:
+                received.append([f.bytes for f in frames])
+                error = server.send_frames(router, [frames[0], b"echo", frames[2]])
+                assert error is None
+
+        def on_dealer(messages: list[list[zmq.Frame]]) -> None:
+            for frames in messages:
+                assert frames[0].bytes == b"echo"
+                echoed.append(frames[1].bytes)
+            if len(echoed) == count:
+                done.set()
+
+        for seq in range(count // 2):  # half queued before the watch, half after
+            dealer.send_multipart([b"head", str(seq).encode()])
+        server.watch_frames(router, on_frames=on_router, max_chunk=32)
+        reactor.watch_frames(dealer, on_frames=on_dealer)
+        for seq in range(count // 2, count):
+            assert reactor.send_frames(dealer, [b"head", str(seq).encode()]) is None
+        try:
+            await _wait(done, lambda: f"{count - len(echoed)} echoes never arrived")
+        finally:
+            reactor.close()
+            server.close()
+        assert received == [[b"peer-0", b"head", str(s).encode()] for s in range(count)]
+        assert echoed == [str(s).encode() for s in range(count)]
+        assert all(1 <= size <= 32 for size in sizes)
+
+    _run(loop_kind, main)

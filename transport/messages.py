@@ -173,6 +173,9 @@ class BackendTable(Message, frozen=True, tag="btable"):
     models: list[list[str]]
     # Per backend, what it registered: ``profiles_ms[i][model][b-1]`` is l(b) in ms on backend i.
     profiles_ms: list[dict[str, list[float]]] = msgspec.field(default_factory=list)
+    # Per backend, the signatures it registered: ``signatures[i][model]`` is the wire form of the
+    # model's ``zserve.signature.ModelSignature`` (frontends validate requests against it).
+    signatures: list[dict[str, dict[str, Any]]] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- shard -> backend
@@ -260,6 +263,9 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     plan_address: str
     models: list[str]
     profiles_ms: dict[str, list[float]]
+    # model -> the wire form of its ``zserve.signature.ModelSignature`` (``to_dict``), for the
+    # frontends' request validation; a model it could not read has none.
+    signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):

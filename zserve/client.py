@@ -48,7 +48,6 @@ import zmq.utils.monitor
 from zserve.errors import (
     DeadlineError,
     OverloadedError,
-    ProtocolError,
     UnavailableError,
     ZServeError,
     error_from_wire,
@@ -62,6 +61,7 @@ from zserve.transport.messages import (
     InferReply,
     InferRequest,
 )
+from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer
 
 Outputs = dict[str, np.ndarray[Any, Any]]
@@ -70,12 +70,6 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.005
 DEFAULT_BACKOFF_MAX_S = 0.25
-# Messages handled per receive pass before yielding to the loop.
-_RECV_BUDGET = 512
-# Plain ints: pyzmq's constants are enum members (Python-level code on every use). Input is
-# looked for with zmq_poll rather than getsockopt(EVENTS), which builds an enum on every call.
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 # What this client tells the frontend it decodes: answers coalesced per event-loop tick.
 _HELLO = codec.encode(ClientHello(accepts=[InferAnswers.KIND]))
@@ -152,9 +146,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future[Outputs]] = {}
-        self._poll_sock: list[tuple[zmq.Socket[Any], int]] = []
-        self._poll_monitor: list[tuple[zmq.Socket[Any], int]] = []
-        self._drain_scheduled = False
+        self._reactor: SocketReactor | None = None
         self._closed = False
         self.retries = 0  # automatic retries made (for reports)
         # Answers that matched no request in flight: late answers to requests this client gave
@@ -172,17 +164,18 @@ class AsyncClient:
         if self._ctx is None:
             self._ctx = zmq.Context()
         identity = b"c" + os.urandom(8).hex().encode()
-        sock = make_dealer(self._ctx, self.address, identity=identity)
+        sock: zmq.Socket[Any] = make_dealer(self._ctx, self.address, identity=identity)
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
-        self._poll_sock = [(sock, _POLLIN)]
-        self._poll_monitor = [(self._monitor, _POLLIN)]
         self._loop = loop
-        loop.add_reader(sock.fileno(), self._on_sock_readable)
-        loop.add_reader(self._monitor.fileno(), self._on_monitor_readable)
+        # Replies arrive through the reactor every zserve process receives with (an undecodable
+        # one cannot be matched to its request: on_bad drops it, its timeout answers it).
+        self._reactor = SocketReactor(loop)
+        self._reactor.watch(sock, router=False, on_chunk=self._on_replies)
+        self._reactor.watch_frames(self._monitor, on_frames=self._on_monitor_events)
         return sock
 
     @property
@@ -199,10 +192,8 @@ class AsyncClient:
             if self._futures:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send_multipart(codec.encode(CancelRequest(CANCEL_ALL)), zmq.NOBLOCK)
-            assert self._loop is not None and self._monitor is not None
-            for s in (sock, self._monitor):
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(s.fileno())
+            assert self._reactor is not None and self._monitor is not None
+            self._reactor.close()
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -238,15 +229,16 @@ class AsyncClient:
         assert self._loop is not None
         request_id = next(self._ids)
         future: asyncio.Future[Outputs] = self._loop.create_future()
+        assert self._reactor is not None
         frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
-        try:
-            socket_io.send_frames_nowait(sock, frames)
-        except zmq.Again:
+        error = self._reactor.send_frames(sock, frames)
+        if isinstance(error, zmq.Again):
             future.set_exception(OverloadedError("client send queue is full"))
             return future
+        if error is not None:
+            raise error
         self._futures[request_id] = future
         future.request_id = request_id  # type: ignore[attr-defined]
-        self._schedule_drain()
         return future
 
     def cancel(self, future: asyncio.Future[Outputs]) -> bool:
@@ -256,9 +248,8 @@ class AsyncClient:
         request_id = getattr(future, "request_id", None)
         if request_id is None or request_id not in self._futures or self._sock is None:
             return False
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart(codec.encode(CancelRequest(request_id)), zmq.NOBLOCK)
-        self._schedule_drain()
+        assert self._reactor is not None
+        self._reactor.send_nowait(self._sock, CancelRequest(request_id))  # an error: nothing to do
         return True
 
     async def infer(
@@ -325,75 +316,29 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ receive
 
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._on_readable)
-
-    def _on_readable(self) -> None:
-        """A pass over both sockets (after sends, which can consume the edge of their
-        edge-triggered FDs): look for connection events and replies."""
-        self._drain_scheduled = False
-        if self._sock is None:
-            return  # closed meanwhile
-        self._on_monitor_readable()
-        self._receive(poll_first=True)
-
-    def _on_sock_readable(self) -> None:
-        """The socket's FD fired: a reply is all but certainly there, so the first receive is
-        tried without a poll (one that finds nothing consumes the edge as a poll would)."""
-        self._receive(poll_first=False)
-
-    def _on_monitor_readable(self) -> None:
-        monitor = self._monitor
-        if monitor is None or monitor.closed:
-            return
-        while zmq.zmq_poll(self._poll_monitor, 0):  # rare: a connection event
-            event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+    def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
+        for frames in messages:  # rare: a connection event
+            event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
             if event["event"] == _DISCONNECTED:
                 self._connection_lost()
 
-    def _receive(self, *, poll_first: bool) -> None:
-        """Handle every reply queued, up to _RECV_BUDGET (then again on the next iteration).
-        A poll before each receive (but a first one the caller expects to succeed) is cheaper
-        than a receive failing with EAGAIN, and than getsockopt(EVENTS), which builds an enum."""
-        sock = self._sock
-        if sock is None:
-            return
-        for count in range(_RECV_BUDGET):
-            if (count or poll_first) and not zmq.zmq_poll(self._poll_sock, 0):
-                return
-            try:
-                # One whole message; each Frame says whether more follow (no RCVMORE getsockopt).
-                frame = sock.recv(_NOBLOCK, copy=False)
-                frames = [frame]
-                while frame.more:
-                    frame = sock.recv(_NOBLOCK, copy=False)
-                    frames.append(frame)
-            except zmq.Again:
-                return
-            self._on_message(frames)
-        self._schedule_drain()
-
-    def _on_message(self, frames: list[Any]) -> None:
-        try:
-            msg = codec.decode(frames)
-        except ProtocolError:
-            return  # a broken reply cannot be matched to a request; its timeout answers it
-        if type(msg) is InferAnswers:
-            self._on_answers(msg)
-        elif type(msg) is InferReply:
-            future = self._futures.pop(msg.request_id, None)
-            if future is None:
-                self.unmatched_replies += 1
-            elif not future.done():
-                future.set_result(msg.outputs)
-        elif type(msg) is InferError:
-            future = self._futures.pop(msg.request_id, None)
-            if future is None:
-                self.unmatched_replies += 1
-            elif not future.done():
-                future.set_exception(error_from_wire(msg.error, msg.message))
+    def _on_replies(self, chunk: Chunk) -> None:
+        futures = self._futures
+        for _, msg in chunk:
+            if type(msg) is InferAnswers:
+                self._on_answers(msg)
+            elif type(msg) is InferReply:
+                future = futures.pop(msg.request_id, None)
+                if future is None:
+                    self.unmatched_replies += 1
+                elif not future.done():
+                    future.set_result(msg.outputs)
+            elif type(msg) is InferError:
+                future = futures.pop(msg.request_id, None)
+                if future is None:
+                    self.unmatched_replies += 1
+                elif not future.done():
+                    future.set_exception(error_from_wire(msg.error, msg.message))
 
     def _on_answers(self, msg: InferAnswers) -> None:
         futures = self._futures

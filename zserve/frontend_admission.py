@@ -1,0 +1,146 @@
+"""What the frontend core knows per model and per hop: admission bounds, request shapes, latencies.
+
+``ModelAdmission`` holds one model's admission state (queued count, the predicted-wait bound from
+its latency profile, the signature its backends registered); ``RequestSpec`` is the one exact
+input form a signature may fix, checked in a few comparisons before the full validation;
+``HopStats`` keeps latency samples of one hop for the stats.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Protocol
+
+import numpy as np
+
+from zserve.config import ModelConfig
+from zserve.signature import ModelSignature
+
+# Hop latency samples kept for stats (a ring; percentiles over the most recent ones).
+HOP_SAMPLES = 8192
+
+RequestSpec = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+
+
+class Profile(Protocol):
+    """The part of a latency profile (``zserve.scheduler.profiles.LatencyProfile``) admission
+    uses: l(b) in seconds and the largest batch within a latency budget."""
+
+    def latency(self, batch: int) -> float: ...
+
+    def largest_batch_within(self, budget_s: float) -> int: ...
+
+
+class ModelAdmission:
+    """Per-model admission state: the queued bound, the predicted-wait bound, the signature."""
+
+    __slots__ = (
+        "_capacity",
+        "_profile",
+        "config",
+        "max_queue",
+        "pending",
+        "request_spec",
+        "shard",
+        "signature",
+        "signature_wire",
+        "slo_s",
+        "wait_bound_s",
+    )
+
+    def __init__(self, config: ModelConfig, shard: int, profile: Profile | None) -> None:
+        self.config = config
+        self.shard = shard
+        self.max_queue = config.max_queue
+        self.wait_bound_s = config.wait_bound_ms / 1e3
+        self.slo_s = config.slo_ms / 1e3
+        self.pending = 0
+        # None until a backend of the model registered one: then the backend validates.
+        self.signature: ModelSignature | None = None
+        self.signature_wire: dict[str, Any] | None = None
+        # (name, dtype, shape) of every input of a valid request, when the signature fixes them.
+        self.request_spec: RequestSpec | None = None
+        self._capacity: dict[int, float] = {}
+        self._profile = profile
+
+    @property
+    def profile(self) -> Profile | None:
+        return self._profile
+
+    @profile.setter
+    def profile(self, value: Profile | None) -> None:
+        self._profile = value
+        self._capacity.clear()
+
+    def set_signature(self, wire: dict[str, Any], max_request_bytes: int) -> None:
+        """Validate requests against the signature of wire form ``wire`` from now on (a
+        malformed one raises ValueError and changes nothing)."""
+        if wire == self.signature_wire:
+            return
+        self.signature = ModelSignature.from_dict(wire)
+        self.signature_wire = wire
+        self.request_spec = request_spec(self.signature, max_request_bytes)
+
+    def capacity_rps(self, gpus: int) -> float:
+        """The analytic throughput of ``gpus`` coordinated GPUs at this model's SLO (DESIGN
+        section 3): b = the largest batch with l(b) * (1 + 1/N) <= SLO; N * b / l(b)."""
+        capacity = self._capacity.get(gpus)
+        if capacity is None:
+            capacity = math.inf
+            if self._profile is not None and gpus > 0:
+                budget = self.config.slo_ms / 1e3 / (1.0 + 1.0 / gpus)
+                batch = max(1, self._profile.largest_batch_within(budget))
+                capacity = gpus * batch / self._profile.latency(batch)
+            self._capacity[gpus] = capacity
+        return capacity
+
+
+def request_spec(signature: ModelSignature, max_request_bytes: int) -> RequestSpec | None:
+    """The exact ``(name, dtype, shape)`` of every input of a request that ``signature`` accepts,
+    when it fixes every dimension and such a request is within ``max_request_bytes``; else None.
+    A request that matches it passes every input check of admission (size bound, signature),
+    checked in a few comparisons (``matches_spec``); any other takes the full checks, which
+    name the problem."""
+    spec = []
+    total_bytes = 0
+    for tensor in signature.inputs:
+        if any(dim is None for dim in tensor.shape):
+            return None
+        dtype = np.dtype(tensor.dtype)
+        shape = (1, *(int(dim) for dim in tensor.shape if dim is not None))
+        total_bytes += dtype.itemsize * math.prod(shape)
+        spec.append((tensor.name, dtype, shape))
+    if not spec or total_bytes > max_request_bytes:
+        return None
+    return tuple(spec)
+
+
+def matches_spec(inputs: dict[str, Any], spec: RequestSpec) -> bool:
+    if len(inputs) != len(spec):
+        return False
+    for name, dtype, shape in spec:
+        array = inputs.get(name)
+        if array is None or array.dtype != dtype or array.shape != shape:
+            return False
+    return True
+
+
+class HopStats:
+    """Latency samples of one hop, in seconds, in a bounded ring."""
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[float] = collections.deque(maxlen=HOP_SAMPLES)
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"count": 0}
+        values = np.fromiter(self.samples, dtype=np.float64) * 1e3
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return {
+            "count": len(values),
+            "mean_ms": float(values.mean()),
+            "p50_ms": float(p50),
+            "p90_ms": float(p90),
+            "p99_ms": float(p99),
+        }

@@ -1,0 +1,547 @@
+"""FrontendCore: the frontend's logic with no sockets, no loop and no clock.
+
+It holds the request table and input store, admits requests (model, size, signature, queue and
+predicted-wait bounds), answers deadlines, cancellations and backend failures, and coalesces what
+a tick produced. Hosting contract (that of ``zserve.scheduler.common``): every method takes
+``now`` (seconds on the cluster clock) and an ``outbox`` it appends ``(destination, message)``
+to; ``wake_at`` is read back after every call (``on_timer`` is due at it); ``end_tick`` appends
+what is sent once per tick: one ``RequestMetaBatch`` per shard, one ``CancelFetched`` per backend
+and one ``InferAnswers`` per client that accepts them. Destinations: ``("client", identity)``,
+``("shard", index)``, ``("backend", name)``. A host that cannot deliver a message says so with
+``on_send_failed``. Hosted by ``zserve.frontend`` (the process) and drivable by a simulator.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from zserve.config import ClusterConfig, shard_for_model
+from zserve.errors import ErrorKind
+from zserve.frontend_admission import HopStats, ModelAdmission, Profile, matches_spec
+from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
+from zserve.transport.messages import (
+    BackendGone,
+    BackendTable,
+    BatchFailed,
+    BatchOutputs,
+    CancelFetched,
+    CancelRequest,
+    ClientHello,
+    DropNotice,
+    Hello,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+    InputFetch,
+    InputReply,
+    Message,
+    RequestMetaBatch,
+)
+
+log = logging.getLogger("zserve.frontend")
+
+TO_CLIENT = "client"
+TO_SHARD = "shard"
+TO_BACKEND = "backend"
+Destination = tuple[str, bytes | str | int]
+Outbox = list[tuple[Destination, Message]]
+
+# Request ids carry the frontend's index in their low digits (see FrontendCore.__init__).
+MAX_FRONTENDS = 1024
+# Timer slack: answer deadlines that fall due within this much of now in the same pass.
+TIMER_SLACK_S = 0.0005
+# Built once, because Enum lookups and ``.value`` run Python code.
+_WIRE_ERRORS = {kind: kind.value for kind in ErrorKind}
+_ERROR_COUNTERS = {kind: f"error_{kind.value}" for kind in ErrorKind}
+_REJECTED_COUNTERS = {kind: f"rejected_{kind.value}" for kind in ErrorKind}
+_ERROR_KINDS = {kind.value: kind for kind in ErrorKind}
+
+
+def error_kind(value: str) -> ErrorKind:
+    return _ERROR_KINDS.get(value, ErrorKind.INTERNAL)
+
+
+class _Rejected(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class FrontendCore:
+    """The frontend's state and decisions; see the module docstring for the hosting contract."""
+
+    def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
+                 profiles: dict[str, Profile | None],
+                 profile_from_table: Callable[[list[float]], Profile] | None = None) -> None:
+        self.name = name
+        self.cluster = cluster
+        self.data_address = data_address  # where backends fetch this frontend's inputs
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self.max_request_bytes = cluster.frontends.max_request_bytes
+        self._profile_from_table = profile_from_table
+        shards = cluster.scheduler.shards
+        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards),
+                                              profiles.get(m.name)) for m in cluster.models}
+        nshards = cluster.scheduler_processes
+        self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
+        self.requests = RequestTable()
+        self.backend_pids: dict[str, int] = {}
+        self.backend_models: dict[str, list[str]] | None = None  # from rank's BackendTable
+        self.gpus_for_model: dict[str, int] = {}
+        # Request ids are unique across the cluster's frontends: seq * MAX_FRONTENDS + index, so
+        # a batch that mixes frontends never holds two requests with one id.
+        self.next_rid = MAX_FRONTENDS + index % MAX_FRONTENDS
+        self.draining = False
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.hops = {name: HopStats() for name in (
+            "admit_to_fetch", "fetch_to_outputs", "admit_to_answer",
+            # From the backends' BatchOutputs: batch start - admission (queueing, deferral
+            # included) and batch start -> finish (execution); batch finish -> outputs handled;
+            # per request, answer - admission - execution (issue 7's "overhead").
+            "queueing", "execution", "finish_to_answer", "overhead")}
+        self.queueing_by_model = {name: HopStats() for name in self.models}
+        self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
+        self._answers: dict[bytes, Answers] = {}
+        self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
+        self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
+            ([], [], [], []) for _ in range(nshards)]
+        self._timers: list[tuple[float, int]] = []  # (answer_by, rid), lazily deleted
+        self.wake_at = math.inf
+
+    @property
+    def pending(self) -> dict[int, Pending]:
+        return self.requests.pending
+
+    # ------------------------------------------------------------------ clients
+
+    def on_client_message(self, now: float, client: bytes, msg: Message,
+                          outbox: Outbox) -> bool:
+        """Handle a client's InferRequest, CancelRequest or ClientHello; False for any other."""
+        if type(msg) is InferRequest:
+            self.on_infer(now, client, msg, outbox)
+        elif type(msg) is CancelRequest:
+            self.on_cancel(now, client, msg.request_id, outbox)
+        elif type(msg) is ClientHello:
+            if InferAnswers.KIND in msg.accepts:
+                self.batched_clients.add(client)
+            else:
+                self.batched_clients.discard(client)
+        else:
+            return False
+        return True
+
+    def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
+        self.counters["received"] += 1
+        try:
+            model = self._admit(client, req)
+        except _Rejected as rejected:
+            self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
+            self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
+            return
+        slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
+        answer_by = now + slo_s
+        rid = self.next_rid
+        self.next_rid += MAX_FRONTENDS
+        self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
+                                  answer_by))
+        model.pending += 1
+        self.counters["admitted"] += 1
+        heapq.heappush(self._timers, (answer_by, rid))
+        self.wake_at = min(self.wake_at, answer_by)
+        ids, models, arrivals, deadlines = self._meta[model.shard]
+        ids.append(rid)
+        models.append(req.model)
+        arrivals.append(now)
+        deadlines.append(answer_by - self.reply_allowance_s)
+
+    def _admit(self, client: bytes, req: InferRequest) -> ModelAdmission:
+        """The request's model if ``req`` may be admitted; raises ``_Rejected`` otherwise."""
+        model = self.models.get(req.model)
+        if model is None:
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {req.model!r}")
+        if self.draining:
+            raise _Rejected(ErrorKind.SHUTTING_DOWN, f"frontend {self.name} is shutting down")
+        if self.requests.in_flight(client, req.request_id):
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"request id {req.request_id} is already "
+                            "in flight on this connection")
+        self._check_inputs(model, req)
+        if not 0.0 <= req.slo_ms < math.inf:  # negative, infinite or NaN
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"slo_ms must be >= 0, got {req.slo_ms}")
+        if not self.shard_reachable[model.shard]:
+            raise _Rejected(ErrorKind.UNAVAILABLE,
+                            f"scheduler shard {model.shard} is not reachable")
+        gpus = self.gpus_for_model.get(req.model, -1)
+        if gpus == 0:
+            raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
+        if model.pending >= model.max_queue:
+            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: {model.pending} "
+                            f"requests queued (limit {model.max_queue})")
+        if gpus < 0:
+            gpus = self.cluster.backends.total
+        predicted_wait_s = model.pending / model.capacity_rps(gpus)
+        if predicted_wait_s > model.wait_bound_s:
+            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
+                            f"{predicted_wait_s * 1e3:.1f} ms exceeds "
+                            f"{model.wait_bound_s * 1e3:.1f} ms")
+        return model
+
+    def _check_inputs(self, model: ModelAdmission, req: InferRequest) -> None:
+        spec = model.request_spec
+        if spec is not None and matches_spec(req.inputs, spec):
+            return  # the one form the model takes: every input check passes
+        nbytes = sum(int(a.nbytes) for a in req.inputs.values())
+        if nbytes > self.max_request_bytes:
+            raise _Rejected(ErrorKind.TOO_LARGE,
+                            f"inputs of {nbytes} bytes exceed {self.max_request_bytes}")
+        if model.signature is not None:
+            try:
+                model.signature.validate_request(req.inputs)
+            except Exception as exc:
+                raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
+
+    def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
+        """Cancel one request of ``client`` (``client_rid`` < 0: all of them, unanswered)."""
+        client_reqs = self.requests.by_client.get(client)
+        if not client_reqs:
+            return
+        if client_rid < 0:  # cancel everything this connection has in flight (client close)
+            for rid in list(client_reqs.values()):
+                self._cancel(now, rid, False, outbox)
+            return
+        target = client_reqs.get(client_rid)
+        if target is not None:
+            self._cancel(now, target, True, outbox)
+
+    def _cancel(self, now: float, rid: int, answer: bool, outbox: Outbox) -> None:
+        """Cancel a request that has not started; one that has runs on and is answered."""
+        p = self.requests.pending.get(rid)
+        if p is None:
+            return
+        if p.state == QUEUED:
+            self.counters["cancelled"] += 1
+        else:
+            # Fetched: the backend drops it if its batch has not started; if it has, the
+            # outputs come back for a request already answered and are discarded.
+            self.counters["cancelled_fetched"] += 1
+            self._note_cancel(p)
+        if answer:
+            self._answer_error(now, p, ErrorKind.CANCELLED, "cancelled by the client", outbox)
+        else:
+            p.client = None
+            self._finish(p)
+
+    def client_gone(self, client: bytes) -> None:
+        """``client``'s connection closed: forget its requests, unanswered."""
+        self.batched_clients.discard(client)
+        self._answers.pop(client, None)
+        client_reqs = self.requests.by_client.get(client)
+        if not client_reqs:
+            return
+        self.counters["client_disconnects"] += 1
+        for rid in list(client_reqs.values()):
+            p = self.requests.pending.get(rid)
+            if p is None:
+                continue
+            if p.state == QUEUED:
+                self.counters["disconnect_cancelled"] += 1
+            else:
+                self.counters["disconnect_cancelled_fetched"] += 1
+                self._note_cancel(p)
+            p.client = None
+            self._finish(p)
+        self.requests.by_client.pop(client, None)
+
+    def _note_cancel(self, p: Pending) -> None:
+        plans, rids = self._cancel_notes.setdefault(p.backend, ([], []))
+        plans.append(p.plan_id)
+        rids.append(p.rid)
+
+    # ------------------------------------------------------------------ backends
+
+    def on_fetch(self, now: float, backend: str, msg: InputFetch, outbox: Outbox) -> None:
+        """A backend fetches a plan's inputs: hand them over (the ones still queued)."""
+        ids: list[int] = []
+        inputs: list[dict[str, Any]] = []
+        missing: list[int] = []
+        hop = self.hops["admit_to_fetch"].samples
+        for rid in msg.request_ids:
+            taken = self.requests.take_inputs(rid, backend, msg.plan_id, now)
+            if taken is None:
+                missing.append(rid)
+                continue
+            p, request_inputs = taken
+            ids.append(rid)
+            inputs.append(request_inputs)
+            hop.append(now - p.arrival)
+        outbox.append(((TO_BACKEND, backend), InputReply(msg.plan_id, ids, inputs, missing)))
+        self.counters["fetches"] += 1
+        self.counters["fetch_missing"] += len(missing)
+
+    def on_outputs(self, now: float, msg: BatchOutputs, outbox: Outbox) -> None:
+        started_at = msg.started_at
+        timed = started_at > 0.0 and msg.finished_at >= started_at
+        execution = msg.finished_at - started_at if timed else 0.0
+        if timed:
+            self.hops["execution"].samples.append(execution)
+            self.hops["finish_to_answer"].samples.append(now - msg.finished_at)
+        hop = self.hops["fetch_to_outputs"].samples
+        for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
+            p = self.requests.pending.get(rid)
+            if p is None:  # answered already (cancelled, deadline): the outputs are discarded
+                self.counters["late_outputs"] += 1
+                continue
+            if p.fetched_at:
+                hop.append(now - p.fetched_at)
+            if started_at > 0.0:
+                self._note_queueing(p, started_at - p.arrival)
+                if timed:
+                    self.hops["overhead"].samples.append(now - p.arrival - execution)
+            self._answer_outputs(now, p, outputs, outbox)
+
+    def _note_queueing(self, p: Pending, delay: float) -> None:
+        self.hops["queueing"].samples.append(delay)
+        by_model = self.queueing_by_model.get(p.model)
+        if by_model is not None:
+            by_model.samples.append(delay)
+
+    def on_batch_failed(self, now: float, msg: BatchFailed, outbox: Outbox) -> None:
+        self._answer_ids(now, msg.request_ids, error_kind(msg.error), msg.message, outbox)
+
+    def on_drop(self, now: float, msg: DropNotice, outbox: Outbox) -> None:
+        """The scheduler dropped requests (it could not serve them in time)."""
+        kind = error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self.counters["dropped_by_scheduler"] += 1
+                self._answer_error(now, p, kind, msg.message, outbox)
+
+    def _answer_ids(self, now: float, rids: list[int], kind: ErrorKind, message: str,
+                    outbox: Outbox) -> None:
+        for rid in rids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self._answer_error(now, p, kind, message, outbox)
+
+    def on_backend_hello(self, now: float, msg: Hello, outbox: Outbox) -> None:
+        """A backend says hello with its pid: a new pid means a new incarnation, which holds
+        none of the requests the old one fetched."""
+        previous = self.backend_pids.get(msg.name)
+        self.backend_pids[msg.name] = msg.pid
+        if previous is not None and previous != msg.pid:
+            self._backend_failed(now, msg.name, "backend restarted", outbox)
+
+    def on_backend_gone(self, now: float, msg: BackendGone, outbox: Outbox) -> None:
+        """The supervisor says a backend's process died: the requests it had fetched are
+        answered ``BACKEND_FAILED`` now, not at their deadline."""
+        if self.backend_pids.pop(msg.name, None) is not None:
+            self._backend_failed(now, msg.name, "backend process died", outbox)
+
+    def on_backend_table(self, now: float, msg: BackendTable, outbox: Outbox) -> None:
+        table = dict(zip(msg.names, msg.models, strict=False))
+        previous = self.backend_models or {}
+        self.backend_models = table
+        for name in previous:
+            if name not in table:
+                self._backend_failed(now, name, "backend left the cluster", outbox)
+        counts: dict[str, int] = dict.fromkeys(self.models, 0)
+        for models in table.values():
+            for model in models:
+                if model in counts:
+                    counts[model] += 1
+        self.gpus_for_model = counts
+        self._learn_signatures(msg.signatures)
+        self._learn_profiles(msg.profiles_ms)
+
+    def _learn_signatures(self, per_backend: list[dict[str, dict[str, Any]]]) -> None:
+        """Validate requests against the signatures the backends registered."""
+        for signatures in per_backend:
+            for model, wire in signatures.items():
+                state = self.models.get(model)
+                if state is None:
+                    continue
+                try:
+                    state.set_signature(wire, self.max_request_bytes)
+                except ValueError as exc:
+                    log.warning("%s: bad signature for %s: %s", self.name, model, exc)
+
+    def _learn_profiles(self, per_backend: list[dict[str, list[float]]]) -> None:
+        """Models without a configured profile use the one their backends measured."""
+        if self._profile_from_table is None:
+            return
+        for profiles in per_backend:
+            for model, table_ms in profiles.items():
+                state = self.models.get(model)
+                if state is not None and state.profile is None and table_ms:
+                    with contextlib.suppress(ValueError):
+                        state.profile = self._profile_from_table(table_ms)
+
+    def _backend_failed(self, now: float, backend: str, why: str, outbox: Outbox) -> None:
+        for p in self.requests.fetched_requests(backend):
+            self._answer_error(now, p, ErrorKind.BACKEND_FAILED, f"{backend}: {why}", outbox)
+
+    def backend_names(self) -> set[str]:
+        """Every backend this frontend knows of (the table's, and live ones that said hello)."""
+        return set(self.backend_models or {}) | {
+            name for name, pid in self.backend_pids.items() if pid}
+
+    # ------------------------------------------------------------------ delivery failures
+
+    def on_send_failed(self, now: float, destination: Destination, msg: Message,
+                       full: bool, outbox: Outbox) -> None:
+        """The host could not deliver ``msg`` (``full``: the peer's queue is full; else the peer
+        is gone): answer what it carried, or forget the client it was for."""
+        kind, target = destination
+        if type(msg) is InputReply:
+            self.counters["fetch_reply_failed"] += 1
+            self._answer_ids(now, msg.request_ids, ErrorKind.BACKEND_FAILED,
+                             f"cannot send inputs to {target!s}", outbox)
+        elif type(msg) is RequestMetaBatch:
+            self.counters["meta_send_failed"] += 1
+            self._answer_ids(now, msg.request_ids, ErrorKind.UNAVAILABLE,
+                             f"scheduler shard {target!s} is not accepting", outbox)
+        elif type(msg) is CancelFetched:  # the backend is gone: nothing of it will run
+            self.counters["cancel_notice_failed"] += 1
+        elif kind == TO_CLIENT and isinstance(target, bytes):
+            answers = len(msg) if isinstance(msg, InferAnswers) else 1
+            if full:
+                self.counters["reply_dropped_hwm"] += answers
+            else:
+                self.counters["reply_unroutable"] += answers
+                self.client_gone(target)
+
+    # ------------------------------------------------------------------ answers
+
+    def _send_error(self, client: bytes, request_id: int, kind: ErrorKind, message: str,
+                    outbox: Outbox) -> None:
+        """Answer ``request_id`` of ``client`` with an error: in this tick's InferAnswers for a
+        client that accepts it, else in an InferError of its own."""
+        if client in self.batched_clients:
+            answers = self._answers_to(client)
+            answers.error_ids.append(request_id)
+            answers.errors.append(_WIRE_ERRORS[kind])
+            answers.messages.append(message)
+        else:
+            outbox.append(((TO_CLIENT, client),
+                           InferError(request_id, _WIRE_ERRORS[kind], message)))
+
+    def _answers_to(self, client: bytes) -> Answers:
+        answers = self._answers.get(client)
+        if answers is None:
+            answers = self._answers[client] = Answers()
+        return answers
+
+    def _finish(self, p: Pending) -> None:
+        self.requests.remove(p)
+        self.models[p.model].pending -= 1
+
+    def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
+                      outbox: Outbox) -> None:
+        client = p.client
+        self._finish(p)
+        self.counters[_ERROR_COUNTERS[kind]] += 1
+        if client is not None:
+            self._send_error(client, p.client_rid, kind, message, outbox)
+            self.hops["admit_to_answer"].samples.append(now - p.arrival)
+
+    def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
+                        outbox: Outbox) -> None:
+        client = p.client
+        self._finish(p)
+        self.counters["replied"] += 1
+        if client is None:
+            return
+        if client in self.batched_clients:
+            answers = self._answers_to(client)
+            answers.request_ids.append(p.client_rid)
+            answers.outputs.append(outputs)
+        else:
+            outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
+        self.hops["admit_to_answer"].samples.append(now - p.arrival)
+
+    def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
+        for p in list(self.requests.pending.values()):
+            self._answer_error(now, p, kind, message, outbox)
+
+    def end_tick(self, outbox: Outbox) -> None:
+        """Append what this tick produced to be sent once: the admitted requests' metadata (one
+        message per shard), cancellation notes (one per backend), answers (one per client)."""
+        for shard, (ids, models, arrivals, deadlines) in enumerate(self._meta):
+            if ids:
+                self._meta[shard] = ([], [], [], [])
+                outbox.append(((TO_SHARD, shard), RequestMetaBatch(
+                    self.data_address, ids, models, arrivals, deadlines)))
+                self.counters["meta_batches"] += 1
+        notes, self._cancel_notes = self._cancel_notes, {}
+        for backend, (plans, rids) in notes.items():
+            outbox.append(((TO_BACKEND, backend), CancelFetched(plans, rids)))
+            self.counters["cancel_notices"] += 1
+        answers, self._answers = self._answers, {}
+        for client, batch in answers.items():
+            outbox.append(((TO_CLIENT, client), InferAnswers(
+                batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
+                batch.messages)))
+
+    # ------------------------------------------------------------------ deadlines
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        """Answer ``DEADLINE`` to every request whose SLO has passed (within TIMER_SLACK_S)."""
+        due = now + TIMER_SLACK_S
+        timers = self._timers
+        pending = self.requests.pending
+        while timers and timers[0][0] <= due:
+            at, rid = heapq.heappop(timers)
+            p = pending.get(rid)
+            if p is not None and p.answer_by == at:
+                self.counters["deadline_timer"] += 1
+                where = "running on " + p.backend if p.state == FETCHED else "queued"
+                self._answer_error(now, p, ErrorKind.DEADLINE,
+                                   f"no answer within the SLO (request was {where})", outbox)
+        self._prune_timers()
+
+    def _prune_timers(self) -> None:
+        """Lazy deletion: drop answered requests' entries from the top, so ``wake_at`` is a
+        pending request's deadline (most are answered well before it); compact a heap that is
+        mostly stale so it stays proportional to the pending requests."""
+        timers = self._timers
+        pending = self.requests.pending
+        while timers:
+            at, rid = timers[0]
+            p = pending.get(rid)
+            if p is not None and p.answer_by == at:
+                break
+            heapq.heappop(timers)
+        if len(timers) > 1024 and len(timers) > 4 * len(pending):
+            self._timers = [(p.answer_by, p.rid) for p in pending.values()]
+            heapq.heapify(self._timers)
+        self.wake_at = self._timers[0][0] if self._timers else math.inf
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "pending": len(self.requests.pending),
+            "draining": self.draining,
+            "clients": len(self.requests.by_client),
+            "backends": sorted(self.backend_models or {}),
+            "fetched_by": self.requests.fetched_counts(),
+            "counters": dict(self.counters),
+            "hops": {name: hop.summary() for name, hop in self.hops.items()},
+            "queueing_by_model": {
+                name: hop.summary() for name, hop in self.queueing_by_model.items()},
+            "models": {name: m.pending for name, m in self.models.items()},
+        }
+        if reset:
+            self.counters.clear()
+            for hop in (*self.hops.values(), *self.queueing_by_model.values()):
+                hop.samples.clear()
+        return out

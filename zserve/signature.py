@@ -1,0 +1,172 @@
+"""A model's signature: what it takes and returns per sample, and request validation against it.
+
+A leaf module (numpy and ``zserve.errors`` only), so that every role can hold signatures: a
+backend reads them from its models and sends their wire form (``ModelSignature.to_dict``, a
+msgpack-native dict) in its ``BackendRegister``; the rank passes them on in the ``BackendTable``;
+a frontend rebuilds them (``ModelSignature.from_dict``) and validates requests before admitting
+them, without ONNX Runtime or any model file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zserve.errors import BadRequestError
+
+# The wire form of a signature (``ModelSignature.to_dict``), as it travels in registrations.
+SignatureWire = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output of a model. ``shape`` is the per-sample shape (without the batch
+    dimension); a ``None`` entry is a dimension whose size the model does not fix (only allowed
+    for outputs). ``dtype`` is a numpy dtype name such as ``"float32"``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TensorSpec:
+        try:
+            name, dtype, shape = data["name"], data["dtype"], data["shape"]
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise TypeError("name and dtype must be strings")
+            np.dtype(dtype)
+            dims = tuple(None if d is None else int(d) for d in shape)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad tensor spec {data!r}: {exc}") from None
+        return cls(name, dtype, dims)
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in (1, *self.shape))
+        return f"{self.name}: {self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """What a model takes and returns, per sample. Serializable to a msgpack-native dict, so a
+    frontend can validate requests (``validate_request``) without loading any runtime."""
+
+    model: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    # name -> (dtype, per-sample shape), precomputed so that validating a request costs a dict
+    # lookup and two comparisons per input.
+    _expected: dict[str, tuple[np.dtype[Any], tuple[int | None, ...]]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        expected = {s.name: (np.dtype(s.dtype), s.shape) for s in self.inputs}
+        object.__setattr__(self, "_expected", expected)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.outputs]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "inputs": [s.to_dict() for s in self.inputs],
+            "outputs": [s.to_dict() for s in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSignature:
+        try:
+            model = data["model"]
+            if not isinstance(model, str):
+                raise TypeError("model must be a string")
+            inputs = tuple(TensorSpec.from_dict(s) for s in data["inputs"])
+            outputs = tuple(TensorSpec.from_dict(s) for s in data["outputs"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"bad model signature {data!r}: {exc}") from None
+        return cls(model, inputs, outputs)
+
+    def validate_request(self, inputs: Any, where: str = "") -> None:
+        """Raise ``BadRequestError`` unless ``inputs`` is one request for this model: a mapping
+        of exactly the input names to arrays (numpy, CuPy, anything with ``dtype`` and
+        ``shape``) of the declared dtype and shape ``(1, *sample_shape)``. ``where`` is added
+        to the message after the model name (e.g. ``" (from client 7)"``)."""
+        self._validate(inputs, where, 1)
+
+    def validate_batch(self, inputs: Any, where: str = "") -> int:
+        """Like ``validate_request`` for one stacked batch (every array of shape
+        ``(b, *sample_shape)`` with the same b >= 1); returns b."""
+        return self._validate(inputs, where, None)
+
+    def _validate(self, inputs: Any, where: str, leading: int | None) -> int:
+        expected = self._expected
+        # `type(...) is dict` first: isinstance against an ABC costs more than the whole check.
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
+            raise BadRequestError(
+                f"model {self.model!r}{where}: inputs must be a map of input name to array, "
+                f"got {type(inputs).__name__}"
+            )
+        if inputs.keys() != expected.keys():
+            missing = sorted(set(expected) - set(inputs))
+            unexpected = sorted(set(inputs) - set(expected), key=str)
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+            if unexpected:
+                parts.append(f"unexpected input(s) {', '.join(map(repr, unexpected))}")
+            raise BadRequestError(
+                f"model {self.model!r}{where}: {'; '.join(parts)} "
+                f"(the model takes {self._describe_inputs()})"
+            )
+        for name, (dtype, sample_shape) in expected.items():
+            array = inputs[name]
+            got_dtype = getattr(array, "dtype", None)
+            got_shape = getattr(array, "shape", None)
+            if got_dtype is None or got_shape is None:
+                raise BadRequestError(
+                    f"model {self.model!r}{where}: input {name!r} must be an array, "
+                    f"got {type(array).__name__}"
+                )
+            if got_dtype != dtype:
+                raise BadRequestError(
+                    f"model {self.model!r}{where}: input {name!r} has dtype {got_dtype}, "
+                    f"expected {dtype}"
+                )
+            if type(got_shape) is not tuple:
+                got_shape = tuple(got_shape)
+            if leading is None and len(got_shape) > 0 and got_shape[0] >= 1:
+                leading = got_shape[0]  # a stacked batch: the first input fixes b
+            shape = (leading, *sample_shape)
+            if got_shape != shape and not _shape_matches(got_shape, shape):
+                hint = ""
+                if got_shape == shape[1:]:
+                    hint = " (add a leading batch dimension of size 1: one request is one sample)"
+                raise BadRequestError(
+                    f"model {self.model!r}{where}: input {name!r} has shape "
+                    f"{got_shape}, expected {_format_shape(shape)}{hint}"
+                )
+        return leading or 0
+
+    def _describe_inputs(self) -> str:
+        return ", ".join(s.describe() for s in self.inputs)
+
+
+def _shape_matches(got: tuple[int, ...], expected: tuple[int | None, ...]) -> bool:
+    return len(got) == len(expected) and all(
+        e is None or g == e for g, e in zip(got, expected, strict=True)
+    )
+
+
+def _format_shape(shape: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
