@@ -1,6 +1,6 @@
 """ModelThread: one model's deadline-ordered queue and its one batch candidate (pure logic).
 
-See ``zserve.scheduler.common`` for the hosting contract (``now``, outbox, ``wake_at``).
+See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> ModelThread):
 
@@ -53,19 +53,9 @@ from itertools import repeat
 
 from zserve.errors import ErrorKind
 from zserve.groups import group_by_frontend
-from zserve.scheduler.common import (
-    DEST_BACKEND,
-    DEST_FRONTEND,
-    TIMER_SLACK_S,
-    TO_RANK,
-    Outbox,
-)
-from zserve.scheduler.policy import (
+from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.policies import (
     DEFAULT_KEEP_TOLERANCE,
-    DEFER_MISS_MAX_S,
-    DEFER_MISS_RELAX_S,
-    DEFER_MISS_WIDEN_S,
-    DEFER_STAGGER_MIN_GPUS,
     DROP_FCFS,
     DROP_WINDOW,
     KIND_DEFERRED,
@@ -73,11 +63,18 @@ from zserve.scheduler.policy import (
     KIND_FRONTRUN,
     KIND_LATEST,
     KIND_TIMEOUT,
-    RpsMeter,
     SchedulePolicy,
+)
+from zserve.profiles import LatencyProfile
+from zserve.scheduler.common import TIMER_SLACK_S
+from zserve.scheduler.policy import (
+    DEFER_MISS_MAX_S,
+    DEFER_MISS_RELAX_S,
+    DEFER_MISS_WIDEN_S,
+    DEFER_STAGGER_MIN_GPUS,
+    RpsMeter,
     target_batch_size,
 )
-from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchPlan,
     CandidateUpdate,

@@ -59,9 +59,9 @@ from zserve import control_link, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig
 from zserve.errors import ZServeError
+from zserve.hosting import DEST_MODEL, Outbox
 from zserve.role_runner import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.stats import Stats
 from zserve.timers import WakeTimer

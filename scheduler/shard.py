@@ -55,18 +55,13 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ClusterConfig, ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ZServeError
 from zserve.groups import group_by_frontend
+from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.policies import SchedulePolicy
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.role_runner import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.common import (
-    DEST_BACKEND,
-    DEST_FRONTEND,
-    TO_RANK,
-    Outbox,
-    split_meta_by_model,
-)
+from zserve.scheduler.common import split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
 from zserve.scheduler.sent_plans import SentPlans
 from zserve.stats import Stats
