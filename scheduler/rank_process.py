@@ -37,8 +37,9 @@ drained per loop tick by the process's ``zserve.transport.reactor.SocketReactor`
 sockets on the event loop) and its messages handled as one chunk, then the outbox is flushed once
 with non-blocking sends (``SocketReactor.send_nowait``).
 
-With ``shards = 0`` the shard process embeds a ``RankHost`` (``zserve.scheduler.shard``): the same
-class, with the local shard's messages delivered in-process instead of over a socket.
+With ``shards = 0`` the shard process embeds a ``RankHost``
+(``zserve.scheduler.shard_process``): the same class, with the local shard's messages delivered
+in-process instead of over a socket.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("zserve.supervisor", "main_up", "start a cluster from cluster.toml"),
     "down": ("zserve.supervisor", "main_down", "stop a cluster started with `up --detach`"),
     "frontend": ("zserve.frontend", "main", "run one frontend process"),
-    "scheduler": ("zserve.scheduler.shard", "main", "run one scheduler shard process"),
+    "scheduler": ("zserve.scheduler.shard_process", "main", "run one scheduler shard process"),
     "rank": ("zserve.scheduler.rank_process", "main", "run the rank process"),
     "backend": ("zserve.backends.process", "main", "run one backend process"),
     "sim": ("zserve.loadgen.sim_cli", "main", "run a workload in the discrete-event simulator"),

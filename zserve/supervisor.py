@@ -79,7 +79,7 @@ log = logging.getLogger("zserve.supervisor")
 
 ENTRY_POINTS: dict[str, str] = {
     "rank": "zserve.scheduler.rank_process:run_rank",
-    "shard": "zserve.scheduler.shard:run_shard",
+    "shard": "zserve.scheduler.shard_process:run_shard",
     "backend": "zserve.backends.process:run_backend",
     "frontend": "zserve.frontend:run_frontend",
 }
