@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zserve.errors import ErrorKind
+from zserve.hosting import DEST_FRONTEND, TO_RANK, Outbox
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,
@@ -50,13 +51,6 @@ from zserve.transport.messages import (
     TensorMap,
 )
 
-# The outbox vocabulary of ``zserve.scheduler.common``, spelled out here because backends/ may
-# not import scheduler/ (the folders' layer contract); tests/test_backend_follower.py checks that
-# the two agree.
-Destination = tuple[str, str | int]
-Outbox = list[tuple[Destination, Message]]
-TO_RANK: Destination = ("rank", "")
-DEST_FRONTEND = "frontend"
 DEST_DEVICE = "device"
 # How long after exec_at the head plan waits for a frontend's InputReply before it runs without
 # those requests (a frontend that is alive answers within a millisecond or two).
@@ -496,13 +490,10 @@ class PlanFollower:
 
 __all__ = [
     "DEST_DEVICE",
-    "DEST_FRONTEND",
     "INPUT_WAIT_S",
     "SHED_GRACE_FRACTION",
-    "TO_RANK",
     "BatchTimings",
     "HeldPlan",
-    "Outbox",
     "PlanFollower",
     "RunBatch",
     "shed_late_rows",

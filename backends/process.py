@@ -46,10 +46,8 @@ from zserve.backends.batch_runner import BatchRunner, BusyMeter
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
     DEST_DEVICE,
-    DEST_FRONTEND,
     INPUT_WAIT_S,
     SHED_GRACE_FRACTION,
-    Outbox,
     PlanFollower,
     RunBatch,
     shed_late_rows,
@@ -63,6 +61,7 @@ from zserve.config import (
     role_config,
 )
 from zserve.errors import ErrorKind, ZServeError
+from zserve.hosting import DEST_FRONTEND, Outbox
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.transport.messages import (
     BackendRegister,

@@ -4,12 +4,17 @@
 (``worker_main``, several workers, which share counters with the coordinator through
 ``Channels``). It never waits for a reply to send: between sends it only reads the replies that
 have already arrived (``peek_answers`` reads just their ids and error kinds).
+
+The loop is an asyncio loop with the one receive loop of zserve, ``SocketReactor``: a timer fires
+at the next planned send (or monitor tick), sends what is due, and re-arms; the reactor drains the
+replies as they come. The loop is the standard library's selector loop, not uvloop: libuv keeps
+time in whole milliseconds, and an open-loop generator must send on the planned microsecond.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +48,7 @@ from zserve.transport.messages import (
     InferRequest,
     TensorMap,
 )
+from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_dealer
 
 # How often a worker publishes its counters, checks the early-stop rule and the stop flag.
@@ -58,9 +64,6 @@ GENERATOR_SEND_HWM = 200_000
 WORKER_START_TIMEOUT_S = 60.0
 # Most requests sent in one pass of the loop before the replies that arrived are read.
 SEND_BURST = 64
-# Plain ints: pyzmq's constants are enum members, whose operators run Python code.
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
 _INT_ONLY = {int}
 _STR_ONLY = {str}
 
@@ -220,24 +223,14 @@ class _Sender:
             self.counters[m][DECIDED] += 1
             self.counters[m][BAD] += 1
 
-    # 2. Read every reply that has arrived. A poll before each receive: cheaper than a receive
-    #    failing with EAGAIN (and than getsockopt(EVENTS), which builds an enum), and the last
-    #    one (nothing queued) rearms the socket's edge-triggered FD for the sleep in 5.
-    def read_replies(self, sock: zmq.Socket[Any], poll_items: list[Any]) -> None:
+    # 2. Settle the replies of one reactor drain (each a list of frames; they had all arrived
+    #    by the drain, so one timestamp serves them all).
+    def on_replies(self, replies: list[list[zmq.Frame]]) -> None:
         bad_reply_error = ERROR_INDEX["BAD_REPLY"]
-        monotonic, settle = time.monotonic, self._settle
-        while zmq.zmq_poll(poll_items, 0):
-            try:
-                # One whole message; each Frame says whether more follow (no RCVMORE call).
-                frame = sock.recv(_NOBLOCK, copy=False)
-                reply_frames = [frame]
-                while frame.more:
-                    frame = sock.recv(_NOBLOCK, copy=False)
-                    reply_frames.append(frame)
-            except zmq.Again:
-                break
-            t_reply = monotonic()
-            sent_so_far = self.i
+        settle = self._settle
+        t_reply = time.monotonic()
+        sent_so_far = self.i
+        for reply_frames in replies:
             # Undecodable answers yield nothing: their requests will end as TIMEOUT.
             for k, error in peek_answers(reply_frames):
                 kind = NO_ERROR if error is None else ERROR_INDEX.get(error, bad_reply_error)
@@ -304,7 +297,7 @@ class _Sender:
         return (self.i == self.n or self.stopped is not None) and (
             self.outstanding == 0 or now >= self.end_at)
 
-    # 5. Sleep until the next send, a reply or the next monitor tick.
+    # 5. The next send or monitor tick (replies wake the loop through the reactor).
     def wake_at(self) -> float:
         sending = self.i < self.n and self.stopped is None
         return min(self.t0 + self.times[self.i] if sending else self.end_at, self.next_monitor)
@@ -324,36 +317,96 @@ class _Sender:
 
 
 def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
-    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply. The hot loop
-    (``_Sender`` holds the records and the steps)."""
-    sender = _Sender(spec, t0)
+    """Send ``spec.plan`` open-loop from ``t0`` on; record every reply."""
+    loop = asyncio.SelectorEventLoop()  # not uvloop: see the module docstring
+    try:
+        return loop.run_until_complete(_serve(spec, t0, monitor))
+    finally:
+        loop.close()
+
+
+async def _serve(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
+    loop = asyncio.get_running_loop()
     ctx = zmq.Context()
     sock = make_dealer(
         ctx, spec.address, identity=spec.identity, send_hwm_messages=GENERATOR_SEND_HWM
     )
-    fd = sock.getsockopt(zmq.FD)
-    poll_items = [(sock, _POLLIN)]
-    # First on the connection: answers may come coalesced (InferAnswers), one message per batch.
-    socket_io.send_frames_nowait(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
-    monotonic = time.monotonic
+    reactor = SocketReactor(loop)
+    host = _SendHost(_Sender(spec, t0), sock, reactor, monitor, loop.create_future())
     try:
-        while True:
-            sender.send_due(sock, monotonic())
-            sender.read_replies(sock, poll_items)
-            now = monotonic()
-            if now >= sender.next_monitor:
-                sender.monitor(now, monitor)
-            if sender.done(now):
-                break
-            timeout = sender.wake_at() - monotonic()
-            if timeout > 0:
-                # Step 2 was the last operation on the socket and found nothing queued, so the FD
-                # becomes readable when the next message arrives.
-                select.select([fd], [], [], timeout)
+        reactor.watch_frames(sock, on_frames=host.on_replies)
+        # First on the connection: answers may come coalesced (InferAnswers), one per batch.
+        reactor.send_frames(sock, codec.encode(ClientHello(accepts=[InferAnswers.KIND])))
+        host.on_timer()
+        await host.finished
     finally:
+        host.cancel()
+        reactor.close()
         sock.close(linger=0)
         ctx.term()
-    return sender.output()
+    return host.sender.output()
+
+
+class _SendHost:
+    """Hosts a ``_Sender`` on the event loop: one timer for its next send or monitor tick, the
+    reactor's drains for its replies. ``finished`` ends with the run (or with the error that
+    ended it: the reactor would only log an exception raised in its handler)."""
+
+    def __init__(self, sender: _Sender, sock: zmq.Socket[Any], reactor: SocketReactor,
+                 monitor: Monitor, finished: asyncio.Future[None]) -> None:
+        self.sender = sender
+        self.sock = sock
+        self.reactor = reactor
+        self.monitor = monitor
+        self.finished = finished
+        self._loop = finished.get_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.nan
+
+    def on_timer(self) -> None:
+        self._timer = None
+        try:
+            self.sender.send_due(self.sock, time.monotonic())
+            # The sends went around the reactor (a tight loop): they may have consumed the FD's
+            # edge of a reply that arrived meanwhile.
+            self.reactor.kick(self.sock)
+            self._step()
+        except BaseException as exc:
+            self._fail(exc)
+
+    def on_replies(self, replies: list[list[zmq.Frame]]) -> None:
+        try:
+            self.sender.on_replies(replies)
+            self._step()
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _step(self) -> None:
+        sender = self.sender
+        now = time.monotonic()
+        if now >= sender.next_monitor:
+            sender.monitor(now, self.monitor)
+        if sender.done(now):
+            self.cancel()
+            if not self.finished.done():
+                self.finished.set_result(None)
+            return
+        wake = sender.wake_at()
+        if self._timer is None or wake != self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = wake
+            self._timer = self._loop.call_at(wake, self.on_timer)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.cancel()
+        if not self.finished.done():
+            self.finished.set_exception(exc)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 @dataclass

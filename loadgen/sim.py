@@ -36,13 +36,14 @@ import msgspec
 import numpy as np
 
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
+from zserve.hosting import Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
 from zserve.loadgen.report import ModelOutcome, build_report
 from zserve.loadgen.workload import Workload
+from zserve.policies import SchedulePolicy
 from zserve.scheduler.bounds import staggered_bound_rps
-from zserve.scheduler.common import FEASIBILITY_EPS_S, Outbox
+from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import SchedulePolicy
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchFailed,

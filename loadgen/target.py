@@ -23,7 +23,7 @@ import zmq
 from zserve.config import ModelConfig
 from zserve.loadgen.stats_poller import STATS_REPLY_TIMEOUT_S
 from zserve.loadgen.workload import Workload
-from zserve.scheduler.policy import DEFAULT_KEEP_TOLERANCE
+from zserve.policies import DEFAULT_KEEP_TOLERANCE
 from zserve.signature import ModelSignature
 from zserve.transport import codec
 from zserve.transport.messages import ClusterStatsRequest, StatsReply, TensorMap

@@ -51,9 +51,9 @@ from typing import Annotated, Any
 import msgspec
 
 from zserve.loadgen.arrivals import popularity_shares
+from zserve.loadgen.zoo import load_zoo_csv
 from zserve.policies import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
 from zserve.profiles import LatencyProfile, load_profiles
-from zserve.scheduler.profiles import load_zoo_csv
 from zserve.schema import FieldError, SchemaError, decode
 
 

@@ -63,10 +63,11 @@ from typing import Any
 
 import numpy as np
 
-from zserve.scheduler.common import FEASIBILITY_EPS_S, Outbox
+from zserve.hosting import Outbox
+from zserve.policies import SchedulePolicy
+from zserve.profiles import LatencyProfile
+from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import SchedulePolicy
-from zserve.scheduler.profiles import LatencyProfile
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchPlan,

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from zserve.profiles import LatencyProfile
 from zserve.scheduler.policy import largest_batch_at_rate
-from zserve.scheduler.profiles import LatencyProfile
 
 
 def staggered_batch(alpha_ms: float, beta_ms: float, slo_ms: float, gpus: int) -> int:

@@ -1,34 +1,11 @@
-"""Shared vocabulary of the pure scheduling objects: destinations, the outbox, timer slack, and
-the cut of a RequestMetaBatch into per-model chunks that every host feeds them.
-
-Hosting contract (ModelThread and RankThread alike):
-
-- Every method takes ``now`` (float seconds on the host's clock: ``time.monotonic()`` live, the
-  virtual clock in the simulator) and an ``outbox`` list, and appends ``(destination, message)``
-  pairs to it. No method does I/O or reads a clock.
-- Timers: each object has a ``wake_at`` attribute (float seconds, ``math.inf`` when it needs no
-  timer). After *any* call returns, ``wake_at > now`` holds. The host must call
-  ``obj.on_timer(now, outbox)`` at the first moment ``now >= obj.wake_at`` (calling it earlier is a
-  harmless no-op; calling it late is allowed and handled, but costs schedule quality). Re-read
-  ``wake_at`` after every call: any call may move it earlier or later.
-- Messages in an outbox must be delivered in order per destination (the decisions assume FIFO
-  between one ModelThread and the RankThread).
-
-Destinations are small tuples: ``TO_RANK``, ``("model", name)``, ``("backend", gpu_id)`` and
-``("frontend", frontend_name)``.
+"""What the scheduler's pure objects (ModelThread, RankThread) and their hosts share beyond the
+hosting contract of ``zserve.hosting``: timer slack, the feasibility tolerance, and the cut of a
+RequestMetaBatch into the per-model chunks every host feeds the ModelThreads.
 """
 
 from __future__ import annotations
 
-from zserve.transport.messages import Message, RequestMetaBatch
-
-Destination = tuple[str, str | int]
-Outbox = list[tuple[Destination, Message]]
-
-TO_RANK: Destination = ("rank", "")
-DEST_MODEL = "model"
-DEST_BACKEND = "backend"
-DEST_FRONTEND = "frontend"
+from zserve.transport.messages import RequestMetaBatch
 
 TIMER_SLACK_S = 1e-6
 """A ModelThread re-evaluates its candidate this long *after* the candidate's last grantable

@@ -1,6 +1,6 @@
 """ModelThread: one model's deadline-ordered queue and its one batch candidate (pure logic).
 
-See ``zserve.scheduler.common`` for the hosting contract (``now``, outbox, ``wake_at``).
+See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> ModelThread):
 
@@ -47,37 +47,25 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
 from zserve.errors import ErrorKind
 from zserve.groups import group_by_frontend
-from zserve.scheduler.common import (
-    DEST_BACKEND,
-    DEST_FRONTEND,
-    TIMER_SLACK_S,
-    TO_RANK,
-    Outbox,
-)
-from zserve.scheduler.policy import (
+from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.policies import (
     DEFAULT_KEEP_TOLERANCE,
+    DROP_WINDOW,
+    SchedulePolicy,
+)
+from zserve.profiles import LatencyProfile
+from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
-    DEFER_STAGGER_MIN_GPUS,
-    DROP_FCFS,
-    DROP_WINDOW,
-    KIND_DEFERRED,
-    KIND_EAGER,
-    KIND_FRONTRUN,
-    KIND_LATEST,
-    KIND_TIMEOUT,
     RpsMeter,
-    SchedulePolicy,
     target_batch_size,
 )
-from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchPlan,
     CandidateUpdate,
@@ -86,12 +74,16 @@ from zserve.transport.messages import (
     GrantGpu,
 )
 
+# Relative on purpose: mypy sees this folder as ``scheduler``, not ``zserve.scheduler`` (an
+# install-time mapping it cannot follow), so an absolute import would give strict mypy a base
+# class of type Any.
+from .candidate_sizing import CandidateSizing
+
 _NEG_INF = -math.inf
 DEFAULT_PUBLISH_LEAD_S = 0.002
-_COMPACT_AT = 4096  # compact the queue list once this many popped entries precede the head
 
 
-class ModelThread:
+class ModelThread(CandidateSizing):
     """One model's queue and candidate. Construct one per model; see the module docstring.
 
     ``slo_s`` is the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``) is the time from
@@ -218,24 +210,6 @@ class ModelThread:
     def meter(self, meter: RpsMeter) -> None:
         self._meter = meter
         self._refresh_defer_below()
-
-    def _refresh_defer_below(self) -> None:
-        """The batch size from which the ``deferred`` policy stops deferring (policy.py), from
-        the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
-        size b (n = lambda*l(b)/b). Cached: it changes only when the meter seals a bucket or the
-        target or profile changes."""
-        rate = self._meter.rate()
-        self._defer_shared = False
-        if rate is None:
-            self._defer_below = math.inf  # no rate yet: plain frontrun
-            return
-        beta_lambda = self._profile.beta_s * rate
-        target = self.target
-        if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
-            self._defer_below = max(beta_lambda, target)
-        else:
-            self._defer_below = beta_lambda - 1.0
-            self._defer_shared = True
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -395,22 +369,6 @@ class ModelThread:
 
     # ------------------------------------------------------------------ core
 
-    def _set_target(self, target: int) -> None:
-        """The target batch size, and ``keep_min``: the smallest batch whose per-request cost
-        l(b)/b is within ``keep_tolerance`` of the target's (equal to the target at tolerance 0,
-        the authors' rule)."""
-        self.target = target
-        self._refresh_defer_below()
-        if self.keep_tolerance <= 0:
-            self.keep_min = target
-            return
-        table = self.profile.table_s
-        limit = (1 + self.keep_tolerance) * table[target] / target
-        keep = target
-        while keep > 1 and table[keep - 1] / (keep - 1) <= limit:
-            keep -= 1
-        self.keep_min = keep
-
     def _frontends_of(self, fe: list[int]) -> tuple[list[str], list[int]]:
         if len(self._frontends) == 1:
             return [self._frontends[0]], [0] * len(fe)
@@ -448,133 +406,6 @@ class ModelThread:
             self.wake_at = math.inf
             return
         self._aim(now, gpu_free_at, head, bs)
-
-    def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
-        """Window drop: the new head and batch size. Drop the head while keeping it would force
-        a batch smaller than the target (keep_min). While at least keep_min requests remain the
-        bar is one deadline threshold: bisect to it, then step through the short remainder.
-        ``start`` is now + d_ctrl."""
-        dl = self._dl
-        head = self._head
-        size = len(dl)
-        avail = size - head
-        table = self._table
-        d_data = self.d_data_s
-        keep_min = self.keep_min
-        earliest = start + d_data * keep_min
-        earliest = gpu_free_at if gpu_free_at > earliest else earliest
-        threshold = earliest + table[keep_min]
-        if dl[head] < threshold and avail > keep_min:
-            head = bisect_left(dl, threshold, head, size - keep_min)
-            avail = size - head
-        while avail:
-            bs = keep_min if keep_min < avail else avail
-            earliest = start + d_data * bs
-            earliest = gpu_free_at if gpu_free_at > earliest else earliest
-            if dl[head] >= earliest + table[bs]:
-                break
-            head += 1
-            avail -= 1
-        else:
-            return head, 0
-        max_batch = self._max_batch
-        cap = avail if avail < max_batch else max_batch
-        if bs < cap:
-            bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
-        return head, bs
-
-    def _size_feasible(self, start: float, gpu_free_at: float) -> tuple[int, int]:
-        """FCFS and no-drop policies: drop only what cannot finish even alone; the new head and
-        batch size (up to the target under FCFS). ``start`` is now + d_ctrl."""
-        dl = self._dl
-        head = self._head
-        size = len(dl)
-        earliest = start + self.d_data_s
-        earliest = gpu_free_at if gpu_free_at > earliest else earliest
-        threshold = earliest + self._table[1]
-        if dl[head] < threshold:
-            head = bisect_left(dl, threshold, head, size)
-        avail = size - head
-        if not avail:
-            return head, 0
-        max_batch = self._max_batch
-        cap = avail if avail < max_batch else max_batch
-        if self._drop == DROP_FCFS and self.target < cap:
-            cap = self.target
-        bs = 1
-        if bs < cap:
-            bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
-        return head, bs
-
-    def _advance_head(self, head: int) -> int:
-        """Move the queue's head to ``head`` (the drops are emitted); compact the lists once
-        the popped prefix is long and at least half of them. Returns the new head index."""
-        self._head = head
-        if head >= _COMPACT_AT and head * 2 >= len(self._dl):
-            del self._dl[:head]
-            del self._rid[:head]
-            del self._fe[:head]
-            del self._arr[:head]
-            self._head = head = 0
-        return head
-
-    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int) -> None:
-        """Set the candidate ``[head:head + bs]``: its exec time by the policy's kind, clamped
-        into [earliest, latest], and the wake-up at its last grantable moment."""
-        deadline = self._dl[head]
-        table = self._table
-        delay = self.d_ctrl_s + self.d_data_s * bs
-        earliest = now + delay
-        earliest = gpu_free_at if gpu_free_at > earliest else earliest
-        latest = deadline - table[bs]
-        kind = self._kind
-        deferred = False
-        if kind == KIND_DEFERRED:
-            if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
-                exec_at = earliest
-            elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
-                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + 1]
-                deferred = True
-            else:  # staggered: a missed window is the stagger at work; the authors' aim
-                exec_at = deadline - self.jitter_s - table[bs + 1]
-        elif kind == KIND_FRONTRUN:
-            exec_at = deadline - self.jitter_s - table[bs + 1]
-        elif kind == KIND_EAGER:
-            exec_at = earliest
-        elif kind == KIND_LATEST:
-            exec_at = latest - self.jitter_s
-        elif kind == KIND_TIMEOUT:
-            exec_at = self._arr[head] + self._policy.timeout_fraction * self.slo_s
-        else:  # pragma: no cover - parse() admits only the kinds above
-            raise AssertionError(kind)
-        exec_at = earliest if earliest > exec_at else exec_at
-        exec_at = latest if latest < exec_at else exec_at
-        self.cand_bs = bs
-        self.cand_exec = exec_at
-        self.cand_latest = latest
-        self._cand_deferred = deferred
-        wake = latest - delay + TIMER_SLACK_S
-        self.wake_at = wake if wake > now else now + TIMER_SLACK_S
-
-    def _grow(self, deadline: float, bs: int, cap: int, start: float, gpu_free_at: float) -> int:
-        """The largest b in [bs, cap] whose batch still finishes by ``deadline`` (feasibility is
-        monotone in b). ``start`` is now + d_ctrl."""
-        table = self._table
-        d_data = self.d_data_s
-        earliest = start + d_data * cap
-        earliest = gpu_free_at if gpu_free_at > earliest else earliest
-        if deadline >= earliest + table[cap]:
-            return cap
-        lo, hi = bs, cap - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            earliest = start + d_data * mid
-            earliest = gpu_free_at if gpu_free_at > earliest else earliest
-            if deadline >= earliest + table[mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:
         ids = self._rid[start:stop]

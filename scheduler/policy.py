@@ -1,4 +1,6 @@
-"""Batch policies selectable by name, the rate meter, and the rate-driven target batch size.
+"""What the scheduler does under each batch policy, the rate meter, and the rate-driven target
+batch size. The policy names and their parse (``SchedulePolicy``) are the runtime kit's
+(``zserve.policies``), which configuration validates with.
 
 Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` time); every policy
 runs through the same ModelThread/RankThread code paths:
@@ -57,30 +59,11 @@ from __future__ import annotations
 
 import math
 
-# The policy names and their parse live in the runtime kit (configuration validates them);
-# re-exported here, where the scheduler code imports them with the rest of its policy.
-from zserve.policies import (
-    DEFAULT_KEEP_TOLERANCE,
-    DROP_ALONE,
-    DROP_FCFS,
-    DROP_POLICIES,
-    DROP_WINDOW,
-    KIND_DEFERRED,
-    KIND_EAGER,
-    KIND_FRONTRUN,
-    KIND_LATEST,
-    KIND_TIMEOUT,
-    SCHEDULE_POLICIES,
-    SchedulePolicy,
-)
 from zserve.profiles import LatencyProfile
 
 __all__ = [
-    "DEFAULT_KEEP_TOLERANCE", "DEFER_MISS_MAX_S", "DEFER_MISS_RELAX_S", "DEFER_MISS_WIDEN_S",
-    "DEFER_STAGGER_MIN_GPUS", "DROP_ALONE", "DROP_FCFS", "DROP_POLICIES", "DROP_WINDOW",
-    "KIND_DEFERRED", "KIND_EAGER", "KIND_FRONTRUN", "KIND_LATEST", "KIND_TIMEOUT",
-    "SCHEDULE_POLICIES", "RpsMeter", "SchedulePolicy", "largest_batch_at_rate",
-    "target_batch_size",
+    "DEFER_MISS_MAX_S", "DEFER_MISS_RELAX_S", "DEFER_MISS_WIDEN_S", "DEFER_STAGGER_MIN_GPUS",
+    "RpsMeter", "largest_batch_at_rate", "target_batch_size",
 ]
 
 DEFER_STAGGER_MIN_GPUS = 2.0

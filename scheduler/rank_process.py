@@ -37,8 +37,9 @@ drained per loop tick by the process's ``zserve.transport.reactor.SocketReactor`
 sockets on the event loop) and its messages handled as one chunk, then the outbox is flushed once
 with non-blocking sends (``SocketReactor.send_nowait``).
 
-With ``shards = 0`` the shard process embeds a ``RankHost`` (``zserve.scheduler.shard``): the same
-class, with the local shard's messages delivered in-process instead of over a socket.
+With ``shards = 0`` the shard process embeds a ``RankHost``
+(``zserve.scheduler.shard_process``): the same class, with the local shard's messages delivered
+in-process instead of over a socket.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ from zserve import control_link, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig
 from zserve.errors import ZServeError
+from zserve.hosting import DEST_MODEL, Outbox
 from zserve.role_runner import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.common import DEST_MODEL, Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.stats import Stats
 from zserve.timers import WakeTimer

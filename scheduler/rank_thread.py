@@ -1,6 +1,6 @@
 """RankThread: GPU free times, one candidate per model, and model-GPU matchmaking (pure logic).
 
-See ``zserve.scheduler.common`` for the hosting contract (``now``, outbox, ``wake_at``).
+See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> RankThread):
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from zserve.scheduler.common import DEST_MODEL, Outbox
+from zserve.hosting import DEST_MODEL, Outbox
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
 _INF = math.inf

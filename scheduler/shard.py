@@ -1,8 +1,9 @@
-"""A scheduler shard process: hosts the ModelThreads of the models hashed to it.
+"""A scheduler shard: ``ShardHost`` hosts the ModelThreads of the models hashed to it.
 
-``run_shard(config, control_address)`` (``zserve scheduler``) binds the ``shard`` ROUTER, to which
-frontends connect (DEALER identity = frontend name). Model ``m`` lives on shard
-``zserve.config.shard_for_model(m, shards)``; frontends send its requests' metadata straight there.
+Its process (``zserve.scheduler.shard_process.run_shard``, ``zserve scheduler``) binds the
+``shard`` ROUTER, to which frontends connect (DEALER identity = frontend name). Model ``m`` lives
+on shard ``zserve.config.shard_for_model(m, shards)``; frontends send its requests' metadata
+straight there.
 
 - Frontend -> shard: ``RequestMetaBatch`` (one per frontend per loop tick). The shard drains every
   queued message, then feeds each (model, frontend) chunk to its ModelThread in one call. The
@@ -38,36 +39,28 @@ queue drained on the next loop iteration, so neither side re-enters the other).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import logging
 import os
-import sys
 import time
 from collections import deque
 from typing import Any
 
 import zmq
 
-from zserve import control_link, peer_map, role_runner
-from zserve.clock import ClockSync, ClusterClock
-from zserve.config import ClusterConfig, ModelConfig, RoleConfig
+from zserve import control_link
+from zserve.clock import ClusterClock
+from zserve.config import ClusterConfig, ModelConfig
 from zserve.errors import ErrorKind, ZServeError
 from zserve.groups import group_by_frontend
+from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.policies import SchedulePolicy
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.role_runner import cancel_all, spawn
-from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.common import (
-    DEST_BACKEND,
-    DEST_FRONTEND,
-    TO_RANK,
-    Outbox,
-    split_meta_by_model,
-)
+from zserve.scheduler.common import split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import SchedulePolicy
-from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.rank_process import RankHost
 from zserve.scheduler.sent_plans import SentPlans
 from zserve.stats import Stats
 from zserve.timers import WakeTimer
@@ -84,7 +77,7 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer, make_router
+from zserve.transport.sockets import make_dealer
 
 log = logging.getLogger(__name__)
 
@@ -499,117 +492,3 @@ class ShardHost:
             out["rank"] = self.rank_local.stats(reset)
         out.update(self._stats.snapshot(reset))
         return out
-
-
-# --------------------------------------------------------------------------- entry points
-
-
-@dataclasses.dataclass
-class _ShardProcess:
-    """What one shard process opened, closed in reverse order by ``close``."""
-
-    ctx: zmq.Context[zmq.Socket[bytes]]
-    reactor: SocketReactor
-    socks: list[zmq.Socket[Any]] = dataclasses.field(default_factory=list)
-    link: control_link.ControlLink | None = None
-    host: ShardHost | None = None
-    rank: RankHost | None = None
-    clock_sync: ClockSync | None = None
-
-    def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
-        sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
-        self.socks.append(sock)
-        return sock, endpoint
-
-    async def close(self) -> None:
-        if self.clock_sync is not None:
-            await self.clock_sync.close()
-        if self.host is not None:
-            await self.host.close()
-        if self.rank is not None:
-            await self.rank.close()
-        self.reactor.close()
-        for sock in self.socks:
-            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
-        if self.link is not None:
-            await self.link.close()
-        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
-
-
-async def _main(config: RoleConfig, control_address: str | None) -> int:
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
-    try:
-        return await _serve(proc, config, control_address)
-    finally:
-        await proc.close()
-
-
-async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str | None) -> int:
-    name = config.name
-    embedded = config.embedded_rank
-    cluster = config.cluster
-    link = proc.link = await control_link.ControlLink.open(
-        proc.ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
-        stats=lambda reset: proc.host.stats(reset) if proc.host is not None else {},
-        on_message=lambda msg: proc.rank.on_control_message(msg) if proc.rank else None,
-    )
-    advertise = config.advertise_host
-    sock, endpoint = proc.bind(config.bind["shard"], f"{name} shard", advertise)
-    endpoints = {"shard": endpoint}
-    # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
-    # before the shard takes requests (the ModelThreads' timers read this same object).
-    clock = ClusterClock(reference=embedded)
-    host = proc.host = ShardHost(
-        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
-        models=list(config.models),
-        peers=dict(config.peers), index=config.index, clock=clock)
-    if embedded:
-        rank_sock, endpoints["rank"] = proc.bind(config.bind["rank"], f"{name} rank",
-                                                 advertise)
-        timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
-        proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
-                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank))
-        host.embed_rank(proc.rank)
-        proc.rank.start()
-        host.start()
-        log.info("%s: %s", name, clock.describe())
-    host.peers.update(await link.ready(endpoints))
-    if not embedded:
-        proc.clock_sync = await role_runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
-                                                            drain=link.drain, clock=clock)
-        if proc.clock_sync is None:
-            return 0 if link.drain.requested else 2
-        rank_address = peer_map.rank_address(host.peers)
-        assert rank_address is not None
-        host.start()
-        host.connect_rank(rank_address)
-    await link.drain.wait()
-    await host.drain(link.drain.drain_s)
-    return 0
-
-
-def run_shard(config: RoleConfig, control_address: str | None) -> int:
-    """Run one scheduler shard (with the rank embedded when ``config.embedded_rank``)."""
-    return role_runner.run_role(_main(config, control_address), name=config.name)
-
-
-def main(argv: list[str]) -> int:
-    """``zserve scheduler``: run scheduler shard ``--index`` of a cluster.toml on its own."""
-    parser = role_parser("zserve scheduler", main.__doc__)
-    parser.add_argument("--bind", default=None, help="shard socket bind address")
-    parser.add_argument("--rank-bind", default=None,
-                        help="with shards = 0: the embedded rank's bind address")
-    args = parser.parse_args(argv)
-    config = role_config_from_args(args, ROLE)
-    if args.bind:
-        config.bind["shard"] = args.bind
-    if args.rank_bind:
-        if "rank" not in config.bind:
-            parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
-        config.bind["rank"] = args.rank_bind
-    return run_shard(config, args.control)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -37,7 +37,7 @@ M = TypeVar("M", bound=Message)
 
 _ENTRY = {
     "backend": "zserve.backends.process:run_backend",
-    "shard": "zserve.scheduler.shard:run_shard",
+    "shard": "zserve.scheduler.shard_process:run_shard",
     "rank": "zserve.scheduler.rank_process:run_rank",
 }
 

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from zserve.backends import follower as follower_module
 from zserve.backends.follower import (
     DEST_DEVICE,
     INPUT_WAIT_S,
@@ -18,9 +17,8 @@ from zserve.backends.follower import (
     shed_late_rows,
 )
 from zserve.errors import ErrorKind
-from zserve.scheduler import common
-from zserve.scheduler.common import TO_RANK, Outbox
-from zserve.scheduler.profiles import LatencyProfile
+from zserve.hosting import TO_RANK, Outbox
+from zserve.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,
@@ -311,10 +309,3 @@ def test_wake_at_is_always_in_the_future_after_a_call() -> None:
         assert len(started) <= 1 and not (running and started)
         running = running or bool(started)
         assert follower.wake_at > now
-
-
-def test_outbox_vocabulary_is_the_scheduler_s() -> None:
-    # spelled out in follower.py (backends/ may not import scheduler/): must stay equal
-    assert follower_module.TO_RANK == common.TO_RANK
-    assert follower_module.DEST_FRONTEND == common.DEST_FRONTEND
-    assert follower_module.Outbox == common.Outbox

@@ -7,6 +7,7 @@ generator's whole path: codec, DEALER socket, reply matching, outcome rules, wor
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from zserve.loadgen import schedules
 from zserve.loadgen.echo import EchoConfig, EchoServer
 from zserve.loadgen.generator import run_load
 from zserve.loadgen.load_plan import BailRule, GeneratorBehindError, LoadPlan, Outcome, build_plan
-from zserve.loadgen.sender import peek_answers
+from zserve.loadgen.sender import WorkerSpec, peek_answers, send_loop
 from zserve.loadgen.workload import ArrivalSpec
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
@@ -82,6 +83,18 @@ def test_open_loop_run_records_every_request(echo: EchoServer, tmp_path: Path) -
         assert list(saved["models"]) == ["a", "b"]
         kinds = saved["error_kinds"][saved["error_kind"][saved["error_kind"] >= 0]]
         assert set(kinds) == {"OVERLOADED"}
+
+
+def test_an_error_in_the_monitor_ends_the_run(echo: EchoServer) -> None:
+    """The reactor only logs what its handlers raise; the worker's loop must end with it
+    instead (a monitor or a bug that fails would otherwise leave the run hanging)."""
+
+    def failing_monitor(counters: object, lag_s: float) -> str | None:
+        raise RuntimeError("monitor failed")
+
+    spec = WorkerSpec(echo.address, _plan(400.0, 5.0), INPUTS, b"failing-monitor")
+    with pytest.raises(RuntimeError, match="monitor failed"):
+        send_loop(spec, time.monotonic(), failing_monitor)
 
 
 def test_sends_on_schedule_without_waiting_for_replies() -> None:

@@ -18,8 +18,8 @@ from zserve.loadgen.report import summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import InvariantError, SimConfig, Simulator, simulate
 from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
+from zserve.profiles import LatencyProfile, save_profiles
 from zserve.scheduler import bench
-from zserve.scheduler.profiles import LatencyProfile, save_profiles
 from zserve.transport.messages import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]

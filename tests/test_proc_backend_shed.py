@@ -17,7 +17,7 @@ from test_proc_backend import ALPHA_MS, BETA_MS, MODEL, BackendRig, start_backen
 
 from zserve.backends.process import shed_late_rows
 from zserve.errors import ErrorKind
-from zserve.scheduler.profiles import LatencyProfile
+from zserve.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,

@@ -8,16 +8,17 @@ import zlib
 
 import pytest
 
-from zserve.scheduler.common import TIMER_SLACK_S, TO_RANK, Outbox, split_meta_by_model
+from zserve.hosting import TO_RANK, Outbox
+from zserve.policies import SchedulePolicy
+from zserve.profiles import LatencyProfile
+from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
     RpsMeter,
-    SchedulePolicy,
 )
-from zserve.scheduler.profiles import LatencyProfile
 from zserve.transport.messages import (
     BatchPlan,
     CandidateUpdate,

@@ -10,17 +10,16 @@ from pathlib import Path
 import pytest
 
 from zserve.config import ModelConfig, parse_config
-from zserve.profiles import configured_profile, write_profile_entries
-from zserve.scheduler import bounds
-from zserve.scheduler.policy import RpsMeter, SchedulePolicy, target_batch_size
-from zserve.scheduler.profiles import (
+from zserve.policies import SchedulePolicy
+from zserve.profiles import (
     LatencyProfile,
+    configured_profile,
     load_profiles,
-    load_zoo_csv,
     save_profiles,
+    write_profile_entries,
 )
-
-ZOO = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "model_zoo_a100.csv"
+from zserve.scheduler import bounds
+from zserve.scheduler.policy import RpsMeter, target_batch_size
 
 
 def test_linear_profile_and_infeasible_sizes() -> None:
@@ -87,12 +86,6 @@ def test_profile_file_errors(tmp_path: Path, data: dict[str, object], match: str
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=match):
         load_profiles(path)
-
-
-def test_zoo_csv_rows() -> None:
-    rows = load_zoo_csv(ZOO)
-    assert len(rows) == 37
-    assert rows[0].name == "DenseNet121" and rows[0].slo_ms == 21.0
 
 
 def test_policy_names() -> None:

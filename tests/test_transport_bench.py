@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from zserve.transport import bench
+from zserve.transport.bench_results import SpacedResult
 
 
 def test_quick_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,11 +48,11 @@ def test_quick_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFi
 def test_spaced_result_never_credits_a_cheaper_send_than_its_sleep() -> None:
     # A noisy sleep-only run can cost more than the loop with sends; the message is then counted
     # at its receiver's cost alone, never below it.
-    row = bench.SpacedResult(
+    row = SpacedResult(
         gap_s=0.001, messages=10, sender_cpu_us=20.0, sleep_cpu_us=25.0, receiver_cpu_us=30.0
     )
     assert row.message_cpu_us == 30.0
-    row = bench.SpacedResult(
+    row = SpacedResult(
         gap_s=0.001, messages=10, sender_cpu_us=45.0, sleep_cpu_us=15.0, receiver_cpu_us=30.0
     )
     assert row.message_cpu_us == 60.0

@@ -56,20 +56,30 @@ import statistics
 import struct
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, TypeVar
 
-import msgpack
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from zserve.idle_poll import IdlePollers
+from zserve.transport.bench_peer import (
+    ACK,
+    CPU,
+    END,
+    PEER_IDENTITY,
+    RCVMORE,
+    Phase,
+    bare_frames,
+    peer_main,
+    run_on_uvloop,
+    small_message,
+)
+from zserve.transport.bench_results import FloodResult, PairResult, SpacedResult
 from zserve.transport.codec import decode, encode
-from zserve.transport.messages import CandidateUpdate, InferRequest, Message, Shutdown
+from zserve.transport.messages import Shutdown
 from zserve.transport.socket_io import async_recv, async_send, sync_recv, sync_send
-from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_dealer, make_router
+from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_router
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -85,326 +95,39 @@ ROUND_TRIPS = (2000, 300)
 # Credit window: small messages in flight, and bytes in flight for arrays.
 SMALL_WINDOW_MESSAGES = 1000
 ARRAY_WINDOW_BYTES = 64 * MIB
-# At least this many messages per phase even when one takes longer than the phase.
-MIN_MESSAGES_PER_PHASE = 3
 PEER_START_TIMEOUT_S = 60.0
 PHASE_TIMEOUT_S = 60.0
 PEER_POLL_INTERVAL_S = 0.1
-PEER_IDENTITY = b"bench-peer"
 # Spaced messages: the gaps between sends, messages per run (full, --quick), interleaved runs.
 SPACED_GAPS_S = (0.0003, 0.001)
 SPACED_MESSAGES = (1000, 150)
 SPACED_REPEATS = 3
-# The peer checks the clock once per this many small sends, so the clock is not what we measure
-# (and before every array send, where it costs nothing in comparison).
-CLOCK_CHECK_EVERY = 64
 
 _T = TypeVar("_T")
-_ACK = b"ACK"
-_END = b"END"
-_CPU = b"CPU"  # the sender's CPU seconds for the phase, sent after the end marker
-_RCVMORE = int(zmq.RCVMORE)  # as the codec passes it: a plain int, not the enum member
-_END_MESSAGE = Shutdown(reason="bench-end", drain_s=0.0)
-
-
-def _small_message() -> CandidateUpdate:
-    return CandidateUpdate(
-        model="resnet50", batch_size=8, exec_at=1234.5678, latest=1234.6, send_delay=0.00021
-    )
-
-
-def _array_message(size_bytes: int) -> InferRequest:
-    array = np.random.default_rng(0).random(size_bytes // 4, dtype=np.float32)
-    return InferRequest(request_id=1, model="resnet50", inputs={"input": array}, slo_ms=50.0)
-
-
-def _bare_frames(message: Message) -> list[Any]:
-    """The codec's frames, encoded once: bare pyzmq sends these same bytes without the codec."""
-    return list(encode(message))
-
-
-@dataclass(frozen=True)
-class _Phase:
-    """One streaming phase: what the peer sends and how."""
-
-    op: str  # "flood", "echo", "spaced" (sleep, send; codec only) or "sleep" (the sleeps alone)
-    mode: str  # "bare" or "codec"
-    size_bytes: int  # 0 for the small message
-    duration_s: float = 0.0
-    window: int = 1
-    ack_every: int = 1
-    round_trips: int = 0
-    gap_s: float = 0.0
-    count: int = 0
-
-    def pack(self) -> bytes:
-        return msgpack.packb(asdict(self))
-
-    @staticmethod
-    def unpack(data: bytes) -> _Phase:
-        return _Phase(**msgpack.unpackb(data))
-
-    def message(self) -> Message:
-        return _array_message(self.size_bytes) if self.size_bytes else _small_message()
-
-
-# --------------------------------------------------------------------------- the peer process
-
-
-def _peer_main(endpoint: str, io: str) -> None:
-    """Entry point of the spawned peer: connect, say hello, run phases until told to quit."""
-    if io == "sync":
-        ctx = zmq.Context()
-        sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
-        try:
-            _peer_loop_sync(sock)
-        finally:
-            sock.close(linger=0)
-            ctx.term()
-    else:
-        _run_on_uvloop(_peer_loop_async(endpoint))
-
-
-def _peer_loop_sync(sock: zmq.Socket[Any]) -> None:
-    sock.send(b"hello")
-    while True:
-        command = sock.recv_multipart()
-        if command[0] == _ACK:  # a late ack of the previous phase
-            continue
-        if command[0] == b"quit":
-            return
-        phase = _Phase.unpack(command[1])
-        if phase.op == "flood":
-            _peer_flood_sync(sock, phase)
-        elif phase.op in ("spaced", "sleep"):
-            _peer_spaced_sync(sock, phase)
-        else:
-            _peer_echo_sync(sock, phase)
-
-
-def _peer_flood_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
-    message = phase.message()
-    frames = _bare_frames(message)
-    codec = phase.mode == "codec"
-    check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
-    sent = acked = 0
-    cpu_started = time.process_time()
-    deadline = time.monotonic() + phase.duration_s
-    while True:
-        if sent - acked >= phase.window:
-            sock.recv()  # blocks until the receiver has caught up by ack_every messages
-            acked += phase.ack_every
-            continue
-        if (
-            sent % check_every == 0
-            and sent >= MIN_MESSAGES_PER_PHASE
-            and time.monotonic() >= deadline
-        ):
-            break
-        if codec:
-            sync_send(sock, message)
-        elif len(frames) == 1:
-            sock.send(frames[0])  # what sync_send does with a one-frame message
-        else:
-            sock.send_multipart(frames, copy=False)  # pyzmq copies parts < 64 KiB itself
-        sent += 1
-    if codec:
-        sync_send(sock, _END_MESSAGE)
-    else:
-        sock.send(_END)
-    sock.send_multipart([_CPU, _pack_seconds(time.process_time() - cpu_started)])
-
-
-def _peer_spaced_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
-    """Sleep ``gap_s`` and send one small message, ``count`` times ("sleep": the sleeps alone),
-    then the end marker and this process's CPU seconds over the loop."""
-    message = phase.message()
-    sends = phase.op == "spaced"
-    cpu_started = time.process_time()
-    for _ in range(phase.count):
-        time.sleep(phase.gap_s)
-        if sends:
-            sync_send(sock, message)
-    cpu_s = time.process_time() - cpu_started
-    sync_send(sock, _END_MESSAGE)
-    sock.send_multipart([_CPU, _pack_seconds(cpu_s)])
-
-
-def _peer_echo_sync(sock: zmq.Socket[Any], phase: _Phase) -> None:
-    for _ in range(phase.round_trips):
-        if phase.mode == "codec":
-            _, message = sync_recv(sock, router=False)
-            sync_send(sock, message)
-        else:
-            sock.send_multipart(sock.recv_multipart())
-
-
-async def _peer_loop_async(endpoint: str) -> None:
-    ctx = zmq.asyncio.Context()
-    sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
-    try:
-        await sock.send(b"hello")
-        while True:
-            command = await sock.recv_multipart()
-            if command[0] == _ACK:
-                continue
-            if command[0] == b"quit":
-                return
-            phase = _Phase.unpack(command[1])
-            if phase.op == "flood":
-                await _peer_flood_async(sock, phase)
-            else:
-                await _peer_echo_async(sock, phase)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-
-
-async def _peer_flood_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
-    message = phase.message()
-    frames = _bare_frames(message)
-    codec = phase.mode == "codec"
-    check_every = 1 if phase.size_bytes else CLOCK_CHECK_EVERY
-    sent = acked = 0
-    cpu_started = time.process_time()
-    deadline = time.monotonic() + phase.duration_s
-    while True:
-        if sent - acked >= phase.window:
-            await sock.recv()
-            acked += phase.ack_every
-            continue
-        if (
-            sent % check_every == 0
-            and sent >= MIN_MESSAGES_PER_PHASE
-            and time.monotonic() >= deadline
-        ):
-            break
-        if codec:
-            await async_send(sock, message)
-        else:
-            await sock.send_multipart(frames, copy=False)
-        sent += 1
-    if codec:
-        await async_send(sock, _END_MESSAGE)
-    else:
-        await sock.send(_END)
-    await sock.send_multipart([_CPU, _pack_seconds(time.process_time() - cpu_started)])
-
-
-async def _peer_echo_async(sock: zmq.asyncio.Socket, phase: _Phase) -> None:
-    for _ in range(phase.round_trips):
-        if phase.mode == "codec":
-            _, message = await async_recv(sock, router=False)
-            await async_send(sock, message)
-        else:
-            await sock.send_multipart(await sock.recv_multipart())
-
-
 # --------------------------------------------------------------------------- the measuring side
 
 
-@dataclass
-class FloodResult:
-    messages: int
-    seconds: float
-    receiver_cpu_s: float  # process CPU time of each side over the phase
-    sender_cpu_s: float
-
-    @property
-    def messages_per_s(self) -> float:
-        return self.messages / self.seconds
-
-    @property
-    def receiver_cpu_us(self) -> float:
-        return self.receiver_cpu_s / self.messages * 1e6
-
-    @property
-    def sender_cpu_us(self) -> float:
-        return self.sender_cpu_s / self.messages * 1e6
-
-
-@dataclass
-class SpacedResult:
-    """CPU microseconds per message at one gap: medians of the interleaved runs."""
-
-    gap_s: float
-    messages: int  # per run
-    sender_cpu_us: float  # the sender's loop: its sleep and its send
-    sleep_cpu_us: float  # the same loop without the send
-    receiver_cpu_us: float
-
-    @property
-    def message_cpu_us(self) -> float:
-        """One message, both processes: the sender's cost beyond its sleep, plus the receiver's."""
-        return max(0.0, self.sender_cpu_us - self.sleep_cpu_us) + self.receiver_cpu_us
-
-
-@dataclass
-class PairResult:
-    transport: str
-    io: str
-    small_bare_msgs_per_s: float = 0.0
-    small_codec_msgs_per_s: float = 0.0
-    rtt_p50_bare_us: float = 0.0
-    rtt_p50_codec_us: float = 0.0
-    # CPU microseconds per small message in each process (medians of the interleaved runs)
-    small_bare_sender_cpu_us: float = 0.0
-    small_codec_sender_cpu_us: float = 0.0
-    small_bare_receiver_cpu_us: float = 0.0
-    small_codec_receiver_cpu_us: float = 0.0
-    # array size in bytes -> bytes per second
-    array_bare_bytes_per_s: dict[int, float] = field(default_factory=dict)
-    array_codec_bytes_per_s: dict[int, float] = field(default_factory=dict)
-    spaced: list[SpacedResult] = field(default_factory=list)
-
-    @property
-    def small_overhead(self) -> float:
-        return 1.0 - self.small_codec_msgs_per_s / self.small_bare_msgs_per_s
-
-    @property
-    def small_sender_cpu_overhead(self) -> float:
-        return self.small_codec_sender_cpu_us / self.small_bare_sender_cpu_us - 1.0
-
-    @property
-    def small_receiver_cpu_overhead(self) -> float:
-        return self.small_codec_receiver_cpu_us / self.small_bare_receiver_cpu_us - 1.0
-
-    def set_small(self, bare: list[FloodResult], codec: list[FloodResult]) -> None:
-        """Medians of the interleaved small-message runs."""
-        median = statistics.median
-        self.small_bare_msgs_per_s = median(run.messages_per_s for run in bare)
-        self.small_codec_msgs_per_s = median(run.messages_per_s for run in codec)
-        self.small_bare_sender_cpu_us = median(run.sender_cpu_us for run in bare)
-        self.small_codec_sender_cpu_us = median(run.sender_cpu_us for run in codec)
-        self.small_bare_receiver_cpu_us = median(run.receiver_cpu_us for run in bare)
-        self.small_codec_receiver_cpu_us = median(run.receiver_cpu_us for run in codec)
-
-
-def _pack_seconds(seconds: float) -> bytes:
-    return struct.pack("!d", seconds)
-
-
 def _unpack_seconds(frames: list[Any]) -> float:
-    if len(frames) != 3 or bytes(frames[1]) != _CPU:
+    if len(frames) != 3 or bytes(frames[1]) != CPU:
         raise RuntimeError(f"expected the peer's CPU report, got {frames!r:.80}")
     seconds: float = struct.unpack("!d", bytes(frames[2]))[0]
     return seconds
 
 
 def _is_end(frames: list[Any]) -> bool:
-    return len(frames) == 2 and bytes(frames[1]) == _END
+    return len(frames) == 2 and bytes(frames[1]) == END
 
 
 def _recv_bare_sync(router: zmq.Socket[Any]) -> list[Any]:
     """One routed message with the pyzmq calls sync_recv makes: identity and header copied
     (small bytes), later frames zero-copy, RCVMORE checked after each frame."""
     frames: list[Any] = [router.recv()]
-    while router.getsockopt(_RCVMORE):
+    while router.getsockopt(RCVMORE):
         frames.append(router.recv(copy=len(frames) < 2))
     return frames
 
 
-def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
+def _flood_sync(router: zmq.Socket[Any], phase: Phase) -> FloodResult:
     """Receive one flood. A silent peer is caught by the socket's RCVTIMEO (``zmq.Again``), not
     by a poll per message, which would cost more than the codec being measured."""
     codec = phase.mode == "codec"
@@ -424,7 +147,7 @@ def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
                     break
             received += 1
             if received % phase.ack_every == 0:
-                router.send_multipart([PEER_IDENTITY, _ACK])
+                router.send_multipart([PEER_IDENTITY, ACK])
         seconds = time.perf_counter() - started
         cpu_s = time.process_time() - cpu_started
         report = router.recv_multipart()
@@ -433,7 +156,7 @@ def _flood_sync(router: zmq.Socket[Any], phase: _Phase) -> FloodResult:
     return FloodResult(received, seconds, cpu_s, _unpack_seconds(report))
 
 
-def _spaced_run_sync(router: zmq.Socket[Any], phase: _Phase) -> tuple[float, float]:
+def _spaced_run_sync(router: zmq.Socket[Any], phase: Phase) -> tuple[float, float]:
     """One spaced (or sleep-only) run: (receiver CPU seconds, sender CPU seconds). The receiver
     blocks in ``recv`` between messages, as a serving process waits in its poll."""
     router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
@@ -452,8 +175,8 @@ def _spaced_run_sync(router: zmq.Socket[Any], phase: _Phase) -> tuple[float, flo
 
 def _spaced_sync(router: zmq.Socket[Any], gap_s: float, count: int) -> SpacedResult:
     """Spaced sends and the bare sleeps, interleaved ``SPACED_REPEATS`` times."""
-    spaced = _Phase("spaced", "codec", 0, gap_s=gap_s, count=count)
-    sleeps = _Phase("sleep", "codec", 0, gap_s=gap_s, count=count)
+    spaced = Phase("spaced", "codec", 0, gap_s=gap_s, count=count)
+    sleeps = Phase("sleep", "codec", 0, gap_s=gap_s, count=count)
     sender, sleep, receiver = [], [], []
     for _ in range(SPACED_REPEATS):
         receiver_s, sender_s = _spaced_run_sync(router, spaced)
@@ -464,9 +187,9 @@ def _spaced_sync(router: zmq.Socket[Any], gap_s: float, count: int) -> SpacedRes
     return SpacedResult(gap_s, count, median(sender), median(sleep), median(receiver))
 
 
-def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
+def _round_trips_sync(router: zmq.Socket[Any], phase: Phase) -> float:
     message = phase.message()
-    frames = _bare_frames(message)
+    frames = bare_frames(message)
     router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
     samples_ns: list[int] = []
     for _ in range(phase.round_trips):
@@ -481,7 +204,7 @@ def _round_trips_sync(router: zmq.Socket[Any], phase: _Phase) -> float:
     return statistics.median(samples_ns) / 1000
 
 
-async def _flood_async(router: zmq.asyncio.Socket, phase: _Phase) -> FloodResult:
+async def _flood_async(router: zmq.asyncio.Socket, phase: Phase) -> FloodResult:
     """Receive one flood under one deadline for the whole phase: ``wait_for`` around each
     receive would add a task and a timer per message, more than the codec being measured."""
     codec = phase.mode == "codec"
@@ -501,16 +224,16 @@ async def _flood_async(router: zmq.asyncio.Socket, phase: _Phase) -> FloodResult
                     break
             received += 1
             if received % phase.ack_every == 0:
-                await router.send_multipart([PEER_IDENTITY, _ACK])
+                await router.send_multipart([PEER_IDENTITY, ACK])
         seconds = time.perf_counter() - started
         cpu_s = time.process_time() - cpu_started
         report = await router.recv_multipart()
     return FloodResult(received, seconds, cpu_s, _unpack_seconds(report))
 
 
-async def _round_trips_async(router: zmq.asyncio.Socket, phase: _Phase) -> float:
+async def _round_trips_async(router: zmq.asyncio.Socket, phase: Phase) -> float:
     message = phase.message()
-    frames = _bare_frames(message)
+    frames = bare_frames(message)
     await router.send_multipart([PEER_IDENTITY, b"run", phase.pack()])
     samples_ns: list[int] = []
     for _ in range(phase.round_trips):
@@ -525,27 +248,27 @@ async def _round_trips_async(router: zmq.asyncio.Socket, phase: _Phase) -> float
     return statistics.median(samples_ns) / 1000
 
 
-def _small_phases(quick: bool) -> tuple[_Phase, _Phase, _Phase, _Phase]:
+def _small_phases(quick: bool) -> tuple[Phase, Phase, Phase, Phase]:
     duration = SMALL_PHASE_S[quick]
     window = SMALL_WINDOW_MESSAGES
     ack_every = window // 10
     trips = ROUND_TRIPS[quick]
     return (
-        _Phase("flood", "bare", 0, duration, window, ack_every),
-        _Phase("flood", "codec", 0, duration, window, ack_every),
-        _Phase("echo", "bare", 0, round_trips=trips),
-        _Phase("echo", "codec", 0, round_trips=trips),
+        Phase("flood", "bare", 0, duration, window, ack_every),
+        Phase("flood", "codec", 0, duration, window, ack_every),
+        Phase("echo", "bare", 0, round_trips=trips),
+        Phase("echo", "codec", 0, round_trips=trips),
     )
 
 
-def _array_phase(mode: str, size_bytes: int, quick: bool) -> _Phase:
+def _array_phase(mode: str, size_bytes: int, quick: bool) -> Phase:
     window = max(2, min(SMALL_WINDOW_MESSAGES, ARRAY_WINDOW_BYTES // size_bytes))
-    return _Phase("flood", mode, size_bytes, ARRAY_PHASE_S[quick], window, max(1, window // 4))
+    return Phase("flood", mode, size_bytes, ARRAY_PHASE_S[quick], window, max(1, window // 4))
 
 
 def _start_peer(endpoint: str, io: str) -> multiprocessing.process.BaseProcess:
     peer = multiprocessing.get_context("spawn").Process(
-        target=_peer_main, args=(endpoint, io), name=f"bench-peer-{io}", daemon=True
+        target=peer_main, args=(endpoint, io), name=f"bench-peer-{io}", daemon=True
     )
     peer.start()
     return peer
@@ -639,26 +362,14 @@ async def _wait_for_hello_async(
 
 
 def _run_pair_async(transport: str, endpoint_hint: str, quick: bool) -> PairResult:
-    return _run_on_uvloop(_run_pair_async_main(transport, endpoint_hint, quick))
-
-
-def _run_on_uvloop(main: Coroutine[Any, Any, _T]) -> _T:
-    """Every zserve process runs on uvloop, so the asyncio figures are measured there."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(main)
+    return run_on_uvloop(_run_pair_async_main(transport, endpoint_hint, quick))
 
 
 def _codec_cost_us(repeat: int) -> tuple[float, float]:
     """In-process CPU cost of encode and decode of the small message, microseconds each: the
     median of ``CODEC_COST_RUNS`` runs of ``repeat`` calls each, timed with this thread's CPU
     clock so that time spent descheduled on a busy machine does not count."""
-    message = _small_message()
+    message = small_message()
     frames = encode(message)
     encode_runs, decode_runs = [], []
     for _ in range(CODEC_COST_RUNS):
@@ -688,7 +399,16 @@ def _format_size(size: int) -> str:
 def _print_report(
     pairs: list[PairResult], encode_us: float, decode_us: float, elapsed_s: float
 ) -> None:
-    header_bytes = len(encode(_small_message())[0])
+    _print_small(pairs, encode_us, decode_us)
+    _print_arrays(pairs)
+    _print_spaced(pairs)
+    print(f"\n(total {elapsed_s:.1f} s; noisy on a shared machine: compare runs, quote medians)")
+
+
+
+def _print_small(pairs: list[PairResult], encode_us: float, decode_us: float) -> None:
+    """Small messages: throughput, round trips, CPU per message on each side."""
+    header_bytes = len(encode(small_message())[0])
     print(
         f"small messages: CandidateUpdate ({header_bytes} B), window {SMALL_WINDOW_MESSAGES} "
         f"in flight; messages/s"
@@ -728,17 +448,26 @@ def _print_report(
         f"codec CPU per small message, in process (median of {CODEC_COST_RUNS} runs): "
         f"encode {encode_us:.2f} us, decode {decode_us:.2f} us"
     )
+
+
+def _print_arrays(pairs: list[PairResult]) -> None:
+    """Arrays: bytes per second by size, bare and codec."""
     array_pairs = [pair for pair in pairs if pair.array_bare_bytes_per_s]
-    if array_pairs:
-        print("\narrays (float32, one per message, sync sockets): bytes/s")
-        columns = [(pair.transport, mode) for pair in array_pairs for mode in ("bare", "codec")]
-        print(f"{'size':<9}" + "".join(f"{f'{t} {m}':>14}" for t, m in columns))
-        for size in ARRAY_SIZES_BYTES:
-            cells = []
-            for pair in array_pairs:
-                cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
-                cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
-            print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+    if not array_pairs:
+        return
+    print("\narrays (float32, one per message, sync sockets): bytes/s")
+    columns = [(pair.transport, mode) for pair in array_pairs for mode in ("bare", "codec")]
+    print(f"{'size':<9}" + "".join(f"{f'{t} {m}':>14}" for t, m in columns))
+    for size in ARRAY_SIZES_BYTES:
+        cells = []
+        for pair in array_pairs:
+            cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
+            cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
+        print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+
+
+def _print_spaced(pairs: list[PairResult]) -> None:
+    """Spaced messages: CPU per message when the connection idles between them."""
     for pair in pairs:
         if not pair.spaced:
             continue
@@ -762,7 +491,6 @@ def _print_report(
             "(one message = sender - its sleep + receiver; vs flood: against the same message's"
             " send + recv CPU in the flood above)"
         )
-    print(f"\n(total {elapsed_s:.1f} s; noisy on a shared machine: compare runs, quote medians)")
 
 
 def main(argv: list[str]) -> int:

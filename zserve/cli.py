@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("zserve.demo", "main", "start the built-in local cluster and measure its goodput"),
-    "up": ("zserve.supervisor", "main_up", "start a cluster from cluster.toml"),
-    "down": ("zserve.supervisor", "main_down", "stop a cluster started with `up --detach`"),
+    "up": ("zserve.supervisor_cli", "main_up", "start a cluster from cluster.toml"),
+    "down": ("zserve.supervisor_cli", "main_down", "stop a cluster started with `up --detach`"),
     "frontend": ("zserve.frontend", "main", "run one frontend process"),
-    "scheduler": ("zserve.scheduler.shard", "main", "run one scheduler shard process"),
+    "scheduler": ("zserve.scheduler.shard_process", "main", "run one scheduler shard process"),
     "rank": ("zserve.scheduler.rank_process", "main", "run the rank process"),
     "backend": ("zserve.backends.process", "main", "run one backend process"),
     "sim": ("zserve.loadgen.sim_cli", "main", "run a workload in the discrete-event simulator"),

@@ -41,7 +41,7 @@ import numpy as np
 from zserve.client import AsyncClient
 from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
-from zserve.scheduler.profiles import LatencyProfile
+from zserve.profiles import LatencyProfile
 
 DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "demo.toml"
 # The same cluster as examples/clusters/demo.toml, for installs without the examples folder.

@@ -37,7 +37,8 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_admission import Profile
-from zserve.frontend_core import TO_BACKEND, TO_CLIENT, Destination, FrontendCore, Outbox
+from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
+from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.transport import codec, socket_io

@@ -25,6 +25,7 @@ from zserve.config import ClusterConfig, shard_for_model
 from zserve.errors import ErrorKind
 from zserve.frontend_admission import HopStats, ModelAdmission, Profile, matches_spec
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
+from zserve.hosting import Destination, Outbox
 from zserve.transport.messages import (
     BackendGone,
     BackendTable,
@@ -50,8 +51,6 @@ log = logging.getLogger("zserve.frontend")
 TO_CLIENT = "client"
 TO_SHARD = "shard"
 TO_BACKEND = "backend"
-Destination = tuple[str, bytes | str | int]
-Outbox = list[tuple[Destination, Message]]
 
 # Request ids carry the frontend's index in their low digits (see FrontendCore.__init__).
 MAX_FRONTENDS = 1024

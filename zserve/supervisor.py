@@ -10,7 +10,7 @@ Python API (tests and the load generator start clusters in-process)::
         cluster.stats("frontend-0")        # the child's counters (StatsRequest over control)
     # leaving the block drains: frontends stop admitting and finish in flight, then the rest
 
-Command line::
+Command line (``zserve.supervisor_cli``)::
 
     zserve up CLUSTER.toml [--detach] [--state-dir DIR]   # prints where clients connect
     zserve down [NAME] [--state-dir DIR]                   # drains a detached cluster
@@ -34,21 +34,14 @@ then SIGKILL. Then the ipc folder and state files are removed. A second signal s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import importlib
-import json
 import logging
 import multiprocessing
 import multiprocessing.process
 import os
 import queue
-import select
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,14 +49,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
-from zserve import peer_map, role_runner
-from zserve.config import ClusterConfig, ConfigError, RoleConfig, load_config, role_config
+from zserve import peer_map
+from zserve.config import ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
+from zserve.supervised_child import SupervisedChild, child_main
 from zserve.transport import codec
 from zserve.transport.messages import (
     BackendGone,
@@ -77,12 +71,8 @@ from zserve.transport.sockets import make_router
 
 log = logging.getLogger("zserve.supervisor")
 
-ENTRY_POINTS: dict[str, str] = {
-    "rank": "zserve.scheduler.rank_process:run_rank",
-    "shard": "zserve.scheduler.shard:run_shard",
-    "backend": "zserve.backends.process:run_backend",
-    "frontend": "zserve.frontend:run_frontend",
-}
+T = TypeVar("T")
+
 HEARTBEAT_TIMEOUT_S = 10.0
 RESTART_BACKOFF_S = 0.2
 RESTART_BACKOFF_MAX_S = 5.0
@@ -100,51 +90,6 @@ ERROR_TAIL_CHARS = 4000
 
 class StartupError(RuntimeError):
     """The cluster could not start: a child died or a step timed out (the message says which)."""
-
-
-def _child_main(role: str, config: RoleConfig, control_address: str, error_file: str) -> None:
-    """Spawned child: import the role's entry point and run it (a top-level function so that
-    the spawn start method can pickle it)."""
-    os.environ[role_runner.ERROR_FILE_ENV] = error_file
-    try:
-        module_name, func_name = ENTRY_POINTS[role].split(":")
-        entry: Callable[[RoleConfig, str | None], int] = getattr(
-            importlib.import_module(module_name), func_name
-        )
-        code = entry(config, control_address)
-    except BaseException:
-        import traceback
-
-        with contextlib.suppress(OSError), open(error_file, "w") as f:
-            traceback.print_exc(file=f)
-        raise
-    sys.exit(code)
-
-
-@dataclasses.dataclass
-class _Child:
-    role: str
-    name: str
-    index: int
-    config: RoleConfig
-    process: multiprocessing.process.BaseProcess | None = None
-    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
-    ready: bool = False
-    incarnation: int = 0  # how many times it has sent Ready
-    restarts: int = 0
-    started_at: float = 0.0
-    last_heartbeat: float = 0.0
-    restart_at: float | None = None
-    stopping: bool = False
-    stats_waiters: list[Future[dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.exitcode is None
 
 
 class Supervisor:
@@ -170,9 +115,9 @@ class Supervisor:
         self.control, self.control_address = make_router(
             self.ctx, control_bind, name="supervisor control"
         )
-        self.children: dict[str, _Child] = {}
+        self.children: dict[str, SupervisedChild] = {}
         for role, name, index in config.process_names():
-            self.children[name] = _Child(
+            self.children[name] = SupervisedChild(
                 role, name, index, role_config(config, role, index, ipc_dir=ipc_dir)
             )
         self._mp = multiprocessing.get_context("spawn")
@@ -198,15 +143,15 @@ class Supervisor:
             if c.role == "frontend" and "client" in c.endpoints
         ]
 
-    def _error_file(self, child: _Child) -> str:
+    def _error_file(self, child: SupervisedChild) -> str:
         return os.path.join(self.run_dir, f"{child.name}.err")
 
-    def _spawn(self, child: _Child) -> None:
+    def _spawn(self, child: SupervisedChild) -> None:
         error_file = self._error_file(child)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(error_file)
         process = self._mp.Process(
-            target=_child_main,
+            target=child_main,
             args=(child.role, child.config, self.control_address, error_file),
             name=f"zserve-{child.name}",
             daemon=False,
@@ -219,7 +164,7 @@ class Supervisor:
         child.restart_at = None
         log.debug("started %s (pid %s)", child.name, process.pid)
 
-    def _death_message(self, child: _Child) -> str:
+    def _death_message(self, child: SupervisedChild) -> str:
         code = child.process.exitcode if child.process is not None else None
         reason = f"exit code {code}"
         if code is not None and code < 0:
@@ -229,7 +174,7 @@ class Supervisor:
             text = Path(self._error_file(child)).read_text()[-ERROR_TAIL_CHARS:]
         return f"{child.name} ({child.role}) died: {reason}" + (f"\n{text}" if text else "")
 
-    def _send(self, child: _Child, msg: Any) -> None:
+    def _send(self, child: SupervisedChild, msg: Any) -> None:
         frames: list[Any] = codec.encode(msg)
         frames.insert(0, child.name.encode())
         try:
@@ -382,7 +327,7 @@ class Supervisor:
                 timeout = min(timeout, max(0.0, child.restart_at - now))
         return int(timeout * 1e3)
 
-    def _supervise(self, child: _Child, now: float) -> None:
+    def _supervise(self, child: SupervisedChild, now: float) -> None:
         if child.process is not None and child.process.exitcode is not None:
             if child.restart_at is None:
                 message = self._death_message(child)
@@ -408,7 +353,7 @@ class Supervisor:
             assert child.process is not None
             child.process.kill()
 
-    def _announce_backend_death(self, backend: _Child) -> None:
+    def _announce_backend_death(self, backend: SupervisedChild) -> None:
         """Tell every frontend and the rank at once, so that the backend's requests are answered
         BACKEND_FAILED now rather than at their deadlines: the frontends fail those it had
         fetched, and the rank removes it from the table, whereupon the shards fail those they had
@@ -420,9 +365,9 @@ class Supervisor:
             if told and child.ready and child.alive:
                 self._send(child, notice)
 
-    def call(self, command: Callable[[], Any]) -> Any:
+    def call(self, command: Callable[[], T]) -> T:
         """Run ``command`` on the supervisor's thread and return its result."""
-        result: Future[Any] = Future()
+        result: Future[T] = Future()
 
         def run() -> None:
             try:
@@ -477,7 +422,7 @@ class Supervisor:
         with self._cond:
             self._cond.notify_all()
 
-    def _stop_tier(self, tier: list[_Child], drain_s: float) -> None:
+    def _stop_tier(self, tier: list[SupervisedChild], drain_s: float) -> None:
         for child in tier:
             child.stopping = True
             child.restart_at = None
@@ -506,7 +451,7 @@ class Supervisor:
                 child.process.close()
                 child.process = None
 
-    def _wait_exit(self, tier: list[_Child], end: float) -> None:
+    def _wait_exit(self, tier: list[SupervisedChild], end: float) -> None:
         while any(c.alive for c in tier) and time.monotonic() < end:
             remaining_ms = max(1, int((end - time.monotonic()) * 1e3))
             self._poll(min(POLL_MAX_MS, remaining_ms))
@@ -631,172 +576,3 @@ class Cluster:
         """A child's counters (its ``StatsReply``)."""
         future = self._sup.call(lambda: self._sup.child_stats(name))
         return future.result(timeout)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def _state_dir(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "zserve" if runtime else Path(tempfile.gettempdir()) / (
-        f"zserve-{os.getuid()}"
-    )
-
-
-def _state_paths(state_dir: Path, name: str) -> tuple[Path, Path]:
-    return state_dir / f"{name}.pid", state_dir / f"{name}.json"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def main_up(argv: list[str]) -> int:
-    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
-    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
-    parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
-    parser.add_argument("config", help="cluster.toml")
-    parser.add_argument("--detach", action="store_true",
-                        help="run in the background; print the client address and return")
-    parser.add_argument("--state-dir", help="where the pid and state files go "
-                        "(default $XDG_RUNTIME_DIR/zserve or /tmp/zserve-$UID)")
-    parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
-                        "(default: cluster.ipc_dir, else the system temp folder)")
-    parser.add_argument("--no-restart", action="store_true", help="do not restart dead roles")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config)
-    except (ConfigError, OSError) as exc:
-        print(f"zserve up: {exc}", file=sys.stderr)
-        return 2
-    state_dir = _state_dir(args.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    pid_path, state_path = _state_paths(state_dir, config.name)
-    if args.detach:
-        return _detach(args, pid_path, state_path)
-    role_runner.configure_logging()
-    supervisor: Supervisor | None = None
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if supervisor is not None:
-            supervisor.request_stop()
-        else:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        supervisor = Supervisor(config, ipc_base=args.ipc_dir, restart=not args.no_restart)
-        supervisor.start()
-    except (StartupError, KeyboardInterrupt) as exc:
-        if supervisor is not None:
-            supervisor.shutdown(0.0)
-        print(f"zserve up: {exc or 'interrupted'}", file=sys.stderr)
-        return 1
-
-    def on_ready() -> None:
-        assert supervisor is not None
-        state = {
-            "name": config.name,
-            "pid": os.getpid(),
-            "config": str(Path(args.config).resolve()),
-            "client_addresses": supervisor.client_addresses,
-            "run_dir": supervisor.run_dir,
-            "pids": {name: child.pid for name, child in supervisor.children.items()},
-        }
-        _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
-        _write_atomic(pid_path, f"{os.getpid()}\n")
-        for address in supervisor.client_addresses:
-            print(f"zserve: cluster {config.name!r} is up; clients connect to {address}",
-                  flush=True)
-
-    try:
-        supervisor.serve(on_ready=on_ready)
-    finally:
-        for path in (pid_path, state_path):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-    print(f"zserve: cluster {config.name!r} stopped", flush=True)
-    return 0
-
-
-def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:
-    """Start ``zserve up`` in a new session with its output in a log file; return once its
-    state file names the client address (or it has died)."""
-    if pid_path.exists():
-        print(f"zserve up: {pid_path} exists: is the cluster already up? (`zserve down`)",
-              file=sys.stderr)
-        return 1
-    log_path = state_path.with_suffix(".log")
-    command = [sys.executable, "-m", "zserve", "up", args.config,
-               "--state-dir", str(pid_path.parent)]
-    if args.no_restart:
-        command.append("--no-restart")
-    if args.ipc_dir:
-        command += ["--ipc-dir", args.ipc_dir]
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-            start_new_session=True,
-        )
-    # Wait on the child's exit or the state file; the pidfd makes the wait event-driven.
-    pidfd = os.pidfd_open(process.pid)
-    try:
-        while not state_path.exists():
-            readable, _, _ = select.select([pidfd], [], [], 0.05)
-            if readable:
-                process.wait()
-                print(f"zserve up: the cluster failed to start (exit {process.returncode}); "
-                      f"see {log_path}", file=sys.stderr)
-                return 1
-    finally:
-        os.close(pidfd)
-    state = json.loads(state_path.read_text())
-    for address in state["client_addresses"]:
-        print(address)
-    return 0
-
-
-def main_down(argv: list[str]) -> int:
-    """``zserve down [NAME] [--state-dir DIR] [--timeout S]``: drain a cluster started with
-    ``zserve up --detach`` and wait for it to exit."""
-    parser = argparse.ArgumentParser(prog="zserve down", description=main_down.__doc__)
-    parser.add_argument("name", nargs="?", help="cluster name (default: the only one)")
-    parser.add_argument("--state-dir")
-    parser.add_argument("--timeout", type=float, default=60.0)
-    args = parser.parse_args(argv)
-    state_dir = _state_dir(args.state_dir)
-    if args.name:
-        pid_path = _state_paths(state_dir, args.name)[0]
-    else:
-        found = sorted(state_dir.glob("*.pid")) if state_dir.exists() else []
-        if len(found) != 1:
-            print(f"zserve down: {len(found)} clusters in {state_dir}; name one",
-                  file=sys.stderr)
-            return 1
-        pid_path = found[0]
-    try:
-        pid = int(pid_path.read_text().strip())
-    except (OSError, ValueError) as exc:
-        print(f"zserve down: no running cluster ({exc})", file=sys.stderr)
-        return 1
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        pid_path.unlink(missing_ok=True)
-        print("zserve down: the cluster was not running", file=sys.stderr)
-        return 1
-    try:
-        os.kill(pid, signal.SIGTERM)
-        readable, _, _ = select.select([pidfd], [], [], args.timeout)
-        if not readable:
-            print(f"zserve down: {pid} still running after {args.timeout} s", file=sys.stderr)
-            return 1
-    finally:
-        os.close(pidfd)
-    print(f"zserve down: stopped {pid_path.stem}")
-    return 0

@@ -330,7 +330,7 @@ async def sleep_until(when: float) -> None:
 
 
 class WakeTimer:
-    """One timer for one pure object's ``wake_at`` (see ``zserve.scheduler.common``).
+    """One timer for one pure object's ``wake_at`` (see ``zserve.hosting``).
 
     ``sync()`` after every call into the object re-arms the timer when ``wake_at`` moved; when the
     moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.

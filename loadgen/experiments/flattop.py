@@ -33,7 +33,7 @@ from zserve.loadgen.experiments.simulated import (
     sim_probe,
 )
 from zserve.loadgen.workload import Workload, parse_workload
-from zserve.scheduler.profiles import load_zoo_csv
+from zserve.loadgen.zoo import load_zoo_csv
 
 FLATTOP_LOADS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 FLATTOP_QUICK_LOADS = (0.25, 0.5, 1.0, 1.5, 2.0)

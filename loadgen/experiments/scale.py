@@ -22,8 +22,8 @@ from zserve.loadgen.experiments.live import (
 )
 from zserve.loadgen.experiments.simulated import QUICK_PRECISION, with_windows
 from zserve.loadgen.workload import parse_workload
+from zserve.profiles import LatencyProfile
 from zserve.scheduler.bounds import staggered_bound_rps
-from zserve.scheduler.profiles import LatencyProfile
 
 SCALE_MODELS = (1, 8, 32, 128)
 # up to 512: one core runs out between 256 and 512 GPUs, so the grid shows where
@@ -114,9 +114,10 @@ def run_scale(opts: Options) -> Outcome:
         ok = [r["gpus"] for r in rows if r["models"] == models and r["sustained"]]
         largest[str(models)] = max(ok) if ok else None
     tables = _scale_tables(rows, largest, duration)
-    config = {"models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
-              "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
-              "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)"}
+    config: dict[str, Any] = {
+        "models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
+        "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
+        "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)"}
     points: dict[str, Any] = {"probes": rows, "largest_gpus": largest}
     if opts.live:
         live = _scale_live(opts)

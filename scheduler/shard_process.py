@@ -1,0 +1,139 @@
+"""The scheduler shard's process: ``zserve scheduler`` and the supervisor's ``shard`` role.
+
+``run_shard(config, control_address)`` opens the shard's sockets and control link, hosts a
+``ShardHost`` (``zserve.scheduler.shard``; with ``config.embedded_rank`` also the
+``RankHost`` on its own ROUTER), syncs the cluster clock when the rank runs elsewhere, serves until
+the control link asks it to drain, drains, and closes everything in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+import zmq
+
+from zserve import control_link, peer_map, role_runner
+from zserve.clock import ClockSync, ClusterClock
+from zserve.config import RoleConfig
+from zserve.rolecli import role_config_from_args, role_parser
+from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
+from zserve.transport.reactor import SocketReactor
+from zserve.transport.sockets import make_router
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _ShardProcess:
+    """What one shard process opened, closed in reverse order by ``close``."""
+
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    reactor: SocketReactor
+    socks: list[zmq.Socket[Any]] = dataclasses.field(default_factory=list)
+    link: control_link.ControlLink | None = None
+    host: ShardHost | None = None
+    rank: RankHost | None = None
+    clock_sync: ClockSync | None = None
+
+    def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
+        sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
+        self.socks.append(sock)
+        return sock, endpoint
+
+    async def close(self) -> None:
+        if self.clock_sync is not None:
+            await self.clock_sync.close()
+        if self.host is not None:
+            await self.host.close()
+        if self.rank is not None:
+            await self.rank.close()
+        self.reactor.close()
+        for sock in self.socks:
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if self.link is not None:
+            await self.link.close()
+        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+
+
+async def _main(config: RoleConfig, control_address: str | None) -> int:
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
+    try:
+        return await _serve(proc, config, control_address)
+    finally:
+        await proc.close()
+
+
+async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str | None) -> int:
+    name = config.name
+    embedded = config.embedded_rank
+    cluster = config.cluster
+    link = proc.link = await control_link.ControlLink.open(
+        proc.ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
+        stats=lambda reset: proc.host.stats(reset) if proc.host is not None else {},
+        on_message=lambda msg: proc.rank.on_control_message(msg) if proc.rank else None,
+    )
+    advertise = config.advertise_host
+    sock, endpoint = proc.bind(config.bind["shard"], f"{name} shard", advertise)
+    endpoints = {"shard": endpoint}
+    # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
+    # before the shard takes requests (the ModelThreads' timers read this same object).
+    clock = ClusterClock(reference=embedded)
+    host = proc.host = ShardHost(
+        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
+        models=list(config.models),
+        peers=dict(config.peers), index=config.index, clock=clock)
+    if embedded:
+        rank_sock, endpoints["rank"] = proc.bind(config.bind["rank"], f"{name} rank",
+                                                 advertise)
+        timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
+        proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
+                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank))
+        host.embed_rank(proc.rank)
+        proc.rank.start()
+        host.start()
+        log.info("%s: %s", name, clock.describe())
+    host.peers.update(await link.ready(endpoints))
+    if not embedded:
+        proc.clock_sync = await role_runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
+                                                            drain=link.drain, clock=clock)
+        if proc.clock_sync is None:
+            return 0 if link.drain.requested else 2
+        rank_address = peer_map.rank_address(host.peers)
+        assert rank_address is not None
+        host.start()
+        host.connect_rank(rank_address)
+    await link.drain.wait()
+    await host.drain(link.drain.drain_s)
+    return 0
+
+
+def run_shard(config: RoleConfig, control_address: str | None) -> int:
+    """Run one scheduler shard (with the rank embedded when ``config.embedded_rank``)."""
+    return role_runner.run_role(_main(config, control_address), name=config.name)
+
+
+def main(argv: list[str]) -> int:
+    """``zserve scheduler``: run scheduler shard ``--index`` of a cluster.toml on its own."""
+    parser = role_parser("zserve scheduler", main.__doc__)
+    parser.add_argument("--bind", default=None, help="shard socket bind address")
+    parser.add_argument("--rank-bind", default=None,
+                        help="with shards = 0: the embedded rank's bind address")
+    args = parser.parse_args(argv)
+    config = role_config_from_args(args, ROLE)
+    if args.bind:
+        config.bind["shard"] = args.bind
+    if args.rank_bind:
+        if "rank" not in config.bind:
+            parser.error("--rank-bind needs scheduler.shards = 0 (the rank embedded here)")
+        config.bind["rank"] = args.rank_bind
+    return run_shard(config, args.control)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
