@@ -333,23 +333,24 @@ class Simulator:
     def _on_meta(self, now: float, meta: RequestMetaBatch) -> None:
         """A frontend's RequestMetaBatch reaches the scheduler: each model's part to its
         ModelThread (as a shard splits it)."""
-        names = meta.models
-        by_model: dict[str, list[int]] = {}
-        if names.count(names[0]) == len(names):
-            by_model[names[0]] = list(range(len(names)))
-        else:
-            for pos, name in enumerate(names):
-                by_model.setdefault(name, []).append(pos)
         outbox: Outbox = []
+        names = meta.models
+        if len(self.models) == 1 or names.count(names[0]) == len(names):
+            i = self.index[names[0]]
+            self.models[i].on_arrivals(now, meta.frontend, meta.request_ids, meta.arrivals,
+                                       meta.deadlines, outbox)
+            self._dispatch(now, outbox)
+            self._resched_model(i)
+            return
+        by_model: dict[str, list[int]] = {}
+        for pos, name in enumerate(names):
+            by_model.setdefault(name, []).append(pos)
         for name, positions in by_model.items():
             i = self.index[name]
-            if len(positions) == len(names):
-                ids, arrivals, deadlines = meta.request_ids, meta.arrivals, meta.deadlines
-            else:
-                ids = [meta.request_ids[p] for p in positions]
-                arrivals = [meta.arrivals[p] for p in positions]
-                deadlines = [meta.deadlines[p] for p in positions]
-            self.models[i].on_arrivals(now, meta.frontend, ids, arrivals, deadlines, outbox)
+            self.models[i].on_arrivals(
+                now, meta.frontend, [meta.request_ids[p] for p in positions],
+                [meta.arrivals[p] for p in positions], [meta.deadlines[p] for p in positions],
+                outbox)
             self._dispatch(now, outbox)
             self._resched_model(i)
 
