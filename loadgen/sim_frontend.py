@@ -58,20 +58,20 @@ def frontend_address(index: int) -> str:
 def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> ClusterConfig:
     """The cluster the simulated frontends admit by: the workload's models, SLOs, GPUs and reply
     allowance (the scheduler's deadlines leave exactly that) with ``cluster``'s ``[frontends]``
-    and its models' ``max_queue``/``max_wait_ms`` (by name; a model it lacks gets a default
-    cluster's). Without ``cluster`` no admission rule applies (queue and wait bounds open, as a
-    workload file has no cluster to take them from); the rest is a default cluster's."""
+    and its models' ``max_queue``/``max_wait_ms`` (matched by name as ``zserve bench`` matches
+    them: exactly, else case-insensitively; a model it lacks gets a default cluster's). Without
+    ``cluster`` no admission rule applies (queue and wait bounds open: a workload file has no
+    cluster to take them from); the rest is a default cluster's."""
     base = cluster if cluster is not None else ClusterConfig()
     frontends = msgspec.structs.replace(base.frontends, reply_allowance_ms=w.reply_ms,
                                         addresses=(), data_addresses=())
-    admission = {m.name: m for m in base.models}
     models = []
     for spec in w.models:
         profile = spec.profile
         model = ModelConfig(
             name=spec.name, slo_ms=spec.slo_ms, max_batch=profile.max_batch,
             emulated=EmulatedConfig(alpha_ms=profile.alpha_s * 1e3, beta_ms=profile.beta_s * 1e3))
-        configured = admission.get(spec.name)
+        configured = _cluster_model(base, spec.name)
         if cluster is None:
             model = msgspec.structs.replace(model, max_queue=UNBOUNDED_QUEUE,
                                             max_wait_ms=UNBOUNDED_WAIT_MS)
@@ -81,6 +81,14 @@ def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> Clust
         models.append(model)
     return ClusterConfig(frontends=frontends, models=tuple(models),
                          backends=BackendsConfig(count=w.gpus, device="emulated"))
+
+
+def _cluster_model(cluster: ClusterConfig, name: str) -> ModelConfig | None:
+    """``cluster``'s model called ``name``, else its one model called so in another case."""
+    exact = [m for m in cluster.models if m.name == name]
+    folded = [m for m in cluster.models if m.name.lower() == name.lower()]
+    found = exact or folded
+    return found[0] if len(found) == 1 else None
 
 
 class AnswerLog:
