@@ -1,23 +1,27 @@
-"""Discrete-event simulator: the real ModelThread/RankThread objects on a virtual clock.
+"""Discrete-event simulator: the real FrontendCore, ModelThread, RankThread and followers.
 
-The simulator hosts one :class:`ModelThread` per model, one :class:`RankThread` and one
+The simulator hosts one :class:`~zserve.frontend_core.FrontendCore` per frontend (``SimFrontend``,
+one by default), one :class:`ModelThread` per model, one :class:`RankThread` and one
 :class:`~zserve.backends.follower.PlanFollower` per GPU exactly as the process runtime does (same
-calls, same messages). Scheduler messages are delivered at once, in order; a BatchPlan reaches its
-GPU's follower ``d_ctrl`` after the grant, and the inputs it fetches come back ``d_data`` per
-request later (the allowances the ModelThreads plan with). The follower decides the start, sheds
-rows that would finish late (answered like the live backend: they count as dropped) and reports
-the device-free time, which the rank's drift correction reads. Each batch then runs for exactly
-l(bs) (the emulated executor). Arrivals come from ``zserve.loadgen.arrivals`` with one frontend
-(``sim``); with ``sim_tick_ms > 0`` each model's arrivals are coalesced per tick (as a frontend
-coalesces them per event-loop tick), else each arrival instant is its own chunk.
+calls, same messages). Arrivals reach a frontend's core, which admits them (or answers them at
+once: OVERLOADED, BAD_REQUEST ...); at the end of each tick (every event at one instant, or
+``sim_tick_ms`` after the tick's first admission) its metadata reaches the ModelThreads.
+Scheduler messages are delivered at once, in order; a BatchPlan reaches its GPU's follower
+``d_ctrl`` after the grant, the follower fetches the inputs from the core, and they come back
+``d_data`` per request later (the allowances the ModelThreads plan with). The follower decides
+the start, sheds rows that would finish late (answered through the core, like the live backend)
+and reports the device-free time, which the rank's drift correction reads. Each batch runs for
+exactly l(bs) (the emulated executor) and its outputs go to the core, which answers the client;
+drops, backend failures and deadlines (the core's ``wake_at`` timer) are answered by the core
+too. The report counts outcomes by those answers.
 
 Invariants, checked on every run (an :class:`InvariantError` stops the run loudly):
 
 - no GPU is planned or runs two batches at once, and no plan is granted after its ``exec_at``;
-- every request is planned at most once and ends exactly once (good, late, or dropped), and none
-  is left at the end;
+- every request is planned at most once, runs at most once and is answered exactly once (good,
+  late, dropped or refused), and none is left unanswered at the end;
 - no batch is planned or starts after its latest moment (it finishes by its earliest deadline);
-- a request counts as good only if it finishes by its deadline.
+- a request counts as good only if its outputs are answered by its deadline.
 
 A run covers warmup + measure + cooldown of arrivals and then drains; only requests that arrive in
 the measure window are counted.
@@ -28,7 +32,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,40 +39,47 @@ import msgspec
 import numpy as np
 
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
+from zserve.config import ClusterConfig
 from zserve.hosting import Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
-from zserve.loadgen.report import ModelOutcome, build_report
+from zserve.loadgen.sim_frontend import (
+    PENDING,
+    AnswerLog,
+    InvariantError,
+    SimFrontend,
+    frontend_address,
+    frontend_cluster,
+)
+from zserve.loadgen.sim_report import simulation_report, workload_bound_rps
 from zserve.loadgen.workload import Workload
 from zserve.policies import SchedulePolicy
-from zserve.scheduler.bounds import staggered_bound_rps
 from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchFailed,
+    BatchOutputs,
     BatchPlan,
     BatchStats,
     CandidateUpdate,
     DropNotice,
     GrantAnswer,
     InputFetch,
-    InputReply,
-    Message,
+    RequestMetaBatch,
 )
 
-FRONTEND = "sim"
-_PENDING, _GOOD, _LATE, _DROPPED = 0, 1, 2, 3
+__all__ = ["InvariantError", "SimConfig", "Simulator", "simulate", "workload_bound_rps"]
+
+FRONTEND = frontend_address(0)
 _EV_ARRIVAL, _EV_MODEL, _EV_RANK = 0, 1, 2
 # GPU events (idx = gpu id): a plan or inputs reach its follower, its timer, its batch ends.
 _EV_PLAN, _EV_INPUTS, _EV_GPU_TIMER, _EV_DONE = 3, 4, 5, 6
+# Frontend events (idx = frontend): its core's timer; the end of its tick (sim_tick_ms > 0).
+_EV_FRONTEND_TIMER, _EV_TICK = 7, 8
 BAIL_CHECK_INTERVAL_S = 0.25
 BAIL_MIN_BAD = 200
 """A bailing run stops once a model has at least this many bad requests in the measure window
 and its bad rate so far exceeds the bail threshold."""
-
-
-class InvariantError(AssertionError):
-    """The schedule broke an invariant: a bug in the scheduler (or the simulator)."""
 
 
 @dataclass
@@ -80,17 +90,9 @@ class SimConfig:
     bail_bad_rate: float | None = None  # stop early once the worst bad rate clearly exceeds it
     record_plans: bool = False
     keep_tolerance: float | None = None  # None: the workload's
-
-
-def workload_bound_rps(w: Workload) -> float:
-    """The staggered bound of a workload (DESIGN section 3) under its allowances."""
-    shares = w.shares()
-    models = [
-        (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
-        for m, share in zip(w.models, shares, strict=True)
-    ]
-    bound_rps: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
-    return bound_rps
+    # The cluster whose [frontends] (count, max_request_bytes) and models' max_queue/max_wait_ms
+    # the simulated frontends admit by; None: a default cluster's (zserve.config).
+    frontend: ClusterConfig | None = None
 
 
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
@@ -122,44 +124,64 @@ class Simulator:
         self.policy = SchedulePolicy.parse(w.policy, w.drop)
         tol = self.config.keep_tolerance
         self.keep_tolerance = w.keep_tolerance if tol is None else tol
-        reply_s = w.reply_ms / 1e3
         d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
         self.models, self.rank, self.followers = self._build_roles(d_ctrl_s, d_data_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
-        self.arrivals = _arrivals_of(w, arrivals)
-        self.offsets = [0, *np.cumsum([len(a) for a in self.arrivals])[:-1].tolist()]
-        total = sum(len(a) for a in self.arrivals)
-        self.n_requests = total
-        self.arrival_all = np.concatenate(self.arrivals) if total else np.empty(0)
-        self.model_of = np.concatenate(
-            [np.full(len(a), i, dtype=np.int32) for i, a in enumerate(self.arrivals)]
-        ) if total else np.empty(0, dtype=np.int32)
-        slo_by_model = np.array([m.slo_s for m in w.models])
-        self.deadline_all = self.arrival_all + slo_by_model[self.model_of] - reply_s
-        self.status = np.zeros(total, dtype=np.int8)
-        self.planned = np.zeros(total, dtype=np.bool_)
-        self.finish = np.full(total, np.nan)
-        self.exec = np.full(total, np.nan)
+        self._build_requests(_arrivals_of(w, arrivals))
+        self.window = (w.warmup_s, w.warmup_s + w.measure_s)
+        self.answers = AnswerLog(self.deadline_all, self.model_of, self.arrival_all, self.window,
+                                 len(w.models))
+        self.status = self.answers.status  # each request's outcome (sim_frontend's codes)
+        self.planned = np.zeros(self.n_requests, dtype=np.bool_)
+        self.finish = np.full(self.n_requests, np.nan)
+        self.exec = np.full(self.n_requests, np.nan)
+        self.frontend_cluster = frontend_cluster(w, self.config.frontend)
+        self.index_of_rid: dict[int, int] = {}  # the cores' request ids -> request index
+        self.frontends = [
+            SimFrontend(i, self.frontend_cluster, w, self.answers, self.index_of_rid)
+            for i in range(self.frontend_cluster.frontends.count)]
+        self.frontend_at = {f.address: f for f in self.frontends}
         self.gpu_planned_until = [0.0] * w.gpus  # the grants' view
         self.gpu_busy_until = [0.0] * w.gpus  # the batches the followers ran
         self.backend_failed: dict[str, int] = {}  # requests a follower answered, by error
         self.late_starts = 0  # batches a follower started after their exec_at
         self.batches: list[tuple[int, int, float, float, int]] = []  # model, gpu, exec, end, bs
         self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
-        self.window = (w.warmup_s, w.warmup_s + w.measure_s)
         self.bailed = False
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._model_wake = [math.inf] * len(self.models)
         self._rank_wake = math.inf
         self._gpu_wake = [math.inf] * w.gpus
-        self._payloads: dict[int, Message] = {}  # event seq -> the plan or inputs it delivers
+        self._frontend_wake = [math.inf] * len(self.frontends)
+        self._tick_due = [False] * len(self.frontends)
+        self._payloads: dict[int, Any] = {}  # event seq -> the plan, inputs or batch it carries
         self._plan_seq = 0
         self._inputs_due: dict[int, float] = {}  # plan id -> when its inputs are in
-        self._ptr = [0] * len(self.models)
+        self._next_arrival = 0
+        self._meta_unsent = False  # an admission this instant: end the tick before time moves
         self._now = 0.0
-        self._measured_dropped = [0] * len(self.models)
+
+    def _build_requests(self, arrivals: list[np.ndarray[Any, Any]]) -> None:
+        """Request ``i``'s arrival, model and deadline (indexes run model by model), and the
+        order in which they reach the frontends."""
+        w = self.w
+        self.arrivals = arrivals
+        self.offsets = [0, *np.cumsum([len(a) for a in arrivals])[:-1].tolist()]
+        total = sum(len(a) for a in arrivals)
+        self.n_requests = total
+        self.arrival_all = np.concatenate(arrivals) if total else np.empty(0)
+        self.model_of = np.concatenate(
+            [np.full(len(a), i, dtype=np.int32) for i, a in enumerate(arrivals)]
+        ) if total else np.empty(0, dtype=np.int32)
+        slo_by_model = np.array([m.slo_s for m in w.models])
+        self.deadline_all = self.arrival_all + slo_by_model[self.model_of] - w.reply_ms / 1e3
+        order = np.argsort(self.arrival_all, kind="stable")
+        names = [m.name for m in w.models]
+        self._arrival_order: list[int] = order.tolist()
+        self._arrival_times: list[float] = self.arrival_all[order].tolist()
+        self._arrival_models = [names[i] for i in self.model_of[order].tolist()]
 
     def _build_roles(self, d_ctrl_s: float, d_data_s: float,
                      ) -> tuple[list[ModelThread], RankThread, list[PlanFollower]]:
@@ -185,9 +207,14 @@ class Simulator:
                 follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
         return models, RankThread(list(range(w.gpus)), 0.0), followers
 
+    def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:
+        """The request indexes of the cores' request ids ``rids``."""
+        index_of = self.index_of_rid
+        return np.fromiter((index_of[rid] for rid in rids), dtype=np.int64, count=len(rids))
+
     # ------------------------------------------------------------------ event plumbing
 
-    def _push(self, t: float, kind: int, idx: int, payload: Message | None = None) -> None:
+    def _push(self, t: float, kind: int, idx: int, payload: Any = None) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, idx))
         if payload is not None:
@@ -214,6 +241,13 @@ class Simulator:
             if wake < math.inf:
                 self._push(wake, _EV_GPU_TIMER, gpu)
 
+    def _resched_frontend(self, f: int) -> None:
+        wake = self.frontends[f].core.wake_at
+        if wake != self._frontend_wake[f]:
+            self._frontend_wake[f] = wake
+            if wake < math.inf:
+                self._push(wake, _EV_FRONTEND_TIMER, f)
+
     def _dispatch(self, now: float, outbox: Outbox) -> None:
         rank = self.rank
         models = self.models
@@ -239,20 +273,142 @@ class Simulator:
                 self._on_plan(now, msg)
             elif kind == "frontend":
                 assert isinstance(msg, DropNotice)
-                self._on_drop(now, msg)
+                self._on_drop(now, str(dest[1]), msg)
         outbox.clear()
         for i in touched:
             self._resched_model(i)
         self._resched_rank()
 
-    # ------------------------------------------------------------------ the GPUs' followers
-
     def _fail(self, message: str) -> None:
         raise InvariantError(f"t={self._now:.6f}: {message}")
 
+    # ------------------------------------------------------------------ the frontends
+
+    def _on_arrivals(self, now: float) -> None:
+        """Every request arriving at ``now`` reaches its frontend's core (request ``k`` of the
+        arrival order goes to frontend ``k % count``); schedules the next arrival instant."""
+        times = self._arrival_times
+        order = self._arrival_order
+        names = self._arrival_models
+        frontends = self.frontends
+        count = len(frontends)
+        pos = self._next_arrival
+        while pos < len(times) and times[pos] == now:
+            f = pos % count
+            frontend = frontends[f]
+            frontend.admit(now, order[pos], names[pos])
+            self._resched_frontend(f)
+            if frontend.meta_unsent:
+                self._tick_started(now, f)
+            pos += 1
+        self._next_arrival = pos
+        if pos < len(times):
+            self._push(times[pos], _EV_ARRIVAL, -1)
+
+    def _tick_started(self, now: float, f: int) -> None:
+        """Frontend ``f`` has metadata to send at the end of its tick: once time moves on, or
+        ``sim_tick_ms`` from now."""
+        tick_s = self.w.sim_tick_ms / 1e3
+        if not tick_s:
+            self._meta_unsent = True
+        elif not self._tick_due[f]:
+            self._tick_due[f] = True
+            self._push(now + tick_s, _EV_TICK, f)
+
+    def _end_ticks(self, now: float) -> None:
+        """The end of the instant's tick: every frontend with admissions sends its metadata."""
+        self._meta_unsent = False
+        for f, frontend in enumerate(self.frontends):
+            if frontend.meta_unsent:
+                self._end_tick(now, f)
+
+    def _end_tick(self, now: float, f: int) -> None:
+        frontend = self.frontends[f]
+        self._tick_due[f] = False
+        frontend.end_tick(now)
+        sent, frontend.to_scheduler = frontend.to_scheduler, []
+        for meta in sent:
+            self._on_meta(now, meta)
+        self._resched_frontend(f)
+
+    def _on_meta(self, now: float, meta: RequestMetaBatch) -> None:
+        """A frontend's RequestMetaBatch reaches the scheduler: each model's part to its
+        ModelThread (as a shard splits it)."""
+        outbox: Outbox = []
+        names = meta.models
+        if len(self.models) == 1 or names.count(names[0]) == len(names):
+            i = self.index[names[0]]
+            self.models[i].on_arrivals(now, meta.frontend, meta.request_ids, meta.arrivals,
+                                       meta.deadlines, outbox)
+            self._dispatch(now, outbox)
+            self._resched_model(i)
+            return
+        by_model: dict[str, list[int]] = {}
+        for pos, name in enumerate(names):
+            by_model.setdefault(name, []).append(pos)
+        for name, positions in by_model.items():
+            i = self.index[name]
+            self.models[i].on_arrivals(
+                now, meta.frontend, [meta.request_ids[p] for p in positions],
+                [meta.arrivals[p] for p in positions], [meta.deadlines[p] for p in positions],
+                outbox)
+            self._dispatch(now, outbox)
+            self._resched_model(i)
+
+    def _on_drop(self, now: float, address: str, notice: DropNotice) -> None:
+        frontend = self.frontend_at[address]
+        outbox = frontend.outbox()
+        frontend.core.on_drop(now, notice, outbox)
+        frontend.route(now, outbox)
+        self._resched_frontend(self.frontends.index(frontend))
+
+    def _on_frontend_timer(self, now: float, f: int) -> None:
+        frontend = self.frontends[f]
+        if frontend.core.wake_at != now or self._frontend_wake[f] != now:
+            return
+        self._frontend_wake[f] = math.inf
+        frontend.timer(now)
+        self._resched_frontend(f)
+
+    def _fetch(self, now: float, gpu: int, address: str, fetch: InputFetch) -> None:
+        """A follower's InputFetch: the core hands over the inputs, which reach the follower
+        ``d_data`` per request after the plan's grant (as the ModelThread sums it, so an
+        on-time plan's inputs are never an ulp late)."""
+        frontend = self.frontend_at[address]
+        outbox = frontend.outbox()
+        frontend.core.on_fetch(now, self.followers[gpu].name, fetch, outbox)
+        frontend.route(now, outbox)
+        for _, reply in frontend.fetch_replies():
+            due = self._inputs_due.get(reply.plan_id, now + self.d_data_s * len(fetch.request_ids))
+            self._push(max(now, due), _EV_INPUTS, gpu, (address, reply))
+
+    def _answer_failed(self, now: float, address: str, failed: BatchFailed) -> None:
+        """Requests a follower answered itself (late shedding, inputs that did not come)."""
+        self.backend_failed[failed.error] = (
+            self.backend_failed.get(failed.error, 0) + len(failed.request_ids))
+        frontend = self.frontend_at[address]
+        outbox = frontend.outbox()
+        frontend.core.on_batch_failed(now, failed, outbox)
+        frontend.route(now, outbox)
+
+    def _send_outputs(self, now: float, run: RunBatch) -> None:
+        """A batch finished: its outputs go to each of its frontends, which answer them."""
+        plan = run.plan
+        by_frontend: dict[int, list[int]] = {}
+        for row in run.rows:
+            by_frontend.setdefault(plan.request_frontend[row], []).append(plan.request_ids[row])
+        for f, ids in by_frontend.items():
+            frontend = self.frontend_at[plan.frontends[f]]
+            outbox = frontend.outbox()
+            frontend.core.on_outputs(now, BatchOutputs(plan.plan_id, ids, [{}] * len(ids),
+                                                       run.started_at, now), outbox)
+            frontend.route(now, outbox)
+
+    # ------------------------------------------------------------------ the GPUs' followers
+
     def _on_plan(self, now: float, plan: BatchPlan) -> None:
         """A grant's plan: check it, then send it to its GPU's follower (``d_ctrl`` away)."""
-        ids = np.array(plan.request_ids, dtype=np.int64)
+        ids = self.request_indexes(plan.request_ids)
         if self.config.check:
             self._check_plan(now, plan, ids)
         self.planned[ids] = True
@@ -283,8 +439,8 @@ class Simulator:
             self._fail(f"plan {plan.model}#{plan.plan_id}: expected_finish_at mismatch")
         if bs == 0 or bs > self.w.models[i].profile.max_batch:
             self._fail(f"plan {plan.model}#{plan.plan_id}: infeasible batch size {bs}")
-        if np.any(self.planned[ids]) or np.any(self.status[ids] != _PENDING):
-            self._fail(f"plan {plan.model}#{plan.plan_id}: a request ends twice")
+        if np.any(self.planned[ids]):
+            self._fail(f"plan {plan.model}#{plan.plan_id}: a request is planned twice")
         if np.any(self.model_of[ids] != i):
             self._fail(f"plan {plan.model}#{plan.plan_id}: request of another model")
         if finish > float(self.deadline_all[ids].min()) + eps:
@@ -297,13 +453,14 @@ class Simulator:
         outbox: Outbox = []
         if kind == _EV_PLAN:
             plan = self._payloads.pop(seq)
-            assert isinstance(plan, BatchPlan)
             follower.on_plan(now, plan, outbox)
         elif kind == _EV_INPUTS:
-            reply = self._payloads.pop(seq)
-            assert isinstance(reply, InputReply)
-            follower.on_input_reply(now, FRONTEND, reply, outbox)
+            address, reply = self._payloads.pop(seq)
+            follower.on_input_reply(now, address, reply, outbox)
         elif kind == _EV_DONE:
+            run = self._payloads.pop(seq)
+            self._send_outputs(now, run)
+            self._inputs_due.pop(run.plan.plan_id, None)
             follower.on_batch_done(now, ok=True, finished_at=now, outbox=outbox)
         else:
             if follower.wake_at != now or self._gpu_wake[gpu] != now:
@@ -313,20 +470,17 @@ class Simulator:
         self._deliver_follower(now, gpu, outbox)
 
     def _deliver_follower(self, now: float, gpu: int, outbox: Outbox) -> None:
-        """A follower's outbox: fetches are answered ``d_data`` per request later, answered
-        requests end as dropped, batches run, and device-free reports reach the rank."""
+        """A follower's outbox: fetches go to the cores, requests it answered end through
+        them, batches run, and device-free reports reach the rank."""
         rank_outbox: Outbox = []
-        for (kind, _), msg in outbox:
+        for (kind, target), msg in outbox:
             if kind == DEST_DEVICE:
                 assert isinstance(msg, RunBatch)
                 self._run_batch(now, gpu, msg)
             elif type(msg) is InputFetch:
-                ids = msg.request_ids
-                reply = InputReply(msg.plan_id, ids, [{}] * len(ids), [])
-                due = self._inputs_due.pop(msg.plan_id, now + self.d_data_s * len(ids))
-                self._push(max(now, due), _EV_INPUTS, gpu, reply)
+                self._fetch(now, gpu, str(target), msg)
             elif type(msg) is BatchFailed:
-                self._on_backend_failed(msg)
+                self._answer_failed(now, str(target), msg)
             elif type(msg) is BatchStats and msg.device_free_at > 0.0:
                 self.rank.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
         self._resched_gpu(gpu)
@@ -335,226 +489,105 @@ class Simulator:
         self._resched_rank()
 
     def _run_batch(self, now: float, gpu: int, run: RunBatch) -> None:
-        """The emulated executor: the batch runs for exactly l(bs) from its start."""
+        """The emulated executor: the batch runs for exactly l(bs) from its start; its outputs
+        reach the frontends when it ends."""
         plan = run.plan
-        ids = np.array([plan.request_ids[row] for row in run.rows], dtype=np.int64)
+        ids = self.request_indexes([plan.request_ids[row] for row in run.rows])
         bs = len(ids)
         i = self.index[plan.model]
         finish = now + self.w.models[i].profile.latency(bs)
-        deadlines = self.deadline_all[ids]
         if self.config.check:
+            deadlines = self.deadline_all[ids]
             eps = FEASIBILITY_EPS_S
             if now < self.gpu_busy_until[gpu] - eps:
                 self._fail(f"GPU {gpu} runs two batches at once: {plan.model} starts "
                            f"{now:.6f} before {self.gpu_busy_until[gpu]:.6f}")
-            if np.any(self.status[ids] != _PENDING):
-                self._fail(f"batch {plan.model} on GPU {gpu}: a request ends twice")
+            if not np.all(np.isnan(self.exec[ids])):
+                self._fail(f"batch {plan.model} on GPU {gpu}: a request runs twice")
             if finish > float(deadlines.min()) + eps:
                 self._fail(f"batch {plan.model} on GPU {gpu} starts after its latest moment "
                            f"(finishes {finish:.6f} > earliest deadline {deadlines.min():.6f})")
         if now > plan.exec_at + FEASIBILITY_EPS_S:
             self.late_starts += 1
-        good = finish <= deadlines + FEASIBILITY_EPS_S
-        self.status[ids] = np.where(good, _GOOD, _LATE)
         self.finish[ids] = finish
         self.exec[ids] = now
         self.gpu_busy_until[gpu] = finish
         self.batches.append((i, gpu, now, finish, bs))
-        self._push(finish, _EV_DONE, gpu)
-
-    def _on_backend_failed(self, failed: BatchFailed) -> None:
-        """Requests a follower answered itself (late shedding, inputs that did not come)."""
-        self.backend_failed[failed.error] = (
-            self.backend_failed.get(failed.error, 0) + len(failed.request_ids))
-        self._end_dropped(np.array(failed.request_ids, dtype=np.int64))
-
-    def _on_drop(self, now: float, notice: DropNotice) -> None:
-        self._end_dropped(np.array(notice.request_ids, dtype=np.int64))
-
-    def _end_dropped(self, ids: np.ndarray[Any, Any]) -> None:
-        if self.config.check and np.any(self.status[ids] != _PENDING):
-            self._fail("a dropped request had already ended")
-        self.status[ids] = _DROPPED
-        arr = self.arrival_all[ids]
-        lo, hi = self.window
-        counted = int(np.count_nonzero((arr >= lo) & (arr < hi)))
-        if counted:
-            i = int(self.model_of[ids[0]])
-            self._measured_dropped[i] += counted
+        self._push(finish, _EV_DONE, gpu, run)
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
-        tick = self.w.sim_tick_ms / 1e3
-        for i, times in enumerate(self.arrivals):
-            if len(times):
-                self._push(float(times[0]) + tick, _EV_ARRIVAL, i)
+        if self._arrival_times:
+            self._push(self._arrival_times[0], _EV_ARRIVAL, -1)
         events = self._events
-        models = self.models
-        outbox: Outbox = []
-        arrivals = _ArrivalFeed(self, tick)
         bail = self.config.bail_bad_rate
         next_bail_check = self.window[0] + BAIL_CHECK_INTERVAL_S
         while events:
             now, seq, kind, idx = heapq.heappop(events)
             self._now = now
             if kind == _EV_ARRIVAL:
-                arrivals.deliver(now, idx, outbox)
-                self._dispatch(now, outbox)
-                self._resched_model(idx)
+                self._on_arrivals(now)
                 if bail is not None and now >= next_bail_check:
                     next_bail_check = now + BAIL_CHECK_INTERVAL_S
                     if self._should_bail(bail, now):
                         self.bailed = True
                         break
-            elif kind == _EV_MODEL:
-                if models[idx].wake_at != now or self._model_wake[idx] != now:
-                    continue
-                self._model_wake[idx] = math.inf
-                models[idx].on_timer(now, outbox)
-                self._dispatch(now, outbox)
-                self._resched_model(idx)
-            elif kind == _EV_RANK:
-                if self.rank.wake_at != now or self._rank_wake != now:
-                    continue
-                self._rank_wake = math.inf
-                self.rank.on_timer(now, outbox)
-                self._dispatch(now, outbox)
             else:
-                self._on_gpu_event(now, kind, idx, seq)
+                self._on_event(now, kind, idx, seq)
+            if self._meta_unsent and (not events or events[0][0] != now):
+                self._end_ticks(now)
         wall = time.perf_counter() - started
-        if not self.bailed and self.config.check and np.any(self.status == _PENDING):
-            left = int(np.count_nonzero(self.status == _PENDING))
-            self._fail(f"{left} requests never ended")
-        return self._report(wall)
+        if not self.bailed and self.config.check:
+            self._check_all_answered()
+        report: dict[str, Any] = simulation_report(self, wall)
+        return report
+
+    def _on_event(self, now: float, kind: int, idx: int, seq: int) -> None:
+        """Any event but an arrival."""
+        if kind == _EV_MODEL:
+            model = self.models[idx]
+            if model.wake_at != now or self._model_wake[idx] != now:
+                return
+            self._model_wake[idx] = math.inf
+            outbox: Outbox = []
+            model.on_timer(now, outbox)
+            self._dispatch(now, outbox)
+            self._resched_model(idx)
+        elif kind == _EV_RANK:
+            if self.rank.wake_at != now or self._rank_wake != now:
+                return
+            self._rank_wake = math.inf
+            outbox = []
+            self.rank.on_timer(now, outbox)
+            self._dispatch(now, outbox)
+        elif kind == _EV_FRONTEND_TIMER:
+            self._on_frontend_timer(now, idx)
+        elif kind == _EV_TICK:
+            self._end_tick(now, idx)
+        else:
+            self._on_gpu_event(now, kind, idx, seq)
+
+    def _check_all_answered(self) -> None:
+        left = int(np.count_nonzero(self.status == PENDING))
+        if left:
+            self._fail(f"{left} requests never answered")
+        pending = sum(len(f.core.pending) for f in self.frontends)
+        if pending:
+            self._fail(f"{pending} requests left pending in a frontend core")
 
     def _should_bail(self, bail: float, now: float) -> bool:
         lo_w = self.window[0]
-        for i, dropped in enumerate(self._measured_dropped):
-            if dropped < BAIL_MIN_BAD:
+        for i, bad in enumerate(self.answers.measured_bad):
+            if bad < BAIL_MIN_BAD:
                 continue
             times = self.arrivals[i]
             arrived = int(np.searchsorted(times, now, side="right")) - int(
                 np.searchsorted(times, lo_w, side="left"))
-            if dropped > bail * arrived:
+            if bad > bail * arrived:
                 return True
         return False
-
-    # ------------------------------------------------------------------ results
-
-    def _report(self, wall_s: float) -> dict[str, Any]:
-        w = self.w
-        lo_w, hi_w = self.window
-        in_window = (self.arrival_all >= lo_w) & (self.arrival_all < hi_w)
-        batches = np.array(self.batches, dtype=np.float64).reshape(-1, 5)
-        outcomes = [self._outcome(i, in_window, batches) for i in range(len(w.models))]
-        busy = 0.0
-        if len(batches):
-            starts = np.clip(batches[:, 2], lo_w, hi_w)
-            ends = np.clip(batches[:, 3], lo_w, hi_w)
-            busy = float(np.sum(ends - starts)) / (w.gpus * w.measure_s)
-        try:
-            bound = workload_bound_rps(w)
-        except (ValueError, ZeroDivisionError):
-            bound = None
-        report: dict[str, Any] = build_report(
-            outcomes, source="sim", workload=w.name, policy=self.policy.name,
-            drop=self.policy.drop_name, seed=w.seed, gpus=w.gpus, measure_s=w.measure_s,
-            gpu_busy_fraction=busy, bound_rps=bound, extra=self._extra(wall_s),
-        )
-        return report
-
-    def _outcome(self, i: int, in_window: np.ndarray[Any, Any],
-                 batches: np.ndarray[Any, Any]) -> ModelOutcome:
-        """Model ``i``'s requests that arrived in the measure window (after a bailed run,
-        pending requests count as bad) and its batches that started in it."""
-        spec = self.w.models[i]
-        lo_w, hi_w = self.window
-        base = self.offsets[i]
-        sl = slice(base, base + len(self.arrivals[i]))
-        mask = in_window[sl]
-        status = self.status[sl][mask]
-        a = self.arrival_all[sl][mask]
-        served = (status == _GOOD) | (status == _LATE)
-        reply_s = self.w.reply_ms / 1e3
-        latencies = (self.finish[sl][mask][served] + reply_s - a[served]) * 1e3
-        queueing = (self.exec[sl][mask][served] - a[served]) * 1e3
-        mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
-        return ModelOutcome(
-            name=spec.name,
-            slo_ms=spec.slo_ms,
-            total=int(mask.sum()),
-            good=int(np.count_nonzero(status == _GOOD)),
-            late=int(np.count_nonzero(status == _LATE)),
-            dropped=int(np.count_nonzero(status == _DROPPED)),
-            latencies_ms=latencies,
-            queueing_ms=queueing,
-            batch_sizes=mine[:, 4].astype(np.int64),
-        )
-
-    def _extra(self, wall_s: float) -> dict[str, Any]:
-        """The simulator's own report keys."""
-        w = self.w
-        rank = self.rank
-        return {
-            "rate_rps": w.rate,
-            "arrival": str(w.arrival),
-            "bailed": self.bailed,
-            "wall_s": round(wall_s, 3),
-            "sim_requests": self.n_requests,
-            "sim_rps_wall": round(self.n_requests / wall_s, 1) if wall_s > 0 else None,
-            "rank": {
-                "grants": rank.n_grants,
-                "model_matches": rank.n_model_matches,
-                "gpu_matches": rank.n_gpu_matches,
-                "stale": rank.n_stale,
-                "purged": rank.n_purged,
-            },
-            "keep_tolerance": self.keep_tolerance,
-            "backends": {
-                "late_starts": self.late_starts,
-                "answered": dict(self.backend_failed),
-                "drift_corrections": rank.n_drift_corrections,
-            },
-            "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
-                              "jitter": w.jitter_ms},
-        }
-
-
-class _ArrivalFeed:
-    """Each model's arrivals cut into the chunks a frontend sends (per tick, or per arrival
-    instant) and fed to its ModelThread."""
-
-    def __init__(self, sim: Simulator, tick_s: float) -> None:
-        self.sim = sim
-        self.tick_s = tick_s
-        self.times = [a.tolist() for a in sim.arrivals]
-        self.deadlines = [
-            sim.deadline_all[base : base + len(a)].tolist()
-            for base, a in zip(sim.offsets, sim.arrivals, strict=True)
-        ]
-
-    def deliver(self, now: float, idx: int, outbox: Outbox) -> None:
-        """The chunk of model ``idx`` due at ``now``; schedules the next one."""
-        sim = self.sim
-        times = self.times[idx]
-        start = sim._ptr[idx]
-        stop = start + 1
-        if self.tick_s:
-            stop = bisect_right(times, now, start)
-        else:
-            while stop < len(times) and times[stop] == now:
-                stop += 1
-        sim._ptr[idx] = stop
-        base = sim.offsets[idx]
-        sim.models[idx].on_arrivals(
-            now, FRONTEND, list(range(base + start, base + stop)), times[start:stop],
-            self.deadlines[idx][start:stop], outbox,
-        )
-        if stop < len(times):
-            sim._push(times[stop] + self.tick_s, _EV_ARRIVAL, idx)
-
 
 def simulate(workload: Workload, config: SimConfig | None = None) -> dict[str, Any]:
     """Run one simulation and return its report."""

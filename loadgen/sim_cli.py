@@ -11,8 +11,11 @@ Exit status: 0 on success, 1 if an invariant broke, 2 on a usage or workload err
 
 ``--allowances-from CLUSTER.toml`` schedules with that cluster's allowances (``d_ctrl_ms``,
 ``d_data_ms``, ``jitter_ms`` of ``[scheduler]``, ``reply_allowance_ms`` of ``[frontends]``)
-instead of the workload's: the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which
-schedules with the same budget as the live scheduler. ``--jitter-ms`` still wins over it.
+instead of the workload's, and its frontends' admission (``[frontends]`` count and
+``max_request_bytes``, each model's ``max_queue`` and ``max_wait_ms``): the simulated twin of
+``zserve bench CLUSTER.toml WORKLOAD``, which schedules and admits as the live cluster does.
+``--jitter-ms`` still wins over it. Without it no admission bound applies (the workload file has
+no cluster to take them from).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import InvariantError, SimConfig, simulate, workload_bound_rps
-from zserve.loadgen.workload import ArrivalSpec, load_workload
+from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload
+
+if TYPE_CHECKING:
+    from zserve.config import ClusterConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,34 +60,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def cluster_allowances(cluster_toml: str) -> dict[str, float]:
-    """The workload overrides that give the simulator a cluster file's scheduling allowances."""
-    from zserve.config import load_config  # its ConfigError is a ValueError: exit status 2
-
-    config = load_config(cluster_toml)
+def cluster_allowances(config: ClusterConfig) -> dict[str, float]:
+    """The workload overrides that give the simulator a cluster's scheduling allowances."""
     return {"d_ctrl_ms": config.scheduler.d_ctrl_ms, "d_data_ms": config.scheduler.d_data_ms,
             "reply_ms": config.frontends.reply_allowance_ms,
             "jitter_ms": config.scheduler.jitter_ms}
 
 
+def _load(args: argparse.Namespace) -> tuple[Workload, ClusterConfig | None]:
+    """The workload with the command line's overrides, and the cluster of --allowances-from."""
+    from zserve.config import load_config  # its ConfigError is a ValueError: exit status 2
+
+    workload = load_workload(args.workload)
+    cluster = None
+    overrides: dict[str, Any] = {}
+    if args.allowances_from is not None:
+        cluster = load_config(args.allowances_from)
+        overrides.update(cluster_allowances(cluster))
+    for key, value in (("policy", args.policy), ("drop", args.drop), ("rate", args.rate),
+                       ("seed", args.seed), ("gpus", args.gpus),
+                       ("measure_s", args.measure), ("warmup_s", args.warmup),
+                       ("keep_tolerance", args.keep_tolerance),
+                       ("jitter_ms", args.jitter_ms)):
+        if value is not None:
+            overrides[key] = value
+    if args.arrival is not None:
+        overrides["arrival"] = ArrivalSpec.parse(args.arrival)
+    if overrides:
+        workload = workload.with_overrides(**overrides)
+    return workload, cluster
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        workload = load_workload(args.workload)
-        overrides: dict[str, Any] = {}
-        if args.allowances_from is not None:
-            overrides.update(cluster_allowances(args.allowances_from))
-        for key, value in (("policy", args.policy), ("drop", args.drop), ("rate", args.rate),
-                           ("seed", args.seed), ("gpus", args.gpus),
-                           ("measure_s", args.measure), ("warmup_s", args.warmup),
-                           ("keep_tolerance", args.keep_tolerance),
-                           ("jitter_ms", args.jitter_ms)):
-            if value is not None:
-                overrides[key] = value
-        if args.arrival is not None:
-            overrides["arrival"] = ArrivalSpec.parse(args.arrival)
-        if overrides:
-            workload = workload.with_overrides(**overrides)
+        workload, cluster = _load(args)
     except (OSError, ValueError) as exc:
         print(f"zserve sim: {exc}", file=sys.stderr)
         return 2
@@ -90,11 +103,12 @@ def main(argv: list[str]) -> int:
             bail = min(1.0, 3 * args.max_bad_rate)
 
             def probe(rate: float) -> dict[str, Any]:
-                report = simulate(workload.with_overrides(rate=rate), SimConfig(bail_bad_rate=bail))
+                probed: dict[str, Any] = simulate(workload.with_overrides(rate=rate),
+                                                  SimConfig(bail_bad_rate=bail, frontend=cluster))
                 if not args.quiet:
-                    print(f"  probe {rate:10.1f} r/s: worst bad rate {report['bad_rate']:.3%}"
-                          f"{' (bailed)' if report['bailed'] else ''}", file=sys.stderr)
-                return report
+                    print(f"  probe {rate:10.1f} r/s: worst bad rate {probed['bad_rate']:.3%}"
+                          f"{' (bailed)' if probed['bailed'] else ''}", file=sys.stderr)
+                return probed
 
             start = args.start_rate
             if start is None:
@@ -104,7 +118,7 @@ def main(argv: list[str]) -> int:
                                     rel_precision=args.precision)
             set_fraction_of_bound(report)
         else:
-            report = simulate(workload)
+            report = simulate(workload, SimConfig(frontend=cluster))
     except InvariantError as exc:
         print(f"zserve sim: INVARIANT BROKEN: {exc}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     d_data_ms = 0.0            # per-request input-fetch allowance
     reply_ms = 0.0             # reply allowance: deadline = arrival + SLO - reply_ms
     jitter_ms = 0.0            # timer lateness allowance: deferred/latest aim this much earlier
-    sim_tick_ms = 0.0          # simulator only: coalesce each model's arrivals per tick
+    sim_tick_ms = 0.0          # simulator only: the simulated frontend's tick (0: one per instant)
     zoo_csv = "../profiles/model_zoo_a100.csv"   # optional: one model per CSV row
     max_batch = 0              # optional cap on every model's batch size (0: none)
     keep_tolerance = 0.05      # window drop: keep a head that still allows a batch whose

@@ -42,7 +42,7 @@ beta_ms = 1.0
 """
 # Keys only a simulator can fill (its own speed), and the rank counters, which a live run reads
 # over the supervisor's control link (absent when driving a bare address, as here).
-SIM_ONLY_KEYS = {"sim_requests", "sim_rps_wall", "rank", "backends"}
+SIM_ONLY_KEYS = {"sim_requests", "sim_rps_wall", "rank", "backends", "frontends"}
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def test_bench_starts_a_cluster_and_reads_its_statistics(tmp_path: Path) -> None
     assert code == cli.EXIT_OK
     live = json.loads(out.read_text())
     sim = simulate(load_workload(workload))
-    assert set(sim) - set(live) <= {"sim_requests", "sim_rps_wall", "backends"}
+    assert set(sim) - set(live) <= {"sim_requests", "sim_rps_wall", "backends", "frontends"}
     assert live["target"]["models"] == {"M": "m"}
     model = live["per_model"]["M"]
     # Every request was answered, and the frontend accepted the generated inputs.

@@ -192,29 +192,45 @@ def test_sim_tick_coalesces_arrivals() -> None:
     assert report["rank"]["grants"] < arrived
 
 
+def _admitted(sim: Simulator) -> list[int]:
+    """Every request reaches the frontend's core, which admits it (its metadata is never sent:
+    the test plans by hand); the core's request ids, by request index."""
+    frontend = sim.frontends[0]
+    for index in range(sim.n_requests):
+        model = sim.w.models[int(sim.model_of[index])].name
+        frontend.admit(float(sim.arrival_all[index]), index, model)
+    rid_of = {index: rid for rid, index in sim.index_of_rid.items()}
+    return [rid_of[index] for index in range(sim.n_requests)]
+
+
 def test_invariant_checker_catches_broken_plans() -> None:
     w = parse_workload(_small())
     sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.001]), np.array([0.0])])
-    good = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [0])
+    r0, r1, _ = _admitted(sim)
+    good = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [r0])
     sim._on_plan(0.0, good)
     with pytest.raises(InvariantError, match="two batches at once"):
-        sim._on_plan(0.0, BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [1]))
-    with pytest.raises(InvariantError, match="ends twice"):
-        sim._on_plan(0.0, BatchPlan(3, "a", 1, 0.003, 0.003 + 0.006125, ["sim"], [0], [0]))
+        sim._on_plan(0.0, BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [r1]))
+    with pytest.raises(InvariantError, match="planned twice"):
+        sim._on_plan(0.0, BatchPlan(3, "a", 1, 0.003, 0.003 + 0.006125, ["sim"], [0], [r0]))
     with pytest.raises(InvariantError, match="latest"):
-        sim._on_plan(0.0, BatchPlan(4, "a", 1, 0.030, 0.030 + 0.006125, ["sim"], [0], [1]))
+        sim._on_plan(0.0, BatchPlan(4, "a", 1, 0.030, 0.030 + 0.006125, ["sim"], [0], [r1]))
     with pytest.raises(InvariantError, match="after its exec_at"):
-        sim._on_plan(0.01, BatchPlan(5, "a", 1, 0.005, 0.005 + 0.006125, ["sim"], [0], [1]))
+        sim._on_plan(0.01, BatchPlan(5, "a", 1, 0.005, 0.005 + 0.006125, ["sim"], [0], [r1]))
 
 
 def test_invariant_checker_catches_a_follower_running_two_batches_at_once() -> None:
     w = parse_workload(_small())
     sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.001]), np.array([0.0])])
-    first = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [0])
+    r0, r1, _ = _admitted(sim)
+    first = BatchPlan(1, "a", 0, 0.002, 0.002 + 0.006125, ["sim"], [0], [r0])
     sim._run_batch(0.002, 0, RunBatch(first, [0], [{}], 0.002))
-    second = BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [1])
+    second = BatchPlan(2, "a", 0, 0.003, 0.003 + 0.006125, ["sim"], [0], [r1])
     with pytest.raises(InvariantError, match="two batches at once"):
         sim._run_batch(0.003, 0, RunBatch(second, [0], [{}], 0.003))
+    third = BatchPlan(3, "a", 1, 0.003, 0.003 + 0.006125, ["sim"], [0], [r0])
+    with pytest.raises(InvariantError, match="runs twice"):
+        sim._run_batch(0.003, 1, RunBatch(third, [0], [{}], 0.003))
 
 
 def _drain_gpu_events(sim: Simulator) -> None:
@@ -228,9 +244,10 @@ def _drain_gpu_events(sim: Simulator) -> None:
 def test_plans_and_inputs_reach_the_follower_after_their_delays_and_start_on_time() -> None:
     w = parse_workload(_small(d_ctrl_ms=2.0, d_data_ms=0.5))
     sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.0]), np.array([0.0])])
+    r0, r1, _ = _admitted(sim)
     # granted at 0: the plan arrives at 2 ms, its two inputs at 3 ms, its exec_at
     plan = BatchPlan(1, "a", 0, 0.003, 0.003 + w.models[0].profile.latency(2), ["sim"],
-                     [0, 0], [0, 1], [0.025, 0.025])
+                     [0, 0], [r0, r1], [0.025, 0.025])
     sim._on_plan(0.0, plan)
     follower = sim.followers[0]
     now, seq, kind, gpu = heapq.heappop(sim._events)
@@ -242,7 +259,8 @@ def test_plans_and_inputs_reach_the_follower_after_their_delays_and_start_on_tim
     assert sim.batches == [(0, 0, pytest.approx(0.003), pytest.approx(plan.expected_finish_at),
                             2)]
     assert sim.late_starts == 0 and follower.idle
-    assert list(sim.status[:2]) == [1, 1]  # good
+    assert list(sim.status[:2]) == [1, 1]  # good: the core answered the outputs in time
+    assert list(sim.answers.answered_at[:2]) == [pytest.approx(plan.expected_finish_at)] * 2
 
 
 def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() -> None:
@@ -250,10 +268,11 @@ def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() 
     # starts it at once, and sheds the request whose deadline the late batch would miss
     w = parse_workload(_small(d_ctrl_ms=5.0))
     sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.0]), np.array([0.0])])
+    r0, r1, _ = _admitted(sim)
     l2 = w.models[0].profile.latency(2)
     l1 = w.models[0].profile.latency(1)
     sim.deadline_all[0] = 0.001 + l2  # too tight once the batch starts at 5 ms
-    plan = BatchPlan(1, "a", 1, 0.0, l2, ["sim"], [0, 0], [0, 1],
+    plan = BatchPlan(1, "a", 1, 0.0, l2, ["sim"], [0, 0], [r0, r1],
                      [float(sim.deadline_all[0]), float(sim.deadline_all[1])])
     sim._on_plan(0.0, plan)
     _drain_gpu_events(sim)

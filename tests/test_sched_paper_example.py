@@ -30,7 +30,8 @@ def _run(policy: str, skip: tuple[int, ...] = (), count: int = 60) -> Simulator:
 
 
 def _arrivals_of(sim: Simulator, ids: list[int]) -> list[float]:
-    return [round(float(sim.arrival_all[i]) / MS, 6) for i in ids]
+    """The arrival times (ms) of the requests a plan names by their frontend's request ids."""
+    return [round(float(sim.arrival_all[i]) / MS, 6) for i in sim.request_indexes(ids)]
 
 
 def test_first_batch_holds_first_four_requests_dispatched_at_2_25() -> None:

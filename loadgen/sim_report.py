@@ -1,0 +1,135 @@
+"""The simulator's report: outcomes counted by the frontends' answers, and its own keys.
+
+``simulation_report`` turns a finished :class:`~zserve.loadgen.sim.Simulator` run into the report
+schema of ``zserve.loadgen.report`` (shared with ``zserve bench``); ``workload_bound_rps`` is the
+analytic bound the report compares the goodput with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zserve.loadgen.report import ModelOutcome, build_report
+from zserve.loadgen.sim_frontend import DROPPED, ERROR, GOOD, LATE
+from zserve.loadgen.workload import Workload
+from zserve.scheduler.bounds import staggered_bound_rps
+
+if TYPE_CHECKING:
+    from zserve.loadgen.sim import Simulator
+
+
+def workload_bound_rps(w: Workload) -> float:
+    """The staggered bound of a workload (DESIGN section 3) under its allowances."""
+    shares = w.shares()
+    models = [
+        (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
+        for m, share in zip(w.models, shares, strict=True)
+    ]
+    bound_rps: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
+    return bound_rps
+
+
+def simulation_report(sim: Simulator, wall_s: float) -> dict[str, Any]:
+    """The report of ``sim``'s run, which took ``wall_s`` seconds."""
+    w = sim.w
+    lo_w, hi_w = sim.window
+    in_window = (sim.arrival_all >= lo_w) & (sim.arrival_all < hi_w)
+    batches = np.array(sim.batches, dtype=np.float64).reshape(-1, 5)
+    outcomes = [_outcome(sim, i, in_window, batches) for i in range(len(w.models))]
+    busy = 0.0
+    if len(batches):
+        starts = np.clip(batches[:, 2], lo_w, hi_w)
+        ends = np.clip(batches[:, 3], lo_w, hi_w)
+        busy = float(np.sum(ends - starts)) / (w.gpus * w.measure_s)
+    try:
+        bound = workload_bound_rps(w)
+    except (ValueError, ZeroDivisionError):
+        bound = None
+    report: dict[str, Any] = build_report(
+        outcomes, source="sim", workload=w.name, policy=sim.policy.name,
+        drop=sim.policy.drop_name, seed=w.seed, gpus=w.gpus, measure_s=w.measure_s,
+        gpu_busy_fraction=busy, bound_rps=bound, extra=_extra(sim, wall_s),
+    )
+    return report
+
+
+def _outcome(sim: Simulator, i: int, in_window: np.ndarray[Any, Any],
+             batches: np.ndarray[Any, Any]) -> ModelOutcome:
+    """Model ``i``'s requests that arrived in the measure window, by their frontend's answer
+    (after a bailed run, unanswered requests count as bad), and its batches that started
+    in it."""
+    spec = sim.w.models[i]
+    lo_w, hi_w = sim.window
+    base = sim.offsets[i]
+    sl = slice(base, base + len(sim.arrivals[i]))
+    mask = in_window[sl]
+    status = sim.status[sl][mask]
+    a = sim.arrival_all[sl][mask]
+    served = (status == GOOD) | (status == LATE)
+    reply_s = sim.w.reply_ms / 1e3
+    latencies = (sim.answers.answered_at[sl][mask][served] + reply_s - a[served]) * 1e3
+    queueing = (sim.exec[sl][mask][served] - a[served]) * 1e3
+    mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
+    window_mask = np.zeros(sim.n_requests, dtype=np.bool_)
+    window_mask[sl] = mask
+    return ModelOutcome(
+        name=spec.name,
+        slo_ms=spec.slo_ms,
+        total=int(mask.sum()),
+        good=int(np.count_nonzero(status == GOOD)),
+        late=int(np.count_nonzero(status == LATE)),
+        dropped=int(np.count_nonzero(status == DROPPED)),
+        latencies_ms=latencies,
+        queueing_ms=queueing,
+        batch_sizes=mine[:, 4].astype(np.int64),
+        extra={"errors": int(np.count_nonzero(status == ERROR)),
+               "error_kinds": sim.answers.error_counts(window_mask)},
+    )
+
+
+def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
+    """The simulator's own report keys."""
+    w = sim.w
+    rank = sim.rank
+    return {
+        "rate_rps": w.rate,
+        "arrival": str(w.arrival),
+        "bailed": sim.bailed,
+        "wall_s": round(wall_s, 3),
+        "sim_requests": sim.n_requests,
+        "sim_rps_wall": round(sim.n_requests / wall_s, 1) if wall_s > 0 else None,
+        "rank": {
+            "grants": rank.n_grants,
+            "model_matches": rank.n_model_matches,
+            "gpu_matches": rank.n_gpu_matches,
+            "stale": rank.n_stale,
+            "purged": rank.n_purged,
+        },
+        "keep_tolerance": sim.keep_tolerance,
+        "backends": {
+            "late_starts": sim.late_starts,
+            "answered": dict(sim.backend_failed),
+            "drift_corrections": rank.n_drift_corrections,
+        },
+        "frontends": _frontends_extra(sim),
+        "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
+                          "jitter": w.jitter_ms},
+    }
+
+
+def _frontends_extra(sim: Simulator) -> dict[str, Any]:
+    """What the frontends admitted by, and every request's answer (whole run), by kind."""
+    status = sim.status
+    answers = {"outputs": int(np.count_nonzero((status == GOOD) | (status == LATE))),
+               **sim.answers.error_counts(np.ones(sim.n_requests, dtype=np.bool_))}
+    bounded = sim.config.frontend is not None
+    models = sim.frontend_cluster.models
+    return {
+        "count": len(sim.frontends),
+        # Without a cluster file no admission bound applies (null).
+        "max_queue": {m.name: m.max_queue if bounded else None for m in models},
+        "wait_bound_ms": {m.name: m.wait_bound_ms if bounded else None for m in models},
+        "answers": answers,
+    }
