@@ -213,7 +213,7 @@ def test_proc_backend_late_plan_runs_at_once(rig: BackendRig) -> None:
     rig.shard.send(StatsRequest(reset=False))
     _, reply = rig.shard.expect(StatsReply)
     assert reply.stats["counters"]["late_plans"] == 1
-    assert reply.stats["timings"]["lateness_ms"]["max"] >= 200.0
+    assert reply.stats["latency"]["lateness"]["max_ms"] >= 200.0
 
 
 def test_proc_backend_keys_inputs_by_frontend_and_request_id(rig: BackendRig) -> None:
