@@ -6,7 +6,8 @@ table) when it started the cluster itself, so that every process's statistics ar
 - the load generator's own end-to-end latency (send -> reply, per request);
 - the frontend's hops (``admit_to_answer``, ``queueing`` = batch start - admission, ``overhead`` =
   answer - admission - execution, ``finish_to_answer`` = the frontend's answer - the backend's
-  batch end), as the frontends reported them at the measure window's end (their latest samples);
+  batch end), as the frontends reported them just after the measure window (their histograms
+  since they started);
 - the shard's ``meta_delay`` (request admitted -> its metadata handled by the shard: the
   frontend's per-tick coalescing plus the hop) and ``grant_slack`` (margin left when a grant
   reached the shard);

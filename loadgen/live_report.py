@@ -262,10 +262,11 @@ def _add_queueing(report: dict[str, Any], target: Target,
     """The queueing delay the frontends measured, overall and per model."""
     frontends = [latest[name] for name in target.frontends if name in latest]
     for hop_name, source in (
-        ("queueing", "frontend queueing (backend batch start - admission), latest samples just "
-                     "after the window"),
+        ("queueing", "frontend queueing (backend batch start - admission), its histogram since "
+                     "it started, taken just after the window"),
         ("admit_to_fetch", "frontend admit_to_fetch hop (an approximation: the frontends did not "
-                           "report batch starts), latest samples just after the window"),
+                           "report batch starts), its histogram since it started, taken just "
+                           "after the window"),
     ):
         hop = _busiest([stats.get("latency", {}).get(hop_name, {}) for stats in frontends])
         if hop is not None:
@@ -296,7 +297,8 @@ def _add_control_stats(
     """From the stats taken over the control link at the measure window's start and end: the
     RankThread's counters over the window (the simulator's ``rank`` key), and the queueing delay
     the frontends measured: batch start on the backend (``BatchOutputs.started_at``) minus
-    admission, overall and per model (the latest samples, taken just after the window).
+    admission, overall and per model (``queueing/<model>``; histograms since the frontend
+    started, taken just after the window).
     Frontends that do not report it leave the older approximation: admission -> the backend's
     input fetch, which happens when the batch plan reaches the backend, just before exec_at.
     """

@@ -528,7 +528,8 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
                  control.drain.reason, len(frontend.core.pending), drain_s)
         await control.drain.grace(frontend.idle)
         frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
-        log.info("%s: stopped; counters %s", frontend.name, dict(frontend.counters))
+        log.info("%s: stopped; counters %s", frontend.name,
+                 {key: value for key, value in frontend.counters.items() if value})
     finally:
         if clock_sync is not None:
             await clock_sync.close()
