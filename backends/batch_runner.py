@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from zserve.backends.executor import Executor, TensorMap
-from zserve.backends.follower import BatchTimings, RunBatch
+from zserve.backends.follower import RunBatch
 from zserve.clock import ClusterClock
+from zserve.stats import Stats
 
 
 @dataclass(slots=True)
@@ -62,10 +63,13 @@ class BatchResult:
 class BatchRunner:
     """Runs batches on one executor, one at a time (the follower never starts two)."""
 
-    def __init__(self, executor: Executor, clock: ClusterClock, timings: BatchTimings) -> None:
+    def __init__(self, executor: Executor, clock: ClusterClock, stats: Stats) -> None:
+        """``stats``: the follower's (``BACKEND_HISTOGRAMS``): assemble and run are observed
+        here."""
         self.executor = executor
         self.clock = clock
-        self.timings = timings  # the follower's: assemble and run are filled here
+        self._assemble = stats.histograms["assemble"]
+        self._run = stats.histograms["run"]
         self.busy = BusyMeter(clock.now())
         self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
 
@@ -108,8 +112,8 @@ class BatchRunner:
             if len(outputs) != len(run.rows):
                 raise ValueError(f"executor returned {len(outputs)} outputs for "
                                  f"{len(run.rows)} rows")
-            self.timings.assemble.append(t1 - t0)
-            self.timings.run.append(t2 - t1)
+            self._assemble.observe(t1 - t0)
+            self._run.observe(t2 - t1)
         except Exception as exc:  # an execution error fails this batch only
             return BatchResult([], f"{type(exc).__name__}: {exc}", self.clock.now())
         return BatchResult(outputs, "", self.clock.now())

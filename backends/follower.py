@@ -34,12 +34,12 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-import numpy as np
+from typing import Any
 
 from zserve.errors import ErrorKind
+from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_FRONTEND, TO_RANK, Outbox
+from zserve.stats import Stats
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,
@@ -57,7 +57,7 @@ DEST_DEVICE = "device"
 INPUT_WAIT_S = 0.050
 # A plan that starts more than this after its exec_at counts as late in the stats.
 LATE_TOLERANCE_S = 0.001
-# Per-batch timing samples kept for the stats (a ring; percentiles are computed on request).
+# Batch sizes kept for the stats (a ring of the most recent batches).
 STATS_WINDOW = 4096
 # Late shedding keeps a request whose batch finishes up to this fraction of the cluster's reply
 # allowance after its finish_by: the reply allowance exists to absorb small lateness (the push
@@ -79,6 +79,16 @@ COUNTER_NAMES = (
     "late_plans",
     "plans_refused",
 )
+BACKEND_HISTOGRAMS = {
+    "slack": "signed",  # exec_at - plan arrival: what was left of the allowance d_ctrl + d_data
+    "fetch": "delay",  # plan arrival -> the last InputReply (the input-fetch round trip)
+    "lateness": "signed",  # batch start - exec_at
+    "assemble": "delay",  # stacking the batch (the host's BatchRunner)
+    "run": "delay",  # execution
+    "push": "delay",  # execution end -> the outputs sent (the host)
+}
+"""Per-batch latency histograms (seconds) of a backend; the follower observes slack, fetch and
+lateness, its host assemble, run and push."""
 
 
 def shed_late_rows(
@@ -106,7 +116,7 @@ def _indexes_within(indexes: list[int], count: int) -> bool:
     return not indexes or (min(indexes) >= 0 and max(indexes) < count)
 
 
-class RunBatch(Message, frozen=True):  # type: ignore[call-arg, unused-ignore]  # see pyproject [tool.mypy]
+class RunBatch(Message, frozen=True):  # type: ignore[call-arg, misc, unused-ignore]  # see pyproject [tool.mypy]
     """Follower -> its host, never on the wire (it has no tag, so the codec refuses it): run
     ``rows`` of ``plan`` now, ``inputs[i]`` being row ``rows[i]``'s tensors."""
 
@@ -140,25 +150,17 @@ class HeldPlan:
         return max(0.0, planned_s)
 
 
-@dataclass(slots=True)
-class BatchTimings:
-    """Rings of per-batch durations in seconds (for stats and the benchmark). The follower fills
-    lateness, slack and fetch; its host fills assemble, run and push."""
+class BatchSizes:
+    """The batches run since the last reset: the most recent sizes and models (for the load
+    generator's per-window batch-size distribution) and a histogram per model."""
 
-    lateness: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    # exec_at - plan received: how much of the allowance d_ctrl + d_data*bs was left on arrival
-    slack: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    fetch: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    assemble: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    run: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    push: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    batch_size: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    batch_model: deque[str] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    # Every batch run since the last reset, per model: {model: {str(batch size): batches}}.
-    batch_histogram: dict[str, dict[str, int]] = field(default_factory=dict)
+    __slots__ = ("batch_histogram", "batch_model", "batch_size")
 
-    RING_NAMES: ClassVar[tuple[str, ...]] = (
-        "lateness", "slack", "fetch", "assemble", "run", "push")
+    def __init__(self) -> None:
+        self.batch_size: deque[int] = deque(maxlen=STATS_WINDOW)
+        self.batch_model: deque[str] = deque(maxlen=STATS_WINDOW)
+        # {model: {str(batch size): batches}}
+        self.batch_histogram: dict[str, dict[str, int]] = {}
 
     def add_batch(self, model: str, size: int) -> None:
         self.batch_size.append(size)
@@ -166,36 +168,13 @@ class BatchTimings:
         sizes = self.batch_histogram.setdefault(model, {})
         sizes[str(size)] = sizes.get(str(size), 0) + 1
 
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.RING_NAMES:
-            ring: deque[float] = getattr(self, name)
-            if ring:
-                values = np.asarray(ring) * 1e3
-                out[f"{name}_ms"] = {
-                    "count": len(values),
-                    "p50": float(np.median(values)),
-                    "p99": float(np.percentile(values, 99)),
-                    "max": float(values.max()),
-                    "mean": float(values.mean()),
-                }
-        return out
-
     def samples(self) -> dict[str, Any]:
         return {
             "batch_size": list(self.batch_size),
             "batch_model": list(self.batch_model),  # the model of each batch_size entry
-            "fetch_s": list(self.fetch),
-            "assemble_s": list(self.assemble),
-            "run_s": list(self.run),
-            "push_s": list(self.push),
-            "lateness_s": list(self.lateness),
-            "slack_s": list(self.slack),
         }
 
     def clear(self) -> None:
-        for name in self.RING_NAMES:
-            getattr(self, name).clear()
         self.batch_size.clear()
         self.batch_model.clear()
         self.batch_histogram.clear()
@@ -214,8 +193,10 @@ class PlanFollower:
         self.wake_at = math.inf
         self.latency_s: dict[str, Sequence[float]] = {}  # per model: l(b) at [b], as table_s
         self.max_batch: dict[str, int] = {}
-        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
-        self.timings = BatchTimings()
+        self.stats = Stats(COUNTER_NAMES, BACKEND_HISTOGRAMS)
+        self.counters = self.stats.counters
+        self.histograms = self.stats.histograms
+        self.batches = BatchSizes()
         self.draining = False
         self._plans: dict[int, HeldPlan] = {}
         self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
@@ -273,18 +254,14 @@ class PlanFollower:
         self._advance(now, outbox)
 
     def _hold(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
-        self.timings.slack.append(plan.exec_at - now)
+        self.histograms["slack"].observe(plan.exec_at - now)
         held = HeldPlan(plan, now, set(range(len(plan.frontends))))
         self._plans[plan.plan_id] = held
         self._seq += 1
         heapq.heappush(self._heap, (plan.exec_at, self._seq, plan.plan_id))
-        ids_by_frontend: list[list[int]] = [[] for _ in plan.frontends]
-        if len(ids_by_frontend) == 1:  # the common case: one frontend
-            ids_by_frontend[0] = list(plan.request_ids)
-        else:
-            for rid, index in zip(plan.request_ids, plan.request_frontend, strict=True):
-                ids_by_frontend[index].append(rid)
-        for address, ids in zip(plan.frontends, ids_by_frontend, strict=True):
+        ids_by_frontend = group_by_frontend(plan.request_ids, plan.request_frontend)
+        for index, address in enumerate(plan.frontends):  # every frontend of the plan answers
+            ids = ids_by_frontend.get(index, [])
             outbox.append(((DEST_FRONTEND, address), InputFetch(plan.plan_id, ids)))
 
     def _well_formed(self, plan: BatchPlan) -> bool:
@@ -368,7 +345,7 @@ class PlanFollower:
         prefix = "batches_ok" if ok else "batches_failed"
         self.counters[prefix] += 1
         self.counters["requests_ok" if ok else "requests_failed"] += held.rows
-        self.timings.add_batch(plan.model, held.rows)
+        self.batches.add_batch(plan.model, held.rows)
         self._running = None
         del self._plans[plan.plan_id]
         outbox.append((TO_RANK, self._stats(plan, held.rows, held.started_at, finished_at, ok=ok,
@@ -421,10 +398,10 @@ class PlanFollower:
                                                 cancelled=len(held.cancelled),
                                                 device_free_at=self.device_free_at(now))))
             return False
-        self.timings.lateness.append(lateness)
+        self.histograms["lateness"].observe(lateness)
         if lateness > LATE_TOLERANCE_S:
             self.counters["late_plans"] += 1
-        self.timings.fetch.append((held.inputs_at or now) - held.received_at)
+        self.histograms["fetch"].observe((held.inputs_at or now) - held.received_at)
         held.rows = len(rows)
         self._running = held
         keys = [(plan.request_frontend[i], plan.request_ids[i]) for i in rows]
@@ -492,7 +469,7 @@ __all__ = [
     "DEST_DEVICE",
     "INPUT_WAIT_S",
     "SHED_GRACE_FRACTION",
-    "BatchTimings",
+    "BatchSizes",
     "HeldPlan",
     "PlanFollower",
     "RunBatch",

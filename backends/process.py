@@ -27,7 +27,6 @@ deadline timers answer whatever a lost message leaves.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -57,12 +56,13 @@ from zserve.config import (
     DEFAULT_REPLY_ALLOWANCE_MS,
     ModelConfig,
     RoleConfig,
-    load_config,
-    role_config,
 )
 from zserve.errors import ErrorKind, ZServeError
+from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_FRONTEND, Outbox
 from zserve.profiles import LatencyProfile, configured_profile
+from zserve.rolecli import role_config_from_args, role_parser
+from zserve.stats import Stats
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -180,8 +180,9 @@ class Backend:
         self._idle.set()
         self._hb_seq = 0
         self._wedged_logged = False
-        self.counters: dict[str, int] = dict.fromkeys(HOST_COUNTER_NAMES, 0)
-        self.runner = BatchRunner(executor, self.clock, self.follower.timings)
+        self._host_stats = Stats(HOST_COUNTER_NAMES)
+        self.counters = self._host_stats.counters
+        self.runner = BatchRunner(executor, self.clock, self.follower.stats)
         self._counted_before_reset: dict[str, int] = {}
 
     # ------------------------------------------------------------------ start-up
@@ -356,7 +357,7 @@ class Backend:
         outbox: Outbox = []
         try:
             self._answer(run, result.outputs, result.error, result.finished_at)
-            self.follower.timings.push.append(self.clock.now() - result.finished_at)
+            self.follower.histograms["push"].observe(self.clock.now() - result.finished_at)
         finally:
             self.follower.on_batch_done(self.clock.now(), ok=not result.error,
                                         finished_at=result.finished_at, outbox=outbox)
@@ -366,19 +367,18 @@ class Backend:
                 finished_at: float) -> None:
         """One BatchOutputs per frontend of the batch, or one BatchFailed when it failed."""
         plan = run.plan
-        by_frontend: dict[int, tuple[list[int], list[TensorMap]]] = {}
-        for position, row in enumerate(run.rows):
-            ids, outs = by_frontend.setdefault(plan.request_frontend[row], ([], []))
-            ids.append(plan.request_ids[row])
-            if not error:
-                outs.append(outputs[position])
+        rows = run.rows
+        positions_by_frontend = group_by_frontend(
+            range(len(rows)), [plan.request_frontend[row] for row in rows])
         why = f"backend {self.name}: {error}"
-        for index, (ids, outs) in by_frontend.items():
+        for index, positions in positions_by_frontend.items():
             sock = self.data_socks[plan.frontends[index]]
+            ids = [plan.request_ids[rows[position]] for position in positions]
             if error:
                 self._send(sock, BatchFailed(plan.plan_id, ids, ErrorKind.BACKEND_FAILED.value,
                                              why))
             else:
+                outs = [outputs[position] for position in positions]
                 self._send(sock, BatchOutputs(plan.plan_id, ids, outs, run.started_at,
                                               finished_at))
 
@@ -455,7 +455,12 @@ class Backend:
     # ------------------------------------------------------------------ stats
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        timings = self.follower.timings
+        """The backend's state, ``batch_sizes`` and ``samples`` (the batches' sizes and models,
+        the device's ``busy_s``) and the ``zserve.stats`` snapshot (``counters``: the
+        follower's and this host's; ``latency``/``histograms``: ``BACKEND_HISTOGRAMS``);
+        ``reset`` starts a new window (``counters_total`` runs on)."""
+        batches = self.follower.batches
+        counters = self._counters()
         out: dict[str, Any] = {
             "role": ROLE,
             "name": self.name,
@@ -466,21 +471,19 @@ class Backend:
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
-            "counters": self._counters(),
             "counters_total": self.counter_totals(),
-            "timings": timings.summary(),
-            "samples": {**timings.samples(),
+            "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
-            "batch_sizes": {m: dict(h) for m, h in timings.batch_histogram.items()},
+            "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
             "clock": self.clock.stats(),
+            **self.follower.stats.snapshot(reset),
+            "counters": counters,
         }
         if reset:
-            timings.clear()
-            for key, value in self._counters().items():
+            batches.clear()
+            for key, value in counters.items():
                 self._counted_before_reset[key] = self._counted_before_reset.get(key, 0) + value
-            for counters in (self.follower.counters, self.counters):
-                for key in counters:
-                    counters[key] = 0
+            self._host_stats.reset()
         return out
 
     def _counters(self) -> dict[str, int]:
@@ -563,25 +566,12 @@ def run_backend(config: RoleConfig, control_address: str | None) -> int:
 
 def main(argv: list[str]) -> int:
     """``zserve backend``: run backend ``--index`` of a cluster.toml on its own."""
-    parser = argparse.ArgumentParser(prog="zserve backend", description=main.__doc__)
-    parser.add_argument("--config", required=True, help="cluster.toml")
-    parser.add_argument("--index", type=int, default=0, help="which backend (default 0)")
-    parser.add_argument("--control", default=None, help="supervisor control address")
-    parser.add_argument("--rank", default=None, help="rank address (overrides cluster.toml)")
+    parser = role_parser("zserve backend", main.__doc__)
     parser.add_argument("--bind", default=None, help="plan socket bind address")
-    parser.add_argument("--advertise", default=None, metavar="HOST",
-                        help="host name peers use for a socket bound to a wildcard (0.0.0.0) "
-                             "address (default: this machine's host name)")
-    parser.add_argument("--ipc-dir", default=None, help="folder of ipc:// endpoints")
     args = parser.parse_args(argv)
-    cluster = load_config(args.config)
-    ipc_dir = args.ipc_dir or cluster.ipc_dir
-    config = role_config(cluster, ROLE, args.index, ipc_dir=ipc_dir,
-                         peers=cluster.static_peers(ipc_dir), advertise_host=args.advertise)
+    config = role_config_from_args(args, ROLE)
     if args.bind:
         config.bind["plan"] = args.bind
-    if args.rank:
-        config.peers[peer_map.peer_key("rank", "rank")] = args.rank
     return run_backend(config, args.control)
 
 

@@ -6,15 +6,20 @@ table) when it started the cluster itself, so that every process's statistics ar
 - the load generator's own end-to-end latency (send -> reply, per request);
 - the frontend's hops (``admit_to_answer``, ``queueing`` = batch start - admission, ``overhead`` =
   answer - admission - execution, ``finish_to_answer`` = the frontend's answer - the backend's
-  batch end), as the frontends reported them at the measure window's end (their latest samples);
+  batch end), as the frontends reported them just after the measure window (their histograms
+  since they started);
 - the shard's ``meta_delay`` (request admitted -> its metadata handled by the shard: the
   frontend's per-tick coalescing plus the hop) and ``grant_slack`` (margin left when a grant
   reached the shard);
 - the rank's ``candidate_slack`` (margin left when a candidate reached the rank) and batch-start
   ``lateness`` (backend start - planned ``exec_at``);
-- every backend's per-batch timings over the measure window, pooled (exact quantiles over all
-  backends): ``slack`` (plan arrival -> exec_at), ``fetch`` (input-fetch round trip),
-  ``lateness``, ``assemble``, ``run`` (execution) and ``push`` (sending the outputs).
+- every backend's per-batch histograms over the measure window, pooled (merged, so the
+  quantiles are over all backends' batches): ``slack`` (plan arrival -> exec_at), ``fetch``
+  (input-fetch round trip), ``lateness``, ``assemble``, ``run`` (execution) and ``push``
+  (sending the outputs).
+
+Every process's figures are read from the one ``zserve.stats`` schema: ``stats["latency"][metric]``
+summaries (p50_ms, p99_ms, p1_ms, count), and ``zserve.stats.merge_snapshots`` pools backends.
 
 Different processes share CLOCK_MONOTONIC on one host, so the cross-process hops (meta delay,
 lateness, finish -> answer) are direct differences of timestamps. The client <-> frontend row is
@@ -28,21 +33,21 @@ bad tail); all others are delays. The scheduler's CPU cost per
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-MS_PER_S = 1e3
-# Backend per-batch series in the polled StatsReply ``samples`` (seconds), by hop row.
-BACKEND_SERIES = (
-    ("plan arrives before exec_at (slack, margin)", "slack_s"),
-    ("input fetch round trip", "fetch_s"),
-    ("batch start lateness (start - exec_at)", "lateness_s"),
-    ("assemble the batch", "assemble_s"),
-    ("execution (backend run)", "run_s"),
-    ("push the outputs", "push_s"),
+from zserve.stats import merge_snapshots
+
+# Backend per-batch histograms (``zserve.backends.follower.BACKEND_HISTOGRAMS``), by hop row.
+BACKEND_METRICS = (
+    ("plan arrives before exec_at (slack, margin)", "slack"),
+    ("input fetch round trip", "fetch"),
+    ("batch start lateness (start - exec_at)", "lateness"),
+    ("assemble the batch", "assemble"),
+    ("execution (backend run)", "run"),
+    ("push the outputs", "push"),
 )
 
 
@@ -64,31 +69,15 @@ class HopRow:
         }
 
 
-def _quantiles_ms(
-    values_s: Iterable[float], tail: float = 99.0
-) -> tuple[float | None, float | None, int]:
-    """(p50, the ``tail`` percentile, count) in milliseconds."""
-    arr = np.fromiter(values_s, dtype=np.float64)
-    if arr.size == 0:
-        return None, None, 0
-    p50, p_tail = np.percentile(arr * MS_PER_S, [50, tail])
-    return float(p50), float(p_tail), int(arr.size)
-
-
-def _hop(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
-    hop = stats.get("hops", {}).get(name)
-    return hop if isinstance(hop, dict) and hop.get("count") else None
-
-
 def _latency(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """A latency summary of the ``zserve.stats`` schema (shard and rank), if it has samples."""
+    """A latency summary of the ``zserve.stats`` schema (any role), if it has samples."""
     summary = stats.get("latency", {}).get(name)
     return summary if isinstance(summary, dict) and summary.get("count") else None
 
 
 def _best_frontend(frontends: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     """The frontend with the most samples of hop ``name`` (several frontends: one of them)."""
-    hops = [h for h in (_hop(s, name) for s in frontends) if h is not None]
+    hops = [h for h in (_latency(s, name) for s in frontends) if h is not None]
     return max(hops, key=lambda h: h["count"]) if hops else None
 
 
@@ -98,13 +87,13 @@ def hop_breakdown(
     frontends: list[dict[str, Any]],
     shards: list[dict[str, Any]],
     rank: dict[str, Any] | None,
-    backend_samples: list[dict[str, Any]],
+    backends: list[dict[str, Any]],
 ) -> list[HopRow]:
     """The rows of the breakdown, in the order a request meets them.
 
     ``frontends``/``shards``/``rank``: those processes' StatsReply payloads at the measure
-    window's end; ``backend_samples``: the ``samples`` dicts the backends reported inside the
-    measure window (their polled StatsReply, reset at every poll)."""
+    window's end; ``backends``: the StatsReply payloads the backends sent inside the measure
+    window (polled with reset: each covers one interval), merged here."""
     rows: list[HopRow] = []
     client = np.asarray(client_latency_ms, dtype=np.float64)
     answer = _best_frontend(frontends, "admit_to_answer")
@@ -135,7 +124,7 @@ def hop_breakdown(
         rows.append(HopRow("candidate reaches rank before its timer (margin)",
                            float(slack["p50_ms"]), float(slack["p1_ms"]), int(slack["count"]),
                            "rank candidate_slack; the p99 column is the 1st percentile"))
-    rows.extend(_backend_rows(backend_samples))
+    rows.extend(_backend_rows(backends))
     for name, label in (("finish_to_answer", "batch end -> frontend answers (outputs hop)"),
                         ("overhead", "overhead: answer - admission - execution")):
         hop = _best_frontend(frontends, name)
@@ -145,21 +134,19 @@ def hop_breakdown(
     return rows
 
 
-def _backend_rows(backend_samples: list[dict[str, Any]]) -> list[HopRow]:
-    """One row per backend timing series, pooled over every backend's samples."""
+def _backend_rows(backends: list[dict[str, Any]]) -> list[HopRow]:
+    """One row per backend histogram, merged over every backend and poll."""
+    pooled = merge_snapshots(backends)
     rows: list[HopRow] = []
-    for label, key in BACKEND_SERIES:
-        values: list[float] = []
-        for sample in backend_samples:
-            series = sample.get(key)
-            if isinstance(series, list):
-                values.extend(float(v) for v in series)
-        margin = key == "slack_s"  # a margin's bad tail is its low end
-        p50, tail, count = _quantiles_ms(values, 1.0 if margin else 99.0)
-        if count:
-            rows.append(HopRow(label, p50, tail, count,
-                               "backends' per-batch timings in the measure window, pooled"
-                               + ("; the p99 column is the 1st percentile" if margin else "")))
+    for label, metric in BACKEND_METRICS:
+        summary = _latency(pooled, metric)
+        if summary is None:
+            continue
+        margin = metric == "slack"  # a margin's bad tail is its low end
+        rows.append(HopRow(label, float(summary["p50_ms"]),
+                           float(summary["p1_ms" if margin else "p99_ms"]), int(summary["count"]),
+                           "backends' per-batch histograms in the measure window, pooled"
+                           + ("; the p99 column is the 1st percentile" if margin else "")))
     return rows
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from zserve.frontend_core import QUEUEING_OF_MODEL
 from zserve.loadgen import breakdown
 from zserve.loadgen.cpu import cpu_per_request
 from zserve.loadgen.load_plan import LoadPlan, Outcome, RunResult
@@ -202,8 +203,7 @@ def _hops(
         frontends=[latest[n] for n in target.frontends if n in latest],
         shards=[latest[n] for n in target.shards if n in latest],
         rank=rank,
-        backend_samples=[s.stats["samples"] for s in in_window
-                         if isinstance(s.stats.get("samples"), dict)],
+        backends=[s.stats for s in in_window],
     )
     return {"rows": [r.to_dict() for r in rows],
             "scheduler_cpu_ms_per_1000_requests": breakdown.scheduler_cpu_ms_per_1000(cpu)}
@@ -262,12 +262,13 @@ def _add_queueing(report: dict[str, Any], target: Target,
     """The queueing delay the frontends measured, overall and per model."""
     frontends = [latest[name] for name in target.frontends if name in latest]
     for hop_name, source in (
-        ("queueing", "frontend queueing (backend batch start - admission), latest samples just "
-                     "after the window"),
+        ("queueing", "frontend queueing (backend batch start - admission), its histogram since "
+                     "it started, taken just after the window"),
         ("admit_to_fetch", "frontend admit_to_fetch hop (an approximation: the frontends did not "
-                           "report batch starts), latest samples just after the window"),
+                           "report batch starts), its histogram since it started, taken just "
+                           "after the window"),
     ):
-        hop = _busiest([stats.get("hops", {}).get(hop_name, {}) for stats in frontends])
+        hop = _busiest([stats.get("latency", {}).get(hop_name, {}) for stats in frontends])
         if hop is not None:
             report["queueing_ms"] = {
                 "p50": round(float(hop["p50_ms"]), 4),
@@ -280,8 +281,8 @@ def _add_queueing(report: dict[str, Any], target: Target,
         missing.append("no queueing samples from the frontends: queueing delay unknown")
     for model, entry in report.get("per_model", {}).items():
         cluster_model = target.model_names.get(model, model)
-        hop = _busiest([stats.get("queueing_by_model", {}).get(cluster_model, {})
-                        for stats in frontends])
+        metric = QUEUEING_OF_MODEL.format(cluster_model)
+        hop = _busiest([stats.get("latency", {}).get(metric, {}) for stats in frontends])
         if hop is not None:
             entry["queueing_p50_ms"] = round(float(hop["p50_ms"]), 4)
             entry["queueing_p99_ms"] = round(float(hop["p99_ms"]), 4)
@@ -296,7 +297,8 @@ def _add_control_stats(
     """From the stats taken over the control link at the measure window's start and end: the
     RankThread's counters over the window (the simulator's ``rank`` key), and the queueing delay
     the frontends measured: batch start on the backend (``BatchOutputs.started_at``) minus
-    admission, overall and per model (the latest samples, taken just after the window).
+    admission, overall and per model (``queueing/<model>``; histograms since the frontend
+    started, taken just after the window).
     Frontends that do not report it leave the older approximation: admission -> the backend's
     input fetch, which happens when the batch plan reaches the backend, just before exec_at.
     """
@@ -312,7 +314,7 @@ def _add_control_stats(
     # Every hop the frontends time, as they reported it at the window's end (to compare the
     # frontend's view of latency, admit_to_answer, with the client's).
     report["frontend_hops_ms"] = {
-        name: latest[name].get("hops", {}) for name in target.frontends if name in latest
+        name: latest[name].get("latency", {}) for name in target.frontends if name in latest
     }
     _add_queueing(report, target, latest, missing)
 
@@ -351,7 +353,7 @@ def timeline(result: RunResult, samples: list[StatsSample]) -> dict[str, Any]:
             recorded = s.stats.get("samples", {})
             busy_s = polled_busy_s(recorded)
             busy[k] += busy_s
-            if recorded.get("run_s") or busy_s > 0:
+            if recorded.get("batch_size") or recorded.get("run_s") or busy_s > 0:
                 active[k].add(s.name)
         gpus_busy = [round(float(b), 4) for b in busy]
         gpus_active = [len(a) for a in active]

@@ -12,8 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import TO_BACKEND, TO_CLIENT, TO_SHARD, FrontendCore, Outbox
+from zserve.frontend_core import (
+    FRONTEND_COUNTERS,
+    FRONTEND_HISTOGRAMS,
+    TIMER_COMPACT_FACTOR,
+    TO_BACKEND,
+    TO_CLIENT,
+    TO_SHARD,
+    FrontendCore,
+    Outbox,
+)
 from zserve.signature import ModelSignature, TensorSpec
+from zserve.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,
@@ -280,6 +290,60 @@ def test_outputs_are_delivered_once() -> None:
     assert core.counters["late_outputs"] == 2 and not core.pending
     core.on_timer(1.0, outbox)
     assert len(outbox) == 2  # no deadline answer after the outputs
+
+
+def test_the_deadline_heap_stays_proportional_to_the_pending_requests() -> None:
+    """Answered requests leave their deadline entries behind (lazy deletion); a timer pass
+    drops them once they dominate, and wake_at is the one pending request's deadline."""
+    core = _core(max_queue=4096)
+    answered = 3000
+    _submit(core, 0.0, answered)  # stays pending: its deadline is the heap's top
+    for request_id in range(answered):
+        _submit(core, 0.01, request_id)
+    rids = _meta_ids(core)[1:]
+    outbox: Outbox = []
+    core.on_fetch(0.02, "backend-0", InputFetch(1, rids), outbox)
+    core.on_outputs(0.03, BatchOutputs(1, rids, [{"y": np.zeros((1, 1), np.float32)}] * answered),
+                    outbox)
+    assert len(core.pending) == 1
+    core.on_timer(0.04, outbox)  # before any deadline: answers nothing, drops the stale entries
+    assert len(core.pending) == 1 and core.wake_at == pytest.approx(0.0 + SLO_S)
+    assert len(core._timers) <= TIMER_COMPACT_FACTOR  # the heap itself (private): one entry
+
+
+def test_stats_are_the_one_schema_and_frontends_merge() -> None:
+    """Counters and hop histograms in the ``zserve.stats`` schema; two frontends' snapshots add
+    up; a reset starts a new window."""
+    cores = [FrontendCore(name=f"frontend-{i}", cluster=_cluster(), index=i,
+                          data_address=f"ipc://data-{i}", profiles={}) for i in range(2)]
+    for core in cores:
+        _submit(core, 0.0, 1)
+        rids = _meta_ids(core)
+        outbox: Outbox = []
+        core.on_fetch(0.010, "backend-0", InputFetch(1, rids), outbox)
+        # the batch ran 0.012 -> 0.020; its outputs are handled at 0.025
+        core.on_outputs(0.025, BatchOutputs(1, rids, [{"y": np.zeros((1, 1), np.float32)}],
+                                            0.012, 0.020), outbox)
+    stats = cores[0].stats()
+    assert set(stats["counters"]) >= set(FRONTEND_COUNTERS)
+    assert stats["counters"]["replied"] == 1 and stats["counters"]["admitted"] == 1
+    latency = stats["latency"]
+    assert set(latency) == {*FRONTEND_HISTOGRAMS, "queueing/m", "queueing/a"}
+    # one sample each: exact (a histogram keeps its min and max)
+    expected_ms = {"admit_to_fetch": 10.0, "fetch_to_outputs": 15.0, "admit_to_answer": 25.0,
+                   "queueing": 12.0, "queueing/m": 12.0, "execution": 8.0,
+                   "finish_to_answer": 5.0, "overhead": 17.0}
+    for metric, value_ms in expected_ms.items():
+        assert latency[metric]["count"] == 1
+        assert latency[metric]["p50_ms"] == pytest.approx(value_ms), metric
+    assert latency["queueing/a"] == {"count": 0}
+    merged = merge_snapshots([core.stats() for core in cores])
+    assert merged["counters"]["replied"] == 2
+    assert merged["latency"]["admit_to_answer"]["count"] == 2
+    assert merged["latency"]["admit_to_answer"]["p50_ms"] == pytest.approx(25.0)
+    cores[0].stats(reset=True)
+    after = cores[0].stats()
+    assert after["counters"]["replied"] == 0 and after["latency"]["queueing"] == {"count": 0}
 
 
 def test_a_client_that_accepts_it_gets_one_message_per_tick() -> None:

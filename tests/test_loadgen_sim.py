@@ -280,8 +280,8 @@ def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() 
     assert sim.backend_failed == {ErrorKind.DEADLINE.value: 1}
     assert list(sim.status[:2]) == [3, 1]  # shed (dropped), then good
     assert sim.batches == [(0, 1, pytest.approx(0.005), pytest.approx(0.005 + l1), 1)]
-    lateness = sim.followers[1].timings.lateness
-    assert list(lateness) == [pytest.approx(0.005)]
+    lateness = sim.followers[1].histograms["lateness"]
+    assert lateness.count == 1 and lateness.min == lateness.max == pytest.approx(0.005)
 
 
 def test_report_counts_what_the_followers_did() -> None:

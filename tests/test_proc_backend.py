@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
 
+from zserve.backends.follower import BACKEND_HISTOGRAMS
 from zserve.backends.process import BusyMeter
 from zserve.errors import ErrorKind
+from zserve.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -164,9 +166,17 @@ def test_proc_backend_reports_busy_time_per_stats_window(rig: BackendRig) -> Non
     _, reply = rig.shard.expect(StatsReply)
     busy = reply.stats["samples"]["busy_s"]
     assert (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3 <= busy <= stats.finished_at - stats.started_at
+    # The batch's timings, one sample each, in the zserve.stats schema.
+    first = reply.stats
+    for metric in BACKEND_HISTOGRAMS:
+        assert first["latency"][metric]["count"] == 1, metric
+    assert first["latency"]["run"]["max_ms"] == pytest.approx(busy * 1e3, abs=1.0)
     rig.shard.send(StatsRequest(reset=True))
     _, reply = rig.shard.expect(StatsReply)
     assert reply.stats["samples"]["busy_s"] == 0.0
+    assert reply.stats["latency"]["run"] == {"count": 0}
+    # Successive windows add up (the load generator pools its polls this way).
+    assert merge_snapshots([first, reply.stats])["latency"]["run"]["count"] == 1
     # The window's counters were zeroed by the resets; the totals since start were not.
     assert reply.stats["counters"]["batches_ok"] == 0
     assert reply.stats["counters_total"]["batches_ok"] == 1
@@ -213,7 +223,7 @@ def test_proc_backend_late_plan_runs_at_once(rig: BackendRig) -> None:
     rig.shard.send(StatsRequest(reset=False))
     _, reply = rig.shard.expect(StatsReply)
     assert reply.stats["counters"]["late_plans"] == 1
-    assert reply.stats["timings"]["lateness_ms"]["max"] >= 200.0
+    assert reply.stats["latency"]["lateness"]["max_ms"] >= 200.0
 
 
 def test_proc_backend_keys_inputs_by_frontend_and_request_id(rig: BackendRig) -> None:

@@ -65,7 +65,7 @@ def test_cancel_after_fetch_tells_the_backend_and_answers_once(
     counters = current["counters"]
     assert counters["cancelled_fetched"] == 1 and counters["cancel_notices"] == 1
     assert counters["error_CANCELLED"] == 1 and counters["replied"] == 1
-    hops = current["hops"]
+    hops = current["latency"]
     assert hops["queueing"]["count"] == 1 and hops["execution"]["count"] == 1
     assert hops["execution"]["p50_ms"] == pytest.approx(2.0, abs=1e-6)
     # per batch: finish -> outputs handled; per answered request: answer - admission - run
@@ -73,11 +73,11 @@ def test_cancel_after_fetch_tells_the_backend_and_answers_once(
     # one sample each: answer - admission - run = (start - admission) + (answer - finish)
     assert hops["overhead"]["p50_ms"] == pytest.approx(
         hops["queueing"]["p50_ms"] + hops["finish_to_answer"]["p50_ms"], abs=1e-6)
-    assert current["queueing_by_model"]["m"]["count"] == 1
+    assert current["latency"]["queueing/m"]["count"] == 1
     assert 0.0 < hops["queueing"]["p50_ms"] <= hops["admit_to_answer"]["p50_ms"]
     reset = frontend_stats_reset(frontend)
-    assert reset["hops"]["queueing"]["count"] == 1  # the reply is taken before the reset
-    assert stats(frontend)["hops"]["queueing"] == {"count": 0}
+    assert reset["latency"]["queueing"]["count"] == 1  # the reply is taken before the reset
+    assert stats(frontend)["latency"]["queueing"] == {"count": 0}
 
 
 def frontend_stats_reset(h: FrontendHarness) -> dict[str, Any]:

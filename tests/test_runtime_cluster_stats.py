@@ -45,12 +45,13 @@ def test_frontend_gathers_and_resets_cluster_stats(tmp_path: Path) -> None:
         sizes = backend["batch_sizes"]
         assert set(sizes) == {"a", "b"}
         assert sum(sizes["a"].values()) >= 1 and sum(sizes["b"].values()) == 1
-        assert stats["hops"]["queueing"]["count"] == 3
-        assert set(stats["queueing_by_model"]) == {"a", "b"}
+        assert stats["latency"]["queueing"]["count"] == 3
+        assert {k for k in stats["latency"] if k.startswith("queueing/")} == {
+            "queueing/a", "queueing/b"}  # per model
         # The reset reached every process.
         after = _ask(cluster.client_address, reset=False)
         assert after["cluster"]["backend-0"]["counters"]["requests_ok"] == 0
-        assert after["hops"]["queueing"] == {"count": 0}
+        assert after["latency"]["queueing"] == {"count": 0}
         # What `zserve bench ADDRESS` reads at its marks.
         read = frontend_stats_reader(cluster.client_address)
         assert read(FRONTEND_AT_ADDRESS)["name"] == "frontend-0"

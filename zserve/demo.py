@@ -214,23 +214,15 @@ def _print_stats(cluster: Any) -> None:
         except Exception as exc:
             print(f"  {name}: no stats ({exc})")
             continue
-        if "hops" in stats:
-            print(f"  {name} hops:")
-            for hop, summary in stats["hops"].items():
-                if summary.get("count"):
-                    print(f"    {hop:18s} n={summary['count']:6d}  p50 {summary['p50_ms']:7.2f} ms"
-                          f"  p90 {summary['p90_ms']:7.2f} ms  p99 {summary['p99_ms']:7.2f} ms")
-        counters = stats.get("counters", {k: v for k, v in stats.items()
-                                          if isinstance(v, int | float)})
-        print(f"  {name} counters: {counters}")
+        # Every role's counters and latency summaries (the zserve.stats schema); a shard with
+        # the rank embedded carries the rank's under "rank".
         for source in (stats, stats.get("rank") or {}):
+            if "counters" in source:
+                nonzero = {k: v for k, v in source["counters"].items() if v}
+                print(f"  {source.get('name', name)} counters: {nonzero}")
             for key, summary in (source.get("latency") or {}).items():
                 if summary.get("count"):
                     print(f"    {key:20s} {_fmt_summary(summary)}")
-        for key, summary in (stats.get("timings") or {}).items():
-            if isinstance(summary, dict):
-                shown = {k: summary[k] for k in ("count", "p50", "p99", "max") if k in summary}
-                print(f"    {key:20s} {_fmt_summary(shown)}")
 
 
 def startup_profile(cluster: Any, config: ClusterConfig, model: ModelConfig) -> LatencyProfile:

@@ -20,7 +20,6 @@ produced is sent when the chunk is handled: one ``RequestMetaBatch`` per shard, 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import math
@@ -36,7 +35,6 @@ from zserve import control_link, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
-from zserve.frontend_admission import Profile
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile, configured_profile
@@ -68,9 +66,11 @@ _SRCFD = int(zmq.SRCFD)
 # A client's ClusterStatsRequest is answered once every peer has, or after this long
 # with what came (the ones that did not are listed under "cluster_silent").
 PEER_STATS_TIMEOUT_S = 0.5
+# The host's own counters, next to the core's (``FrontendCore.counters``).
+HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats")
 
 
-def _load_profile(config: ModelConfig) -> Profile | None:
+def _load_profile(config: ModelConfig) -> LatencyProfile | None:
     """The configured profile (``zserve.profiles.configured_profile``), or None when it cannot be
     read: the frontend then admits without a predicted wait until the backends' table brings one."""
     try:
@@ -78,10 +78,6 @@ def _load_profile(config: ModelConfig) -> Profile | None:
     except (OSError, ValueError) as exc:
         log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
         return None
-
-
-def _profile_from_table(table_ms: list[float]) -> Profile:
-    return LatencyProfile.from_table_ms(table_ms)
 
 
 class _StatsGathering:
@@ -111,7 +107,7 @@ class FrontendHost:
             name=self.name, cluster=self.cluster, index=config.index,
             data_address="",  # bind() sets it
             profiles={m.name: _load_profile(m) for m in self.cluster.models},
-            profile_from_table=_profile_from_table,
+            host_counters=HOST_COUNTERS,
         )
         self.idle = asyncio.Event()
         self.idle.set()
@@ -133,7 +129,7 @@ class FrontendHost:
         self.endpoints: dict[str, str] = {}
 
     @property
-    def counters(self) -> collections.Counter[str]:
+    def counters(self) -> dict[str, int]:
         return self.core.counters
 
     # ------------------------------------------------------------------ set-up
@@ -533,7 +529,8 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
                  control.drain.reason, len(frontend.core.pending), drain_s)
         await control.drain.grace(frontend.idle)
         frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
-        log.info("%s: stopped; counters %s", frontend.name, dict(frontend.counters))
+        log.info("%s: stopped; counters %s", frontend.name,
+                 {key: value for key, value in frontend.counters.items() if value})
     finally:
         if clock_sync is not None:
             await clock_sync.close()

@@ -1,35 +1,23 @@
-"""What the frontend core knows per model and per hop: admission bounds, request shapes, latencies.
+"""What the frontend core knows per model: admission bounds and request shapes.
 
 ``ModelAdmission`` holds one model's admission state (queued count, the predicted-wait bound from
-its latency profile, the signature its backends registered); ``RequestSpec`` is the one exact
-input form a signature may fix, checked in a few comparisons before the full validation;
-``HopStats`` keeps latency samples of one hop for the stats.
+its ``zserve.profiles.LatencyProfile``, the signature its backends registered); ``RequestSpec``
+is the one exact input form a signature may fix, checked in a few comparisons before the full
+validation.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from zserve.config import ModelConfig
+from zserve.profiles import LatencyProfile
 from zserve.signature import ModelSignature
 
-# Hop latency samples kept for stats (a ring; percentiles over the most recent ones).
-HOP_SAMPLES = 8192
-
 RequestSpec = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
-
-
-class Profile(Protocol):
-    """The part of a latency profile (``zserve.scheduler.profiles.LatencyProfile``) admission
-    uses: l(b) in seconds and the largest batch within a latency budget."""
-
-    def latency(self, batch: int) -> float: ...
-
-    def largest_batch_within(self, budget_s: float) -> int: ...
 
 
 class ModelAdmission:
@@ -49,7 +37,7 @@ class ModelAdmission:
         "wait_bound_s",
     )
 
-    def __init__(self, config: ModelConfig, shard: int, profile: Profile | None) -> None:
+    def __init__(self, config: ModelConfig, shard: int, profile: LatencyProfile | None) -> None:
         self.config = config
         self.shard = shard
         self.max_queue = config.max_queue
@@ -65,11 +53,11 @@ class ModelAdmission:
         self._profile = profile
 
     @property
-    def profile(self) -> Profile | None:
+    def profile(self) -> LatencyProfile | None:
         return self._profile
 
     @profile.setter
-    def profile(self, value: Profile | None) -> None:
+    def profile(self, value: LatencyProfile | None) -> None:
         self._profile = value
         self._capacity.clear()
 
@@ -124,23 +112,3 @@ def matches_spec(inputs: dict[str, Any], spec: RequestSpec) -> bool:
         if array is None or array.dtype != dtype or array.shape != shape:
             return False
     return True
-
-
-class HopStats:
-    """Latency samples of one hop, in seconds, in a bounded ring."""
-
-    def __init__(self) -> None:
-        self.samples: collections.deque[float] = collections.deque(maxlen=HOP_SAMPLES)
-
-    def summary(self) -> dict[str, float]:
-        if not self.samples:
-            return {"count": 0}
-        values = np.fromiter(self.samples, dtype=np.float64) * 1e3
-        p50, p90, p99 = np.percentile(values, [50, 90, 99])
-        return {
-            "count": len(values),
-            "mean_ms": float(values.mean()),
-            "p50_ms": float(p50),
-            "p90_ms": float(p90),
-            "p99_ms": float(p99),
-        }

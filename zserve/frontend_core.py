@@ -9,23 +9,27 @@ what is sent once per tick: one ``RequestMetaBatch`` per shard, one ``CancelFetc
 and one ``InferAnswers`` per client that accepts them. Destinations: ``("client", identity)``,
 ``("shard", index)``, ``("backend", name)``. A host that cannot deliver a message says so with
 ``on_send_failed``. Hosted by ``zserve.frontend`` (the process) and drivable by a simulator.
+
+Statistics are one ``zserve.stats.Stats`` (``FRONTEND_COUNTERS``, ``FRONTEND_HISTOGRAMS`` and
+``queueing/<model>`` per model); ``stats(reset)`` is its snapshot plus the request table's state.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import heapq
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 from zserve.config import ClusterConfig, shard_for_model
 from zserve.errors import ErrorKind
-from zserve.frontend_admission import HopStats, ModelAdmission, Profile, matches_spec
+from zserve.frontend_admission import ModelAdmission, matches_spec
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.hosting import Destination, Outbox
+from zserve.profiles import LatencyProfile
+from zserve.stats import Stats
+from zserve.timers import LazyTimerHeap
 from zserve.transport.messages import (
     BackendGone,
     BackendTable,
@@ -56,11 +60,44 @@ TO_BACKEND = "backend"
 MAX_FRONTENDS = 1024
 # Timer slack: answer deadlines that fall due within this much of now in the same pass.
 TIMER_SLACK_S = 0.0005
+# The deadline heap is rebuilt from the pending requests once it holds more than this many
+# entries and more than this many times the pending requests (most are answered early).
+TIMER_COMPACT_MIN = 1024
+TIMER_COMPACT_FACTOR = 4
 # Built once, because Enum lookups and ``.value`` run Python code.
 _WIRE_ERRORS = {kind: kind.value for kind in ErrorKind}
 _ERROR_COUNTERS = {kind: f"error_{kind.value}" for kind in ErrorKind}
 _REJECTED_COUNTERS = {kind: f"rejected_{kind.value}" for kind in ErrorKind}
 _ERROR_KINDS = {kind.value: kind for kind in ErrorKind}
+
+FRONTEND_COUNTERS = (
+    "received", "admitted", "replied", "cancelled", "cancelled_fetched", "client_disconnects",
+    "disconnect_cancelled", "disconnect_cancelled_fetched", "fetches", "fetch_missing",
+    "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
+    # delivery failures the host reported (on_send_failed)
+    "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
+    "reply_unroutable",
+    *_REJECTED_COUNTERS.values(), *_ERROR_COUNTERS.values(),
+)
+"""The core's counters: requests received and admitted, answers (``replied`` with outputs,
+``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
+messages sent, and the delivery failures its host reported."""
+FRONTEND_HISTOGRAMS = {
+    "admit_to_fetch": "delay",  # admission -> a backend fetched the inputs
+    "fetch_to_outputs": "delay",  # the fetch -> the outputs reached this frontend
+    "admit_to_answer": "delay",  # admission -> answered (outputs or an error)
+    # From the backends' BatchOutputs: batch start - admission (queueing, deferral included),
+    # batch start -> finish (execution), batch finish -> outputs handled here (cross-process:
+    # may be negative by the clock error) and, per request, answer - admission - execution
+    # (issue 7's "overhead").
+    "queueing": "delay",
+    "execution": "delay",
+    "finish_to_answer": "signed",
+    "overhead": "signed",
+}
+"""The core's latency histograms (seconds), by bounds scheme; plus ``queueing/<model>``, the
+``queueing`` hop of one model."""
+QUEUEING_OF_MODEL = "queueing/{}"
 
 
 def error_kind(value: str) -> ErrorKind:
@@ -78,14 +115,15 @@ class FrontendCore:
     """The frontend's state and decisions; see the module docstring for the hosting contract."""
 
     def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
-                 profiles: dict[str, Profile | None],
-                 profile_from_table: Callable[[list[float]], Profile] | None = None) -> None:
+                 profiles: dict[str, LatencyProfile | None],
+                 host_counters: Iterable[str] = ()) -> None:
+        """``profiles``: each model's configured profile (None: learn the one its backends
+        measured); ``host_counters``: counters the host bumps in ``counters`` (its own)."""
         self.name = name
         self.cluster = cluster
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
-        self._profile_from_table = profile_from_table
         shards = cluster.scheduler.shards
         self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards),
                                               profiles.get(m.name)) for m in cluster.models}
@@ -99,20 +137,28 @@ class FrontendCore:
         # a batch that mixes frontends never holds two requests with one id.
         self.next_rid = MAX_FRONTENDS + index % MAX_FRONTENDS
         self.draining = False
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.hops = {name: HopStats() for name in (
-            "admit_to_fetch", "fetch_to_outputs", "admit_to_answer",
-            # From the backends' BatchOutputs: batch start - admission (queueing, deferral
-            # included) and batch start -> finish (execution); batch finish -> outputs handled;
-            # per request, answer - admission - execution (issue 7's "overhead").
-            "queueing", "execution", "finish_to_answer", "overhead")}
-        self.queueing_by_model = {name: HopStats() for name in self.models}
+        self._stats = Stats((*FRONTEND_COUNTERS, *host_counters), {
+            **FRONTEND_HISTOGRAMS,
+            **{QUEUEING_OF_MODEL.format(name): "delay" for name in self.models}})
+        self.counters = self._stats.counters
+        hist = self._stats.histograms
+        # Bound once: the per-request path observes into these directly.
+        self._admit_to_fetch = hist["admit_to_fetch"]
+        self._fetch_to_outputs = hist["fetch_to_outputs"]
+        self._admit_to_answer = hist["admit_to_answer"]
+        self._queueing = hist["queueing"]
+        self._execution = hist["execution"]
+        self._finish_to_answer = hist["finish_to_answer"]
+        self._overhead = hist["overhead"]
+        self._queueing_of = {name: hist[QUEUEING_OF_MODEL.format(name)] for name in self.models}
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
         self._answers: dict[bytes, Answers] = {}
         self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
         self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
             ([], [], [], []) for _ in range(nshards)]
-        self._timers: list[tuple[float, int]] = []  # (answer_by, rid), lazily deleted
+        # (answer_by, rid) of every pending request; an entry is live while its request is
+        # pending with that deadline (most are answered first: lazily deleted).
+        self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
         self.wake_at = math.inf
 
     @property
@@ -153,7 +199,7 @@ class FrontendCore:
                                   answer_by))
         model.pending += 1
         self.counters["admitted"] += 1
-        heapq.heappush(self._timers, (answer_by, rid))
+        self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
         ids, models, arrivals, deadlines = self._meta[model.shard]
         ids.append(rid)
@@ -270,7 +316,7 @@ class FrontendCore:
         ids: list[int] = []
         inputs: list[dict[str, Any]] = []
         missing: list[int] = []
-        hop = self.hops["admit_to_fetch"].samples
+        observe = self._admit_to_fetch.observe
         for rid in msg.request_ids:
             taken = self.requests.take_inputs(rid, backend, msg.plan_id, now)
             if taken is None:
@@ -279,7 +325,7 @@ class FrontendCore:
             p, request_inputs = taken
             ids.append(rid)
             inputs.append(request_inputs)
-            hop.append(now - p.arrival)
+            observe(now - p.arrival)
         outbox.append(((TO_BACKEND, backend), InputReply(msg.plan_id, ids, inputs, missing)))
         self.counters["fetches"] += 1
         self.counters["fetch_missing"] += len(missing)
@@ -289,27 +335,27 @@ class FrontendCore:
         timed = started_at > 0.0 and msg.finished_at >= started_at
         execution = msg.finished_at - started_at if timed else 0.0
         if timed:
-            self.hops["execution"].samples.append(execution)
-            self.hops["finish_to_answer"].samples.append(now - msg.finished_at)
-        hop = self.hops["fetch_to_outputs"].samples
+            self._execution.observe(execution)
+            self._finish_to_answer.observe(now - msg.finished_at)
+        fetch_to_outputs = self._fetch_to_outputs.observe
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.requests.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
                 self.counters["late_outputs"] += 1
                 continue
             if p.fetched_at:
-                hop.append(now - p.fetched_at)
+                fetch_to_outputs(now - p.fetched_at)
             if started_at > 0.0:
                 self._note_queueing(p, started_at - p.arrival)
                 if timed:
-                    self.hops["overhead"].samples.append(now - p.arrival - execution)
+                    self._overhead.observe(now - p.arrival - execution)
             self._answer_outputs(now, p, outputs, outbox)
 
     def _note_queueing(self, p: Pending, delay: float) -> None:
-        self.hops["queueing"].samples.append(delay)
-        by_model = self.queueing_by_model.get(p.model)
+        self._queueing.observe(delay)
+        by_model = self._queueing_of.get(p.model)
         if by_model is not None:
-            by_model.samples.append(delay)
+            by_model.observe(delay)
 
     def on_batch_failed(self, now: float, msg: BatchFailed, outbox: Outbox) -> None:
         self._answer_ids(now, msg.request_ids, error_kind(msg.error), msg.message, outbox)
@@ -374,14 +420,12 @@ class FrontendCore:
 
     def _learn_profiles(self, per_backend: list[dict[str, list[float]]]) -> None:
         """Models without a configured profile use the one their backends measured."""
-        if self._profile_from_table is None:
-            return
         for profiles in per_backend:
             for model, table_ms in profiles.items():
                 state = self.models.get(model)
                 if state is not None and state.profile is None and table_ms:
                     with contextlib.suppress(ValueError):
-                        state.profile = self._profile_from_table(table_ms)
+                        state.profile = LatencyProfile.from_table_ms(table_ms)
 
     def _backend_failed(self, now: float, backend: str, why: str, outbox: Outbox) -> None:
         for p in self.requests.fetched_requests(backend):
@@ -449,7 +493,7 @@ class FrontendCore:
         self.counters[_ERROR_COUNTERS[kind]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message, outbox)
-            self.hops["admit_to_answer"].samples.append(now - p.arrival)
+            self._admit_to_answer.observe(now - p.arrival)
 
     def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
                         outbox: Outbox) -> None:
@@ -464,7 +508,7 @@ class FrontendCore:
             answers.outputs.append(outputs)
         else:
             outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
-        self.hops["admit_to_answer"].samples.append(now - p.arrival)
+        self._admit_to_answer.observe(now - p.arrival)
 
     def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
         for p in list(self.requests.pending.values()):
@@ -496,51 +540,32 @@ class FrontendCore:
         due = now + TIMER_SLACK_S
         timers = self._timers
         pending = self.requests.pending
-        while timers and timers[0][0] <= due:
-            at, rid = heapq.heappop(timers)
-            p = pending.get(rid)
-            if p is not None and p.answer_by == at:
-                self.counters["deadline_timer"] += 1
-                where = "running on " + p.backend if p.state == FETCHED else "queued"
-                self._answer_error(now, p, ErrorKind.DEADLINE,
-                                   f"no answer within the SLO (request was {where})", outbox)
-        self._prune_timers()
+        while (rid := timers.pop_due(due)) is not None:
+            p = pending[rid]
+            self.counters["deadline_timer"] += 1
+            where = "running on " + p.backend if p.state == FETCHED else "queued"
+            self._answer_error(now, p, ErrorKind.DEADLINE,
+                               f"no answer within the SLO (request was {where})", outbox)
+        # Lazy deletion keeps the heap proportional to the pending requests this way.
+        timers.compact_if(len(pending), factor=TIMER_COMPACT_FACTOR, minimum=TIMER_COMPACT_MIN)
+        self.wake_at = timers.next_at()
 
-    def _prune_timers(self) -> None:
-        """Lazy deletion: drop answered requests' entries from the top, so ``wake_at`` is a
-        pending request's deadline (most are answered well before it); compact a heap that is
-        mostly stale so it stays proportional to the pending requests."""
-        timers = self._timers
-        pending = self.requests.pending
-        while timers:
-            at, rid = timers[0]
-            p = pending.get(rid)
-            if p is not None and p.answer_by == at:
-                break
-            heapq.heappop(timers)
-        if len(timers) > 1024 and len(timers) > 4 * len(pending):
-            self._timers = [(p.answer_by, p.rid) for p in pending.values()]
-            heapq.heapify(self._timers)
-        self.wake_at = self._timers[0][0] if self._timers else math.inf
+    def _deadline_is_live(self, answer_by: float, rid: int) -> bool:
+        p = self.requests.pending.get(rid)
+        return p is not None and p.answer_by == answer_by
 
     # ------------------------------------------------------------------ stats
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        """The request table's state and the ``zserve.stats`` snapshot (``counters``,
+        ``latency``, ``histograms``); ``reset`` starts a new window."""
+        return {
             "name": self.name,
             "pending": len(self.requests.pending),
             "draining": self.draining,
             "clients": len(self.requests.by_client),
             "backends": sorted(self.backend_models or {}),
             "fetched_by": self.requests.fetched_counts(),
-            "counters": dict(self.counters),
-            "hops": {name: hop.summary() for name, hop in self.hops.items()},
-            "queueing_by_model": {
-                name: hop.summary() for name, hop in self.queueing_by_model.items()},
             "models": {name: m.pending for name, m in self.models.items()},
+            **self._stats.snapshot(reset),
         }
-        if reset:
-            self.counters.clear()
-            for hop in (*self.hops.values(), *self.queueing_by_model.values()):
-                hop.samples.clear()
-        return out
