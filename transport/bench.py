@@ -685,9 +685,7 @@ def _format_size(size: int) -> str:
     return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
 
 
-def _print_report(
-    pairs: list[PairResult], encode_us: float, decode_us: float, elapsed_s: float
-) -> None:
+def _print_small_messages(pairs: list[PairResult]) -> None:
     header_bytes = len(encode(_small_message())[0])
     print(
         f"small messages: CandidateUpdate ({header_bytes} B), window {SMALL_WINDOW_MESSAGES} "
@@ -724,21 +722,24 @@ def _print_report(
             f"{pair.small_bare_receiver_cpu_us:>10.2f}{pair.small_codec_receiver_cpu_us:>11.2f}"
             f"{pair.small_receiver_cpu_overhead:>+7.0%}"
         )
-    print(
-        f"codec CPU per small message, in process (median of {CODEC_COST_RUNS} runs): "
-        f"encode {encode_us:.2f} us, decode {decode_us:.2f} us"
-    )
+
+
+def _print_arrays(pairs: list[PairResult]) -> None:
     array_pairs = [pair for pair in pairs if pair.array_bare_bytes_per_s]
-    if array_pairs:
-        print("\narrays (float32, one per message, sync sockets): bytes/s")
-        columns = [(pair.transport, mode) for pair in array_pairs for mode in ("bare", "codec")]
-        print(f"{'size':<9}" + "".join(f"{f'{t} {m}':>14}" for t, m in columns))
-        for size in ARRAY_SIZES_BYTES:
-            cells = []
-            for pair in array_pairs:
-                cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
-                cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
-            print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+    if not array_pairs:
+        return
+    print("\narrays (float32, one per message, sync sockets): bytes/s")
+    columns = [(pair.transport, mode) for pair in array_pairs for mode in ("bare", "codec")]
+    print(f"{'size':<9}" + "".join(f"{f'{t} {m}':>14}" for t, m in columns))
+    for size in ARRAY_SIZES_BYTES:
+        cells = []
+        for pair in array_pairs:
+            cells.append(_format_bytes_rate(pair.array_bare_bytes_per_s[size]))
+            cells.append(_format_bytes_rate(pair.array_codec_bytes_per_s[size]))
+        print(f"{_format_size(size):<9}" + "".join(f"{cell:>14}" for cell in cells))
+
+
+def _print_spaced(pairs: list[PairResult]) -> None:
     for pair in pairs:
         if not pair.spaced:
             continue
@@ -762,6 +763,18 @@ def _print_report(
             "(one message = sender - its sleep + receiver; vs flood: against the same message's"
             " send + recv CPU in the flood above)"
         )
+
+
+def _print_report(
+    pairs: list[PairResult], encode_us: float, decode_us: float, elapsed_s: float
+) -> None:
+    _print_small_messages(pairs)
+    print(
+        f"codec CPU per small message, in process (median of {CODEC_COST_RUNS} runs): "
+        f"encode {encode_us:.2f} us, decode {decode_us:.2f} us"
+    )
+    _print_arrays(pairs)
+    _print_spaced(pairs)
     print(f"\n(total {elapsed_s:.1f} s; noisy on a shared machine: compare runs, quote medians)")
 
 

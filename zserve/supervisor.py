@@ -56,7 +56,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -76,6 +76,7 @@ from zserve.transport.messages import (
 from zserve.transport.sockets import make_router
 
 log = logging.getLogger("zserve.supervisor")
+T = TypeVar("T")
 
 ENTRY_POINTS: dict[str, str] = {
     "rank": "zserve.scheduler.rank_process:run_rank",
@@ -420,9 +421,9 @@ class Supervisor:
             if told and child.ready and child.alive:
                 self._send(child, notice)
 
-    def call(self, command: Callable[[], Any]) -> Any:
+    def call(self, command: Callable[[], T]) -> T:
         """Run ``command`` on the supervisor's thread and return its result."""
-        result: Future[Any] = Future()
+        result: Future[T] = Future()
 
         def run() -> None:
             try:
@@ -655,9 +656,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main_up(argv: list[str]) -> int:
-    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
-    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+def _up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
     parser.add_argument("config", help="cluster.toml")
     parser.add_argument("--detach", action="store_true",
@@ -667,7 +666,13 @@ def main_up(argv: list[str]) -> int:
     parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
                         "(default: cluster.ipc_dir, else the system temp folder)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart dead roles")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main_up(argv: list[str]) -> int:
+    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
+    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+    args = _up_parser().parse_args(argv)
     try:
         config = load_config(args.config)
     except (ConfigError, OSError) as exc:
@@ -698,30 +703,35 @@ def main_up(argv: list[str]) -> int:
         print(f"zserve up: {exc or 'interrupted'}", file=sys.stderr)
         return 1
 
-    def on_ready() -> None:
-        assert supervisor is not None
-        state = {
-            "name": config.name,
-            "pid": os.getpid(),
-            "config": str(Path(args.config).resolve()),
-            "client_addresses": supervisor.client_addresses,
-            "run_dir": supervisor.run_dir,
-            "pids": {name: child.pid for name, child in supervisor.children.items()},
-        }
-        _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
-        _write_atomic(pid_path, f"{os.getpid()}\n")
-        for address in supervisor.client_addresses:
-            print(f"zserve: cluster {config.name!r} is up; clients connect to {address}",
-                  flush=True)
-
     try:
-        supervisor.serve(on_ready=on_ready)
+        started = supervisor
+        supervisor.serve(on_ready=lambda: _announce_up(started, args.config, pid_path, state_path))
     finally:
         for path in (pid_path, state_path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     print(f"zserve: cluster {config.name!r} stopped", flush=True)
     return 0
+
+
+def _announce_up(
+    supervisor: Supervisor, config_path: str, pid_path: Path, state_path: Path
+) -> None:
+    """Once the cluster is ready: write the state and pid files (what ``zserve down`` and
+    ``--detach`` read) and print the client addresses."""
+    name = supervisor.config.name
+    state = {
+        "name": name,
+        "pid": os.getpid(),
+        "config": str(Path(config_path).resolve()),
+        "client_addresses": supervisor.client_addresses,
+        "run_dir": supervisor.run_dir,
+        "pids": {child_name: child.pid for child_name, child in supervisor.children.items()},
+    }
+    _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
+    _write_atomic(pid_path, f"{os.getpid()}\n")
+    for address in supervisor.client_addresses:
+        print(f"zserve: cluster {name!r} is up; clients connect to {address}", flush=True)
 
 
 def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:

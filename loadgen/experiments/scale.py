@@ -114,9 +114,11 @@ def run_scale(opts: Options) -> Outcome:
         ok = [r["gpus"] for r in rows if r["models"] == models and r["sustained"]]
         largest[str(models)] = max(ok) if ok else None
     tables = _scale_tables(rows, largest, duration)
-    config = {"models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
-              "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
-              "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)"}
+    config: dict[str, Any] = {
+        "models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
+        "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
+        "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)",
+    }
     points: dict[str, Any] = {"probes": rows, "largest_gpus": largest}
     if opts.live:
         live = _scale_live(opts)
