@@ -133,12 +133,13 @@ class Role:
         self._reader.start()
 
     def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line.rstrip("\n"))
-            match = READY_LINE.search(line.rstrip("\n"))
-            if match and not self._ready.is_set():
-                self.endpoints = json.loads(match.group(1))
-                self._ready.set()
+        with stream:  # closed at EOF: the pipe is this thread's to close
+            for line in stream:
+                self.lines.append(line.rstrip("\n"))
+                match = READY_LINE.search(line.rstrip("\n"))
+                if match and not self._ready.is_set():
+                    self.endpoints = json.loads(match.group(1))
+                    self._ready.set()
         self._ready.set()  # the process ended: stop waiting
 
     def log(self) -> str:
@@ -170,6 +171,7 @@ class Role:
                 os.kill(pid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+        self._reader.join(STOP_TIMEOUT_S)  # the reader closes the pipe at EOF
 
 
 def _ask(address: str, request: Any) -> dict[str, Any]:
