@@ -180,3 +180,16 @@ def test_function_length() -> None:
         for finding in _long_functions(path)
     ]
     assert not too_long, "split these functions:\n" + "\n".join(too_long)
+
+
+def test_mypy_paths_map_back_to_the_repository(installed_layout: Path) -> None:
+    """Errors found through the layout's symlinks are reported at the repository's paths."""
+    package = installed_layout / "zserve"
+    assert _repository_path(str(package / "transport" / "codec.py"), installed_layout) == (
+        "transport/codec.py"
+    )
+    assert _repository_path(str(package / "cli.py"), installed_layout) == "zserve/cli.py"
+    assert _repository_path("tests/conftest.py", installed_layout) == "tests/conftest.py"
+    output = f"{package / 'loadgen' / 'echo.py'}:7: error: Bad  [misc]\n"
+    assert _mypy_errors(output, installed_layout) == ["loadgen/echo.py: Bad  [misc]"]
+    assert _readable(output, installed_layout) == "loadgen/echo.py:7: error: Bad  [misc]"
