@@ -116,7 +116,7 @@ def _indexes_within(indexes: list[int], count: int) -> bool:
     return not indexes or (min(indexes) >= 0 and max(indexes) < count)
 
 
-class RunBatch(Message, frozen=True):  # type: ignore[call-arg, misc, unused-ignore]  # see pyproject [tool.mypy]
+class RunBatch(Message, frozen=True):
     """Follower -> its host, never on the wire (it has no tag, so the codec refuses it): run
     ``rows`` of ``plan`` now, ``inputs[i]`` being row ``rows[i]``'s tensors."""
 

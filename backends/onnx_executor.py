@@ -499,8 +499,9 @@ class OnnxExecutor(Executor):
         for name, array in feed.items():
             if _is_cupy(array):
                 on_device = True
+                device_array: Any = array  # a CuPy array: its .data is a device pointer
                 binding.bind_input(name, "cuda", self._device_id, array.dtype.type,
-                                   tuple(array.shape), array.data.ptr)
+                                   tuple(array.shape), device_array.data.ptr)
             else:
                 binding.bind_cpu_input(name, array)
         if on_device:

@@ -24,7 +24,7 @@ import select
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -61,7 +61,7 @@ def serve(config: EchoConfig, ready: Any, stop: Any) -> None:
     ctx = zmq.Context()
     sock, address = make_router(ctx, config.bind, name="echo")
     ready.send(address)
-    fd = sock.getsockopt(zmq.FD)
+    fd = cast(int, sock.getsockopt(zmq.FD))  # an int option: getsockopt is typed int | bytes
     service_s = config.service_ms / 1e3
     free_at = [0.0] * config.servers
     due: list[tuple[float, int, bytes, int, bool]] = []  # (at, seq, identity, request_id, error)
@@ -101,7 +101,7 @@ def serve(config: EchoConfig, ready: Any, stop: Any) -> None:
                 error = config.error_every > 0 and seq % config.error_every == 0
                 heapq.heappush(due, (at, seq, frames[0].bytes, rid, error))
             timeout = min(due[0][0] - time.monotonic(), 0.05) if due else 0.05
-            if timeout > 0 and not (sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            if timeout > 0 and not (cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                 select.select([fd], [], [], timeout)
     finally:
         sock.close(linger=0)

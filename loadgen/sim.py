@@ -64,6 +64,7 @@ from zserve.transport.messages import (
     CandidateUpdate,
     DropNotice,
     GrantAnswer,
+    GrantGpu,
     InputFetch,
     RequestMetaBatch,
 )
@@ -266,6 +267,7 @@ class Simulator:
                     rank.on_grant_answer(now, msg, outbox)
             elif kind == "model":
                 i = index[str(dest[1])]
+                assert isinstance(msg, GrantGpu)
                 models[i].on_grant(now, msg, outbox)
                 touched.add(i)
             elif kind == "backend":

@@ -24,7 +24,8 @@ import numpy as np
 
 from zserve.config import BackendsConfig, ClusterConfig, EmulatedConfig, ModelConfig
 from zserve.errors import ErrorKind
-from zserve.frontend_core import TO_BACKEND, TO_CLIENT, TO_SHARD, FrontendCore, Outbox
+from zserve.frontend_core import TO_BACKEND, TO_CLIENT, TO_SHARD, FrontendCore
+from zserve.hosting import Outbox
 from zserve.loadgen.load_plan import ERROR_INDEX, ERROR_KINDS
 from zserve.loadgen.workload import Workload
 from zserve.scheduler.common import FEASIBILITY_EPS_S

@@ -59,6 +59,7 @@ from zserve.policies import (
     SchedulePolicy,
 )
 from zserve.profiles import LatencyProfile
+from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
@@ -73,11 +74,6 @@ from zserve.transport.messages import (
     GrantAnswer,
     GrantGpu,
 )
-
-# Relative on purpose: mypy sees this folder as ``scheduler``, not ``zserve.scheduler`` (an
-# install-time mapping it cannot follow), so an absolute import would give strict mypy a base
-# class of type Any.
-from .candidate_sizing import CandidateSizing
 
 _NEG_INF = -math.inf
 DEFAULT_PUBLISH_LEAD_S = 0.002

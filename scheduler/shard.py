@@ -357,13 +357,13 @@ class ShardHost:
                 if model in profiles:
                     tables.setdefault(model, []).append(profiles[model])
         self.served = served
-        for name, model in self.models.items():
-            profile = merge_profiles(tables.get(name, []), model.max_batch)
+        for name, config in self.models.items():
+            profile = merge_profiles(tables.get(name, []), config.max_batch)
             thread = self.threads.get(name)
             if thread is None:
-                profile = profile or configured_profile(model)
+                profile = profile or configured_profile(config)
                 if profile is not None:
-                    self._make_thread(model, profile, now)
+                    self._make_thread(config, profile, now)
                 continue
             if profile is not None and profile.table_s != thread.profile.table_s:
                 thread.set_profile(profile)

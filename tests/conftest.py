@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -27,10 +28,35 @@ def zserve_model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 # --------------------------------------------------------------------------- transport
 
 
+class _KeepingContext(zmq.Context[zmq.Socket[bytes]]):
+    """A context that holds every socket it made until ``destroy``. A plain context tracks its
+    sockets weakly: one a test left in a local would be collected (and warn ResourceWarning,
+    an error in this suite) when the test returns, before the fixture could close it."""
+
+    _made: list[zmq.Socket[bytes]]
+
+    def socket(self, *args: Any, **kwargs: Any) -> zmq.Socket[bytes]:
+        sock = super().socket(*args, **kwargs)
+        self._made.append(sock)
+        return sock
+
+
+class _KeepingAsyncContext(zmq.asyncio.Context):
+    """The asyncio twin of ``_KeepingContext``."""
+
+    _made: list[zmq.asyncio.Socket]
+
+    def socket(self, *args: Any, **kwargs: Any) -> zmq.asyncio.Socket:
+        sock = super().socket(*args, **kwargs)
+        self._made.append(sock)
+        return sock
+
+
 @pytest.fixture
 def transport_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     """A sync ZMQ context; every socket made from it is closed (linger 0) at teardown."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx = _KeepingContext()
+    ctx._made = []
     yield ctx
     ctx.destroy(linger=0)
 
@@ -38,7 +64,8 @@ def transport_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 @pytest.fixture
 def transport_async_ctx() -> Iterator[zmq.asyncio.Context]:
     """An asyncio ZMQ context; every socket made from it is closed (linger 0) at teardown."""
-    ctx = zmq.asyncio.Context()
+    ctx = _KeepingAsyncContext()
+    ctx._made = []
     yield ctx
     ctx.destroy(linger=0)
 

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -31,6 +31,7 @@ from zserve.transport.messages import (
 from zserve.transport.sockets import make_dealer, make_router
 
 RECV_TIMEOUT_S = 10.0
+MessageT = TypeVar("MessageT", bound=Message)
 
 
 def recv(sock: zmq.Socket[Any], *, router: bool, timeout: float = RECV_TIMEOUT_S) -> tuple[
@@ -49,7 +50,9 @@ def recv(sock: zmq.Socket[Any], *, router: bool, timeout: float = RECV_TIMEOUT_S
         return identity, msg
 
 
-def recv_type(sock: zmq.Socket[Any], cls: type[Any], *, router: bool) -> tuple[bytes | None, Any]:
+def recv_type(
+    sock: zmq.Socket[Any], cls: type[MessageT], *, router: bool
+) -> tuple[bytes | None, MessageT]:
     """The next message of type ``cls``, skipping Hello and heartbeats."""
     while True:
         identity, msg = recv(sock, router=router)

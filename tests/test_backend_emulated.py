@@ -11,9 +11,11 @@ wrong deadline (e.g. l(b) in ms taken as seconds), not to measure timer precisio
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +39,9 @@ def _executor(*extra: EmulatedModel) -> EmulatedExecutor:
     )
 
 
-def _requests(n: int, shape: tuple[int, ...] = (4,), offset: float = 0.0) -> list[dict]:
+def _requests(
+    n: int, shape: tuple[int, ...] = (4,), offset: float = 0.0
+) -> list[dict[str, np.ndarray[Any, Any]]]:
     return [{"x": np.full((1, *shape), i + offset, np.float32)} for i in range(n)]
 
 
@@ -118,7 +122,7 @@ def test_uvloop_timers_never_complete_early() -> None:
     for model, batch, shape in (("bert", 3, (2, 3)), ("odd", 3, (4,))):
         latency_s = executor.latency_s(model, batch)
         requests = _requests(batch, shape)
-        gaps = uvloop.run(measure(lambda m=model, r=requests: executor.run_async(m, r)))
+        gaps = uvloop.run(measure(functools.partial(executor.run_async, model, requests)))
         assert min(gaps) >= latency_s, "completed early on uvloop"
         assert max(gaps) < latency_s + LATENESS_BOUND_S
 

@@ -4,6 +4,7 @@ passes ``now`` and an outbox, reads ``wake_at`` back, and answers RunBatch with 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,14 +67,14 @@ def inputs_for(ids: list[int], plan_id: int) -> InputReply:
     return InputReply(plan_id, ids, [{"x": np.full((1, 2), rid, np.float32)} for rid in ids], [])
 
 
-def of_type(outbox: Outbox, kind: type) -> list:
+def of_type(outbox: Outbox, kind: type) -> list[Any]:
     return [msg for _, msg in outbox if isinstance(msg, kind)]
 
 
 def runs(outbox: Outbox) -> list[RunBatch]:
     found = [msg for dest, msg in outbox if dest[0] == DEST_DEVICE]
     assert all(isinstance(m, RunBatch) for m in found)
-    return found
+    return [m for m in found if isinstance(m, RunBatch)]
 
 
 def hold(follower: PlanFollower, now: float, plan: BatchPlan) -> Outbox:

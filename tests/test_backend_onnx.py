@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,9 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 @pytest.fixture(scope="module")
-def executor() -> OnnxExecutor:
+def executor() -> Iterator[OnnxExecutor]:
     with OnnxExecutor(["cnn", "mlp"], max_batch=MAX_BATCH) as executor:
-        yield executor  # type: ignore[misc]
+        yield executor
 
 
 def _write_model(path: Path, input_shape: list[int | str | None],

@@ -20,8 +20,8 @@ from zserve.frontend_core import (
     TO_CLIENT,
     TO_SHARD,
     FrontendCore,
-    Outbox,
 )
+from zserve.hosting import Outbox
 from zserve.signature import ModelSignature, TensorSpec
 from zserve.stats import merge_snapshots
 from zserve.transport.messages import (
@@ -260,7 +260,8 @@ def test_metadata_is_coalesced_per_tick_one_message_per_shard() -> None:
         assert _submit(core, 0.001 * i, i, model="m" if i % 3 else "a") == []
     sent = _tick(core)
     assert [destination for destination, _ in sent] == [(TO_SHARD, 0), (TO_SHARD, 1)]
-    by_shard = {destination[1]: msg for destination, msg in sent}
+    by_shard = {destination[1]: msg for destination, msg in sent
+                if isinstance(msg, RequestMetaBatch)}
     assert by_shard[0].models == ["m"] * 4 and by_shard[1].models == ["a"] * 2
     for msg in by_shard.values():
         assert msg.frontend == "ipc://data"
@@ -363,6 +364,22 @@ def test_a_client_that_accepts_it_gets_one_message_per_tick() -> None:
     assert destination == (TO_CLIENT, CLIENT) and isinstance(answers, InferAnswers)
     assert answers.request_ids == [0, 1] and answers.error_ids == [2]
     assert answers.errors == ["CANCELLED"]
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_a_batched_answer_that_cannot_be_sent_counts_each_answer(full: bool) -> None:
+    core = _core()
+    outbox: Outbox = []
+    core.on_client_message(0.0, CLIENT, ClientHello(accepts=[InferAnswers.KIND]), outbox)
+    for i in range(3):
+        _submit(core, 0.0, i)
+    for i in range(3):
+        core.on_cancel(0.01, CLIENT, i, outbox)
+    ((destination, answers),) = [(d, m) for d, m in _tick(core) if d[0] == TO_CLIENT]
+    assert isinstance(answers, InferAnswers) and answers.error_ids == [0, 1, 2]
+    core.on_send_failed(0.02, destination, answers, full, outbox)
+    counter = "reply_dropped_hwm" if full else "reply_unroutable"
+    assert core.counters[counter] == 3
 
 
 # --------------------------------------------------------------------------- exactly one answer

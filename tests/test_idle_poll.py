@@ -69,24 +69,26 @@ def test_pollers_die_with_their_parent() -> None:
         print(pollers.processes[0].pid, flush=True)
         signal.pause()  # until the test kills this process
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None
-        poller_pid = int(parent.stdout.readline())
-        assert _policy(poller_pid) == os.SCHED_IDLE
-        exited = os.pidfd_open(poller_pid)  # readable once the poller has exited
+    # Leaving the with block closes the pipe and reaps the process (after the kill below).
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    ) as parent:
         try:
-            parent.send_signal(signal.SIGKILL)
-            parent.wait()
-            readable, _, _ = select.select([exited], [], [], WAIT_S)
-            assert readable, "the orphaned poller did not die with its parent"
+            assert parent.stdout is not None
+            poller_pid = int(parent.stdout.readline())
+            assert _policy(poller_pid) == os.SCHED_IDLE
+            exited = os.pidfd_open(poller_pid)  # readable once the poller has exited
+            try:
+                parent.send_signal(signal.SIGKILL)
+                parent.wait()
+                readable, _, _ = select.select([exited], [], [], WAIT_S)
+                assert readable, "the orphaned poller did not die with its parent"
+            finally:
+                os.close(exited)
+            assert _gone(poller_pid)
         finally:
-            os.close(exited)
-        assert _gone(poller_pid)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
+            if parent.poll() is None:
+                parent.kill()
 
 
 def test_ping_pong_measures_round_trips() -> None:

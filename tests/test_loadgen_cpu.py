@@ -41,9 +41,10 @@ def test_cpu_time_of_a_child_that_burns_cpu() -> None:
         # The spinner is a named cluster process: not counted again among the workers.
         assert snapshot[LOADGEN_WORKERS] < snapshot["spinner"]
     finally:
-        assert child.stdin is not None
+        assert child.stdin is not None and child.stdout is not None
         child.stdin.close()
         child.wait()
+        child.stdout.close()
     assert cpu_seconds(child.pid) is None
     assert child_pids(child.pid) == []
 

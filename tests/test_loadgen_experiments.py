@@ -52,6 +52,7 @@ def _quick(name: str, tmp_path: Path) -> dict[str, Any]:
 
 def _check(result: dict[str, Any], prefix: str) -> dict[str, Any]:
     (check,) = [c for c in result["checks"] if c["name"].startswith(prefix)]
+    assert isinstance(check, dict)
     return check
 
 

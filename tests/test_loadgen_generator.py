@@ -203,7 +203,7 @@ class _BatchingFrontend:
             if not self.sock.poll(20, zmq.POLLIN):
                 continue
             burst: list[int] = []
-            identity = b""
+            identity: bytes | None = b""
             while self.sock.poll(0, zmq.POLLIN):
                 identity, message = socket_io.sync_recv(self.sock, router=True)
                 assert identity is not None

@@ -7,11 +7,13 @@ step schedules followed, seeds honoured, and the same arrivals as the simulator 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
 from zserve.loadgen import arrivals, schedules
-from zserve.loadgen.load_plan import build_plan
+from zserve.loadgen.load_plan import LoadPlan, build_plan
 from zserve.loadgen.workload import ArrivalSpec
 
 
@@ -20,7 +22,12 @@ def _gaps_cv(times: np.ndarray) -> float:
     return float(gaps.std() / gaps.mean())
 
 
-def _plan(arrival: str, rate: float = 2000.0, duration_s: float = 20.0, shares=(1.0, 1.0)):
+def _plan(
+    arrival: str,
+    rate: float = 2000.0,
+    duration_s: float = 20.0,
+    shares: Sequence[float] = (1.0, 1.0),
+) -> LoadPlan:
     return build_plan(
         models=[f"m{i}" for i in range(len(shares))],
         slo_ms=[25.0] * len(shares),

@@ -256,8 +256,9 @@ def test_plans_and_inputs_reach_the_follower_after_their_delays_and_start_on_tim
     assert follower.held_plans == 1 and follower.running is None
     assert sim._events[0][0] == pytest.approx(0.003)  # the inputs: d_data per request later
     _drain_gpu_events(sim)
-    assert sim.batches == [(0, 0, pytest.approx(0.003), pytest.approx(plan.expected_finish_at),
-                            2)]
+    ((gpu_id, model, start, end, size),) = sim.batches
+    assert (gpu_id, model, size) == (0, 0, 2)
+    assert start == pytest.approx(0.003) and end == pytest.approx(plan.expected_finish_at)
     assert sim.late_starts == 0 and follower.idle
     assert list(sim.status[:2]) == [1, 1]  # good: the core answered the outputs in time
     assert list(sim.answers.answered_at[:2]) == [pytest.approx(plan.expected_finish_at)] * 2
@@ -279,7 +280,9 @@ def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() 
     assert sim.late_starts == 1
     assert sim.backend_failed == {ErrorKind.DEADLINE.value: 1}
     assert list(sim.status[:2]) == [3, 1]  # shed (dropped), then good
-    assert sim.batches == [(0, 1, pytest.approx(0.005), pytest.approx(0.005 + l1), 1)]
+    ((gpu_id, model, start, end, size),) = sim.batches
+    assert (gpu_id, model, size) == (0, 1, 1)
+    assert start == pytest.approx(0.005) and end == pytest.approx(0.005 + l1)
     lateness = sim.followers[1].histograms["lateness"]
     assert lateness.count == 1 and lateness.min == lateness.max == pytest.approx(0.005)
 

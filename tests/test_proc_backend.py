@@ -316,7 +316,9 @@ def test_proc_backend_onnx_ready_only_after_warmup(tmp_path: Path) -> None:
         signature = read_signature(path, "mlp")
         (spec,) = signature.inputs
         rng = np.random.default_rng(7)
-        requests = {rid: {spec.name: rng.standard_normal((1, *spec.shape)).astype(spec.dtype)}
+        shape = tuple(int(dim) for dim in spec.shape if dim is not None)
+        assert len(shape) == len(spec.shape)  # the test model fixes every dimension
+        requests = {rid: {spec.name: rng.standard_normal((1, *shape)).astype(spec.dtype)}
                     for rid in (1, 2, 3)}
         now = time.monotonic()
         shard.send(BatchPlan(1, "mlp", 0, now, now + 0.01, [frontend.endpoint], [0, 0, 0],

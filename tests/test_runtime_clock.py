@@ -23,7 +23,7 @@ from zserve.clock import (
     best_sample,
     host_identity,
 )
-from zserve.transport.messages import ClockProbe, ClockReply
+from zserve.transport.messages import ClockProbe, ClockReply, Message
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, make_router
 
@@ -135,7 +135,7 @@ class StandInRank:
         self.reactor = SocketReactor(asyncio.get_running_loop())
         self.reactor.watch(self.sock, router=True, on_chunk=self._on_chunk)
 
-    def _on_chunk(self, chunk: list[tuple[bytes | None, object]]) -> None:
+    def _on_chunk(self, chunk: list[tuple[bytes | None, Message]]) -> None:
         for identity, msg in chunk:
             if isinstance(msg, ClockProbe):
                 self.probes += 1

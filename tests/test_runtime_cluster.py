@@ -96,16 +96,16 @@ def process_gone(pid: int) -> bool:
 def read_line(process: subprocess.Popen[str], needle: str, timeout: float) -> str:
     """The first stdout line containing ``needle`` (the supervisor prints its address)."""
     assert process.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if selector.select(max(0.0, end - time.monotonic())):
-            line = process.stdout.readline()
-            if not line:
-                raise AssertionError(f"zserve up exited with {process.wait()}")
-            if needle in line:
-                return line
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if selector.select(max(0.0, end - time.monotonic())):
+                line = process.stdout.readline()
+                if not line:
+                    raise AssertionError(f"zserve up exited with {process.wait()}")
+                if needle in line:
+                    return line
     raise AssertionError(f"no {needle!r} within {timeout} s")
 
 
@@ -326,6 +326,8 @@ def test_up_on_resnet50_8gpu_drains_on_sigterm_under_load(tmp_path: Path) -> Non
         if up.poll() is None:
             up.kill()
             up.wait()
+        assert up.stdout is not None
+        up.stdout.close()
 
 
 def test_up_detach_and_down_on_the_demo_cluster(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from zserve.config import (
 )
 from zserve.peer_map import endpoints_of
 
-MODEL = {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}
+MODEL: dict[str, Any] = {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}
 
 
 def config(**tables: Any) -> ClusterConfig:

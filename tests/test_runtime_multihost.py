@@ -133,12 +133,13 @@ class Role:
         self._reader.start()
 
     def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line.rstrip("\n"))
-            match = READY_LINE.search(line.rstrip("\n"))
-            if match and not self._ready.is_set():
-                self.endpoints = json.loads(match.group(1))
-                self._ready.set()
+        with stream:  # closed at EOF: the pipe is this thread's to close
+            for line in stream:
+                self.lines.append(line.rstrip("\n"))
+                match = READY_LINE.search(line.rstrip("\n"))
+                if match and not self._ready.is_set():
+                    self.endpoints = json.loads(match.group(1))
+                    self._ready.set()
         self._ready.set()  # the process ended: stop waiting
 
     def log(self) -> str:
@@ -170,6 +171,7 @@ class Role:
                 os.kill(pid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+        self._reader.join(STOP_TIMEOUT_S)  # the reader closes the pipe at EOF
 
 
 def _ask(address: str, request: Any) -> dict[str, Any]:
@@ -180,91 +182,106 @@ def _in_namespace(prefix: tuple[str, ...], shift_s: int) -> list[str]:
     return [part.format(shift=shift_s) for part in prefix]
 
 
+def _start_roles(toml: Path, unshare_prefix: tuple[str, ...], roles: list[Role]) -> str:
+    """Start rank, shard, backend (shifted clock) and frontend (shifted clock), appending each to
+    ``roles`` as it starts (so the caller kills what started); returns the client address."""
+    config = ["--config", str(toml)]
+    any_port = LOOPBACK_TCP_ANY_PORT
+    rank = Role("rank", ["rank", *config, "--bind", any_port])
+    roles.append(rank)
+    rank_address = rank.wait_ready()["rank"]
+    shard = Role("shard-0", ["scheduler", *config, "--index", "0", "--rank", rank_address,
+                             "--bind", any_port])
+    roles.append(shard)
+    shard_address = shard.wait_ready()["shard"]
+    backend = Role("backend-0", ["backend", *config, "--index", "0", "--rank", rank_address,
+                                 "--bind", any_port],
+                   prefix=_in_namespace(unshare_prefix, BACKEND_SHIFT_S))
+    roles.append(backend)
+    backend.wait_ready()
+    frontend = Role("frontend-0", ["frontend", *config, "--index", "0",
+                                   "--rank", rank_address, "--shard", shard_address,
+                                   "--client", any_port, "--data", any_port],
+                    prefix=_in_namespace(unshare_prefix, FRONTEND_SHIFT_S))
+    roles.append(frontend)
+    client_address: str = frontend.wait_ready()["client"]
+    # Serving once the frontend has the backend in its table (each ask is a round trip).
+    end = time.monotonic() + START_TIMEOUT_S
+    while "backend-0" not in _ask(client_address, StatsRequest(reset=False))["backends"]:
+        assert time.monotonic() < end, "\n\n".join(f"{r.name}:\n{r.log()}" for r in roles)
+    return client_address
+
+
+def _serve_within_slo(client_address: str, toml: Path) -> int:
+    """Requests one by one, then a burst, each answer checked against the model run locally and
+    within the SLO; returns how many requests were sent."""
+    model = load_config(toml).model("m")
+    executor: Any = build_executor("emulated", [model])
+    executor.load()
+    inputs = executor.synthetic_requests("m", REQUESTS_ONE_BY_ONE + REQUESTS_IN_BURST, seed=3)
+    slo_s = SLO_MS / 1e3
+    latencies: list[float] = []
+    with zserve.Client(client_address, timeout=30, max_retries=0) as client:
+        for request in inputs[:REQUESTS_ONE_BY_ONE]:
+            sent = time.monotonic()
+            outputs = client.infer("m", request)
+            latencies.append(time.monotonic() - sent)
+            np.testing.assert_allclose(outputs["y"],
+                                       executor.expected_outputs("m", request)["y"])
+        sent = time.monotonic()
+        burst = [client.submit("m", r) for r in inputs[REQUESTS_ONE_BY_ONE:]]
+        for request, future in zip(inputs[REQUESTS_ONE_BY_ONE:], burst, strict=True):
+            outputs = future.result(30)
+            np.testing.assert_allclose(outputs["y"],
+                                       executor.expected_outputs("m", request)["y"])
+        latencies.append(time.monotonic() - sent)  # the burst's last answer
+    # The first request's time also covers opening the client's connection: not held to it.
+    assert max(latencies[1:]) < slo_s, latencies
+    return len(inputs)
+
+
+def _check_cluster_clocks(client_address: str, requests_sent: int) -> None:
+    """Every peer's clock offset is the shift of its namespace, and cross-process times agree."""
+    # Every peer's stats (the frontend waits 0.5 s for them: ask again if one was slower).
+    end = time.monotonic() + START_TIMEOUT_S
+    while (stats := _ask(client_address, ClusterStatsRequest(reset=False)))["cluster_silent"]:
+        assert time.monotonic() < end, stats["cluster_silent"]
+    cluster = stats["cluster"]
+    offsets = {
+        "frontend-0": (stats["clock"], -FRONTEND_SHIFT_S),
+        "backend-0": (cluster["backend-0"]["clock"], -BACKEND_SHIFT_S),
+        "shard-0": (cluster["shard-0"]["clock"], 0),
+        "rank": (cluster["rank"]["clock"], 0),
+    }
+    for name, (clock, expected_s) in offsets.items():
+        error_s = abs(clock["offset_s"] - expected_s)
+        assert error_s < OFFSET_TOLERANCE_S, (name, clock)
+        assert error_s <= clock["error_ms"] / 1e3 + 1e-6, (name, clock)  # the bound holds
+    assert offsets["shard-0"][0]["same_host"] and offsets["shard-0"][0]["offset_s"] == 0.0
+    assert offsets["rank"][0]["reference"]
+    assert not offsets["backend-0"][0]["same_host"]
+    # Times that cross processes are consistent: batches start at their exec_at (the rank's
+    # lateness, started_at - exec_at) and after their requests arrived (the frontend's
+    # queueing, started_at - arrival), never 1000 s off.
+    lateness = cluster["rank"]["latency"]["lateness"]
+    assert lateness["p50_ms"] > -OFFSET_TOLERANCE_S * 1e3 and lateness["max_ms"] < SLO_MS, (
+        lateness)
+    # The frontend's own view of every request, admission to answer (the first included).
+    assert stats["latency"]["admit_to_answer"]["p99_ms"] < SLO_MS, stats["latency"]
+    queueing = stats["latency"]["queueing"]
+    assert queueing["count"] == REQUESTS_ONE_BY_ONE + REQUESTS_IN_BURST
+    assert 0.0 <= queueing["p50_ms"] < SLO_MS, queueing
+    assert cluster["backend-0"]["counters"]["requests_ok"] == requests_sent
+
+
 def test_cluster_across_clock_namespaces(tmp_path: Path, unshare_prefix: tuple[str, ...]) -> None:
     toml = tmp_path / "cluster.toml"
     toml.write_text(CLUSTER_TOML)
-    config = ["--config", str(toml)]
-    any_port = LOOPBACK_TCP_ANY_PORT
     roles: list[Role] = []
     try:
-        rank = Role("rank", ["rank", *config, "--bind", any_port])
-        roles.append(rank)
-        rank_address = rank.wait_ready()["rank"]
-        shard = Role("shard-0", ["scheduler", *config, "--index", "0", "--rank", rank_address,
-                                 "--bind", any_port])
-        roles.append(shard)
-        shard_address = shard.wait_ready()["shard"]
-        backend = Role("backend-0", ["backend", *config, "--index", "0", "--rank", rank_address,
-                                     "--bind", any_port],
-                       prefix=_in_namespace(unshare_prefix, BACKEND_SHIFT_S))
-        roles.append(backend)
-        backend.wait_ready()
-        frontend = Role("frontend-0", ["frontend", *config, "--index", "0",
-                                       "--rank", rank_address, "--shard", shard_address,
-                                       "--client", any_port, "--data", any_port],
-                        prefix=_in_namespace(unshare_prefix, FRONTEND_SHIFT_S))
-        roles.append(frontend)
-        client_address = frontend.wait_ready()["client"]
-
-        # Serving once the frontend has the backend in its table (each ask is a round trip).
-        end = time.monotonic() + START_TIMEOUT_S
-        while "backend-0" not in _ask(client_address, StatsRequest(reset=False))["backends"]:
-            assert time.monotonic() < end, "\n\n".join(f"{r.name}:\n{r.log()}" for r in roles)
-
-        model = load_config(toml).model("m")
-        executor: Any = build_executor("emulated", [model])
-        executor.load()
-        inputs = executor.synthetic_requests("m", REQUESTS_ONE_BY_ONE + REQUESTS_IN_BURST, seed=3)
-        slo_s = SLO_MS / 1e3
-        latencies: list[float] = []
-        with zserve.Client(client_address, timeout=30, max_retries=0) as client:
-            for request in inputs[:REQUESTS_ONE_BY_ONE]:
-                sent = time.monotonic()
-                outputs = client.infer("m", request)
-                latencies.append(time.monotonic() - sent)
-                np.testing.assert_allclose(outputs["y"],
-                                           executor.expected_outputs("m", request)["y"])
-            sent = time.monotonic()
-            burst = [client.submit("m", r) for r in inputs[REQUESTS_ONE_BY_ONE:]]
-            for request, future in zip(inputs[REQUESTS_ONE_BY_ONE:], burst, strict=True):
-                outputs = future.result(30)
-                np.testing.assert_allclose(outputs["y"],
-                                           executor.expected_outputs("m", request)["y"])
-            latencies.append(time.monotonic() - sent)  # the burst's last answer
-        # The first request's time also covers opening the client's connection: not held to it.
-        assert max(latencies[1:]) < slo_s, latencies
-
-        # Every peer's stats (the frontend waits 0.5 s for them: ask again if one was slower).
-        end = time.monotonic() + START_TIMEOUT_S
-        while (stats := _ask(client_address, ClusterStatsRequest(reset=False)))["cluster_silent"]:
-            assert time.monotonic() < end, stats["cluster_silent"]
-        cluster = stats["cluster"]
-        offsets = {
-            "frontend-0": (stats["clock"], -FRONTEND_SHIFT_S),
-            "backend-0": (cluster["backend-0"]["clock"], -BACKEND_SHIFT_S),
-            "shard-0": (cluster["shard-0"]["clock"], 0),
-            "rank": (cluster["rank"]["clock"], 0),
-        }
-        for name, (clock, expected_s) in offsets.items():
-            error_s = abs(clock["offset_s"] - expected_s)
-            assert error_s < OFFSET_TOLERANCE_S, (name, clock)
-            assert error_s <= clock["error_ms"] / 1e3 + 1e-6, (name, clock)  # the bound holds
-        assert offsets["shard-0"][0]["same_host"] and offsets["shard-0"][0]["offset_s"] == 0.0
-        assert offsets["rank"][0]["reference"]
-        assert not offsets["backend-0"][0]["same_host"]
-        # Times that cross processes are consistent: batches start at their exec_at (the rank's
-        # lateness, started_at - exec_at) and after their requests arrived (the frontend's
-        # queueing, started_at - arrival), never 1000 s off.
-        lateness = cluster["rank"]["latency"]["lateness"]
-        assert lateness["p50_ms"] > -OFFSET_TOLERANCE_S * 1e3 and lateness["max_ms"] < SLO_MS, (
-            lateness)
-        # The frontend's own view of every request, admission to answer (the first included).
-        assert stats["latency"]["admit_to_answer"]["p99_ms"] < SLO_MS, stats["latency"]
-        queueing = stats["latency"]["queueing"]
-        assert queueing["count"] == REQUESTS_ONE_BY_ONE + REQUESTS_IN_BURST
-        assert 0.0 <= queueing["p50_ms"] < SLO_MS, queueing
-        assert cluster["backend-0"]["counters"]["requests_ok"] == len(inputs)
-
+        client_address = _start_roles(toml, unshare_prefix, roles)
+        requests_sent = _serve_within_slo(client_address, toml)
+        _check_cluster_clocks(client_address, requests_sent)
         for role in reversed(roles):
             assert role.stop() == 0, f"{role.name}:\n{role.log()}"
     finally:

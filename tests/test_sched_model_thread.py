@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,7 @@ def _taught_meter(rate_per_10ms: int) -> RpsMeter:
     return teacher.meter
 
 
-def _mt(policy: str = "deferred", drop: str = "window", **kw: float) -> ModelThread:
+def _mt(policy: str = "deferred", drop: str = "window", **kw: Any) -> ModelThread:
     # publish every change at once (publish-ahead has its own test)
     return ModelThread("m", PROFILE, 12 * MS, SchedulePolicy.parse(policy, drop),
                        publish_lead_s=None, **kw)
@@ -408,7 +409,7 @@ def test_plan_ids_come_from_the_hosts_source_in_grant_order() -> None:
     shared = itertools.count(1024 + 3, 1024)  # a shard's: seq * MAX_SHARDS + index 3
     first = ModelThread("a", PROFILE, 12 * MS, "eager", plan_ids=shared, publish_lead_s=None)
     second = ModelThread("b", PROFILE, 12 * MS, "eager", plan_ids=shared, publish_lead_s=None)
-    ids = []
+    ids: list[int] = []
     for mt in (first, second, first):
         out = _arrive(mt, 0.0, [len(ids)])
         mt.on_grant(0.0, GrantGpu(mt.model, 0, 1, free_at=0.0), out)

@@ -38,6 +38,7 @@ def test_model_timer_grants_lowest_free_gpu_id_at_exec_minus_delay() -> None:
     rank.on_timer(0.75, out)
     ((dest, grant),) = out
     assert dest == ("model", "a")
+    assert isinstance(grant, GrantGpu)
     assert grant.gpu_id == 1  # consolidation: the lowest id among the free GPUs
     assert rank.gpu_free_at(1) == math.inf  # granted: unavailable until answered
 

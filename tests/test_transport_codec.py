@@ -160,7 +160,7 @@ def test_non_contiguous_arrays_are_made_contiguous_once(transport_pair: Pair, ro
 
 
 def test_small_arrays_travel_inline_and_arrive_read_only(transport_pair: Pair) -> None:
-    inputs = {
+    inputs: dict[str, np.ndarray[Any, Any]] = {
         "tiny": np.arange(4, dtype=np.float32).reshape(1, 4),
         "at_bound": np.ones(INLINE_INT16, dtype=np.int16),
         "empty": np.zeros((3, 0), dtype=np.uint8),
@@ -190,7 +190,7 @@ def test_inline_bytes_per_message_are_bounded() -> None:
 def test_infer_answers_round_trip(transport_pair: Pair) -> None:
     answers = InferAnswers(
         request_ids=[3, 1],
-        outputs=[{"y": np.float32([[1.5]])}, {"y": np.float32([[2.5]])}],
+        outputs=[{"y": np.array([[1.5]], np.float32)}, {"y": np.array([[2.5]], np.float32)}],
         error_ids=[2],
         errors=["DEADLINE"],
         messages=["too late"],
@@ -307,7 +307,7 @@ def test_unencodable_messages_raise_protocol_error(message: Message, match: str)
 
 
 def test_unregistered_class_is_refused() -> None:
-    class Stray(Message):
+    class Stray(Message, frozen=True):
         pass
 
     with pytest.raises(ProtocolError, match="not a registered wire message"):
@@ -317,12 +317,13 @@ def test_unregistered_class_is_refused() -> None:
 def test_decode_accepts_bytes_memoryview_and_frames() -> None:
     array = np.arange(FRAMED_INT16, dtype=np.uint16)
     header, buffer = codec.encode(InferReply(2, {"y": array}))
-    for frames in (
+    variants: tuple[list[zmq.Frame | bytes | bytearray | memoryview], ...] = (
         [bytes(header), bytes(buffer)],
         [memoryview(bytes(header)), memoryview(bytearray(buffer))],
         [zmq.Frame(bytes(header)), zmq.Frame(bytes(buffer))],
-        [bytearray(header), memoryview(np.frombuffer(bytes(buffer), dtype=np.uint16))],
-    ):
+        [bytearray(header), np.frombuffer(bytes(buffer), dtype=np.uint16).data],
+    )
+    for frames in variants:
         decoded = codec.decode(frames)
         assert isinstance(decoded, InferReply)
         np.testing.assert_array_equal(decoded.outputs["y"], array)

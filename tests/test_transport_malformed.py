@@ -33,7 +33,7 @@ def _array_header(descriptor: Any) -> bytes:
     return _pack("reply", 1, {"y": descriptor})
 
 
-_VALID_HEADER = codec.encode(CancelRequest(5))[0]
+_VALID_HEADER = bytes(codec.encode(CancelRequest(5))[0])
 _FOUR_FLOATS = np.zeros(4, dtype=np.float32).tobytes()
 
 # name -> (frames after the identity, expected error type, message fragment)

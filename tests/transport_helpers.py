@@ -16,20 +16,23 @@ from zserve.transport.messages import ALL_MESSAGES, Message
 RECV_TIMEOUT_MS = 5_000
 
 
+_SCALAR_SAMPLES: dict[Any, Any] = {
+    bool: lambda seed: True,
+    int: lambda seed: 7 + seed,
+    float: lambda seed: 1.5 + seed,
+    str: lambda seed: f"s{seed}",
+    Any: lambda seed: {
+        "count": 3, "ratio": 0.5, "tags": ["a", "b"], "nested": {"ok": True, "none": None}
+    },
+}
+
+
 def sample_value(hint: Any, seed: int = 0) -> Any:
     """A deterministic value of the annotated type (arrays are small float32 grids)."""
     if hint is np.ndarray or typing.get_origin(hint) is np.ndarray:
         return np.arange(6, dtype=np.float32).reshape(2, 3) + seed
-    if hint is bool:
-        return True
-    if hint is int:
-        return 7 + seed
-    if hint is float:
-        return 1.5 + seed
-    if hint is str:
-        return f"s{seed}"
-    if hint is Any:
-        return {"count": 3, "ratio": 0.5, "tags": ["a", "b"], "nested": {"ok": True, "none": None}}
+    if hint in _SCALAR_SAMPLES:
+        return _SCALAR_SAMPLES[hint](seed)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is list:
         return [sample_value(args[0], seed + i) for i in range(2)]

@@ -329,7 +329,7 @@ class ClockSync:
             return None
         deadline = sent_at + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
-            if not await self._sock.poll(max(1, int(remaining * 1e3)), zmq.POLLIN):
+            if not await self._sock.poll(max(1, int(remaining * 1e3))):
                 break
             frames = await self._sock.recv_multipart(copy=False)
             received_at = time.monotonic()

@@ -454,7 +454,8 @@ class FrontendCore:
         elif type(msg) is CancelFetched:  # the backend is gone: nothing of it will run
             self.counters["cancel_notice_failed"] += 1
         elif kind == TO_CLIENT and isinstance(target, bytes):
-            answers = len(msg) if isinstance(msg, InferAnswers) else 1
+            answers = (len(msg.request_ids) + len(msg.error_ids) if isinstance(msg, InferAnswers)
+                       else 1)
             if full:
                 self.counters["reply_dropped_hwm"] += answers
             else:

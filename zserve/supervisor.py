@@ -70,7 +70,6 @@ from zserve.transport.messages import (
 from zserve.transport.sockets import make_router
 
 log = logging.getLogger("zserve.supervisor")
-
 T = TypeVar("T")
 
 HEARTBEAT_TIMEOUT_S = 10.0

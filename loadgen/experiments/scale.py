@@ -117,7 +117,8 @@ def run_scale(opts: Options) -> Outcome:
     config: dict[str, Any] = {
         "models": models_list, "gpus": gpus_list, "profile_ms": SCALE_PROFILE_MS,
         "max_batch": max_batch, "load": SCALE_LOAD, "duration_s": duration,
-        "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)"}
+        "criterion": "lag p99 <= 2 ms and worst bad rate <= 1% (zserve bench-scheduler)",
+    }
     points: dict[str, Any] = {"probes": rows, "largest_gpus": largest}
     if opts.live:
         live = _scale_live(opts)
