@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import MAX_FRONTENDS
 from zserve.loadgen import sim_cli
 from zserve.loadgen.sim import InvariantError, SimConfig, Simulator
 from zserve.loadgen.sim_frontend import DROPPED, GOOD, PENDING
 from zserve.loadgen.workload import parse_workload
+from zserve.request_ids import MAX_FRONTENDS
 
 SLO_A_S = 0.025
 

@@ -17,8 +17,9 @@ Conventions:
   in the name (``slo_ms``). Exceptions, named for it: ``ClockProbe``/``ClockReply`` (how the
   offset is measured) and the ``Heartbeat`` on the supervisor's control link (host-local).
 - ``request_id`` between client and frontend is the client's own id, unique per connection. From
-  the frontend on, ``request_id`` is the frontend's global id, unique within that frontend;
-  ``(frontend, request_id)`` is unique in the cluster.
+  the frontend on, ``request_id`` is the frontend's global id, unique within that frontend and
+  across its restarts (the high bits are the frontend process's incarnation:
+  ``zserve.request_ids``); ``(frontend, request_id)`` is unique in the cluster.
 - Error kinds travel as ``zserve.errors.ErrorKind`` values (strings).
 """
 

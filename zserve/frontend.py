@@ -38,6 +38,7 @@ from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile, configured_profile
+from zserve.request_ids import new_incarnation
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
@@ -107,7 +108,7 @@ class FrontendHost:
             name=self.name, cluster=self.cluster, index=config.index,
             data_address="",  # bind() sets it
             profiles={m.name: _load_profile(m) for m in self.cluster.models},
-            host_counters=HOST_COUNTERS,
+            host_counters=HOST_COUNTERS, incarnation=new_incarnation(),
         )
         self.idle = asyncio.Event()
         self.idle.set()

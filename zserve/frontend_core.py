@@ -28,6 +28,7 @@ from zserve.frontend_admission import ModelAdmission, matches_spec
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile
+from zserve.request_ids import RequestIds, incarnation_of
 from zserve.stats import Stats
 from zserve.timers import LazyTimerHeap
 from zserve.transport.messages import (
@@ -56,8 +57,6 @@ TO_CLIENT = "client"
 TO_SHARD = "shard"
 TO_BACKEND = "backend"
 
-# Request ids carry the frontend's index in their low digits (see FrontendCore.__init__).
-MAX_FRONTENDS = 1024
 # Timer slack: answer deadlines that fall due within this much of now in the same pass.
 TIMER_SLACK_S = 0.0005
 # The deadline heap is rebuilt from the pending requests once it holds more than this many
@@ -74,6 +73,8 @@ FRONTEND_COUNTERS = (
     "received", "admitted", "replied", "cancelled", "cancelled_fetched", "client_disconnects",
     "disconnect_cancelled", "disconnect_cancelled_fetched", "fetches", "fetch_missing",
     "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
+    # refused: what came back for requests of another incarnation (zserve.request_ids)
+    "stale_outputs", "stale_drops", "stale_failures", "stale_fetched",
     # delivery failures the host reported (on_send_failed)
     "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
     "reply_unroutable",
@@ -116,9 +117,11 @@ class FrontendCore:
 
     def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
                  profiles: dict[str, LatencyProfile | None],
-                 host_counters: Iterable[str] = ()) -> None:
+                 host_counters: Iterable[str] = (), incarnation: int = 0) -> None:
         """``profiles``: each model's configured profile (None: learn the one its backends
-        measured); ``host_counters``: counters the host bumps in ``counters`` (its own)."""
+        measured); ``host_counters``: counters the host bumps in ``counters`` (its own);
+        ``incarnation``: this process start's ``new_incarnation()`` (0: a host that never
+        restarts), carried in the high bits of every request id."""
         self.name = name
         self.cluster = cluster
         self.data_address = data_address  # where backends fetch this frontend's inputs
@@ -133,9 +136,9 @@ class FrontendCore:
         self.backend_pids: dict[str, int] = {}
         self.backend_models: dict[str, list[str]] | None = None  # from rank's BackendTable
         self.gpus_for_model: dict[str, int] = {}
-        # Request ids are unique across the cluster's frontends: seq * MAX_FRONTENDS + index, so
-        # a batch that mixes frontends never holds two requests with one id.
-        self.next_rid = MAX_FRONTENDS + index % MAX_FRONTENDS
+        # Unique across the cluster's frontends and across this frontend's restarts.
+        self.ids = RequestIds(index, incarnation)
+        self._stale_logged: set[tuple[str, int]] = set()
         self.draining = False
         self._stats = Stats((*FRONTEND_COUNTERS, *host_counters), {
             **FRONTEND_HISTOGRAMS,
@@ -193,8 +196,7 @@ class FrontendCore:
             return
         slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
         answer_by = now + slo_s
-        rid = self.next_rid
-        self.next_rid += MAX_FRONTENDS
+        rid = self.ids.take()
         self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
                                   answer_by))
         model.pending += 1
@@ -321,6 +323,7 @@ class FrontendCore:
             taken = self.requests.take_inputs(rid, backend, msg.plan_id, now)
             if taken is None:
                 missing.append(rid)
+                self._refuse_if_stale(rid, "stale_fetched", "an input fetch")
                 continue
             p, request_inputs = taken
             ids.append(rid)
@@ -341,7 +344,8 @@ class FrontendCore:
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.requests.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
-                self.counters["late_outputs"] += 1
+                if not self._refuse_if_stale(rid, "stale_outputs", "outputs"):
+                    self.counters["late_outputs"] += 1
                 continue
             if p.fetched_at:
                 fetch_to_outputs(now - p.fetched_at)
@@ -358,7 +362,13 @@ class FrontendCore:
             by_model.observe(delay)
 
     def on_batch_failed(self, now: float, msg: BatchFailed, outbox: Outbox) -> None:
-        self._answer_ids(now, msg.request_ids, error_kind(msg.error), msg.message, outbox)
+        kind = error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self._answer_error(now, p, kind, msg.message, outbox)
+            else:
+                self._refuse_if_stale(rid, "stale_failures", "a batch failure")
 
     def on_drop(self, now: float, msg: DropNotice, outbox: Outbox) -> None:
         """The scheduler dropped requests (it could not serve them in time)."""
@@ -368,6 +378,23 @@ class FrontendCore:
             if p is not None:
                 self.counters["dropped_by_scheduler"] += 1
                 self._answer_error(now, p, kind, msg.message, outbox)
+            else:
+                self._refuse_if_stale(rid, "stale_drops", "a scheduler drop")
+
+    def _refuse_if_stale(self, rid: int, counter: str, what: str) -> bool:
+        """Count (and log once per incarnation and kind) a message for a request of another
+        incarnation of this frontend; False if ``rid`` is this incarnation's. Such a request is
+        never pending here (its id has another incarnation): this only accounts for it."""
+        if not self.ids.is_foreign(rid):
+            return False
+        incarnation = incarnation_of(rid)
+        self.counters[counter] += 1
+        if (counter, incarnation) not in self._stale_logged:
+            self._stale_logged.add((counter, incarnation))
+            log.warning("%s: refused %s for request %d of incarnation %d (this is incarnation "
+                        "%d): a previous process's request", self.name, what, rid, incarnation,
+                        self.ids.incarnation)
+        return True
 
     def _answer_ids(self, now: float, rids: list[int], kind: ErrorKind, message: str,
                     outbox: Outbox) -> None:
@@ -562,6 +589,7 @@ class FrontendCore:
         ``latency``, ``histograms``); ``reset`` starts a new window."""
         return {
             "name": self.name,
+            "incarnation": self.ids.incarnation,
             "pending": len(self.requests.pending),
             "draining": self.draining,
             "clients": len(self.requests.by_client),
