@@ -96,7 +96,8 @@ onnx = "{corrupt}"
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"zserve up: models[0].onnx: not an ONNX model: {corrupt} (")
+    assert lines[0].startswith(
+        f"zserve up: models[0].onnx: model 'c': {corrupt} is not a valid ONNX model")
     assert list(ipc_base.iterdir()) == []
     print(f"corrupt onnx: exit 2 after {elapsed_s:.2f} s")
 
@@ -141,12 +142,37 @@ def test_profile_files_are_checked(tmp_path: Path) -> None:
     assert len(problems) == 3
 
 
-def test_an_empty_onnx_file_is_not_a_model(tmp_path: Path) -> None:
+def test_onnx_files_that_cannot_serve(tmp_path: Path) -> None:
+    """An empty file, bytes that protobuf reads as an empty model, a fixed batch dimension."""
     empty = tmp_path / "empty.onnx"
     empty.write_bytes(b"")
+    hollow = tmp_path / "hollow.onnx"
+    hollow.write_bytes(b"\x08\x07")  # ir_version 7 and nothing else
+    fixed = tmp_path / "fixed.onnx"
+    _write_identity_model(fixed, batch_dim=2)
     (tmp_path / "run").mkdir()
-    problems = _problems({"models": [{"name": "e", "onnx": str(empty)}]}, tmp_path / "run")
-    assert problems == [f"models[0].onnx: not an ONNX model: {empty} (no graph)"]
+    problems = _problems({"models": [
+        {"name": "e", "onnx": str(empty)},
+        {"name": "h", "onnx": str(hollow)},
+        {"name": "f", "onnx": str(fixed)},
+    ]}, tmp_path / "run")
+    assert problems[:2] == [
+        f"models[0].onnx: model 'e': model file {empty} is empty",
+        f"models[1].onnx: not an ONNX model: {hollow} (no inputs or outputs)",
+    ]
+    assert problems[2].startswith(
+        f"models[2].onnx: model 'f' ({fixed}): input 'x' has a fixed batch dimension")
+    assert len(problems) == 3
+
+
+def _write_identity_model(path: Path, *, batch_dim: int | str, op_type: str = "Identity") -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch_dim, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch_dim, 4])
+    graph = helper.make_graph([helper.make_node(op_type, ["x"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
 def test_duplicate_and_unusable_addresses(tmp_path: Path) -> None:
@@ -168,6 +194,17 @@ def test_duplicate_and_unusable_addresses(tmp_path: Path) -> None:
         f"frontends.data_addresses[0]: same address as frontends.addresses[0]: "
         f"tcp://127.0.0.1:{port}",
         f"backends.plan_addresses[0]: no such folder: {missing_folder}",
+    ]
+
+
+def test_tcp_hosts_are_probed(tmp_path: Path) -> None:
+    """transport tcp: a cluster.host that is no address of this machine cannot take the
+    kernel-chosen ports every socket binds."""
+    foreign_host = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never assigned to a local interface
+    document = {"cluster": {"transport": "tcp", "host": foreign_host}, "models": [_one_model()]}
+    (tmp_path / "run").mkdir()
+    assert _problems(document, tmp_path / "run") == [
+        f"cluster.host: cannot bind tcp://{foreign_host}:0: Cannot assign requested address",
     ]
 
 
@@ -217,3 +254,16 @@ def _input_names(path: Path) -> list[str]:
     import onnx
 
     return [value.name for value in onnx.load(str(path)).graph.input]
+
+
+def test_demo_reports_problems_like_up(tmp_path: Path) -> None:
+    """``zserve demo --config`` checks the file before it loads the model in-process."""
+    config = _write_cluster(tmp_path / "bad.toml", '[[models]]\nname = "m"\nbuiltin = "cnm"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "zserve", "demo", "--config", str(config)],
+        capture_output=True, text=True, timeout=CLI_EXIT_TIMEOUT_S, check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "zserve demo: models[0].builtin: unknown built-in model 'cnm' (built-in: cnn, mlp)",
+    ]

@@ -1,11 +1,12 @@
 """Preflight: every checkable problem of a cluster config, found before any process is spawned.
 
 Schema problems stop ``load_config``; what it cannot see needs the file system and the network:
-model files that are missing or do not parse (``onnx.load`` without ONNX Runtime and without
-external data), unknown built-in names, profile files that are missing, do not parse or lack the
-model, bind addresses that cannot be bound right now (each tcp address cluster.toml names is bound
-and closed; port 0 is not probed), ipc paths over the socket path limit or in a missing folder,
-and an address named twice. ``check_cluster`` returns them all, each naming its key path;
+model files that are missing, do not parse or cannot be batched (the backend's signature
+reader: ``onnx`` without ONNX Runtime and without external data), unknown built-in names,
+profile files that are missing, do not parse or lack the model, bind addresses that cannot be
+bound right now (each tcp address cluster.toml names is bound and closed; port 0 is not
+probed), ipc paths over the socket path limit or in a missing folder, and an address named
+twice. ``check_cluster`` returns them all, each naming its key path;
 ``preflight`` raises ``PreflightError`` with them. The supervisor runs it first thing, so a bad
 file costs one line per problem instead of tracebacks from processes that already started.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import zmq
 
 from zserve.backends.builtin import builtin_names
+from zserve.backends.executor import ModelLoadError
+from zserve.backends.onnx_executor import read_signature
 from zserve.config import ClusterConfig, ModelConfig
 from zserve.profiles import configured_profile
 
@@ -28,7 +31,7 @@ IPC_PATH_MAX_BYTES = 107
 # What tempfile.mkdtemp(prefix="zs-") names the run folder: the prefix and 8 random characters.
 RUN_DIR_PLACEHOLDER = "zs-xxxxxxxx"
 # A library's error text is cut to this, so each problem stays one readable line.
-REASON_MAX_CHARS = 160
+REASON_MAX_CHARS = 400
 IPC_SCHEME = "ipc://"
 TCP_SCHEME = "tcp://"
 
@@ -83,7 +86,7 @@ def check_model(key: str, model: ModelConfig) -> list[Problem]:
     """The model's file or built-in name, and its profile file."""
     problems: list[Problem] = []
     if model.onnx is not None:
-        problem = _onnx_problem(model.onnx)
+        problem = _onnx_problem(model.name, model.onnx)
         if problem:
             problems.append(Problem(f"{key}.onnx", problem))
     if model.builtin is not None and model.builtin not in builtin_names():
@@ -118,21 +121,21 @@ def _file_problem(path: str) -> str | None:
     return None
 
 
-def _onnx_problem(path: str) -> str | None:
-    """Why ``path`` is not a loadable ONNX model, or None. The graph is parsed, not checked:
-    ONNX Runtime judges the operators when the backend loads it."""
+def _onnx_problem(name: str, path: str) -> str | None:
+    """Why ``path`` cannot serve as model ``name``, or None: the backend's own signature reader
+    (``onnx`` only, no ONNX Runtime, external weights not loaded) parses it and applies the
+    executor's checks (a dynamic batch dimension, tensor types). ONNX Runtime judges the
+    operators only when a backend loads it."""
     problem = _file_problem(path)
     if problem:
         return problem
-    import onnx  # only configs with onnx models pay for the import
-
     try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as exc:  # protobuf and onnx raise several types for a bad file
-        return f"not an ONNX model: {path} ({_one_line(exc)})"
-    # Protobuf parses many byte strings (an empty file included) as an empty message.
-    if model.ir_version < 1 or not model.graph.node:
-        return f"not an ONNX model: {path} (no graph)"
+        signature = read_signature(path, name)
+    except ModelLoadError as exc:
+        return _one_line(exc)
+    # Protobuf parses many byte strings as an empty message: a model with nothing to feed.
+    if not signature.inputs or not signature.outputs:
+        return f"not an ONNX model: {path} (no inputs or outputs)"
     return None
 
 
