@@ -121,6 +121,21 @@ def _problems(document: dict[str, Any], ipc_base: Path) -> list[str]:
     return [str(problem) for problem in raised.value.problems]
 
 
+def test_cli_names_where_the_run_folder_came_from(tmp_path: Path) -> None:
+    """The run folder's parent is ``cluster.ipc_dir`` unless ``--ipc-dir`` overrides it."""
+    missing = tmp_path / "missing"
+    config = tmp_path / "c.toml"
+    config.write_text(f'[cluster]\nipc_dir = "{missing}"\n[[models]]\nname = "m"\n'
+                      'emulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
+    result, _ = _zserve_up(config, missing)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2, [f"zserve up: --ipc-dir: no such folder: {missing}"])
+    result = subprocess.run([*ZSERVE_UP, str(config)], capture_output=True, text=True,
+                            timeout=CLI_EXIT_TIMEOUT_S, check=False)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2, [f"zserve up: cluster.ipc_dir: no such folder: {missing}"])
+
+
 def test_profile_files_are_checked(tmp_path: Path) -> None:
     absent = tmp_path / "absent.json"
     broken = tmp_path / "broken.json"

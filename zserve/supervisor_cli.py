@@ -71,7 +71,8 @@ def main_up(argv: list[str]) -> int:
         print(f"zserve up: {exc}", file=sys.stderr)
         return 2
     # Also checked by the Supervisor; here it runs before --detach, so the user sees the lines.
-    problems = check_cluster(config, ipc_base=args.ipc_dir, ipc_base_key="--ipc-dir")
+    problems = check_cluster(config, ipc_base=args.ipc_dir,
+                             ipc_base_key="--ipc-dir" if args.ipc_dir else "cluster.ipc_dir")
     if problems:
         _report(problems)
         return 2
