@@ -52,9 +52,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main_up(argv: list[str]) -> int:
-    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
-    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+def _up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
     parser.add_argument("config", help="cluster.toml")
     parser.add_argument("--detach", action="store_true",
@@ -64,7 +62,13 @@ def main_up(argv: list[str]) -> int:
     parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
                         "(default: cluster.ipc_dir, else the system temp folder)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart dead roles")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main_up(argv: list[str]) -> int:
+    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
+    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+    args = _up_parser().parse_args(argv)
     try:
         config = load_config(args.config)
     except (ConfigError, OSError) as exc:
