@@ -370,15 +370,27 @@ def test_up_detach_and_down_on_the_demo_cluster(tmp_path: Path) -> None:
 
 def test_startup_failure_reports_the_child_error(tmp_path: Path) -> None:
     """A backend that cannot load its model fails the start at once, with its own error, and
-    nothing is left running."""
+    nothing is left running. The file parses and has a batch dimension (zserve.preflight passes
+    it); only ONNX Runtime refuses its unknown operator."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+    graph = helper.make_graph([helper.make_node("NoSuchOperator", ["x"], ["y"])], "g", [x], [y])
+    model_file = tmp_path / "unloadable.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              str(model_file))
+    (tmp_path / "run").mkdir()
     config = parse_config({
         "backends": {"count": 1, "device": "cpu"},
-        "models": [{"name": "broken", "onnx": str(tmp_path / "missing.onnx")}],
+        "models": [{"name": "broken", "onnx": str(model_file)}],
     })
-    cluster = Cluster(config, ipc_base=tmp_path)
-    with pytest.raises(StartupError, match=r"backend-0 \(backend\) died(.|\n)*missing\.onnx"):
+    cluster = Cluster(config, ipc_base=tmp_path / "run")
+    died = r"backend-0 \(backend\) died(.|\n)*unloadable\.onnx(.|\n)*NoSuchOperator"
+    with pytest.raises(StartupError, match=died):
         cluster.start()
-    assert [p.name for p in tmp_path.iterdir()] == []  # the run folder is gone
+    assert [p.name for p in (tmp_path / "run").iterdir()] == []  # the run folder is gone
 
 
 def test_roles_started_alone_form_a_cluster(tmp_path: Path) -> None:

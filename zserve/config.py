@@ -369,6 +369,23 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 out[sock] = f"tcp://{host}:0"
         return out
 
+    def explicit_bind_keys(self) -> list[tuple[str, str]]:
+        """``(key path, address)`` of every bind address cluster.toml names and a process uses,
+        e.g. ``("frontends.addresses[0]", "tcp://0.0.0.0:7000")``."""
+        keyed: list[tuple[str, str]] = []
+        if self.scheduler.rank_address:
+            keyed.append(("scheduler.rank_address", self.scheduler.rank_address))
+        tables = (
+            ("scheduler.shard_addresses", self.scheduler.shard_addresses,
+             self.scheduler_processes),
+            ("frontends.addresses", self.frontends.addresses, self.frontends.count),
+            ("frontends.data_addresses", self.frontends.data_addresses, self.frontends.count),
+            ("backends.plan_addresses", self.backends.plan_addresses, self.backends.total),
+        )
+        for key, addresses, used in tables:
+            keyed += [(f"{key}[{i}]", address) for i, address in enumerate(addresses[:used])]
+        return keyed
+
     def static_peers(self, ipc_dir: str | None) -> dict[str, str]:
         """The peer map computable without running anything: every address that is explicit in
         cluster.toml or deterministic (ipc with a known ``ipc_dir``); tcp port-0 binds left out.

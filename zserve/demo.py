@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from zserve.client import AsyncClient
-from zserve.config import ClusterConfig, ModelConfig, load_config, parse_config
+from zserve.config import ClusterConfig, ConfigError, ModelConfig, load_config, parse_config
 from zserve.errors import ZServeError
+from zserve.preflight import check_cluster
 from zserve.profiles import LatencyProfile
 
 DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "demo.toml"
@@ -444,7 +446,17 @@ def main(argv: list[str]) -> int:
     from zserve.supervisor import Cluster
 
     args = _parser().parse_args(argv)
-    config = _load_config(args.config)
+    try:
+        config = _load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"zserve demo: {exc}", file=sys.stderr)
+        return 2
+    # Before the model is loaded here or anything is spawned: one line per problem, exit 2.
+    problems = check_cluster(config)
+    if problems:
+        for problem in problems:
+            print(f"zserve demo: {problem}", file=sys.stderr)
+        return 2
     model = config.model(args.model) if args.model else config.models[0]
     inputs, expected = _expected_outputs(config, model, args.seed)
     print(f"zserve demo: starting {config.name!r} ({config.backends.total} {config.backends.device}"

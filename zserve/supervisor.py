@@ -15,7 +15,9 @@ Command line (``zserve.supervisor_cli``)::
     zserve up CLUSTER.toml [--detach] [--state-dir DIR]   # prints where clients connect
     zserve down [NAME] [--state-dir DIR]                   # drains a detached cluster
 
-Start-up: every role is spawned (multiprocessing ``spawn``) at once with its role config (see
+Start-up: ``zserve.preflight`` first checks what the file names (model and profile files, built-in
+names, bind addresses) and raises ``PreflightError`` listing every problem; nothing is spawned
+then. Every role is spawned (multiprocessing ``spawn``) at once with its role config (see
 ``zserve.config``); the supervisor polls its ``control`` ROUTER and every child's process
 sentinel in one ``zmq.Poller``, so a child that dies during start-up fails the start at once,
 with the child's traceback. When every child has sent ``Ready``, each gets the peer map (rank
@@ -57,6 +59,7 @@ from zserve import peer_map
 from zserve.config import ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
+from zserve.preflight import preflight
 from zserve.supervised_child import SupervisedChild, child_main
 from zserve.transport import codec
 from zserve.transport.messages import (
@@ -105,6 +108,9 @@ class Supervisor:
         self.config = config
         self.restart = restart
         base = ipc_base if ipc_base is not None else config.ipc_dir
+        # Every checkable problem of the file, before a folder is made or a process spawned.
+        preflight(config, ipc_base=None if base is None else os.fspath(base),
+                  ipc_base_key="cluster.ipc_dir" if ipc_base is None else "ipc_base")
         self.run_dir = tempfile.mkdtemp(prefix="zs-", dir=base)
         ipc_dir = self.run_dir if config.transport == "ipc" else None
         self.ctx: zmq.Context[Any] = zmq.Context()

@@ -1,10 +1,11 @@
 """``zserve up`` and ``zserve down``: a supervised cluster from the command line.
 
-``zserve up CLUSTER.toml`` runs a ``Supervisor`` (``zserve.supervisor``) in the foreground until
-SIGINT/SIGTERM, then drains it; ``--detach`` starts that in a new session and returns once the
-cluster is up, printing where clients connect. A running cluster leaves a pid file and a state
-file (JSON: client addresses, run folder, child pids) in the state folder, which ``zserve down``
-reads to drain it.
+``zserve up CLUSTER.toml`` first checks the file (``zserve.preflight``: each problem one line
+naming its key, exit code 2, nothing started), then runs a ``Supervisor`` (``zserve.supervisor``)
+in the foreground until SIGINT/SIGTERM, then drains it; ``--detach`` starts that in a new session
+and returns once the cluster is up, printing where clients connect. A running cluster leaves a
+pid file and a state file (JSON: client addresses, run folder, child pids) in the state folder,
+which ``zserve down`` reads to drain it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from zserve import role_runner
 from zserve.config import ConfigError, load_config
+from zserve.preflight import PreflightError, Problem, check_cluster
 from zserve.supervisor import StartupError, Supervisor
 
 DETACH_POLL_S = 0.05
@@ -49,9 +52,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main_up(argv: list[str]) -> int:
-    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
-    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+def _up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
     parser.add_argument("config", help="cluster.toml")
     parser.add_argument("--detach", action="store_true",
@@ -61,11 +62,23 @@ def main_up(argv: list[str]) -> int:
     parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
                         "(default: cluster.ipc_dir, else the system temp folder)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart dead roles")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main_up(argv: list[str]) -> int:
+    """``zserve up CLUSTER.toml [--detach] [--state-dir DIR]``: start a cluster and supervise it
+    until SIGINT/SIGTERM (or ``zserve down``), then drain it and exit 0."""
+    args = _up_parser().parse_args(argv)
     try:
         config = load_config(args.config)
     except (ConfigError, OSError) as exc:
         print(f"zserve up: {exc}", file=sys.stderr)
+        return 2
+    # Also checked by the Supervisor; here it runs before --detach, so the user sees the lines.
+    problems = check_cluster(config, ipc_base=args.ipc_dir,
+                             ipc_base_key="--ipc-dir" if args.ipc_dir else "cluster.ipc_dir")
+    if problems:
+        _report(problems)
         return 2
     state_dir = _state_dir(args.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -86,6 +99,9 @@ def main_up(argv: list[str]) -> int:
     try:
         supervisor = Supervisor(config, ipc_base=args.ipc_dir, restart=not args.no_restart)
         supervisor.start()
+    except PreflightError as exc:  # something changed since the check above (a port taken)
+        _report(exc.problems)
+        return 2
     except (StartupError, KeyboardInterrupt) as exc:
         if supervisor is not None:
             supervisor.shutdown(0.0)
@@ -101,6 +117,11 @@ def main_up(argv: list[str]) -> int:
                 path.unlink()
     print(f"zserve: cluster {config.name!r} stopped", flush=True)
     return 0
+
+
+def _report(problems: Iterable[Problem]) -> None:
+    for problem in problems:
+        print(f"zserve up: {problem}", file=sys.stderr)
 
 
 def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_path: Path) -> None:
