@@ -31,7 +31,9 @@ arrival times, sorted by deadline, with a moving head index. A chunk that arrive
 after the queue's tail (the common case: one frontend, one SLO) is appended with four
 ``list.extend`` calls and no per-request object at all; an out-of-order chunk is merged by a sort
 of the live tail. All drops happen at the head (bulk drops find their end by bisection), so a
-batch is always ``[head:head + bs]`` of each list.
+batch is always ``[head:head + bs]`` of each list. Drops and grants both pop the head and both
+compact the popped prefix (``_advance_head``): the lists stay bounded by the live queue plus
+``2 * COMPACT_AT``, not by the requests ever seen.
 
 Hot path (the live shard feeds tens of thousands of chunks a second): the in-order test is
 ``sorted(chunk) == chunk`` (C-speed sort of a sorted run plus an identity-first list compare,
@@ -341,7 +343,9 @@ class ModelThread(CandidateSizing):
         stop = head + bs
         request_ids = self._rid[head:stop]
         fe = self._fe[head:stop]
-        self._head = stop
+        finish_by = self._dl[head:stop]  # each request's deadline d (latest = d - l(bs))
+        # a grant pops the head like a drop does: compact here too, or the lists grow forever
+        self._advance_head(stop)
         exec_at = self.cand_exec
         finish_at = exec_at + self._table[bs]
         frontends, request_frontend = self._frontends_of(fe)
@@ -354,7 +358,7 @@ class ModelThread(CandidateSizing):
             frontends=frontends,
             request_frontend=request_frontend,
             request_ids=request_ids,
-            finish_by=self._dl[head:stop],  # each request's deadline d (latest = d - l(bs))
+            finish_by=finish_by,
         )
         self.n_planned += bs
         self.n_batches += 1
