@@ -11,6 +11,8 @@ Inputs (host -> ModelThread):
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
+- ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
+  queue and the candidate (``CancelQueued``, coalesced per tick by the host).
 
 Outputs (appended to the outbox):
 
@@ -157,6 +159,7 @@ class ModelThread(CandidateSizing):
         self.n_window_misses = 0
         self.n_arrived = 0
         self.n_dropped = 0
+        self.n_cancelled = 0
         self.n_planned = 0
         self.n_batches = 0
 
@@ -235,6 +238,33 @@ class ModelThread(CandidateSizing):
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
         return {self._frontends[fidx]: ids for fidx, ids in groups.items()}
+
+    def on_cancel(self, now: float, frontend: str, request_ids: Iterable[int],
+                  outbox: Outbox) -> int:
+        """Remove ``frontend``'s requests ``request_ids`` from the queue (cancelled, or their
+        client left); ids not queued (planned already, dropped, unknown) are ignored. The
+        candidate is recomputed without them. Returns how many were removed. One pass over the
+        live queue per call: hosts coalesce a tick's cancellations into one call per model."""
+        fidx = self._frontend_index.get(frontend)
+        if fidx is None:
+            return 0
+        gone = set(request_ids)
+        head = self._head
+        rid = self._rid
+        fe = self._fe
+        keep = [i for i in range(head, len(rid)) if fe[i] != fidx or rid[i] not in gone]
+        removed = len(rid) - head - len(keep)
+        if removed == 0:
+            return 0
+        self._dl = [self._dl[i] for i in keep]
+        self._rid = [rid[i] for i in keep]
+        self._fe = [fe[i] for i in keep]
+        self._arr = [self._arr[i] for i in keep]
+        self._head = 0
+        self.n_cancelled += removed
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+        return removed
 
     def grant_window_left(self, now: float) -> float | None:
         """How much of the candidate's grant window is left at ``now`` (its last grantable
