@@ -9,6 +9,7 @@ from zserve.policies import SchedulePolicy
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import COMPACT_AT
 from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.sent_plans import SentPlans
 from zserve.transport.messages import BatchPlan, GrantGpu
 
 MS = 1e-3
@@ -48,3 +49,21 @@ def test_queue_lists_bounded_when_every_request_is_granted() -> None:
     assert mt.n_dropped == 0
     assert planned >= STEADY_REQUESTS - longest_live
     assert worst <= longest_live + 2 * COMPACT_AT, (worst, longest_live)
+
+
+def test_sent_plans_are_bounded_by_the_plans_within_one_slo() -> None:
+    """The shard's SentPlans holds a plan until exec_at + SLO: in steady state, the plans sent
+    within one SLO (here 100 plans a second, SLO 50 ms: about 5), never all ever sent."""
+    sent = SentPlans()
+    slo_s = 50 * MS
+    now = 0.0
+    most_held = 0
+    for plan_id in range(1, STEADY_REQUESTS // CHUNK + 1):
+        now += 10 * MS
+        plan = BatchPlan(plan_id=plan_id, model="m", gpu_id=plan_id % 4, exec_at=now,
+                         expected_finish_at=now + 5 * MS, frontends=["fe"],
+                         request_frontend=[0] * CHUNK,
+                         request_ids=list(range(plan_id * CHUNK, (plan_id + 1) * CHUNK)))
+        sent.remember(now, plan.gpu_id, plan, slo_s)
+        most_held = max(most_held, len(sent), len(sent._expiry))
+    assert most_held <= slo_s / (10 * MS) + 1
