@@ -58,8 +58,8 @@ def _settled(stats: dict[str, Any]) -> bool:
     counters = backend["counters"]
     accounted = sum(counters[f"requests_{what}"] for what in (
         "ok", "failed", "missing", "unavailable", "cancelled", "shed_late"))
-    return (shard["models"]["m"]["queued"] == 0
-            and accounted == shard["counters"]["planned_requests"])
+    return bool(shard["models"]["m"]["queued"] == 0
+                and accounted == shard["counters"]["planned_requests"])
 
 
 def test_a_gone_clients_queued_requests_leave_the_scheduler(tmp_path: Path) -> None:
