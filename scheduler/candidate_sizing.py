@@ -184,8 +184,8 @@ class CandidateSizing:
         return lo
 
     def _advance_head(self, head: int) -> int:
-        """Move the queue's head to ``head`` (the drops are emitted); compact the lists once
-        the popped prefix is long and at least half of them. Returns the new head index."""
+        """Move the queue's head to ``head`` (drops emitted or a batch planned); compact the
+        lists once the popped prefix is long and at least half of them. Returns the new head."""
         self._head = head
         if head >= COMPACT_AT and head * 2 >= len(self._dl):
             del self._dl[:head]

@@ -11,6 +11,8 @@ Inputs (host -> ModelThread):
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
+- ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
+  queue and the candidate (``CancelQueued``, coalesced per tick by the host).
 
 Outputs (appended to the outbox):
 
@@ -31,7 +33,9 @@ arrival times, sorted by deadline, with a moving head index. A chunk that arrive
 after the queue's tail (the common case: one frontend, one SLO) is appended with four
 ``list.extend`` calls and no per-request object at all; an out-of-order chunk is merged by a sort
 of the live tail. All drops happen at the head (bulk drops find their end by bisection), so a
-batch is always ``[head:head + bs]`` of each list.
+batch is always ``[head:head + bs]`` of each list. Drops and grants both pop the head and both
+compact the popped prefix (``_advance_head``): the lists stay bounded by the live queue plus
+``2 * COMPACT_AT``, not by the requests ever seen.
 
 Hot path (the live shard feeds tens of thousands of chunks a second): the in-order test is
 ``sorted(chunk) == chunk`` (C-speed sort of a sorted run plus an identity-first list compare,
@@ -155,6 +159,7 @@ class ModelThread(CandidateSizing):
         self.n_window_misses = 0
         self.n_arrived = 0
         self.n_dropped = 0
+        self.n_cancelled = 0
         self.n_planned = 0
         self.n_batches = 0
 
@@ -233,6 +238,33 @@ class ModelThread(CandidateSizing):
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
         return {self._frontends[fidx]: ids for fidx, ids in groups.items()}
+
+    def on_cancel(self, now: float, frontend: str, request_ids: Iterable[int],
+                  outbox: Outbox) -> int:
+        """Remove ``frontend``'s requests ``request_ids`` from the queue (cancelled, or their
+        client left); ids not queued (planned already, dropped, unknown) are ignored. The
+        candidate is recomputed without them. Returns how many were removed. One pass over the
+        live queue per call: hosts coalesce a tick's cancellations into one call per model."""
+        fidx = self._frontend_index.get(frontend)
+        if fidx is None:
+            return 0
+        gone = set(request_ids)
+        head = self._head
+        rid = self._rid
+        fe = self._fe
+        keep = [i for i in range(head, len(rid)) if fe[i] != fidx or rid[i] not in gone]
+        removed = len(rid) - head - len(keep)
+        if removed == 0:
+            return 0
+        self._dl = [self._dl[i] for i in keep]
+        self._rid = [rid[i] for i in keep]
+        self._fe = [fe[i] for i in keep]
+        self._arr = [self._arr[i] for i in keep]
+        self._head = 0
+        self.n_cancelled += removed
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+        return removed
 
     def grant_window_left(self, now: float) -> float | None:
         """How much of the candidate's grant window is left at ``now`` (its last grantable
@@ -341,7 +373,9 @@ class ModelThread(CandidateSizing):
         stop = head + bs
         request_ids = self._rid[head:stop]
         fe = self._fe[head:stop]
-        self._head = stop
+        finish_by = self._dl[head:stop]  # each request's deadline d (latest = d - l(bs))
+        # a grant pops the head like a drop does: compact here too, or the lists grow forever
+        self._advance_head(stop)
         exec_at = self.cand_exec
         finish_at = exec_at + self._table[bs]
         frontends, request_frontend = self._frontends_of(fe)
@@ -354,7 +388,7 @@ class ModelThread(CandidateSizing):
             frontends=frontends,
             request_frontend=request_frontend,
             request_ids=request_ids,
-            finish_by=self._dl[head:stop],  # each request's deadline d (latest = d - l(bs))
+            finish_by=finish_by,
         )
         self.n_planned += bs
         self.n_batches += 1

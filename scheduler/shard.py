@@ -15,6 +15,9 @@ straight there.
   over a DEALER (identity = shard name) to the rank; nothing waits for an answer.
 - Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the
   ``BackendTable`` (connected when a backend appears, closed when it leaves).
+- Frontend -> shard: ``CancelQueued`` (one per frontend per tick, after its RequestMetaBatch):
+  cancelled requests leave their ModelThread's queue before any batch takes them
+  (``cancelled`` counts those removed).
 - Shard -> frontends: ``DropNotice`` (``DEADLINE`` from the ModelThread; ``UNAVAILABLE`` for a model
   no live backend serves; ``SHUTTING_DOWN`` while draining; ``BACKEND_FAILED`` for the requests of
   the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
@@ -67,6 +70,7 @@ from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendTable,
     BatchPlan,
+    CancelQueued,
     DropNotice,
     GrantGpu,
     Heartbeat,
@@ -88,6 +92,7 @@ DRAIN_POLL_S = 0.01
 SHARD_COUNTERS = (
     "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
     "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
+    "cancelled",
 )
 # meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
 # what was left of the candidate's grant window when the grant came (negative: too late).
@@ -255,6 +260,9 @@ class ShardHost:
         outbox: Outbox = []
         # (model, data address) -> (ids, arrivals, deadlines), merged over the whole chunk
         arrivals: dict[tuple[str, str], tuple[list[int], list[float], list[float]]] = {}
+        # (model, data address) -> cancelled ids, applied after the arrivals (a request may be
+        # admitted and cancelled in one frontend tick: its metadata comes first)
+        cancels: dict[tuple[str, str], list[int]] = {}
         for identity, msg in chunk:
             assert identity is not None
             if type(msg) is RequestMetaBatch:
@@ -272,6 +280,10 @@ class ShardHost:
                         entry[0].extend(ids)
                         entry[1].extend(arr)
                         entry[2].extend(dls)
+            elif type(msg) is CancelQueued:
+                assert isinstance(msg, CancelQueued)
+                for rid, model in zip(msg.request_ids, msg.models, strict=True):
+                    cancels.setdefault((model, msg.frontend), []).append(rid)
             elif type(msg) is StatsRequest:
                 assert isinstance(msg, StatsRequest)
                 self._send(self.sock, StatsReply(self.name, self.stats(msg.reset)), identity)
@@ -287,7 +299,19 @@ class ShardHost:
             assert thread is not None
             thread.on_arrivals(now, address, ids, arr, dls, outbox)
             self._dirty.add(model)
+        self._cancel_queued(now, cancels, outbox)
         self._flush(outbox)
+
+    def _cancel_queued(self, now: float, cancels: dict[tuple[str, str], list[int]],
+                       outbox: Outbox) -> None:
+        """Take the cancelled requests out of their ModelThreads' queues; one already planned
+        is the frontend's to handle (its backend finds no inputs, or gets CancelFetched)."""
+        for (model, address), ids in cancels.items():
+            thread = self.threads.get(model)
+            if thread is None:
+                continue
+            self.counters["cancelled"] += thread.on_cancel(now, address, ids, outbox)
+            self._dirty.add(model)
 
     def _refusal(self, model: str, thread: ModelThread | None) -> tuple[ErrorKind, str] | None:
         if self.draining:
@@ -477,6 +501,7 @@ class ShardHost:
                     "queued": t.queue_length,
                     "arrived": t.n_arrived,
                     "dropped": t.n_dropped,
+                    "cancelled": t.n_cancelled,
                     "planned": t.n_planned,
                     "batches": t.n_batches,
                     "window_misses": t.n_window_misses,

@@ -28,6 +28,7 @@ from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,
     CancelFetched,
+    CancelQueued,
     CancelRequest,
     ClientHello,
     DropNotice,
@@ -209,10 +210,39 @@ def test_cancelling_a_fetched_request_tells_its_backend_once_per_tick() -> None:
 def test_a_gone_client_is_answered_nothing() -> None:
     core = _core()
     _submit(core, 0.0, 1)
-    _meta_ids(core)
+    (rid,) = _meta_ids(core)
     core.client_gone(CLIENT)
-    assert not core.pending and _tick(core) == []
+    # nothing to the client; only its shard hears of it (to take the request off its queue)
+    assert not core.pending
+    assert _tick(core) == [((TO_SHARD, 0), CancelQueued("ipc://data", [rid], ["m"]))]
     assert core.counters["disconnect_cancelled"] == 1
+
+
+def test_queued_cancellations_reach_the_owning_shard_once_per_tick() -> None:
+    """Cancelled and abandoned queued requests go to their model's shard in one CancelQueued
+    per shard per tick, after that tick's metadata; fetched ones go to their backend instead."""
+    core = _core()
+    for i in range(6):
+        _submit(core, 0.0, i, model="m" if i % 3 else "a")
+    _meta_ids(core)
+    rids = dict(core.requests.by_client[CLIENT])  # client's id -> the frontend's
+    core.on_fetch(0.01, "backend-0", InputFetch(7, [rids[1]]), [])
+    outbox: Outbox = []
+    core.on_cancel(0.02, CLIENT, 2, outbox)  # "m", queued
+    core.on_cancel(0.02, CLIENT, 3, outbox)  # "a", queued
+    core.on_cancel(0.02, CLIENT, 1, outbox)  # "m", fetched: its backend's business
+    _submit(core, 0.02, 9, model="m", client=b"client-2")
+    core.client_gone(b"client-2")  # admitted and abandoned in one tick
+    sent = _tick(core)
+    (meta,) = [(d, m) for d, m in sent if isinstance(m, RequestMetaBatch)]
+    late_rid = meta[1].request_ids[0]
+    cancels = [(d, m) for d, m in sent if isinstance(m, CancelQueued)]
+    assert cancels == [((TO_SHARD, 0), CancelQueued("ipc://data", [rids[2], late_rid],
+                                                     ["m", "m"])),
+                       ((TO_SHARD, 1), CancelQueued("ipc://data", [rids[3]], ["a"]))]
+    assert sent.index(meta) < sent.index(cancels[0])
+    assert _only(sent, CancelFetched) == [CancelFetched([7], [rids[1]])]
+    assert _tick(core) == []  # sent once
 
 
 # --------------------------------------------------------------------------- backend failures
@@ -360,7 +390,9 @@ def test_a_client_that_accepts_it_gets_one_message_per_tick() -> None:
     core.on_outputs(0.02, BatchOutputs(1, rids[:2], outputs), outbox)
     core.on_cancel(0.02, CLIENT, 2, outbox)
     assert outbox == []
-    ((destination, answers),) = _tick(core)
+    sent = _tick(core)
+    assert sent[0] == ((TO_SHARD, 0), CancelQueued("ipc://data", [rids[2]], ["m"]))
+    ((destination, answers),) = sent[1:]
     assert destination == (TO_CLIENT, CLIENT) and isinstance(answers, InferAnswers)
     assert answers.request_ids == [0, 1] and answers.error_ids == [2]
     assert answers.errors == ["CANCELLED"]

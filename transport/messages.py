@@ -121,6 +121,18 @@ class RequestMetaBatch(Message, frozen=True, tag="meta"):
     deadlines: list[float]
 
 
+class CancelQueued(Message, frozen=True, tag="qcancel"):
+    """Frontend -> owning scheduler shard: these requests of ``frontend`` (its ``data`` address,
+    as in RequestMetaBatch) were cancelled or their client left before any backend fetched
+    them; ``models[i]`` is the model of ``request_ids[i]``. One per shard per tick, sent after
+    that tick's RequestMetaBatch. The shard removes the ones still queued; a request already in
+    a sent plan finds no inputs at fetch time."""
+
+    frontend: str
+    request_ids: list[int]
+    models: list[str]
+
+
 class DropNotice(Message, frozen=True, tag="drop"):
     """Shard -> frontend: these requests were dropped by the scheduler and get ``error``."""
 
@@ -381,6 +393,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     InferAnswers,
     CancelRequest,
     RequestMetaBatch,
+    CancelQueued,
     DropNotice,
     CandidateUpdate,
     GrantGpu,

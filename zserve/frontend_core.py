@@ -5,10 +5,11 @@ predicted-wait bounds), answers deadlines, cancellations and backend failures, a
 a tick produced. Hosting contract (that of ``zserve.scheduler.common``): every method takes
 ``now`` (seconds on the cluster clock) and an ``outbox`` it appends ``(destination, message)``
 to; ``wake_at`` is read back after every call (``on_timer`` is due at it); ``end_tick`` appends
-what is sent once per tick: one ``RequestMetaBatch`` per shard, one ``CancelFetched`` per backend
-and one ``InferAnswers`` per client that accepts them. Destinations: ``("client", identity)``,
-``("shard", index)``, ``("backend", name)``. A host that cannot deliver a message says so with
-``on_send_failed``. Hosted by ``zserve.frontend`` (the process) and drivable by a simulator.
+what is sent once per tick: one ``RequestMetaBatch`` and one ``CancelQueued`` per shard, one
+``CancelFetched`` per backend and one ``InferAnswers`` per client that accepts them.
+Destinations: ``("client", identity)``, ``("shard", index)``, ``("backend", name)``. A host
+that cannot deliver a message says so with ``on_send_failed``. Hosted by ``zserve.frontend``
+(the process) and drivable by a simulator.
 
 Statistics are one ``zserve.stats.Stats`` (``FRONTEND_COUNTERS``, ``FRONTEND_HISTOGRAMS`` and
 ``queueing/<model>`` per model); ``stats(reset)`` is its snapshot plus the request table's state.
@@ -37,6 +38,7 @@ from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,
     CancelFetched,
+    CancelQueued,
     CancelRequest,
     ClientHello,
     DropNotice,
@@ -157,6 +159,9 @@ class FrontendCore:
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
         self._answers: dict[bytes, Answers] = {}
         self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
+        # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
+        self._queued_cancels: list[tuple[list[int], list[str]]] = [
+            ([], []) for _ in range(nshards)]
         self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
             ([], [], [], []) for _ in range(nshards)]
         # (answer_by, rid) of every pending request; an entry is live while its request is
@@ -274,6 +279,7 @@ class FrontendCore:
             return
         if p.state == QUEUED:
             self.counters["cancelled"] += 1
+            self._note_queued_cancel(p)
         else:
             # Fetched: the backend drops it if its batch has not started; if it has, the
             # outputs come back for a request already answered and are discarded.
@@ -299,12 +305,19 @@ class FrontendCore:
                 continue
             if p.state == QUEUED:
                 self.counters["disconnect_cancelled"] += 1
+                self._note_queued_cancel(p)
             else:
                 self.counters["disconnect_cancelled_fetched"] += 1
                 self._note_cancel(p)
             p.client = None
             self._finish(p)
         self.requests.by_client.pop(client, None)
+
+    def _note_queued_cancel(self, p: Pending) -> None:
+        """Tell the owning shard, at the tick's end, to take ``p`` out of its queue."""
+        ids, models = self._queued_cancels[self.models[p.model].shard]
+        ids.append(p.rid)
+        models.append(p.model)
 
     def _note_cancel(self, p: Pending) -> None:
         plans, rids = self._cancel_notes.setdefault(p.backend, ([], []))
@@ -544,13 +557,18 @@ class FrontendCore:
 
     def end_tick(self, outbox: Outbox) -> None:
         """Append what this tick produced to be sent once: the admitted requests' metadata (one
-        message per shard), cancellation notes (one per backend), answers (one per client)."""
+        message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
+        (one CancelFetched per backend), answers (one per client)."""
         for shard, (ids, models, arrivals, deadlines) in enumerate(self._meta):
             if ids:
                 self._meta[shard] = ([], [], [], [])
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
                     self.data_address, ids, models, arrivals, deadlines)))
                 self.counters["meta_batches"] += 1
+        for shard, (ids, models) in enumerate(self._queued_cancels):
+            if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
+                self._queued_cancels[shard] = ([], [])
+                outbox.append(((TO_SHARD, shard), CancelQueued(self.data_address, ids, models)))
         notes, self._cancel_notes = self._cancel_notes, {}
         for backend, (plans, rids) in notes.items():
             outbox.append(((TO_BACKEND, backend), CancelFetched(plans, rids)))
