@@ -82,9 +82,9 @@ Outputs = dict[str, np.ndarray[Any, Any]]
 # frontend that never answers cannot leave a caller waiting forever.
 DEFAULT_TIMEOUT_S = 60.0
 # How long the connection may be down (never up yet, or lost) before the requests waiting in the
-# socket's queue are answered UNAVAILABLE and new ones fail at once. Ten reconnect intervals of
-# the DEALER (100 ms): a live peer's reconnect fits well inside it, yet a dead address is reported
-# within the "second or two" a caller can tell from a hang; no SLO is this long anyway.
+# socket's queue are answered UNAVAILABLE and new ones fail at once. Ten of the DEALER's first
+# reconnect intervals (100 ms): a live peer's reconnect fits well inside it, yet a dead address is
+# reported within the "second or two" that tells it from a hang; no SLO is this long anyway.
 CONNECTION_DOWN_BOUND_S = 1.0
 _CONNECTION_UP = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 DEFAULT_MAX_RETRIES = 3
@@ -262,6 +262,8 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
+        for request_id in self._unsent:  # still in the discarded queue: never ran
+            self._fail(request_id, UnavailableError("client closed before sending the request"))
         if self._sock is not None and self._futures:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send_multipart(codec.encode(CancelRequest(CANCEL_ALL)), zmq.NOBLOCK)
@@ -272,7 +274,7 @@ class AsyncClient:
             self._down_timer.cancel()
         for future in self._futures.values():
             if not future.done():
-                future.set_exception(UnavailableError("client closed"))
+                future.set_exception(ConnectionLostError("client closed"))
         self._futures.clear()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
@@ -425,10 +427,8 @@ class AsyncClient:
             self._connection_down(self._down_since)
             return
         unsent, self._unsent = self._unsent, set()
-        for request_id in unsent:
-            future = self._futures.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(self._unavailable())
+        for request_id in unsent:  # _forget keeps every unsent id in _futures
+            self._fail(request_id, self._unavailable())
         if unsent:
             self._close_socket(linger_ms=0)  # discards the queued requests
             self._open_socket()
@@ -467,11 +467,7 @@ class AsyncClient:
                 elif not future.done():
                     future.set_result(msg.outputs)
             elif type(msg) is InferError:
-                future = futures.pop(msg.request_id, None)
-                if future is None:
-                    self.unmatched_replies += 1
-                elif not future.done():
-                    future.set_exception(error_from_wire(msg.error, msg.message))
+                self._fail(msg.request_id, error_from_wire(msg.error, msg.message))
 
     def _on_answers(self, msg: InferAnswers) -> None:
         futures = self._futures
@@ -483,11 +479,14 @@ class AsyncClient:
                 future.set_result(outputs)
         for request_id, error, message in zip(msg.error_ids, msg.errors, msg.messages,
                                               strict=True):
-            future = futures.pop(request_id, None)
-            if future is None:
-                self.unmatched_replies += 1
-            elif not future.done():
-                future.set_exception(error_from_wire(error, message))
+            self._fail(request_id, error_from_wire(error, message))
+
+    def _fail(self, request_id: int, error: BaseException) -> None:
+        future = self._futures.pop(request_id, None)
+        if future is None:
+            self.unmatched_replies += 1
+        elif not future.done():
+            future.set_exception(error)
 
     def _connection_lost(self) -> None:
         futures, self._futures = self._futures, {}
@@ -596,26 +595,21 @@ class Client:
         ``AsyncClient.submit``)."""
         result: concurrent.futures.Future[Outputs] = concurrent.futures.Future()
 
+        sent = threading.Event()
+
         def send() -> None:
             try:
                 inner = self._async.submit(model, inputs, slo_ms=slo_ms, timeout=timeout)
+                result.inner = inner  # type: ignore[attr-defined]
+                inner.add_done_callback(lambda done: _copy_outcome(done, result))
             except BaseException as exc:
                 result.set_exception(exc)
-                return
-            result.inner = inner  # type: ignore[attr-defined]
-            inner.add_done_callback(lambda done: _copy_outcome(done, result))
-
-        done = threading.Event()
-
-        def send_and_signal() -> None:
-            try:
-                send()
             finally:
-                done.set()
+                sent.set()
 
         with self._lock:
-            self._ensure_loop().call_soon_threadsafe(send_and_signal)
-        done.wait()
+            self._ensure_loop().call_soon_threadsafe(send)
+        sent.wait()
         return result
 
     def cancel(self, future: concurrent.futures.Future[Outputs]) -> bool:
