@@ -44,6 +44,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import os
 import random
 import socket
@@ -64,6 +65,7 @@ from zserve.errors import (
     ZServeError,
     error_from_wire,
 )
+from zserve.timers import LazyTimerHeap
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     CancelRequest,
@@ -201,6 +203,12 @@ class AsyncClient:
         # Requests sent while the connection was down: still in the socket's queue, never sent.
         self._unsent: set[int] = set()
         self._down_timer: asyncio.TimerHandle | None = None
+        # Client timeouts of requests in flight: (request id, timeout s) at their deadline
+        # (monotonic s), in one heap behind one loop timer (a loop timer per request would
+        # triple the cost of a submit); an answered request's entry is dropped lazily.
+        self._expiries: LazyTimerHeap[tuple[int, float]] = LazyTimerHeap(self._expiry_is_live)
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._expiry_timer_at = math.inf
         self.retries = 0  # automatic retries made (for reports)
         # Answers that matched no request in flight: late answers to requests this client gave
         # up on (timeout, cancel), or a frontend bug (a second answer to one request).
@@ -270,8 +278,9 @@ class AsyncClient:
         self._close_socket(_CLOSE_LINGER_MS)
         if self._reactor is not None:
             self._reactor.close()
-        if self._down_timer is not None:
-            self._down_timer.cancel()
+        for timer in (self._down_timer, self._expiry_timer):
+            if timer is not None:
+                timer.cancel()
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(ConnectionLostError("client closed"))
@@ -324,9 +333,7 @@ class AsyncClient:
         if self._down_since is not None:
             self._unsent.add(request_id)
         if timeout is not None:
-            # One timer per request: on expiry it fails the future itself.
-            expiry = self._loop.call_later(timeout, self._expire, future, timeout)
-            future.add_done_callback(lambda _: expiry.cancel())
+            self._expire_at(time.monotonic() + timeout, request_id, timeout)
         return future
 
     def cancel(self, future: asyncio.Future[Outputs]) -> bool:
@@ -382,12 +389,38 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(delay)
 
-    def _expire(self, future: asyncio.Future[Outputs], timeout: float | None) -> None:
-        if future.done():
-            return
-        self.cancel(future)  # tell the frontend, so it does not run a request nobody awaits
-        self._forget(future)
-        future.set_exception(DeadlineError(f"no answer within the client timeout of {timeout} s"))
+    def _expire_at(self, when: float, request_id: int, timeout: float) -> None:
+        expiries = self._expiries
+        expiries.push(when, (request_id, timeout))
+        # Entries of answered requests leave only at their deadline: bound them by the live ones.
+        expiries.compact_if(len(self._futures), factor=2.0, minimum=4096)
+        if when < self._expiry_timer_at:
+            self._arm_expiry_timer(when)
+
+    def _arm_expiry_timer(self, when: float) -> None:
+        assert self._loop is not None
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        self._expiry_timer_at = when
+        self._expiry_timer = self._loop.call_later(
+            max(0.0, when - time.monotonic()), self._on_expiry_timer
+        )
+
+    def _expiry_is_live(self, _when: float, entry: tuple[int, float]) -> bool:
+        return entry[0] in self._futures
+
+    def _on_expiry_timer(self) -> None:
+        self._expiry_timer, self._expiry_timer_at = None, math.inf
+        now = time.monotonic()
+        while (entry := self._expiries.pop_due(now)) is not None:
+            request_id, timeout = entry
+            future = self._futures[request_id]
+            self.cancel(future)  # tell the frontend, so it does not run a request nobody awaits
+            self._fail(request_id, DeadlineError(
+                f"no answer within the client timeout of {timeout} s"))
+        next_at = self._expiries.next_at()
+        if next_at < math.inf and not self._closed:
+            self._arm_expiry_timer(next_at)
 
     def _forget(self, future: asyncio.Future[Outputs]) -> None:
         request_id = getattr(future, "request_id", None)
