@@ -170,3 +170,18 @@ def test_request_after_close_fails_clearly(tmp_path: Any) -> None:
             await async_client.infer("m", sample(1))
 
     asyncio.run(drive())
+
+
+def test_close_ends_a_call_waiting_to_retry(tmp_path: Any) -> None:
+    """A call that close() answers UNAVAILABLE goes to retry after a backoff: it must end with
+    ClientClosedError, not hang behind the I/O thread's stopped loop."""
+    from zserve.client import ClientClosedError
+
+    client = Client(f"ipc://{tmp_path}/nobody", max_retries=5, backoff_s=0.05, backoff_max_s=0.05)
+    client.submit("m", sample(0))  # starts the I/O thread
+    assert client._loop is not None
+    # What Client.infer schedules, from this thread, so it is surely in flight before close().
+    call = asyncio.run_coroutine_threadsafe(client._async.infer("m", sample(1)), client._loop)
+    client.close()
+    with pytest.raises(ClientClosedError):
+        call.result(10)

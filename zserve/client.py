@@ -665,10 +665,17 @@ class Client:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
-        asyncio.run_coroutine_threadsafe(self._async.close(), loop).result()
+        asyncio.run_coroutine_threadsafe(self._close_async(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+    async def _close_async(self) -> None:
+        await self._async.close()
+        # Calls in flight end now: answered by the close, or ClientClosedError at their next
+        # attempt after a backoff. Wait for them: none may be left behind the stopped loop.
+        calls = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def __enter__(self) -> Client:
         return self
