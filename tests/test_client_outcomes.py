@@ -185,3 +185,17 @@ def test_close_ends_a_call_waiting_to_retry(tmp_path: Any) -> None:
     client.close()
     with pytest.raises(ClientClosedError):
         call.result(10)
+
+
+def test_a_request_timed_out_while_unsent_is_answered_once(tmp_path: Any) -> None:
+    async def drive() -> None:
+        async with AsyncClient(f"ipc://{tmp_path}/nobody", max_retries=0) as client:
+            early = client.submit("m", sample(1), timeout=0.1)
+            late = client.submit("m", sample(2), timeout=60)
+            with pytest.raises(zserve.DeadlineError):
+                await early
+            with pytest.raises(zserve.UnavailableError):
+                await late  # the bound passed: both were in the queue it discarded
+            assert client.unmatched_replies == 0 and client.in_flight == 0
+
+    asyncio.run(drive())

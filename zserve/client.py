@@ -237,7 +237,11 @@ class AsyncClient:
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))
-        self._monitor = sock.get_monitor_socket(_CONNECTION_UP | _DISCONNECTED)
+        # The monitor's endpoint named after the identity: pyzmq's default names it after the
+        # file descriptor, which a replacement socket may reuse while the old endpoint lingers.
+        self._monitor = sock.get_monitor_socket(
+            _CONNECTION_UP | _DISCONNECTED, addr=f"inproc://zserve-client-monitor-{identity.decode()}"
+        )
         self._sock = sock
         self._reactor.watch(sock, router=False, on_chunk=self._on_replies)
         self._reactor.watch_frames(self._monitor, on_frames=self._on_monitor_events)
@@ -270,7 +274,7 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        for request_id in self._unsent:  # still in the discarded queue: never ran
+        for request_id in self._unsent & self._futures.keys():  # in the discarded queue
             self._fail(request_id, UnavailableError("client closed before sending the request"))
         if self._sock is not None and self._futures:
             with contextlib.suppress(zmq.ZMQError):
@@ -460,8 +464,9 @@ class AsyncClient:
             self._connection_down(self._down_since)
             return
         unsent, self._unsent = self._unsent, set()
-        for request_id in unsent:  # _forget keeps every unsent id in _futures
-            self._fail(request_id, self._unavailable())
+        for request_id in unsent:
+            if request_id in self._futures:  # not timed out meanwhile
+                self._fail(request_id, self._unavailable())
         if unsent:
             self._close_socket(linger_ms=0)  # discards the queued requests
             self._open_socket()
