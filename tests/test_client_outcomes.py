@@ -199,3 +199,29 @@ def test_a_request_timed_out_while_unsent_is_answered_once(tmp_path: Any) -> Non
             assert client.unmatched_replies == 0 and client.in_flight == 0
 
     asyncio.run(drive())
+
+
+def test_a_frontend_that_comes_up_after_the_bound_is_used(tmp_path: Any) -> None:
+    """Past the bound the client fails requests at once, yet it keeps reconnecting (on a
+    replacement socket): once a frontend listens, the next request reaches it."""
+    address = f"ipc://{tmp_path}/late-frontend"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+
+    async def drive() -> None:
+        async with AsyncClient(address, timeout=60, max_retries=0) as client:
+            with pytest.raises(zserve.UnavailableError):
+                await client.submit("m", sample(1))  # the bound passed: the socket is replaced
+            router, _ = make_router(ctx, address)
+            try:
+                await asyncio.to_thread(socket_io.sync_recv, router, router=True)  # its hello
+                future = client.submit("m", sample(2))
+                _, request = await asyncio.to_thread(socket_io.sync_recv, router, router=True)
+                assert isinstance(request, InferRequest) and request.request_id == 2
+                assert client.connected and not future.done()
+            finally:
+                router.close(linger=0)
+
+    try:
+        asyncio.run(drive())
+    finally:
+        ctx.term()

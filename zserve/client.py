@@ -322,8 +322,10 @@ class AsyncClient:
         assert self._loop is not None and self._reactor is not None
         future: asyncio.Future[Outputs] = self._loop.create_future()
         if self._down_for_too_long():
-            future.set_exception(self._unavailable())
-            return future
+            self._drain_monitor()  # it may be up again, its event not read yet
+            if self._down_for_too_long():
+                future.set_exception(self._unavailable())
+                return future
         request_id = next(self._ids)
         frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
         error = self._reactor.send_frames(sock, frames)
