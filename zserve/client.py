@@ -23,6 +23,17 @@ exponential backoff, at most ``max_retries`` times and never past the call's tim
 gets no answer within its timeout raises ``DeadlineError`` (and cancels the request at the
 frontend); a lost connection to the frontend raises ``ConnectionLostError``.
 
+No future is ever left pending: ``submit`` futures carry the client's timeout too
+(``DEFAULT_TIMEOUT_S``, ``DeadlineError``), and the connection's state is read from a ZMQ socket
+monitor on the DEALER (handshake succeeded / disconnected). A request sent while the connection is
+down waits in the socket's queue; when the connection has been down for
+``CONNECTION_DOWN_BOUND_S`` those requests get ``UnavailableError`` (never ran, retryable) and the
+socket is replaced, discarding them, so they cannot run later. Until the connection is up again,
+new requests get ``UnavailableError`` at once, so a client of an address where nothing listens says
+so within about ``CONNECTION_DOWN_BOUND_S``. An address that cannot be connected to (bad scheme,
+garbage, an unresolvable host) raises ``ValueError`` at construction; a request after ``close()``
+raises ``ClientClosedError``.
+
 Nothing happens at import time: the socket is created on first use, and ``Client`` starts its
 one I/O thread then.
 """
@@ -33,8 +44,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -52,6 +65,7 @@ from zserve.errors import (
     ZServeError,
     error_from_wire,
 )
+from zserve.timers import LazyTimerHeap
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     CancelRequest,
@@ -66,11 +80,20 @@ from zserve.transport.sockets import make_dealer
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
+# Every call and every submitted future ends by this time at the latest (DeadlineError), so a
+# frontend that never answers cannot leave a caller waiting forever.
 DEFAULT_TIMEOUT_S = 60.0
+# How long the connection may be down (never up yet, or lost) before the requests waiting in the
+# socket's queue are answered UNAVAILABLE and new ones fail at once. Ten of the DEALER's first
+# reconnect intervals (100 ms): a live peer's reconnect fits well inside it, yet a dead address is
+# reported within the "second or two" that tells it from a hang; no SLO is this long anyway.
+CONNECTION_DOWN_BOUND_S = 1.0
+_CONNECTION_UP = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.005
 DEFAULT_BACKOFF_MAX_S = 0.25
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_ADDRESS_SCHEMES = ("tcp", "ipc", "inproc")
 # What this client tells the frontend it decodes: answers coalesced per event-loop tick.
 _HELLO = codec.encode(ClientHello(accepts=[InferAnswers.KIND]))
 # CancelRequest id that cancels every request of the connection (sent by close()).
@@ -89,6 +112,33 @@ class ConnectionLostError(UnavailableError):
     @property
     def retryable(self) -> bool:
         return False
+
+
+class ClientClosedError(RuntimeError):
+    """A request or a cancel on a client after its ``close()``."""
+
+
+def check_address(address: str) -> str:
+    """``address`` if a DEALER can connect to it; else a one-line ``ValueError`` naming it. A tcp
+    host is resolved here, so a typo fails now rather than as a silent reconnect loop."""
+    scheme, sep, rest = address.partition("://") if isinstance(address, str) else ("", "", "")
+    if not sep or scheme not in _ADDRESS_SCHEMES or not rest:
+        raise ValueError(
+            f"invalid zserve address {address!r}: expected tcp://HOST:PORT, ipc://PATH or "
+            "inproc://NAME"
+        )
+    if scheme != "tcp":
+        return address
+    host, colon, port = rest.rpartition(";")[2].rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid zserve address {address!r}: expected tcp://HOST:PORT")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"invalid zserve address {address!r}: cannot resolve {host!r} "
+                         f"({exc})") from None
+    return address
 
 
 def to_host_array(value: Any) -> Any:
@@ -133,7 +183,7 @@ class AsyncClient:
         seed: int | None = None,
         ctx: zmq.Context[Any] | None = None,
     ) -> None:
-        self.address = address
+        self.address = check_address(address)
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -148,6 +198,17 @@ class AsyncClient:
         self._futures: dict[int, asyncio.Future[Outputs]] = {}
         self._reactor: SocketReactor | None = None
         self._closed = False
+        # Connection state, from the socket monitor: down since when (monotonic s), None if up.
+        self._down_since: float | None = None
+        # Requests sent while the connection was down: still in the socket's queue, never sent.
+        self._unsent: set[int] = set()
+        self._down_timer: asyncio.TimerHandle | None = None
+        # Client timeouts of requests in flight: (request id, timeout s) at their deadline
+        # (monotonic s), in one heap behind one loop timer (a loop timer per request would
+        # triple the cost of a submit); an answered request's entry is dropped lazily.
+        self._expiries: LazyTimerHeap[tuple[int, float]] = LazyTimerHeap(self._expiry_is_live)
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._expiry_timer_at = math.inf
         self.retries = 0  # automatic retries made (for reports)
         # Answers that matched no request in flight: late answers to requests this client gave
         # up on (timeout, cancel), or a frontend bug (a second answer to one request).
@@ -157,51 +218,76 @@ class AsyncClient:
 
     def _ensure(self) -> zmq.Socket[Any]:
         if self._closed:
-            raise RuntimeError("client is closed")
+            raise ClientClosedError(f"the zserve client of {self.address} is closed")
         if self._sock is not None:
             return self._sock
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         if self._ctx is None:
             self._ctx = zmq.Context()
+        # Replies arrive through the reactor every zserve process receives with (an undecodable
+        # one cannot be matched to its request: on_bad drops it, its timeout answers it).
+        self._reactor = SocketReactor(self._loop)
+        self._connection_down(time.monotonic())
+        return self._open_socket()
+
+    def _open_socket(self) -> zmq.Socket[Any]:
+        assert self._ctx is not None and self._reactor is not None
         identity = b"c" + os.urandom(8).hex().encode()
         sock: zmq.Socket[Any] = make_dealer(self._ctx, self.address, identity=identity)
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # The monitor's endpoint named after the identity: pyzmq's default names it after the
+        # file descriptor, which a replacement socket may reuse while the old endpoint lingers.
+        self._monitor = sock.get_monitor_socket(
+            _CONNECTION_UP | _DISCONNECTED, addr=f"inproc://zserve-client-monitor-{identity.decode()}"
+        )
         self._sock = sock
-        self._loop = loop
-        # Replies arrive through the reactor every zserve process receives with (an undecodable
-        # one cannot be matched to its request: on_bad drops it, its timeout answers it).
-        self._reactor = SocketReactor(loop)
         self._reactor.watch(sock, router=False, on_chunk=self._on_replies)
         self._reactor.watch_frames(self._monitor, on_frames=self._on_monitor_events)
         return sock
 
+    def _close_socket(self, linger_ms: int) -> None:
+        sock, monitor = self._sock, self._monitor
+        if sock is None or monitor is None:
+            return
+        assert self._reactor is not None
+        self._reactor.unwatch(sock)
+        self._reactor.unwatch(monitor)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=linger_ms)
+        self._sock = self._monitor = None
+
     @property
     def in_flight(self) -> int:
         return len(self._futures)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to the frontend is up (as the socket monitor last said)."""
+        return self._sock is not None and self._down_since is None
 
     async def close(self) -> None:
         """Cancel what is in flight at the frontend and close the connection."""
         if self._closed:
             return
         self._closed = True
-        sock = self._sock
-        if sock is not None:
-            if self._futures:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.send_multipart(codec.encode(CancelRequest(CANCEL_ALL)), zmq.NOBLOCK)
-            assert self._reactor is not None and self._monitor is not None
-            self._reactor.close()
+        for request_id in self._unsent & self._futures.keys():  # in the discarded queue
+            self._fail(request_id, UnavailableError("client closed before sending the request"))
+        if self._sock is not None and self._futures:
             with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
-            self._monitor.close(linger=0)
-            sock.close(linger=_CLOSE_LINGER_MS)
-            self._sock = None
+                self._sock.send_multipart(codec.encode(CancelRequest(CANCEL_ALL)), zmq.NOBLOCK)
+        self._close_socket(_CLOSE_LINGER_MS)
+        if self._reactor is not None:
+            self._reactor.close()
+        for timer in (self._down_timer, self._expiry_timer):
+            if timer is not None:
+                timer.cancel()
         for future in self._futures.values():
             if not future.done():
-                future.set_exception(UnavailableError("client closed"))
+                future.set_exception(ConnectionLostError("client closed"))
         self._futures.clear()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
@@ -221,15 +307,26 @@ class AsyncClient:
     # ------------------------------------------------------------------ requests
 
     def submit(
-        self, model: str, inputs: Mapping[str, Any], *, slo_ms: float = 0.0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        slo_ms: float = 0.0,
+        timeout: float | None = None,
     ) -> asyncio.Future[Outputs]:
-        """Send one request now; the future resolves to its outputs or raises its typed error.
-        ``slo_ms`` (0: the model's SLO) may only tighten the model's SLO."""
+        """Send one request now; the future resolves to its outputs or raises its typed error
+        (``DeadlineError`` after ``timeout`` seconds, default the client's). ``slo_ms`` (0: the
+        model's SLO) may only tighten the model's SLO."""
+        timeout = self.timeout if timeout is None else timeout
         sock = self._ensure()
-        assert self._loop is not None
-        request_id = next(self._ids)
+        assert self._loop is not None and self._reactor is not None
         future: asyncio.Future[Outputs] = self._loop.create_future()
-        assert self._reactor is not None
+        if self._down_for_too_long():
+            self._drain_monitor()  # it may be up again, its event not read yet
+            if self._down_for_too_long():
+                future.set_exception(self._unavailable())
+                return future
+        request_id = next(self._ids)
         frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
         error = self._reactor.send_frames(sock, frames)
         if isinstance(error, zmq.Again):
@@ -239,6 +336,10 @@ class AsyncClient:
             raise error
         self._futures[request_id] = future
         future.request_id = request_id  # type: ignore[attr-defined]
+        if self._down_since is not None:
+            self._unsent.add(request_id)
+        if timeout is not None:
+            self._expire_at(time.monotonic() + timeout, request_id, timeout)
         return future
 
     def cancel(self, future: asyncio.Future[Outputs]) -> bool:
@@ -276,12 +377,7 @@ class AsyncClient:
             if remaining is not None:
                 # The server need not work for longer than the caller will wait.
                 attempt_slo = min(slo_ms or float("inf"), remaining * 1e3)
-            future = self.submit(model, prepared, slo_ms=attempt_slo)
-            # One timer per call (no extra task): on expiry it fails the future itself.
-            expiry = None
-            if remaining is not None and not future.done():
-                assert self._loop is not None
-                expiry = self._loop.call_later(remaining, self._expire, future, timeout)
+            future = self.submit(model, prepared, slo_ms=attempt_slo, timeout=remaining)
             try:
                 return await future
             except asyncio.CancelledError:
@@ -298,28 +394,105 @@ class AsyncClient:
                 if end is not None and time.monotonic() + delay >= end:
                     raise
                 await asyncio.sleep(delay)
-            finally:
-                if expiry is not None:
-                    expiry.cancel()
 
-    def _expire(self, future: asyncio.Future[Outputs], timeout: float | None) -> None:
-        if future.done():
-            return
-        self.cancel(future)  # tell the frontend, so it does not run a request nobody awaits
-        self._forget(future)
-        future.set_exception(DeadlineError(f"no answer within the client timeout of {timeout} s"))
+    def _expire_at(self, when: float, request_id: int, timeout: float) -> None:
+        expiries = self._expiries
+        expiries.push(when, (request_id, timeout))
+        # Entries of answered requests leave only at their deadline: bound them by the live ones.
+        expiries.compact_if(len(self._futures), factor=2.0, minimum=4096)
+        if when < self._expiry_timer_at:
+            self._arm_expiry_timer(when)
+
+    def _arm_expiry_timer(self, when: float) -> None:
+        assert self._loop is not None
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        self._expiry_timer_at = when
+        self._expiry_timer = self._loop.call_later(
+            max(0.0, when - time.monotonic()), self._on_expiry_timer
+        )
+
+    def _expiry_is_live(self, _when: float, entry: tuple[int, float]) -> bool:
+        return entry[0] in self._futures
+
+    def _on_expiry_timer(self) -> None:
+        self._expiry_timer, self._expiry_timer_at = None, math.inf
+        now = time.monotonic()
+        while (entry := self._expiries.pop_due(now)) is not None:
+            request_id, timeout = entry
+            future = self._futures[request_id]
+            self.cancel(future)  # tell the frontend, so it does not run a request nobody awaits
+            self._fail(request_id, DeadlineError(
+                f"no answer within the client timeout of {timeout} s"))
+        next_at = self._expiries.next_at()
+        if next_at < math.inf and not self._closed:
+            self._arm_expiry_timer(next_at)
 
     def _forget(self, future: asyncio.Future[Outputs]) -> None:
         request_id = getattr(future, "request_id", None)
         if request_id is not None:
             self._futures.pop(request_id, None)
+            self._unsent.discard(request_id)
+
+    # ------------------------------------------------------------------ connection state
+
+    def _down_for_too_long(self) -> bool:
+        down_since = self._down_since
+        return down_since is not None and time.monotonic() - down_since >= CONNECTION_DOWN_BOUND_S
+
+    def _unavailable(self) -> UnavailableError:
+        return UnavailableError(
+            f"no connection to the frontend {self.address} for {CONNECTION_DOWN_BOUND_S} s "
+            "(nothing listens there, or it is down): the request was not sent"
+        )
+
+    def _connection_down(self, since: float) -> None:
+        self._down_since = since
+        assert self._loop is not None
+        if self._down_timer is None:
+            delay_s = max(0.0, since + CONNECTION_DOWN_BOUND_S - time.monotonic())
+            self._down_timer = self._loop.call_later(delay_s, self._on_down_bound)
+
+    def _on_down_bound(self) -> None:
+        """The connection has been down for the bound (unless it came up meanwhile): answer the
+        requests waiting in the socket's queue, and replace the socket so they are never sent."""
+        self._down_timer = None
+        if self._closed or self._down_since is None:
+            return
+        self._drain_monitor()  # a connection made just now must not be taken for a dead one
+        if self._down_since is None:
+            return
+        if not self._down_for_too_long():
+            self._connection_down(self._down_since)
+            return
+        unsent, self._unsent = self._unsent, set()
+        for request_id in unsent:
+            if request_id in self._futures:  # not timed out meanwhile
+                self._fail(request_id, self._unavailable())
+        if unsent:
+            self._close_socket(linger_ms=0)  # discards the queued requests
+            self._open_socket()
+
+    def _drain_monitor(self) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        events: list[list[zmq.Frame]] = []
+        with contextlib.suppress(zmq.Again):
+            while True:
+                events.append(monitor.recv_multipart(zmq.NOBLOCK, copy=False))
+        self._on_monitor_events(events)
 
     # ------------------------------------------------------------------ receive
 
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:  # rare: a connection event
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
-            if event["event"] == _DISCONNECTED:
+            if event["event"] == _CONNECTION_UP:
+                self._down_since = None
+                self._unsent.clear()  # the socket sends its queue now
+            elif event["event"] == _DISCONNECTED and self._down_since is None:
+                self._connection_down(time.monotonic())
                 self._connection_lost()
 
     def _on_replies(self, chunk: Chunk) -> None:
@@ -334,11 +507,7 @@ class AsyncClient:
                 elif not future.done():
                     future.set_result(msg.outputs)
             elif type(msg) is InferError:
-                future = futures.pop(msg.request_id, None)
-                if future is None:
-                    self.unmatched_replies += 1
-                elif not future.done():
-                    future.set_exception(error_from_wire(msg.error, msg.message))
+                self._fail(msg.request_id, error_from_wire(msg.error, msg.message))
 
     def _on_answers(self, msg: InferAnswers) -> None:
         futures = self._futures
@@ -350,11 +519,14 @@ class AsyncClient:
                 future.set_result(outputs)
         for request_id, error, message in zip(msg.error_ids, msg.errors, msg.messages,
                                               strict=True):
-            future = futures.pop(request_id, None)
-            if future is None:
-                self.unmatched_replies += 1
-            elif not future.done():
-                future.set_exception(error_from_wire(error, message))
+            self._fail(request_id, error_from_wire(error, message))
+
+    def _fail(self, request_id: int, error: BaseException) -> None:
+        future = self._futures.pop(request_id, None)
+        if future is None:
+            self.unmatched_replies += 1
+        elif not future.done():
+            future.set_exception(error)
 
     def _connection_lost(self) -> None:
         futures, self._futures = self._futures, {}
@@ -409,23 +581,25 @@ class Client:
         self._closed = False
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("client is closed")
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                ready = threading.Event()
+        """The I/O thread's loop (started on first use). Call with ``self._lock`` held, and
+        schedule on the loop before releasing it: ``close()`` then runs after what was scheduled,
+        so nothing scheduled is left behind a stopped loop."""
+        if self._closed:
+            raise ClientClosedError(f"the zserve client of {self.address} is closed")
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
 
-                def run() -> None:
-                    asyncio.set_event_loop(loop)
-                    loop.call_soon(ready.set)
-                    loop.run_forever()
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
 
-                thread = threading.Thread(target=run, name="zserve-client-io", daemon=True)
-                thread.start()
-                ready.wait()
-                self._loop, self._thread = loop, thread
-            return self._loop
+            thread = threading.Thread(target=run, name="zserve-client-io", daemon=True)
+            thread.start()
+            ready.wait()
+            self._loop, self._thread = loop, thread
+        return self._loop
 
     def infer(
         self,
@@ -437,47 +611,57 @@ class Client:
         max_retries: int | None = None,
     ) -> Outputs:
         """Run ``model`` on ``inputs`` and return its outputs (see ``AsyncClient.infer``)."""
-        loop = self._ensure_loop()
         coro = self._async.infer(
             model, inputs, timeout=timeout, slo_ms=slo_ms, max_retries=max_retries
         )
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        with self._lock:
+            try:
+                loop = self._ensure_loop()
+            except ClientClosedError:
+                coro.close()
+                raise
+            outcome = asyncio.run_coroutine_threadsafe(coro, loop)
+        return outcome.result()
 
     def submit(
-        self, model: str, inputs: Mapping[str, Any], *, slo_ms: float = 0.0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        slo_ms: float = 0.0,
+        timeout: float | None = None,
     ) -> concurrent.futures.Future[Outputs]:
-        """Send one request (one attempt); returns a ``concurrent.futures.Future``."""
-        loop = self._ensure_loop()
+        """Send one request (one attempt); returns a ``concurrent.futures.Future`` (see
+        ``AsyncClient.submit``)."""
         result: concurrent.futures.Future[Outputs] = concurrent.futures.Future()
+
+        sent = threading.Event()
 
         def send() -> None:
             try:
-                inner = self._async.submit(model, inputs, slo_ms=slo_ms)
+                inner = self._async.submit(model, inputs, slo_ms=slo_ms, timeout=timeout)
+                result.inner = inner  # type: ignore[attr-defined]
+                inner.add_done_callback(lambda done: _copy_outcome(done, result))
             except BaseException as exc:
                 result.set_exception(exc)
-                return
-            result.inner = inner  # type: ignore[attr-defined]
-            inner.add_done_callback(lambda done: _copy_outcome(done, result))
-
-        done = threading.Event()
-
-        def send_and_signal() -> None:
-            try:
-                send()
             finally:
-                done.set()
+                sent.set()
 
-        loop.call_soon_threadsafe(send_and_signal)
-        done.wait()
+        with self._lock:
+            self._ensure_loop().call_soon_threadsafe(send)
+        sent.wait()
         return result
 
     def cancel(self, future: concurrent.futures.Future[Outputs]) -> bool:
         """Ask the frontend to cancel a request from ``submit`` (see ``AsyncClient.cancel``)."""
         inner = getattr(future, "inner", None)
-        if inner is None or self._loop is None:
-            return False
         outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._loop.call_soon_threadsafe(lambda: outcome.set_result(self._async.cancel(inner)))
+        with self._lock:
+            if inner is None or self._loop is None or self._closed:
+                return False
+            self._loop.call_soon_threadsafe(
+                lambda: outcome.set_result(self._async.cancel(inner))
+            )
         return outcome.result()
 
     def close(self) -> None:
@@ -488,10 +672,17 @@ class Client:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
-        asyncio.run_coroutine_threadsafe(self._async.close(), loop).result()
+        asyncio.run_coroutine_threadsafe(self._close_async(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+    async def _close_async(self) -> None:
+        await self._async.close()
+        # Calls in flight end now: answered by the close, or ClientClosedError at their next
+        # attempt after a backoff. Wait for them: none may be left behind the stopped loop.
+        calls = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def __enter__(self) -> Client:
         return self
