@@ -15,7 +15,8 @@ import zmq
 from runtime_helpers import FrontendHarness, emulated_cluster, meta_ids, sample
 
 import zserve
-from zserve.client import CONNECTION_DOWN_BOUND_S, AsyncClient, Client, ConnectionLostError
+from zserve.client import CONNECTION_DOWN_BOUND_S, AsyncClient, ConnectionLostError
+from zserve.sync_client import Client
 from zserve.transport import socket_io
 from zserve.transport.messages import InferRequest
 from zserve.transport.sockets import make_router

@@ -25,7 +25,8 @@ from zserve.errors import (
 )
 
 if TYPE_CHECKING:
-    from zserve.client import AsyncClient, Client, ConnectionLostError
+    from zserve.client import AsyncClient, ClientClosedError, ConnectionLostError
+    from zserve.sync_client import Client
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +34,7 @@ __all__ = [
     "BadRequestError",
     "CancelledError",
     "Client",
+    "ClientClosedError",
     "ConnectionLostError",
     "DeadlineError",
     "ErrorKind",
@@ -45,10 +47,14 @@ __all__ = [
     "ZServeError",
 ]
 
-_LAZY = {"Client", "AsyncClient", "ConnectionLostError"}
+_LAZY = {"AsyncClient", "ClientClosedError", "ConnectionLostError"}
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from zserve import sync_client
+
+        return sync_client.Client
     if name in _LAZY:
         from zserve import client
 
