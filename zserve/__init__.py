@@ -7,6 +7,7 @@ access, so ``import zserve`` stays light and creates no sockets or threads.
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from zserve.errors import (
@@ -23,6 +24,9 @@ from zserve.errors import (
     UnavailableError,
     ZServeError,
 )
+
+# The installed distribution's version (pyproject.toml), the one ``zserve --version`` prints.
+__version__ = metadata.version("zserve")
 
 if TYPE_CHECKING:
     from zserve.client import AsyncClient, ClientClosedError, ConnectionLostError
@@ -45,6 +49,7 @@ __all__ = [
     "TooLargeError",
     "UnavailableError",
     "ZServeError",
+    "__version__",
 ]
 
 _LAZY = {"AsyncClient", "ClientClosedError", "ConnectionLostError"}

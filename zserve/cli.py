@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
-    lines = ["usage: zserve COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: zserve COMMAND [ARGS...] | zserve --version", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "`zserve COMMAND --help` describes each command."]
     return "\n".join(lines)
@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help", "help"}:
         print(_usage())
+        return 0
+    if args[0] in {"-V", "--version"}:
+        from zserve import __version__
+
+        print(f"zserve {__version__}")
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
