@@ -30,12 +30,12 @@ the measure window are counted.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
@@ -158,7 +158,6 @@ class Simulator:
         self._frontend_wake = [math.inf] * len(self.frontends)
         self._tick_due = [False] * len(self.frontends)
         self._payloads: dict[int, Any] = {}  # event seq -> the plan, inputs or batch it carries
-        self._plan_seq = 0
         self._inputs_due: dict[int, float] = {}  # plan id -> when its inputs are in
         self._next_arrival = 0
         self._meta_unsent = False  # an admission this instant: end the tick before time moves
@@ -190,10 +189,13 @@ class Simulator:
         as the live processes configure theirs."""
         w = self.w
         reply_s = w.reply_ms / 1e3
+        # One id space for every model's plans, as a shard hands its ModelThreads one: a
+        # follower holds plans of every model and matches input replies by plan id.
+        plan_ids = itertools.count(1)
         models = [
             ModelThread(
                 m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s,
-                jitter_s=w.jitter_ms / 1e3,
+                jitter_s=w.jitter_ms / 1e3, plan_ids=plan_ids,
                 budget_s=m.slo_s - reply_s - d_ctrl_s,
                 keep_tolerance=self.keep_tolerance,
             )
@@ -417,10 +419,6 @@ class Simulator:
         self.gpu_planned_until[plan.gpu_id] = plan.expected_finish_at
         if self.config.record_plans:
             self.plans.append(plan)
-        # Plan ids are per ModelThread; one follower holds plans of every model: renumber them
-        # (as a shard does).
-        self._plan_seq += 1
-        plan = msgspec.structs.replace(plan, plan_id=self._plan_seq)
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
