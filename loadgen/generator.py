@@ -127,6 +127,7 @@ def run_load(
     progress: bool | None = None,
     refuse_if_behind: bool = True,
     on_start: Callable[[float], None] | None = None,
+    protocol: str = "native",
 ) -> RunResult:
     """Run ``plan`` against the frontend ``client`` socket at ``address`` (or several frontends:
     worker w sends to ``address[w % len(address)]``).
@@ -137,7 +138,9 @@ def run_load(
     Raises :class:`GeneratorBehindError` when the lateness bound is exceeded (unless
     ``refuse_if_behind`` is False, then the result says ``lateness.behind``). ``on_start(t0)`` is
     called once the start instant is fixed, before the first send (e.g. to align a statistics
-    poller with the run).
+    poller with the run). ``protocol``: send through zserve's client socket (``native``) or
+    an Open Inference Protocol server (``zserve.loadgen.oip_sender.PROTOCOLS``; ``address`` is
+    then its ``host:port``).
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
@@ -152,6 +155,7 @@ def run_load(
         identity=_identity(0),
         reply_grace_s=reply_grace_s,
         bail=bail,
+        protocol=protocol,
     )
     if workers == 1:
         t0 = time.monotonic() + START_DELAY_S

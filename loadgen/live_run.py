@@ -41,6 +41,7 @@ class BenchOptions:
     progress: bool | None
     schedule: schedules.RateSchedule | None
     records: str | None = None  # write each run's per-request records here (.npz)
+    protocol: str = "native"  # or an OIP transport (zserve.loadgen.oip_sender.PROTOCOLS)
 
 
 def _stats_poller(target: Target, plan: LoadPlan) -> StatsPoller:
@@ -94,12 +95,14 @@ def run_once(
     inputs = {target.model_names[w]: t for w, t in target.inputs.items()}
     poller = _stats_poller(target, plan)
     missing = _missing_sources(target)
+    addresses = target.addresses_for(options.protocol)
     try:
         result = run_load(
             plan,
-            target.client_addresses or target.client_address,
+            addresses,
             inputs=inputs,
-            workers=_workers_for(options.workers, plan, len(target.client_addresses)),
+            protocol=options.protocol,
+            workers=_workers_for(options.workers, plan, len(addresses)),
             lateness_bound_ms=options.lateness_bound_ms,
             bail=options.bail,
             progress=options.progress,

@@ -126,6 +126,9 @@ class WorkerSpec:
     identity: bytes
     reply_grace_s: float = DEFAULT_REPLY_GRACE_S
     bail: BailRule | None = None
+    # "native" (zserve's client socket) or an Open Inference Protocol transport
+    # (zserve.loadgen.oip_sender.PROTOCOLS; ``address`` is then the server's host:port).
+    protocol: str = "native"
 
 
 @dataclass
@@ -318,6 +321,10 @@ class _Sender:
 
 def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     """Send ``spec.plan`` open-loop from ``t0`` on; record every reply."""
+    if spec.protocol != "native":
+        from zserve.loadgen.oip_sender import oip_send_loop
+
+        return oip_send_loop(spec, t0, monitor)
     loop = asyncio.SelectorEventLoop()  # not uvloop: see the module docstring
     try:
         return loop.run_until_complete(_serve(spec, t0, monitor))
