@@ -139,6 +139,9 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
     _write_atomic(pid_path, f"{os.getpid()}\n")
     for address in supervisor.client_addresses:
         print(f"zserve: cluster {name!r} is up; clients connect to {address}", flush=True)
+    for server in ("http", "grpc"):  # the frontends' Open Inference Protocol servers
+        for address in supervisor.frontend_endpoints(server):
+            print(f"zserve: cluster {name!r} serves OIP {server} at {address}", flush=True)
 
 
 def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:
