@@ -72,9 +72,9 @@ from zserve.loadgen.load_plan import (
     GeneratorError,
 )
 from zserve.loadgen.max_rate import MAX_RATE_CHECK_S, max_rate_check
-from zserve.loadgen.oip_sender import PROTOCOLS
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sender import PROTOCOLS
 from zserve.loadgen.target import Target, open_target
 from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload
 

@@ -70,6 +70,7 @@ from zserve.loadgen.load_plan import (
 from zserve.loadgen.sender import (
     DEFAULT_REPLY_GRACE_S,
     MONITOR_INTERVAL_S,
+    PROTOCOLS,
     WORKER_START_TIMEOUT_S,
     Channels,
     WorkerOutput,
@@ -139,11 +140,13 @@ def run_load(
     ``refuse_if_behind`` is False, then the result says ``lateness.behind``). ``on_start(t0)`` is
     called once the start instant is fixed, before the first send (e.g. to align a statistics
     poller with the run). ``protocol``: send through zserve's client socket (``native``) or
-    an Open Inference Protocol server (``zserve.loadgen.oip_sender.PROTOCOLS``; ``address`` is
+    an Open Inference Protocol server (``zserve.loadgen.sender.PROTOCOLS``; ``address`` is
     then its ``host:port``).
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r} (one of {', '.join(PROTOCOLS)})")
     if progress is None:
         progress = sys.stderr.isatty() and plan.duration_s >= PROGRESS_MIN_S
     bar = _Progress(plan) if progress else None
@@ -157,7 +160,9 @@ def run_load(
         bail=bail,
         protocol=protocol,
     )
-    if workers == 1:
+    # An OIP worker always runs in a process of its own: grpcio's asyncio support keeps
+    # process-wide state bound to the first event loop that used it.
+    if workers == 1 and protocol == "native":
         t0 = time.monotonic() + START_DELAY_S
         if on_start is not None:
             on_start(t0)

@@ -26,12 +26,17 @@ import numpy as np
 
 from zserve import oip_inference_pb2 as pb
 from zserve.loadgen.load_plan import ERROR_INDEX, NO_ERROR, SENT
-from zserve.loadgen.sender import SEND_BURST, Monitor, WorkerOutput, WorkerSpec, _Sender
+from zserve.loadgen.sender import (
+    PROTOCOLS,
+    SEND_BURST,
+    Monitor,
+    WorkerOutput,
+    WorkerSpec,
+    _Sender,
+)
 from zserve.oip_tensors import HEADER_LENGTH, datatype_of
 from zserve.transport.messages import TensorMap
 
-PROTOCOLS = ("native", "http-json", "http-binary", "grpc")
-"""The load generator's ways to send: zserve's client socket, or the OIP transports."""
 _BAD_REPLY = ERROR_INDEX["BAD_REPLY"]
 _UNAVAILABLE = ERROR_INDEX["UNAVAILABLE"]
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -51,6 +51,9 @@ from zserve.transport.messages import (
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_dealer
 
+PROTOCOLS = ("native", "http-json", "http-binary", "grpc")
+"""The load generator's ways to send: zserve's client socket, or the frontend's Open Inference
+Protocol servers (``zserve.loadgen.oip_sender``)."""
 # How often a worker publishes its counters, checks the early-stop rule and the stop flag.
 MONITOR_INTERVAL_S = 0.05
 # After the last send, how long to wait for outstanding replies beyond the largest SLO. The
@@ -127,7 +130,7 @@ class WorkerSpec:
     reply_grace_s: float = DEFAULT_REPLY_GRACE_S
     bail: BailRule | None = None
     # "native" (zserve's client socket) or an Open Inference Protocol transport
-    # (zserve.loadgen.oip_sender.PROTOCOLS; ``address`` is then the server's host:port).
+    # (zserve.loadgen.sender.PROTOCOLS; ``address`` is then the server's host:port).
     protocol: str = "native"
 
 

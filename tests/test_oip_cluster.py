@@ -38,7 +38,9 @@ X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(oip_cluster(), ipc_base=tmp_path_factory.mktemp("oip")) as running:
+    # Model ``slow``: a lone request's batch starts about 2 s after it arrives and runs 1 s.
+    config = oip_cluster(slow_beta_ms=1000.0, slow_slo_ms=3000.0)
+    with Cluster(config, ipc_base=tmp_path_factory.mktemp("oip")) as running:
         yield running
 
 
@@ -164,7 +166,7 @@ def test_impossible_slo(http: httpclient.InferenceServerClient,
 
 async def test_overloaded_says_when_to_retry(cluster: Cluster) -> None:
     """429 / RESOURCE_EXHAUSTED with Retry-After: model ``slow`` queues at most 2 requests and
-    its batches take 1 s, so of three sent at once the third is refused."""
+    holds them about 2 s, so of three sent at once the third is refused."""
     http = httpaio.InferenceServerClient(cluster.http_addresses[0])
     try:
         results = await asyncio.gather(
@@ -196,6 +198,31 @@ async def _until_queued(cluster: Cluster, model: str, count: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{model} never had {count} requests queued")
+
+
+async def test_a_cancelled_call_cancels_its_request(cluster: Cluster) -> None:
+    """A gRPC call that ends before its answer (the client's deadline) cancels its request in
+    the frontend (queued: it never runs; fetched: the backend drops it unless its batch has
+    started), and it is never answered with outputs."""
+    before = (await asyncio.to_thread(cluster.stats, "frontend-0"))["counters"]
+    grpc_client = grpcaio.InferenceServerClient(cluster.grpc_addresses[0])
+    try:
+        with pytest.raises(InferenceServerException) as raised:
+            await grpc_client.infer("slow", [grpc_input("x", X)], client_timeout=0.3)
+    finally:
+        await grpc_client.close()
+    assert "DEADLINE_EXCEEDED" in str(raised.value.status())
+    def cancelled(counters: dict[str, int]) -> int:
+        return counters["cancelled"] + counters["cancelled_fetched"]
+
+    for _ in range(2000):
+        after = (await asyncio.to_thread(cluster.stats, "frontend-0"))["counters"]
+        if cancelled(after) > cancelled(before):
+            break
+        await asyncio.sleep(0.01)
+    assert cancelled(after) == cancelled(before) + 1, (before, after)
+    assert after["error_CANCELLED"] == before["error_CANCELLED"] + 1
+    assert after["replied"] == before["replied"]
 
 
 def test_error_body_names_the_kind(cluster: Cluster) -> None:

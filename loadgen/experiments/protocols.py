@@ -17,7 +17,7 @@ from typing import Any
 
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table
 from zserve.loadgen.experiments.live import live_cluster, live_goodput
-from zserve.loadgen.oip_sender import PROTOCOLS
+from zserve.loadgen.sender import PROTOCOLS
 from zserve.loadgen.workload import Workload, parse_workload
 
 ALPHA_MS = 1.053
