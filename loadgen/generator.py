@@ -160,17 +160,7 @@ def run_load(
         bail=bail,
         protocol=protocol,
     )
-    # An OIP worker always runs in a process of its own: grpcio's asyncio support keeps
-    # process-wide state bound to the first event loop that used it.
-    if workers == 1 and protocol == "native":
-        t0 = time.monotonic() + START_DELAY_S
-        if on_start is not None:
-            on_start(t0)
-        out = send_loop(spec, t0, lambda c, lag: coordinator.check(c, lag, t0))
-        outputs = [(np.arange(len(plan)), out)]
-    else:
-        addresses = [address] if isinstance(address, str) else list(address)
-        t0, outputs = _run_processes(spec, workers, coordinator, on_start, addresses)
+    t0, outputs = _run_workers(spec, workers, coordinator, on_start, address)
     if bar is not None:
         bar.close()
     return _assemble(
@@ -183,6 +173,23 @@ def run_load(
         abandoned_lag_s=coordinator.abandoned_lag_s,
         refuse_if_behind=refuse_if_behind,
     )
+
+
+def _run_workers(
+    spec: WorkerSpec, workers: int, coordinator: _Coordinator,
+    on_start: Callable[[float], None] | None, address: str | Sequence[str],
+) -> tuple[float, list[tuple[IntArray, WorkerOutput]]]:
+    """One native worker runs here; several, or an OIP worker, in processes of their own (an
+    OIP worker always: grpcio's asyncio support keeps process-wide state bound to the first
+    event loop that used it)."""
+    if workers == 1 and spec.protocol == "native":
+        t0 = time.monotonic() + START_DELAY_S
+        if on_start is not None:
+            on_start(t0)
+        out = send_loop(spec, t0, lambda c, lag: coordinator.check(c, lag, t0))
+        return t0, [(np.arange(len(spec.plan)), out)]
+    addresses = [address] if isinstance(address, str) else list(address)
+    return _run_processes(spec, workers, coordinator, on_start, addresses)
 
 
 def _identity(worker: int) -> bytes:

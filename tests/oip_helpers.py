@@ -99,5 +99,6 @@ def grpc_trailers(address: str, model: str, array: np.ndarray[Any, Any],
         try:
             call(request, timeout=60)
         except grpc.RpcError as exc:
-            return exc.code(), dict(exc.trailing_metadata() or ())
+            trailers = exc.trailing_metadata() or ()
+            return exc.code(), {str(item.key): str(item.value) for item in trailers}
     return grpc.StatusCode.OK, {}
