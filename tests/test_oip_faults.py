@@ -54,6 +54,8 @@ def test_wedged_backend_makes_its_models_unready(tmp_path: Path) -> None:
             wait_until(lambda: not http.is_model_ready("m"), UNREADY_WITHIN_S * 2, "unready")
             assert time.monotonic() - stopped_at < UNREADY_WITHIN_S * 2
             assert not http.is_server_ready() and not grpc_client.is_model_ready("m")
+            stats = cluster.stats("frontend-0")
+            assert stats["ready"] is False and stats["unready_models"] == ["m", "slow"]
             assert not grpc_client.is_server_ready() and http.is_server_live()
             assert http_status(lambda: http.infer("m", [http_input("x", X)])) == 503
             assert grpc_code(lambda: grpc_client.infer("m", [grpc_input("x", X)])) \
@@ -62,6 +64,7 @@ def test_wedged_backend_makes_its_models_unready(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         wait_until(http.is_server_ready, RECOVERY_S, "ready again")
+        assert cluster.stats("frontend-0")["ready"] is True
         assert http_status(lambda: http.infer("m", [http_input("x", X)])) == 200
         http.close()
         grpc_client.close()

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, peer_map, readiness, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
@@ -503,6 +503,10 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        # What the health endpoints answer (zserve.readiness), for status and metrics readers.
+        out["ready"] = self.oip.ready()
+        out["unready_models"] = readiness.unready_models(self.core.models,
+                                                         self.core.backend_models)
         return out
 
 
