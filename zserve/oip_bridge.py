@@ -61,6 +61,7 @@ class OipBridge:
         self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_scheduled = False
+        self._closed_because: str | None = None
         self.version = metadata.version("zserve")
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -77,6 +78,8 @@ class OipBridge:
         """Submit one request; its future ends with the outputs or a ``ZServeError``."""
         loop = self._loop
         if loop is None:
+            if self._closed_because is not None:
+                raise ShuttingDownError(self._closed_because)
             raise UnavailableError(f"frontend {self.core.name} is not serving yet")
         if model not in self.core.models:
             raise BadRequestError(f"unknown model {model!r}")
@@ -138,6 +141,7 @@ class OipBridge:
             if not future.done():
                 future.set_exception(ShuttingDownError(message))
         self._loop = None
+        self._closed_because = message
 
     # ------------------------------------------------------------------ health and metadata
 
