@@ -40,6 +40,7 @@ from zserve.transport.messages import TensorMap
 _BAD_REPLY = ERROR_INDEX["BAD_REPLY"]
 _UNAVAILABLE = ERROR_INDEX["UNAVAILABLE"]
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+CONNECT_TIMEOUT_S = 30.0
 
 Done = Callable[[int, int], None]
 """``done(request index, error index or NO_ERROR)``."""
@@ -82,9 +83,10 @@ class HttpChannel:
                        HEADER_LENGTH: str(len(header))}
         return f"http://{address}/v2/models/{model}/infer", body, headers
 
+    async def open(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
     def send(self, index: int, model: int, done: Done) -> None:
-        if self.session is None:
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         task = asyncio.get_running_loop().create_task(self._post(index, model, done))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -134,18 +136,23 @@ class GrpcChannel:
             request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
         return request.SerializeToString()
 
+    async def open(self) -> None:
+        """Connect before the run starts (a first connection inside it would be measured)."""
+        self.channel = grpc.aio.insecure_channel(self.address)
+        # No (de)serializers: the request goes as encoded, the answer is not parsed.
+        self.call = self.channel.unary_unary(MODEL_INFER)
+        await asyncio.wait_for(self.channel.channel_ready(), CONNECT_TIMEOUT_S)
+
     def send(self, index: int, model: int, done: Done) -> None:
-        if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.address)
-            # No (de)serializers: the request goes as encoded, the answer is not parsed.
-            self.call = self.channel.unary_unary(MODEL_INFER)
         task = asyncio.get_running_loop().create_task(self._call(index, model, done))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _call(self, index: int, model: int, done: Done) -> None:
         try:
-            await self.call(self.requests[model])
+            # wait_for_ready: a call made while the connection is re-established waits for it
+            # instead of failing at once (the server has not seen it: not a zserve answer).
+            await self.call(self.requests[model], wait_for_ready=True)
         except grpc.aio.AioRpcError as error:
             trailers = dict(error.trailing_metadata() or ())
             kind = trailers.get("zserve-error-kind")
@@ -235,6 +242,7 @@ async def _serve(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
         step()
 
     try:
+        await channel.open()
         on_timer()
         await finished
     finally:

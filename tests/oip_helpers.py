@@ -17,6 +17,7 @@ from zserve.config import ClusterConfig, parse_config
 
 LOOPBACK_ANY = "127.0.0.1:0"
 POLL_S = 0.02
+JITTER_MS = 50.0
 
 
 def oip_cluster(*, backends: int = 1, max_request_bytes: int = 1024,
@@ -29,7 +30,9 @@ def oip_cluster(*, backends: int = 1, max_request_bytes: int = 1024,
     ports."""
     return parse_config({
         "cluster": {"drain_s": 10.0},
-        "scheduler": {"d_ctrl_ms": 5.0},
+        # A lone request is planned at its deadline - jitter - l(2): a wide jitter leaves it
+        # room on a loaded host (the first request after start is deferred that far).
+        "scheduler": {"d_ctrl_ms": 5.0, "jitter_ms": JITTER_MS},
         "frontends": {"reply_allowance_ms": 20.0, "max_request_bytes": max_request_bytes,
                       "http_addresses": [LOOPBACK_ANY], "grpc_addresses": [LOOPBACK_ANY]},
         "backends": {"count": backends, "device": "emulated"},

@@ -21,6 +21,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from oip_helpers import (
+    JITTER_MS,
     LOOPBACK_ANY,
     grpc_code,
     grpc_input,
@@ -125,7 +126,8 @@ def test_demo_cnn_over_both_protocols(tmp_path: Path) -> None:
     demo = load_config(REPO / "examples" / "clusters" / "demo.toml")
     frontends = msgspec.structs.replace(demo.frontends, http_addresses=(LOOPBACK_ANY,),
                                         grpc_addresses=(LOOPBACK_ANY,))
-    config = msgspec.structs.replace(demo, frontends=frontends)
+    scheduler = msgspec.structs.replace(demo.scheduler, jitter_ms=JITTER_MS)
+    config = msgspec.structs.replace(demo, frontends=frontends, scheduler=scheduler)
     executor: Any = build_executor("cpu", list(config.models))
     executor.load()
     image = np.random.default_rng(0).standard_normal((1, 3, 64, 64), dtype=np.float32)
