@@ -137,6 +137,8 @@ class Supervisor:
         self.started = False
         self.closed = False
         self.idle_pollers: IdlePollers | None = None
+        # Control messages refused: undecodable, or from a process that is not a child.
+        self.counters = {"malformed": 0, "unknown_peer": 0}
 
     # ------------------------------------------------------------------ helpers
 
@@ -213,16 +215,19 @@ class Supervisor:
             command()
 
     def _on_control(self, frames: list[Any]) -> None:
-        if len(frames) < 2:
+        if len(frames) < 2:  # a ROUTER always delivers an identity and a header
+            self.counters["malformed"] += 1
             return
         name = frames[0].bytes.decode(errors="replace")
         child = self.children.get(name)
         try:
             msg = codec.decode(frames[1:])
         except ProtocolError as exc:
+            self.counters["malformed"] += 1
             log.warning("malformed control message from %r: %s", name, exc)
             return
         if child is None:
+            self.counters["unknown_peer"] += 1
             log.warning("control message from unknown process %r", name)
             return
         child.last_heartbeat = time.monotonic()
@@ -563,6 +568,11 @@ class Cluster:
     def incarnation(self, name: str) -> int:
         """How many times ``name`` has become ready (1 after start, 2 after one restart)."""
         return self._sup.call(lambda: self._sup.children[name].incarnation)
+
+    def supervisor_counters(self) -> dict[str, int]:
+        """The supervisor's own counters: control messages refused (``malformed``,
+        ``unknown_peer``)."""
+        return self._sup.call(lambda: dict(self._sup.counters))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""
