@@ -79,17 +79,26 @@ def fault_cluster(
     shards: int = 1,
     drain_s: float = 2.0,
     transport: str = "ipc",
+    profile: str | None = None,
+    max_wait_ms: float | None = None,
 ) -> ClusterConfig:
     """The suite's cluster: one frontend, a shard and a rank as separate processes, emulated
     backends of l(b) = alpha b + beta, an SLO of hundreds of ms (margin on a loaded 2-core
-    machine). Capacity at the defaults: b = 16 in 52 ms on each of 2 GPUs, ~600 requests/s."""
+    machine). Capacity at the defaults: b = 16 in 52 ms on each of 2 GPUs, ~600 requests/s.
+    ``profile``: a profile file for the model (its l(b) then comes from there)."""
+    model: dict[str, Any] = {
+        "name": MODEL, "emulated": {"alpha_ms": alpha_ms, "beta_ms": beta_ms},
+        "slo_ms": slo_ms, "max_batch": max_batch, "max_queue": max_queue}
+    if profile is not None:
+        model["profile"] = profile
+    if max_wait_ms is not None:
+        model["max_wait_ms"] = max_wait_ms
     return parse_config({
         "cluster": {"drain_s": drain_s, "transport": transport},
         "scheduler": {"shards": shards, "d_ctrl_ms": 5.0},
         "frontends": {"count": 1, "reply_allowance_ms": 20.0},
         "backends": {"count": backends, "device": "emulated"},
-        "models": [{"name": MODEL, "emulated": {"alpha_ms": alpha_ms, "beta_ms": beta_ms},
-                    "slo_ms": slo_ms, "max_batch": max_batch, "max_queue": max_queue}],
+        "models": [model],
     })
 
 

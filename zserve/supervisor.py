@@ -163,12 +163,18 @@ class Supervisor:
             name=f"zserve-{child.name}",
             daemon=False,
         )
+        spawning_at = time.monotonic()
         process.start()
         child.process = process
         child.ready = False
         child.started_at = time.monotonic()
         child.last_heartbeat = child.started_at
         child.restart_at = None
+        if child.died_at is not None:
+            child.restart_history.append((child.died_at, spawning_at))
+            child.died_at = None
+            with self._cond:
+                self._cond.notify_all()
         log.debug("started %s (pid %s)", child.name, process.pid)
 
     def _death_message(self, child: SupervisedChild) -> str:
@@ -353,6 +359,7 @@ class Supervisor:
                 backoff = RESTART_BACKOFF_S * 2 ** max(0, child.restarts - 1)
                 delay = min(RESTART_BACKOFF_MAX_S, backoff)
                 child.restart_at = now + delay
+                child.died_at = now
                 child.ready = False
                 log.error("%s; restarting in %.2f s", message, delay)
             if now >= child.restart_at:
@@ -580,6 +587,16 @@ class Cluster:
         assert pid is not None, f"{name} is not running"
         os.kill(pid, sig)
         return pid
+
+    def restart_history(self, name: str) -> list[tuple[float, float]]:
+        """(death noticed, respawned) of each restart of ``name`` (monotonic s)."""
+        return self._sup.call(lambda: list(self._sup.children[name].restart_history))
+
+    def wait_restarts(self, name: str, count: int, timeout: float = 30.0) -> None:
+        """Block until ``name`` has been respawned ``count`` times."""
+        child = self._sup.children[name]
+        if not self._sup.wait_for(lambda: len(child.restart_history) >= count, timeout):
+            raise TimeoutError(f"{name} was not restarted {count} times within {timeout} s")
 
     def wait_ready(self, name: str, incarnation: int, timeout: float = 30.0) -> None:
         """Block until ``name`` has become ready ``incarnation`` times (and has its peers)."""
