@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import signal
@@ -237,6 +238,7 @@ async def drive(
     fault_task: asyncio.Future[object] | None = None
     fault_at: float | None = None
     futures: dict[int, asyncio.Future[dict[str, Any]]] = {}
+    arrivals: dict[int, float] = {}  # when each answer came (monotonic s)
     async with zserve.AsyncClient(address, timeout=CLIENT_TIMEOUT_S, max_retries=0) as client:
         start = time.monotonic()
         for n, offset in enumerate(load.send_times()):
@@ -245,12 +247,14 @@ async def drive(
                 await asyncio.sleep(delay)
             index = load.first_index + n
             ledger.sending(index, time.monotonic())
-            futures[index] = client.submit(ledger.model, request_input(index))
+            future = client.submit(ledger.model, request_input(index))
+            future.add_done_callback(functools.partial(_arrived, arrivals, index))
+            futures[index] = future
             if fault is not None and n == fault_after:
                 fault_at = time.monotonic()
                 fault_task = loop.run_in_executor(None, fault)
         sent_s = time.monotonic() - start
-        await _collect(ledger, futures)
+        await _collect(ledger, futures, arrivals)
         if fault_task is not None:
             await fault_task
         # A second answer to any request would have come in by the time a fresh request's
@@ -262,14 +266,19 @@ async def drive(
     return Run(counts, fault_at, start, sent_s, time.monotonic() - start)
 
 
-async def _collect(ledger: Ledger, futures: Mapping[int, asyncio.Future[dict[str, Any]]]) -> None:
+def _arrived(arrivals: dict[int, float], index: int, _future: object) -> None:
+    arrivals[index] = time.monotonic()
+
+
+async def _collect(ledger: Ledger, futures: Mapping[int, asyncio.Future[dict[str, Any]]],
+                   arrivals: Mapping[int, float]) -> None:
     async def one(index: int, future: asyncio.Future[dict[str, Any]]) -> None:
         try:
             outputs = await future
         except BaseException as exc:  # every exception is judged by the ledger
-            ledger.record_error(index, exc, time.monotonic())
+            ledger.record_error(index, exc, arrivals.get(index, time.monotonic()))
         else:
-            ledger.record_outputs(index, outputs, time.monotonic())
+            ledger.record_outputs(index, outputs, arrivals.get(index, time.monotonic()))
 
     tasks = [asyncio.ensure_future(one(i, f)) for i, f in futures.items()]
     done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S) if tasks else (set(), set())

@@ -70,7 +70,7 @@ def _router_sockets(cluster: Cluster) -> dict[str, str]:
 def _refused(cluster: Cluster, process: str) -> int:
     if process == "supervisor":
         return cluster.supervisor_counters()["malformed"]
-    role = process.split("-")[0]
+    role = process.split("-", maxsplit=1)[0]
     return int(cluster.stats(process)["counters"][COUNTER[role]])
 
 
@@ -103,7 +103,7 @@ def test_cluster_has_the_expected_routers(cluster: Cluster) -> None:
 def test_malformed_and_oversized_frames_leave_the_role_up(
         cluster: Cluster, socket_name: str, tmp_path: Path) -> None:
     del tmp_path
-    process = socket_name.split("/")[0]
+    process = socket_name.split("/", maxsplit=1)[0]
     address = _router_sockets(cluster)[socket_name]
     pids = cluster.pids()
     incarnations = {name: cluster.incarnation(name) for name in pids}

@@ -63,7 +63,7 @@ class Cases:
         return first
 
 
-def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> tuple[Run, Ledger]:
+def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> Run:
     del tmp_path
     ledger = Ledger(cluster.config)
     name = ROLE_CHILD[role]
@@ -84,25 +84,25 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> 
     print(f"{fault_name} {role}: load {run.counts}, all {counts}; disturbed for "
           f"{ledger.latest_failure_after(run.fault_at):.2f} s after the fault; "
           f"served again {recovery_s:.2f} s after the load")
-    return run, ledger
+    return run
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_sigkill_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run, ledger = _run_fault(cluster, "SIGKILL", role, tmp_path)
+    run = _run_fault(cluster, "SIGKILL", role, tmp_path)
     assert set(run.counts) <= TYPED, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
 
 
 @pytest.mark.parametrize("role", ("frontend", "shard", "rank"))
 def test_sigstop_then_sigcont_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run, ledger = _run_fault(cluster, "SIGSTOP", role, tmp_path)
+    run = _run_fault(cluster, "SIGSTOP", role, tmp_path)
     assert set(run.counts) <= TYPED - {CONNECTION_LOST}, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_sigterm_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run, ledger = _run_fault(cluster, "SIGTERM", role, tmp_path)
+    run = _run_fault(cluster, "SIGTERM", role, tmp_path)
     assert set(run.counts) <= TYPED, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
