@@ -84,7 +84,7 @@ def _send_all(address: str, identity: bytes) -> None:
         hog = make_dealer(ctx, address, identity=identity + b"-hog")
         # np.zeros maps zero pages lazily: 256 MiB costs almost nothing until it is read.
         huge = np.zeros(MAX_FRAME_BYTES + 1, np.uint8)
-        hog.send_multipart([_pack("cancel", 1), memoryview(huge)], copy=False)
+        hog.send_multipart([_pack("cancel", 1), huge.data], copy=False)
         sock.close(linger=5_000)  # delivered before the context goes
         hog.close(linger=0)
     finally:

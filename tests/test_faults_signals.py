@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -68,6 +68,7 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> 
     ledger = Ledger(cluster.config)
     name = ROLE_CHILD[role]
     incarnation = cluster.incarnation(name)
+    fault: Callable[[], object]
     if fault_name == "SIGSTOP":
         fault = stop_then_continue(cluster, name, STOPPED_S)
     else:
