@@ -59,6 +59,7 @@ INPUT_SHAPE = (1, 4)
 CLIENT_TIMEOUT_S = 30.0
 ANSWER_WAIT_S = 40.0
 RECOVERY_WAIT_S = 60.0
+RETRY_PACE_S = 0.02
 # Outcome names that are not error kinds.
 OK = "OK"
 CONNECTION_LOST = "CONNECTION_LOST"
@@ -327,9 +328,11 @@ def wait_served(address: str, ledger: Ledger, first_index: int, count: int = 8,
         index = first_index
         async with zserve.AsyncClient(address, timeout=CLIENT_TIMEOUT_S, max_retries=0) as client:
             served = 0
+            last_error: BaseException | None = None
             while served < count:
                 assert time.monotonic() - start < timeout, (
-                    f"not served again within {timeout} s: {ledger.counts()}")
+                    f"not served again within {timeout} s: {ledger.counts()}; last error "
+                    f"{last_error!r}")
                 ledger.sending(index, time.monotonic())
                 try:
                     outputs = await client.infer(ledger.model, request_input(index))
@@ -337,6 +340,8 @@ def wait_served(address: str, ledger: Ledger, first_index: int, count: int = 8,
                         zserve.DeadlineError) as exc:
                     ledger.record_error(index, exc, time.monotonic())
                     served = 0
+                    last_error = exc
+                    await asyncio.sleep(RETRY_PACE_S)  # a retry's pace, as a client's backoff
                 else:
                     served += ledger.record_outputs(index, outputs, time.monotonic()) == OK
                 index += 1

@@ -79,7 +79,13 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> 
                             fault_after=FAULT_AFTER, check=False))
     if fault_name != "SIGSTOP":  # the supervisor restarts what exited
         cluster.wait_ready(name, incarnation + 1, timeout=60.0)
-    recovery_s = wait_served(cluster.client_address, ledger, Cases.take(1000))
+    try:
+        recovery_s = wait_served(cluster.client_address, ledger, Cases.take(1000))
+    except AssertionError as exc:  # say what the frontend and the rank knew
+        frontend = cluster.stats("frontend-0")
+        raise AssertionError(f"{exc}; frontend backends {frontend.get('backends')}, counters "
+                             f"{frontend['counters']}; rank gpus {cluster.stats('rank')['gpus']}"
+                             ) from None
     counts = ledger.check()
     assert run.fault_at is not None
     print(f"{fault_name} {role}: load {run.counts}, all {counts}; disturbed for "
