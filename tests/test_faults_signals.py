@@ -35,6 +35,8 @@ from zserve.supervisor import Cluster
 LOAD = Load(rate_rps=120.0, count=240)
 FAULT_AFTER = 80
 STOPPED_S = 1.5
+SLO_S = 0.6  # fault_cluster's default
+LATENESS_MARGIN_S = 1.5
 # Outcomes a role's death or pause may cause, besides OK. UNAVAILABLE: not sent while the
 # frontend was away, or no backend to run it; BACKEND_FAILED: its batch's backend died;
 # DEADLINE: lost with a dead shard, rank or backend and answered by the frontend's deadline
@@ -88,9 +90,14 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> 
                              ) from None
     counts = ledger.check()
     assert run.fault_at is not None
+    # No answer comes later than its SLO (the frontend's deadline timer), save while the
+    # frontend itself is paused; a loaded machine's stalls get a generous margin.
+    slowest_s = max(ledger.answer_latencies())
+    paused_s = STOPPED_S if (fault_name, role) == ("SIGSTOP", "frontend") else 0.0
+    assert slowest_s < SLO_S + paused_s + LATENESS_MARGIN_S, (slowest_s, counts)
     print(f"{fault_name} {role}: load {run.counts}, all {counts}; disturbed for "
-          f"{ledger.latest_failure_after(run.fault_at):.2f} s after the fault; "
-          f"served again {recovery_s:.2f} s after the load")
+          f"{ledger.latest_failure_after(run.fault_at):.2f} s after the fault; slowest answer "
+          f"{slowest_s:.2f} s; served again {recovery_s:.2f} s after the load")
     return run
 
 

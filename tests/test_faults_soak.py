@@ -4,7 +4,7 @@ process, serve open-loop load through the public client, a new client connection
 warm-up, no role's resident memory may grow by more than ``MAX_GROWTH_PER_100K_BYTES`` per 100,000
 requests: memory is bounded by the requests in flight, not by the requests ever served.
 
-The CI run sends ``SOAK_REQUESTS`` requests after the warm-up (about a minute on a 2-core
+The CI run sends ``SOAK_REQUESTS`` requests after the warm-up (about 45 s on a 2-core
 machine). A 30-minute soak is the same test, made longer:
 
     ZSERVE_SOAK_MINUTES=30 .venv/bin/python -m pytest -p no:cacheprovider -s \
@@ -26,7 +26,7 @@ from zserve.supervisor import Cluster
 RATE_RPS = 1500.0
 CHUNK = 7_500  # requests per client connection (5 s at the rate)
 WARMUP_REQUESTS = 15_000
-SOAK_REQUESTS = 60_000
+SOAK_REQUESTS = 45_000
 SOAK_MINUTES = float(os.environ.get("ZSERVE_SOAK_MINUTES", "0"))
 # What may grow legitimately: allocator noise (pymalloc arenas, ZeroMQ's buffers settling, the
 # histograms filling in). A request table, a per-client record or a plan kept forever costs
