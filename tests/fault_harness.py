@@ -282,10 +282,10 @@ async def _collect(ledger: Ledger, futures: Mapping[int, asyncio.Future[dict[str
             ledger.record_outputs(index, outputs, arrivals.get(index, time.monotonic()))
 
     tasks = [asyncio.ensure_future(one(i, f)) for i, f in futures.items()]
-    done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S) if tasks else (set(), set())
-    del done
-    for task in pending:
-        task.cancel()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S)
+        for task in pending:
+            task.cancel()
     for index, future in futures.items():
         if not future.done():
             ledger.record_silence(index)

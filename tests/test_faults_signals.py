@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from fault_harness import (
@@ -65,8 +64,7 @@ class Cases:
         return first
 
 
-def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> Run:
-    del tmp_path
+def _run_fault(cluster: Cluster, fault_name: str, role: str) -> Run:
     ledger = Ledger(cluster.config)
     name = ROLE_CHILD[role]
     incarnation = cluster.incarnation(name)
@@ -102,21 +100,21 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_sigkill_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run = _run_fault(cluster, "SIGKILL", role, tmp_path)
+def test_sigkill_under_load(cluster: Cluster, role: str) -> None:
+    run = _run_fault(cluster, "SIGKILL", role)
     assert set(run.counts) <= TYPED, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
 
 
 @pytest.mark.parametrize("role", ("frontend", "shard", "rank"))
-def test_sigstop_then_sigcont_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run = _run_fault(cluster, "SIGSTOP", role, tmp_path)
+def test_sigstop_then_sigcont_under_load(cluster: Cluster, role: str) -> None:
+    run = _run_fault(cluster, "SIGSTOP", role)
     assert set(run.counts) <= TYPED - {CONNECTION_LOST}, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_sigterm_under_load(cluster: Cluster, role: str, tmp_path: Path) -> None:
-    run = _run_fault(cluster, "SIGTERM", role, tmp_path)
+def test_sigterm_under_load(cluster: Cluster, role: str) -> None:
+    run = _run_fault(cluster, "SIGTERM", role)
     assert set(run.counts) <= TYPED, run.counts
     assert run.counts.get(OK, 0) > 0, run.counts
