@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
@@ -138,7 +138,7 @@ class FrontendHost:
     def bind(self) -> dict[str, str]:
         self.client_sock, client_ep = make_router(
             self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
-            advertise_host=self.advertise_host,
+            advertise_host=self.advertise_host, clients=True,
         )
         self.data_sock, data_ep = make_router(
             self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
@@ -163,7 +163,7 @@ class FrontendHost:
                           self.name, index)
                 self.core.shard_reachable[index] = False
                 continue
-            sock = make_dealer(self.ctx, address, identity=identity)
+            sock = make_dealer(self.ctx, address, identity=identity, peer_role="shard")
             socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
         rank_eps = peer_map.endpoints_of(peers, "rank")
@@ -171,7 +171,8 @@ class FrontendHost:
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
         if rank_address is not None:
-            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
+            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity,
+                                         peer_role="rank")
             socket_io.sync_send(self.rank_sock, hello)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -472,6 +473,7 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        keys.count_auth_failed(self.ctx, out["counters"], reset)
         return out
 
 
@@ -500,6 +502,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
+    keys.secure_role_context(ctx, config.cluster, "frontend")
     frontend = FrontendHost(config, ctx)
     control = await control_link.ControlLink.open(
         actx,
@@ -537,6 +540,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
             await clock_sync.close()
         frontend.close()
         await control.close()
+        keys.release_role_context(ctx)
         ctx.term()
     return 0
 
