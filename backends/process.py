@@ -551,8 +551,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         reactor.close()
         if link is not None:
             await link.close()
-        keys.release_role_context(ctx)
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
         if backend is not None and backend.stuck:
             # A wedged batch holds the executor's worker thread, which the interpreter would
             # join at exit forever: leave now (sockets are closed; the frontends' deadline timers

@@ -446,8 +446,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         reactor.close()
         if link is not None:
             await link.close()
-        keys.release_role_context(ctx)
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 def run_rank(config: RoleConfig, control_address: str | None) -> int:

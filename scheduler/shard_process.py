@@ -57,8 +57,7 @@ class _ShardProcess:
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
         if self.link is not None:
             await self.link.close()
-        keys.release_role_context(self.ctx)
-        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(self.ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:

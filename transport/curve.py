@@ -167,6 +167,12 @@ class ContextSecurity:
         monitor.connect(address)
         self._watch.add(monitor)
 
+    def note_event(self, event: int) -> None:
+        """Count ``event`` (a monitor event id) if it is a failed handshake: for a server
+        socket whose monitor its owner took over (libzmq allows one monitor per socket)."""
+        if event & HANDSHAKE_FAILURE_EVENTS:
+            self._watch.note_failure()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -189,6 +195,10 @@ class _HandshakeWatch:
         self._thread = threading.Thread(target=self._run, name="zserve-handshake-watch",
                                         daemon=True)
         self._thread.start()
+
+    def note_failure(self) -> None:
+        with self._lock:
+            self.failures += 1
 
     def add(self, monitor: zmq.Socket[Any]) -> None:
         with self._lock:
@@ -233,5 +243,5 @@ class _HandshakeWatch:
             while monitor.poll(0):
                 event = parse_monitor_message(monitor.recv_multipart())
                 if event["event"] & HANDSHAKE_FAILURE_EVENTS:
-                    self.failures += 1
+                    self.note_failure()
                     log.debug("handshake failed: %s on %s", event["event"], event["endpoint"])

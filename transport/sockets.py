@@ -35,6 +35,7 @@ from zserve.errors import UnroutableError
 from zserve.transport.curve import (
     CLIENTS_DOMAIN,
     CLUSTER_DOMAIN,
+    HANDSHAKE_FAILURE_EVENTS,
     ContextSecurity,
     CurveClient,
     CurveIdentity,
@@ -230,6 +231,25 @@ def make_dealer(
     except BaseException:
         sock.close(linger=0)
         raise
+
+
+def monitor_server(sock: zmq.Socket[Any], events: int, addr: str | None = None
+                   ) -> zmq.Socket[Any]:
+    """The monitor socket of a ROUTER the factory made, for its owner's own events. libzmq
+    allows one monitor per socket, and a CURVE server's is the handshake counter's: this one
+    takes it over and adds the failed-handshake events, and the owner passes every event id it
+    reads to ``note_monitor_event``."""
+    security = context_security(sock.context)
+    if security is not None and sock.getsockopt(zmq.CURVE_SERVER):
+        events |= HANDSHAKE_FAILURE_EVENTS
+    return sock.get_monitor_socket(events, addr=addr)
+
+
+def note_monitor_event(sock: zmq.Socket[Any], event: int) -> None:
+    """Count ``event`` of ``monitor_server(sock, ...)`` if it is a failed CURVE handshake."""
+    security = context_security(sock.context)
+    if security is not None:
+        security.note_event(event)
 
 
 def _process_curve(

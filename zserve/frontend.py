@@ -56,7 +56,12 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer, make_router
+from zserve.transport.sockets import (
+    make_dealer,
+    make_router,
+    monitor_server,
+    note_monitor_event,
+)
 
 log = logging.getLogger("zserve.frontend")
 
@@ -144,8 +149,8 @@ class FrontendHost:
             self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
             advertise_host=self.advertise_host,
         )
-        self.monitor_sock = self.client_sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self.monitor_sock = monitor_server(
+            self.client_sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
         self.endpoints = {"client": client_ep, "data": data_ep}
         self.core.data_address = data_ep
@@ -345,6 +350,8 @@ class FrontendHost:
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+            if self.client_sock is not None:  # a refused CURVE handshake: auth_failed
+                note_monitor_event(self.client_sock, event["event"])
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]

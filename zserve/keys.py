@@ -196,6 +196,12 @@ def release_role_context(ctx: zmq.Context[Any]) -> None:
     release_context(ctx)
 
 
+def destroy_role_context(ctx: zmq.Context[Any], *, linger_ms: int) -> None:
+    """``release_role_context`` then ``ctx.destroy``: the end of a role process's context."""
+    release_context(ctx)
+    ctx.destroy(linger=linger_ms)
+
+
 def count_auth_failed(ctx: zmq.Context[Any], counters: dict[str, int], reset: bool) -> None:
     """Put the ``auth_failed`` counter (failed CURVE handshakes on ``ctx``'s server sockets in
     the stats window; 0 without CURVE) into a role's ``counters``, unless already there."""

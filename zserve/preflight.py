@@ -7,9 +7,10 @@ profile files that are missing, do not parse or lack the model, bind addresses t
 bound right now (each tcp address cluster.toml names is bound and closed; port 0 is not
 probed), ipc paths over the socket path limit or in a missing folder, an address named
 twice, a tcp bind on a non-loopback host without CURVE keys (unless ``security.insecure``), and
-key files that are missing, malformed or readable by other users (docs/security.md). ``check_cluster`` returns them all, each naming its key path;
-``preflight`` raises ``PreflightError`` with them. The supervisor runs it first thing, so a bad
-file costs one line per problem instead of tracebacks from processes that already started.
+key files that are missing, malformed or readable by other users (docs/security.md).
+``check_cluster`` returns them all, each naming its key path; ``preflight`` raises
+``PreflightError`` with them. The supervisor runs it first thing, so a bad file costs one line
+per problem instead of tracebacks from processes that already started.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""A whole cluster over tcp with CURVE (supervisor, rank, shard, backend and frontend processes,
+every link between them authenticated and encrypted): a client with the keys is served
+correctly; a client without CURVE and a client whose key the frontend does not list get nothing
+served, each call ends with UNAVAILABLE within its bound (no hang), and the frontend counts the
+refused handshakes (``auth_failed``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+import zserve
+from zserve.backends.process import build_executor
+from zserve.client import CONNECTION_DOWN_BOUND_S
+from zserve.config import ClusterConfig, parse_config
+from zserve.keys import init_keys
+from zserve.supervisor import Cluster
+
+REQUESTS = 6
+# A refused call ends after the connection-down bound (1 s); generous for a loaded machine.
+REFUSED_CALL_BOUND_S = CONNECTION_DOWN_BOUND_S + 9.0
+CALL_TIMEOUT_S = 30.0
+STATS_BOUND_S = 20.0
+
+
+def _config(keys_dir: Path) -> ClusterConfig:
+    return parse_config({
+        "cluster": {"transport": "tcp", "drain_s": 1.0},
+        # A rank process of its own: its key pair and the shards' are both in use.
+        "scheduler": {"shards": 1, "policy": "eager", "d_ctrl_ms": 5.0},
+        "frontends": {"reply_allowance_ms": 20.0},
+        "backends": {"count": 1, "device": "emulated"},
+        "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0},
+                    "slo_ms": 2000.0, "max_batch": 8}],
+        "security": {"keys_dir": str(keys_dir)},
+    })
+
+
+def _refused_within_bound(client: zserve.Client, inputs: dict[str, Any]) -> float:
+    started = time.monotonic()
+    with pytest.raises(zserve.errors.UnavailableError):
+        client.infer("m", inputs)
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < REFUSED_CALL_BOUND_S
+    return elapsed_s
+
+
+def _wait_auth_failed(cluster: Cluster, at_least: int) -> int:
+    deadline = time.monotonic() + STATS_BOUND_S
+    while True:
+        counters = cluster.stats("frontend-0")["counters"]
+        if counters["auth_failed"] >= at_least or time.monotonic() > deadline:
+            return int(counters["auth_failed"])
+        time.sleep(0.05)  # a bounded poll of a counter in another process
+
+
+def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    config = _config(keys)
+    model = config.models[0]
+    executor: Any = build_executor("emulated", [model])
+    executor.load()
+    requests = executor.synthetic_requests("m", REQUESTS, seed=3)
+    with Cluster(config, ipc_base=tmp_path) as cluster:
+        address = cluster.client_address
+        assert address.startswith("tcp://127.0.0.1:")
+        with zserve.Client(address, timeout=CALL_TIMEOUT_S, server_key=keys / "frontend.key",
+                           client_key=keys / "client.key_secret") as client:
+            futures = [client.submit("m", request) for request in requests]
+            for request, future in zip(requests, futures, strict=True):
+                outputs = future.result(CALL_TIMEOUT_S)
+                expected = executor.expected_outputs("m", request)
+                assert outputs.keys() == expected.keys()
+                for name, value in expected.items():
+                    np.testing.assert_allclose(outputs[name], value)
+        admitted = cluster.stats("frontend-0")["counters"]["admitted"]
+        assert admitted == REQUESTS
+
+        stranger = zmq.curve_keypair()
+        with zserve.Client(address, timeout=CALL_TIMEOUT_S, max_retries=0) as no_keys, \
+                zserve.Client(address, timeout=CALL_TIMEOUT_S, max_retries=0,
+                              server_key=keys / "frontend.key", client_key=stranger) as unknown:
+            for refused in (no_keys, unknown):
+                _refused_within_bound(refused, requests[0])
+        assert _wait_auth_failed(cluster, 2) >= 2
+        counters = cluster.stats("frontend-0")["counters"]
+        assert counters["admitted"] == REQUESTS  # nothing of theirs got through
+        for name in ("rank", "shard-0", "backend-0"):  # every role link handshook fine
+            assert cluster.stats(name)["counters"]["auth_failed"] == 0, name
