@@ -180,3 +180,20 @@ def test_security_section_is_strictly_typed() -> None:
         parse_config(_document(key_dir="keys"))
     with pytest.raises(ConfigError, match=r"^security\.authorized_clients: needs keys_dir"):
         parse_config(_document(authorized_clients="clients"))
+
+
+def test_a_role_started_alone_refuses_a_shared_secret_in_one_line(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    secret = keys / "rank.key_secret"
+    os.chmod(secret, 0o644)
+    config = tmp_path / "cluster.toml"
+    config.write_text('[security]\nkeys_dir = "keys"\n[scheduler]\nshards = 1\n'
+                      '[[models]]\nname = "m"\nemulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
+    result = _zserve("rank", "--config", str(config))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].endswith(
+        f"rank refuses to start: secret key file {secret} is accessible by other users "
+        f"(mode 0644); run `chmod 600 {secret}`"
+    )

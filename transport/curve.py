@@ -126,13 +126,14 @@ class ContextSecurity:
 
     def __init__(self, ctx: zmq.Context[Any], identity: CurveIdentity) -> None:
         self.identity = identity
-        self._ctx = ctx
-        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("zserve.zap"))
+        # Sync sockets for both threads, also when ``ctx`` is a zmq.asyncio context: a shadow
+        # shares its C context, so ZAP and the monitors' inproc endpoints are the same.
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
+        self._auth = ThreadAuthenticator(self._sync_ctx, log=logging.getLogger("zserve.zap"))
         self._auth.start()
         provider = _KeyList(identity.authorized)
         for domain in identity.authorized:
             self._auth.configure_curve_callback(domain=domain, credentials_provider=provider)
-        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
         self._watch = _HandshakeWatch()
         self._reported = 0
         self._closed = False
