@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import zmq.auth
 
+import zserve
 from zserve.config import ConfigError, parse_config
 from zserve.keys import (
     CLIENT_KEY_NAME,
@@ -197,3 +198,20 @@ def test_a_role_started_alone_refuses_a_shared_secret_in_one_line(tmp_path: Path
         f"rank refuses to start: secret key file {secret} is accessible by other users "
         f"(mode 0644); run `chmod 600 {secret}`"
     )
+
+
+def test_the_client_reads_its_keys_at_construction(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    address = "tcp://127.0.0.1:9"  # never connected: the keys are checked first
+    with pytest.raises(ValueError, match="both server_key and client_key"):
+        zserve.Client(address, server_key=keys / "frontend.key")
+    with pytest.raises(KeyFileError, match="no such key file"):
+        zserve.AsyncClient(address, server_key=keys / "frontend.key",
+                           client_key=keys / "absent.key_secret")
+    os.chmod(keys / "client.key_secret", 0o644)
+    with pytest.raises(KeyFileError, match="accessible by other users"):
+        zserve.AsyncClient(address, server_key=keys / "frontend.key",
+                           client_key=keys / "client.key_secret")
+    with pytest.raises(ValueError, match="not a CURVE key"):
+        client_curve(b"short", (b"x" * 40, b"y" * 40))
