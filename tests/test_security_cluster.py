@@ -28,11 +28,10 @@ CALL_TIMEOUT_S = 30.0
 STATS_BOUND_S = 20.0
 
 
-def _config(keys_dir: Path) -> ClusterConfig:
+def _config(keys_dir: Path, shards: int) -> ClusterConfig:
     return parse_config({
         "cluster": {"transport": "tcp", "drain_s": 1.0},
-        # A rank process of its own: its key pair and the shards' are both in use.
-        "scheduler": {"shards": 1, "policy": "eager", "d_ctrl_ms": 5.0},
+        "scheduler": {"shards": shards, "policy": "eager", "d_ctrl_ms": 5.0},
         "frontends": {"reply_allowance_ms": 20.0},
         "backends": {"count": 1, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0},
@@ -59,10 +58,13 @@ def _wait_auth_failed(cluster: Cluster, at_least: int) -> int:
         time.sleep(0.05)  # a bounded poll of a counter in another process
 
 
-def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path) -> None:
+# shards = 1: a rank process of its own (its key pair and the shard's both in use); shards = 0:
+# shard-0 hosts the rank, and its peers reach the rank socket with the shard's key.
+@pytest.mark.parametrize("shards", [1, 0])
+def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path, shards: int) -> None:
     keys = tmp_path / "keys"
     init_keys(keys)
-    config = _config(keys)
+    config = _config(keys, shards)
     model = config.models[0]
     executor: Any = build_executor("emulated", [model])
     executor.load()
@@ -91,5 +93,6 @@ def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path) -> None:
         assert _wait_auth_failed(cluster, 2) >= 2
         counters = cluster.stats("frontend-0")["counters"]
         assert counters["admitted"] == REQUESTS  # nothing of theirs got through
-        for name in ("rank", "shard-0", "backend-0"):  # every role link handshook fine
+        roles = ("rank", "shard-0", "backend-0") if shards else ("shard-0", "backend-0")
+        for name in roles:  # every role link handshook fine
             assert cluster.stats(name)["counters"]["auth_failed"] == 0, name
