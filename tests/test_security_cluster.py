@@ -20,12 +20,17 @@ from zserve.client import CONNECTION_DOWN_BOUND_S
 from zserve.config import ClusterConfig, parse_config
 from zserve.keys import init_keys
 from zserve.supervisor import Cluster
+from zserve.transport import codec
+from zserve.transport.messages import Hello
+from zserve.transport.sockets import make_dealer
 
 REQUESTS = 6
 # A refused call ends after the connection-down bound (1 s); generous for a loaded machine.
 REFUSED_CALL_BOUND_S = CONNECTION_DOWN_BOUND_S + 9.0
 CALL_TIMEOUT_S = 30.0
 STATS_BOUND_S = 20.0
+# How long a refused raw peer's close waits with its message queued: handshakes are retried.
+REFUSED_LINGER_S = 1.0
 
 
 def _config(keys_dir: Path, shards: int) -> ClusterConfig:
@@ -49,10 +54,21 @@ def _refused_within_bound(client: zserve.Client, inputs: dict[str, Any]) -> floa
     return elapsed_s
 
 
-def _wait_auth_failed(cluster: Cluster, at_least: int) -> int:
+def _refused_raw_peer(address: str) -> None:
+    """A DEALER without CURVE sends a plan-shaped message to ``address``, then goes."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock = make_dealer(ctx, address, identity=b"intruder")
+        sock.send_multipart(codec.encode(Hello(role="shard", name="intruder", pid=1)))
+        sock.close(linger=int(REFUSED_LINGER_S * 1e3))  # long enough to try the handshake
+    finally:
+        ctx.term()
+
+
+def _wait_auth_failed(cluster: Cluster, at_least: int, name: str = "frontend-0") -> int:
     deadline = time.monotonic() + STATS_BOUND_S
     while True:
-        counters = cluster.stats("frontend-0")["counters"]
+        counters = cluster.stats(name)["counters"]
         if counters["auth_failed"] >= at_least or time.monotonic() > deadline:
             return int(counters["auth_failed"])
         time.sleep(0.05)  # a bounded poll of a counter in another process
@@ -96,3 +112,10 @@ def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path, shards: i
         roles = ("rank", "shard-0", "backend-0") if shards else ("shard-0", "backend-0")
         for name in roles:  # every role link handshook fine
             assert cluster.stats(name)["counters"]["auth_failed"] == 0, name
+        # The roles' own sockets refuse a peer without keys too: a raw DEALER to the backend's
+        # plan socket (where shards send plans) is refused and counted, and the backend runs on.
+        plan_address = cluster.peers()["backend-0/plan"]
+        assert plan_address.startswith("tcp://")
+        _refused_raw_peer(plan_address)
+        assert _wait_auth_failed(cluster, 1, "backend-0") >= 1
+        assert cluster.stats("backend-0")["counters"]["bad_messages"] == 0

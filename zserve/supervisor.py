@@ -560,6 +560,10 @@ class Cluster:
     def run_dir(self) -> str:
         return self._sup.run_dir
 
+    def peers(self) -> dict[str, str]:
+        """The peer map: ``"<process>/<socket>"`` -> address (docs/runtime.md)."""
+        return self._sup.call(lambda: dict(self._sup.peers))
+
     def pids(self) -> dict[str, int | None]:
         return self._sup.call(lambda: {n: c.pid for n, c in self._sup.children.items()})
 
