@@ -6,6 +6,8 @@ refused handshakes (``auth_failed``)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,9 @@ REQUESTS = 6
 REFUSED_CALL_BOUND_S = CONNECTION_DOWN_BOUND_S + 9.0
 CALL_TIMEOUT_S = 30.0
 STATS_BOUND_S = 20.0
+ZSERVE = [sys.executable, "-m", "zserve"]
+# `zserve up --detach` returns once every process is ready; generous for a loaded machine.
+CLI_TIMEOUT_S = 120.0
 # How long a refused raw peer's close waits with its message queued: handshakes are retried.
 REFUSED_LINGER_S = 1.0
 
@@ -119,3 +124,42 @@ def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path, shards: i
         _refused_raw_peer(plan_address)
         assert _wait_auth_failed(cluster, 1, "backend-0") >= 1
         assert cluster.stats("backend-0")["counters"]["bad_messages"] == 0
+
+
+def test_keys_init_then_up_serves_a_client_with_keys(tmp_path: Path) -> None:
+    """The commands a user runs: `zserve keys init`, `zserve up --detach` of a tcp cluster file
+    naming the keys, a client with the keys, `zserve down`."""
+    assert subprocess.run([*ZSERVE, "keys", "init", str(tmp_path / "keys")],
+                          capture_output=True, timeout=CLI_TIMEOUT_S, check=False).returncode == 0
+    toml = tmp_path / "secure.toml"
+    toml.write_text(
+        '[cluster]\nname = "secure"\ntransport = "tcp"\ndrain_s = 1.0\n'
+        '[security]\nkeys_dir = "keys"\n'
+        # Eager batches and generous allowances: a loaded test machine's lateness sheds nothing.
+        '[scheduler]\npolicy = "eager"\nd_ctrl_ms = 5.0\n[frontends]\nreply_allowance_ms = 20.0\n'
+        '[backends]\ndevice = "emulated"\n'
+        '[[models]]\nname = "m"\nemulated = { alpha_ms = 1.0, beta_ms = 2.0 }\nslo_ms = 2000.0\n'
+    )
+    state_dir = tmp_path / "state"
+    up = subprocess.run([*ZSERVE, "up", str(toml), "--detach", "--state-dir", str(state_dir)],
+                        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+    assert up.returncode == 0, up.stderr
+    try:
+        address = up.stdout.strip()
+        assert address.startswith("tcp://127.0.0.1:")
+        executor: Any = build_executor("emulated", list(parse_config(
+            {"models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}]}
+        ).models))
+        executor.load()
+        (request,) = executor.synthetic_requests("m", 1, seed=5)
+        with zserve.Client(address, timeout=CALL_TIMEOUT_S,
+                           server_key=tmp_path / "keys" / "frontend.key",
+                           client_key=tmp_path / "keys" / "client.key_secret") as client:
+            outputs = client.infer("m", request)
+        np.testing.assert_allclose(outputs["y"], executor.expected_outputs("m", request)["y"])
+    finally:
+        down = subprocess.run([*ZSERVE, "down", "--state-dir", str(state_dir)],
+                              capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+    assert down.returncode == 0, down.stderr
+    log = (state_dir / "secure.log").read_text()
+    assert f"with CURVE: server_key={tmp_path}/keys/frontend.key" in log
