@@ -51,6 +51,9 @@ from zserve.transport.messages import (
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_dealer
 
+PROTOCOLS = ("native", "http-json", "http-binary", "grpc")
+"""The load generator's ways to send: zserve's client socket, or the frontend's Open Inference
+Protocol servers (``zserve.loadgen.oip_sender``)."""
 # How often a worker publishes its counters, checks the early-stop rule and the stop flag.
 MONITOR_INTERVAL_S = 0.05
 # After the last send, how long to wait for outstanding replies beyond the largest SLO. The
@@ -126,6 +129,9 @@ class WorkerSpec:
     identity: bytes
     reply_grace_s: float = DEFAULT_REPLY_GRACE_S
     bail: BailRule | None = None
+    # "native" (zserve's client socket) or an Open Inference Protocol transport
+    # (zserve.loadgen.sender.PROTOCOLS; ``address`` is then the server's host:port).
+    protocol: str = "native"
 
 
 @dataclass
@@ -318,6 +324,10 @@ class _Sender:
 
 def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     """Send ``spec.plan`` open-loop from ``t0`` on; record every reply."""
+    if spec.protocol != "native":
+        from zserve.loadgen.oip_sender import oip_send_loop
+
+        return oip_send_loop(spec, t0, monitor)
     loop = asyncio.SelectorEventLoop()  # not uvloop: see the module docstring
     try:
         return loop.run_until_complete(_serve(spec, t0, monitor))
