@@ -20,6 +20,7 @@ from bisect import bisect_left
 
 from zserve.policies import (
     DROP_FCFS,
+    DROP_WINDOW,
     KIND_DEFERRED,
     KIND_EAGER,
     KIND_FRONTRUN,
@@ -45,6 +46,9 @@ class CandidateSizing:
     _rid: list[int]
     _fe: list[int]
     _arr: list[float]
+    # each request's rows, parallel to the lists above; None while every request holds one
+    # row (then the sizing below counts requests, which are rows, on its unchanged fast path)
+    _rows: list[int] | None
     _head: int
     # hot-path caches of the profile and policy
     _profile: LatencyProfile
@@ -66,7 +70,8 @@ class CandidateSizing:
     _defer_shared: bool
     miss_margin_s: float
     # the candidate as last computed
-    cand_bs: int
+    cand_bs: int  # in rows
+    cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
     cand_exec: float
     cand_latest: float
     _cand_deferred: bool
@@ -163,6 +168,85 @@ class CandidateSizing:
             bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
         return head, bs
 
+    def _size_rows(self, start: float, gpu_free_at: float) -> tuple[int, int, int]:
+        """Both drop policies when requests hold several rows (``_rows``): the new head, and
+        the batch ``[head:head + count]`` and its rows. A batch is a prefix of the queue in
+        deadline order and never splits a request: one that does not fit the rows left waits,
+        with everything behind it, for the next batch. The head stays while the smallest batch
+        it may go in is feasible: the prefix of up to ``keep_min`` rows (window drop; 1 for
+        the others), and never less than the head alone, so a head of n rows goes whenever n
+        alone fits. Then the batch grows request by request up to ``max_batch`` rows (FCFS: the
+        target) while it still finishes by the head's deadline."""
+        dl = self._dl
+        sizes = self._rows
+        assert sizes is not None
+        head = self._head
+        size = len(dl)
+        table = self._table
+        d_data = self.d_data_s
+        max_batch = self._max_batch
+        earliest = start + d_data
+        earliest = gpu_free_at if gpu_free_at > earliest else earliest
+        threshold = earliest + table[1]
+        if dl[head] < threshold:  # what cannot finish even as one row: drop in bulk
+            head = bisect_left(dl, threshold, head, size)
+        floor = self.keep_min if self._drop == DROP_WINDOW else 1
+        while head < size:
+            first = sizes[head]
+            if first <= max_batch:
+                limit = floor if floor > first else first
+                limit = max_batch if max_batch < limit else limit
+                count, rows = self._prefix_within(head, limit)
+                earliest = start + d_data * rows
+                earliest = gpu_free_at if gpu_free_at > earliest else earliest
+                if dl[head] >= earliest + table[rows]:
+                    break
+            head += 1
+        else:
+            return head, 0, 0
+        cap = max_batch
+        if self._drop == DROP_FCFS:
+            cap = self.target if self.target < cap else cap
+            cap = first if first > cap else cap
+        return head, *self._grow_rows(head, count, rows, cap=cap, start=start,
+                                      gpu_free_at=gpu_free_at)
+
+    def _prefix_within(self, head: int, limit: int) -> tuple[int, int]:
+        """The longest prefix from ``head`` (at least the head) of at most ``limit`` rows:
+        (requests, rows)."""
+        sizes = self._rows
+        assert sizes is not None
+        size = len(sizes)
+        rows = sizes[head]
+        stop = head + 1
+        while stop < size and rows + sizes[stop] <= limit:
+            rows += sizes[stop]
+            stop += 1
+        return stop - head, rows
+
+    def _grow_rows(self, head: int, count: int, rows: int, *, cap: int, start: float,
+                   gpu_free_at: float) -> tuple[int, int]:
+        """Add whole requests after ``[head:head + count]`` while the batch stays within
+        ``cap`` rows and finishes by the head's deadline (feasibility is monotone in rows)."""
+        sizes = self._rows
+        assert sizes is not None
+        deadline = self._dl[head]
+        table = self._table
+        d_data = self.d_data_s
+        stop = head + count
+        size = len(sizes)
+        while stop < size:
+            grown = rows + sizes[stop]
+            if grown > cap:
+                break
+            earliest = start + d_data * grown
+            earliest = gpu_free_at if gpu_free_at > earliest else earliest
+            if deadline < earliest + table[grown]:
+                break
+            rows = grown
+            stop += 1
+        return stop - head, rows
+
     def _grow(self, deadline: float, bs: int, cap: int, start: float, gpu_free_at: float) -> int:
         """The largest b in [bs, cap] whose batch still finishes by ``deadline`` (feasibility is
         monotone in b). ``start`` is now + d_ctrl."""
@@ -192,6 +276,8 @@ class CandidateSizing:
             del self._rid[:head]
             del self._fe[:head]
             del self._arr[:head]
+            if self._rows is not None:
+                del self._rows[:head]
             self._head = head = 0
         return head
 
