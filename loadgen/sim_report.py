@@ -99,6 +99,7 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "bailed": sim.bailed,
         "wall_s": round(wall_s, 3),
         "sim_requests": sim.n_requests,
+        **_rows_extra(sim),
         "sim_rps_wall": round(sim.n_requests / wall_s, 1) if wall_s > 0 else None,
         "rank": {
             "grants": rank.n_grants,
@@ -116,6 +117,22 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "frontends": _frontends_extra(sim),
         "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
                           "jitter": w.jitter_ms},
+    }
+
+
+def _rows_extra(sim: Simulator) -> dict[str, Any]:
+    """Rows per request and the measure window's rows/s: offered, and answered by the
+    deadline (goodput itself counts requests: a request's rows are answered as one)."""
+    lo_w, hi_w = sim.window
+    in_window = (sim.arrival_all >= lo_w) & (sim.arrival_all < hi_w)
+    rows = sim.rows_all if sim.rows_all is not None else np.ones(sim.n_requests, np.int64)
+    good = in_window & (sim.status == GOOD)
+    measure_s = sim.w.measure_s
+    return {
+        "request_rows": str(sim.w.request_rows),
+        "mean_rows": round(float(rows[in_window].mean()), 3) if in_window.any() else None,
+        "offered_rows_per_s": round(float(rows[in_window].sum()) / measure_s, 3),
+        "good_rows_per_s": round(float(rows[good].sum()) / measure_s, 3),
     }
 
 

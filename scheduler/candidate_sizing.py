@@ -74,6 +74,8 @@ class CandidateSizing:
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
     cand_exec: float
     cand_latest: float
+    n_arrived: int  # requests
+    n_arrived_rows: int
     _cand_deferred: bool
     wake_at: float
 
@@ -172,11 +174,12 @@ class CandidateSizing:
         """Both drop policies when requests hold several rows (``_rows``): the new head, and
         the batch ``[head:head + count]`` and its rows. A batch is a prefix of the queue in
         deadline order and never splits a request: one that does not fit the rows left waits,
-        with everything behind it, for the next batch. The head stays while the smallest batch
-        it may go in is feasible: the prefix of up to ``keep_min`` rows (window drop; 1 for
-        the others), and never less than the head alone, so a head of n rows goes whenever n
-        alone fits. Then the batch grows request by request up to ``max_batch`` rows (FCFS: the
-        target) while it still finishes by the head's deadline."""
+        with everything behind it, for the next batch. The head stays while a batch of the
+        rows it must be able to go with is feasible: ``keep_min`` rows or all that is queued
+        if fewer (window drop; the one-row rule's ``min(keep_min, queued)``), 1 for the
+        others, and never fewer than the head's own rows, so a head of n rows goes whenever
+        n alone fits. Then the batch grows request by request up to ``max_batch`` rows (FCFS:
+        the target) while it still finishes by the head's deadline."""
         dl = self._dl
         sizes = self._rows
         assert sizes is not None
@@ -194,9 +197,7 @@ class CandidateSizing:
         while head < size:
             first = sizes[head]
             if first <= max_batch:
-                limit = floor if floor > first else first
-                limit = max_batch if max_batch < limit else limit
-                count, rows = self._prefix_within(head, limit)
+                rows = self._rows_up_to(head, floor) if floor > first else first
                 earliest = start + d_data * rows
                 earliest = gpu_free_at if gpu_free_at > earliest else earliest
                 if dl[head] >= earliest + table[rows]:
@@ -208,21 +209,37 @@ class CandidateSizing:
         if self._drop == DROP_FCFS:
             cap = self.target if self.target < cap else cap
             cap = first if first > cap else cap
-        return head, *self._grow_rows(head, count, rows, cap=cap, start=start,
+        return head, *self._grow_rows(head, 1, first, cap=cap, start=start,
                                       gpu_free_at=gpu_free_at)
 
-    def _prefix_within(self, head: int, limit: int) -> tuple[int, int]:
-        """The longest prefix from ``head`` (at least the head) of at most ``limit`` rows:
-        (requests, rows)."""
+    def _rows_up_to(self, head: int, need: int) -> int:
+        """``need`` rows (at most ``max_batch``), or fewer when the queue from ``head`` holds
+        fewer: the batch size the window rule checks the head with, whatever the requests'
+        sizes."""
         sizes = self._rows
         assert sizes is not None
+        need = self._max_batch if self._max_batch < need else need
+        rows = 0
+        stop = head
         size = len(sizes)
-        rows = sizes[head]
-        stop = head + 1
-        while stop < size and rows + sizes[stop] <= limit:
+        while stop < size and rows < need:
             rows += sizes[stop]
             stop += 1
-        return stop - head, rows
+        return need if rows > need else rows
+
+    def _next_rows(self, stop: int, rows: int) -> int:
+        """The rows the request after a batch ``[head:stop]`` of ``rows`` rows would add: the
+        queued one's, else the mean rows per request so far (at least 1); capped where l(b) is
+        infinite (``max_batch + 1``)."""
+        sizes = self._rows
+        assert sizes is not None
+        if stop < len(sizes):
+            grow = sizes[stop]
+        else:
+            grow = round(self.n_arrived_rows / self.n_arrived) if self.n_arrived else 1
+        limit = self._max_batch + 1 - rows
+        grow = limit if limit < grow else grow
+        return grow if grow > 1 else 1
 
     def _grow_rows(self, head: int, count: int, rows: int, *, cap: int, start: float,
                    gpu_free_at: float) -> tuple[int, int]:
@@ -281,9 +298,11 @@ class CandidateSizing:
             self._head = head = 0
         return head
 
-    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int) -> None:
+    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int, grow: int = 1) -> None:
         """Set the candidate ``[head:head + bs]``: its exec time by the policy's kind, clamped
-        into [earliest, latest], and the wake-up at its last grantable moment."""
+        into [earliest, latest], and the wake-up at its last grantable moment. ``grow``: the
+        rows the next request would add (frontrun: the last moment it could still join,
+        ``d - l(bs + grow)``; at most ``max_batch + 1 - bs``, where l is infinite)."""
         deadline = self._dl[head]
         table = self._table
         delay = self.d_ctrl_s + self.d_data_s * bs
@@ -296,12 +315,12 @@ class CandidateSizing:
             if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
                 exec_at = earliest
             elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
-                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + 1]
+                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
                 deferred = True
             else:  # staggered: a missed window is the stagger at work; the authors' aim
-                exec_at = deadline - self.jitter_s - table[bs + 1]
+                exec_at = deadline - self.jitter_s - table[bs + grow]
         elif kind == KIND_FRONTRUN:
-            exec_at = deadline - self.jitter_s - table[bs + 1]
+            exec_at = deadline - self.jitter_s - table[bs + grow]
         elif kind == KIND_EAGER:
             exec_at = earliest
         elif kind == KIND_LATEST:

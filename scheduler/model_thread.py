@@ -165,6 +165,7 @@ class ModelThread(CandidateSizing):
         # counters (for stats and tests)
         self.n_window_misses = 0
         self.n_arrived = 0
+        self.n_arrived_rows = 0
         self.n_dropped = 0
         self.n_cancelled = 0
         self.n_planned = 0
@@ -346,8 +347,10 @@ class ModelThread(CandidateSizing):
             self._arr = [e[3] for e in merged]
             self._head = 0
         self.n_arrived += count
+        arrived_rows = sum(rows) if rows else count
+        self.n_arrived_rows += arrived_rows
         meter = self._meter
-        if meter.add(now, sum(rows) if rows else count):
+        if meter.add(now, arrived_rows):
             self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
                                                self.d_data_s))
         self._update(now, _NEG_INF, outbox)
@@ -491,7 +494,10 @@ class ModelThread(CandidateSizing):
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        self._aim(now, gpu_free_at, head, bs)
+        if count:
+            self._aim(now, gpu_free_at, head, bs, self._next_rows(head + count, bs))
+        else:
+            self._aim(now, gpu_free_at, head, bs)
         self.cand_count = count
 
     def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:

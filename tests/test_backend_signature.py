@@ -89,7 +89,7 @@ def test_validate_batch_returns_size(signature: ModelSignature) -> None:
     batch = {"image": np.zeros((4, 3, 8, 8), np.float32), "mask": np.zeros((4, 5), np.int64)}
     assert signature.validate_batch(batch) == 4
     batch["mask"] = np.zeros((3, 5), np.int64)
-    with pytest.raises(BadRequestError, match=r"'mask' has shape \(3, 5\), expected \(4, 5\)"):
+    with pytest.raises(BadRequestError, match="'image' has 4, 'mask' has 3"):
         signature.validate_batch(batch)
 
 
