@@ -93,8 +93,8 @@ class ConstantRows(msgspec.Struct, tag="constant", **_ROWS_STRUCT):
 class UniformRows(msgspec.Struct, tag="uniform", **_ROWS_STRUCT):
     """``request_rows = { dist = "uniform", min = A, max = B }``: A..B rows, equally likely."""
 
-    min: Annotated[int, msgspec.Meta(ge=1)] = 1
     max: Annotated[int, msgspec.Meta(ge=1)]
+    min: Annotated[int, msgspec.Meta(ge=1)] = 1
 
     def __post_init__(self) -> None:
         if self.max < self.min:
