@@ -21,14 +21,15 @@ if TYPE_CHECKING:
 
 
 def workload_bound_rps(w: Workload) -> float:
-    """The staggered bound of a workload (DESIGN section 3) under its allowances."""
+    """The staggered bound of a workload (DESIGN section 3) under its allowances, in
+    requests/s: the bound in rows/s over the mean rows per request (``request_rows``)."""
     shares = w.shares()
     models = [
         (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
         for m, share in zip(w.models, shares, strict=True)
     ]
-    bound_rps: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
-    return bound_rps
+    bound_rows: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
+    return bound_rows / w.request_rows.mean
 
 
 def simulation_report(sim: Simulator, wall_s: float) -> dict[str, Any]:

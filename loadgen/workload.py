@@ -86,6 +86,10 @@ class ConstantRows(msgspec.Struct, tag="constant", **_ROWS_STRUCT):
     def largest(self) -> int:
         return self.rows
 
+    @property
+    def mean(self) -> float:
+        return float(self.rows)
+
     def __str__(self) -> str:
         return f"constant:{self.rows}"
 
@@ -106,6 +110,10 @@ class UniformRows(msgspec.Struct, tag="uniform", **_ROWS_STRUCT):
     @property
     def largest(self) -> int:
         return self.max
+
+    @property
+    def mean(self) -> float:
+        return (self.min + self.max) / 2
 
     def __str__(self) -> str:
         return f"uniform:{self.min}-{self.max}"
@@ -135,6 +143,11 @@ class ChoiceRows(msgspec.Struct, tag="choice", **_ROWS_STRUCT):
     @property
     def largest(self) -> int:
         return max(self.values)
+
+    @property
+    def mean(self) -> float:
+        weights = self.weights or [1.0] * len(self.values)
+        return sum(v * w for v, w in zip(self.values, weights, strict=True)) / sum(weights)
 
     def __str__(self) -> str:
         return "choice:" + ",".join(map(str, self.values))
