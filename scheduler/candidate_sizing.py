@@ -75,7 +75,7 @@ class CandidateSizing:
     cand_exec: float
     cand_latest: float
     n_arrived: int  # requests
-    n_arrived_rows: int
+    n_extra_rows: int  # their rows beyond one each
     _cand_deferred: bool
     wake_at: float
 
@@ -236,7 +236,8 @@ class CandidateSizing:
         if stop < len(sizes):
             grow = sizes[stop]
         else:
-            grow = round(self.n_arrived_rows / self.n_arrived) if self.n_arrived else 1
+            arrived = self.n_arrived
+            grow = round((arrived + self.n_extra_rows) / arrived) if arrived else 1
         limit = self._max_batch + 1 - rows
         grow = limit if limit < grow else grow
         return grow if grow > 1 else 1

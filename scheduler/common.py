@@ -29,17 +29,18 @@ def split_meta_by_model(meta: RequestMetaBatch) -> dict[str, MetaChunk]:
         return {models[0]: (list(meta.request_ids), list(meta.arrivals), list(meta.deadlines),
                             list(rows))}
     out: dict[str, MetaChunk] = {}
-    for i, (model, rid, arrival, deadline) in enumerate(zip(
+    for model, rid, arrival, deadline in zip(
         models, meta.request_ids, meta.arrivals, meta.deadlines, strict=True
-    )):
+    ):
         entry = out.get(model)
         if entry is None:
             entry = out[model] = ([], [], [], [])
         entry[0].append(rid)
         entry[1].append(arrival)
         entry[2].append(deadline)
-        if rows:
-            entry[3].append(rows[i])
+    if rows:  # a second pass only when a request holds several rows
+        for model, size in zip(models, rows, strict=True):
+            out[model][3].append(size)
     return out
 
 

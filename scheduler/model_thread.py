@@ -165,7 +165,7 @@ class ModelThread(CandidateSizing):
         # counters (for stats and tests)
         self.n_window_misses = 0
         self.n_arrived = 0
-        self.n_arrived_rows = 0
+        self.n_extra_rows = 0  # rows arrived beyond one per request
         self.n_dropped = 0
         self.n_cancelled = 0
         self.n_planned = 0
@@ -310,11 +310,9 @@ class ModelThread(CandidateSizing):
         count = len(request_ids)
         if count == 0:
             return
-        if rows and self._rows is None:
-            if rows.count(1) == count:
-                rows = ()
-            else:  # the first request of several rows: keep a rows list from now on
-                self._rows = [1] * len(self._dl)
+        arrived = count  # rows
+        if rows:
+            rows, arrived = self._note_rows(rows, count)
         fidx = self._frontend_index.get(frontend)
         if fidx is None:
             fidx = self._frontend_index[frontend] = len(self._frontends)
@@ -347,14 +345,23 @@ class ModelThread(CandidateSizing):
             self._arr = [e[3] for e in merged]
             self._head = 0
         self.n_arrived += count
-        arrived_rows = sum(rows) if rows else count
-        self.n_arrived_rows += arrived_rows
         meter = self._meter
-        if meter.add(now, arrived_rows):
+        if meter.add(now, arrived):
             self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
                                                self.d_data_s))
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def _note_rows(self, rows: Sequence[int], count: int) -> tuple[Sequence[int], int]:
+        """A chunk's rows list: ``()`` while it and the queue hold one row per request (the
+        one-row path), else itself, with the rows list started; and the chunk's rows."""
+        if self._rows is None:
+            if rows.count(1) == count:
+                return (), count
+            self._rows = [1] * len(self._dl)  # the first request of several rows
+        arrived = sum(rows)
+        self.n_extra_rows += arrived - count
+        return rows, arrived
 
     def _merge_rows(self, fidx: int, request_ids: Sequence[int], arrivals: Sequence[float],
                     deadlines: Sequence[float], rows: Sequence[int]) -> None:
@@ -472,18 +479,16 @@ class ModelThread(CandidateSizing):
 
         ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on this hot
         path), and ``b if b < a else a`` for ``min(a, b)``."""
+        if self._rows is not None:
+            self._update_rows(now, gpu_free_at, outbox)
+            return
         head0 = self._head
         if len(self._dl) == head0:
             self.cand_bs = 0
             self.wake_at = math.inf
-            if self._rows is not None:  # back to the one-row path until a multi-row arrival
-                self._clear_queue()
             return
         start = now + self.d_ctrl_s
-        count = 0
-        if self._rows is not None:
-            head, count, bs = self._size_rows(start, gpu_free_at)
-        elif self._drop == DROP_WINDOW:
+        if self._drop == DROP_WINDOW:
             head, bs = self._size_keeping_target(start, gpu_free_at)
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
@@ -494,11 +499,27 @@ class ModelThread(CandidateSizing):
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        if count:
-            self._aim(now, gpu_free_at, head, bs, self._next_rows(head + count, bs))
-        else:
-            self._aim(now, gpu_free_at, head, bs)
+        self._aim(now, gpu_free_at, head, bs)
+
+    def _update_rows(self, now: float, gpu_free_at: float, outbox: Outbox) -> None:
+        """``_update`` while requests of several rows are queued: the batch in rows
+        (``_size_rows``), its request count in ``cand_count``."""
+        head0 = self._head
+        if len(self._dl) == head0:
+            self.cand_bs = self.cand_count = 0
+            self.wake_at = math.inf
+            self._clear_queue()  # back to the one-row path until a multi-row arrival
+            return
+        head, count, bs = self._size_rows(now + self.d_ctrl_s, gpu_free_at)
+        if head != head0:
+            self._emit_drops(head0, head, outbox)
+            head = self._advance_head(head)
         self.cand_count = count
+        if bs == 0:
+            self.cand_bs = 0
+            self.wake_at = math.inf
+            return
+        self._aim(now, gpu_free_at, head, bs, self._next_rows(head + count, bs))
 
     def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:
         ids = self._rid[start:stop]

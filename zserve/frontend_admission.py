@@ -93,7 +93,8 @@ class ModelAdmission:
         if self.signature is not None:
             return self.signature.validate_request(inputs, max_rows=self.max_rows)
         # No signature registered yet (the backend validates): the rows must still agree.
-        leading = {getattr(a, "shape", (1,))[:1] for a in inputs.values()} or {(1,)}
+        leading = {tuple(getattr(a, "shape", (1,))[:1]) or (0,) for a in inputs.values()}
+        leading = leading or {(1,)}  # no inputs at all: the backend judges them
         rows = leading.pop()[0] if len(leading) == 1 else -1
         if not 1 <= rows <= self.max_rows:
             raise BadRequestError(f"model {self.config.name!r}: inputs must share one leading "
