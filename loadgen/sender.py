@@ -148,6 +148,29 @@ Monitor = Callable[[IntArray, float], str | None]
 current lag behind schedule in seconds; returns a reason to stop, or None."""
 
 
+def _encoders(spec: WorkerSpec) -> tuple[list[Callable[[int], codec.Frames]], list[int]]:
+    """The request templates' encoders and each request's template: one per model, or with
+    the plan's ``rows`` one per (model, rows), whose inputs repeat the model's one-row inputs
+    that many times along the leading dimension."""
+    plan = spec.plan
+
+    def encoder(m: int, rows: int) -> Callable[[int], codec.Frames]:
+        name = plan.models[m]
+        inputs = spec.inputs.get(name, {})
+        if rows != 1:
+            inputs = {k: np.ascontiguousarray(np.repeat(a[:1], rows, axis=0))
+                      for k, a in inputs.items()}
+        return codec.encoder_for_ids(InferRequest(0, name, inputs, plan.slo_ms[m]))
+
+    if plan.rows is None:
+        return [encoder(m, 1) for m in range(len(plan.models))], plan.model_index.tolist()
+    keys = list(zip(plan.model_index.tolist(), plan.rows.tolist(), strict=True))
+    index: dict[tuple[int, int], int] = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    return [encoder(m, rows) for m, rows in index], [index[key] for key in keys]
+
+
 class _Sender:
     """One worker's open-loop run: the per-request records and the steps of its loop.
 
@@ -169,13 +192,9 @@ class _Sender:
         slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
         self.request_slo_s = slo_s[plan.model_index].tolist()
         self.max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
-        # One request template per model: each request is its template with its own id,
-        # encoded for the cost of packing that id (the inputs are the same arrays every time).
-        self.encoders = [
-            codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}),
-                                               plan.slo_ms[m]))
-            for m, name in enumerate(plan.models)
-        ]
+        # One request template per model (and rows per request): each request is its template
+        # with its own id, encoded for the cost of packing that id (the same arrays every time).
+        self.encoders, self.template = _encoders(spec)
         self.sent = [math.nan] * n
         self.replied = [math.nan] * n
         self.outcome = [int(Outcome.UNSENT)] * n
@@ -202,13 +221,14 @@ class _Sender:
         t0, times, n, i = self.t0, self.times, self.n, self.i
         model_index, measured, counters = self.model_index, self.measured, self.counters
         sent, encoders, send_frames = self.sent, self.encoders, socket_io.send_frames_nowait
+        template = self.template
         monotonic = time.monotonic
         burst_end = i + SEND_BURST
         while i < n and i < burst_end and t0 + times[i] <= now:
             m = model_index[i]
             sent[i] = monotonic() - t0
             try:
-                send_frames(sock, encoders[m](i))
+                send_frames(sock, encoders[template[i]](i))
                 self.outstanding += 1
             except zmq.Again:
                 self._refused(i, m)
