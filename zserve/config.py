@@ -118,6 +118,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_batch: Count = DEFAULT_MAX_BATCH
     max_queue: Count = DEFAULT_MAX_QUEUE
     max_wait_ms: float | None = None  # admission bound on the predicted wait; None = slo_ms
+    # Past the model's capacity, bound the rows that wait to be planned (docs/runtime.md).
+    shed_past_capacity: bool = True
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)

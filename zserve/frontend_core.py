@@ -131,7 +131,8 @@ class FrontendCore:
         self.max_request_bytes = cluster.frontends.max_request_bytes
         shards = cluster.scheduler.shards
         self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards),
-                                              profiles.get(m.name)) for m in cluster.models}
+                                              profiles.get(m.name), self.reply_allowance_s)
+                       for m in cluster.models}
         nshards = cluster.scheduler_processes
         self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
@@ -195,7 +196,7 @@ class FrontendCore:
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
-            model, rows = self._admit(client, req)
+            model, rows = self._admit(now, client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
             self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
@@ -206,6 +207,7 @@ class FrontendCore:
         self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
                                   answer_by, rows))
         model.pending += rows
+        model.queued += rows
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
@@ -218,7 +220,7 @@ class FrontendCore:
         arrivals.append(now)
         deadlines.append(answer_by - self.reply_allowance_s)
 
-    def _admit(self, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
+    def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
         """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
         otherwise."""
         model = self.models.get(req.model)
@@ -253,6 +255,11 @@ class FrontendCore:
             raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
                             f"{predicted_wait_s * 1e3:.1f} ms exceeds "
                             f"{model.wait_bound_s * 1e3:.1f} ms")
+        limit = model.queue_limit(now, rows, gpus)
+        if model.queued >= limit:
+            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: offered past its "
+                            f"capacity, and {model.queued} rows wait to be planned (limit "
+                            f"{limit:.0f})")
         return model, rows
 
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
@@ -335,6 +342,7 @@ class FrontendCore:
                 self._refuse_if_stale(rid, "stale_fetched", "an input fetch")
                 continue
             p, request_inputs = taken
+            self.models[p.model].queued -= p.rows
             ids.append(rid)
             inputs.append(request_inputs)
             observe(now - p.arrival)
@@ -520,13 +528,18 @@ class FrontendCore:
         return answers
 
     def _finish(self, p: Pending) -> None:
+        model = self.models[p.model]
+        model.pending -= p.rows
+        if p.state == QUEUED:
+            model.queued -= p.rows
         self.requests.remove(p)
-        self.models[p.model].pending -= p.rows
 
     def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
                       outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
+        if kind is ErrorKind.DEADLINE:
+            self.models[p.model].note_answer(deadline_missed=True)
         self.counters[_ERROR_COUNTERS[kind]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message, outbox)
@@ -536,6 +549,7 @@ class FrontendCore:
                         outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
+        self.models[p.model].note_answer(deadline_missed=False)
         self.counters["replied"] += 1
         if client is None:
             return
