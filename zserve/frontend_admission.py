@@ -42,6 +42,7 @@ class ModelAdmission:
         "_floor",
         "_limit",
         "_profile",
+        "_window_capacity_rows",
         "_window_rows",
         "_window_start",
         "config",
@@ -77,6 +78,7 @@ class ModelAdmission:
         # window's offered rate exceeded the capacity (True until one has been measured).
         self._window_start: float | None = None
         self._window_rows = 0
+        self._window_capacity_rows = math.inf  # what the capacity serves in one window
         self.overloaded = True
         # None until a backend of the model registered one: then the backend validates.
         self.signature: ModelSignature | None = None
@@ -149,6 +151,8 @@ class ModelAdmission:
             self._window_start = now
             self._window_rows = 0
         self._window_rows += rows
+        if self._window_rows > self._window_capacity_rows:  # past it before the window ends
+            self.overloaded = True
         return self._limit if self.overloaded else math.inf
 
     def note_answer(self, deadline_missed: bool) -> None:
@@ -166,11 +170,18 @@ class ModelAdmission:
             # l(b*) / N (at capacity a GPU frees every l(b*) / N) and finishes l(b*) later.
             batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
             run_s = self._profile.latency(batch) * (1.0 + 1.0 / gpus)
-            floor = max(float(batch), capacity * (self.slo_s - self.reply_allowance_s - run_s))
-            ceiling = max(floor, capacity * self.wait_bound_s)
+            start = capacity * (self.slo_s - self.reply_allowance_s - run_s)
+            floor = max(1.0, start)
+            start = max(float(batch), start)
+            ceiling = max(start, capacity * self.wait_bound_s)
+        else:
+            start = floor
         self._bounds_gpus = gpus
+        self._window_capacity_rows = capacity * RATE_WINDOW_S
         self._floor = floor
         self._ceiling = ceiling
+        if self._limit == 0.0:
+            self._limit = start
         self._limit = min(max(self._limit, floor), ceiling)
 
     def capacity_rps(self, gpus: int) -> float:
