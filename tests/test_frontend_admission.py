@@ -3,18 +3,20 @@
 The model: one GPU, l(b) = 40 b + 160 ms up to b = 8, SLO 2 s, reply allowance 50 ms. Its
 capacity at the SLO is 8 / 480 ms = 16.7 r/s, so the predicted-wait bound (pending / capacity <=
 max_wait_ms = the SLO) admits 34 requests at once. Past the capacity the rows that wait to be
-planned are bounded too: the floor is max(b*, C (SLO - reply - l(b*) (1 + 1/N))) = 16.7 x 0.99 s
-= 16.5 rows (17 admitted), where the last of them still finishes within the SLO; the bound adapts
-from there, down on DEADLINE answers (never below the floor), up on answers with outputs."""
+planned are bounded too, from max(b*, C (SLO - reply - l(b*) (1 + 2/N))) = 16.7 x 0.51 s = 8.5
+rows (9 admitted), where the last of them still finishes within the SLO with l(b*) to spare; the
+bound adapts from there, down on DEADLINE answers (to 1 row at least), up on answers with
+outputs."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import pytest
 
 from zserve.config import parse_config
-from zserve.frontend_admission import QUEUE_LIMIT_CUT, ModelAdmission
+from zserve.frontend_admission import QUEUE_LIMIT_CUT, QUEUE_LIMIT_GROW, ModelAdmission
 from zserve.frontend_core import FrontendCore
 from zserve.hosting import Outbox
 from zserve.profiles import LatencyProfile
@@ -28,7 +30,7 @@ from zserve.transport.messages import (
 
 CLIENT = b"client-1"
 CAPACITY_RPS = 8 / 0.480
-FLOOR_ROWS = 17  # admitted while fewer than 16.7 r/s x (2 - 0.05 - 0.48 x 2) s = 16.5 wait
+FLOOR_ROWS = 9  # admitted while fewer than 16.7 r/s x (2 - 0.05 - 0.48 x 3) s = 8.5 wait
 PREDICTED_WAIT_ROWS = 34  # admitted while pending / capacity <= 2 s: 33 / 16.7 = 1.98 s
 INPUTS = {"x": np.zeros((1, 4), np.float32)}
 
@@ -70,15 +72,15 @@ def test_past_capacity_only_the_rows_that_can_still_finish_in_time_are_admitted(
 
 def test_within_capacity_only_the_predicted_wait_bounds_admission() -> None:
     core = _core()
-    # One second offered at 10 r/s (under 16.7) lifts the bound on queued rows.
-    for i in range(10):
-        assert _offer(core, i * 0.1, i, 1) == {}
-    assert _offer(core, 1.0, 10, 16) == {}  # 26 wait: over the floor, within 2 s of work
+    # One second offered at 8 r/s (under 16.7) lifts the bound on queued rows.
+    for i in range(8):
+        assert _offer(core, i * 0.125, i, 1) == {}
+    assert _offer(core, 1.0, 8, 16) == {}  # 24 wait: over the bound, within 2 s of work
     # The 17th row of this window is past what the capacity serves in one: the bound is back at
-    # once (the predicted wait, 26 / 16.7 = 1.6 s, alone admits the request).
-    assert "wait to be planned" in _message(core, 1.5, 26)
+    # once (the predicted wait, 24 / 16.7 = 1.4 s, alone admits the request).
+    assert "wait to be planned" in _message(core, 1.5, 24)
     # A window that ends under the capacity (17 rows in 2 s) lifts it again.
-    assert _offer(core, 3.0, 27, 1) == {}
+    assert _offer(core, 3.0, 25, 1) == {}
 
 
 def model_queued(core: FrontendCore) -> int:
@@ -94,25 +96,31 @@ def _message(core: FrontendCore, now: float, request_id: int) -> str:
     return message
 
 
-def test_deadline_answers_lower_the_bound_to_its_floor_and_outputs_raise_it() -> None:
-    core = _core()
+def test_deadline_answers_lower_the_bound_and_outputs_raise_it() -> None:
+    # At a 1.5 s SLO the last of b* = 8 queued rows has no l(b*) to spare: the bound starts at
+    # one batch, 8 rows, and may fall to 1.
+    core = _core(slo_ms=1500.0)
     model = core.models["m"]
-    floor = model.queue_limit(0.0, 0, 1)
-    assert FLOOR_ROWS - 1 < floor <= FLOOR_ROWS
-    _offer(core, 0.0, 0, FLOOR_ROWS)
+    start = model.queue_limit(0.0, 0, 1)
+    assert start == 8.0
+    assert _offer(core, 0.0, 0, 9) == {8: "OVERLOADED"}
     outbox: Outbox = []
     rids = list(core.pending)
-    # Outputs raise the bound (a request admitted then counts toward it no more)...
-    core.on_fetch(0.1, "backend-0", InputFetch(1, rids[:8]), outbox)
-    core.on_outputs(0.6, BatchOutputs(1, rids[:8], [{} for _ in range(8)], 0.1, 0.58), outbox)
+    # Outputs raise the bound (and the fetched rows count toward it no more)...
+    core.on_fetch(0.1, "backend-0", InputFetch(1, rids[:4]), outbox)
+    core.on_outputs(0.6, BatchOutputs(1, rids[:4], [{} for _ in range(4)], 0.1, 0.58), outbox)
     raised = model.queue_limit(0.6, 0, 1)
-    assert raised > floor
-    # ...and each scheduler DEADLINE drop cuts it, never below the floor.
-    core.on_drop(0.7, DropNotice(rids[8:9], "DEADLINE", "late"), outbox)
-    assert model.queue_limit(0.7, 0, 1) == max(floor, raised * (1 - QUEUE_LIMIT_CUT))
-    core.on_drop(0.8, DropNotice(rids[9:], "DEADLINE", "late"), outbox)
-    assert model.queue_limit(0.8, 0, 1) == floor
+    assert raised == pytest.approx(start * (1 + QUEUE_LIMIT_GROW) ** 4) and raised > start
+    # ...and each DEADLINE answer (here the scheduler's drops) cuts it.
+    core.on_drop(0.7, DropNotice(rids[4:], "DEADLINE", "late"), outbox)
+    cut = model.queue_limit(0.7, 0, 1)
+    assert cut == pytest.approx(raised * (1 - QUEUE_LIMIT_CUT) ** 4)
     assert model.queued == 0 and model.pending == 0
+    # 6.5 rows may wait now, not 8.
+    assert _offer(core, 0.8, 100, 8) == {107: "OVERLOADED"}
+    for _ in range(200):
+        model.note_answer(deadline_missed=True)
+    assert model.queue_limit(0.9, 0, 1) == 1.0
 
 
 def test_the_bound_can_be_switched_off_per_model() -> None:

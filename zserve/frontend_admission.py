@@ -139,8 +139,9 @@ class ModelAdmission:
     def queue_limit(self, now: float, rows: int, gpus: int) -> float:
         """How many rows may wait to be planned when a request of ``rows`` rows arrives at
         ``now``: unbounded while the model's offered rate is within its capacity at ``gpus``
-        GPUs; past it, the adaptive limit (``note_answer``), from the floor at which the last of
-        them still finishes within the SLO at capacity, up to ``max_wait_ms`` x capacity."""
+        GPUs; past it (over the last ``RATE_WINDOW_S`` window, or already in this one), the
+        adaptive limit of ``note_answer``: it starts where the last of them still finishes within
+        the SLO at capacity, and stays within 1 row and ``max_wait_ms`` x capacity."""
         if gpus != self._bounds_gpus:
             self._set_floor(gpus)
         start = self._window_start
@@ -166,10 +167,13 @@ class ModelAdmission:
         capacity = self.capacity_rps(gpus)
         floor = ceiling = math.inf  # no profile: no bound
         if self.config.shed_past_capacity and self._profile is not None and capacity < math.inf:
-            # b*: the capacity batch. A row behind ``floor`` others starts within floor / C +
-            # l(b*) / N (at capacity a GPU frees every l(b*) / N) and finishes l(b*) later.
+            # b*: the capacity batch. With ``start`` rows waiting, the last starts within
+            # start / C + l(b*) / N (at capacity a GPU frees every l(b*) / N) and finishes l(b*)
+            # later: within the SLO less the reply allowance, with one more l(b*) / N of margin
+            # for the hosts' timing. The bound starts there (at least one batch of b*) and may
+            # fall to 1 row.
             batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
-            run_s = self._profile.latency(batch) * (1.0 + 1.0 / gpus)
+            run_s = self._profile.latency(batch) * (1.0 + 2.0 / gpus)
             start = capacity * (self.slo_s - self.reply_allowance_s - run_s)
             floor = max(1.0, start)
             start = max(float(batch), start)
