@@ -150,6 +150,7 @@ class Simulator:
         self.batches: list[tuple[int, int, float, float, int]] = []  # model, gpu, exec, end, bs
         self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
         self.bailed = False
+        self.bailed_at = math.inf  # when a bailing run stopped (the report counts up to it)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._model_wake = [math.inf] * len(self.models)
@@ -533,6 +534,7 @@ class Simulator:
                     next_bail_check = now + BAIL_CHECK_INTERVAL_S
                     if self._should_bail(bail, now):
                         self.bailed = True
+                        self.bailed_at = now
                         break
             else:
                 self._on_event(now, kind, idx, seq)
