@@ -35,7 +35,14 @@ runs through the same ModelThread/RankThread code paths:
 ``latest``
     ``exec = d - l(bs)``: the latest moment that still meets the earliest deadline.
 ``eager``
-    Work-conserving: ``exec = max(now + delay(bs), gpu_free_at)`` (Clockwork/Shepherd default).
+    Work-conserving: ``exec = max(now + delay(bs), gpu_free_at)`` (Clockwork/Shepherd default),
+    with the window drop's target batch size.
+``eager-edf``
+    The paper's Clockwork baseline: eager, under the ``alone`` drop (no target batch size: only
+    what cannot finish even alone is dropped, and the batch is the largest feasible prefix), and a
+    freed GPU goes to the waiting candidate whose latest start is earliest (the rank's order for
+    every policy; Clockwork's "earliest latest executable moment", earliest-deadline-first on
+    start deadlines across models). An explicit ``drop`` other than ``window`` overrides.
 ``timeout:F``
     TF-Serving/Triton style: ``exec = max(earliest, a + F * SLO)`` with ``a`` the earliest
     arrival in the batch, F a fraction of the SLO (``timeout:0.3``).

@@ -203,7 +203,8 @@ def test_simulation_report_schema_and_invariants() -> None:
     assert "offered" in text and len(text.splitlines()) < 25
 
 
-@pytest.mark.parametrize("policy", ["deferred", "deferred-bl", "latest", "eager", "timeout:0.3"])
+@pytest.mark.parametrize("policy", ["deferred", "deferred-bl", "latest", "eager", "eager-edf",
+                                    "timeout:0.3"])
 @pytest.mark.parametrize("arrival", ["poisson", "gamma:0.2"])
 def test_every_policy_keeps_every_invariant_under_overload(policy: str, arrival: str) -> None:
     # 4x the capacity of 2 GPUs: drops galore, and every invariant is checked on every plan

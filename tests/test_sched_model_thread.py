@@ -190,6 +190,23 @@ def test_window_drops_head_that_would_force_a_batch_below_target() -> None:
     assert alone.cand_bs == 3
 
 
+def test_eager_edf_keeps_a_head_that_eager_drops_and_starts_at_once() -> None:
+    # Clockwork-style eager-edf: no target batch size, so the head that the window drop of
+    # eager drops (it would force a batch below 4) stays and runs now, in the largest batch
+    # that meets its deadline
+    runs: dict[str, ModelThread] = {}
+    for policy in ("eager", "eager-edf"):
+        mt = runs[policy] = _mt(policy)
+        mt.target = mt.keep_min = 4
+        out: Outbox = []
+        mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)
+        mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
+        mt._update(2.0 * MS, -math.inf, out)
+    assert (runs["eager"].n_dropped, runs["eager"].cand_bs) == (1, 4)
+    edf = runs["eager-edf"]
+    assert (edf.n_dropped, edf.cand_bs, edf.cand_exec) == (0, 3, 2.0 * MS)
+
+
 def test_window_grows_past_target_while_earliest_deadline_holds() -> None:
     mt = _mt(drop="window")
     mt.target = mt.keep_min = 2
