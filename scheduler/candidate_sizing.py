@@ -29,7 +29,13 @@ from zserve.policies import (
 )
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
-from zserve.scheduler.policy import DEFER_STAGGER_MIN_GPUS, RpsMeter
+from zserve.scheduler.policy import (
+    DEFER_MIN_JOINERS,
+    DEFER_MISS_RATE_MAX,
+    DEFER_QUEUED_RATE_MAX,
+    DEFER_STAGGER_MIN_GPUS,
+    RpsMeter,
+)
 
 COMPACT_AT = 4096
 """Compact the queue's lists once this many popped entries precede the head (and they are at
@@ -64,12 +70,16 @@ class CandidateSizing:
     # the deferred policy's beta*lambda batch size, and whether the model shares its GPUs
     _defer_below: float
     _defer_shared: bool
+    _defer_rate: float
     miss_margin_s: float
+    miss_rate: float
+    queued_rate: float
     # the candidate as last computed
     cand_bs: int
     cand_exec: float
     cand_latest: float
     _cand_deferred: bool
+    _waited: bool
     wake_at: float
 
     def _set_target(self, target: int) -> None:
@@ -91,19 +101,20 @@ class CandidateSizing:
     def _refresh_defer_below(self) -> None:
         """The batch size from which the ``deferred`` policy stops deferring (policy.py), from
         the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
-        size b (n = lambda*l(b)/b). Cached: it changes only when the meter seals a bucket or the
-        target or profile changes."""
+        size b (n = lambda*l(b)/b), and the rate the joiner rule reads. Cached: it changes only
+        when the meter seals a bucket or the target or profile changes."""
         rate = self._meter.rate()
         self._defer_shared = False
+        self._defer_rate = math.inf if rate is None else rate  # no rate yet: plain frontrun
         if rate is None:
-            self._defer_below = math.inf  # no rate yet: plain frontrun
+            self._defer_below = math.inf
             return
         beta_lambda = self._profile.beta_s * rate
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:
-            self._defer_below = beta_lambda - 1.0
+        else:  # shares GPUs: defers while requests may join (the joiner rule in _aim)
+            self._defer_below = math.inf
             self._defer_shared = True
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
@@ -207,13 +218,20 @@ class CandidateSizing:
         kind = self._kind
         deferred = False
         if kind == KIND_DEFERRED:
-            if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
+            exec_at = deadline - self.jitter_s - table[bs + 1]  # the frontrun moment
+            if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
+                exec_at -= self.miss_margin_s
+                deferred = (self.miss_rate <= DEFER_MISS_RATE_MAX
+                            and self.queued_rate <= DEFER_QUEUED_RATE_MAX)
+            else:
+                deferred = bs < self._defer_below
+            if not deferred or (exec_at - now) * self._defer_rate < DEFER_MIN_JOINERS:
+                # waiting does not pay (policy.py, deferred): staggered and at its batch size,
+                # windows on shared GPUs too often lost, or too few requests expected to join
                 exec_at = earliest
-            elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
-                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + 1]
-                deferred = True
-            else:  # staggered: a missed window is the stagger at work; the authors' aim
-                exec_at = deadline - self.jitter_s - table[bs + 1]
+                deferred = False
+            elif not self._defer_shared:
+                deferred = False  # staggered: a missed window is the stagger at work
         elif kind == KIND_FRONTRUN:
             exec_at = deadline - self.jitter_s - table[bs + 1]
         elif kind == KIND_EAGER:
@@ -230,6 +248,8 @@ class CandidateSizing:
         self.cand_exec = exec_at
         self.cand_latest = latest
         self._cand_deferred = deferred
+        if deferred:
+            self._waited = True
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 

@@ -65,9 +65,12 @@ from zserve.policies import (
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
+    DEFER_MISS_EWMA,
+    DEFER_MISS_FORGET,
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_QUEUED_SLACK_S,
     RpsMeter,
     target_batch_size,
 )
@@ -141,6 +144,7 @@ class ModelThread(CandidateSizing):
         # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
         self._defer_below = math.inf
         self._defer_shared = False  # set with _defer_below: the model shares its GPUs
+        self._defer_rate = math.inf  # the metered rate the joiner rule reads (inf: no rate yet)
         self._meter = RpsMeter(rate_bucket_s, rate_window)
         self.keep_tolerance = keep_tolerance
         self.target = 1
@@ -181,6 +185,12 @@ class ModelThread(CandidateSizing):
         # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
         self._cand_deferred = False
         self.miss_margin_s = 0.0
+        # deferred, sharing GPUs: the estimated chance that a deferred candidate misses its
+        # grant window (DEFER_MISS_EWMA); above DEFER_MISS_RATE_MAX the model does not defer
+        self.miss_rate = 0.0
+        # ... and the chance that a deferred candidate finds every GPU busy at its aim
+        self.queued_rate = 0.0
+        self._waited = False  # a candidate deferred since the last grant
 
     # ------------------------------------------------------------------ attributes
 
@@ -336,11 +346,18 @@ class ModelThread(CandidateSizing):
             # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
             # grant still on its way when the window closes counts too: it came too late for the
             # batch as planned, and the cap bounds what such misses can cost.
-            self.n_window_misses += 1
-            margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
-            self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+            self._missed_window()
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def _missed_window(self) -> None:
+        """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
+        earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
+        self._cand_deferred = self._waited = False  # counted once
+        self.n_window_misses += 1
+        margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
+        self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+        self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
 
     def set_gpus(self, now: float, gpu_ids: Iterable[int], outbox: Outbox) -> None:
         """The GPUs that exist; a grant for any other GPU is returned unused."""
@@ -351,6 +368,11 @@ class ModelThread(CandidateSizing):
         publish the next candidate (the rank dropped ours when it granted)."""
         self._sent = None
         gpu_id = grant.gpu_id
+        was_deferred = self._waited
+        self._waited = False
+        # a deferred candidate granted after its aim found every GPU busy there: contention
+        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
+        queued = self._cand_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -369,6 +391,12 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
+        if self.miss_rate:  # a deferred batch that got its window; else forget slowly
+            self.miss_rate *= 1.0 - (DEFER_MISS_EWMA if was_deferred else DEFER_MISS_FORGET)
+        if queued:
+            self.queued_rate += DEFER_MISS_EWMA * (1.0 - self.queued_rate)
+        elif self.queued_rate:
+            self.queued_rate *= 1.0 - (DEFER_MISS_EWMA if was_deferred else DEFER_MISS_FORGET)
         head = self._head
         stop = head + bs
         request_ids = self._rid[head:stop]
@@ -429,6 +457,8 @@ class ModelThread(CandidateSizing):
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
+            if self._waited:  # deferring cost the head: a window was lost
+                self._missed_window()
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
         if bs == 0:

@@ -6,28 +6,31 @@ Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` ti
 runs through the same ModelThread/RankThread code paths:
 
 ``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
-    Frontrun while deferring pays, else schedulable at once. With lambda the model's metered
-    rate, b* its rate-driven target batch size and n = lambda*l(b*)/b* the GPUs its load needs,
-    a candidate of ``bs`` requests waits for its frontrun moment ``d - l(bs + 1)`` only while
+    Frontrun while waiting pays, else schedulable at once. A candidate of ``bs`` requests waits
+    for its aim ``d - l(bs + 1)`` (the frontrun moment: the last one at which one more request
+    could still join) only while all of these hold:
 
-    - ``bs < max(beta*lambda, b*)`` when n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1: a
-      model with the load of several GPUs runs staggered (DESIGN section 3), and starting before
-      the staggered batch size wastes the stagger (with beta*lambda < 1, fewer than one request
-      arrives within the fixed cost: batching buys nothing, and it does not wait);
-    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, so at its frontrun
-      moment (a window only ``alpha + jitter`` wide) the GPU it needs is often running another
-      model's batch, and a missed window costs the head request; it waits only while at least
-      one more whole request is expected within beta. Such a model also learns a margin from
-      its own missed windows: each miss moves its frontrun aim DEFER_MISS_WIDEN_S earlier (up
-      to DEFER_MISS_MAX_S), each granted batch gives DEFER_MISS_RELAX_S back, so on a cluster
-      that other models' batches saturate it joins the GPU queue earlier instead of losing
-      heads, and a model that never misses keeps the frontrun moment exactly.
+    - a request is likely to join before then: lambda * (aim - now) >= DEFER_MIN_JOINERS (ln 2,
+      an even chance), with lambda the model's metered rate. At light load a lone request
+      starts at once, on a GPU that is idle anyway, instead of waiting for company that will
+      not come (and its latency is l(1) plus the allowances);
+    - the model does not often lose its grant window: a deferred candidate is grantable only
+      from its aim to ``d - l(bs)``, about alpha + jitter wide, and when other models' batches
+      hold every GPU through it the head request is lost. Each model keeps an estimate of its
+      chance to miss (DEFER_MISS_EWMA per deferred outcome) and stops deferring above
+      DEFER_MISS_RATE_MAX; batches granted meanwhile forget it slowly (DEFER_MISS_FORGET), so it
+      tries again when the cluster has room. Small misses also move its aim earlier by a
+      learned margin (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S);
+    - for a model whose load needs at least DEFER_STAGGER_MIN_GPUS GPUs at its target batch
+      size b* (n = lambda*l(b*)/b*) with beta*lambda >= 1: ``bs < max(beta*lambda, b*)``. It runs
+      staggered over GPUs of its own (DESIGN section 3), a missed window there is the stagger at
+      work (no margin, no miss estimate), and past the staggered batch size waiting buys nothing.
 
-    ``beta*lambda`` is the second Symphony paper's rule (section 4.3): waiting for one more
-    request lowers the cost per request only while fewer than beta*lambda are queued. Plain
-    frontrun (below) fell under 0.95x eager in 59 of the 144 cells of ``zserve experiment
-    eager-floor``, down to 0.01x (1 GPU, 2 models, alpha 1 ms, beta 16 ms, SLO 68 ms: a request
-    waits 49 ms for company, then finds the GPU busy with the other model's batch and is lost).
+    The earlier rule (defer only while ``bs < beta*lambda - 1`` on shared GPUs, the second
+    Symphony paper's section 4.3) fixed the eager floor but turned deferral off wherever models
+    share GPUs: on 10 A100-zoo models on 16 GPUs nine of them ran batches of median size 1 with
+    the GPUs 0.99 busy, and at 0.1x of ResNet50's goodput the GPUs were 0.39 busy for 0.09 of
+    load. ``zserve experiment policy-grid`` and ``eager-floor`` measure the rule.
 ``frontrun``
     Symphony Algorithm 1 as written (section 3.1):
     ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more
@@ -69,14 +72,59 @@ import math
 from zserve.profiles import LatencyProfile
 
 __all__ = [
-    "DEFER_MISS_MAX_S", "DEFER_MISS_RELAX_S", "DEFER_MISS_WIDEN_S", "DEFER_STAGGER_MIN_GPUS",
-    "RpsMeter", "largest_batch_at_rate", "target_batch_size",
+    "DEFER_MIN_JOINERS",
+    "DEFER_MISS_EWMA",
+    "DEFER_MISS_FORGET",
+    "DEFER_MISS_MAX_S",
+    "DEFER_MISS_RATE_MAX",
+    "DEFER_MISS_RELAX_S",
+    "DEFER_MISS_WIDEN_S",
+    "DEFER_QUEUED_RATE_MAX",
+    "DEFER_QUEUED_SLACK_S",
+    "DEFER_STAGGER_MIN_GPUS",
+    "RpsMeter",
+    "largest_batch_at_rate",
+    "target_batch_size",
 ]
 
 DEFER_STAGGER_MIN_GPUS = 2.0
 """``deferred``: a model whose load needs at least this many GPUs (at its target batch size) is
 treated as running staggered over GPUs of its own and defers at least to its target batch size;
 below it the model shares GPUs and defers only while beta*lambda - 1 exceeds its batch."""
+
+DEFER_MIN_JOINERS = math.log(2.0)
+"""``deferred``: a candidate waits for its aim only while at least this many requests are
+expected to join it before then (lambda * (aim - now)): ln 2 is an even chance that one does.
+Below it waiting buys nothing but latency and a GPU held later (a lone request at light load
+starts at once, on a GPU that is idle anyway)."""
+
+DEFER_MISS_EWMA = 0.02
+"""``deferred``, sharing GPUs: the weight of each deferred candidate's outcome (window missed: 1,
+granted: 0) in the model's estimate of its chance to lose the grant window to other models."""
+
+DEFER_MISS_RATE_MAX = 0.02
+"""``deferred``, sharing GPUs: the model stops deferring while its estimated chance to miss a
+grant window is above this (two misses in close succession): waiting then costs more heads than
+the batching it buys (1 GPU shared by 2 models with beta/alpha 16: deferring lost 90% of eager's
+goodput). One missed window stays below it."""
+
+DEFER_MISS_FORGET = 1.0 / 1000
+"""``deferred``: how much of the miss estimate each batch granted without deferring forgets, so
+a model that stopped deferring tries again after about 700 batches (from two misses), and keeps
+deferring once the cluster has room. A try that fails costs about two heads: 0.3% of requests
+at batches of 1 (1/200 cost 1.4%, and deferred lost to eager on 1 GPU shared by 2 models)."""
+
+DEFER_QUEUED_RATE_MAX = 0.2
+"""``deferred``, sharing GPUs: the model stops deferring while its estimate (same weights as the
+miss estimate) of the chance that a deferred candidate finds every GPU busy at its aim is above
+this. Deferring then only moves its place in the queue for a GPU later: its batch grows, but it
+enters the contest for the next free GPU with a window alpha + jitter wide instead of its whole
+slack. Measured: on 10 A100-zoo models on 16 GPUs, 2% of deferred grants waited for a GPU
+(deferring pays); on 2 GPUs shared by 2 models with beta = alpha, 55% (eager wins by 8%)."""
+
+DEFER_QUEUED_SLACK_S = 0.0002
+"""A deferred candidate granted more than this after its aim counts as having waited for a GPU
+(live, a grant reaches the shard a little after the rank's timer)."""
 
 DEFER_MISS_WIDEN_S = 0.0005
 """``deferred``, for a model that shares its GPUs: how much earlier it aims its deferred

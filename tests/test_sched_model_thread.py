@@ -15,7 +15,9 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
+    DEFER_MIN_JOINERS,
     DEFER_MISS_MAX_S,
+    DEFER_MISS_RATE_MAX,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
     RpsMeter,
@@ -108,21 +110,29 @@ def test_timeout_is_clamped_to_latest() -> None:
     assert cand.exec_at == pytest.approx(cand.latest)
 
 
-def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() -> None:
-    mt = _mt("deferred-bl")
+def test_deferred_waits_only_while_a_request_is_likely_to_join() -> None:
     # no rate sample yet: frontrun
-    (cand,) = _cands(_arrive(mt, 0.0, [1]))
+    (cand,) = _cands(_arrive(_mt("deferred-bl"), 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
-    # a meter taught 1000 r/s: beta * lambda = 5 ms * 1000/s = 5 requests
+    # 1000 r/s, a model that shares its GPUs: a batch of 8 still waits (about 14 requests are
+    # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
-    assert meter.rate() == pytest.approx(1000.0, rel=0.1)
-    small = _mt("deferred-bl")
-    small.meter = meter
-    (c3,) = _cands(_arrive(small, now, [1, 2, 3], slo=30 * MS))
-    assert c3.exec_at > now  # 3 < ~5: frontrun
-    (c8,) = _cands(_arrive(small, now, [4, 5, 6, 7, 8], slo=30 * MS))
-    assert c8.batch_size == 8
-    assert c8.exec_at == pytest.approx(now)  # 8 >= ~5: at once
+    busy = _mt30()  # SLO 30 ms: the load needs under 2 GPUs
+    busy.meter = meter
+    (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
+    assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
+    # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
+    late = _mt30()
+    late.meter = _taught_meter(10)
+    (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
+    assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
+    # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
+    # arrivals, so it starts at once (frontrun waits for its moment regardless)
+    for policy, expected in (("deferred", now), ("frontrun", now + 5 * MS)):
+        lone = _mt(policy)
+        lone.meter = _taught_meter(1)
+        (c,) = _cands(_arrive(lone, now, [1]))
+        assert c.exec_at == pytest.approx(expected), policy
 
 
 def test_chunk_gives_one_candidate_update_and_unchanged_candidate_is_not_resent() -> None:
@@ -393,11 +403,50 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     mt.meter = meter
     now = TAUGHT_UNTIL_S
     for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
+        mt.miss_rate = 0.0  # (the miss estimate alone would stop it deferring: next test)
         _arrive(mt, now, [rid], slo=30 * MS)
         mt.on_timer(mt.wake_at, [])
         now = mt.wake_at + 1 * MS if math.isfinite(mt.wake_at) else now + 1 * MS
     assert mt.n_window_misses == 40
     assert mt.miss_margin_s == pytest.approx(DEFER_MISS_MAX_S)
+
+
+def test_a_model_that_keeps_losing_windows_stops_deferring_and_tries_again_later() -> None:
+    mt = _mt30()
+    mt.meter = _taught_meter(10)
+    now = TAUGHT_UNTIL_S
+    for rid in (1, 2):  # two windows lost in a row
+        _arrive(mt, now, [rid], slo=30 * MS)
+        assert mt.cand_exec > now + 20 * MS  # deferred
+        mt.on_timer(mt.wake_at, [])
+        now += 40 * MS  # the head was lost with its window
+    assert mt.n_window_misses == 2 and mt.miss_rate > DEFER_MISS_RATE_MAX
+    # now its candidates start at once ...
+    _arrive(mt, now, [3], slo=30 * MS)
+    assert mt.cand_exec == pytest.approx(now)
+    # ... and the batches granted meanwhile forget the misses until it defers again
+    grants = 0
+    while mt.miss_rate > DEFER_MISS_RATE_MAX:
+        grants += 1
+        mt.on_grant(now, GrantGpu("m", 0, grants, free_at=now), [])
+        _arrive(mt, now, [100 + grants], slo=30 * MS)
+    assert 500 < grants < 1000
+    assert mt.cand_exec > now + 20 * MS
+
+
+def test_a_head_lost_after_deferring_counts_as_a_missed_window() -> None:
+    # the window drop removes a head once it would force a batch below the target: when that
+    # happens to a candidate that waited, the wait lost it, whichever timer noticed
+    mt = _mt30()
+    mt.meter = _taught_meter(10)
+    now = TAUGHT_UNTIL_S
+    mt.target = mt.keep_min = 4
+    out: Outbox = []
+    mt.on_arrivals(now, "fe", [1], [now], [now + 30 * MS], out)  # l(4) = 9 ms: by now + 21
+    mt.on_arrivals(now, "fe", [2, 3, 4, 5], [now] * 4, [now + 200 * MS] * 4, out)
+    assert mt.cand_exec > now + 10 * MS  # deferred
+    mt._update(now + 22 * MS, -math.inf, out)
+    assert mt.n_dropped == 1 and mt.n_window_misses == 1
 
 
 @pytest.mark.parametrize("policy", ["frontrun", "eager"])
