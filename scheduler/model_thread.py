@@ -66,7 +66,7 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
     DEFER_MISS_EWMA,
-    DEFER_MISS_FORGET,
+    DEFER_MISS_FORGET_S,
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
@@ -191,6 +191,7 @@ class ModelThread(CandidateSizing):
         # ... and the chance that a deferred candidate finds every GPU busy at its aim
         self.queued_rate = 0.0
         self._waited = False  # a candidate deferred since the last grant
+        self._learned_at = 0.0  # when the estimates last learned something (a grant, a miss)
 
     # ------------------------------------------------------------------ attributes
 
@@ -346,11 +347,11 @@ class ModelThread(CandidateSizing):
             # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
             # grant still on its way when the window closes counts too: it came too late for the
             # batch as planned, and the cap bounds what such misses can cost.
-            self._missed_window()
+            self._missed_window(now)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
-    def _missed_window(self) -> None:
+    def _missed_window(self, now: float) -> None:
         """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
         earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
         self._cand_deferred = self._waited = False  # counted once
@@ -358,6 +359,23 @@ class ModelThread(CandidateSizing):
         margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
         self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
+        self._learned_at = now
+
+    def _learn_from_grant(self, now: float, was_deferred: bool, queued: bool) -> None:
+        """Update the deferred policy's estimates on a grant (policy.py, deferred): a deferred
+        batch that got its window counts against the miss estimate, and for or against the
+        queued one; a batch that did not defer forgets both over DEFER_MISS_FORGET_S (by the
+        time since they last learned something)."""
+        since = now - self._learned_at
+        self._learned_at = now
+        if was_deferred:
+            keep = 1.0 - DEFER_MISS_EWMA
+        else:
+            keep = 1.0 - since / DEFER_MISS_FORGET_S if since < DEFER_MISS_FORGET_S else 0.0
+        self.miss_rate *= keep
+        self.queued_rate *= keep
+        if queued:
+            self.queued_rate += DEFER_MISS_EWMA
 
     def set_gpus(self, now: float, gpu_ids: Iterable[int], outbox: Outbox) -> None:
         """The GPUs that exist; a grant for any other GPU is returned unused."""
@@ -391,12 +409,7 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
-        if self.miss_rate:  # a deferred batch that got its window; else forget slowly
-            self.miss_rate *= 1.0 - (DEFER_MISS_EWMA if was_deferred else DEFER_MISS_FORGET)
-        if queued:
-            self.queued_rate += DEFER_MISS_EWMA * (1.0 - self.queued_rate)
-        elif self.queued_rate:
-            self.queued_rate *= 1.0 - (DEFER_MISS_EWMA if was_deferred else DEFER_MISS_FORGET)
+        self._learn_from_grant(now, was_deferred, queued)
         head = self._head
         stop = head + bs
         request_ids = self._rid[head:stop]
@@ -458,7 +471,7 @@ class ModelThread(CandidateSizing):
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
             if self._waited:  # deferring cost the head: a window was lost
-                self._missed_window()
+                self._missed_window(now)
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
         if bs == 0:

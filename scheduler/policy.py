@@ -18,7 +18,7 @@ runs through the same ModelThread/RankThread code paths:
       from its aim to ``d - l(bs)``, about alpha + jitter wide, and when other models' batches
       hold every GPU through it the head request is lost. Each model keeps an estimate of its
       chance to miss (DEFER_MISS_EWMA per deferred outcome) and stops deferring above
-      DEFER_MISS_RATE_MAX; batches granted meanwhile forget it slowly (DEFER_MISS_FORGET), so it
+      DEFER_MISS_RATE_MAX; batches granted meanwhile forget it slowly (DEFER_MISS_FORGET_S), so it
       tries again when the cluster has room. Small misses also move its aim earlier by a
       learned margin (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S);
     - for a model whose load needs at least DEFER_STAGGER_MIN_GPUS GPUs at its target batch
@@ -57,7 +57,11 @@ Drop policies decide *which* requests leave the queue unserved (DESIGN section 3
 ``window`` (default)
     Sliding window with a rate-driven target batch size: drop the head of the queue while keeping
     it would force a batch smaller than the target (relaxed by ``keep_tolerance``), then grow the
-    batch past the target while the earliest deadline still holds ("free lunch").
+    batch past the target while the earliest deadline still holds ("free lunch"). The batch the
+    head must finish in is ``min(target, queue length)``: the authors' 2021 rule. Symphony's
+    public code since October 2022 (nexuslb ``batch_policy.cpp``) uses ``min(target, longest
+    feasible suffix of the queue)`` instead, which keeps a head the queue behind it could not
+    fill a target batch with anyway; zserve has not adopted it (not measured on the grid).
 ``alone``
     Drop only what cannot finish even alone; the batch is the largest feasible prefix (Clipper).
 ``fcfs``
@@ -74,7 +78,7 @@ from zserve.profiles import LatencyProfile
 __all__ = [
     "DEFER_MIN_JOINERS",
     "DEFER_MISS_EWMA",
-    "DEFER_MISS_FORGET",
+    "DEFER_MISS_FORGET_S",
     "DEFER_MISS_MAX_S",
     "DEFER_MISS_RATE_MAX",
     "DEFER_MISS_RELAX_S",
@@ -108,11 +112,14 @@ grant window is above this (two misses in close succession): waiting then costs 
 the batching it buys (1 GPU shared by 2 models with beta/alpha 16: deferring lost 90% of eager's
 goodput). One missed window stays below it."""
 
-DEFER_MISS_FORGET = 1.0 / 1000
-"""``deferred``: how much of the miss estimate each batch granted without deferring forgets, so
-a model that stopped deferring tries again after about 700 batches (from two misses), and keeps
-deferring once the cluster has room. A try that fails costs about two heads: 0.3% of requests
-at batches of 1 (1/200 cost 1.4%, and deferred lost to eager on 1 GPU shared by 2 models)."""
+DEFER_MISS_FORGET_S = 5.0
+"""``deferred``: a model that stopped deferring forgets its miss and queued estimates linearly
+over this time (at each grant, by the time since the previous one), so it tries again about
+3.5 s after two misses, and keeps deferring once the cluster has room. A try that fails costs
+about two heads per model every few seconds. Forgetting per batch instead (1/200, 1/1000 of the
+estimate per batch) let fast models retry every second or two, and those misses alone cost
+0.3-1.4% of requests at batches of 1: deferred fell to 0.93x eager on 2 GPUs shared by 2
+models."""
 
 DEFER_QUEUED_RATE_MAX = 0.2
 """``deferred``, sharing GPUs: the model stops deferring while its estimate (same weights as the
