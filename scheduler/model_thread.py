@@ -66,6 +66,7 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
     DEFER_MISS_EWMA,
+    DEFER_MISS_FORGET_REQUESTS,
     DEFER_MISS_FORGET_S,
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
@@ -361,17 +362,19 @@ class ModelThread(CandidateSizing):
         self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
         self._learned_at = now
 
-    def _learn_from_grant(self, now: float, was_deferred: bool, queued: bool) -> None:
-        """Update the deferred policy's estimates on a grant (policy.py, deferred): a deferred
-        batch that got its window counts against the miss estimate, and for or against the
-        queued one; a batch that did not defer forgets both over DEFER_MISS_FORGET_S (by the
-        time since they last learned something)."""
+    def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
+        """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
+        deferred): a deferred batch that got its window counts against the miss estimate, and
+        for or against the queued one; a batch that did not defer forgets both, by the smaller
+        of the time since they last learned something over DEFER_MISS_FORGET_S and its requests
+        over DEFER_MISS_FORGET_REQUESTS."""
         since = now - self._learned_at
         self._learned_at = now
         if was_deferred:
             keep = 1.0 - DEFER_MISS_EWMA
         else:
-            keep = 1.0 - since / DEFER_MISS_FORGET_S if since < DEFER_MISS_FORGET_S else 0.0
+            forget = min(since / DEFER_MISS_FORGET_S, bs / DEFER_MISS_FORGET_REQUESTS)
+            keep = 1.0 - forget if forget < 1.0 else 0.0
         self.miss_rate *= keep
         self.queued_rate *= keep
         if queued:
@@ -409,7 +412,7 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
-        self._learn_from_grant(now, was_deferred, queued)
+        self._learn_from_grant(now, bs, was_deferred, queued)
         head = self._head
         stop = head + bs
         request_ids = self._rid[head:stop]

@@ -78,6 +78,7 @@ from zserve.profiles import LatencyProfile
 __all__ = [
     "DEFER_MIN_JOINERS",
     "DEFER_MISS_EWMA",
+    "DEFER_MISS_FORGET_REQUESTS",
     "DEFER_MISS_FORGET_S",
     "DEFER_MISS_MAX_S",
     "DEFER_MISS_RATE_MAX",
@@ -113,13 +114,15 @@ the batching it buys (1 GPU shared by 2 models with beta/alpha 16: deferring los
 goodput). One missed window stays below it."""
 
 DEFER_MISS_FORGET_S = 5.0
-"""``deferred``: a model that stopped deferring forgets its miss and queued estimates linearly
-over this time (at each grant, by the time since the previous one), so it tries again about
-3.5 s after two misses, and keeps deferring once the cluster has room. A try that fails costs
-about two heads per model every few seconds. Forgetting per batch instead (1/200, 1/1000 of the
-estimate per batch) let fast models retry every second or two, and those misses alone cost
-0.3-1.4% of requests at batches of 1: deferred fell to 0.93x eager on 2 GPUs shared by 2
-models."""
+DEFER_MISS_FORGET_REQUESTS = 2000
+"""``deferred``: a model that stopped deferring forgets its miss and queued estimates as its
+batches are granted, by the smaller of the time since the last one over DEFER_MISS_FORGET_S and
+the batch's requests over DEFER_MISS_FORGET_REQUESTS: it tries again after about 3.5 s and 1,400
+requests from two misses, and keeps deferring once the cluster has room. A try that fails costs
+about two heads: at most 0.15% of the model's requests. Forgetting per batch instead (1/200,
+1/1000 of the estimate per batch) let fast models retry every second or two, and slow ones every
+few hundred requests; those misses alone cost 0.3-1.4% of requests at batches of 1, and
+deferred fell to 0.82-0.93x eager on 2 GPUs shared by 2 models."""
 
 DEFER_QUEUED_RATE_MAX = 0.2
 """``deferred``, sharing GPUs: the model stops deferring while its estimate (same weights as the

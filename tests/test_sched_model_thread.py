@@ -16,6 +16,7 @@ from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
     DEFER_MIN_JOINERS,
+    DEFER_MISS_FORGET_REQUESTS,
     DEFER_MISS_FORGET_S,
     DEFER_MISS_MAX_S,
     DEFER_MISS_RATE_MAX,
@@ -426,13 +427,17 @@ def test_a_model_that_keeps_losing_windows_stops_deferring_and_tries_again_later
     _arrive(mt, now, [3], slo=30 * MS)
     assert mt.cand_exec == pytest.approx(now)
     # ... and the batches granted meanwhile forget the misses until it defers again
-    grants, started = 0, now
+    # (batches of 10 every 10 ms: time, not the request count, is what it waits for here)
+    grants, started, served = 0, now, 0
     while mt.miss_rate > DEFER_MISS_RATE_MAX:
         grants += 1
         now += 10 * MS
+        _arrive(mt, now, list(range(1000 + 10 * grants, 1010 + 10 * grants)), slo=30 * MS)
         mt.on_grant(now, GrantGpu("m", 0, grants, free_at=now), [])
-        _arrive(mt, now, [100 + grants], slo=30 * MS)
+        served = mt.n_planned
     assert 0.5 * DEFER_MISS_FORGET_S < now - started < DEFER_MISS_FORGET_S  # ~ln 2 of it
+    assert served > DEFER_MISS_FORGET_REQUESTS / 2
+    _arrive(mt, now, [5], slo=30 * MS)
     assert mt.cand_exec > now + 20 * MS
 
 
