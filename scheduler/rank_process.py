@@ -56,7 +56,7 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, role_runner
+from zserve import control_link, keys, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig
 from zserve.errors import ZServeError
@@ -423,6 +423,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     link: control_link.ControlLink | None = None
     try:
         holder: list[RankHost] = []
+        keys.secure_role_context(ctx, config.cluster, "rank")
         link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
@@ -445,7 +446,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         reactor.close()
         if link is not None:
             await link.close()
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 def run_rank(config: RoleConfig, control_address: str | None) -> int:

@@ -59,6 +59,7 @@ from zserve import peer_map
 from zserve.config import ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
+from zserve.keys import release_role_context, secure_role_context
 from zserve.preflight import preflight
 from zserve.supervised_child import SupervisedChild, child_main
 from zserve.transport import codec
@@ -114,6 +115,7 @@ class Supervisor:
         self.run_dir = tempfile.mkdtemp(prefix="zs-", dir=base)
         ipc_dir = self.run_dir if config.transport == "ipc" else None
         self.ctx: zmq.Context[Any] = zmq.Context()
+        secure_role_context(self.ctx, config, "supervisor")
         control_bind = (
             f"ipc://{self.run_dir}/control" if ipc_dir else f"tcp://{config.host}:0"
         )
@@ -420,6 +422,7 @@ class Supervisor:
         if self.idle_pollers is not None:
             self.idle_pollers.stop()
         self.control.close(linger=0)
+        release_role_context(self.ctx)
         self.ctx.destroy(linger=0)  # also closes any socket a caller opened on it
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -556,6 +559,10 @@ class Cluster:
     @property
     def run_dir(self) -> str:
         return self._sup.run_dir
+
+    def peers(self) -> dict[str, str]:
+        """The peer map: ``"<process>/<socket>"`` -> address (docs/runtime.md)."""
+        return self._sup.call(lambda: dict(self._sup.peers))
 
     def pids(self) -> dict[str, int | None]:
         return self._sup.call(lambda: {n: c.pid for n, c in self._sup.children.items()})
