@@ -192,7 +192,10 @@ def _grid_tables(rows: list[dict[str, Any]]) -> tuple[list[Table], Check]:
         ["cell", *(f"{p} bs" for p in names), *(f"{p} busy" for p in names)],
         [[r["cell"], *(g(r, p, "median_batch") for p in names),
           *(g(r, p, "busy_fraction") for p in names)] for r in rows])
-    worst = {p: min(rows, key=lambda r, p=p: r["over"][p] or 0.0) for p in names[1:]}
+    def over(policy: str) -> Callable[[dict[str, Any]], float]:
+        return lambda r: float(r["over"][policy] or 0.0)
+
+    worst = {p: min(rows, key=over(p)) for p in names[1:]}
     summary = Table("The default's worst cell against each baseline",
                     ["baseline", "worst cell", "default / baseline"],
                     [[p, r["cell"], r["over"][p]] for p, r in worst.items()])
