@@ -71,6 +71,7 @@ class CandidateSizing:
     _defer_below: float
     _defer_shared: bool
     _defer_rate: float
+    _adaptive: bool
     miss_margin_s: float
     miss_rate: float
     queued_rate: float
@@ -113,8 +114,8 @@ class CandidateSizing:
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:  # shares GPUs: defers while requests may join (the joiner rule in _aim)
-            self._defer_below = math.inf
+        else:  # shares GPUs: beta*lambda - 1 (deferred), or the joiner rule in _aim (adaptive)
+            self._defer_below = math.inf if self._adaptive else beta_lambda - 1.0
             self._defer_shared = True
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
@@ -219,13 +220,15 @@ class CandidateSizing:
         deferred = False
         if kind == KIND_DEFERRED:
             exec_at = deadline - self.jitter_s - table[bs + 1]  # the frontrun moment
+            deferred = bs < self._defer_below
             if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at -= self.miss_margin_s
-                deferred = (self.miss_rate <= DEFER_MISS_RATE_MAX
-                            and self.queued_rate <= DEFER_QUEUED_RATE_MAX)
-            else:
-                deferred = bs < self._defer_below
-            if not deferred or (exec_at - now) * self._defer_rate < DEFER_MIN_JOINERS:
+                if self._adaptive:  # ... unless windows are too often lost or contended
+                    deferred = (self.miss_rate <= DEFER_MISS_RATE_MAX
+                                and self.queued_rate <= DEFER_QUEUED_RATE_MAX)
+            if not deferred or (
+                self._adaptive and (exec_at - now) * self._defer_rate < DEFER_MIN_JOINERS
+            ):
                 # waiting does not pay (policy.py, deferred): staggered and at its batch size,
                 # windows on shared GPUs too often lost, or too few requests expected to join
                 exec_at = earliest

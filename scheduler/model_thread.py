@@ -137,6 +137,7 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
+        self._adaptive = self._policy.name == "deferred-adaptive"
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
         self.jitter_s = jitter_s
@@ -233,6 +234,10 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
+        # deferred-adaptive: the joiner rule and the window estimates (policy.py)
+        self._adaptive = policy.name == "deferred-adaptive"
+        if hasattr(self, "_meter"):
+            self._refresh_defer_below()
 
     # ------------------------------------------------------------------ inputs
 
@@ -391,9 +396,10 @@ class ModelThread(CandidateSizing):
         gpu_id = grant.gpu_id
         was_deferred = self._waited
         self._waited = False
-        # a deferred candidate granted after its aim found every GPU busy there: contention
+        # a candidate that deferred and then waited for a GPU past its exec found every GPU
+        # busy: contention (it may have stopped deferring just before its aim: the joiner rule)
         delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
-        queued = self._cand_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S
+        queued = was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -473,7 +479,7 @@ class ModelThread(CandidateSizing):
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
-            if self._waited:  # deferring cost the head: a window was lost
+            if self._waited and self._adaptive:  # deferring cost the head: a window was lost
                 self._missed_window(now)
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)

@@ -6,31 +6,43 @@ Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` ti
 runs through the same ModelThread/RankThread code paths:
 
 ``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
-    Frontrun while waiting pays, else schedulable at once. A candidate of ``bs`` requests waits
-    for its aim ``d - l(bs + 1)`` (the frontrun moment: the last one at which one more request
-    could still join) only while all of these hold:
+    Frontrun while deferring pays, else schedulable at once. With lambda the model's metered
+    rate, b* its rate-driven target batch size and n = lambda*l(b*)/b* the GPUs its load needs,
+    a candidate of ``bs`` requests waits for its frontrun moment ``d - l(bs + 1)`` only while
+
+    - ``bs < max(beta*lambda, b*)`` when n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1: a
+      model with the load of several GPUs runs staggered (DESIGN section 3), and starting before
+      the staggered batch size wastes the stagger;
+    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, so at its frontrun
+      moment (a window only ``alpha + jitter`` wide) the GPU it needs is often running another
+      model's batch, and a missed window costs the head request; it waits only while at least
+      one more whole request is expected within beta. Such a model also learns a margin from
+      its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S, each granted
+      batch gives DEFER_MISS_RELAX_S back).
+
+    ``beta*lambda`` is the second Symphony paper's rule (section 4.3). It keeps deferred at or
+    above 0.95x eager on the eager-floor grid, but on shared GPUs it mostly turns deferral off:
+    ``beta*lambda - 1`` is below 1 for most A100-zoo models at their rates (batches of median 1
+    on the 10-model zoo subset), and at light load a model below 2 GPUs of load never defers
+    (at 0.1x of ResNet50's goodput on 4 GPUs the GPUs are 0.39 busy for 0.09 of load).
+``deferred-adaptive``
+    The decision by what waiting buys and what it costs (``zserve experiment policy-grid``
+    measures it against the default). A candidate waits for its aim ``d - l(bs + 1)`` only while
 
     - a request is likely to join before then: lambda * (aim - now) >= DEFER_MIN_JOINERS (ln 2,
-      an even chance), with lambda the model's metered rate. At light load a lone request
-      starts at once, on a GPU that is idle anyway, instead of waiting for company that will
-      not come (and its latency is l(1) plus the allowances);
-    - the model does not often lose its grant window: a deferred candidate is grantable only
-      from its aim to ``d - l(bs)``, about alpha + jitter wide, and when other models' batches
-      hold every GPU through it the head request is lost. Each model keeps an estimate of its
-      chance to miss (DEFER_MISS_EWMA per deferred outcome) and stops deferring above
-      DEFER_MISS_RATE_MAX; batches granted meanwhile forget it slowly (DEFER_MISS_FORGET_S), so it
-      tries again when the cluster has room. Small misses also move its aim earlier by a
-      learned margin (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S);
-    - for a model whose load needs at least DEFER_STAGGER_MIN_GPUS GPUs at its target batch
-      size b* (n = lambda*l(b*)/b*) with beta*lambda >= 1: ``bs < max(beta*lambda, b*)``. It runs
-      staggered over GPUs of its own (DESIGN section 3), a missed window there is the stagger at
-      work (no margin, no miss estimate), and past the staggered batch size waiting buys nothing.
+      an even chance); otherwise it starts at once, on a GPU that is idle anyway (at light load
+      a lone request runs in l(1) plus the allowances);
+    - on shared GPUs (the second branch above, with no beta*lambda bound): the model's estimate
+      of its chance to lose the grant window (a window closed ungranted, or a head dropped after
+      its candidate waited; DEFER_MISS_EWMA per deferred outcome) is at most DEFER_MISS_RATE_MAX,
+      and its estimate of the chance to find every GPU busy at its aim is at most
+      DEFER_QUEUED_RATE_MAX; batches granted meanwhile forget both (DEFER_MISS_FORGET_S,
+      DEFER_MISS_FORGET_REQUESTS), so it tries again when the cluster has room;
+    - staggered models: as ``deferred``.
 
-    The earlier rule (defer only while ``bs < beta*lambda - 1`` on shared GPUs, the second
-    Symphony paper's section 4.3) fixed the eager floor but turned deferral off wherever models
-    share GPUs: on 10 A100-zoo models on 16 GPUs nine of them ran batches of median size 1 with
-    the GPUs 0.99 busy, and at 0.1x of ResNet50's goodput the GPUs were 0.39 busy for 0.09 of
-    load. ``zserve experiment policy-grid`` and ``eager-floor`` measure the rule.
+    It keeps the GPU busy fraction on the load-proportional line at light load and runs larger
+    batches below saturation, but at saturation on mixes it loses to eager (the staggered
+    branch keeps deferring on GPUs it shares; see docs/performance.md, "The policy grid").
 ``frontrun``
     Symphony Algorithm 1 as written (section 3.1):
     ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more

@@ -112,25 +112,42 @@ def test_timeout_is_clamped_to_latest() -> None:
     assert cand.exec_at == pytest.approx(cand.latest)
 
 
-def test_deferred_waits_only_while_a_request_is_likely_to_join() -> None:
+def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() -> None:
+    mt = _mt("deferred-bl")
     # no rate sample yet: frontrun
-    (cand,) = _cands(_arrive(_mt("deferred-bl"), 0.0, [1]))
+    (cand,) = _cands(_arrive(mt, 0.0, [1]))
+    assert cand.exec_at == pytest.approx((12 - 7) * MS)
+    # a meter taught 1000 r/s: beta * lambda = 5 ms * 1000/s = 5 requests
+    meter, now = _taught_meter(10), TAUGHT_UNTIL_S
+    assert meter.rate() == pytest.approx(1000.0, rel=0.1)
+    small = _mt("deferred-bl")
+    small.meter = meter
+    (c3,) = _cands(_arrive(small, now, [1, 2, 3], slo=30 * MS))
+    assert c3.exec_at > now  # 3 < ~5: frontrun
+    (c8,) = _cands(_arrive(small, now, [4, 5, 6, 7, 8], slo=30 * MS))
+    assert c8.batch_size == 8
+    assert c8.exec_at == pytest.approx(now)  # 8 >= ~5: at once
+
+
+def test_deferred_adaptive_waits_only_while_a_request_is_likely_to_join() -> None:
+    # no rate sample yet: frontrun
+    (cand,) = _cands(_arrive(_mt("deferred-adaptive"), 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
     # 1000 r/s, a model that shares its GPUs: a batch of 8 still waits (about 14 requests are
     # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
-    busy = _mt30()  # SLO 30 ms: the load needs under 2 GPUs
+    busy = _mt30("deferred-adaptive")  # SLO 30 ms: the load needs under 2 GPUs
     busy.meter = meter
     (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
     assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
     # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
-    late = _mt30()
+    late = _mt30("deferred-adaptive")
     late.meter = _taught_meter(10)
     (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
     assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
     # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
     # arrivals, so it starts at once (frontrun waits for its moment regardless)
-    for policy, expected in (("deferred", now), ("frontrun", now + 5 * MS)):
+    for policy, expected in (("deferred-adaptive", now), ("frontrun", now + 5 * MS)):
         lone = _mt(policy)
         lone.meter = _taught_meter(1)
         (c,) = _cands(_arrive(lone, now, [1]))
@@ -414,7 +431,7 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
 
 
 def test_a_model_that_keeps_losing_windows_stops_deferring_and_tries_again_later() -> None:
-    mt = _mt30()
+    mt = _mt30("deferred-adaptive")
     mt.meter = _taught_meter(10)
     now = TAUGHT_UNTIL_S
     for rid in (1, 2):  # two windows lost in a row
@@ -444,7 +461,7 @@ def test_a_model_that_keeps_losing_windows_stops_deferring_and_tries_again_later
 def test_a_head_lost_after_deferring_counts_as_a_missed_window() -> None:
     # the window drop removes a head once it would force a batch below the target: when that
     # happens to a candidate that waited, the wait lost it, whichever timer noticed
-    mt = _mt30()
+    mt = _mt30("deferred-adaptive")
     mt.meter = _taught_meter(10)
     now = TAUGHT_UNTIL_S
     mt.target = mt.keep_min = 4
