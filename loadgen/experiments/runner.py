@@ -24,6 +24,7 @@ from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
+from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.scale import run_scale
 from zserve.loadgen.experiments.zoo import run_zoo
 
@@ -34,6 +35,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
     "policy-grid": (run_policy_grid, "the default vs frontrun, eager, eager-edf, timeout over "
                     "single models, mixes, the zoo; light load"),
+    "protocols": (run_protocols, "goodput and CPU per request through the native client, OIP "
+                  "HTTP/JSON, HTTP/binary and gRPC (live)"),
     "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
               "machine's end-to-end ceiling"),
 }
