@@ -424,6 +424,16 @@ class ModelThread(CandidateSizing):
         self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
         self._learned_at = now
 
+    def _deferral_outcome(self, now: float) -> tuple[bool, bool]:
+        """At a grant, before the candidate is recomputed: whether a candidate deferred since
+        the last grant, and whether it then waited for a GPU past its exec: every GPU was busy
+        (contention; it may have stopped deferring just before its aim: the joiner rule)."""
+        was_deferred = self._waited
+        self._waited = False
+        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
+        return was_deferred, (
+            was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S)
+
     def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
         """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
         deferred): a deferred batch that got its window counts against the miss estimate, and
@@ -451,12 +461,7 @@ class ModelThread(CandidateSizing):
         publish the next candidate (the rank dropped ours when it granted)."""
         self._sent = None
         gpu_id = grant.gpu_id
-        was_deferred = self._waited
-        self._waited = False
-        # a candidate that deferred and then waited for a GPU past its exec found every GPU
-        # busy: contention (it may have stopped deferring just before its aim: the joiner rule)
-        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
-        queued = was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S
+        was_deferred, queued = self._deferral_outcome(now)
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
