@@ -13,6 +13,8 @@ Inputs (host -> ModelThread):
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
   queue and the candidate (``CancelQueued``, coalesced per tick by the host).
+- ``on_replan(now, frontend, request_ids, deadlines, outbox)``: requests of a plan whose backend
+  never acknowledged it come back to the queue (the host knows they did not start).
 
 Outputs (appended to the outbox):
 
@@ -160,6 +162,7 @@ class ModelThread(CandidateSizing):
         self.n_arrived = 0
         self.n_dropped = 0
         self.n_cancelled = 0
+        self.n_replanned = 0  # requests put back by on_replan
         self.n_planned = 0
         self.n_batches = 0
 
@@ -288,6 +291,38 @@ class ModelThread(CandidateSizing):
         count = len(request_ids)
         if count == 0:
             return
+        self._enqueue(frontend, request_ids, arrivals, deadlines)
+        self.n_arrived += count
+        meter = self._meter
+        if meter.add(now, count):
+            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
+                                               self.d_data_s))
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def on_replan(self, now: float, frontend: str, request_ids: Sequence[int],
+                  deadlines: Sequence[float], outbox: Outbox) -> None:
+        """Requests of ``frontend`` that were planned but never reached their backend (it did
+        not acknowledge the plan) go back into the queue, to be batched again or dropped as any
+        queued request. They are not new load: neither ``n_arrived`` nor the rate meter counts
+        them. A plan carries no arrival times; the latest one consistent with the deadline
+        (``deadline - budget - d_ctrl``, at most ``now``) stands in (only the timeout policy
+        reads it)."""
+        count = len(request_ids)
+        if count == 0:
+            return
+        lead = self.budget_s + self.d_ctrl_s
+        arrivals = [min(now, deadline - lead) for deadline in deadlines]
+        self._enqueue(frontend, request_ids, arrivals, deadlines)
+        self.n_replanned += count
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def _enqueue(self, frontend: str, request_ids: Sequence[int], arrivals: Sequence[float],
+                 deadlines: Sequence[float]) -> None:
+        """Put a chunk into the deadline-ordered queue (appended when in order after its tail,
+        else merged)."""
+        count = len(request_ids)
         fidx = self._frontend_index.get(frontend)
         if fidx is None:
             fidx = self._frontend_index[frontend] = len(self._frontends)
@@ -315,13 +350,6 @@ class ModelThread(CandidateSizing):
             self._fe = [e[2] for e in merged]
             self._arr = [e[3] for e in merged]
             self._head = 0
-        self.n_arrived += count
-        meter = self._meter
-        if meter.add(now, count):
-            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
-                                               self.d_data_s))
-        self._update(now, _NEG_INF, outbox)
-        self._publish(now, outbox)
 
     def on_timer(self, now: float, outbox: Outbox) -> None:
         if now < self.wake_at:
