@@ -485,6 +485,9 @@ class Backend:
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
+            # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
+            # heartbeats to the rank and no plan acknowledgements while it lasts
+            "wedged": self.wedged(self.clock.now()),
             "counters_total": self.counter_totals(),
             "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
