@@ -316,10 +316,13 @@ class RankHost:
     def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
                     outbox: Outbox) -> None:
         """A shard's plan went unacknowledged: stop granting that GPU now, and tell every shard
-        and frontend (they release its plans and the requests it fetched)."""
+        and frontend (they release its plans and the requests it fetched). A suspicion that
+        changes nothing (the backend is out already, or registered again since that plan was
+        sent) is answered with the table, which the shard then serves from again."""
         backend = self.backends.get(msg.gpu_id)
         if backend is None or not backend.alive or backend.registered_at > msg.sent_at:
-            return  # out already, or registered again since that plan was sent
+            self._send(self.table(), identity)
+            return
         self.counters["suspects"] += 1
         log.warning("%s: backend %s (GPU %d) is suspect: %s", self.name, backend.name,
                     backend.gpu_id, msg.message)

@@ -558,11 +558,13 @@ class ShardHost:
         why = (f"GPU {gpu_id} ({address}) did not acknowledge plan {plan_id} within "
                f"{(now - sent_at) * 1e3:.0f} ms")
         log.warning("%s: %s: suspect", self.name, why)
+        # First to the rank: it hears of the suspicion before the candidates the released
+        # requests make (and answers with a table, which this shard serves from again).
+        outbox.append((TO_RANK, BackendSuspect(gpu_id, plan_id, sent_at, why)))
         self.served = {m: [g for g in gpus if g != gpu_id] for m, gpus in self.served.items()}
         for name, thread in self.threads.items():
             thread.set_gpus(now, self.served.get(name, []), outbox)
         self._release_plans(now, gpu_id, why, outbox)
-        outbox.append((TO_RANK, BackendSuspect(gpu_id, plan_id, sent_at, why)))
 
     def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
         error = self.reactor.send_nowait(sock, msg, identity)

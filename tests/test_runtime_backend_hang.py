@@ -81,10 +81,11 @@ class Scenario:
         self.figures: dict[str, Any] = {}
 
     async def stats(self, name: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cluster.stats, name)
+        stats: dict[str, Any] = await asyncio.to_thread(self.cluster.stats, name)
+        return stats
 
     async def rank_gpu(self) -> dict[str, Any]:
-        gpus: dict[str, Any] = (await self.stats("shard-0"))["rank"]["gpus"]
+        gpus: dict[str, dict[str, Any]] = (await self.stats("shard-0"))["rank"]["gpus"]
         return gpus["0"]
 
     async def _answer(self, future: asyncio.Future[Any], index: int, sent: float) -> None:
