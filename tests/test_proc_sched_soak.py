@@ -28,6 +28,7 @@ from zserve.transport.messages import (
     DropNotice,
     Heartbeat,
     Hello,
+    PlanAck,
     RequestMetaBatch,
     StatsReply,
     StatsRequest,
@@ -112,8 +113,10 @@ class SoakRig:
             return 0
         count = 0
         while peer.sock.poll(0, zmq.POLLIN):
-            _, msg = socket_io.sync_recv(peer.sock, router=peer.router)
+            identity, msg = socket_io.sync_recv(peer.sock, router=peer.router)
             if isinstance(msg, BatchPlan):
+                # acknowledged as a live backend's batch loop does (else the shard suspects it)
+                peer.send(PlanAck([msg.plan_id], time.monotonic()), identity)
                 self.planned += len(msg.request_ids)
                 count += len(msg.request_ids)
             elif isinstance(msg, DropNotice):
