@@ -156,7 +156,7 @@ class ShardHost:
         self.timers: dict[str, WakeTimer] = {}
         self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
-        # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
+        # Plans out, PlanAcks in (backends send their outputs to the frontends, not here).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
         # so that a backend leaving the table fails the requests planned onto it, and one that
         # does not acknowledge a plan in time is suspected (its timer: the earliest ack due)
