@@ -215,7 +215,7 @@ class ShardHost:
         self._flush(outbox)
 
     def connect_rank(self, address: str) -> None:
-        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity)
+        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
         self.reactor.watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
                            on_bad=self._on_bad)
         self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
@@ -389,7 +389,8 @@ class ShardHost:
                 departed.append((gpu_id, address))
         for gpu_id, address in live.items():
             if gpu_id not in self.backend_socks:
-                sock = make_dealer(self.ctx, address, identity=self.identity)
+                sock = make_dealer(self.ctx, address, identity=self.identity,
+                                   peer_role="backend")
                 self.backend_socks[gpu_id] = (address, sock)
                 self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                                    on_chunk=functools.partial(self._on_backend_chunk, gpu_id))

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
@@ -56,7 +56,12 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer, make_router
+from zserve.transport.sockets import (
+    make_dealer,
+    make_router,
+    monitor_server,
+    note_monitor_event,
+)
 
 log = logging.getLogger("zserve.frontend")
 
@@ -138,14 +143,14 @@ class FrontendHost:
     def bind(self) -> dict[str, str]:
         self.client_sock, client_ep = make_router(
             self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
-            advertise_host=self.advertise_host,
+            advertise_host=self.advertise_host, clients=True,
         )
         self.data_sock, data_ep = make_router(
             self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
             advertise_host=self.advertise_host,
         )
-        self.monitor_sock = self.client_sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self.monitor_sock = monitor_server(
+            self.client_sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
         self.endpoints = {"client": client_ep, "data": data_ep}
         self.core.data_address = data_ep
@@ -163,7 +168,7 @@ class FrontendHost:
                           self.name, index)
                 self.core.shard_reachable[index] = False
                 continue
-            sock = make_dealer(self.ctx, address, identity=identity)
+            sock = make_dealer(self.ctx, address, identity=identity, peer_role="shard")
             socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
         rank_eps = peer_map.endpoints_of(peers, "rank")
@@ -171,7 +176,8 @@ class FrontendHost:
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
         if rank_address is not None:
-            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
+            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity,
+                                         peer_role="rank")
             socket_io.sync_send(self.rank_sock, hello)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -344,6 +350,8 @@ class FrontendHost:
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+            if self.client_sock is not None:  # a refused CURVE handshake: auth_failed
+                note_monitor_event(self.client_sock, event["event"])
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
@@ -472,6 +480,7 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        keys.count_auth_failed(self.ctx, out["counters"], reset)
         return out
 
 
@@ -500,6 +509,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
+    keys.secure_role_context(ctx, config.cluster, "frontend")
     frontend = FrontendHost(config, ctx)
     control = await control_link.ControlLink.open(
         actx,
@@ -537,6 +547,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
             await clock_sync.close()
         frontend.close()
         await control.close()
+        keys.release_role_context(ctx)
         ctx.term()
     return 0
 
