@@ -29,11 +29,13 @@ from zserve.transport.messages import BatchPlan
 
 # How long past its delivery allowance (d_ctrl) a plan may go unacknowledged before its backend
 # is suspect. The acknowledgement needs the plan's hop, one hop back and the backend's loop to
-# run once; this host's processes go without a CPU for up to 26 ms (docs/performance.md, "Host
-# stalls"), so 100 ms (4x that) keeps a live backend on a busy host from being suspected (that
-# would fail its fetched requests), while a hung one is out 20x sooner than the heartbeat
-# timeout (2 s). A re-planned request loses at most this much of its budget.
-PLAN_ACK_MARGIN_S = 0.1
+# run once. An idle host takes a process off its CPU for up to 26 ms (docs/performance.md, "Host
+# stalls"), but a shared 2-vCPU host at a load average of 10-15 (this one, running test suites
+# side by side) kept live backends from acknowledging within 100 ms now and then, and a false
+# suspicion fails the requests the backend holds. 250 ms keeps that away while a hung backend is
+# out 8x sooner than by the heartbeat timeout (2 s); a re-planned request loses at most this much
+# of its budget.
+PLAN_ACK_MARGIN_S = 0.25
 
 
 @dataclass(slots=True)
@@ -55,8 +57,9 @@ class SentPlans:
         self._by_gpu: dict[int, dict[int, BatchPlan]] = {}
         # (forget_at, gpu_id, plan_id) in send order (forget_at grows with exec_at per model)
         self._expiry: deque[tuple[float, int, int]] = deque()
-        # plan_id -> (gpu_id, sent_at) while unacknowledged; (ack_due, plan_id), lazily pruned
-        self._unacked: dict[int, tuple[int, float]] = {}
+        # plan_id -> (gpu_id, sent_at, ack_due) while unacknowledged; (ack_due, plan_id), lazily
+        # pruned
+        self._unacked: dict[int, tuple[int, float, float]] = {}
         self._due: list[tuple[float, int]] = []
         self.wake_at = math.inf
 
@@ -70,17 +73,13 @@ class SentPlans:
     def remember(self, now: float, gpu_id: int, plan: BatchPlan, slo_s: float,
                  ack_due: float = math.inf) -> None:
         """``plan`` went to ``gpu_id``; keep it until ``plan.exec_at + slo_s``. With a finite
-        ``ack_due`` it awaits a ``PlanAck``, and is kept at least until ``PLAN_ACK_MARGIN_S``
-        past that (a short SLO must not hide a hung backend)."""
+        ``ack_due`` it awaits a ``PlanAck``; while it does, it is kept until
+        ``PLAN_ACK_MARGIN_S`` past that at least (a short SLO must not hide a hung backend)."""
         self.forget_expired(now)
         self._by_gpu.setdefault(gpu_id, {})[plan.plan_id] = plan
-        forget_at = plan.exec_at + slo_s
+        self._expiry.append((plan.exec_at + slo_s, gpu_id, plan.plan_id))
         if ack_due < math.inf:
-            # kept a while past its due time too, so that the host judges it before it goes
-            forget_at = max(forget_at, ack_due + PLAN_ACK_MARGIN_S)
-        self._expiry.append((forget_at, gpu_id, plan.plan_id))
-        if ack_due < math.inf:
-            self._unacked[plan.plan_id] = (gpu_id, now)
+            self._unacked[plan.plan_id] = (gpu_id, now, ack_due)
             heapq.heappush(self._due, (ack_due, plan.plan_id))
             self.wake_at = min(self.wake_at, ack_due)
 
@@ -114,11 +113,17 @@ class SentPlans:
         pruned = False
         while expiry and expiry[0][0] <= now:
             _, gpu_id, plan_id = expiry.popleft()
+            awaited = self._unacked.get(plan_id)
+            if awaited is not None:
+                judge_by = awaited[2] + PLAN_ACK_MARGIN_S
+                if judge_by > now:  # still awaited: kept until its host has judged it
+                    expiry.append((judge_by, gpu_id, plan_id))
+                    continue
+                del self._unacked[plan_id]
+                pruned = True
             plans = self._by_gpu.get(gpu_id)
             if plans is not None:
                 plans.pop(plan_id, None)
-            if self._unacked.pop(plan_id, None) is not None:
-                pruned = True
         if pruned:
             self._prune_due()
 

@@ -141,8 +141,10 @@ class ShardHost:
         peers: dict[str, str],
         index: int = 0,
         clock: ClusterClock | None = None,
+        plan_ack_margin_s: float = PLAN_ACK_MARGIN_S,
     ) -> None:
         self.name = name
+        self.plan_ack_margin_s = plan_ack_margin_s
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.ctx = ctx
@@ -194,7 +196,7 @@ class ShardHost:
         self.jitter_s = sched.jitter_ms / 1e3
         # A plan's acknowledgement is due this long after the shard sent it: its delivery
         # allowance (the ModelThreads plan with it) and the margin of sent_plans.
-        self.ack_allowance_s = self.d_ctrl_s + PLAN_ACK_MARGIN_S
+        self.ack_allowance_s = self.d_ctrl_s + self.plan_ack_margin_s
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
 
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:

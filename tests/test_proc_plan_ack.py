@@ -54,7 +54,7 @@ def test_proc_unacknowledged_plan_is_planned_again_elsewhere(tmp_path: Path,
                                                               shards: int) -> None:
     h = Harness(tmp_path)
     try:
-        rig = SchedulerRig(h, shards)
+        rig = SchedulerRig(h, shards, plan_ack_margin_s=None)
         rig.register_backend()
         other = _register_second_backend(h, rig)
         rig.plans.ack_plans = False  # backend-0 (GPU 0) hangs: it never acknowledges
@@ -90,7 +90,7 @@ def test_proc_unacknowledged_plan_without_another_backend_is_unavailable(
     acknowledged are answered UNAVAILABLE (they never ran) at once, not at their deadline."""
     h = Harness(tmp_path)
     try:
-        rig = SchedulerRig(h, shards=0)
+        rig = SchedulerRig(h, shards=0, plan_ack_margin_s=None)
         rig.register_backend()
         rig.plans.ack_plans = False
         ids = list(range(61, 61 + MAX_BATCH))

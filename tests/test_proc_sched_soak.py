@@ -65,6 +65,8 @@ class SoakRig:
             scheduler={"shards": 0, "policy": POLICY}, backends={"device": "emulated"})
         config = role_config_for(cluster, "shard", 0, h.dir)
         config.backend_timeout_s = 30.0
+        # its backend acknowledges a plan only when the test reads it, between chunks
+        config.plan_ack_margin_s = 30.0
         self.child = h.start("shard", config)
         ready = h.await_ready(self.child, {})
         self.data_address = h.endpoint("fe-data")
