@@ -291,9 +291,9 @@ def test_wake_at_is_last_grantable_moment_and_timer_reevaluates() -> None:
 def test_split_meta_by_model() -> None:
     meta = RequestMetaBatch("fe", [1, 2, 3], ["a", "b", "a"], [0.0, 0.1, 0.2], [1.0, 1.1, 1.2])
     split = split_meta_by_model(meta)
-    assert split == {"a": ([1, 3], [0.0, 0.2], [1.0, 1.2]), "b": ([2], [0.1], [1.1])}
+    assert split == {"a": ([1, 3], [0.0, 0.2], [1.0, 1.2], []), "b": ([2], [0.1], [1.1], [])}
     same = RequestMetaBatch("fe", [1, 2], ["a", "a"], [0.0, 0.1], [1.0, 1.1])
-    assert split_meta_by_model(same) == {"a": ([1, 2], [0.0, 0.1], [1.0, 1.1])}
+    assert split_meta_by_model(same) == {"a": ([1, 2], [0.0, 0.1], [1.0, 1.1], [])}
 
 
 def test_jitter_allowance_moves_frontrun_and_latest_policy_earlier() -> None:
@@ -471,3 +471,16 @@ def test_replanned_requests_rejoin_the_queue_in_deadline_order_or_are_dropped() 
     mt.on_grant(10 * MS, GrantGpu("m", 0, 1, 10 * MS), outbox)
     plan = next(m for _, m in outbox if isinstance(m, BatchPlan))
     assert plan.request_ids == [2, 3, 5] and plan.finish_by == [30 * MS, 35 * MS, 40 * MS]
+
+
+def test_replanned_requests_keep_their_rows_and_are_not_counted_again() -> None:
+    """A re-planned request of several rows comes back with its rows (a batch sums them), and
+    neither n_arrived nor n_extra_rows counts it a second time."""
+    mt = _mt(drop="alone")
+    outbox: Outbox = []
+    mt.on_replan(0.0, "fe", [1, 2], [30 * MS, 31 * MS], outbox, [3, 1])
+    assert mt.n_arrived == 0 and mt.n_extra_rows == 0 and mt.n_replanned == 2
+    outbox.clear()
+    mt.on_grant(0.0, GrantGpu("m", 0, 1, 0.0), outbox)
+    plan = next(m for _, m in outbox if isinstance(m, BatchPlan))
+    assert plan.request_ids == [1, 2] and plan.rows == [3, 1]
