@@ -13,6 +13,8 @@ Inputs (host -> ModelThread):
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
   queue and the candidate (``CancelQueued``, coalesced per tick by the host).
+- ``on_replan(now, frontend, request_ids, deadlines, outbox)``: requests of a plan whose backend
+  never acknowledged it come back to the queue (the host knows they did not start).
 
 Outputs (appended to the outbox):
 
@@ -174,6 +176,7 @@ class ModelThread(CandidateSizing):
         self.n_extra_rows = 0  # rows arrived beyond one per request
         self.n_dropped = 0
         self.n_cancelled = 0
+        self.n_replanned = 0  # requests put back by on_replan
         self.n_planned = 0
         self.n_batches = 0
 
@@ -330,6 +333,43 @@ class ModelThread(CandidateSizing):
         arrived = count  # rows
         if rows:
             rows, arrived = self._note_rows(rows, count)
+        self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
+        self.n_arrived += count
+        meter = self._meter
+        if meter.add(now, arrived):
+            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
+                                               self.d_data_s))
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def on_replan(self, now: float, frontend: str, request_ids: Sequence[int],  # noqa: PLR0917
+                  deadlines: Sequence[float], outbox: Outbox, rows: Sequence[int] = ()) -> None:
+        """Requests of ``frontend`` that were planned but never reached their backend (it did
+        not acknowledge the plan) go back into the queue, to be batched again or dropped as any
+        queued request (``rows`` as in ``on_arrivals``). They are not new load: neither
+        ``n_arrived``, ``n_extra_rows`` nor the rate meter counts them. A plan carries no
+        arrival times; the latest one consistent with the deadline (``deadline - budget -
+        d_ctrl``, at most ``now``) stands in (only the timeout policy reads it)."""
+        count = len(request_ids)
+        if count == 0:
+            return
+        if rows:
+            extra_rows = self.n_extra_rows
+            rows, _ = self._note_rows(rows, count)
+            self.n_extra_rows = extra_rows
+        lead = self.budget_s + self.d_ctrl_s
+        arrivals = [min(now, deadline - lead) for deadline in deadlines]
+        self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
+        self.n_replanned += count
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def _enqueue(self, frontend: str, request_ids: Sequence[int],
+                 arrivals: Sequence[float], deadlines: Sequence[float],
+                 rows: Sequence[int]) -> None:
+        """Put a chunk into the deadline-ordered queue (appended when in order after its tail,
+        else merged); ``rows`` as ``_note_rows`` returned it."""
+        count = len(request_ids)
         fidx = self._frontend_index.get(frontend)
         if fidx is None:
             fidx = self._frontend_index[frontend] = len(self._frontends)
@@ -361,13 +401,6 @@ class ModelThread(CandidateSizing):
             self._fe = [e[2] for e in merged]
             self._arr = [e[3] for e in merged]
             self._head = 0
-        self.n_arrived += count
-        meter = self._meter
-        if meter.add(now, arrived):
-            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
-                                               self.d_data_s))
-        self._update(now, _NEG_INF, outbox)
-        self._publish(now, outbox)
 
     def _note_rows(self, rows: Sequence[int], count: int) -> tuple[Sequence[int], int]:
         """A chunk's rows list: ``()`` while it and the queue hold one row per request (the

@@ -542,3 +542,35 @@ def test_set_profile_rederives_the_target_and_keep_min() -> None:
     mt.set_profile(slower)
     assert mt.profile is slower
     assert (mt.target, mt.keep_min) == (expected.target, expected.keep_min)
+
+
+def test_replanned_requests_rejoin_the_queue_in_deadline_order_or_are_dropped() -> None:
+    """on_replan: a plan's requests come back into the queue ahead of later deadlines and are
+    batched again; they are not new load (n_arrived and the rate meter do not count them);
+    one whose deadline no longer allows a batch is dropped DEADLINE, as any queued request."""
+    mt = _mt(drop="alone")
+    outbox: Outbox = []
+    mt.on_arrivals(0.0, "fe", [5], [0.0], [40 * MS], outbox)
+    mt.on_replan(10 * MS, "fe", [1, 2, 3], [11 * MS, 30 * MS, 35 * MS], outbox)
+    assert mt.n_arrived == 1 and mt.n_replanned == 3 and mt.meter.rate() is None
+    # request 1 (due at 11 ms) cannot finish: l(1) = 6 ms after 10 ms
+    drops = [m for _, m in outbox if isinstance(m, DropNotice)]
+    assert [d.request_ids for d in drops] == [[1]] and drops[0].error == "DEADLINE"
+    assert mt.queue_length == 3
+    outbox.clear()
+    mt.on_grant(10 * MS, GrantGpu("m", 0, 1, 10 * MS), outbox)
+    plan = next(m for _, m in outbox if isinstance(m, BatchPlan))
+    assert plan.request_ids == [2, 3, 5] and plan.finish_by == [30 * MS, 35 * MS, 40 * MS]
+
+
+def test_replanned_requests_keep_their_rows_and_are_not_counted_again() -> None:
+    """A re-planned request of several rows comes back with its rows (a batch sums them), and
+    neither n_arrived nor n_extra_rows counts it a second time."""
+    mt = _mt(drop="alone")
+    outbox: Outbox = []
+    mt.on_replan(0.0, "fe", [1, 2], [30 * MS, 31 * MS], outbox, [3, 1])
+    assert mt.n_arrived == 0 and mt.n_extra_rows == 0 and mt.n_replanned == 2
+    outbox.clear()
+    mt.on_grant(0.0, GrantGpu("m", 0, 1, 0.0), outbox)
+    plan = next(m for _, m in outbox if isinstance(m, BatchPlan))
+    assert plan.request_ids == [1, 2] and plan.rows == [3, 1]
