@@ -4,10 +4,12 @@
 computations over the ModelThread's deadline-ordered queue (parallel lists from ``_head`` on) that
 decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
 size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
-wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The event
-handling (arrivals, grants, timers) and what goes into the outbox stay in
-``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's hot
-path, and reading the queue through ``self`` costs no argument passing.
+wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The deferred
+policies' learned state (missed windows, contention) is updated here too (``_missed_window``,
+``_deferral_outcome``, ``_learn_from_grant``). The event handling (arrivals, grants, timers) and
+what goes into the outbox stay in ``zserve.scheduler.model_thread``. A base class rather than
+functions: these run on the shard's hot path, and reading the queue through ``self`` costs no
+argument passing.
 
 ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on the hot path), and
 ``b if b < a else a`` for ``min(a, b)``.
@@ -32,8 +34,14 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
     DEFER_MIN_JOINERS,
+    DEFER_MISS_EWMA,
+    DEFER_MISS_FORGET_REQUESTS,
+    DEFER_MISS_FORGET_S,
+    DEFER_MISS_MAX_S,
     DEFER_MISS_RATE_MAX,
+    DEFER_MISS_WIDEN_S,
     DEFER_QUEUED_RATE_MAX,
+    DEFER_QUEUED_SLACK_S,
     DEFER_STAGGER_MIN_GPUS,
     RpsMeter,
 )
@@ -88,6 +96,8 @@ class CandidateSizing:
     n_extra_rows: int  # their rows beyond one each
     _cand_deferred: bool
     _waited: bool
+    _learned_at: float
+    n_window_misses: int
     wake_at: float
 
     def _set_target(self, target: int) -> None:
@@ -363,5 +373,42 @@ class CandidateSizing:
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 
+    def _missed_window(self, now: float) -> None:
+        """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
+        earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
+        self._cand_deferred = self._waited = False  # counted once
+        self.n_window_misses += 1
+        margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
+        self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+        self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
+        self._learned_at = now
+
+    def _deferral_outcome(self, now: float) -> tuple[bool, bool]:
+        """At a grant, before the candidate is recomputed: whether a candidate deferred since
+        the last grant, and whether it then waited for a GPU past its exec: every GPU was busy
+        (contention; it may have stopped deferring just before its aim: the joiner rule)."""
+        was_deferred = self._waited
+        self._waited = False
+        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
+        return was_deferred, (
+            was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S)
+
+    def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
+        """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
+        deferred): a deferred batch that got its window counts against the miss estimate, and
+        for or against the queued one; a batch that did not defer forgets both, by the smaller
+        of the time since they last learned something over DEFER_MISS_FORGET_S and its requests
+        over DEFER_MISS_FORGET_REQUESTS."""
+        since = now - self._learned_at
+        self._learned_at = now
+        if was_deferred:
+            keep = 1.0 - DEFER_MISS_EWMA
+        else:
+            forget = min(since / DEFER_MISS_FORGET_S, bs / DEFER_MISS_FORGET_REQUESTS)
+            keep = 1.0 - forget if forget < 1.0 else 0.0
+        self.miss_rate *= keep
+        self.queued_rate *= keep
+        if queued:
+            self.queued_rate += DEFER_MISS_EWMA
 
 __all__ = ["COMPACT_AT", "CandidateSizing"]

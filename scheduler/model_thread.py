@@ -74,13 +74,7 @@ from zserve.policies import (
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
-    DEFER_MISS_EWMA,
-    DEFER_MISS_FORGET_REQUESTS,
-    DEFER_MISS_FORGET_S,
-    DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
-    DEFER_MISS_WIDEN_S,
-    DEFER_QUEUED_SLACK_S,
     RpsMeter,
     target_batch_size,
 )
@@ -446,44 +440,6 @@ class ModelThread(CandidateSizing):
             self._missed_window(now)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
-
-    def _missed_window(self, now: float) -> None:
-        """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
-        earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
-        self._cand_deferred = self._waited = False  # counted once
-        self.n_window_misses += 1
-        margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
-        self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
-        self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
-        self._learned_at = now
-
-    def _deferral_outcome(self, now: float) -> tuple[bool, bool]:
-        """At a grant, before the candidate is recomputed: whether a candidate deferred since
-        the last grant, and whether it then waited for a GPU past its exec: every GPU was busy
-        (contention; it may have stopped deferring just before its aim: the joiner rule)."""
-        was_deferred = self._waited
-        self._waited = False
-        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
-        return was_deferred, (
-            was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S)
-
-    def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
-        """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
-        deferred): a deferred batch that got its window counts against the miss estimate, and
-        for or against the queued one; a batch that did not defer forgets both, by the smaller
-        of the time since they last learned something over DEFER_MISS_FORGET_S and its requests
-        over DEFER_MISS_FORGET_REQUESTS."""
-        since = now - self._learned_at
-        self._learned_at = now
-        if was_deferred:
-            keep = 1.0 - DEFER_MISS_EWMA
-        else:
-            forget = min(since / DEFER_MISS_FORGET_S, bs / DEFER_MISS_FORGET_REQUESTS)
-            keep = 1.0 - forget if forget < 1.0 else 0.0
-        self.miss_rate *= keep
-        self.queued_rate *= keep
-        if queued:
-            self.queued_rate += DEFER_MISS_EWMA
 
     def set_gpus(self, now: float, gpu_ids: Iterable[int], outbox: Outbox) -> None:
         """The GPUs that exist; a grant for any other GPU is returned unused."""
