@@ -37,6 +37,7 @@ from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
+from zserve.metrics import MetricsServer, serve_frontend_metrics
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.request_ids import new_incarnation
 from zserve.rolecli import role_config_from_args, role_parser
@@ -113,6 +114,7 @@ class FrontendHost:
         self.idle = asyncio.Event()
         self.idle.set()
         self._gathering: _StatsGathering | None = None
+        self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
         self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         self._closed = False
         self._timer_handle: asyncio.TimerHandle | None = None
@@ -472,6 +474,7 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        out["metrics_url"] = self.metrics_url
         return out
 
 
@@ -512,9 +515,11 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         on_message=frontend.on_control_message,
     )
     clock_sync: ClockSync | None = None
+    metrics_server: MetricsServer | None = None
     try:
         endpoints = frontend.bind()
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
+        metrics_server = _start_metrics(config, frontend, endpoints["client"])
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
         clock_sync = await role_runner.sync_cluster_clock(actx, peers, name=frontend.name,
@@ -533,12 +538,26 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         log.info("%s: stopped; counters %s", frontend.name,
                  {key: value for key, value in frontend.counters.items() if value})
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         if clock_sync is not None:
             await clock_sync.close()
         frontend.close()
         await control.close()
         ctx.term()
     return 0
+
+
+def _start_metrics(config: RoleConfig, frontend: FrontendHost,
+                   client_endpoint: str) -> MetricsServer | None:
+    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one."""
+    addresses = frontend.cluster.frontends.metrics_addresses
+    if config.index >= len(addresses):
+        return None
+    server = serve_frontend_metrics(addresses[config.index], frontend.name,
+                                    [m.name for m in frontend.cluster.models], client_endpoint)
+    frontend.metrics_url = server.url
+    return server
 
 
 def run_frontend(config: RoleConfig, control_address: str | None) -> int:

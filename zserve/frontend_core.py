@@ -98,9 +98,16 @@ FRONTEND_HISTOGRAMS = {
     "finish_to_answer": "signed",
     "overhead": "signed",
 }
-"""The core's latency histograms (seconds), by bounds scheme; plus ``queueing/<model>``, the
-``queueing`` hop of one model."""
+"""The core's latency histograms (seconds), by bounds scheme; plus, per configured model,
+``queueing/<model>`` (the ``queueing`` hop of one model), ``execution/<model>`` (one value per
+batch) and ``latency/<model>`` (admission -> answer), and the counters ``outcome/<model>/<o>``
+(``o``: ``ok`` or an ``ErrorKind`` value; answers after admission and rejections of a configured
+model) that ``zserve.metrics`` exports."""
 QUEUEING_OF_MODEL = "queueing/{}"
+EXECUTION_OF_MODEL = "execution/{}"
+LATENCY_OF_MODEL = "latency/{}"
+OUTCOME_OF_MODEL = "outcome/{}/{}"
+OUTCOME_OK = "ok"
 
 
 def error_kind(value: str) -> ErrorKind:
@@ -142,9 +149,16 @@ class FrontendCore:
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
         self.draining = False
-        self._stats = Stats((*FRONTEND_COUNTERS, *host_counters), {
-            **FRONTEND_HISTOGRAMS,
-            **{QUEUEING_OF_MODEL.format(name): "delay" for name in self.models}})
+        outcomes = (OUTCOME_OK, *_WIRE_ERRORS.values())
+        # counter name of (model, outcome), built once: the answer path only looks it up
+        self._outcome_names = {name: {o: OUTCOME_OF_MODEL.format(name, o) for o in outcomes}
+                               for name in self.models}
+        self._stats = Stats(
+            (*FRONTEND_COUNTERS, *host_counters,
+             *(n for names in self._outcome_names.values() for n in names.values())),
+            {**FRONTEND_HISTOGRAMS,
+             **{pattern.format(name): "delay" for name in self.models
+                for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)}})
         self.counters = self._stats.counters
         hist = self._stats.histograms
         # Bound once: the per-request path observes into these directly.
@@ -156,6 +170,8 @@ class FrontendCore:
         self._finish_to_answer = hist["finish_to_answer"]
         self._overhead = hist["overhead"]
         self._queueing_of = {name: hist[QUEUEING_OF_MODEL.format(name)] for name in self.models}
+        self._execution_of = {name: hist[EXECUTION_OF_MODEL.format(name)] for name in self.models}
+        self._latency_of = {name: hist[LATENCY_OF_MODEL.format(name)] for name in self.models}
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
         self._answers: dict[bytes, Answers] = {}
         self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
@@ -197,6 +213,9 @@ class FrontendCore:
             model = self._admit(client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
+            names = self._outcome_names.get(req.model)  # a configured model's rejection only
+            if names is not None:
+                self.counters[names[_WIRE_ERRORS[rejected.kind]]] += 1
             self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
             return
         slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
@@ -354,12 +373,14 @@ class FrontendCore:
             self._execution.observe(execution)
             self._finish_to_answer.observe(now - msg.finished_at)
         fetch_to_outputs = self._fetch_to_outputs.observe
+        batch_model: str | None = None
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.requests.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
                 if not self._refuse_if_stale(rid, "stale_outputs", "outputs"):
                     self.counters["late_outputs"] += 1
                 continue
+            batch_model = p.model
             if p.fetched_at:
                 fetch_to_outputs(now - p.fetched_at)
             if started_at > 0.0:
@@ -367,6 +388,8 @@ class FrontendCore:
                 if timed:
                     self._overhead.observe(now - p.arrival - execution)
             self._answer_outputs(now, p, outputs, outbox)
+        if timed and batch_model is not None:  # a batch runs one model
+            self._execution_of[batch_model].observe(execution)
 
     def _note_queueing(self, p: Pending, delay: float) -> None:
         self._queueing.observe(delay)
@@ -532,15 +555,18 @@ class FrontendCore:
         client = p.client
         self._finish(p)
         self.counters[_ERROR_COUNTERS[kind]] += 1
+        self.counters[self._outcome_names[p.model][_WIRE_ERRORS[kind]]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message, outbox)
             self._admit_to_answer.observe(now - p.arrival)
+            self._latency_of[p.model].observe(now - p.arrival)
 
     def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
                         outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
         self.counters["replied"] += 1
+        self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
         if client is None:
             return
         if client in self.batched_clients:
@@ -550,6 +576,7 @@ class FrontendCore:
         else:
             outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
         self._admit_to_answer.observe(now - p.arrival)
+        self._latency_of[p.model].observe(now - p.arrival)
 
     def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
         for p in list(self.requests.pending.values()):
