@@ -242,6 +242,8 @@ class MetricsServer:
         self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
                                                        registry=self.registry)
         bound_host, bound_port = self._server.server_address[:2]
+        if isinstance(bound_host, bytes):
+            bound_host = bound_host.decode()
         self.url = f"http://{bound_host}:{bound_port}/metrics"
 
     def close(self) -> None:
