@@ -43,6 +43,17 @@ log = logging.getLogger("zserve.metrics")
 # this long, then reports what it has (zserve_up 0 for the frontend).
 SCRAPE_STATS_TIMEOUT_S = 2.0
 OUTCOMES = ("ok", *(kind.value for kind in ErrorKind))
+# Exported ``le`` bounds: every 5th bound of ``zserve.stats`` (4 per decade: 1, 1.78, 3.16, 5.62)
+# from 10 us up. Each is one of the stats bounds, so its cumulative count is exact; all 161
+# bounds made a 200 KB exposition for four models and 23 ms of frontend CPU per scrape.
+EXPORT_EVERY_NTH_BOUND = 5
+SMALLEST_EXPORTED_BOUND_S = 1e-5
+_EXPORTED_MAGNITUDES = frozenset(
+    b for i, b in enumerate(BOUNDS["delay"])
+    if i % EXPORT_EVERY_NTH_BOUND == 0 and b >= SMALLEST_EXPORTED_BOUND_S * (1 - 1e-9))
+_EXPORTED_INDICES = {
+    scheme: frozenset(i for i, b in enumerate(bounds) if b == 0.0 or abs(b) in _EXPORTED_MAGNITUDES)
+    for scheme, bounds in BOUNDS.items()}
 # Batch-size buckets (rows): powers of two up to the largest batch any model allows.
 BATCH_ROW_BOUNDS = tuple(2 ** i for i in range(11))  # 1 .. 1024
 
@@ -62,9 +73,10 @@ def histogram_buckets(wire: Mapping[str, Any]) -> tuple[list[tuple[str, float]],
     bounds = BOUNDS[hist.scheme]
     out: list[tuple[str, float]] = []
     running = 0
-    for bound, n in zip(bounds, hist.counts, strict=False):
+    for index, (bound, n) in enumerate(zip(bounds, hist.counts, strict=False)):
         running += n
-        out.append((repr(float(bound)), float(running)))
+        if index in _EXPORTED_INDICES[hist.scheme]:
+            out.append((f"{bound:.6g}", float(running)))
     out.append(("+Inf", float(hist.count)))
     return out, hist.total
 
