@@ -51,6 +51,7 @@ from zserve.transport.messages import (
     InputReply,
     Message,
     RequestMetaBatch,
+    protocol_mismatch,
 )
 
 log = logging.getLogger("zserve.frontend")
@@ -173,6 +174,7 @@ class FrontendCore:
         self._execution_of = {name: hist[EXECUTION_OF_MODEL.format(name)] for name in self.models}
         self._latency_of = {name: hist[LATENCY_OF_MODEL.format(name)] for name in self.models}
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
+        self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
         self._answers: dict[bytes, Answers] = {}
         self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
         # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
@@ -199,6 +201,7 @@ class FrontendCore:
         elif type(msg) is CancelRequest:
             self.on_cancel(now, client, msg.request_id, outbox)
         elif type(msg) is ClientHello:
+            self._check_client_protocol(client, msg.protocol)
             if InferAnswers.KIND in msg.accepts:
                 self.batched_clients.add(client)
             else:
@@ -206,6 +209,16 @@ class FrontendCore:
         else:
             return False
         return True
+
+    def _check_client_protocol(self, client: bytes, protocol: int) -> None:
+        """A client of another wire protocol has each of its requests refused BAD_REQUEST with
+        the one line naming both versions (it cannot be answered before it sends one)."""
+        refusal = protocol_mismatch(f"client {client.hex()}", protocol)
+        if refusal is None:
+            self.refused_clients.pop(client, None)
+        else:
+            log.warning("%s: refusing %s", self.name, refusal)
+            self.refused_clients[client] = refusal
 
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
@@ -235,6 +248,8 @@ class FrontendCore:
 
     def _admit(self, client: bytes, req: InferRequest) -> ModelAdmission:
         """The request's model if ``req`` may be admitted; raises ``_Rejected`` otherwise."""
+        if self.refused_clients and client in self.refused_clients:
+            raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
         model = self.models.get(req.model)
         if model is None:
             raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {req.model!r}")
@@ -313,6 +328,7 @@ class FrontendCore:
     def client_gone(self, client: bytes) -> None:
         """``client``'s connection closed: forget its requests, unanswered."""
         self.batched_clients.discard(client)
+        self.refused_clients.pop(client, None)
         self._answers.pop(client, None)
         client_reqs = self.requests.by_client.get(client)
         if not client_reqs:
@@ -441,7 +457,11 @@ class FrontendCore:
 
     def on_backend_hello(self, now: float, msg: Hello, outbox: Outbox) -> None:
         """A backend says hello with its pid: a new pid means a new incarnation, which holds
-        none of the requests the old one fetched."""
+        none of the requests the old one fetched. One of another wire protocol is ignored."""
+        refusal = protocol_mismatch(f"{msg.role} {msg.name}", msg.protocol)
+        if refusal is not None:
+            log.error("%s: ignoring %s", self.name, refusal)
+            return
         previous = self.backend_pids.get(msg.name)
         self.backend_pids[msg.name] = msg.pid
         if previous is not None and previous != msg.pid:
