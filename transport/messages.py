@@ -135,6 +135,10 @@ class RequestMetaBatch(Message, frozen=True, tag="meta"):
     models: list[str]
     arrivals: list[float]
     deadlines: list[float]
+    # Each request's rows (the leading dimension of its inputs, 1..the model's max batch).
+    # Empty: every request holds one row (the common case costs one byte per message, nothing
+    # per request); otherwise exactly one entry per request (a shard refuses another length).
+    rows: list[int] = msgspec.field(default_factory=list)
 
 
 class CancelQueued(Message, frozen=True, tag="qcancel"):
@@ -227,6 +231,9 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     request_frontend: list[int]
     request_ids: list[int]
     finish_by: list[float] = msgspec.field(default_factory=list)
+    # Each request's rows, as in RequestMetaBatch (empty: one each). The batch holds their sum,
+    # at most the model's max batch; its l(b) and late shedding count rows.
+    rows: list[int] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- backend <-> frontend

@@ -11,8 +11,10 @@ What a process gets: every role's entry point is ``run_<role>(config, control_ad
 :func:`role_config`.
 
 Socket names in ``bind`` and in the peer map: rank ``rank``; shard ``shard`` (and ``rank`` when
-embedded); backend ``plan``; frontend ``client`` and ``data``. With ``shards = 0`` the one
-scheduler process is named ``shard-0`` and serves both ``shard-0/shard`` and ``shard-0/rank``.
+embedded); backend ``plan``; frontend ``client`` and ``data``, and ``http`` / ``grpc``
+(``host:port``) where its Open Inference Protocol servers are configured. With ``shards = 0``
+the one scheduler process is named ``shard-0`` and serves both ``shard-0/shard`` and
+``shard-0/rank``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
 _DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
+_HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})$")
 
 
 class ConfigError(SchemaError):
@@ -202,12 +205,32 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                          "scheduler processes")
 
 
+def _check_host_ports(key: str, addresses: tuple[str, ...], limit: int) -> None:
+    """``host:port`` addresses (port 0: the kernel picks), at most ``limit``, no port twice."""
+    ports: set[tuple[str, int]] = set()
+    for i, address in enumerate(addresses):
+        match = _HOST_PORT_RE.match(address)
+        if match is None or int(match.group(2)) > 65535:
+            raise FieldError(f"{key}[{i}]", f"must be host:port (e.g. 127.0.0.1:8000; port 0 "
+                             f"picks a free one), got {address!r}")
+        host_port = (match.group(1), int(match.group(2)))
+        if host_port[1] and host_port in ports:
+            raise FieldError(f"{key}[{i}]", f"{address} is already another frontend's: each "
+                             "frontend needs its own port")
+        ports.add(host_port)
+    if len(addresses) > limit:
+        raise FieldError(key, "more addresses than frontends.count")
+
+
 class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[frontends]``."""
 
     count: Count = 1
     addresses: tuple[str, ...] = ()  # client ROUTER bind addresses, one per frontend
     data_addresses: tuple[str, ...] = ()  # data ROUTER bind addresses, one per frontend
+    # Open Inference Protocol servers (zserve.oip_server), host:port per frontend; none: off.
+    http_addresses: tuple[str, ...] = ()
+    grpc_addresses: tuple[str, ...] = ()
     reply_allowance_ms: float = DEFAULT_REPLY_ALLOWANCE_MS
     max_request_bytes: Count = DEFAULT_MAX_REQUEST_BYTES
     # Prometheus endpoints (HOST:PORT, port 0: any free one), one per frontend; none: off.
@@ -217,6 +240,8 @@ class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         check_finite("reply_allowance_ms", self.reply_allowance_ms)
         _check_addresses("addresses", self.addresses, self.count, "frontends.count")
         _check_addresses("data_addresses", self.data_addresses, self.count, "frontends.count")
+        _check_host_ports("http_addresses", self.http_addresses, self.count)
+        _check_host_ports("grpc_addresses", self.grpc_addresses, self.count)
         for i, address in enumerate(self.metrics_addresses):
             if not _HTTP_ADDRESS_RE.match(address):
                 raise FieldError(f"metrics_addresses[{i}]",
@@ -275,6 +300,41 @@ class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         check_finite("start_timeout_s", self.start_timeout_s, positive=True)
 
 
+class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[security]``: CURVE on every tcp link (docs/security.md). ``keys_dir`` is the folder
+    ``zserve keys init`` wrote (each role's key pair); ``authorized_clients`` the folder of the
+    client public keys (``*.key``) a frontend's client socket accepts (None: ``<keys_dir>/
+    clients``); ``insecure = true`` allows binding a non-loopback tcp address without keys."""
+
+    keys_dir: str | None = None
+    authorized_clients: str | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.authorized_clients is not None and self.keys_dir is None:
+            raise FieldError("authorized_clients", "needs keys_dir (the roles' keys)")
+
+    @property
+    def curve(self) -> bool:
+        """True when the tcp links use CURVE."""
+        return self.keys_dir is not None
+
+    @property
+    def clients_dir(self) -> str | None:
+        if self.keys_dir is None:
+            return None
+        return self.authorized_clients or os.path.join(self.keys_dir, "clients")
+
+    def resolved(self, base: Path) -> SecurityConfig:
+        """Relative folders made absolute against ``base`` (the cluster file's folder)."""
+
+        def resolve(path: str | None) -> str | None:
+            return path if path is None or os.path.isabs(path) else str((base / path).resolve())
+
+        return msgspec.structs.replace(self, keys_dir=resolve(self.keys_dir),
+                                       authorized_clients=resolve(self.authorized_clients))
+
+
 def _check_models(models: tuple[ModelConfig, ...]) -> None:
     if not models:
         raise FieldError("models", "at least one [[models]] table is required")
@@ -293,6 +353,7 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     frontends: FrontendsConfig = FrontendsConfig()
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         _check_models(self.models)
@@ -312,6 +373,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     frontends: FrontendsConfig = FrontendsConfig()
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
+    security: SecurityConfig = SecurityConfig()
 
     # ------------------------------------------------------------------ conversions
 
@@ -367,6 +429,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 "client": clients[index] if index < len(clients) else None,
                 "data": datas[index] if index < len(datas) else None,
             }
+            # The OIP servers listen only where configured (host:port, not a ZeroMQ address).
+            for server in ("http", "grpc"):
+                oip = getattr(self.frontends, f"{server}_addresses")
+                if index < len(oip):
+                    sockets[server] = oip[index]
         else:
             raise ValueError(f"unknown role {role!r}")
         host = (self.backends.host or self.host) if role == "backend" else self.host
@@ -486,6 +553,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         frontends=document.frontends,
         backends=document.backends,
         models=tuple(model.resolved(base) for model in document.models),
+        security=document.security.resolved(base),
     )
 
 

@@ -31,13 +31,15 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, readiness, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
 from zserve.metrics import MetricsServer, serve_frontend_metrics
+from zserve.oip_bridge import OIP_CLIENT, OipBridge
+from zserve.oip_server import OipServers
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.request_ids import new_incarnation
 from zserve.rolecli import role_config_from_args, role_parser
@@ -47,17 +49,25 @@ from zserve.transport.messages import (
     BackendTable,
     BatchFailed,
     BatchOutputs,
+    ClientHello,
     ClusterStatsRequest,
     DropNotice,
     Hello,
+    InferAnswers,
     InferError,
+    InferRequest,
     InputFetch,
     Message,
     StatsReply,
     StatsRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer, make_router
+from zserve.transport.sockets import (
+    make_dealer,
+    make_router,
+    monitor_server,
+    note_monitor_event,
+)
 
 log = logging.getLogger("zserve.frontend")
 
@@ -130,6 +140,8 @@ class FrontendHost:
         self.shard_socks: list[zmq.Socket[Any] | None] = [None] * self.cluster.scheduler_processes
         self.rank_sock: zmq.Socket[Any] | None = None
         self.endpoints: dict[str, str] = {}
+        # The Open Inference Protocol servers' way in (zserve.oip_bridge).
+        self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -140,14 +152,14 @@ class FrontendHost:
     def bind(self) -> dict[str, str]:
         self.client_sock, client_ep = make_router(
             self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
-            advertise_host=self.advertise_host,
+            advertise_host=self.advertise_host, clients=True,
         )
         self.data_sock, data_ep = make_router(
             self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
             advertise_host=self.advertise_host,
         )
-        self.monitor_sock = self.client_sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self.monitor_sock = monitor_server(
+            self.client_sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
         self.endpoints = {"client": client_ep, "data": data_ep}
         self.core.data_address = data_ep
@@ -165,7 +177,7 @@ class FrontendHost:
                           self.name, index)
                 self.core.shard_reachable[index] = False
                 continue
-            sock = make_dealer(self.ctx, address, identity=identity)
+            sock = make_dealer(self.ctx, address, identity=identity, peer_role="shard")
             socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
         rank_eps = peer_map.endpoints_of(peers, "rank")
@@ -173,7 +185,8 @@ class FrontendHost:
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
         if rank_address is not None:
-            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity)
+            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity,
+                                         peer_role="rank")
             socket_io.sync_send(self.rank_sock, hello)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -189,6 +202,12 @@ class FrontendHost:
                 reactor.watch(sock, router=False, on_chunk=self._on_scheduler,
                               on_bad=lambda exc: self._malformed("scheduler", exc))
         reactor.watch_frames(self.client_sock, on_frames=self._on_client)
+        # OIP requests are answered like a client that takes one InferAnswers per tick.
+        outbox: Outbox = []
+        self.core.on_client_message(self.clock.now(), OIP_CLIENT,
+                                    ClientHello(accepts=[InferAnswers.KIND]), outbox)
+        self._after(outbox)
+        self.oip.open(loop)
 
     def _sockets(self) -> list[zmq.Socket[Any]]:
         socks = [self.monitor_sock, self.data_sock, *self.shard_socks, self.rank_sock]
@@ -244,6 +263,9 @@ class FrontendHost:
     def _send_to(self, destination: Destination, msg: Message) -> BaseException | None:
         kind, target = destination
         assert self._reactor is not None
+        if kind == TO_CLIENT and target == OIP_CLIENT:
+            self.oip.deliver(msg)
+            return None
         if kind == TO_CLIENT:
             assert isinstance(target, bytes) and self.client_sock is not None
             try:
@@ -346,6 +368,8 @@ class FrontendHost:
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+            if self.client_sock is not None:  # a refused CURVE handshake: auth_failed
+                note_monitor_event(self.client_sock, event["event"])
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
@@ -354,6 +378,21 @@ class FrontendHost:
                     del self._client_fd[identity]
                     self.core.client_gone(identity)
         self._after([])
+
+    def _admit_oip(self, requests: list[InferRequest]) -> None:
+        if self._closed:
+            return
+        outbox: Outbox = []
+        now = self.clock.now()
+        for request in requests:
+            self.core.on_infer(now, OIP_CLIENT, request, outbox)
+        self._after(outbox)
+
+    def _cancel_oip(self, request_id: int) -> None:
+        if not self._closed:
+            outbox: Outbox = []
+            self.core.on_cancel(self.clock.now(), OIP_CLIENT, request_id, outbox)
+            self._after(outbox)
 
     # ------------------------------------------------------------------ scheduler and backends
 
@@ -475,6 +514,11 @@ class FrontendHost:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
         out["metrics_url"] = self.metrics_url
+        keys.count_auth_failed(self.ctx, out["counters"], reset)
+        # What the health endpoints answer (zserve.readiness), for status and metrics readers.
+        out["ready"] = self.oip.ready()
+        out["unready_models"] = readiness.unready_models(self.core.models,
+                                                         self.core.backend_models)
         return out
 
 
@@ -503,6 +547,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
+    keys.secure_role_context(ctx, config.cluster, "frontend")
     frontend = FrontendHost(config, ctx)
     control = await control_link.ControlLink.open(
         actx,
@@ -516,8 +561,12 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     )
     clock_sync: ClockSync | None = None
     metrics_server: MetricsServer | None = None
+    oip = OipServers(frontend.oip, http=config.bind.get("http"),
+                     grpc_address=config.bind.get("grpc"),
+                     max_request_bytes=frontend.cluster.frontends.max_request_bytes)
     try:
         endpoints = frontend.bind()
+        endpoints.update(await oip.start())
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
         metrics_server = _start_metrics(config, frontend, endpoints["client"])
         peers = await control.ready(endpoints)
@@ -535,6 +584,8 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
                  control.drain.reason, len(frontend.core.pending), drain_s)
         await control.drain.grace(frontend.idle)
         frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
+        frontend.oip.close(f"frontend {frontend.name} shut down")
+        await oip.stop()
         log.info("%s: stopped; counters %s", frontend.name,
                  {key: value for key, value in frontend.counters.items() if value})
     finally:
@@ -542,8 +593,10 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
             metrics_server.close()
         if clock_sync is not None:
             await clock_sync.close()
+        await oip.stop()
         frontend.close()
         await control.close()
+        keys.release_role_context(ctx)
         ctx.term()
     return 0
 

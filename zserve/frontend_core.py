@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from zserve.config import ClusterConfig, shard_for_model
-from zserve.errors import ErrorKind
-from zserve.frontend_admission import ModelAdmission, matches_spec
+from zserve.errors import ErrorKind, ZServeError
+from zserve.frontend_admission import ModelAdmission
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile
@@ -180,8 +180,9 @@ class FrontendCore:
         # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
         self._queued_cancels: list[tuple[list[int], list[str]]] = [
             ([], []) for _ in range(nshards)]
-        self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
-            ([], [], [], []) for _ in range(nshards)]
+        # per shard: (ids, models, arrivals, deadlines, rows: empty while each holds one row)
+        self._meta: list[tuple[list[int], list[str], list[float], list[float], list[int]]] = [
+            ([], [], [], [], []) for _ in range(nshards)]
         # (answer_by, rid) of every pending request; an entry is live while its request is
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
@@ -223,7 +224,7 @@ class FrontendCore:
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
-            model = self._admit(client, req)
+            model, rows = self._admit(client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
             names = self._outcome_names.get(req.model)  # a configured model's rejection only
@@ -235,19 +236,23 @@ class FrontendCore:
         answer_by = now + slo_s
         rid = self.ids.take()
         self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
-                                  answer_by))
-        model.pending += 1
+                                  answer_by, rows))
+        model.pending += rows
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
-        ids, models, arrivals, deadlines = self._meta[model.shard]
+        ids, models, arrivals, deadlines, meta_rows = self._meta[model.shard]
+        if rows != 1 or meta_rows:  # one entry per request once one holds several rows
+            meta_rows.extend([1] * (len(ids) - len(meta_rows)))
+            meta_rows.append(rows)
         ids.append(rid)
         models.append(req.model)
         arrivals.append(now)
         deadlines.append(answer_by - self.reply_allowance_s)
 
-    def _admit(self, client: bytes, req: InferRequest) -> ModelAdmission:
-        """The request's model if ``req`` may be admitted; raises ``_Rejected`` otherwise."""
+    def _admit(self, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
+        """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
+        otherwise."""
         if self.refused_clients and client in self.refused_clients:
             raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
         model = self.models.get(req.model)
@@ -258,7 +263,12 @@ class FrontendCore:
         if self.requests.in_flight(client, req.request_id):
             raise _Rejected(ErrorKind.BAD_REQUEST, f"request id {req.request_id} is already "
                             "in flight on this connection")
-        self._check_inputs(model, req)
+        try:
+            rows = model.request_rows(req.inputs, self.max_request_bytes)
+        except ZServeError as exc:
+            raise _Rejected(exc.kind, exc.message) from None
+        except Exception as exc:  # an input that is no array
+            raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
         if not 0.0 <= req.slo_ms < math.inf:  # negative, infinite or NaN
             raise _Rejected(ErrorKind.BAD_REQUEST, f"slo_ms must be >= 0, got {req.slo_ms}")
         if not self.shard_reachable[model.shard]:
@@ -267,9 +277,9 @@ class FrontendCore:
         gpus = self.gpus_for_model.get(req.model, -1)
         if gpus == 0:
             raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
-        if model.pending >= model.max_queue:
+        if model.pending + rows > model.max_queue:
             raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: {model.pending} "
-                            f"requests queued (limit {model.max_queue})")
+                            f"rows queued (limit {model.max_queue})")
         if gpus < 0:
             gpus = self.cluster.backends.total
         predicted_wait_s = model.pending / model.capacity_rps(gpus)
@@ -277,21 +287,7 @@ class FrontendCore:
             raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
                             f"{predicted_wait_s * 1e3:.1f} ms exceeds "
                             f"{model.wait_bound_s * 1e3:.1f} ms")
-        return model
-
-    def _check_inputs(self, model: ModelAdmission, req: InferRequest) -> None:
-        spec = model.request_spec
-        if spec is not None and matches_spec(req.inputs, spec):
-            return  # the one form the model takes: every input check passes
-        nbytes = sum(int(a.nbytes) for a in req.inputs.values())
-        if nbytes > self.max_request_bytes:
-            raise _Rejected(ErrorKind.TOO_LARGE,
-                            f"inputs of {nbytes} bytes exceed {self.max_request_bytes}")
-        if model.signature is not None:
-            try:
-                model.signature.validate_request(req.inputs)
-            except Exception as exc:
-                raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
+        return model, rows
 
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
         """Cancel one request of ``client`` (``client_rid`` < 0: all of them, unanswered)."""
@@ -568,7 +564,7 @@ class FrontendCore:
 
     def _finish(self, p: Pending) -> None:
         self.requests.remove(p)
-        self.models[p.model].pending -= 1
+        self.models[p.model].pending -= p.rows
 
     def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
                       outbox: Outbox) -> None:
@@ -606,11 +602,13 @@ class FrontendCore:
         """Append what this tick produced to be sent once: the admitted requests' metadata (one
         message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
         (one CancelFetched per backend), answers (one per client)."""
-        for shard, (ids, models, arrivals, deadlines) in enumerate(self._meta):
+        for shard, (ids, models, arrivals, deadlines, rows) in enumerate(self._meta):
             if ids:
-                self._meta[shard] = ([], [], [], [])
+                self._meta[shard] = ([], [], [], [], [])
+                if rows:
+                    rows.extend([1] * (len(ids) - len(rows)))
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
-                    self.data_address, ids, models, arrivals, deadlines)))
+                    self.data_address, ids, models, arrivals, deadlines, rows)))
                 self.counters["meta_batches"] += 1
         for shard, (ids, models) in enumerate(self._queued_cancels):
             if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
