@@ -514,6 +514,8 @@ class FrontendHost:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
         out["metrics_url"] = self.metrics_url
+        out["pid"] = os.getpid()
+        out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`
         keys.count_auth_failed(self.ctx, out["counters"], reset)
         # What the health endpoints answer (zserve.readiness), for status and metrics readers.
         out["ready"] = self.oip.ready()
