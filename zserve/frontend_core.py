@@ -111,6 +111,13 @@ OUTCOME_OF_MODEL = "outcome/{}/{}"
 OUTCOME_OK = "ok"
 
 
+def _outcome_names(models: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``outcome/<model>/<outcome>`` counter names by model and outcome (``ok`` or an error
+    kind)."""
+    outcomes = (OUTCOME_OK, *_WIRE_ERRORS.values())
+    return {name: {o: OUTCOME_OF_MODEL.format(name, o) for o in outcomes} for name in models}
+
+
 def error_kind(value: str) -> ErrorKind:
     return _ERROR_KINDS.get(value, ErrorKind.INTERNAL)
 
@@ -150,10 +157,8 @@ class FrontendCore:
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
         self.draining = False
-        outcomes = (OUTCOME_OK, *_WIRE_ERRORS.values())
         # counter name of (model, outcome), built once: the answer path only looks it up
-        self._outcome_names = {name: {o: OUTCOME_OF_MODEL.format(name, o) for o in outcomes}
-                               for name in self.models}
+        self._outcome_names = _outcome_names(self.models)
         self._stats = Stats(
             (*FRONTEND_COUNTERS, *host_counters,
              *(n for names in self._outcome_names.values() for n in names.values())),
@@ -170,9 +175,9 @@ class FrontendCore:
         self._execution = hist["execution"]
         self._finish_to_answer = hist["finish_to_answer"]
         self._overhead = hist["overhead"]
-        self._queueing_of = {name: hist[QUEUEING_OF_MODEL.format(name)] for name in self.models}
-        self._execution_of = {name: hist[EXECUTION_OF_MODEL.format(name)] for name in self.models}
-        self._latency_of = {name: hist[LATENCY_OF_MODEL.format(name)] for name in self.models}
+        self._queueing_of, self._execution_of, self._latency_of = (
+            {name: hist[pattern.format(name)] for name in self.models}
+            for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL))
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
         self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
         self._answers: dict[bytes, Answers] = {}
