@@ -27,7 +27,7 @@ from zserve.supervisor import Cluster
 
 def _config(models: int) -> zserve.config.ClusterConfig:
     return parse_config({
-        "scheduler": {"shards": 0},
+        "scheduler": {"shards": 0, "jitter_ms": 50.0},  # room for a loaded host
         "frontends": {"count": 1, "metrics_addresses": ["127.0.0.1:0"]},
         "backends": {"count": 2, "device": "emulated"},
         "models": [{"name": f"m{i}", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0,

@@ -61,7 +61,7 @@ def _send_load(address: str) -> collections.Counter[str]:
 def test_scrape_matches_the_ledger(tmp_path: Path) -> None:
     config = parse_config({
         "cluster": {"drain_s": 2.0},
-        "scheduler": {"shards": 0, "d_ctrl_ms": 5.0},
+        "scheduler": {"shards": 0, "d_ctrl_ms": 5.0, "jitter_ms": 50.0},  # a loaded host
         "frontends": {"count": 1, "metrics_addresses": ["127.0.0.1:0"]},
         "backends": {"count": 1, "device": "emulated"},
         "models": [{"name": "a", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0,

@@ -18,7 +18,7 @@ from zserve.supervisor import Cluster
 def test_status_prints_roles_models_backends_and_rates(tmp_path: Path) -> None:
     config = parse_config({
         "cluster": {"drain_s": 2.0},
-        "scheduler": {"shards": 0},
+        "scheduler": {"shards": 0, "jitter_ms": 50.0},  # room for a loaded host
         "backends": {"count": 2, "device": "emulated"},
         "models": [{"name": name, "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0,
                                                "input_shape": [4]},

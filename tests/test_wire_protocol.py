@@ -31,7 +31,7 @@ OTHER_VERSION = WIRE_PROTOCOL_VERSION + 98
 def _config() -> ClusterConfig:
     return parse_config({
         "cluster": {"drain_s": 2.0},
-        "scheduler": {"shards": 0},
+        "scheduler": {"shards": 0, "jitter_ms": 50.0},  # room for a loaded host
         "backends": {"count": 1, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0,
                                               "input_shape": [4]},
