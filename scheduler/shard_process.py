@@ -21,6 +21,7 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.config import RoleConfig
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
@@ -88,7 +89,8 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
     host = proc.host = ShardHost(
         name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
         models=list(config.models),
-        peers=dict(config.peers), index=config.index, clock=clock)
+        peers=dict(config.peers), index=config.index, clock=clock,
+        plan_ack_margin_s=config.plan_ack_margin_s or PLAN_ACK_MARGIN_S)
     if embedded:
         rank_sock, endpoints["rank"] = proc.bind(config.bind["rank"], f"{name} rank",
                                                  advertise)
