@@ -85,6 +85,7 @@ from zserve.transport.messages import (
     Message,
     StatsReply,
     StatsRequest,
+    protocol_mismatch,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_router
@@ -311,6 +312,11 @@ class RankHost:
 
     def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
                      outbox: Outbox) -> None:
+        refusal = protocol_mismatch(f"backend {msg.name}", msg.protocol)
+        if refusal is not None:  # its plans and table entries could not be trusted to decode
+            self.counters["bad_messages"] += 1
+            log.error("%s: refusing %s", self.name, refusal)
+            return
         self.counters["registrations"] += 1
         gpu_id = self.gpu_by_name.get(msg.name)
         if gpu_id is None:
