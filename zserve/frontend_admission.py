@@ -136,6 +136,23 @@ class ModelAdmission:
                                   f"dimension of 1..{self.max_rows} rows")
         return int(rows)
 
+    def overload(self, now: float, rows: int, gpus: int) -> str | None:
+        """Why a request of ``rows`` rows that arrives at ``now`` is refused ``OVERLOADED`` (the
+        queue bound, the predicted wait, the rows waiting to be planned), or None to admit it;
+        ``gpus``: the GPUs that serve the model."""
+        if self.pending + rows > self.max_queue:
+            return f"model {self.config.name!r}: {self.pending} rows queued (limit " \
+                   f"{self.max_queue})"
+        predicted_wait_s = self.pending / self.capacity_rps(gpus)
+        if predicted_wait_s > self.wait_bound_s:
+            return f"model {self.config.name!r}: predicted wait " \
+                   f"{predicted_wait_s * 1e3:.1f} ms exceeds {self.wait_bound_s * 1e3:.1f} ms"
+        limit = self.queue_limit(now, rows, gpus)
+        if self.queued >= limit:
+            return f"model {self.config.name!r}: offered past its capacity, and " \
+                   f"{self.queued} rows wait to be planned (limit {limit:.0f})"
+        return None
+
     def queue_limit(self, now: float, rows: int, gpus: int) -> float:
         """How many rows may wait to be planned when a request of ``rows`` rows arrives at
         ``now``: unbounded while the model's offered rate is within its capacity at ``gpus``

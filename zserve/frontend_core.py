@@ -144,10 +144,9 @@ class FrontendCore:
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
-        shards = cluster.scheduler.shards
-        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards),
-                                              profiles.get(m.name), self.reply_allowance_s)
-                       for m in cluster.models}
+        shards, reply_s = cluster.scheduler.shards, self.reply_allowance_s
+        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(
+            m.name), reply_s) for m in cluster.models}
         nshards = cluster.scheduler_processes
         self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
@@ -284,21 +283,11 @@ class FrontendCore:
         gpus = self.gpus_for_model.get(req.model, -1)
         if gpus == 0:
             raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
-        if model.pending + rows > model.max_queue:
-            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: {model.pending} "
-                            f"rows queued (limit {model.max_queue})")
         if gpus < 0:
             gpus = self.cluster.backends.total
-        predicted_wait_s = model.pending / model.capacity_rps(gpus)
-        if predicted_wait_s > model.wait_bound_s:
-            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
-                            f"{predicted_wait_s * 1e3:.1f} ms exceeds "
-                            f"{model.wait_bound_s * 1e3:.1f} ms")
-        limit = model.queue_limit(now, rows, gpus)
-        if model.queued >= limit:
-            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: offered past its "
-                            f"capacity, and {model.queued} rows wait to be planned (limit "
-                            f"{limit:.0f})")
+        refusal = model.overload(now, rows, gpus)
+        if refusal is not None:
+            raise _Rejected(ErrorKind.OVERLOADED, refusal)
         return model, rows
 
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
