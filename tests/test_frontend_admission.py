@@ -1,12 +1,12 @@
 """FrontendCore's admission past a model's capacity, driven through now / outbox with no sockets.
 
 The model: one GPU, l(b) = 40 b + 160 ms up to b = 8, SLO 2 s, reply allowance 50 ms. Its
-capacity at the SLO is 8 / 480 ms = 16.7 r/s, so the predicted-wait bound (pending / capacity <=
-max_wait_ms = the SLO) admits 34 requests at once. Past the capacity the rows that wait to be
-planned are bounded too, from max(b*, C (SLO - reply - l(b*) (1 + 2/N))) = 16.7 x 0.51 s = 8.5
-rows (9 admitted), where the last of them still finishes within the SLO with l(b*) to spare; the
-bound adapts from there, down on DEADLINE answers (to 1 row at least), up on answers with
-outputs."""
+capacity at the SLO is 8 / 480 ms = 16.7 r/s, so a predicted-wait bound of the SLO (pending /
+capacity <= max_wait_ms = 2 s, set explicitly) admits 34 requests at once. Past the capacity the
+rows that wait to be planned are bounded, from max(b*, C (SLO - reply - l(b*) (1 + 2/N))) = 16.7
+x 0.51 s = 8.5 rows (9 admitted), where the last of them still finishes within the SLO with
+l(b*) to spare; the bound adapts from there, down on DEADLINE answers (to 1 row at least), up on
+answers with outputs."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def _offer(core: FrontendCore, now: float, first_id: int, count: int) -> dict[in
 
 def test_past_capacity_only_the_rows_that_can_still_finish_in_time_are_admitted() -> None:
     core = _core()
-    # A burst before any rate was measured: taken as past the capacity (the safe start). The
-    # predicted-wait rule alone admitted 34, whose last would start after four batches of 480 ms.
+    # A burst before any rate was measured: taken as past the capacity (the safe start). The old
+    # default, a predicted-wait bound of the SLO, admitted 34, whose last would start after four
+    # batches of 480 ms.
     errors = _offer(core, 0.0, 0, 40)
     assert core.counters["admitted"] == FLOOR_ROWS
     assert set(errors) == set(range(FLOOR_ROWS, 40))
@@ -70,14 +71,14 @@ def test_past_capacity_only_the_rows_that_can_still_finish_in_time_are_admitted(
     assert core.models["m"].queued == FLOOR_ROWS
 
 
-def test_within_capacity_only_the_predicted_wait_bounds_admission() -> None:
+def test_within_capacity_the_waiting_rows_are_not_bounded() -> None:
     core = _core()
     # One second offered at 8 r/s (under 16.7) lifts the bound on queued rows.
     for i in range(8):
         assert _offer(core, i * 0.125, i, 1) == {}
     assert _offer(core, 1.0, 8, 16) == {}  # 24 wait: over the bound, within 2 s of work
     # The 17th row of this window is past what the capacity serves in one: the bound is back at
-    # once (the predicted wait, 24 / 16.7 = 1.4 s, alone admits the request).
+    # once (a predicted-wait bound of the SLO, 24 / 16.7 = 1.4 s, would admit the request).
     assert "wait to be planned" in _message(core, 1.5, 24)
     # A window that ends under the capacity (17 rows in 2 s) lifts it again.
     assert _offer(core, 3.0, 25, 1) == {}
@@ -123,8 +124,11 @@ def test_deadline_answers_lower_the_bound_and_outputs_raise_it() -> None:
     assert model.queue_limit(0.9, 0, 1) == 1.0
 
 
-def test_the_bound_can_be_switched_off_per_model() -> None:
+def test_the_bound_can_be_switched_off_and_the_predicted_wait_bound_set_per_model() -> None:
     core = _core(shed_past_capacity=False)
+    _offer(core, 0.0, 0, 40)
+    assert core.counters["admitted"] == 40  # by default no bound on the predicted wait
+    core = _core(shed_past_capacity=False, max_wait_ms=2000.0)
     _offer(core, 0.0, 0, 40)
     assert core.counters["admitted"] == PREDICTED_WAIT_ROWS
     assert isinstance(core.models["m"], ModelAdmission)

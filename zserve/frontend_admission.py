@@ -49,6 +49,7 @@ class ModelAdmission:
         "max_queue",
         "overloaded",
         "pending",
+        "predicted_wait_bound_s",
         "queued",
         "reply_allowance_s",
         "request_spec",
@@ -64,7 +65,10 @@ class ModelAdmission:
         self.config = config
         self.shard = shard
         self.max_queue = config.max_queue
-        self.wait_bound_s = config.wait_bound_ms / 1e3
+        self.wait_bound_s = config.wait_bound_ms / 1e3  # the waiting rows' ceiling, as wait
+        # The predicted-wait bound on every pending row: only where max_wait_ms is set.
+        self.predicted_wait_bound_s = (math.inf if config.max_wait_ms is None
+                                       else config.max_wait_ms / 1e3)
         self.slo_s = config.slo_ms / 1e3
         self.pending = 0
         self.queued = 0  # rows admitted whose inputs no backend has fetched: not yet planned
@@ -144,9 +148,9 @@ class ModelAdmission:
             return f"model {self.config.name!r}: {self.pending} rows queued (limit " \
                    f"{self.max_queue})"
         predicted_wait_s = self.pending / self.capacity_rps(gpus)
-        if predicted_wait_s > self.wait_bound_s:
-            return f"model {self.config.name!r}: predicted wait " \
-                   f"{predicted_wait_s * 1e3:.1f} ms exceeds {self.wait_bound_s * 1e3:.1f} ms"
+        if predicted_wait_s > self.predicted_wait_bound_s:
+            return f"model {self.config.name!r}: predicted wait {predicted_wait_s * 1e3:.1f} " \
+                   f"ms exceeds {self.predicted_wait_bound_s * 1e3:.1f} ms"
         limit = self.queue_limit(now, rows, gpus)
         if self.queued >= limit:
             return f"model {self.config.name!r}: offered past its capacity, and " \
