@@ -162,6 +162,8 @@ class ModelThread(CandidateSizing):
         self.n_cancelled = 0
         self.n_planned = 0
         self.n_batches = 0
+        # The scheduler epoch its plans carry (zserve.epochs); the host sets it.
+        self.epoch = 0
 
     def _clear_queue(self) -> None:
         """An empty queue: parallel lists sorted by deadline, live from ``_head`` on."""
@@ -389,6 +391,7 @@ class ModelThread(CandidateSizing):
             request_frontend=request_frontend,
             request_ids=request_ids,
             finish_by=finish_by,
+            epoch=self.epoch,
         )
         self.n_planned += bs
         self.n_batches += 1

@@ -77,6 +77,8 @@ FRONTEND_COUNTERS = (
     "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
     # refused: what came back for requests of another incarnation (zserve.request_ids)
     "stale_outputs", "stale_drops", "stale_failures", "stale_fetched",
+    # queued requests re-sent to a scheduler of a new epoch (zserve.epochs)
+    "requeued",
     # delivery failures the host reported (on_send_failed)
     "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
     "reply_unroutable",
@@ -141,6 +143,7 @@ class FrontendCore:
         # Unique across the cluster's frontends and across this frontend's restarts.
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
+        self.epoch = 0  # the newest scheduler epoch heard of (zserve.epochs); the host sets it
         self.draining = False
         self._stats = Stats((*FRONTEND_COUNTERS, *host_counters), {
             **FRONTEND_HISTOGRAMS,
@@ -563,7 +566,7 @@ class FrontendCore:
             if ids:
                 self._meta[shard] = ([], [], [], [])
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
-                    self.data_address, ids, models, arrivals, deadlines)))
+                    self.data_address, ids, models, arrivals, deadlines, self.epoch)))
                 self.counters["meta_batches"] += 1
         for shard, (ids, models) in enumerate(self._queued_cancels):
             if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
@@ -578,6 +581,25 @@ class FrontendCore:
             outbox.append(((TO_CLIENT, client), InferAnswers(
                 batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
                 batch.messages)))
+
+    def requeue_queued(self, now: float, outbox: Outbox) -> None:
+        """A scheduler of a new epoch took over: its queues start empty, so the metadata of
+        every request still queued here goes to it again (with this tick's); one whose
+        scheduler deadline has passed is answered ``DEADLINE`` now."""
+        for p in list(self.requests.pending.values()):
+            if p.state != QUEUED or p.client is None:
+                continue
+            deadline = p.answer_by - self.reply_allowance_s
+            if deadline <= now:
+                self._answer_error(now, p, ErrorKind.DEADLINE, "its deadline passed while the "
+                                   "scheduler was being replaced", outbox)
+                continue
+            self.counters["requeued"] += 1
+            ids, models, arrivals, deadlines = self._meta[self.models[p.model].shard]
+            ids.append(p.rid)
+            models.append(p.model)
+            arrivals.append(p.arrival)
+            deadlines.append(deadline)
 
     # ------------------------------------------------------------------ deadlines
 

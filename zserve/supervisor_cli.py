@@ -139,6 +139,10 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
     _write_atomic(pid_path, f"{os.getpid()}\n")
     for address in supervisor.client_addresses:
         print(f"zserve: cluster {name!r} is up; clients connect to {address}", flush=True)
+    view = supervisor.scheduler_view
+    if supervisor.config.scheduler.standby and view:
+        print(f"zserve: scheduler {view.get('active')} is active in epoch {view.get('epoch')}; "
+              "the other one is its hot standby", flush=True)
 
 
 def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:

@@ -1,0 +1,81 @@
+"""The watch link of an active/standby scheduler pair (``[scheduler] standby = true``).
+
+Each of the two scheduler processes (``shard-0`` and ``zserve.config.STANDBY_NAME``, each with
+its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
+``SchedulerPing(name, epoch, active)`` every ``zserve.epochs.PING_INTERVAL_S`` from its event
+loop, so a ping proves the loop that dispatches is running (a hung or SIGSTOPped process stops
+pinging even though its sockets stay open). The decisions are the pure
+``zserve.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
+partner has been silent for ``takeover_timeout_ms`` takes over here (``RankHost.activate`` with
+the next epoch); an active one that hears a newer epoch steps down (``RankHost.on_superseded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from zserve.epochs import PING_INTERVAL_S, SchedulerWatch, now_ms
+from zserve.role_runner import cancel_all
+from zserve.scheduler.rank_process import RankHost
+from zserve.scheduler.shard import ShardHost
+from zserve.transport.messages import SchedulerPing
+from zserve.transport.reactor import SocketReactor
+from zserve.transport.sockets import make_dealer
+
+log = logging.getLogger(__name__)
+
+SOCKET_CLOSE_LINGER_MS = 0  # pings are worthless once late
+
+
+class PairLink:
+    """Pings the partner and takes over when the watch says so; ``close`` stops both."""
+
+    def __init__(self, *, name: str, ctx: zmq.Context[Any], reactor: SocketReactor,
+                 rank: RankHost, host: ShardHost, watch: SchedulerWatch,
+                 expected_backends: set[str]) -> None:
+        self.name = name
+        self.ctx = ctx
+        self.reactor = reactor
+        self.rank = rank
+        self.host = host
+        self.watch = watch
+        self.expected_backends = expected_backends
+        self.sock: zmq.Socket[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, partner_rank_address: str) -> None:
+        self.sock = make_dealer(self.ctx, partner_rank_address,
+                                identity=f"{self.name}.watch".encode())
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pair-watch")
+
+    async def _run(self) -> None:
+        while not self.watch.superseded:
+            now = time.monotonic()
+            epoch = self.watch.take_over(now, now_ms())
+            if epoch is not None:
+                self._take_over(now, epoch)
+            assert self.sock is not None
+            self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch,
+                                                              self.watch.active))
+            wait = min(PING_INTERVAL_S, self.watch.takeover_at - time.monotonic())
+            await asyncio.sleep(max(0.0, wait))
+
+    def _take_over(self, now: float, epoch: int) -> None:
+        silent = now - self.watch.partner_active_at
+        log.error("%s: the active scheduler has been silent for %.2f s: taking over in epoch %d",
+                  self.name, silent, epoch)
+        self.host.active = True
+        self.rank.activate(epoch, self.expected_backends)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await cancel_all([self._task])
+            self._task = None
+        if self.sock is not None:
+            self.sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+            self.sock = None
