@@ -172,6 +172,7 @@ class Backend:
         self.rank_socks: dict[str, zmq.Socket[Any]] = {}
         self.fence = EpochFence()
         self._stale_logged: set[int] = set()
+        self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
         self.data_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
@@ -355,6 +356,7 @@ class Backend:
         (its requests are the new epoch's to plan; nothing is answered for them here)."""
         if self.fence.admits(plan.epoch):
             self.fence.note(plan.epoch)
+            self.plans_by_epoch[plan.epoch] = self.plans_by_epoch.get(plan.epoch, 0) + 1
             return True
         self.counters["stale_epoch"] += 1
         if plan.epoch not in self._stale_logged:
@@ -519,7 +521,8 @@ class Backend:
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
-            "scheduler": {"active": self.fence.active, "epoch": self.fence.highest},
+            "scheduler": {"active": self.fence.active, "epoch": self.fence.highest,
+                          "plans_by_epoch": {str(e): n for e, n in self.plans_by_epoch.items()}},
             "counters_total": self.counter_totals(),
             "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
