@@ -172,6 +172,7 @@ class ShardHost:
         self.active = True
         self.fenced = False
         self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
+        self.first_plan_at = 0.0  # when this process sent its first plan (a takeover's end)
         self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
         self.counters = self._stats.counters
         self._meta_delay = self._stats.histograms["meta_delay"]
@@ -480,6 +481,8 @@ class ShardHost:
             return
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
+            if not self.first_plan_at:
+                self.first_plan_at = self.clock.now()
             self.counters["plans"] += 1
             self.counters["planned_requests"] += len(plan.request_ids)
             self._remember_sent(gpu_id, plan)
@@ -541,6 +544,7 @@ class ShardHost:
             "clock": self.clock.stats(),
             "active": self.active and not self.fenced,
             "epoch": self.epoch,
+            "first_plan_at": self.first_plan_at,
             "sent_plans_held": len(self._sent_plans),
             "models": {
                 name: {

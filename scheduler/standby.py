@@ -4,7 +4,9 @@ Each of the two scheduler processes (``shard-0`` and ``zserve.config.STANDBY_NAM
 its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
 ``SchedulerPing(name, epoch, active)`` every ``zserve.epochs.PING_INTERVAL_S`` from its event
 loop, so a ping proves the loop that dispatches is running (a hung or SIGSTOPped process stops
-pinging even though its sockets stay open). The decisions are the pure
+pinging even though its sockets stay open). A crash is seen sooner: the dead process's end of
+the connection closes, the DEALER's monitor reports it, and a standby whose partner was active
+takes over at once. The decisions are the pure
 ``zserve.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
 partner has been silent for ``takeover_timeout_ms`` takes over here (``RankHost.activate`` with
 the next epoch); an active one that hears a newer epoch steps down (``RankHost.on_superseded``).
@@ -13,6 +15,7 @@ the next epoch); an active one that hears a newer epoch steps down (``RankHost.o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -46,11 +49,16 @@ class PairLink:
         self.watch = watch
         self.expected_backends = expected_backends
         self.sock: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[Any] | None = None
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self, partner_rank_address: str) -> None:
         self.sock = make_dealer(self.ctx, partner_rank_address,
                                 identity=f"{self.name}.watch".encode())
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.reactor.watch_frames(self.monitor, on_frames=self._on_monitor)
+        self.watch.start(time.monotonic())
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pair-watch")
 
     async def _run(self) -> None:
@@ -63,7 +71,14 @@ class PairLink:
             self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch,
                                                               self.watch.active))
             wait = min(PING_INTERVAL_S, self.watch.takeover_at - time.monotonic())
-            await asyncio.sleep(max(0.0, wait))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
+
+    def _on_monitor(self, messages: list[list[zmq.Frame]]) -> None:
+        """The partner's process closed the connection: it died."""
+        self.watch.on_partner_gone(time.monotonic())
+        self._wake.set()
 
     def _take_over(self, now: float, epoch: int) -> None:
         silent = now - self.watch.partner_active_at
@@ -76,6 +91,13 @@ class PairLink:
         if self._task is not None:
             await cancel_all([self._task])
             self._task = None
+        if self.monitor is not None:
+            self.reactor.unwatch(self.monitor)
+            assert self.sock is not None
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         if self.sock is not None:
             self.sock.close(linger=SOCKET_CLOSE_LINGER_MS)
             self.sock = None

@@ -1,4 +1,4 @@
-"""The pure fencing logic of scheduler epochs (zserve.epochs): the peers' fence, the pair's watch."""
+"""The pure fencing logic of scheduler epochs (zserve.epochs): the fence and the pair's watch."""
 
 from __future__ import annotations
 
@@ -67,6 +67,22 @@ def test_active_steps_down_on_a_newer_epoch_from_its_partner_or_any_peer() -> No
     other = SchedulerWatch(active=True, epoch=100, takeover_timeout_s=TIMEOUT_S, now=0.0)
     assert other.on_epoch(101)  # e.g. a backend's heartbeat carrying the newest epoch
     assert other.superseded
+
+
+def test_a_dead_active_partner_is_taken_over_at_once_a_dead_standby_never() -> None:
+    watch = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0)
+    watch.on_partner_gone(0.05)  # a standby partner that never said it was active: nothing
+    assert watch.takeover_at == TIMEOUT_S
+    watch.on_ping(0.1, 300, active=True)
+    watch.on_partner_gone(0.2)  # its connection closed: it died
+    assert watch.take_over(0.2, wall_ms=1) == 301
+
+
+def test_the_timeout_counts_from_the_link_start_not_the_process_start() -> None:
+    watch = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0)
+    watch.start(5.0)  # the cluster took 5 s to hand out the peer map
+    assert watch.take_over(5.5, wall_ms=1) is None
+    assert watch.take_over(6.0, wall_ms=1) == 1
 
 
 def test_a_takeover_outranks_every_epoch_the_standby_heard_of() -> None:

@@ -95,6 +95,7 @@ class SchedulerWatch:
         self.seen = epoch  # the newest epoch seen anywhere
         self.takeover_timeout_s = takeover_timeout_s
         self.partner_active_at = now  # the last ping of an active partner (or the start)
+        self.partner_active = False  # the partner's last ping said it was active
         self.superseded = False  # stepped down: never active again in this process
 
     @property
@@ -104,11 +105,24 @@ class SchedulerWatch:
             return math.inf
         return self.partner_active_at + self.takeover_timeout_s
 
+    def start(self, now: float) -> None:
+        """The link is up (the peer map came): the timeout counts from now, not from the
+        process's start (the cluster's start-up may take longer than the timeout)."""
+        self.partner_active_at = max(self.partner_active_at, now)
+
     def on_ping(self, now: float, epoch: int, active: bool) -> bool:
         """The partner pinged; True when this (active) process must step down."""
         if active:
             self.partner_active_at = now
+        self.partner_active = active
         return self.on_epoch(epoch if active else 0)
+
+    def on_partner_gone(self, now: float) -> None:
+        """The link to the partner dropped (its process died: a hung one keeps its sockets).
+        If it was the active one, take over now instead of after the timeout."""
+        if self.partner_active:
+            self.partner_active = False
+            self.partner_active_at = min(self.partner_active_at, now - self.takeover_timeout_s)
 
     def on_epoch(self, epoch: int) -> bool:
         """A peer has seen ``epoch``; True when this active process is superseded by it."""

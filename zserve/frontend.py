@@ -390,6 +390,8 @@ class FrontendHost:
             now = self.clock.now()
             if type(msg) is Hello:
                 self._on_scheduler_hello(now, scheduler, msg, outbox)
+            elif type(msg) is StatsReply:  # a standby's too (cluster stats list both)
+                self._on_peer_stats(msg, outbox)
             elif (scheduler in fence.epoch_of and not fence.is_current(scheduler)) or (
                     type(msg) is BackendTable and not fence.admits(msg.epoch)):
                 self.counters["stale_epoch"] += 1  # a superseded scheduler's
@@ -397,8 +399,6 @@ class FrontendHost:
                 core.on_drop(now, msg, outbox)
             elif type(msg) is BackendTable:
                 core.on_backend_table(now, msg, outbox)
-            elif type(msg) is StatsReply:
-                self._on_peer_stats(msg, outbox)
             else:
                 self.counters["ignored"] += 1
         self._after(outbox)
