@@ -127,6 +127,9 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
     await asyncio.wait([drained, superseded], return_when=asyncio.FIRST_COMPLETED)
     drained.cancel()
     superseded.cancel()
+    if proc.pair is not None:  # a draining scheduler neither pings nor takes over
+        await proc.pair.close()
+        proc.pair = None
     if proc.superseded.is_set():
         # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);
         # a supervisor restarts this process as the standby.

@@ -51,6 +51,7 @@ class PairLink:
         self.sock: zmq.Socket[Any] | None = None
         self.monitor: zmq.Socket[Any] | None = None
         self._wake = asyncio.Event()
+        self._partner_gone = False  # the last takeover reason, for the log
         self._task: asyncio.Task[None] | None = None
 
     def start(self, partner_rank_address: str) -> None:
@@ -77,13 +78,15 @@ class PairLink:
 
     def _on_monitor(self, messages: list[list[zmq.Frame]]) -> None:
         """The partner's process closed the connection: it died."""
+        self._partner_gone = self.watch.partner_active
         self.watch.on_partner_gone(time.monotonic())
         self._wake.set()
 
     def _take_over(self, now: float, epoch: int) -> None:
-        silent = now - self.watch.partner_active_at
-        log.error("%s: the active scheduler has been silent for %.2f s: taking over in epoch %d",
-                  self.name, silent, epoch)
+        why = ("its connection closed" if self._partner_gone else
+               f"it has been silent for {now - self.watch.partner_active_at:.2f} s")
+        log.error("%s: the active scheduler is gone (%s): taking over in epoch %d", self.name,
+                  why, epoch)
         self.host.active = True
         self.rank.activate(epoch, self.expected_backends)
 

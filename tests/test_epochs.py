@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from zserve.config import parse_config
 from zserve.epochs import EpochFence, SchedulerWatch, next_epoch
+from zserve.frontend_core import FrontendCore
+from zserve.hosting import Outbox
+from zserve.preflight import check_cluster
+from zserve.transport.messages import InferError, InferRequest, InputFetch, RequestMetaBatch
 
 TIMEOUT_S = 1.0
 
@@ -90,3 +97,60 @@ def test_a_takeover_outranks_every_epoch_the_standby_heard_of() -> None:
     watch.on_epoch(500)  # from a peer's heartbeat
     watch.on_ping(0.1, 300, active=True)
     assert watch.take_over(5.0, wall_ms=1) == 501
+
+
+# --------------------------------------------------------------------------- the frontend's re-send
+
+
+def _frontend() -> FrontendCore:
+    cluster = parse_config({
+        "frontends": {"reply_allowance_ms": 10.0},
+        "backends": {"count": 1, "device": "emulated"},
+        "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0},
+                    "slo_ms": 100.0}]})
+    return FrontendCore(name="frontend-0", cluster=cluster, index=0, data_address="ipc://d",
+                        profiles={})
+
+
+def _metadata(core: FrontendCore) -> list[RequestMetaBatch]:
+    outbox: Outbox = []
+    core.end_tick(outbox)
+    return [msg for _, msg in outbox if isinstance(msg, RequestMetaBatch)]
+
+
+def test_a_new_epoch_gets_the_requests_still_queued_and_late_ones_are_answered() -> None:
+    core = _frontend()
+    core.epoch = 10
+    outbox: Outbox = []
+    for client_rid in (1, 2, 3):
+        core.on_client_message(0.0, b"c", InferRequest(client_rid, "m",
+                                                       {"x": np.zeros((1, 4), np.float32)}),
+                               outbox)
+    first = _metadata(core)
+    assert len(first) == 1 and first[0].epoch == 10
+    rids = first[0].request_ids
+    core.on_fetch(0.01, "backend-0", InputFetch(7, [rids[0]]), outbox)  # one is running
+    core.epoch = 11  # a standby took over
+    core.requeue_queued(0.05, outbox)
+    again = _metadata(core)
+    assert [m.request_ids for m in again] == [rids[1:]] and again[0].epoch == 11
+    assert again[0].deadlines == first[0].deadlines[1:]  # the same deadlines, not new ones
+    assert core.counters["requeued"] == 2
+    core.epoch = 12  # and again, after the scheduler deadline (100 - 10 ms) of both passed
+    outbox.clear()
+    core.requeue_queued(0.095, outbox)
+    core.end_tick(outbox)
+    errors = [msg for _, msg in outbox if isinstance(msg, InferError)]
+    assert sorted(e.request_id for e in errors) == [2, 3]
+    assert {e.error for e in errors} == {"DEADLINE"}
+    assert not [msg for _, msg in outbox if isinstance(msg, RequestMetaBatch)]
+    assert list(core.pending) == [rids[0]]  # the running one is its backend's to answer
+
+
+def test_preflight_refuses_a_standby_with_shards() -> None:
+    config = parse_config({"scheduler": {"shards": 2, "standby": True},
+                           "models": [{"name": "m", "emulated": {"alpha_ms": 1.0,
+                                                                 "beta_ms": 2.0}}]})
+    problems = check_cluster(config)
+    assert [p.key for p in problems] == ["scheduler.standby"]
+    assert "shards = 0" in problems[0].problem

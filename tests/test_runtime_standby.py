@@ -33,8 +33,11 @@ ALLOWED = {"OK", "DEADLINE", "UNAVAILABLE", "BACKEND_FAILED"}
 def standby_cluster() -> ClusterConfig:
     return parse_config({
         "cluster": {"drain_s": 1.0},
-        "scheduler": {"standby": True, "d_ctrl_ms": 5.0, "takeover_timeout_ms": 1000.0},
-        "frontends": {"reply_allowance_ms": 20.0},
+        # Eager: a batch runs as soon as a GPU is free, so a loaded machine's lateness of tens
+        # of ms costs no request (the deferred policy holds a lone one to its deadline's edge).
+        "scheduler": {"standby": True, "policy": "eager", "d_ctrl_ms": 20.0,
+                      "takeover_timeout_ms": 1000.0},
+        "frontends": {"reply_allowance_ms": 100.0},
         "backends": {"count": 2, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 2.0, "beta_ms": 20.0},
                     "slo_ms": SLO_MS, "max_batch": 16}],

@@ -492,6 +492,8 @@ class FrontendCore:
                              f"cannot send inputs to {target!s}", outbox)
         elif type(msg) is RequestMetaBatch:
             self.counters["meta_send_failed"] += 1
+            if self.cluster.scheduler.standby:  # the next active scheduler gets them (requeue)
+                return
             self._answer_ids(now, msg.request_ids, ErrorKind.UNAVAILABLE,
                              f"scheduler shard {target!s} is not accepting", outbox)
         elif type(msg) is CancelFetched:  # the backend is gone: nothing of it will run
