@@ -5,6 +5,7 @@ scheduler that hears a newer epoch steps down and exits (zserve.epochs)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ from test_proc_backend import BackendRig, start_backend
 from zserve.transport.messages import (
     BackendRegister,
     BatchPlan,
+    DropNotice,
     Heartbeat,
     Hello,
     InputFetch,
+    RequestMetaBatch,
     SchedulerPing,
     StatsReply,
     StatsRequest,
@@ -27,7 +30,7 @@ NEW_EPOCH = 2_000
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> BackendRig:
+def rig(tmp_path: Path) -> Iterator[BackendRig]:
     h = Harness(tmp_path)
     try:
         yield start_backend(h)
@@ -94,5 +97,30 @@ def test_scheduler_steps_down_when_a_peer_has_seen_a_newer_epoch(tmp_path: Path)
         peer.send(Heartbeat(name="frontend-0", seq=1, sent_at=0.0, epoch=hello.epoch + 1))
         assert child.wait() == 0  # it stepped down and left (a supervisor restarts a standby)
         assert "superseded" in child.log()
+    finally:
+        h.close()
+
+
+def test_scheduler_ignores_metadata_of_an_older_epoch(tmp_path: Path) -> None:
+    """What a frontend sent to a previous scheduler process (queued for it, delivered to its
+    successor) carries the older epoch and is not planned: the frontend re-sends it."""
+    cluster = cluster_config([{"name": "emu", "emulated": {"alpha_ms": 2.0, "beta_ms": 20.0}}])
+    h = Harness(tmp_path)
+    try:
+        child = h.start("shard", role_config_for(cluster, "shard", 0, h.dir))
+        ready = h.await_ready(child, {})
+        rank = h.dealer(ready.endpoints["rank"], "frontend-0")
+        rank.send(Hello(role="frontend", name="frontend-0", pid=os.getpid()))
+        _, hello = rank.expect(Hello)
+        shard = h.dealer(ready.endpoints["shard"], "frontend-0")
+        for rid, epoch in ((1, hello.epoch - 1), (2, hello.epoch)):
+            shard.send(RequestMetaBatch("ipc://frontend-0.data", [rid], ["emu"], [0.0], [1e9],
+                                        epoch))
+        _, drop = shard.expect(DropNotice)  # no backend: the current one is refused at once
+        assert drop.request_ids == [2] and drop.error == "UNAVAILABLE"
+        shard.send(StatsRequest(reset=False))
+        _, reply = shard.expect(StatsReply)
+        assert reply.stats["counters"]["stale_epoch"] == 1
+        assert reply.stats["counters"]["requests"] == 1
     finally:
         h.close()

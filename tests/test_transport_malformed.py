@@ -53,10 +53,10 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
     "float-for-int": ([_pack("cancel", 1.0)], ProtocolError, "expected int"),
     "str-in-int-list": ([_pack("drop", [1, "2"], "E", "m")], ProtocolError, "list[int]"),
     "int-for-str": ([_pack("error", 1, 2, "m")], ProtocolError, "InferError.error"),
-    "str-for-float": ([_pack("hb", "n", 1, "x")], ProtocolError, "Heartbeat.sent_at"),
+    "str-for-float": ([_pack("hb", "n", 1, "x", 0)], ProtocolError, "Heartbeat.sent_at"),
     "int-for-bool": ([_pack("statsreq", 1)], ProtocolError, "expected bool"),
     "nested-list-wrong": (
-        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [])],
+        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [], 0)],
         ProtocolError,
         "BackendTable.models",
     ),
