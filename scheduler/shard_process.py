@@ -128,7 +128,7 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
     drained.cancel()
     superseded.cancel()
     if proc.pair is not None:  # a draining scheduler neither pings nor takes over
-        await proc.pair.close()
+        await proc.pair.close(leaving=not proc.superseded.is_set())
         proc.pair = None
     if proc.superseded.is_set():
         # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);

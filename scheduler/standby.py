@@ -32,7 +32,8 @@ from zserve.transport.sockets import make_dealer
 
 log = logging.getLogger(__name__)
 
-SOCKET_CLOSE_LINGER_MS = 0  # pings are worthless once late
+# Long enough for the last ping ("leaving") to go out when a draining scheduler closes the link.
+SOCKET_CLOSE_LINGER_MS = 200
 
 
 class PairLink:
@@ -90,7 +91,12 @@ class PairLink:
         self.host.active = True
         self.rank.activate(epoch, self.expected_backends)
 
-    async def close(self) -> None:
+    async def close(self, *, leaving: bool = False) -> None:
+        """Stop pinging and watching. ``leaving``: this process drains (a cluster's shutdown):
+        its last ping says it is no longer active, so its closing connection does not make the
+        partner take over at once (a partner left running still does, after the timeout)."""
+        if leaving and self.sock is not None:
+            self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch, False))
         if self._task is not None:
             await cancel_all([self._task])
             self._task = None
