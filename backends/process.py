@@ -8,10 +8,14 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
 
 1. Start-up: binds its ``plan`` ROUTER, loads and warms every model at every batch size, fixes
    each model's profile (the configured file, the emulated alpha/beta, or measured here), and
-   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``) and opens a
+   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``; with a hot
+   spare, with both scheduler processes, and again with one that announces a newer epoch, with
+   when its device frees) and opens a
    DEALER to every frontend ``data`` address of the peer map at once (its ``Hello`` carries the
    pid, so a frontend knows when a backend of this name restarted); a frontend a plan names
    first is connected when that plan arrives, before the follower fetches from it.
+   The epoch fence (``zserve.epochs.EpochFence``): a plan of an older scheduler epoch than the
+   newest seen is refused, counted (``stale_epoch``) and never run.
 2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock), delivers
    its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
    frontend, then ``on_batch_done``), and arms one precise timer (``zserve.timers``) at

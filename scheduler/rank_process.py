@@ -23,9 +23,16 @@ A backend leaves the table when it stops heartbeating for ``BACKEND_TIMEOUT_S``,
 the supervisor says its process died (``BackendGone(name)`` on the control link):
 the shards then answer the requests they had planned onto it ``BACKEND_FAILED``.
 
-A restarted rank knows nobody: when a peer it does not know heartbeats (backends and shards
-heartbeat to the rank), it answers ``Hello``, and the peer introduces itself again (a backend
-re-registers, a shard says Hello and gets the table).
+A restarted rank knows nobody: when a peer it does not know heartbeats (backends, shards and
+frontends heartbeat to the rank), it answers ``Hello`` (epoch 0), and the peer introduces itself
+again (a backend re-registers, a shard or frontend says Hello and gets the table).
+
+Epochs (``zserve.epochs``): the rank is active in an epoch, which its grants, tables and hellos
+carry. With a ``SchedulerWatch`` (the embedded scheduler) it may be a standby: it then records
+who its peers are and tells them nothing; ``activate`` makes it active in a newer epoch. An
+active rank tells a frontend its epoch (``Hello``) and table only once the backends it expects
+have registered (``begin_rebuild``), so the requests the frontend re-sends find the GPUs; it
+steps down (``on_superseded``) when a ping, heartbeat or hello carries a newer epoch.
 
 Every ``BackendTable`` change is broadcast to every shard and frontend that said hello, and a new
 peer gets the current table at once. The rank never waits on a peer: sends are non-blocking (a
@@ -257,8 +264,8 @@ class RankHost:
                 self._revive(now, backend, outbox)
         elif identity not in self.peers and identity not in self.backend_ids:
             # A peer this rank does not know (the rank restarted): ask it to introduce itself
-            # again (epoch 0: "who are you"); a backend says Hello, then re-registers once it
-            # hears the active epoch, a shard says Hello.
+            # again (epoch 0: "who are you"): a backend registers again, a shard or a frontend
+            # says Hello.
             self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
 
     def _on_hello(self, now: float, identity: bytes, msg: Hello, outbox: Outbox) -> None:

@@ -2,8 +2,11 @@
 
 Sockets (docs/runtime.md): a ``client`` ROUTER (clients' DEALERs connect), a ``data`` ROUTER
 (backends connect to fetch inputs and push outputs), a DEALER to every scheduler shard (request
-metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in) and the control DEALER.
-All of them are received through one ``SocketReactor``.
+metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in; heartbeats out) and
+the control DEALER. With a hot spare, a shard and a rank DEALER to each scheduler process: the
+one that announced the newest epoch (``Hello.epoch``, ``zserve.epochs``) gets the metadata, and
+on a new one the requests still queued here are sent to it again; what a superseded scheduler
+sends is refused (``stale_epoch``). All of them are received through one ``SocketReactor``.
 
 The logic lives in ``zserve.frontend_core.FrontendCore`` (admission, the request table and input
 store, deadlines, cancellation, backend failures, coalescing of what a tick sends). This host
