@@ -28,7 +28,6 @@ import functools
 import logging
 import math
 import os
-import time
 from typing import Any
 
 import msgpack
@@ -209,7 +208,7 @@ class FrontendHost:
         seq = 0
         while True:
             seq += 1
-            beat = Heartbeat(self.name, seq, time.monotonic(), self.fence.highest)
+            beat = Heartbeat(self.name, seq, self.clock.now(), self.fence.highest)
             assert self._reactor is not None
             for sock in self.rank_socks.values():
                 self._reactor.send_nowait(sock, beat)
