@@ -338,6 +338,14 @@ class RankHost:
         return self.watch is None or self.watch.active
 
     def _on_ping(self, now: float, identity: bytes, msg: SchedulerPing, outbox: Outbox) -> None:
+        """The partner's ping: answered at once from this loop (its proof of life)."""
+        self.on_partner(now, msg)
+        if not msg.reply and self.watch is not None:
+            self._send(SchedulerPing(self.name, self.watch.epoch, self.watch.active, True),
+                       identity)
+
+    def on_partner(self, now: float, msg: SchedulerPing) -> None:
+        """What the partner scheduler said of itself (a ping, or the answer to this one's)."""
         if self.watch is not None and self.watch.on_ping(now, msg.epoch, msg.active):
             self._step_down(msg.epoch)
 

@@ -2,11 +2,14 @@
 
 Each of the two scheduler processes (``shard-0`` and ``zserve.config.STANDBY_NAME``, each with
 its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
-``SchedulerPing(name, epoch, active)`` every ``zserve.epochs.PING_INTERVAL_S`` from its event
-loop, so a ping proves the loop that dispatches is running (a hung or SIGSTOPped process stops
-pinging even though its sockets stay open). A crash is seen sooner: the dead process's end of
-the connection closes, the DEALER's monitor reports it, and a standby whose partner was active
-takes over at once. The decisions are the pure
+``SchedulerPing(name, epoch, active)`` every ``zserve.epochs.PING_INTERVAL_S``; the other's
+``RankHost`` answers each at once with its own, from its event loop, so an answer proves the loop
+that dispatches is running (a hung or SIGSTOPped process stops answering even though its sockets
+stay open). Each process judges its partner by the answers on the connection it made itself: a
+restarted standby's fresh connection works at once, whereas the partner's own DEALER to it may
+be in ZeroMQ's reconnect backoff (up to seconds) and its pings late. A crash is seen sooner:
+the dead process's end of the connection closes, the DEALER's monitor reports it, and a standby
+whose partner was active takes over at once. The decisions are the pure
 ``zserve.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
 partner has been silent for ``takeover_timeout_ms`` takes over here (``RankHost.activate`` with
 the next epoch); an active one that hears a newer epoch steps down (``RankHost.on_superseded``).
@@ -27,7 +30,7 @@ from zserve.role_runner import cancel_all
 from zserve.scheduler.rank_process import RankHost
 from zserve.scheduler.shard import ShardHost
 from zserve.transport.messages import SchedulerPing
-from zserve.transport.reactor import SocketReactor
+from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class PairLink:
     def start(self, partner_rank_address: str) -> None:
         self.sock = make_dealer(self.ctx, partner_rank_address,
                                 identity=f"{self.name}.watch".encode())
+        self.reactor.watch(self.sock, router=False, on_chunk=self._on_answers,
+                           on_bad=lambda exc: log.warning("%s: bad ping: %s", self.name, exc))
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.reactor.watch_frames(self.monitor, on_frames=self._on_monitor)
         self.watch.start(time.monotonic())
@@ -76,6 +81,13 @@ class PairLink:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
+
+    def _on_answers(self, chunk: Chunk) -> None:
+        now = time.monotonic()
+        for _, msg in chunk:
+            if isinstance(msg, SchedulerPing):
+                self.rank.on_partner(now, msg)
+        self._wake.set()  # a takeover may be due, or no more
 
     def _on_monitor(self, messages: list[list[zmq.Frame]]) -> None:
         """The partner's process closed the connection: it died."""
@@ -100,6 +112,8 @@ class PairLink:
         if self._task is not None:
             await cancel_all([self._task])
             self._task = None
+        if self.sock is not None:
+            self.reactor.unwatch(self.sock)
         if self.monitor is not None:
             self.reactor.unwatch(self.monitor)
             assert self.sock is not None

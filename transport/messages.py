@@ -409,12 +409,15 @@ class StatsReply(Message, frozen=True, tag="stats"):
 class SchedulerPing(Message, frozen=True, tag="sping"):
     """Scheduler process -> the other scheduler process of an active/standby pair (to its
     ``rank`` ROUTER), every ``zserve.epochs.PING_INTERVAL_S``: ``name`` is alive and, when
-    ``active``, dispatches in ``epoch``; a standby takes over once the active one's pings stop,
+    ``active``, dispatches in ``epoch``. The receiver answers each on the same connection with
+    its own (``reply`` True; a reply is not answered), so each process hears its partner over
+    the connection it made itself. A standby takes over once the active one stops answering,
     and an active one that hears a newer epoch steps down (``zserve.epochs``)."""
 
     name: str
     epoch: int
     active: bool
+    reply: bool = False
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
