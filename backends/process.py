@@ -44,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, peer_map, role_runner, timers
+from zserve import control_link, keys, peer_map, role_runner, timers
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
@@ -230,7 +230,7 @@ class Backend:
         for address in frontend_addresses:
             self._connect_frontend(address)
         for scheduler, address in rank_addresses.items():
-            sock = make_dealer(self.ctx, address, identity=self.identity)
+            sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
             self.rank_socks[scheduler] = sock
             self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                                on_chunk=functools.partial(self._on_rank_chunk, scheduler))
@@ -270,7 +270,7 @@ class Backend:
         (it then fails the requests the old process had fetched)."""
         if address in self.data_socks:
             return
-        sock = make_dealer(self.ctx, address, identity=self.identity)
+        sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="frontend")
         self.data_socks[address] = sock
         self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                            on_chunk=functools.partial(self._on_data_chunk, address))
@@ -568,6 +568,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     clock_sync: ClockSync | None = None
     try:
         backend_ref: list[Backend] = []
+        keys.secure_role_context(ctx, config.cluster, "backend")
         link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
             stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
@@ -605,7 +606,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         reactor.close()
         if link is not None:
             await link.close()
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
         if backend is not None and backend.stuck:
             # A wedged batch holds the executor's worker thread, which the interpreter would
             # join at exit forever: leave now (sockets are closed; the frontends' deadline timers

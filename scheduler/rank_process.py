@@ -63,7 +63,7 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig
 from zserve.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
@@ -101,7 +101,7 @@ SOCKET_CLOSE_LINGER_MS = 200
 RANK_COUNTERS = (
     "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
-    "unroutable_grants", "deaths_announced", "clock_probes",
+    "unroutable_grants", "deaths_announced", "clock_probes", "grants_released",
     # scheduler epochs (zserve.epochs): taking over, stepping down, what a standby ignored
     "takeovers", "superseded", "standby_ignored",
 )
@@ -153,6 +153,7 @@ class RankHost:
         self.backends: dict[int, _Backend] = {}
         self.gpu_by_name: dict[str, int] = {}
         self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
+        self.peer_pids: dict[bytes, int] = {}  # identity -> the pid its last Hello gave
         self.model_owner: dict[str, bytes] = {}
         # Epochs (zserve.epochs): None: always active (a rank process of its own).
         self.watch = watch
@@ -271,12 +272,26 @@ class RankHost:
     def _on_hello(self, now: float, identity: bytes, msg: Hello, outbox: Outbox) -> None:
         if self._superseded_by(msg.epoch):
             return
+        previous_pid = self.peer_pids.get(identity)
+        self.peer_pids[identity] = msg.pid
+        if previous_pid is not None and previous_pid != msg.pid:
+            # A restarted process under the same name: what its predecessor was granted will
+            # never be answered.
+            self._release_grants_of(now, identity, outbox)
         if msg.role == "backend":
             self.backend_ids.add(identity)
             if self.active:  # it registers on hearing the active epoch
                 self._send(self._epoch_hello(), identity)
             return
         self._new_peer(identity, msg.role)
+
+    def _release_grants_of(self, now: float, identity: bytes, outbox: Outbox) -> None:
+        models = [model for model, owner in self.model_owner.items() if owner == identity]
+        released = self.rank.release_grants(now, models, outbox)
+        if released:
+            self.counters["grants_released"] += released
+            log.warning("%s: %s restarted: %d unanswered grant(s) released", self.name,
+                        identity.decode(errors="replace"), released)
 
     def _on_clock_probe(self, now: float, identity: bytes, msg: ClockProbe, outbox: Outbox) -> None:
         self.counters["clock_probes"] += 1
@@ -478,27 +493,39 @@ class RankHost:
     # ------------------------------------------------------------------ output
 
     def _flush(self, outbox: Outbox) -> None:
-        for (kind, key), msg in outbox:
-            if kind == DEST_MODEL:
-                owner = self.model_owner.get(str(key))
-                if owner is None:
-                    self.counters["unroutable_grants"] += 1
-                    log.error("%s: no shard known for model %r", self.name, key)
-                    continue
-                self.counters["grants"] += 1
-                self._send(msg, owner)
-            else:
-                log.error("%s: RankThread produced a message for %r", self.name, (kind, key))
+        while outbox:
+            # Grants that cannot reach their shard are never answered: give them back at once
+            # (a new grant needs a new candidate, so this ends).
+            undelivered: list[str] = []
+            for (kind, key), msg in outbox:
+                if kind == DEST_MODEL:
+                    owner = self.model_owner.get(str(key))
+                    if owner is None:
+                        self.counters["unroutable_grants"] += 1
+                        log.error("%s: no shard known for model %r", self.name, key)
+                        undelivered.append(str(key))
+                        continue
+                    self.counters["grants"] += 1
+                    if not self._send(msg, owner):
+                        undelivered.append(str(key))
+                else:
+                    log.error("%s: RankThread produced a message for %r", self.name, (kind, key))
+            outbox = []
+            if undelivered:
+                self.counters["grants_released"] += self.rank.release_grants(
+                    time.monotonic(), undelivered, outbox)
         self.timer.sync()
 
-    def _send(self, msg: Message, identity: bytes) -> None:
+    def _send(self, msg: Message, identity: bytes) -> bool:
         if identity == self._local_identity and self._deliver_local is not None:
             self._deliver_local(msg)
-            return
+            return True
         error = self.reactor.send_nowait(self.sock, msg, identity)
         if error is not None:
             self.counters["send_dropped"] += 1
             log.warning("%s: dropped %s to %r: %s", self.name, type(msg).__name__, identity, error)
+            return False
+        return True
 
     # ------------------------------------------------------------------ stats
 
@@ -559,6 +586,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
     link: control_link.ControlLink | None = None
     try:
         holder: list[RankHost] = []
+        keys.secure_role_context(ctx, config.cluster, "rank")
         link = await control_link.ControlLink.open(
             ctx, control_address, role=ROLE, name=name,
             stats=lambda reset: holder[0].stats(reset) if holder else {},
@@ -582,7 +610,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         reactor.close()
         if link is not None:
             await link.close()
-        ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 def run_rank(config: RoleConfig, control_address: str | None) -> int:

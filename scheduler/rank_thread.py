@@ -14,6 +14,9 @@ Inputs (host -> RankThread):
   has not received yet); ignored while the GPU is granted and unanswered (the answer sets it).
 - ``add_gpu(now, gpu_id, outbox, free_at=None)``, ``remove_gpu(now, gpu_id, outbox)``: GPU-set
   changes at run time. A removed GPU finishes what it holds and is granted nothing new.
+- ``release_grants(now, models, outbox)``: the grants of ``models`` still unanswered will never
+  be answered (the shard that owned them restarted, or the grant could not be sent): each GPU
+  goes back as it was before its grant and the models' candidates are accepted again.
 - ``on_timer(now, outbox)``: ``now >= wake_at`` (model timers and the GPU timer are internal).
 
 Outputs: ``(("model", name), GrantGpu)``.
@@ -67,6 +70,7 @@ class RankThread:
         self._version: dict[str, int] = {}
         self._awaiting: dict[str, int] = {}  # model -> grant_id
         self._grants: dict[int, tuple[str, int]] = {}  # grant_id -> (model, gpu_id)
+        self._granted_free_at: dict[int, float] = {}  # grant_id -> the GPU's free time before
         self._grant_seq = 0
         self._model_timers: list[tuple[float, int, str]] = []  # (fire_at, version, model)
         self._pending: dict[str, int] = {}  # model -> version (schedulable, waiting for a GPU)
@@ -148,16 +152,34 @@ class RankThread:
         self._fire_due(now, outbox)
 
     def on_grant_answer(self, now: float, answer: GrantAnswer, outbox: Outbox) -> None:
-        grant = self._grants.pop(answer.grant_id, None)
+        grant = self._grants.get(answer.grant_id)
         if grant is None or grant != (answer.model, answer.gpu_id):
             raise ValueError(f"unknown grant {answer.grant_id} for {answer.model}/{answer.gpu_id}")
-        model, gpu_id = grant
+        self._close_grant(now, answer.grant_id, answer.free_at)
+        self._fire_due(now, outbox)
+
+    def release_grants(self, now: float, models: list[str], outbox: Outbox) -> int:
+        """Give back the unanswered grants of ``models`` (no answer will come for them); returns
+        how many. Without this, a grant lost with its shard holds its GPU and its model forever:
+        the model's every later candidate is ignored while it awaits the answer."""
+        released = 0
+        for model in models:
+            grant_id = self._awaiting.get(model)
+            if grant_id is not None:
+                self._close_grant(now, grant_id, self._granted_free_at[grant_id])
+                released += 1
+        if released:
+            self._fire_due(now, outbox)
+        return released
+
+    def _close_grant(self, now: float, grant_id: int, free_at: float) -> None:
+        model, gpu_id = self._grants.pop(grant_id)
+        self._granted_free_at.pop(grant_id, None)
         self._awaiting.pop(model, None)
         if gpu_id in self._removing:
             self._drop_gpu(gpu_id)
         elif gpu_id in self._state:
-            self._insert_gpu(gpu_id, answer.free_at, now)
-        self._fire_due(now, outbox)
+            self._insert_gpu(gpu_id, free_at, now)
 
     def on_device_free_at(self, now: float, gpu_id: int, free_at: float, outbox: Outbox) -> bool:
         """The backend of ``gpu_id`` reports that its device frees at ``free_at``; True when that
@@ -213,6 +235,7 @@ class RankThread:
         self._grant_seq += 1
         grant_id = self._grant_seq
         self._grants[grant_id] = (model, gpu_id)
+        self._granted_free_at[grant_id] = free_at
         self._awaiting[model] = grant_id
         self._cand.pop(model, None)
         self._pending.pop(model, None)

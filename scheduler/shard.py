@@ -212,7 +212,7 @@ class ShardHost:
         self._flush(outbox)
 
     def connect_rank(self, address: str) -> None:
-        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity)
+        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
         self.reactor.watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
                            on_bad=self._on_bad)
         self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
@@ -412,7 +412,8 @@ class ShardHost:
                 self._fail_sent_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster")
         for gpu_id, address in live.items():
             if gpu_id not in self.backend_socks:
-                sock = make_dealer(self.ctx, address, identity=self.identity)
+                sock = make_dealer(self.ctx, address, identity=self.identity,
+                                   peer_role="backend")
                 self.backend_socks[gpu_id] = (address, sock)
         served: dict[str, list[int]] = {}
         tables: dict[str, list[list[float]]] = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import STANDBY_NAME, RoleConfig
 from zserve.epochs import SchedulerWatch, next_epoch, now_ms
@@ -66,13 +66,14 @@ class _ShardProcess:
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
         if self.link is not None:
             await self.link.close()
-        self.ctx.destroy(linger=SOCKET_CLOSE_LINGER_MS)
+        keys.destroy_role_context(self.ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:
     # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
     proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
     try:
+        keys.secure_role_context(proc.ctx, config.cluster, "shard")
         return await _serve(proc, config, control_address)
     finally:
         await proc.close()

@@ -60,7 +60,7 @@ class PairLink:
 
     def start(self, partner_rank_address: str) -> None:
         self.sock = make_dealer(self.ctx, partner_rank_address,
-                                identity=f"{self.name}.watch".encode())
+                                identity=f"{self.name}.watch".encode(), peer_role="rank")
         self.reactor.watch(self.sock, router=False, on_chunk=self._on_answers,
                            on_bad=lambda exc: log.warning("%s: bad ping: %s", self.name, exc))
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

@@ -13,6 +13,7 @@ import pytest
 
 from zserve.transport import bench
 from zserve.transport.bench_results import SpacedResult
+from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT
 
 
 def test_quick_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +57,17 @@ def test_spaced_result_never_credits_a_cheaper_send_than_its_sleep() -> None:
         gap_s=0.001, messages=10, sender_cpu_us=45.0, sleep_cpu_us=15.0, receiver_cpu_us=30.0
     )
     assert row.message_cpu_us == 60.0
+
+
+@pytest.mark.parametrize("io", ["sync", "asyncio"])
+def test_the_curve_pair_runs_over_curve(io: str) -> None:
+    """``--curve``'s tcp pair: the peer is a CURVE client, so it is served only if the
+    measuring side's router really is a CURVE server that accepts its key."""
+    if io == "sync":
+        pair = bench._run_pair_sync(bench.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True,
+                                    arrays=False)
+    else:
+        pair = bench._run_pair_async(bench.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True)
+    assert (pair.transport, pair.io) == (bench.CURVE_TRANSPORT, io)
+    assert pair.small_codec_msgs_per_s > 0 and pair.small_codec_sender_cpu_us > 0
+    assert pair.rtt_p50_codec_us > 0

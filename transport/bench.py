@@ -31,6 +31,9 @@ from the socket factory, over ipc:// and tcp://127.0.0.1, with sync and asyncio 
     that side: the codec's share of the work of that process, much less sensitive to other
     load on the machine than the rates.
 - round trip: ping-pong of one small message; p50 in microseconds.
+- ``--curve`` adds the tcp pairs again as ``tcp+curve``: the measuring side's context has CURVE
+  installed (a ZAP handler accepting the peer's key) and the peer is a CURVE client, so the
+  difference to ``tcp`` is what authentication and encryption cost per message.
 - arrays (sync sockets): one float32 array per message, 1 KiB .. 64 MiB, bytes per second.
 - spaced messages (ipc, sync sockets, codec): the peer sleeps ``gap`` and sends one small message,
   ``count`` times, so the connection is idle between messages, as it is in a serving process at
@@ -77,9 +80,16 @@ from zserve.transport.bench_peer import (
 )
 from zserve.transport.bench_results import FloodResult, PairResult, SpacedResult
 from zserve.transport.codec import decode, encode
+from zserve.transport.curve import CLUSTER_DOMAIN, CurveClient, CurveIdentity
 from zserve.transport.messages import Shutdown
 from zserve.transport.socket_io import async_recv, async_send, sync_recv, sync_send
-from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_router
+from zserve.transport.sockets import (
+    LOOPBACK_TCP_ANY_PORT,
+    IpcDir,
+    make_router,
+    release_context,
+    secure_context,
+)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -102,6 +112,9 @@ PEER_POLL_INTERVAL_S = 0.1
 SPACED_GAPS_S = (0.0003, 0.001)
 SPACED_MESSAGES = (1000, 150)
 SPACED_REPEATS = 3
+
+# The tcp pairs again with CURVE on (``--curve``).
+CURVE_TRANSPORT = "tcp+curve"
 
 _T = TypeVar("_T")
 # --------------------------------------------------------------------------- the measuring side
@@ -266,9 +279,24 @@ def _array_phase(mode: str, size_bytes: int, quick: bool) -> Phase:
     return Phase("flood", mode, size_bytes, ARRAY_PHASE_S[quick], window, max(1, window // 4))
 
 
-def _start_peer(endpoint: str, io: str) -> multiprocessing.process.BaseProcess:
+def _secure_bench(ctx: zmq.Context[Any], transport: str) -> CurveClient | None:
+    """For ``tcp+curve``: install CURVE on the measuring side's context, accepting one fresh
+    client key, and return the peer's CURVE settings; None for the other transports."""
+    if transport != CURVE_TRANSPORT:
+        return None
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    secure_context(ctx, CurveIdentity(
+        public=server_public, secret=server_secret, servers={},
+        authorized={CLUSTER_DOMAIN: frozenset({client_public})},
+    ))
+    return CurveClient(client_public, client_secret, server_public)
+
+
+def _start_peer(endpoint: str, io: str, curve: CurveClient | None = None
+                ) -> multiprocessing.process.BaseProcess:
     peer = multiprocessing.get_context("spawn").Process(
-        target=peer_main, args=(endpoint, io), name=f"bench-peer-{io}", daemon=True
+        target=peer_main, args=(endpoint, io, curve), name=f"bench-peer-{io}", daemon=True
     )
     peer.start()
     return peer
@@ -286,8 +314,9 @@ def _run_pair_sync(
 ) -> PairResult:
     result = PairResult(transport, "sync")
     ctx = zmq.Context()
+    curve = _secure_bench(ctx, transport)
     router, endpoint = make_router(ctx, endpoint_hint, name="bench")
-    peer = _start_peer(endpoint, "sync")
+    peer = _start_peer(endpoint, "sync", curve)
     try:
         # Poll the peer's sentinel too, so a peer that dies while starting fails the run at once.
         poller = zmq.Poller()
@@ -319,6 +348,7 @@ def _run_pair_sync(
     finally:
         _stop_peer(peer)
         router.close(linger=0)
+        release_context(ctx)
         ctx.term()
     return result
 
@@ -326,8 +356,9 @@ def _run_pair_sync(
 async def _run_pair_async_main(transport: str, endpoint_hint: str, quick: bool) -> PairResult:
     result = PairResult(transport, "asyncio")
     ctx = zmq.asyncio.Context()
+    curve = _secure_bench(ctx, transport)
     router, endpoint = make_router(ctx, endpoint_hint, name="bench")
-    peer = _start_peer(endpoint, "asyncio")
+    peer = _start_peer(endpoint, "asyncio", curve)
     try:
         await _wait_for_hello_async(router, peer)
         bare, codec, echo_bare, echo_codec = _small_phases(quick)
@@ -342,6 +373,7 @@ async def _run_pair_async_main(transport: str, endpoint_hint: str, quick: bool) 
     finally:
         _stop_peer(peer)
         router.close(linger=0)
+        release_context(ctx)
         ctx.term()
     return result
 
@@ -505,6 +537,8 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="keep the CPUs awake while it runs, as the benchmark clusters do (zserve.idle_poll)",
     )
+    parser.add_argument("--curve", action="store_true",
+                        help="also run the tcp pairs with CURVE (authenticated, encrypted)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -513,7 +547,7 @@ def main(argv: list[str]) -> int:
         if args.idle_poll:
             stack.enter_context(IdlePollers())
         ipc = stack.enter_context(IpcDir())
-        for transport in ("ipc", "tcp"):
+        for transport in ("ipc", "tcp", *((CURVE_TRANSPORT,) if args.curve else ())):
             sync_bind = ipc.endpoint("sync") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
             async_bind = ipc.endpoint("async") if transport == "ipc" else LOOPBACK_TCP_ANY_PORT
             pairs.append(

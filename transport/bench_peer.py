@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from zserve.transport.codec import encode
+from zserve.transport.curve import CurveClient
 from zserve.transport.messages import CandidateUpdate, InferRequest, Message, Shutdown
 from zserve.transport.socket_io import async_recv, async_send, sync_recv, sync_send
 from zserve.transport.sockets import make_dealer
@@ -89,18 +90,19 @@ def pack_seconds(seconds: float) -> bytes:
 # --------------------------------------------------------------------------- the peer process
 
 
-def peer_main(endpoint: str, io: str) -> None:
-    """Entry point of the spawned peer: connect, say hello, run phases until told to quit."""
+def peer_main(endpoint: str, io: str, curve: CurveClient | None = None) -> None:
+    """Entry point of the spawned peer: connect (a CURVE client with ``curve``), say hello, run
+    phases until told to quit."""
     if io == "sync":
         ctx = zmq.Context()
-        sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
+        sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY, curve=curve)
         try:
             _peer_loop_sync(sock)
         finally:
             sock.close(linger=0)
             ctx.term()
     else:
-        run_on_uvloop(_peer_loop_async(endpoint))
+        run_on_uvloop(_peer_loop_async(endpoint, curve))
 
 
 def _peer_loop_sync(sock: zmq.Socket[Any]) -> None:
@@ -177,9 +179,9 @@ def _peer_echo_sync(sock: zmq.Socket[Any], phase: Phase) -> None:
             sock.send_multipart(sock.recv_multipart())
 
 
-async def _peer_loop_async(endpoint: str) -> None:
+async def _peer_loop_async(endpoint: str, curve: CurveClient | None) -> None:
     ctx = zmq.asyncio.Context()
-    sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY)
+    sock = make_dealer(ctx, endpoint, identity=PEER_IDENTITY, curve=curve)
     try:
         await sock.send(b"hello")
         while True:

@@ -10,6 +10,12 @@ The factories accept a sync ``zmq.Context`` or a ``zmq.asyncio.Context`` and ret
 socket type. Addresses are allocated, never guessed: ``ipc://`` endpoints live in a private 0700
 directory (``IpcDir``), TCP binds to port 0 on loopback and the real port is read back with
 ``LAST_ENDPOINT`` (``bound_endpoint``).
+
+CURVE (``transport/curve.py``, docs/security.md): a context with keys installed
+(``secure_context``) makes every ``tcp://`` ROUTER a CURVE server checked by its ZAP handler
+(``clients=True``: the client key list, else the roles' keys), and every ``tcp://`` DEALER a
+CURVE client of the server role it names (``peer_role``); ``curve=`` gives a DEALER its keys
+directly (the public client). ``ipc://`` and ``inproc://`` links stay unauthenticated.
 """
 
 from __future__ import annotations
@@ -19,12 +25,21 @@ import os
 import shutil
 import socket
 import tempfile
+import weakref
 from types import TracebackType
 from typing import Any, TypeVar
 
 import zmq
 
 from zserve.errors import UnroutableError
+from zserve.transport.curve import (
+    CLIENTS_DOMAIN,
+    CLUSTER_DOMAIN,
+    HANDSHAKE_FAILURE_EVENTS,
+    ContextSecurity,
+    CurveClient,
+    CurveIdentity,
+)
 
 # Bound on queued messages per peer in each direction. Past it a DEALER send blocks (or raises
 # EAGAIN with NOBLOCK) and a ROUTER send to that peer blocks: backpressure, not memory growth.
@@ -56,7 +71,45 @@ _MAX_IPC_PATH_BYTES = 107
 # ZMQ reserves routing ids that start with a zero byte for the ones it generates itself.
 _MAX_IDENTITY_BYTES = 255
 
+TCP_SCHEME = "tcp://"
+
 _SocketT = TypeVar("_SocketT", bound="zmq.Socket[Any]")
+
+# ctx.underlying -> (the context it was installed on, its security). Keyed by the C context, so
+# a zmq.asyncio shadow of the context finds it too; the weak reference tells a live context from
+# a terminated one whose address a new context may reuse.
+_SECURITY: dict[int, tuple[weakref.ref[zmq.Context[Any]], ContextSecurity]] = {}
+
+
+def secure_context(ctx: zmq.Context[Any], identity: CurveIdentity) -> ContextSecurity:
+    """Install CURVE on ``ctx``: start its ZAP handler and handshake counter, and make the
+    factory secure every tcp socket of ``ctx`` (and of its shadows) from now on. Undo with
+    ``release_context(ctx)`` before ``ctx.term()``."""
+    if context_security(ctx) is not None:
+        raise ValueError("this context already has CURVE installed")
+    security = ContextSecurity(ctx, identity)
+    _SECURITY[ctx.underlying] = (weakref.ref(ctx), security)
+    return security
+
+
+def context_security(ctx: zmq.Context[Any]) -> ContextSecurity | None:
+    """The security installed on ``ctx`` (or the context it shadows), if any."""
+    entry = _SECURITY.get(ctx.underlying)
+    if entry is None:
+        return None
+    owner = entry[0]()
+    if owner is None or owner.closed:
+        del _SECURITY[ctx.underlying]
+        return None
+    return entry[1]
+
+
+def release_context(ctx: zmq.Context[Any]) -> None:
+    """Stop ``ctx``'s ZAP handler and handshake counter (no-op without CURVE). Call it after
+    closing the sockets and before ``ctx.term()``, which would wait for their threads."""
+    entry = _SECURITY.pop(ctx.underlying, None)
+    if entry is not None:
+        entry[1].close()
 
 
 def _apply_common_options(
@@ -92,6 +145,7 @@ def make_router(
     *,
     name: str = "router",
     advertise_host: str | None = None,
+    clients: bool = False,
     send_hwm_messages: int = SEND_HWM_MESSAGES,
     recv_hwm_messages: int = RECV_HWM_MESSAGES,
     max_message_bytes: int = MAX_FRAME_BYTES,
@@ -103,7 +157,8 @@ def make_router(
     ``tcp://127.0.0.1:0`` whose kernel-chosen port is read back. A wildcard host
     (``tcp://0.0.0.0:PORT``, every interface) is returned as ``advertise_host`` (default: this
     machine's host name), because that is the name other hosts can reach; see
-    ``advertised_endpoint``. ``name`` only labels errors.
+    ``advertised_endpoint``. ``name`` only labels errors. With CURVE on ``ctx`` a tcp ROUTER
+    is a CURVE server accepting the roles' keys, or the client keys when ``clients``.
     """
     sock = ctx.socket(zmq.ROUTER)
     try:
@@ -119,6 +174,9 @@ def make_router(
         # A restarted peer that reconnects with the same identity takes over the old route at
         # once, rather than being refused until heartbeats time the dead connection out.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        security = context_security(ctx) if bind.startswith(TCP_SCHEME) else None
+        if security is not None:
+            security.secure_server(sock, CLIENTS_DOMAIN if clients else CLUSTER_DOMAIN)
         try:
             sock.bind(bind)
         except zmq.ZMQError as exc:
@@ -134,6 +192,8 @@ def make_dealer(
     connect: str,
     *,
     identity: bytes,
+    peer_role: str | None = None,
+    curve: CurveClient | None = None,
     send_hwm_messages: int = SEND_HWM_MESSAGES,
     recv_hwm_messages: int = RECV_HWM_MESSAGES,
     max_message_bytes: int = MAX_FRAME_BYTES,
@@ -142,7 +202,10 @@ def make_dealer(
     """Create a DEALER with routing ``identity`` connected to ``connect``.
 
     The identity is what the peer ROUTER sees (and addresses replies to), so it must be stable
-    and unique among that ROUTER's peers, e.g. ``b"backend-0"``.
+    and unique among that ROUTER's peers, e.g. ``b"backend-0"``. On a tcp address the
+    DEALER is a CURVE client with ``curve``'s keys, else, with CURVE on ``ctx``, with the
+    process's key pair and the public key of ``peer_role`` (required then: ``"rank"``,
+    ``"shard"``, ``"backend"``, ``"frontend"``, ``"supervisor"``).
     """
     if not identity or len(identity) > _MAX_IDENTITY_BYTES or identity[0] == 0:
         raise ValueError(
@@ -159,11 +222,45 @@ def make_dealer(
             linger_ms=linger_ms,
         )
         sock.setsockopt(zmq.ROUTING_ID, identity)
+        if connect.startswith(TCP_SCHEME):
+            curve = curve or _process_curve(ctx, connect, peer_role)
+            if curve is not None:
+                curve.apply(sock)
         sock.connect(connect)
         return sock
     except BaseException:
         sock.close(linger=0)
         raise
+
+
+def monitor_server(sock: zmq.Socket[Any], events: int, addr: str | None = None
+                   ) -> zmq.Socket[Any]:
+    """The monitor socket of a ROUTER the factory made, for its owner's own events. libzmq
+    allows one monitor per socket, and a CURVE server's is the handshake counter's: this one
+    takes it over and adds the failed-handshake events, and the owner passes every event id it
+    reads to ``note_monitor_event``."""
+    security = context_security(sock.context)
+    if security is not None and sock.getsockopt(zmq.CURVE_SERVER):
+        events |= HANDSHAKE_FAILURE_EVENTS
+    return sock.get_monitor_socket(events, addr=addr)
+
+
+def note_monitor_event(sock: zmq.Socket[Any], event: int) -> None:
+    """Count ``event`` of ``monitor_server(sock, ...)`` if it is a failed CURVE handshake."""
+    security = context_security(sock.context)
+    if security is not None:
+        security.note_event(event)
+
+
+def _process_curve(
+    ctx: zmq.Context[Any], connect: str, peer_role: str | None
+) -> CurveClient | None:
+    security = context_security(ctx)
+    if security is None:
+        return None
+    if peer_role is None:
+        raise ValueError(f"CURVE is on: a DEALER to {connect} must name its peer_role")
+    return security.identity.client_to(peer_role)
 
 
 def bound_endpoint(sock: zmq.Socket[Any]) -> str:

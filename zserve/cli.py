@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model"),
     "models": ("zserve.backends.builtin", "main", "build (or list) the built-in ONNX models"),
+    "keys": ("zserve.keys", "main", "`keys init [DIR]`: write CURVE key pairs (docs/security.md)"),
 }
 
 

@@ -35,6 +35,13 @@ so within about ``CONNECTION_DOWN_BOUND_S``. An address that cannot be connected
 garbage, an unresolvable host) raises ``ValueError`` at construction; a request after ``close()``
 raises ``ClientClosedError``.
 
+A frontend whose client socket is on tcp with CURVE (docs/security.md) is reached with keys:
+``AsyncClient(address, server_key="keys/frontend.key", client_key="keys/client.key_secret")``
+(each a key file's path, or the server's 40-character Z85 key and a (public, secret) pair). A
+client without keys, or with a key the frontend does not list, gets nothing delivered: its
+handshake fails, so it sees ``UnavailableError`` after ``CONNECTION_DOWN_BOUND_S``, as with an
+address where nothing listens. On ipc:// the keys are not used.
+
 Nothing happens at import time: the socket is created on first use, and ``Client`` starts its
 one I/O thread then.
 """
@@ -64,6 +71,7 @@ from zserve.errors import (
     ZServeError,
     error_from_wire,
 )
+from zserve.keys import client_curve
 from zserve.timers import LazyTimerHeap
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
@@ -181,8 +189,15 @@ class AsyncClient:
         backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
         seed: int | None = None,
         ctx: zmq.Context[Any] | None = None,
+        server_key: str | bytes | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | tuple[bytes, bytes] | None = None,
     ) -> None:
         self.address = check_address(address)
+        if (server_key is None) != (client_key is None):
+            raise ValueError("CURVE needs both server_key and client_key (or neither)")
+        # Read now: a missing or shared key file is an error at construction, not a hang.
+        self._curve = None if server_key is None or client_key is None else client_curve(
+            server_key, client_key)
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -232,7 +247,8 @@ class AsyncClient:
     def _open_socket(self) -> zmq.Socket[Any]:
         assert self._ctx is not None and self._reactor is not None
         identity = b"c" + os.urandom(8).hex().encode()
-        sock: zmq.Socket[Any] = make_dealer(self._ctx, self.address, identity=identity)
+        sock: zmq.Socket[Any] = make_dealer(self._ctx, self.address, identity=identity,
+                                            curve=self._curve)
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))

@@ -244,7 +244,8 @@ class ClockSync:
         self.rank_address = rank_address
         self.refresh_interval_s = refresh_interval_s
         self.samples_per_estimate = max(1, samples_per_estimate)
-        self._sock = make_dealer(ctx, rank_address, identity=f"{name}.clock".encode())
+        self._sock = make_dealer(ctx, rank_address, identity=f"{name}.clock".encode(),
+                                 peer_role="rank")
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
 

@@ -272,6 +272,41 @@ class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         check_finite("start_timeout_s", self.start_timeout_s, positive=True)
 
 
+class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[security]``: CURVE on every tcp link (docs/security.md). ``keys_dir`` is the folder
+    ``zserve keys init`` wrote (each role's key pair); ``authorized_clients`` the folder of the
+    client public keys (``*.key``) a frontend's client socket accepts (None: ``<keys_dir>/
+    clients``); ``insecure = true`` allows binding a non-loopback tcp address without keys."""
+
+    keys_dir: str | None = None
+    authorized_clients: str | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.authorized_clients is not None and self.keys_dir is None:
+            raise FieldError("authorized_clients", "needs keys_dir (the roles' keys)")
+
+    @property
+    def curve(self) -> bool:
+        """True when the tcp links use CURVE."""
+        return self.keys_dir is not None
+
+    @property
+    def clients_dir(self) -> str | None:
+        if self.keys_dir is None:
+            return None
+        return self.authorized_clients or os.path.join(self.keys_dir, "clients")
+
+    def resolved(self, base: Path) -> SecurityConfig:
+        """Relative folders made absolute against ``base`` (the cluster file's folder)."""
+
+        def resolve(path: str | None) -> str | None:
+            return path if path is None or os.path.isabs(path) else str((base / path).resolve())
+
+        return msgspec.structs.replace(self, keys_dir=resolve(self.keys_dir),
+                                       authorized_clients=resolve(self.authorized_clients))
+
+
 def _check_models(models: tuple[ModelConfig, ...]) -> None:
     if not models:
         raise FieldError("models", "at least one [[models]] table is required")
@@ -290,6 +325,7 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     frontends: FrontendsConfig = FrontendsConfig()
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         _check_models(self.models)
@@ -309,6 +345,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     frontends: FrontendsConfig = FrontendsConfig()
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
+    security: SecurityConfig = SecurityConfig()
 
     # ------------------------------------------------------------------ conversions
 
@@ -500,6 +537,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         frontends=document.frontends,
         backends=document.backends,
         models=tuple(model.resolved(base) for model in document.models),
+        security=document.security.resolved(base),
     )
 
 

@@ -43,6 +43,7 @@ import zmq
 import zmq.asyncio
 
 from zserve.gc_watch import gc_stats
+from zserve.keys import count_auth_failed
 from zserve.transport import codec
 from zserve.transport.messages import Heartbeat, Ready, Shutdown, StatsReply, StatsRequest
 from zserve.transport.sockets import make_dealer
@@ -137,6 +138,7 @@ class ControlLink:
         self.peers: dict[str, str] = {}
         self._stats = stats
         self._on_message: Callable[[Any], None] | None = None
+        self._ctx: zmq.Context[Any] | None = None  # open() sets it: the auth_failed counter
         self._tasks: list[asyncio.Task[None]] = []
         self._parent_pid = os.getppid()
         self._seq = 0
@@ -162,8 +164,10 @@ class ControlLink:
         sock = None
         if control_address:
             actx = ctx if isinstance(ctx, zmq.asyncio.Context) else zmq.asyncio.Context.shadow(ctx)
-            sock = make_dealer(actx, control_address, identity=name.encode())
+            sock = make_dealer(actx, control_address, identity=name.encode(),
+                               peer_role="supervisor")
         link = cls(sock, role=role, name=name, stats=stats)
+        link._ctx = ctx
         link._on_message = on_message
         link.drain.drain_s = drain_s
         link.peers = dict(peers or {})
@@ -248,6 +252,8 @@ class ControlLink:
             elif isinstance(msg, StatsRequest):
                 stats = self._stats(msg.reset) if self._stats is not None else {}
                 stats.setdefault("gc", gc_stats(msg.reset))
+                if self._ctx is not None:
+                    count_auth_failed(self._ctx, stats.setdefault("counters", {}), msg.reset)
                 await self._send(StatsReply(name=self.name, stats=stats))
             elif isinstance(msg, Ready):
                 self.peers = dict(msg.endpoints)

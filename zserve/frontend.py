@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, peer_map, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.epochs import EpochFence
@@ -62,7 +62,12 @@ from zserve.transport.messages import (
     StatsRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer, make_router
+from zserve.transport.sockets import (
+    make_dealer,
+    make_router,
+    monitor_server,
+    note_monitor_event,
+)
 
 log = logging.getLogger("zserve.frontend")
 
@@ -153,14 +158,14 @@ class FrontendHost:
     def bind(self) -> dict[str, str]:
         self.client_sock, client_ep = make_router(
             self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
-            advertise_host=self.advertise_host,
+            advertise_host=self.advertise_host, clients=True,
         )
         self.data_sock, data_ep = make_router(
             self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
             advertise_host=self.advertise_host,
         )
-        self.monitor_sock = self.client_sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self.monitor_sock = monitor_server(
+            self.client_sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
         self.endpoints = {"client": client_ep, "data": data_ep}
         self.core.data_address = data_ep
@@ -171,7 +176,8 @@ class FrontendHost:
         identity = self.name.encode()
         hello = Hello(role="frontend", name=self.name, pid=os.getpid())
         for name, address in peer_map.endpoints_of(peers, "shard").items():
-            self.shard_by_name[name] = make_dealer(self.ctx, address, identity=identity)
+            self.shard_by_name[name] = make_dealer(self.ctx, address, identity=identity,
+                                                   peer_role="shard")
             socket_io.sync_send(self.shard_by_name[name], hello)
         for index in range(len(self.shard_socks)):
             sock = self.shard_by_name.get(f"shard-{index}")
@@ -181,7 +187,8 @@ class FrontendHost:
                 self.core.shard_reachable[index] = False
             self.shard_socks[index] = sock
         for name, address in peer_map.endpoints_of(peers, "rank").items():
-            self.rank_socks[name] = make_dealer(self.ctx, address, identity=identity)
+            self.rank_socks[name] = make_dealer(self.ctx, address, identity=identity,
+                                                peer_role="rank")
             socket_io.sync_send(self.rank_socks[name], hello)
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
@@ -372,6 +379,8 @@ class FrontendHost:
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+            if self.client_sock is not None:  # a refused CURVE handshake: auth_failed
+                note_monitor_event(self.client_sock, event["event"])
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
@@ -529,6 +538,7 @@ class FrontendHost:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
         out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
+        keys.count_auth_failed(self.ctx, out["counters"], reset)
         return out
 
 
@@ -557,6 +567,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
+    keys.secure_role_context(ctx, config.cluster, "frontend")
     frontend = FrontendHost(config, ctx)
     control = await control_link.ControlLink.open(
         actx,
@@ -594,6 +605,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
             await clock_sync.close()
         frontend.close()
         await control.close()
+        keys.release_role_context(ctx)
         ctx.term()
     return 0
 

@@ -5,14 +5,17 @@ model files that are missing, do not parse or cannot be batched (the backend's s
 reader: ``onnx`` without ONNX Runtime and without external data), unknown built-in names,
 profile files that are missing, do not parse or lack the model, bind addresses that cannot be
 bound right now (each tcp address cluster.toml names is bound and closed; port 0 is not
-probed), ipc paths over the socket path limit or in a missing folder, and an address named
-twice. ``check_cluster`` returns them all, each naming its key path;
-``preflight`` raises ``PreflightError`` with them. The supervisor runs it first thing, so a bad
-file costs one line per problem instead of tracebacks from processes that already started.
+probed), ipc paths over the socket path limit or in a missing folder, an address named
+twice, a tcp bind on a non-loopback host without CURVE keys (unless ``security.insecure``), and
+key files that are missing, malformed or readable by other users (docs/security.md).
+``check_cluster`` returns them all, each naming its key path; ``preflight`` raises
+``PreflightError`` with them. The supervisor runs it first thing, so a bad file costs one line
+per problem instead of tracebacks from processes that already started.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 from collections.abc import Iterable
@@ -24,6 +27,7 @@ from zserve.backends.builtin import builtin_names
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import read_signature
 from zserve.config import ClusterConfig, ModelConfig
+from zserve.keys import key_problems
 from zserve.profiles import configured_profile
 
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -34,6 +38,7 @@ RUN_DIR_PLACEHOLDER = "zs-xxxxxxxx"
 REASON_MAX_CHARS = 400
 IPC_SCHEME = "ipc://"
 TCP_SCHEME = "tcp://"
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,7 @@ def check_cluster(
                                 "needs scheduler.shards = 0 (a hot spare replaces the one "
                                 f"embedded scheduler process), got shards = "
                                 f"{config.scheduler.shards}"))
+    problems += check_security(config)
     if config.transport == "ipc":
         base = ipc_base or config.ipc_dir or tempfile.gettempdir()
         problems += _check_run_folder(config, base, ipc_base_key)
@@ -205,6 +211,46 @@ def _check_run_folder(config: ClusterConfig, base: str, key: str) -> list[Proble
         f"ipc paths under {base} would be up to {len(os.fsencode(longest))} bytes, over the "
         f"{IPC_PATH_MAX_BYTES}-byte limit ({longest}); use a shorter folder"
     ))]
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind host is reachable from this machine only (127.0.0.0/8, ::1, localhost);
+    a host name other than localhost counts as reachable from elsewhere."""
+    host = host.removeprefix("[").removesuffix("]")
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_security(config: ClusterConfig) -> list[Problem]:
+    """Without CURVE keys, each tcp bind on a non-loopback host, unless ``security.insecure``
+    says so in so many words; with keys, each key file the cluster needs that is missing,
+    malformed or readable by others."""
+    security = config.security
+    if security.curve:
+        roles = {"supervisor", "shard", "backend", "frontend"}
+        if config.scheduler.shards > 0:
+            roles.add("rank")
+        return [Problem(key, problem) for key, problem in key_problems(security, roles)]
+    if security.insecure:
+        return []
+    binds = [(key, address) for key, address in config.explicit_bind_keys()
+             if address.startswith(TCP_SCHEME)]
+    if config.transport == "tcp":
+        binds += _generated_tcp_hosts(config)
+    problems = []
+    for key, address in binds:
+        host = address[len(TCP_SCHEME):].rpartition(":")[0]
+        if not is_loopback_host(host):
+            problems.append(Problem(key, (
+                f"{address} is reachable from other hosts but [security] has no keys_dir: "
+                "run `zserve keys init` and set security.keys_dir (CURVE), or set "
+                "security.insecure = true"
+            )))
+    return problems
 
 
 def _generated_tcp_hosts(config: ClusterConfig) -> list[tuple[str, str]]:

@@ -23,7 +23,8 @@ A role's entry point ``run_<role>(config, control_address)`` goes through four s
 
 - ``run_role(coro, name=...) -> int``: configure logging for a child process, install uvloop,
   watch garbage collection (``zserve.gc_watch``), pay numpy's first-call costs, and run ``coro``
-  to completion; returns its exit code (1 with the traceback logged on an exception).
+  to completion; returns its exit code (1 with the traceback logged on an exception; 2 with one
+  line for a key file it refuses, ``zserve.keys.KeyFileError``).
 - ``await sync_cluster_clock(ctx, peers, name=..., drain=link.drain, clock=clock)``: the
   ``ClockSync`` that keeps ``clock`` (a ``zserve.clock.ClusterClock``) on the rank's clock,
   started once its first estimate is in; a process that is not the rank calls it after
@@ -50,6 +51,7 @@ import zmq.asyncio
 from zserve import gc_watch
 from zserve.clock import ClockSync, ClusterClock
 from zserve.control_link import DrainRequest
+from zserve.keys import KeyFileError
 from zserve.peer_map import rank_address
 
 __all__ = (
@@ -149,13 +151,21 @@ def run_role(coro: Coroutine[Any, Any, int], *, name: str = "") -> int:
         log.info("%s: garbage collection while running: %s", name or os.getpid(),
                  json.dumps(gc_watch.gc_stats()))
         return code
+    except KeyFileError as exc:  # the operator's to fix, not a bug: one line, no traceback
+        logging.getLogger(name or __name__).error("%s refuses to start: %s", name, exc)
+        _write_error_file(f"{exc}\n")
+        return 2
     except Exception:
         logging.getLogger(name or __name__).exception("role %s failed", name)
-        error_file = os.environ.get(ERROR_FILE_ENV)
-        if error_file:
-            with contextlib.suppress(OSError), open(error_file, "w") as f:
-                traceback.print_exc(file=f)
+        _write_error_file(traceback.format_exc())
         return 1
+
+
+def _write_error_file(text: str) -> None:
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file:
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            f.write(text)
 
 
 def spawn(tasks: list[asyncio.Task[None]], coro: Awaitable[None]) -> None:

@@ -18,6 +18,9 @@ which makes them
                           "max_ms"}},
      "histograms": {metric: {"bounds", "buckets", "counts", "count", "sum_s", "min_s", "max_s"}}}
 
+Every role's ``counters`` also carry ``auth_failed``: failed CURVE handshakes on its server
+sockets in the window (``zserve.keys.count_auth_failed``; 0 without ``[security]``).
+
 ``latency`` is the human summary (milliseconds); ``histograms`` the mergeable data (seconds;
 ``bounds`` names an entry of :data:`BOUNDS`, ``buckets``/``counts`` list the non-empty buckets
 sparsely). :func:`merge_snapshots` adds snapshots of several processes or windows.

@@ -65,6 +65,9 @@ class SupervisedChild:
     started_at: float = 0.0
     last_heartbeat: float = 0.0
     restart_at: float | None = None
+    # (death noticed, respawned) of every restart, monotonic s: the backoff as it happened.
+    restart_history: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    died_at: float | None = None
     stopping: bool = False
     stats_waiters: list[Future[dict[str, Any]]] = dataclasses.field(default_factory=list)
 

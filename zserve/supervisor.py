@@ -59,6 +59,7 @@ from zserve import peer_map
 from zserve.config import STANDBY_NAME, ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
+from zserve.keys import release_role_context, secure_role_context
 from zserve.preflight import preflight
 from zserve.supervised_child import SupervisedChild, child_main
 from zserve.transport import codec
@@ -114,6 +115,7 @@ class Supervisor:
         self.run_dir = tempfile.mkdtemp(prefix="zs-", dir=base)
         ipc_dir = self.run_dir if config.transport == "ipc" else None
         self.ctx: zmq.Context[Any] = zmq.Context()
+        secure_role_context(self.ctx, config, "supervisor")
         control_bind = (
             f"ipc://{self.run_dir}/control" if ipc_dir else f"tcp://{config.host}:0"
         )
@@ -139,6 +141,8 @@ class Supervisor:
         # What the frontends last said of the schedulers: {"active": name, "epoch": int}.
         self.scheduler_view: dict[str, Any] = {}
         self.idle_pollers: IdlePollers | None = None
+        # Control messages refused: undecodable, or from a process that is not a child.
+        self.counters = {"malformed": 0, "unknown_peer": 0}
 
     # ------------------------------------------------------------------ helpers
 
@@ -163,12 +167,18 @@ class Supervisor:
             name=f"zserve-{child.name}",
             daemon=False,
         )
+        spawning_at = time.monotonic()
         process.start()
         child.process = process
         child.ready = False
         child.started_at = time.monotonic()
         child.last_heartbeat = child.started_at
         child.restart_at = None
+        if child.died_at is not None:
+            child.restart_history.append((child.died_at, spawning_at))
+            child.died_at = None
+            with self._cond:
+                self._cond.notify_all()
         log.debug("started %s (pid %s)", child.name, process.pid)
 
     def _death_message(self, child: SupervisedChild) -> str:
@@ -215,16 +225,19 @@ class Supervisor:
             command()
 
     def _on_control(self, frames: list[Any]) -> None:
-        if len(frames) < 2:
+        if len(frames) < 2:  # a ROUTER always delivers an identity and a header
+            self.counters["malformed"] += 1
             return
         name = frames[0].bytes.decode(errors="replace")
         child = self.children.get(name)
         try:
             msg = codec.decode(frames[1:])
         except ProtocolError as exc:
+            self.counters["malformed"] += 1
             log.warning("malformed control message from %r: %s", name, exc)
             return
         if child is None:
+            self.counters["unknown_peer"] += 1
             log.warning("control message from unknown process %r", name)
             return
         child.last_heartbeat = time.monotonic()
@@ -351,6 +364,7 @@ class Supervisor:
                 backoff = RESTART_BACKOFF_S * 2 ** max(0, child.restarts - 1)
                 delay = min(RESTART_BACKOFF_MAX_S, backoff)
                 child.restart_at = now + delay
+                child.died_at = now
                 child.ready = False
                 log.error("%s; restarting in %.2f s", message, delay)
             if now >= child.restart_at:
@@ -429,6 +443,7 @@ class Supervisor:
         if self.idle_pollers is not None:
             self.idle_pollers.stop()
         self.control.close(linger=0)
+        release_role_context(self.ctx)
         self.ctx.destroy(linger=0)  # also closes any socket a caller opened on it
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -566,6 +581,10 @@ class Cluster:
     def run_dir(self) -> str:
         return self._sup.run_dir
 
+    def peers(self) -> dict[str, str]:
+        """The peer map: ``"<process>/<socket>"`` -> address (docs/runtime.md)."""
+        return self._sup.call(lambda: dict(self._sup.peers))
+
     def pids(self) -> dict[str, int | None]:
         return self._sup.call(lambda: {n: c.pid for n, c in self._sup.children.items()})
 
@@ -573,12 +592,27 @@ class Cluster:
         """How many times ``name`` has become ready (1 after start, 2 after one restart)."""
         return self._sup.call(lambda: self._sup.children[name].incarnation)
 
+    def supervisor_counters(self) -> dict[str, int]:
+        """The supervisor's own counters: control messages refused (``malformed``,
+        ``unknown_peer``)."""
+        return self._sup.call(lambda: dict(self._sup.counters))
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""
         pid = self.pids()[name]
         assert pid is not None, f"{name} is not running"
         os.kill(pid, sig)
         return pid
+
+    def restart_history(self, name: str) -> list[tuple[float, float]]:
+        """(death noticed, respawned) of each restart of ``name`` (monotonic s)."""
+        return self._sup.call(lambda: list(self._sup.children[name].restart_history))
+
+    def wait_restarts(self, name: str, count: int, timeout: float = 30.0) -> None:
+        """Block until ``name`` has been respawned ``count`` times."""
+        child = self._sup.children[name]
+        if not self._sup.wait_for(lambda: len(child.restart_history) >= count, timeout):
+            raise TimeoutError(f"{name} was not restarted {count} times within {timeout} s")
 
     def wait_ready(self, name: str, incarnation: int, timeout: float = 30.0) -> None:
         """Block until ``name`` has become ready ``incarnation`` times (and has its peers)."""

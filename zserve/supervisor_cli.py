@@ -137,8 +137,12 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
     }
     _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
     _write_atomic(pid_path, f"{os.getpid()}\n")
+    security = supervisor.config.security
     for address in supervisor.client_addresses:
         print(f"zserve: cluster {name!r} is up; clients connect to {address}", flush=True)
+        if security.curve and address.startswith("tcp://"):  # docs/security.md
+            print(f"zserve: with CURVE: server_key={security.keys_dir}/frontend.key and a client "
+                  f"key listed in {security.clients_dir}", flush=True)
     view = supervisor.scheduler_view
     if supervisor.config.scheduler.standby and view:
         print(f"zserve: scheduler {view.get('active')} is active in epoch {view.get('epoch')}; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Mapping
 from types import TracebackType
@@ -42,7 +43,8 @@ def _copy_outcome(
 class Client:
     """A synchronous, thread-safe client: any number of threads may call ``infer`` and
     ``submit`` at once over one connection. It runs one I/O thread with an event loop hosting
-    an ``AsyncClient``, started on first use and stopped by ``close()``."""
+    an ``AsyncClient``, started on first use and stopped by ``close()``. ``server_key`` and
+    ``client_key``: CURVE keys for a frontend on tcp with ``[security]`` (``AsyncClient``)."""
 
     def __init__(
         self,
@@ -53,6 +55,8 @@ class Client:
         backoff_s: float = DEFAULT_BACKOFF_S,
         backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
         seed: int | None = None,
+        server_key: str | bytes | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | tuple[bytes, bytes] | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
@@ -63,6 +67,8 @@ class Client:
             backoff_s=backoff_s,
             backoff_max_s=backoff_max_s,
             seed=seed,
+            server_key=server_key,
+            client_key=client_key,
         )
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
