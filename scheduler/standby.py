@@ -56,6 +56,7 @@ class PairLink:
         self.monitor: zmq.Socket[Any] | None = None
         self._wake = asyncio.Event()
         self._partner_gone = False  # the last takeover reason, for the log
+        self._closed = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self, partner_rank_address: str) -> None:
@@ -69,7 +70,7 @@ class PairLink:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pair-watch")
 
     async def _run(self) -> None:
-        while not self.watch.superseded:
+        while not self.watch.superseded and not self._closed:
             now = time.monotonic()
             epoch = self.watch.take_over(now, now_ms())
             if epoch is not None:
@@ -79,15 +80,19 @@ class PairLink:
                                                               self.watch.active))
             wait = min(PING_INTERVAL_S, self.watch.takeover_at - time.monotonic())
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            # that comes as the event is set, and close() would wait for this task forever.
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([waiter], timeout=max(0.0, wait))
+            finally:
+                waiter.cancel()
 
     def _on_answers(self, chunk: Chunk) -> None:
         now = time.monotonic()
         for _, msg in chunk:
             if isinstance(msg, SchedulerPing):
                 self.rank.on_partner(now, msg)
-        self._wake.set()  # a takeover may be due, or no more
 
     def _on_monitor(self, messages: list[list[zmq.Frame]]) -> None:
         """The partner's process closed the connection: it died."""
@@ -109,6 +114,8 @@ class PairLink:
         partner take over at once (a partner left running still does, after the timeout)."""
         if leaving and self.sock is not None:
             self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch, False))
+        self._closed = True  # the loop ends even if a cancellation were lost
+        self._wake.set()
         if self._task is not None:
             await cancel_all([self._task])
             self._task = None
