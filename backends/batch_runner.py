@@ -52,7 +52,7 @@ class BusyMeter:
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
-    """What one batch gave: its outputs, one per row (empty when it failed), the error that
+    """What one batch gave: its outputs, one per request (empty when it failed), the error that
     failed it ("" when it ran) and when it finished (cluster clock)."""
 
     outputs: list[TensorMap]
@@ -82,13 +82,17 @@ class BatchRunner:
             buffer.fill(0)
             self._buffers[(model, spec.name)] = buffer
 
-    def assemble(self, model: str, requests: list[TensorMap]) -> TensorMap:
-        """One stacked batch: one copy per input into the preallocated buffer, none for one
-        request. A request whose arrays do not match fails the batch (ValueError/TypeError)."""
+    def assemble(self, model: str, requests: list[TensorMap],
+                 size: int | None = None) -> TensorMap:
+        """One stacked batch of ``size`` rows (default: one per request): the requests' rows
+        concatenated along axis 0, one copy per input into the preallocated buffer, none for
+        one request. A request whose arrays do not match, or more rows than the buffer holds,
+        fails the batch (ValueError/TypeError)."""
         if len(requests) == 1:
             return requests[0]
         batch: TensorMap = {}
-        size = len(requests)
+        if size is None:
+            size = len(requests)
         for spec in self.executor.signature(model).inputs:
             buffer = self._buffers[(model, spec.name)]
             np.concatenate([r[spec.name] for r in requests], axis=0, out=buffer[:size],
@@ -101,11 +105,12 @@ class BatchRunner:
         model = run.plan.model
         try:
             t0 = self.clock.now()
-            batch = self.assemble(model, run.inputs)
+            rows = request_rows(run.inputs)
+            batch = self.assemble(model, run.inputs, None if rows is None else sum(rows))
             t1 = self.clock.now()
             self.busy.start(t1)
             try:
-                outputs = await self.executor.run_async(model, batch)
+                outputs = await self.executor.run_async(model, batch, rows)
             finally:
                 t2 = self.clock.now()
                 self.busy.stop(t2)
@@ -119,4 +124,11 @@ class BatchRunner:
         return BatchResult(outputs, "", self.clock.now())
 
 
-__all__ = ["BatchResult", "BatchRunner", "BusyMeter"]
+def request_rows(requests: list[TensorMap]) -> list[int] | None:
+    """Each request's rows (its inputs' leading dimension), or None when every request holds
+    one row (the common case, which needs no per-request bookkeeping downstream)."""
+    rows = [int(next(iter(r.values())).shape[0]) if r else 1 for r in requests]
+    return None if rows.count(1) == len(rows) else rows
+
+
+__all__ = ["BatchResult", "BatchRunner", "BusyMeter", "request_rows"]

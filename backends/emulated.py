@@ -188,48 +188,53 @@ class EmulatedExecutor(Executor):
     def latency_s(self, model: str, batch_size: int) -> float:
         return self.model(model).latency_s(batch_size)
 
-    def compute(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
-        """The outputs of a batch, at once (no emulated delay)."""
+    def compute(self, model: str, inputs: BatchInputs,
+                request_rows: Sequence[int] | None = None) -> list[TensorMap]:
+        """The outputs of a batch, at once (no emulated delay): each row's output is a
+        function of that row's own inputs (twice the sum of its values plus the model's
+        constant), so a request's outputs do not depend on the batch it ran in."""
         m = self.model(model)
-        batch_size = self._check_batch(model, inputs)
+        batch_size, rows = self._check_batch(model, inputs, request_rows)
         if isinstance(inputs, Mapping):
-            totals = sum(
-                np.asarray(a).reshape(batch_size, -1).sum(axis=1, dtype=np.float64)
-                for a in inputs.values()
-            )
+            totals = _row_sums(inputs.values(), batch_size)
         else:
-            totals = np.array(
-                [sum(float(np.asarray(a).sum(dtype=np.float64)) for a in r.values())
-                 for r in inputs]
-            )
+            totals = np.concatenate([
+                _row_sums(r.values(), int(next(iter(r.values())).shape[0])) for r in inputs])
         values = (2.0 * np.asarray(totals, dtype=np.float64) + m.model_constant).astype(np.float32)
         out = np.empty((batch_size, *m.output_shape), np.float32)
         out.reshape(batch_size, -1)[:] = values[:, None]
-        return split_rows({"y": out}, batch_size)
+        return split_rows({"y": out}, batch_size, rows)
 
     def expected_outputs(self, model: str, request: Mapping[str, Any]) -> TensorMap:
         """The outputs ``run`` gives one request (for tests)."""
         return self.compute(model, [request])[0]
 
-    async def run_async(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+    async def run_async(self, model: str, inputs: BatchInputs,
+                        request_rows: Sequence[int] | None = None) -> list[TensorMap]:
         start = max(time.monotonic(), self._busy_until)
-        batch_size = self._check_batch(model, inputs)
+        batch_size, _ = self._check_batch(model, inputs, request_rows)
         finish = start + self.latency_s(model, batch_size)
         self._busy_until = finish
-        outputs = self.compute(model, inputs)
+        outputs = self.compute(model, inputs, request_rows)
         # A precise timer (zserve.timers): uvloop's own timers tick in whole milliseconds, and a
         # batch that sleeps in whole ticks finishes up to ~2 ms late, which a deferred batch
         # (planned to end alpha before its deadline) cannot afford.
         await sleep_until(finish)
         return outputs
 
-    def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+    def run(self, model: str, inputs: BatchInputs,
+            request_rows: Sequence[int] | None = None) -> list[TensorMap]:
         with self._run_lock:
             start = max(time.monotonic(), self._busy_until)
-            batch_size = self._check_batch(model, inputs)
+            batch_size, _ = self._check_batch(model, inputs, request_rows)
             finish = start + self.latency_s(model, batch_size)
             self._busy_until = finish
-            outputs = self.compute(model, inputs)
+            outputs = self.compute(model, inputs, request_rows)
             while (remaining := finish - time.monotonic()) > 0:
                 time.sleep(remaining)
         return outputs
+
+
+def _row_sums(arrays: Iterable[Any], rows: int) -> Any:
+    """The sum of every value of each of ``rows`` rows, over all of ``arrays`` (float64)."""
+    return sum(np.asarray(a).reshape(rows, -1).sum(axis=1, dtype=np.float64) for a in arrays)

@@ -13,17 +13,19 @@ models on it. The backend process drives it like this::
 
 Request convention (the one format every part of zserve uses for a request's tensors):
 
-- A request is a ``TensorMap`` (``dict[str, array]``) holding *one sample*: every array has a
-  leading batch dimension of size 1, i.e. shape ``(1, *sample_shape)``, the dtype the model
+- A request is a ``TensorMap`` (``dict[str, array]``) holding *n rows* (samples): every array
+  has the same leading dimension n >= 1, i.e. shape ``(n, *sample_shape)``, the dtype the model
   declares, and exactly the model's input names. ``ModelSignature.validate_request`` checks this.
+  A batch of b rows is the requests' rows concatenated along axis 0 (b = the sum of their n).
 - ``run(model, inputs)`` takes either a list of such requests (the executor assembles the batch
   with one ``np.concatenate(..., out=batch_buffer[:b])`` per input, into a buffer preallocated at
-  load time; a batch of one is passed through with no copy at all) or one already stacked
-  TensorMap whose arrays have leading dimension b (passed through with no copy).
+  load time; a batch of one request is passed through with no copy at all) or one already
+  stacked TensorMap whose arrays have leading dimension b (passed through with no copy).
 - It returns one TensorMap per request, in order. Request i's outputs are the row views
-  ``batch_output[i:i+1]`` of the batch's output arrays (leading dimension 1, no copy). The batch
-  output arrays are fresh per run, so a caller may hold on to them (e.g. while ZeroMQ sends them
-  with ``copy=False``) across later runs.
+  ``batch_output[s:s+n]`` of the batch's output arrays (its own n rows, no copy). A stacked
+  TensorMap counts as b requests of one row each, unless ``request_rows`` says how many rows
+  each request holds. The batch output arrays are fresh per run, so a caller may hold on to them
+  (e.g. while ZeroMQ sends them with ``copy=False``) across later runs.
 
 Concurrency: ``run`` is synchronous and CPU/GPU-bound. Runs on one executor never overlap: ``run``
 holds a lock, and ``run_async`` hands the batch to the executor's single worker thread, so batches
@@ -130,14 +132,17 @@ class Executor(abc.ABC):
     # -- running
 
     @abc.abstractmethod
-    def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
-        """Run one batch synchronously; return one TensorMap per request (row views)."""
+    def run(self, model: str, inputs: BatchInputs,
+            request_rows: Sequence[int] | None = None) -> list[TensorMap]:
+        """Run one batch synchronously; return one TensorMap per request (row views).
+        ``request_rows``: the rows of each request of a stacked batch (None: one each)."""
 
-    async def run_async(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+    async def run_async(self, model: str, inputs: BatchInputs,
+                        request_rows: Sequence[int] | None = None) -> list[TensorMap]:
         """``run`` on the executor's single worker thread, awaited without blocking the loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._get_worker(), functools.partial(self.run, model, inputs)
+            self._get_worker(), functools.partial(self.run, model, inputs, request_rows)
         )
 
     def profile(
@@ -177,24 +182,35 @@ class Executor(abc.ABC):
         rng = np.random.default_rng(seed)
         return {s.name: _synthetic_array(rng, s, batch_size) for s in self.signature(model).inputs}
 
-    def _check_batch(self, model: str, inputs: BatchInputs) -> int:
-        """Validate a batch (requests or stacked) against the signature; return its size."""
+    def _check_batch(self, model: str, inputs: BatchInputs,
+                     request_rows: Sequence[int] | None = None) -> tuple[int, list[int] | None]:
+        """Validate a batch (requests or stacked) against the signature; return its rows and
+        each request's rows (None: one row per request)."""
         signature = self.signature(model)
+        rows: list[int] | None = None
         if isinstance(inputs, Mapping):
             batch_size = signature.validate_batch(inputs, where=" (stacked batch)")
+            if request_rows is not None and len(request_rows) != batch_size:
+                rows = list(request_rows)
+                if sum(rows) != batch_size or min(rows, default=0) < 1:
+                    raise InternalError(f"model {model!r}: request rows {rows} do not add up "
+                                        f"to the batch's {batch_size} rows")
         else:
-            batch_size = len(inputs)
+            rows = []
             for i, request in enumerate(inputs):
                 try:
-                    signature.validate_request(request)
+                    rows.append(signature.validate_request(request))
                 except BadRequestError as exc:
                     raise BadRequestError(f"request {i} of the batch: {exc.message}") from None
+            batch_size = sum(rows)
+            if batch_size == len(rows):
+                rows = None
         limit = self.max_batch(model)
         if not 1 <= batch_size <= limit:
             raise InternalError(
                 f"model {model!r}: batch of {batch_size} outside 1..{limit} (max_batch)"
             )
-        return batch_size
+        return batch_size, rows
 
     def _get_worker(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._worker_lock:
@@ -216,6 +232,17 @@ def _synthetic_array(rng: np.random.Generator, spec: TensorSpec, batch_size: int
     return np.zeros(shape, dtype)
 
 
-def split_rows(outputs: Mapping[str, Any], batch_size: int) -> list[TensorMap]:
-    """One TensorMap per request: the row views ``out[i:i+1]`` of each batch output."""
-    return [{name: out[i : i + 1] for name, out in outputs.items()} for i in range(batch_size)]
+def split_rows(outputs: Mapping[str, Any], batch_size: int,
+               request_rows: Sequence[int] | None = None) -> list[TensorMap]:
+    """One TensorMap per request: the row views ``out[s:s+n]`` of each batch output, request
+    i holding ``request_rows[i]`` rows (None: one row each)."""
+    if request_rows is None:
+        return [{name: out[i : i + 1] for name, out in outputs.items()}
+                for i in range(batch_size)]
+    parts: list[TensorMap] = []
+    start = 0
+    for rows in request_rows:
+        stop = start + rows
+        parts.append({name: out[start:stop] for name, out in outputs.items()})
+        start = stop
+    return parts

@@ -93,16 +93,20 @@ lateness, its host assemble, run and push."""
 
 def shed_late_rows(
     rows: list[int], finish_by: Sequence[float], now: float, table_s: Sequence[float],
-    grace_s: float = 0.0,
+    grace_s: float = 0.0, *, sizes: Sequence[int] = (),
 ) -> tuple[list[int], list[int]]:
-    """Late shedding for a batch starting at ``now``: ``(kept, shed)`` rows. While the ``k``
-    rows left cannot finish by the earliest ``finish_by`` among them (``now + table_s[k] >
-    min + grace_s``), the row with the earliest ``finish_by`` is shed. ``kept`` keeps the order
-    of ``rows``; ``shed`` is in shedding order. ``table_s[k]`` is l(k) (``LatencyProfile``)."""
+    """Late shedding for a batch starting at ``now``: ``(kept, shed)`` rows (indexes of the
+    plan's requests). While the ``k`` rows left cannot finish by the earliest ``finish_by``
+    among them (``now + table_s[k] > min + grace_s``), the request with the earliest
+    ``finish_by`` is shed. ``sizes[i]``: how many batch rows request i holds (empty: one
+    each). ``kept`` keeps the order of ``rows``; ``shed`` is in shedding order. ``table_s[k]``
+    is l(k) (``LatencyProfile``)."""
     order = sorted(rows, key=finish_by.__getitem__)
     count = len(order)
+    left = sum(sizes[i] for i in order) if sizes else count
     cut = 0
-    while cut < count and now + table_s[count - cut] > finish_by[order[cut]] + grace_s:
+    while cut < count and now + table_s[left] > finish_by[order[cut]] + grace_s:
+        left -= sizes[order[cut]] if sizes else 1
         cut += 1
     if cut == 0:
         return rows, []
@@ -141,7 +145,8 @@ class HeldPlan:
     cancelled: set[tuple[int, int]] = field(default_factory=set)
     inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
     started_at: float = 0.0
-    rows: int = 0  # the batch size it ran with
+    rows: int = 0  # the batch size it ran with, in rows
+    requests: int = 0  # the requests it ran (fewer than rows when a request holds several)
 
     @property
     def planned_s(self) -> float:
@@ -266,11 +271,15 @@ class PlanFollower:
 
     def _well_formed(self, plan: BatchPlan) -> bool:
         count = len(plan.request_ids)
+        if plan.rows:  # requests of several rows: the batch holds their sum
+            if len(plan.rows) != count or min(plan.rows) < 1:
+                return False
+            count = sum(plan.rows)
         return (plan.plan_id not in self._plans and plan.model in self.latency_s
-                and len(plan.request_frontend) == count
+                and len(plan.request_frontend) == len(plan.request_ids)
                 and _indexes_within(plan.request_frontend, len(plan.frontends))
                 and count <= self.max_batch[plan.model]
-                and (not plan.finish_by or len(plan.finish_by) == count))
+                and (not plan.finish_by or len(plan.finish_by) == len(plan.request_ids)))
 
     def _refuse(self, now: float, plan: BatchPlan, outbox: Outbox) -> None:
         self.counters["plans_refused"] += 1
@@ -344,7 +353,7 @@ class PlanFollower:
         plan = held.plan
         prefix = "batches_ok" if ok else "batches_failed"
         self.counters[prefix] += 1
-        self.counters["requests_ok" if ok else "requests_failed"] += held.rows
+        self.counters["requests_ok" if ok else "requests_failed"] += held.requests
         self.batches.add_batch(plan.model, held.rows)
         self._running = None
         del self._plans[plan.plan_id]
@@ -383,7 +392,8 @@ class PlanFollower:
         shed: list[int] = []
         if rows and plan.finish_by:
             rows, shed = shed_late_rows(rows, plan.finish_by, now,
-                                        self.latency_s[plan.model], self.shed_grace_s)
+                                        self.latency_s[plan.model], self.shed_grace_s,
+                                        sizes=plan.rows)
             if shed:
                 self.counters["requests_shed_late"] += len(shed)
                 self._fail_rows(
@@ -402,7 +412,8 @@ class PlanFollower:
         if lateness > LATE_TOLERANCE_S:
             self.counters["late_plans"] += 1
         self.histograms["fetch"].observe((held.inputs_at or now) - held.received_at)
-        held.rows = len(rows)
+        held.rows = sum(plan.rows[i] for i in rows) if plan.rows else len(rows)
+        held.requests = len(rows)
         self._running = held
         keys = [(plan.request_frontend[i], plan.request_ids[i]) for i in rows]
         outbox.append(((DEST_DEVICE, plan.gpu_id),

@@ -342,9 +342,10 @@ class OnnxExecutor(Executor):
             return list(loaded.session.get_providers())
         return []
 
-    def run(self, model: str, inputs: BatchInputs) -> list[TensorMap]:
+    def run(self, model: str, inputs: BatchInputs,
+            request_rows: Sequence[int] | None = None) -> list[TensorMap]:
         loaded = self._model(model)
-        batch_size = self._check_batch(model, inputs)
+        batch_size, rows = self._check_batch(model, inputs, request_rows)
         with self._run_lock:
             feed = self._assemble(loaded, inputs, batch_size)
             try:
@@ -357,7 +358,7 @@ class OnnxExecutor(Executor):
                 raise BackendFailedError(
                     f"model {model!r}: batch of {batch_size} failed in ONNX Runtime: {exc}"
                 ) from exc
-        return split_rows(outputs, batch_size)
+        return split_rows(outputs, batch_size, rows)
 
     # -- internals
 
@@ -447,7 +448,7 @@ class OnnxExecutor(Executor):
         """The batch as one array per input: at most one copy per request and input."""
         if isinstance(inputs, Mapping):
             return {name: self._contiguous(name, a) for name, a in inputs.items()}
-        if batch_size == 1:
+        if len(inputs) == 1:
             return {name: self._contiguous(name, a) for name, a in inputs[0].items()}
         feed: TensorMap = {}
         for name in loaded.signature.input_names:
@@ -484,13 +485,16 @@ class OnnxExecutor(Executor):
             with cupy.cuda.Device(self._device_id):
                 buffer = cupy.empty(host.shape, host.dtype)
             loaded.device_buffers[name] = buffer
-        out = buffer[: len(parts)]
+        out = buffer[: sum(int(p.shape[0]) for p in parts)]
         if all(_is_cupy(p) for p in parts):
             cupy.concatenate(parts, axis=0, out=out)
         else:
-            # Mixed host and device requests (rare): copy row by row.
-            for i, part in enumerate(parts):
-                out[i : i + 1] = cupy.asarray(part)
+            # Mixed host and device requests (rare): copy request by request.
+            start = 0
+            for part in parts:
+                stop = start + int(part.shape[0])
+                out[start:stop] = cupy.asarray(part)
+                start = stop
         return out
 
     def _run_cuda(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int) -> TensorMap:

@@ -5,6 +5,7 @@
     zserve bench CLUSTER.toml|ADDRESS WORKLOAD.toml [--rate R | --search goodput [--repeat N]]
                  [--steps 10:2000,10:4000 | --trace RATES.txt] [--workers N|auto]
                  [--json OUT] [--plots DIR] [--records OUT.npz] [--max-lateness-ms 5]
+                 [--protocol native|http-json|http-binary|grpc]
     zserve bench --max-rate-check [--workers N] [--json OUT]
 
 The first argument is a ``cluster.toml`` (the cluster is started in-process for the run and
@@ -73,6 +74,7 @@ from zserve.loadgen.load_plan import (
 from zserve.loadgen.max_rate import MAX_RATE_CHECK_S, max_rate_check
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sender import PROTOCOLS
 from zserve.loadgen.target import Target, open_target
 from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload
 
@@ -110,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", default="auto",
                    help="generator processes, or 'auto' (default): one per "
                    f"{AUTO_WORKER_RATE_RPS:.0f} r/s of peak planned rate, at most one per CPU")
+    p.add_argument("--protocol", default="native", choices=PROTOCOLS,
+                   help="send through zserve's client socket (native, default) or the cluster's "
+                   "Open Inference Protocol servers ([frontends] http_addresses / "
+                   "grpc_addresses)")
     p.add_argument("--max-lateness-ms", type=float, default=DEFAULT_LATENESS_BOUND_MS,
                    help="refuse a run whose p99 send lateness exceeds this")
     p.add_argument("--start-rate", type=float, help="first probe of --search (default: bound)")
@@ -266,6 +272,7 @@ def _drive(args: argparse.Namespace, workers: int, say: Callable[[str], None]) -
         progress=args.progress,
         schedule=schedule,
         records=args.records,
+        protocol=args.protocol,
     )
     try:
         with open_target(args.target, workload, cluster_config=args.cluster,

@@ -70,6 +70,7 @@ from zserve.loadgen.load_plan import (
 from zserve.loadgen.sender import (
     DEFAULT_REPLY_GRACE_S,
     MONITOR_INTERVAL_S,
+    PROTOCOLS,
     WORKER_START_TIMEOUT_S,
     Channels,
     WorkerOutput,
@@ -127,6 +128,7 @@ def run_load(
     progress: bool | None = None,
     refuse_if_behind: bool = True,
     on_start: Callable[[float], None] | None = None,
+    protocol: str = "native",
 ) -> RunResult:
     """Run ``plan`` against the frontend ``client`` socket at ``address`` (or several frontends:
     worker w sends to ``address[w % len(address)]``).
@@ -137,10 +139,14 @@ def run_load(
     Raises :class:`GeneratorBehindError` when the lateness bound is exceeded (unless
     ``refuse_if_behind`` is False, then the result says ``lateness.behind``). ``on_start(t0)`` is
     called once the start instant is fixed, before the first send (e.g. to align a statistics
-    poller with the run).
+    poller with the run). ``protocol``: send through zserve's client socket (``native``) or
+    an Open Inference Protocol server (``zserve.loadgen.sender.PROTOCOLS``; ``address`` is
+    then its ``host:port``).
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r} (one of {', '.join(PROTOCOLS)})")
     if progress is None:
         progress = sys.stderr.isatty() and plan.duration_s >= PROGRESS_MIN_S
     bar = _Progress(plan) if progress else None
@@ -152,16 +158,9 @@ def run_load(
         identity=_identity(0),
         reply_grace_s=reply_grace_s,
         bail=bail,
+        protocol=protocol,
     )
-    if workers == 1:
-        t0 = time.monotonic() + START_DELAY_S
-        if on_start is not None:
-            on_start(t0)
-        out = send_loop(spec, t0, lambda c, lag: coordinator.check(c, lag, t0))
-        outputs = [(np.arange(len(plan)), out)]
-    else:
-        addresses = [address] if isinstance(address, str) else list(address)
-        t0, outputs = _run_processes(spec, workers, coordinator, on_start, addresses)
+    t0, outputs = _run_workers(spec, workers, coordinator, on_start, address)
     if bar is not None:
         bar.close()
     return _assemble(
@@ -174,6 +173,23 @@ def run_load(
         abandoned_lag_s=coordinator.abandoned_lag_s,
         refuse_if_behind=refuse_if_behind,
     )
+
+
+def _run_workers(
+    spec: WorkerSpec, workers: int, coordinator: _Coordinator,
+    on_start: Callable[[float], None] | None, address: str | Sequence[str],
+) -> tuple[float, list[tuple[IntArray, WorkerOutput]]]:
+    """One native worker runs here; several, or an OIP worker, in processes of their own (an
+    OIP worker always: grpcio's asyncio support keeps process-wide state bound to the first
+    event loop that used it)."""
+    if workers == 1 and spec.protocol == "native":
+        t0 = time.monotonic() + START_DELAY_S
+        if on_start is not None:
+            on_start(t0)
+        out = send_loop(spec, t0, lambda c, lag: coordinator.check(c, lag, t0))
+        return t0, [(np.arange(len(spec.plan)), out)]
+    addresses = [address] if isinstance(address, str) else list(address)
+    return _run_processes(spec, workers, coordinator, on_start, addresses)
 
 
 def _identity(worker: int) -> bytes:

@@ -109,11 +109,28 @@ def _live_extra(
             "missing": stats_missing,
         },
     }
+    extra.update(rows_summary(result, workload))
     if target is not None:
         extra["target"] = {"address": target.client_address, "models": target.model_names}
         if target.notes:
             extra["notes"] = list(target.notes)
     return extra
+
+
+def rows_summary(result: RunResult, workload: Workload) -> dict[str, Any]:
+    """Rows per request and the measure window's rows/s, offered and answered in time, as
+    ``zserve sim`` reports them (goodput itself counts requests)."""
+    plan = result.plan
+    measured = plan.measured
+    rows = plan.rows if plan.rows is not None else np.ones(len(plan), np.int64)
+    good = measured & (result.outcome == Outcome.GOOD)
+    measure_s = plan.measure_s or 1.0
+    return {
+        "request_rows": str(workload.request_rows),
+        "mean_rows": round(float(rows[measured].mean()), 3) if measured.any() else None,
+        "offered_rows_per_s": round(float(rows[measured].sum()) / measure_s, 3),
+        "good_rows_per_s": round(float(rows[good].sum()) / measure_s, 3),
+    }
 
 
 def _add_batch_histogram(report: dict[str, Any], window: StatsWindow | None,

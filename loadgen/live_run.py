@@ -26,6 +26,9 @@ from zserve.loadgen.workload import Workload
 # Rate a single worker is assumed to sustain when --workers auto picks a count (see
 # --max-rate-check for this machine's figure).
 AUTO_WORKER_RATE_RPS = 2000.0
+# The same for an OIP worker (an HTTP or gRPC client costs several times the native one per
+# request; docs/performance.md, "Protocols").
+AUTO_OIP_WORKER_RATE_RPS = 500.0
 # A search probe must plan at least this many measured requests (a 1% bad rate needs 100).
 MIN_MEASURED_REQUESTS = 100
 
@@ -41,6 +44,7 @@ class BenchOptions:
     progress: bool | None
     schedule: schedules.RateSchedule | None
     records: str | None = None  # write each run's per-request records here (.npz)
+    protocol: str = "native"  # or an OIP transport (zserve.loadgen.sender.PROTOCOLS)
 
 
 def _stats_poller(target: Target, plan: LoadPlan) -> StatsPoller:
@@ -94,12 +98,16 @@ def run_once(
     inputs = {target.model_names[w]: t for w, t in target.inputs.items()}
     poller = _stats_poller(target, plan)
     missing = _missing_sources(target)
+    addresses = target.addresses_for(options.protocol)
     try:
         result = run_load(
             plan,
-            target.client_addresses or target.client_address,
+            addresses,
             inputs=inputs,
-            workers=_workers_for(options.workers, plan, len(target.client_addresses)),
+            protocol=options.protocol,
+            workers=_workers_for(options.workers, plan, len(addresses),
+                                 AUTO_WORKER_RATE_RPS if options.protocol == "native"
+                                 else AUTO_OIP_WORKER_RATE_RPS),
             lateness_bound_ms=options.lateness_bound_ms,
             bail=options.bail,
             progress=options.progress,
@@ -118,13 +126,14 @@ def run_once(
     return report
 
 
-def _workers_for(requested: int, plan: LoadPlan, frontends: int = 1) -> int:
-    """``requested``, or (0: auto) one worker per AUTO_WORKER_RATE_RPS of the peak per-second
+def _workers_for(requested: int, plan: LoadPlan, frontends: int = 1,
+                 worker_rate_rps: float = AUTO_WORKER_RATE_RPS) -> int:
+    """``requested``, or (0: auto) one worker per ``worker_rate_rps`` of the peak per-second
     planned rate, at most one per CPU, and at least one per frontend (each worker feeds one)."""
     if requested > 0:
         return requested
     peak = float(np.histogram(plan.times_s, bins=max(1, math.ceil(plan.duration_s)))[0].max())
-    by_rate = min(os.cpu_count() or 1, math.ceil(peak / AUTO_WORKER_RATE_RPS))
+    by_rate = min(os.cpu_count() or 1, math.ceil(peak / worker_rate_rps))
     return max(1, frontends, by_rate)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from zserve.errors import ErrorKind
 from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.schedules import RateSchedule
-from zserve.loadgen.workload import ArrivalSpec, Workload
+from zserve.loadgen.workload import ArrivalSpec, Workload, draw_request_rows
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
@@ -90,7 +90,8 @@ class GeneratorBehindError(GeneratorError):
 class LoadPlan:
     """Every request of a run: ``times_s[i]`` (seconds from the run start, sorted) and
     ``model_index[i]`` into ``models``. Requests planned in ``[measure_start_s, measure_end_s)``
-    are measured; the rest are warmup and cooldown."""
+    are measured; the rest are warmup and cooldown. ``rows[i]``: how many rows request i's
+    inputs hold (None: one each; the workload's ``request_rows``)."""
 
     models: tuple[str, ...]
     slo_ms: tuple[float, ...]
@@ -101,12 +102,15 @@ class LoadPlan:
     duration_s: float
     seed: int = 0
     description: dict[str, Any] = field(default_factory=dict)
+    rows: IntArray | None = None
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.slo_ms):
             raise ValueError("one SLO per model")
         if self.times_s.shape != self.model_index.shape:
             raise ValueError("times_s and model_index must have the same length")
+        if self.rows is not None and self.rows.shape != self.times_s.shape:
+            raise ValueError("rows and times_s must have the same length")
         if len(self.times_s) and np.any(np.diff(self.times_s) < 0):
             raise ValueError("times_s must be sorted")
 
@@ -130,7 +134,9 @@ class LoadPlan:
         return np.bincount(self.model_index[self.measured], minlength=len(self.models))
 
     def subset(self, indices: IntArray) -> LoadPlan:
-        return replace(self, times_s=self.times_s[indices], model_index=self.model_index[indices])
+        rows = None if self.rows is None else self.rows[indices]
+        return replace(self, times_s=self.times_s[indices], model_index=self.model_index[indices],
+                       rows=rows)
 
 
 def build_plan(
@@ -205,7 +211,7 @@ def plan_for_workload(
         schedule = schedules.constant(workload.rate, workload.measure_s)
     if rate_rps is not None:
         schedule = schedule.with_mean_rate(rate_rps)
-    return build_plan(
+    plan = build_plan(
         models=[m.name for m in workload.models],
         slo_ms=[m.slo_ms for m in workload.models],
         shares=workload.shares(),
@@ -219,8 +225,11 @@ def plan_for_workload(
             "arrival": str(workload.arrival),
             "schedule": {"durations_s": list(schedule.durations_s),
                          "rates_rps": list(schedule.rates_rps)},
+            "request_rows": str(workload.request_rows),
         },
     )
+    rows = draw_request_rows(workload.request_rows, workload.seed, len(plan))
+    return plan if rows is None else replace(plan, rows=rows)
 
 
 # --------------------------------------------------------------------------- early stop
@@ -333,7 +342,8 @@ class RunResult:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Per-request records as a ``.npz``: model (index into ``models``), planned, sent and
         reply times (s from the run start), outcome (``Outcome`` values) and error kind (index
-        into ``error_kinds``, -1 none), whether measured, and the run's constants."""
+        into ``error_kinds``, -1 none), whether measured, each request's rows, and the run's
+        constants."""
         np.savez_compressed(
             path,
             models=np.asarray(self.plan.models),
@@ -348,6 +358,8 @@ class RunResult:
             error_kinds=np.asarray(ERROR_KINDS),
             measured=self.plan.measured,
             t0_monotonic=np.float64(self.t0),
+            rows=(self.plan.rows if self.plan.rows is not None
+                  else np.ones(len(self.plan), np.int64)).astype(np.int32),
         )
 
 

@@ -206,6 +206,12 @@ def summary_text(report: dict[str, Any], max_models: int = 12) -> str:
         f"batch median {_fmt(bs['median'])} mean {_fmt(bs['mean'])}  "
         f"gpu busy {_fmt(report['gpu_busy_fraction'], '.3f')}"
     )
+    if report.get("request_rows", "constant:1") != "constant:1":  # requests of several rows
+        lines.append(
+            f"rows per request {report['request_rows']} (mean {_fmt(report.get('mean_rows'))}):"
+            f"  offered {_fmt(report.get('offered_rows_per_s'), '.1f')} rows/s  good "
+            f"{_fmt(report.get('good_rows_per_s'), '.1f')} rows/s (batch sizes count rows)"
+        )
     if "sim_rps_wall" in report:
         lines.append(
             f"simulated {report.get('sim_requests', 0)} requests in {report.get('wall_s', 0):.2f} "

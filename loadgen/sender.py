@@ -51,6 +51,9 @@ from zserve.transport.messages import (
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_dealer
 
+PROTOCOLS = ("native", "http-json", "http-binary", "grpc")
+"""The load generator's ways to send: zserve's client socket, or the frontend's Open Inference
+Protocol servers (``zserve.loadgen.oip_sender``)."""
 # How often a worker publishes its counters, checks the early-stop rule and the stop flag.
 MONITOR_INTERVAL_S = 0.05
 # After the last send, how long to wait for outstanding replies beyond the largest SLO. The
@@ -126,6 +129,9 @@ class WorkerSpec:
     identity: bytes
     reply_grace_s: float = DEFAULT_REPLY_GRACE_S
     bail: BailRule | None = None
+    # "native" (zserve's client socket) or an Open Inference Protocol transport
+    # (zserve.loadgen.sender.PROTOCOLS; ``address`` is then the server's host:port).
+    protocol: str = "native"
 
 
 @dataclass
@@ -140,6 +146,29 @@ class WorkerOutput:
 Monitor = Callable[[IntArray, float], str | None]
 """Called every MONITOR_INTERVAL_S with the worker's counters (models x COUNTERS) and its
 current lag behind schedule in seconds; returns a reason to stop, or None."""
+
+
+def _encoders(spec: WorkerSpec) -> tuple[list[Callable[[int], codec.Frames]], list[int]]:
+    """The request templates' encoders and each request's template: one per model, or with
+    the plan's ``rows`` one per (model, rows), whose inputs repeat the model's one-row inputs
+    that many times along the leading dimension."""
+    plan = spec.plan
+
+    def encoder(m: int, rows: int) -> Callable[[int], codec.Frames]:
+        name = plan.models[m]
+        inputs = spec.inputs.get(name, {})
+        if rows != 1:
+            inputs = {k: np.ascontiguousarray(np.repeat(a[:1], rows, axis=0))
+                      for k, a in inputs.items()}
+        return codec.encoder_for_ids(InferRequest(0, name, inputs, plan.slo_ms[m]))
+
+    if plan.rows is None:
+        return [encoder(m, 1) for m in range(len(plan.models))], plan.model_index.tolist()
+    keys = list(zip(plan.model_index.tolist(), plan.rows.tolist(), strict=True))
+    index: dict[tuple[int, int], int] = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    return [encoder(m, rows) for m, rows in index], [index[key] for key in keys]
 
 
 class _Sender:
@@ -163,13 +192,9 @@ class _Sender:
         slo_s = np.asarray(plan.slo_ms, dtype=np.float64) / 1e3
         self.request_slo_s = slo_s[plan.model_index].tolist()
         self.max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
-        # One request template per model: each request is its template with its own id,
-        # encoded for the cost of packing that id (the inputs are the same arrays every time).
-        self.encoders = [
-            codec.encoder_for_ids(InferRequest(0, name, spec.inputs.get(name, {}),
-                                               plan.slo_ms[m]))
-            for m, name in enumerate(plan.models)
-        ]
+        # One request template per model (and rows per request): each request is its template
+        # with its own id, encoded for the cost of packing that id (the same arrays every time).
+        self.encoders, self.template = _encoders(spec)
         self.sent = [math.nan] * n
         self.replied = [math.nan] * n
         self.outcome = [int(Outcome.UNSENT)] * n
@@ -196,13 +221,14 @@ class _Sender:
         t0, times, n, i = self.t0, self.times, self.n, self.i
         model_index, measured, counters = self.model_index, self.measured, self.counters
         sent, encoders, send_frames = self.sent, self.encoders, socket_io.send_frames_nowait
+        template = self.template
         monotonic = time.monotonic
         burst_end = i + SEND_BURST
         while i < n and i < burst_end and t0 + times[i] <= now:
             m = model_index[i]
             sent[i] = monotonic() - t0
             try:
-                send_frames(sock, encoders[m](i))
+                send_frames(sock, encoders[template[i]](i))
                 self.outstanding += 1
             except zmq.Again:
                 self._refused(i, m)
@@ -318,6 +344,10 @@ class _Sender:
 
 def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     """Send ``spec.plan`` open-loop from ``t0`` on; record every reply."""
+    if spec.protocol != "native":
+        from zserve.loadgen.oip_sender import oip_send_loop
+
+        return oip_send_loop(spec, t0, monitor)
     loop = asyncio.SelectorEventLoop()  # not uvloop: see the module docstring
     try:
         return loop.run_until_complete(_serve(spec, t0, monitor))

@@ -51,7 +51,7 @@ from zserve.loadgen.sim_frontend import (
     frontend_cluster,
 )
 from zserve.loadgen.sim_report import simulation_report, workload_bound_rps
-from zserve.loadgen.workload import Workload
+from zserve.loadgen.workload import Workload, draw_request_rows
 from zserve.policies import SchedulePolicy
 from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.model_thread import ModelThread
@@ -182,6 +182,9 @@ class Simulator:
         self._arrival_order: list[int] = order.tolist()
         self._arrival_times: list[float] = self.arrival_all[order].tolist()
         self._arrival_models = [names[i] for i in self.model_of[order].tolist()]
+        # each request's rows (None: one each); the rows of request k of the arrival order
+        self.rows_all = draw_request_rows(w.request_rows, w.seed, total)
+        self._arrival_rows = None if self.rows_all is None else self.rows_all[order].tolist()
 
     def _build_roles(self, d_ctrl_s: float, d_data_s: float,
                      ) -> tuple[list[ModelThread], RankThread, list[PlanFollower]]:
@@ -297,10 +300,11 @@ class Simulator:
         frontends = self.frontends
         count = len(frontends)
         pos = self._next_arrival
+        rows = self._arrival_rows
         while pos < len(times) and times[pos] == now:
             f = pos % count
             frontend = frontends[f]
-            frontend.admit(now, order[pos], names[pos])
+            frontend.admit(now, order[pos], names[pos], 1 if rows is None else rows[pos])
             self._resched_frontend(f)
             if frontend.meta_unsent:
                 self._tick_started(now, f)
@@ -343,7 +347,7 @@ class Simulator:
         if len(self.models) == 1 or names.count(names[0]) == len(names):
             i = self.index[names[0]]
             self.models[i].on_arrivals(now, meta.frontend, meta.request_ids, meta.arrivals,
-                                       meta.deadlines, outbox)
+                                       meta.deadlines, outbox, rows=meta.rows)
             self._dispatch(now, outbox)
             self._resched_model(i)
             return
@@ -355,7 +359,7 @@ class Simulator:
             self.models[i].on_arrivals(
                 now, meta.frontend, [meta.request_ids[p] for p in positions],
                 [meta.arrivals[p] for p in positions], [meta.deadlines[p] for p in positions],
-                outbox)
+                outbox, rows=[meta.rows[p] for p in positions] if meta.rows else ())
             self._dispatch(now, outbox)
             self._resched_model(i)
 
@@ -422,12 +426,13 @@ class Simulator:
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
-        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + self.d_data_s * len(ids))
+        rows = sum(plan.rows) if plan.rows else len(ids)
+        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + self.d_data_s * rows)
 
     def _check_plan(self, now: float, plan: BatchPlan, ids: np.ndarray[Any, Any]) -> None:
         eps = FEASIBILITY_EPS_S
         i = self.index[plan.model]
-        bs = len(ids)
+        bs = sum(plan.rows) if plan.rows else len(ids)  # in rows
         finish = plan.exec_at + self.w.models[i].profile.latency(bs)
         if plan.exec_at < now - eps:
             self._fail(f"plan {plan.model}#{plan.plan_id} reached GPU {plan.gpu_id} after its "
@@ -493,7 +498,7 @@ class Simulator:
         reach the frontends when it ends."""
         plan = run.plan
         ids = self.request_indexes([plan.request_ids[row] for row in run.rows])
-        bs = len(ids)
+        bs = sum(plan.rows[row] for row in run.rows) if plan.rows else len(ids)  # in rows
         i = self.index[plan.model]
         finish = now + self.w.models[i].profile.latency(bs)
         if self.config.check:

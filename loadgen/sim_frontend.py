@@ -5,7 +5,8 @@ process does (same calls, same messages) for one simulated client whose request 
 simulator's request indexes. The core admits or refuses each arrival, holds the request until a
 follower fetches it, takes the batch outputs, answers drops, backend failures and deadlines (its
 ``wake_at`` timer), and coalesces metadata per tick. Inputs and outputs are empty placeholders
-(``{}``): admission sees 0 bytes and no registered signature, so no tensor is ever built.
+(``{}``, or a request of n rows an ``(n, 0)`` array: its rows and no bytes): admission sees
+0 bytes and no registered signature, so no tensor of any size is ever built.
 
 :class:`AnswerLog` records what the core answered the client, exactly once per request; the
 simulator's report counts outcomes from it. :func:`frontend_cluster` is the ClusterConfig the
@@ -134,6 +135,11 @@ class AnswerLog:
         return {ERROR_KINDS[i]: int(c) for i, c in enumerate(counts) if c}
 
 
+def _rows_placeholder(rows: int) -> dict[str, Any]:
+    """Inputs of ``rows`` rows and no bytes: what the core reads a request's rows from."""
+    return {"rows": np.empty((rows, 0), np.uint8)}
+
+
 class SimFrontend:
     """One simulated frontend: a FrontendCore, its client's answers, its outbox routed.
 
@@ -155,11 +161,13 @@ class SimFrontend:
         self.to_backends: list[tuple[str, Message]] = []
         self._outbox: Outbox = []
 
-    def admit(self, now: float, index: int, model: str) -> None:
-        """Request ``index`` of ``model`` arrives: the core admits it or answers it at once."""
+    def admit(self, now: float, index: int, model: str, rows: int = 1) -> None:
+        """Request ``index`` of ``model``, holding ``rows`` rows, arrives: the core admits it or
+        answers it at once."""
         core = self.core
         outbox = self._outbox
-        core.on_infer(now, CLIENT, InferRequest(index, model, _NO_INPUTS), outbox)
+        inputs = _NO_INPUTS if rows == 1 else _rows_placeholder(rows)
+        core.on_infer(now, CLIENT, InferRequest(index, model, inputs), outbox)
         if outbox:
             self.route(now, outbox)
             return

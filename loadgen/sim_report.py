@@ -21,14 +21,15 @@ if TYPE_CHECKING:
 
 
 def workload_bound_rps(w: Workload) -> float:
-    """The staggered bound of a workload (DESIGN section 3) under its allowances."""
+    """The staggered bound of a workload (DESIGN section 3) under its allowances, in
+    requests/s: the bound in rows/s over the mean rows per request (``request_rows``)."""
     shares = w.shares()
     models = [
         (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
         for m, share in zip(w.models, shares, strict=True)
     ]
-    bound_rps: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
-    return bound_rps
+    bound_rows: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
+    return bound_rows / w.request_rows.mean
 
 
 def simulation_report(sim: Simulator, wall_s: float) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "bailed": sim.bailed,
         "wall_s": round(wall_s, 3),
         "sim_requests": sim.n_requests,
+        **_rows_extra(sim),
         "sim_rps_wall": round(sim.n_requests / wall_s, 1) if wall_s > 0 else None,
         "rank": {
             "grants": rank.n_grants,
@@ -116,6 +118,22 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "frontends": _frontends_extra(sim),
         "allowances_ms": {"d_ctrl": w.d_ctrl_ms, "d_data": w.d_data_ms, "reply": w.reply_ms,
                           "jitter": w.jitter_ms},
+    }
+
+
+def _rows_extra(sim: Simulator) -> dict[str, Any]:
+    """Rows per request and the measure window's rows/s: offered, and answered by the
+    deadline (goodput itself counts requests: a request's rows are answered as one)."""
+    lo_w, hi_w = sim.window
+    in_window = (sim.arrival_all >= lo_w) & (sim.arrival_all < hi_w)
+    rows = sim.rows_all if sim.rows_all is not None else np.ones(sim.n_requests, np.int64)
+    good = in_window & (sim.status == GOOD)
+    measure_s = sim.w.measure_s
+    return {
+        "request_rows": str(sim.w.request_rows),
+        "mean_rows": round(float(rows[in_window].mean()), 3) if in_window.any() else None,
+        "offered_rows_per_s": round(float(rows[in_window].sum()) / measure_s, 3),
+        "good_rows_per_s": round(float(rows[good].sum()) / measure_s, 3),
     }
 
 

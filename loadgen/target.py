@@ -57,6 +57,20 @@ class Target:
     client_addresses: list[str] = field(default_factory=list)
     # The cluster's process ids by name (in-process clusters only), for CPU accounting.
     pids: Callable[[], dict[str, int | None]] | None = None
+    # Each frontend's Open Inference Protocol servers (host:port), by server ("http", "grpc").
+    oip_addresses: dict[str, list[str]] = field(default_factory=dict)
+
+    def addresses_for(self, protocol: str) -> list[str]:
+        """Where a load generator sending by ``protocol`` (``native``, ``http-json``,
+        ``http-binary``, ``grpc``) sends: every frontend that serves it."""
+        if protocol == "native":
+            return self.client_addresses or [self.client_address]
+        server = "grpc" if protocol == "grpc" else "http"
+        addresses = self.oip_addresses.get(server, [])
+        if not addresses:
+            raise ValueError(f"protocol {protocol}: the cluster serves no OIP {server} (set "
+                             f"[frontends] {server}_addresses in its cluster.toml)")
+        return addresses
 
 
 def _example_inputs(signature: Any) -> TensorMap:
@@ -268,4 +282,6 @@ def target_for_cluster(
     target.frontends = [n for r, n, _ in config.process_names() if r == "frontend"]
     target.shards = [n for r, n, _ in config.process_names() if r == "shard"]
     target.pids = cluster.pids
+    target.oip_addresses = {"http": list(cluster.http_addresses),
+                            "grpc": list(cluster.grpc_addresses)}
     return target

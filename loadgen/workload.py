@@ -26,6 +26,10 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     keep_tolerance = 0.05      # window drop: keep a head that still allows a batch whose
                                # per-request cost l(b)/b is within this fraction of the target's
                                # (0: the authors' exact rule)
+    request_rows = { dist = "constant", rows = 1 }   # rows per request (its inputs' leading
+                               # dimension): "constant" (rows), "uniform" (min, max: integers,
+                               # both included) or "choice" (values, optional weights); every
+                               # value 1..each model's max_batch
 
     [[models]]                 # zero or more, after the zoo rows
     name = "ResNet50"
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 from zserve.loadgen.arrivals import popularity_shares
 from zserve.loadgen.zoo import load_zoo_csv
@@ -63,6 +68,105 @@ class WorkloadError(ValueError):
 
 # --------------------------------------------------------------------------- the file's schema
 # Types, required and unknown keys; value checks are in _validate, which overrides go through too.
+
+
+_ROWS_STRUCT: dict[str, Any] = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True,
+                                 "tag_field": "dist"}
+
+
+class ConstantRows(msgspec.Struct, tag="constant", **_ROWS_STRUCT):
+    """``request_rows = { dist = "constant", rows = N }``: every request holds N rows."""
+
+    rows: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, Any]:
+        return np.full(count, self.rows, dtype=np.int64)
+
+    @property
+    def largest(self) -> int:
+        return self.rows
+
+    @property
+    def mean(self) -> float:
+        return float(self.rows)
+
+    def __str__(self) -> str:
+        return f"constant:{self.rows}"
+
+
+class UniformRows(msgspec.Struct, tag="uniform", **_ROWS_STRUCT):
+    """``request_rows = { dist = "uniform", min = A, max = B }``: A..B rows, equally likely."""
+
+    max: Annotated[int, msgspec.Meta(ge=1)]
+    min: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        if self.max < self.min:
+            raise FieldError("max", f"must be >= min ({self.min}), got {self.max}")
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, Any]:
+        return rng.integers(self.min, self.max, size=count, endpoint=True, dtype=np.int64)
+
+    @property
+    def largest(self) -> int:
+        return self.max
+
+    @property
+    def mean(self) -> float:
+        return (self.min + self.max) / 2
+
+    def __str__(self) -> str:
+        return f"uniform:{self.min}-{self.max}"
+
+
+class ChoiceRows(msgspec.Struct, tag="choice", **_ROWS_STRUCT):
+    """``request_rows = { dist = "choice", values = [...], weights = [...] }``: one of
+    ``values`` rows, with ``weights`` (relative; default equal)."""
+
+    values: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1)]
+    weights: list[Annotated[float, msgspec.Meta(ge=0)]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            if len(self.weights) != len(self.values):
+                raise FieldError("weights", f"needs one weight per value ({len(self.values)}), "
+                                 f"got {len(self.weights)}")
+            if not math.isfinite(sum(self.weights)) or sum(self.weights) <= 0:
+                raise FieldError("weights", "must be finite and add up to more than 0")
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray[Any, Any]:
+        weights = None
+        if self.weights is not None:
+            weights = np.asarray(self.weights, dtype=np.float64) / sum(self.weights)
+        return rng.choice(np.asarray(self.values, dtype=np.int64), size=count, p=weights)
+
+    @property
+    def largest(self) -> int:
+        return max(self.values)
+
+    @property
+    def mean(self) -> float:
+        weights = self.weights or [1.0] * len(self.values)
+        return sum(v * w for v, w in zip(self.values, weights, strict=True)) / sum(weights)
+
+    def __str__(self) -> str:
+        return "choice:" + ",".join(map(str, self.values))
+
+
+RequestRows = ConstantRows | UniformRows | ChoiceRows
+"""How many rows each request of a workload holds (``[workload] request_rows``)."""
+ONE_ROW = ConstantRows()
+
+
+def draw_request_rows(spec: RequestRows, seed: int, count: int) -> np.ndarray[Any, Any] | None:
+    """Each of ``count`` requests' rows, from a stream of its own (``seed``: the arrivals'
+    draws are unchanged); None when every request holds one row."""
+    if isinstance(spec, ConstantRows) and spec.rows == 1:
+        return None
+    return spec.draw(np.random.default_rng([seed, ROWS_STREAM]), count)
+
+
+ROWS_STREAM = 0x524F5753  # "ROWS": the request-rows draws' own random stream
 
 
 class WorkloadTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -87,6 +191,7 @@ class WorkloadTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     zoo_csv: str | list[str] | None = None
     max_batch: int = 0  # cap on every model's batch size (0: none)
     keep_tolerance: float = DEFAULT_KEEP_TOLERANCE
+    request_rows: RequestRows = ONE_ROW
 
     def zoo_paths(self) -> list[str]:
         if self.zoo_csv is None:
@@ -185,6 +290,7 @@ class Workload:
     jitter_ms: float = 0.0
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    request_rows: RequestRows = ONE_ROW
 
     @property
     def duration_s(self) -> float:
@@ -252,6 +358,7 @@ def parse_workload(
         keep_tolerance=table.keep_tolerance,
         jitter_ms=table.jitter_ms,
         source=source,
+        request_rows=table.request_rows,
     )
     _validate(workload, source)
     return workload
@@ -335,6 +442,10 @@ def _validate(w: Workload, source: str) -> None:
     for m in w.models:
         if not m.slo_ms > w.reply_ms:
             raise WorkloadError(f"{source}: model {m.name}: slo_ms must exceed reply_ms")
+        if w.request_rows.largest > m.profile.max_batch:
+            raise WorkloadError(
+                f"{source}: workload.request_rows: a request of {w.request_rows.largest} rows "
+                f"exceeds model {m.name}'s max_batch of {m.profile.max_batch}")
     try:
         SchedulePolicy.parse(w.policy, w.drop)
     except ValueError as exc:

@@ -20,6 +20,7 @@ from bisect import bisect_left
 
 from zserve.policies import (
     DROP_FCFS,
+    DROP_WINDOW,
     KIND_DEFERRED,
     KIND_EAGER,
     KIND_FRONTRUN,
@@ -45,6 +46,9 @@ class CandidateSizing:
     _rid: list[int]
     _fe: list[int]
     _arr: list[float]
+    # each request's rows, parallel to the lists above; None while every request holds one
+    # row (then the sizing below counts requests, which are rows, on its unchanged fast path)
+    _rows: list[int] | None
     _head: int
     # hot-path caches of the profile and policy
     _profile: LatencyProfile
@@ -66,9 +70,12 @@ class CandidateSizing:
     _defer_shared: bool
     miss_margin_s: float
     # the candidate as last computed
-    cand_bs: int
+    cand_bs: int  # in rows
+    cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
     cand_exec: float
     cand_latest: float
+    n_arrived: int  # requests
+    n_extra_rows: int  # their rows beyond one each
     _cand_deferred: bool
     wake_at: float
 
@@ -163,6 +170,101 @@ class CandidateSizing:
             bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
         return head, bs
 
+    def _size_rows(self, start: float, gpu_free_at: float) -> tuple[int, int, int]:
+        """Both drop policies when requests hold several rows (``_rows``): the new head, and
+        the batch ``[head:head + count]`` and its rows. A batch is a prefix of the queue in
+        deadline order and never splits a request: one that does not fit the rows left waits,
+        with everything behind it, for the next batch. The head stays while a batch of the
+        rows it must be able to go with is feasible: ``keep_min`` rows or all that is queued
+        if fewer (window drop; the one-row rule's ``min(keep_min, queued)``), 1 for the
+        others, and never fewer than the head's own rows, so a head of n rows goes whenever
+        n alone fits. Then the batch grows request by request up to ``max_batch`` rows (FCFS:
+        the target) while it still finishes by the head's deadline."""
+        dl = self._dl
+        sizes = self._rows
+        assert sizes is not None
+        head = self._head
+        size = len(dl)
+        table = self._table
+        d_data = self.d_data_s
+        max_batch = self._max_batch
+        earliest = start + d_data
+        earliest = gpu_free_at if gpu_free_at > earliest else earliest
+        threshold = earliest + table[1]
+        if dl[head] < threshold:  # what cannot finish even as one row: drop in bulk
+            head = bisect_left(dl, threshold, head, size)
+        floor = self.keep_min if self._drop == DROP_WINDOW else 1
+        while head < size:
+            first = sizes[head]
+            if first <= max_batch:
+                rows = self._rows_up_to(head, floor) if floor > first else first
+                earliest = start + d_data * rows
+                earliest = gpu_free_at if gpu_free_at > earliest else earliest
+                if dl[head] >= earliest + table[rows]:
+                    break
+            head += 1
+        else:
+            return head, 0, 0
+        cap = max_batch
+        if self._drop == DROP_FCFS:
+            cap = self.target if self.target < cap else cap
+            cap = first if first > cap else cap
+        return head, *self._grow_rows(head, 1, first, cap=cap, start=start,
+                                      gpu_free_at=gpu_free_at)
+
+    def _rows_up_to(self, head: int, need: int) -> int:
+        """``need`` rows (at most ``max_batch``), or fewer when the queue from ``head`` holds
+        fewer: the batch size the window rule checks the head with, whatever the requests'
+        sizes."""
+        sizes = self._rows
+        assert sizes is not None
+        need = self._max_batch if self._max_batch < need else need
+        rows = 0
+        stop = head
+        size = len(sizes)
+        while stop < size and rows < need:
+            rows += sizes[stop]
+            stop += 1
+        return need if rows > need else rows
+
+    def _next_rows(self, stop: int, rows: int) -> int:
+        """The rows the request after a batch ``[head:stop]`` of ``rows`` rows would add: the
+        queued one's, else the mean rows per request so far (at least 1); capped where l(b) is
+        infinite (``max_batch + 1``)."""
+        sizes = self._rows
+        assert sizes is not None
+        if stop < len(sizes):
+            grow = sizes[stop]
+        else:
+            arrived = self.n_arrived
+            grow = round((arrived + self.n_extra_rows) / arrived) if arrived else 1
+        limit = self._max_batch + 1 - rows
+        grow = limit if limit < grow else grow
+        return grow if grow > 1 else 1
+
+    def _grow_rows(self, head: int, count: int, rows: int, *, cap: int, start: float,
+                   gpu_free_at: float) -> tuple[int, int]:
+        """Add whole requests after ``[head:head + count]`` while the batch stays within
+        ``cap`` rows and finishes by the head's deadline (feasibility is monotone in rows)."""
+        sizes = self._rows
+        assert sizes is not None
+        deadline = self._dl[head]
+        table = self._table
+        d_data = self.d_data_s
+        stop = head + count
+        size = len(sizes)
+        while stop < size:
+            grown = rows + sizes[stop]
+            if grown > cap:
+                break
+            earliest = start + d_data * grown
+            earliest = gpu_free_at if gpu_free_at > earliest else earliest
+            if deadline < earliest + table[grown]:
+                break
+            rows = grown
+            stop += 1
+        return stop - head, rows
+
     def _grow(self, deadline: float, bs: int, cap: int, start: float, gpu_free_at: float) -> int:
         """The largest b in [bs, cap] whose batch still finishes by ``deadline`` (feasibility is
         monotone in b). ``start`` is now + d_ctrl."""
@@ -192,12 +294,16 @@ class CandidateSizing:
             del self._rid[:head]
             del self._fe[:head]
             del self._arr[:head]
+            if self._rows is not None:
+                del self._rows[:head]
             self._head = head = 0
         return head
 
-    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int) -> None:
+    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int, grow: int = 1) -> None:
         """Set the candidate ``[head:head + bs]``: its exec time by the policy's kind, clamped
-        into [earliest, latest], and the wake-up at its last grantable moment."""
+        into [earliest, latest], and the wake-up at its last grantable moment. ``grow``: the
+        rows the next request would add (frontrun: the last moment it could still join,
+        ``d - l(bs + grow)``; at most ``max_batch + 1 - bs``, where l is infinite)."""
         deadline = self._dl[head]
         table = self._table
         delay = self.d_ctrl_s + self.d_data_s * bs
@@ -210,12 +316,12 @@ class CandidateSizing:
             if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
                 exec_at = earliest
             elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
-                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + 1]
+                exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
                 deferred = True
             else:  # staggered: a missed window is the stagger at work; the authors' aim
-                exec_at = deadline - self.jitter_s - table[bs + 1]
+                exec_at = deadline - self.jitter_s - table[bs + grow]
         elif kind == KIND_FRONTRUN:
-            exec_at = deadline - self.jitter_s - table[bs + 1]
+            exec_at = deadline - self.jitter_s - table[bs + grow]
         elif kind == KIND_EAGER:
             exec_at = earliest
         elif kind == KIND_LATEST:

@@ -4,8 +4,8 @@ See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> ModelThread):
 
-- ``on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox)``: a chunk of this model's
-  requests from one frontend, parallel lists as in ``RequestMetaBatch`` (use
+- ``on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox, rows=...)``: a chunk of
+  this model's requests from one frontend, parallel lists as in ``RequestMetaBatch`` (use
   ``common.split_meta_by_model`` to cut a RequestMetaBatch into per-model chunks). One candidate
   update per chunk, not per request.
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
@@ -28,8 +28,15 @@ when not granting), ``earliest = max(now + delay(bs), gpu_free_at)``, ``latest =
 ``[earliest, latest]``. The ModelThread wakes at ``latest - delay(bs)`` (plus TIMER_SLACK_S), the
 last moment the candidate can still be granted, and re-evaluates (drops heads, shrinks the batch).
 
+Rows: a request holds n >= 1 rows (its inputs' leading dimension). Batch sizes count rows: the
+candidate's ``batch_size``, l(b), delay(b), the target and ``keep_min``, the rate meter
+(rows/s) and ``max_batch``. A batch is ``[head:head + count]`` of the queue and never splits a
+request (``CandidateSizing._size_rows``). While every queued request holds one row the queue
+keeps no rows list at all (``_rows`` is None) and every path below is the one-row path.
+
 The queue is a struct of arrays: parallel lists of deadlines, request ids, frontend indexes and
-arrival times, sorted by deadline, with a moving head index. A chunk that arrives in deadline order
+arrival times (and rows, once a request of several arrived), sorted by deadline, with a moving
+head index. A chunk that arrives in deadline order
 after the queue's tail (the common case: one frontend, one SLO) is appended with four
 ``list.extend`` calls and no per-request object at all; an out-of-order chunk is merged by a sort
 of the live tail. All drops happen at the head (bulk drops find their end by bisection), so a
@@ -158,6 +165,7 @@ class ModelThread(CandidateSizing):
         # counters (for stats and tests)
         self.n_window_misses = 0
         self.n_arrived = 0
+        self.n_extra_rows = 0  # rows arrived beyond one per request
         self.n_dropped = 0
         self.n_cancelled = 0
         self.n_planned = 0
@@ -171,11 +179,13 @@ class ModelThread(CandidateSizing):
         self._rid: list[int] = []
         self._fe: list[int] = []  # frontend index
         self._arr: list[float] = []
+        self._rows: list[int] | None = None  # None: every queued request holds one row
         self._head = 0
 
     def _clear_candidate(self) -> None:
         # the candidate as last computed, and as last sent to the rank (None: rank has none)
         self.cand_bs = 0
+        self.cand_count = 0
         self.cand_exec = 0.0
         self.cand_latest = 0.0
         self._sent: tuple[int, float, float] | None = None
@@ -230,6 +240,13 @@ class ModelThread(CandidateSizing):
     def queue_length(self) -> int:
         return len(self._dl) - self._head
 
+    @property
+    def queued_rows(self) -> int:
+        """The rows of the queued requests (``queue_length`` when each holds one)."""
+        if self._rows is None:
+            return len(self._dl) - self._head
+        return sum(self._rows[self._head:])
+
     def take_queued(self, now: float, outbox: Outbox) -> dict[str, list[int]]:
         """Remove every queued request; return their ids by frontend (for a host that stops
         scheduling them, e.g. a draining shard answering them itself). The candidate goes with
@@ -262,6 +279,9 @@ class ModelThread(CandidateSizing):
         self._rid = [rid[i] for i in keep]
         self._fe = [fe[i] for i in keep]
         self._arr = [self._arr[i] for i in keep]
+        if self._rows is not None:
+            sizes = self._rows
+            self._rows = [sizes[i] for i in keep]
         self._head = 0
         self.n_cancelled += removed
         self._update(now, _NEG_INF, outbox)
@@ -285,11 +305,16 @@ class ModelThread(CandidateSizing):
         arrivals: Sequence[float],
         deadlines: Sequence[float],
         outbox: Outbox,
+        rows: Sequence[int] = (),
     ) -> None:
-        """Enqueue a chunk of requests from ``frontend`` (parallel sequences)."""
+        """Enqueue a chunk of requests from ``frontend`` (parallel sequences; ``rows``: each
+        request's rows, empty when each holds one)."""
         count = len(request_ids)
         if count == 0:
             return
+        arrived = count  # rows
+        if rows:
+            rows, arrived = self._note_rows(rows, count)
         fidx = self._frontend_index.get(frontend)
         if fidx is None:
             fidx = self._frontend_index[frontend] = len(self._frontends)
@@ -305,6 +330,10 @@ class ModelThread(CandidateSizing):
             self._rid.extend(request_ids)
             self._fe.extend([fidx] * count)
             self._arr.extend(arrivals)
+            if self._rows is not None:
+                self._rows.extend(rows or [1] * count)
+        elif self._rows is not None:
+            self._merge_rows(fidx, request_ids, arrivals, deadlines, rows or [1] * count)
         else:  # several frontends or per-request SLOs: merge the live tail (timsort, two runs)
             head = self._head
             merged = list(
@@ -319,11 +348,39 @@ class ModelThread(CandidateSizing):
             self._head = 0
         self.n_arrived += count
         meter = self._meter
-        if meter.add(now, count):
+        if meter.add(now, arrived):
             self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
                                                self.d_data_s))
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def _note_rows(self, rows: Sequence[int], count: int) -> tuple[Sequence[int], int]:
+        """A chunk's rows list: ``()`` while it and the queue hold one row per request (the
+        one-row path), else itself, with the rows list started; and the chunk's rows."""
+        if self._rows is None:
+            if rows.count(1) == count:
+                return (), count
+            self._rows = [1] * len(self._dl)  # the first request of several rows
+        arrived = sum(rows)
+        self.n_extra_rows += arrived - count
+        return rows, arrived
+
+    def _merge_rows(self, fidx: int, request_ids: Sequence[int], arrivals: Sequence[float],
+                    deadlines: Sequence[float], rows: Sequence[int]) -> None:
+        """``on_arrivals``' merge of an out-of-order chunk, with the rows list."""
+        head = self._head
+        assert self._rows is not None
+        merged = list(zip(self._dl[head:], self._rid[head:], self._fe[head:], self._arr[head:],
+                          self._rows[head:], strict=True))
+        merged.extend(zip(deadlines, request_ids, repeat(fidx, len(request_ids)), arrivals, rows,
+                          strict=True))
+        merged.sort()
+        self._dl = [e[0] for e in merged]
+        self._rid = [e[1] for e in merged]
+        self._fe = [e[2] for e in merged]
+        self._arr = [e[3] for e in merged]
+        self._rows = [e[4] for e in merged]
+        self._head = 0
 
     def on_timer(self, now: float, outbox: Outbox) -> None:
         if now < self.wake_at:
@@ -372,10 +429,13 @@ class ModelThread(CandidateSizing):
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
         head = self._head
-        stop = head + bs
+        sizes = self._rows
+        count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
+        stop = head + count
         request_ids = self._rid[head:stop]
         fe = self._fe[head:stop]
         finish_by = self._dl[head:stop]  # each request's deadline d (latest = d - l(bs))
+        plan_rows = [] if sizes is None else sizes[head:stop]
         # a grant pops the head like a drop does: compact here too, or the lists grow forever
         self._advance_head(stop)
         exec_at = self.cand_exec
@@ -391,9 +451,10 @@ class ModelThread(CandidateSizing):
             request_frontend=request_frontend,
             request_ids=request_ids,
             finish_by=finish_by,
+            rows=plan_rows,
             epoch=self.epoch,
         )
-        self.n_planned += bs
+        self.n_planned += count
         self.n_batches += 1
         outbox.append(((DEST_BACKEND, gpu_id), plan))
         outbox.append((TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, True, finish_at)))
@@ -421,6 +482,9 @@ class ModelThread(CandidateSizing):
 
         ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on this hot
         path), and ``b if b < a else a`` for ``min(a, b)``."""
+        if self._rows is not None:
+            self._update_rows(now, gpu_free_at, outbox)
+            return
         head0 = self._head
         if len(self._dl) == head0:
             self.cand_bs = 0
@@ -439,6 +503,26 @@ class ModelThread(CandidateSizing):
             self.wake_at = math.inf
             return
         self._aim(now, gpu_free_at, head, bs)
+
+    def _update_rows(self, now: float, gpu_free_at: float, outbox: Outbox) -> None:
+        """``_update`` while requests of several rows are queued: the batch in rows
+        (``_size_rows``), its request count in ``cand_count``."""
+        head0 = self._head
+        if len(self._dl) == head0:
+            self.cand_bs = self.cand_count = 0
+            self.wake_at = math.inf
+            self._clear_queue()  # back to the one-row path until a multi-row arrival
+            return
+        head, count, bs = self._size_rows(now + self.d_ctrl_s, gpu_free_at)
+        if head != head0:
+            self._emit_drops(head0, head, outbox)
+            head = self._advance_head(head)
+        self.cand_count = count
+        if bs == 0:
+            self.cand_bs = 0
+            self.wake_at = math.inf
+            return
+        self._aim(now, gpu_free_at, head, bs, self._next_rows(head + count, bs))
 
     def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:
         ids = self._rid[start:stop]

@@ -55,13 +55,13 @@ import zmq
 from zserve import control_link
 from zserve.clock import ClusterClock
 from zserve.config import ClusterConfig, ModelConfig
-from zserve.errors import ErrorKind, ZServeError
+from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.policies import SchedulePolicy
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.role_runner import cancel_all, spawn
-from zserve.scheduler.common import split_meta_by_model
+from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_process import RankHost
 from zserve.scheduler.sent_plans import SentPlans
@@ -270,8 +270,8 @@ class ShardHost:
     def _on_frontend_chunk(self, chunk: Chunk) -> None:
         now = self.clock.now()
         outbox: Outbox = []
-        # (model, data address) -> (ids, arrivals, deadlines), merged over the whole chunk
-        arrivals: dict[tuple[str, str], tuple[list[int], list[float], list[float]]] = {}
+        # (model, data address) -> (ids, arrivals, deadlines, rows), merged over the whole chunk
+        arrivals: dict[tuple[str, str], MetaChunk] = {}
         # (model, data address) -> cancelled ids, applied after the arrivals (a request may be
         # admitted and cancelled in one frontend tick: its metadata comes first)
         cancels: dict[tuple[str, str], list[int]] = {}
@@ -280,7 +280,7 @@ class ShardHost:
             if self._ignored(msg):
                 continue
             if type(msg) is RequestMetaBatch:
-                self._merge_meta(now, identity, msg, arrivals)
+                self._take_meta(now, identity, msg, arrivals)
             elif type(msg) is CancelQueued:
                 assert isinstance(msg, CancelQueued)
                 for rid, model in zip(msg.request_ids, msg.models, strict=True):
@@ -290,7 +290,7 @@ class ShardHost:
                 self._send(self.sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif type(msg) not in (Hello, Heartbeat):
                 log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
-        for (model, address), (ids, arr, dls) in arrivals.items():
+        for (model, address), (ids, arr, dls, rows) in arrivals.items():
             thread = self.threads.get(model)
             refusal = self._refusal(model, thread)
             if refusal is not None:
@@ -298,10 +298,30 @@ class ShardHost:
                 self._drop_now(address, ids, kind, why)
                 continue
             assert thread is not None
-            thread.on_arrivals(now, address, ids, arr, dls, outbox)
+            thread.on_arrivals(now, address, ids, arr, dls, outbox, rows=rows)
             self._dirty.add(model)
         self._cancel_queued(now, cancels, outbox)
         self._flush(outbox)
+
+    def _take_meta(self, now: float, identity: bytes, msg: RequestMetaBatch,
+                   arrivals: dict[tuple[str, str], MetaChunk]) -> None:
+        """Merge a frontend's RequestMetaBatch into this chunk's ``arrivals``."""
+        if msg.rows and len(msg.rows) != len(msg.request_ids):
+            self._on_bad(ProtocolError(f"RequestMetaBatch: {len(msg.rows)} rows for "
+                                       f"{len(msg.request_ids)} requests"))
+            return
+        self.counters["meta_batches"] += 1
+        self.counters["requests"] += len(msg.request_ids)
+        address = msg.frontend
+        if msg.arrivals:  # admission of the tick's last request -> here
+            self._meta_delay.observe(now - max(msg.arrivals))
+        self.frontends[address] = identity
+        for model, part in split_meta_by_model(msg).items():
+            entry = arrivals.get((model, address))
+            if entry is None:
+                arrivals[(model, address)] = part
+            else:
+                extend_chunk(entry, part)
 
     def _cancel_queued(self, now: float, cancels: dict[tuple[str, str], list[int]],
                        outbox: Outbox) -> None:
@@ -361,25 +381,6 @@ class ShardHost:
             elif type(msg) is not Heartbeat:
                 log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
         self._flush(outbox)
-
-    def _merge_meta(self, now: float, identity: bytes, msg: RequestMetaBatch,
-                    arrivals: dict[tuple[str, str], tuple[list[int], list[float], list[float]]],
-                    ) -> None:
-        """Add one frontend's metadata to the chunk's ``arrivals`` by (model, data address)."""
-        self.counters["meta_batches"] += 1
-        self.counters["requests"] += len(msg.request_ids)
-        address = msg.frontend
-        if msg.arrivals:  # admission of the tick's last request -> here
-            self._meta_delay.observe(now - max(msg.arrivals))
-        self.frontends[address] = identity
-        for model, (ids, arr, dls) in split_meta_by_model(msg).items():
-            entry = arrivals.get((model, address))
-            if entry is None:
-                arrivals[(model, address)] = (ids, arr, dls)
-            else:
-                entry[0].extend(ids)
-                entry[1].extend(arr)
-                entry[2].extend(dls)
 
     def _ignored(self, msg: Message) -> bool:
         """Requests a standby ignores, and metadata of an older epoch than this embedded

@@ -115,7 +115,7 @@ def test_scheduler_ignores_metadata_of_an_older_epoch(tmp_path: Path) -> None:
         shard = h.dealer(ready.endpoints["shard"], "frontend-0")
         for rid, epoch in ((1, hello.epoch - 1), (2, hello.epoch)):
             shard.send(RequestMetaBatch("ipc://frontend-0.data", [rid], ["emu"], [0.0], [1e9],
-                                        epoch))
+                                        epoch=epoch))
         _, drop = shard.expect(DropNotice)  # no backend: the current one is refused at once
         assert drop.request_ids == [2] and drop.error == "UNAVAILABLE"
         shard.send(StatsRequest(reset=False))

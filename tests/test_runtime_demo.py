@@ -21,7 +21,10 @@ START_RPS = 100.0
 
 
 def test_demo_bound_comes_from_the_profile_measured_at_start_up() -> None:
-    config = parse_config(demo.DEMO_CONFIG)
+    # The demo's OIP servers on ports the kernel picks: tests never take fixed ports.
+    frontends = {**demo.DEMO_CONFIG["frontends"], "http_addresses": ["127.0.0.1:0"],
+                 "grpc_addresses": ["127.0.0.1:0"]}
+    config = parse_config({**demo.DEMO_CONFIG, "frontends": frontends})
     model = config.models[0]
     assert model.alpha_ms is None and model.profile is None  # nothing configured: measured
     with Cluster(config) as cluster:

@@ -291,9 +291,9 @@ def test_wake_at_is_last_grantable_moment_and_timer_reevaluates() -> None:
 def test_split_meta_by_model() -> None:
     meta = RequestMetaBatch("fe", [1, 2, 3], ["a", "b", "a"], [0.0, 0.1, 0.2], [1.0, 1.1, 1.2])
     split = split_meta_by_model(meta)
-    assert split == {"a": ([1, 3], [0.0, 0.2], [1.0, 1.2]), "b": ([2], [0.1], [1.1])}
+    assert split == {"a": ([1, 3], [0.0, 0.2], [1.0, 1.2], []), "b": ([2], [0.1], [1.1], [])}
     same = RequestMetaBatch("fe", [1, 2], ["a", "a"], [0.0, 0.1], [1.0, 1.1])
-    assert split_meta_by_model(same) == {"a": ([1, 2], [0.0, 0.1], [1.0, 1.1])}
+    assert split_meta_by_model(same) == {"a": ([1, 2], [0.0, 0.1], [1.0, 1.1], [])}
 
 
 def test_jitter_allowance_moves_frontrun_and_latest_policy_earlier() -> None:

@@ -119,6 +119,10 @@ class RequestMetaBatch(Message, frozen=True, tag="meta"):
     models: list[str]
     arrivals: list[float]
     deadlines: list[float]
+    # Each request's rows (the leading dimension of its inputs, 1..the model's max batch).
+    # Empty: every request holds one row (the common case costs one byte per message, nothing
+    # per request); otherwise exactly one entry per request (a shard refuses another length).
+    rows: list[int] = msgspec.field(default_factory=list)
     # The newest scheduler epoch the frontend had heard of when it sent this: a scheduler of a
     # newer epoch ignores it, since the frontend re-sends what is still queued on hearing that
     # epoch (messages queued for a dead scheduler must not be planned twice).
@@ -220,6 +224,9 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     request_frontend: list[int]
     request_ids: list[int]
     finish_by: list[float] = msgspec.field(default_factory=list)
+    # Each request's rows, as in RequestMetaBatch (empty: one each). The batch holds their sum,
+    # at most the model's max batch; its l(b) and late shedding count rows.
+    rows: list[int] = msgspec.field(default_factory=list)
     # The scheduler epoch that made the plan: a backend that has seen a newer epoch refuses it
     # (``zserve.epochs``: a superseded scheduler never dispatches).
     epoch: int = 0

@@ -13,9 +13,11 @@
 
 One connection (a DEALER) carries any number of requests in flight; replies are matched to
 requests by a per-connection id. A request's inputs are ``{input name: array}`` with a leading
-batch dimension of 1 (one request is one sample); numpy arrays, CPU or CUDA torch tensors and
-CuPy arrays are accepted (device arrays are staged to host once, by the codec). Outputs are
-read-only numpy arrays over the received frames (no copy); ``np.array(x)`` makes a writable one.
+dimension of n rows, the same in every input (1 <= n <= the model's max batch; a request is
+never split across batches), and its outputs have the same n rows; numpy arrays, CPU or CUDA
+torch tensors and CuPy arrays are accepted (device arrays are staged to host once, by the
+codec). Outputs are read-only numpy arrays over the received frames (no copy); ``np.array(x)``
+makes a writable one.
 
 Errors are typed (``zserve.errors``): every terminal answer the frontend sends becomes its
 ``ZServeError`` subclass. ``infer`` retries automatically only when the error proves the request

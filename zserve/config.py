@@ -11,8 +11,10 @@ What a process gets: every role's entry point is ``run_<role>(config, control_ad
 :func:`role_config`.
 
 Socket names in ``bind`` and in the peer map: rank ``rank``; shard ``shard`` (and ``rank`` when
-embedded); backend ``plan``; frontend ``client`` and ``data``. With ``shards = 0`` the one
-scheduler process is named ``shard-0`` and serves both ``shard-0/shard`` and ``shard-0/rank``.
+embedded); backend ``plan``; frontend ``client`` and ``data``, and ``http`` / ``grpc``
+(``host:port``) where its Open Inference Protocol servers are configured. With ``shards = 0``
+the one scheduler process is named ``shard-0`` and serves both ``shard-0/shard`` and
+``shard-0/rank``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
 _DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
+_HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})$")
 
 
 class ConfigError(SchemaError):
@@ -207,12 +210,32 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                          "scheduler processes")
 
 
+def _check_host_ports(key: str, addresses: tuple[str, ...], limit: int) -> None:
+    """``host:port`` addresses (port 0: the kernel picks), at most ``limit``, no port twice."""
+    ports: set[tuple[str, int]] = set()
+    for i, address in enumerate(addresses):
+        match = _HOST_PORT_RE.match(address)
+        if match is None or int(match.group(2)) > 65535:
+            raise FieldError(f"{key}[{i}]", f"must be host:port (e.g. 127.0.0.1:8000; port 0 "
+                             f"picks a free one), got {address!r}")
+        host_port = (match.group(1), int(match.group(2)))
+        if host_port[1] and host_port in ports:
+            raise FieldError(f"{key}[{i}]", f"{address} is already another frontend's: each "
+                             "frontend needs its own port")
+        ports.add(host_port)
+    if len(addresses) > limit:
+        raise FieldError(key, "more addresses than frontends.count")
+
+
 class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[frontends]``."""
 
     count: Count = 1
     addresses: tuple[str, ...] = ()  # client ROUTER bind addresses, one per frontend
     data_addresses: tuple[str, ...] = ()  # data ROUTER bind addresses, one per frontend
+    # Open Inference Protocol servers (zserve.oip_server), host:port per frontend; none: off.
+    http_addresses: tuple[str, ...] = ()
+    grpc_addresses: tuple[str, ...] = ()
     reply_allowance_ms: float = DEFAULT_REPLY_ALLOWANCE_MS
     max_request_bytes: Count = DEFAULT_MAX_REQUEST_BYTES
 
@@ -220,6 +243,8 @@ class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         check_finite("reply_allowance_ms", self.reply_allowance_ms)
         _check_addresses("addresses", self.addresses, self.count, "frontends.count")
         _check_addresses("data_addresses", self.data_addresses, self.count, "frontends.count")
+        _check_host_ports("http_addresses", self.http_addresses, self.count)
+        _check_host_ports("grpc_addresses", self.grpc_addresses, self.count)
 
 
 class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -407,6 +432,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 "client": clients[index] if index < len(clients) else None,
                 "data": datas[index] if index < len(datas) else None,
             }
+            # The OIP servers listen only where configured (host:port, not a ZeroMQ address).
+            for server in ("http", "grpc"):
+                oip = getattr(self.frontends, f"{server}_addresses")
+                if index < len(oip):
+                    sockets[server] = oip[index]
         else:
             raise ValueError(f"unknown role {role!r}")
         host = (self.backends.host or self.host) if role == "backend" else self.host

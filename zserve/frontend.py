@@ -35,13 +35,15 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from zserve import control_link, keys, peer_map, role_runner
+from zserve import control_link, keys, peer_map, readiness, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
 from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
+from zserve.oip_bridge import OIP_CLIENT, OipBridge
+from zserve.oip_server import OipServers
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.request_ids import new_incarnation
 from zserve.rolecli import role_config_from_args, role_parser
@@ -51,11 +53,14 @@ from zserve.transport.messages import (
     BackendTable,
     BatchFailed,
     BatchOutputs,
+    ClientHello,
     ClusterStatsRequest,
     DropNotice,
     Heartbeat,
     Hello,
+    InferAnswers,
     InferError,
+    InferRequest,
     InputFetch,
     Message,
     StatsReply,
@@ -148,6 +153,8 @@ class FrontendHost:
         self.fence = EpochFence()
         self._heartbeat: asyncio.Task[None] | None = None
         self.endpoints: dict[str, str] = {}
+        # The Open Inference Protocol servers' way in (zserve.oip_bridge).
+        self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -207,6 +214,12 @@ class FrontendHost:
             reactor.watch(sock, router=False, on_chunk=functools.partial(self._on_scheduler, name),
                           on_bad=lambda exc: self._malformed("scheduler", exc))
         reactor.watch_frames(self.client_sock, on_frames=self._on_client)
+        # OIP requests are answered like a client that takes one InferAnswers per tick.
+        outbox: Outbox = []
+        self.core.on_client_message(self.clock.now(), OIP_CLIENT,
+                                    ClientHello(accepts=[InferAnswers.KIND]), outbox)
+        self._after(outbox)
+        self.oip.open(loop)
         self._heartbeat = loop.create_task(self._heartbeat_loop(), name="scheduler-heartbeat")
 
     async def _heartbeat_loop(self) -> None:
@@ -277,6 +290,9 @@ class FrontendHost:
     def _send_to(self, destination: Destination, msg: Message) -> BaseException | None:
         kind, target = destination
         assert self._reactor is not None
+        if kind == TO_CLIENT and target == OIP_CLIENT:
+            self.oip.deliver(msg)
+            return None
         if kind == TO_CLIENT:
             assert isinstance(target, bytes) and self.client_sock is not None
             try:
@@ -389,6 +405,21 @@ class FrontendHost:
                     del self._client_fd[identity]
                     self.core.client_gone(identity)
         self._after([])
+
+    def _admit_oip(self, requests: list[InferRequest]) -> None:
+        if self._closed:
+            return
+        outbox: Outbox = []
+        now = self.clock.now()
+        for request in requests:
+            self.core.on_infer(now, OIP_CLIENT, request, outbox)
+        self._after(outbox)
+
+    def _cancel_oip(self, request_id: int) -> None:
+        if not self._closed:
+            outbox: Outbox = []
+            self.core.on_cancel(self.clock.now(), OIP_CLIENT, request_id, outbox)
+            self._after(outbox)
 
     # ------------------------------------------------------------------ scheduler and backends
 
@@ -539,6 +570,10 @@ class FrontendHost:
         out["clock"] = self.clock.stats()
         out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
         keys.count_auth_failed(self.ctx, out["counters"], reset)
+        # What the health endpoints answer (zserve.readiness), for status and metrics readers.
+        out["ready"] = self.oip.ready()
+        out["unready_models"] = readiness.unready_models(self.core.models,
+                                                         self.core.backend_models)
         return out
 
 
@@ -580,8 +615,12 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         on_message=frontend.on_control_message,
     )
     clock_sync: ClockSync | None = None
+    oip = OipServers(frontend.oip, http=config.bind.get("http"),
+                     grpc_address=config.bind.get("grpc"),
+                     max_request_bytes=frontend.cluster.frontends.max_request_bytes)
     try:
         endpoints = frontend.bind()
+        endpoints.update(await oip.start())
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
@@ -598,11 +637,14 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
                  control.drain.reason, len(frontend.core.pending), drain_s)
         await control.drain.grace(frontend.idle)
         frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
+        frontend.oip.close(f"frontend {frontend.name} shut down")
+        await oip.stop()
         log.info("%s: stopped; counters %s", frontend.name,
                  {key: value for key, value in frontend.counters.items() if value})
     finally:
         if clock_sync is not None:
             await clock_sync.close()
+        await oip.stop()
         frontend.close()
         await control.close()
         keys.release_role_context(ctx)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from zserve.config import ModelConfig
+from zserve.errors import BadRequestError, TooLargeError
 from zserve.profiles import LatencyProfile
 from zserve.signature import ModelSignature
 
@@ -21,7 +22,8 @@ RequestSpec = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
 
 
 class ModelAdmission:
-    """Per-model admission state: the queued bound, the predicted-wait bound, the signature."""
+    """Per-model admission state: the queued bound, the predicted-wait bound, the signature.
+    ``pending`` and ``max_queue`` count rows (a request of n rows is n of them)."""
 
     __slots__ = (
         "_capacity",
@@ -69,6 +71,35 @@ class ModelAdmission:
         self.signature = ModelSignature.from_dict(wire)
         self.signature_wire = wire
         self.request_spec = request_spec(self.signature, max_request_bytes)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one request may hold: the model's max batch (a request is never split
+        across batches), the smaller of the configured one and its profile's."""
+        limit = self.config.max_batch
+        if self._profile is not None and self._profile.max_batch < limit:
+            limit = self._profile.max_batch
+        return limit
+
+    def request_rows(self, inputs: dict[str, Any], max_request_bytes: int) -> int:
+        """The rows of request ``inputs`` if its inputs may be admitted (size bound, signature,
+        rows within ``max_rows``); raises ``TooLargeError`` or ``BadRequestError`` otherwise."""
+        spec = self.request_spec
+        if spec is not None and matches_spec(inputs, spec):
+            return 1  # the one-row form the model takes: every input check passes
+        nbytes = sum(int(a.nbytes) for a in inputs.values())
+        if nbytes > max_request_bytes:
+            raise TooLargeError(f"inputs of {nbytes} bytes exceed {max_request_bytes}")
+        if self.signature is not None:
+            return self.signature.validate_request(inputs, max_rows=self.max_rows)
+        # No signature registered yet (the backend validates): the rows must still agree.
+        leading = {tuple(getattr(a, "shape", (1,))[:1]) or (0,) for a in inputs.values()}
+        leading = leading or {(1,)}  # no inputs at all: the backend judges them
+        rows = leading.pop()[0] if len(leading) == 1 else -1
+        if not 1 <= rows <= self.max_rows:
+            raise BadRequestError(f"model {self.config.name!r}: inputs must share one leading "
+                                  f"dimension of 1..{self.max_rows} rows")
+        return int(rows)
 
     def capacity_rps(self, gpus: int) -> float:
         """The analytic throughput of ``gpus`` coordinated GPUs at this model's SLO (DESIGN

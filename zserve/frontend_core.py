@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from zserve.config import ClusterConfig, shard_for_model
-from zserve.errors import ErrorKind
-from zserve.frontend_admission import ModelAdmission, matches_spec
+from zserve.errors import ErrorKind, ZServeError
+from zserve.frontend_admission import ModelAdmission
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile
@@ -165,8 +165,9 @@ class FrontendCore:
         # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
         self._queued_cancels: list[tuple[list[int], list[str]]] = [
             ([], []) for _ in range(nshards)]
-        self._meta: list[tuple[list[int], list[str], list[float], list[float]]] = [
-            ([], [], [], []) for _ in range(nshards)]
+        # per shard: (ids, models, arrivals, deadlines, rows: empty while each holds one row)
+        self._meta: list[tuple[list[int], list[str], list[float], list[float], list[int]]] = [
+            ([], [], [], [], []) for _ in range(nshards)]
         # (answer_by, rid) of every pending request; an entry is live while its request is
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
@@ -197,7 +198,7 @@ class FrontendCore:
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
-            model = self._admit(client, req)
+            model, rows = self._admit(client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
             self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
@@ -206,19 +207,29 @@ class FrontendCore:
         answer_by = now + slo_s
         rid = self.ids.take()
         self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
-                                  answer_by))
-        model.pending += 1
+                                  answer_by, rows))
+        model.pending += rows
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
-        ids, models, arrivals, deadlines = self._meta[model.shard]
-        ids.append(rid)
-        models.append(req.model)
-        arrivals.append(now)
-        deadlines.append(answer_by - self.reply_allowance_s)
+        self._queue_meta(model.shard, rid, req.model, now, answer_by - self.reply_allowance_s,
+                         rows=rows)
 
-    def _admit(self, client: bytes, req: InferRequest) -> ModelAdmission:
-        """The request's model if ``req`` may be admitted; raises ``_Rejected`` otherwise."""
+    def _queue_meta(self, shard: int, rid: int, model: str, arrival: float, deadline: float,
+                    *, rows: int) -> None:
+        """Add one request to the metadata its shard gets at the end of this tick."""
+        ids, models, arrivals, deadlines, meta_rows = self._meta[shard]
+        if rows != 1 or meta_rows:  # one entry per request once one holds several rows
+            meta_rows.extend([1] * (len(ids) - len(meta_rows)))
+            meta_rows.append(rows)
+        ids.append(rid)
+        models.append(model)
+        arrivals.append(arrival)
+        deadlines.append(deadline)
+
+    def _admit(self, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
+        """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
+        otherwise."""
         model = self.models.get(req.model)
         if model is None:
             raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {req.model!r}")
@@ -227,7 +238,12 @@ class FrontendCore:
         if self.requests.in_flight(client, req.request_id):
             raise _Rejected(ErrorKind.BAD_REQUEST, f"request id {req.request_id} is already "
                             "in flight on this connection")
-        self._check_inputs(model, req)
+        try:
+            rows = model.request_rows(req.inputs, self.max_request_bytes)
+        except ZServeError as exc:
+            raise _Rejected(exc.kind, exc.message) from None
+        except Exception as exc:  # an input that is no array
+            raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
         if not 0.0 <= req.slo_ms < math.inf:  # negative, infinite or NaN
             raise _Rejected(ErrorKind.BAD_REQUEST, f"slo_ms must be >= 0, got {req.slo_ms}")
         if not self.shard_reachable[model.shard]:
@@ -236,9 +252,9 @@ class FrontendCore:
         gpus = self.gpus_for_model.get(req.model, -1)
         if gpus == 0:
             raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
-        if model.pending >= model.max_queue:
+        if model.pending + rows > model.max_queue:
             raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: {model.pending} "
-                            f"requests queued (limit {model.max_queue})")
+                            f"rows queued (limit {model.max_queue})")
         if gpus < 0:
             gpus = self.cluster.backends.total
         predicted_wait_s = model.pending / model.capacity_rps(gpus)
@@ -246,21 +262,7 @@ class FrontendCore:
             raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
                             f"{predicted_wait_s * 1e3:.1f} ms exceeds "
                             f"{model.wait_bound_s * 1e3:.1f} ms")
-        return model
-
-    def _check_inputs(self, model: ModelAdmission, req: InferRequest) -> None:
-        spec = model.request_spec
-        if spec is not None and matches_spec(req.inputs, spec):
-            return  # the one form the model takes: every input check passes
-        nbytes = sum(int(a.nbytes) for a in req.inputs.values())
-        if nbytes > self.max_request_bytes:
-            raise _Rejected(ErrorKind.TOO_LARGE,
-                            f"inputs of {nbytes} bytes exceed {self.max_request_bytes}")
-        if model.signature is not None:
-            try:
-                model.signature.validate_request(req.inputs)
-            except Exception as exc:
-                raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
+        return model, rows
 
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
         """Cancel one request of ``client`` (``client_rid`` < 0: all of them, unanswered)."""
@@ -530,7 +532,7 @@ class FrontendCore:
 
     def _finish(self, p: Pending) -> None:
         self.requests.remove(p)
-        self.models[p.model].pending -= 1
+        self.models[p.model].pending -= p.rows
 
     def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
                       outbox: Outbox) -> None:
@@ -564,11 +566,14 @@ class FrontendCore:
         """Append what this tick produced to be sent once: the admitted requests' metadata (one
         message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
         (one CancelFetched per backend), answers (one per client)."""
-        for shard, (ids, models, arrivals, deadlines) in enumerate(self._meta):
+        for shard, (ids, models, arrivals, deadlines, rows) in enumerate(self._meta):
             if ids:
-                self._meta[shard] = ([], [], [], [])
+                self._meta[shard] = ([], [], [], [], [])
+                if rows:
+                    rows.extend([1] * (len(ids) - len(rows)))
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
-                    self.data_address, ids, models, arrivals, deadlines, self.epoch)))
+                    self.data_address, ids, models, arrivals, deadlines, rows,
+                    epoch=self.epoch)))
                 self.counters["meta_batches"] += 1
         for shard, (ids, models) in enumerate(self._queued_cancels):
             if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
@@ -597,11 +602,8 @@ class FrontendCore:
                                    "scheduler was being replaced", outbox)
                 continue
             self.counters["requeued"] += 1
-            ids, models, arrivals, deadlines = self._meta[self.models[p.model].shard]
-            ids.append(p.rid)
-            models.append(p.model)
-            arrivals.append(p.arrival)
-            deadlines.append(deadline)
+            self._queue_meta(self.models[p.model].shard, p.rid, p.model, p.arrival, deadline,
+                             rows=p.rows)
 
     # ------------------------------------------------------------------ deadlines
 

@@ -17,10 +17,11 @@ class Pending:
     """One admitted request, from admission to its terminal answer."""
 
     __slots__ = ("answer_by", "arrival", "backend", "client", "client_rid", "fetched_at",
-                 "inputs", "model", "owner", "plan_id", "rid", "state")
+                 "inputs", "model", "owner", "plan_id", "rid", "rows", "state")
 
     def __init__(self, rid: int, client: bytes, client_rid: int, model: str,  # noqa: PLR0917
-                 inputs: dict[str, Any] | None, arrival: float, answer_by: float) -> None:
+                 inputs: dict[str, Any] | None, arrival: float, answer_by: float,
+                 rows: int = 1) -> None:
         self.rid = rid
         self.owner = client  # the client connection's identity (index key)
         self.client: bytes | None = client  # None once the client is gone: answer nobody
@@ -29,6 +30,7 @@ class Pending:
         self.inputs = inputs
         self.arrival = arrival
         self.answer_by = answer_by
+        self.rows = rows  # the leading dimension of its inputs (admission counts rows)
         self.state = QUEUED
         self.backend = ""
         self.fetched_at = 0.0

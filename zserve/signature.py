@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.errors import BadRequestError
+from zserve.errors import BadRequestError, TooLargeError
 
 # The wire form of a signature (``ModelSignature.to_dict``), as it travels in registrations.
 SignatureWire = dict[str, Any]
@@ -97,19 +97,27 @@ class ModelSignature:
             raise ValueError(f"bad model signature {data!r}: {exc}") from None
         return cls(model, inputs, outputs)
 
-    def validate_request(self, inputs: Any, where: str = "") -> None:
+    def validate_request(self, inputs: Any, where: str = "", max_rows: int | None = None) -> int:
         """Raise ``BadRequestError`` unless ``inputs`` is one request for this model: a mapping
         of exactly the input names to arrays (numpy, CuPy, anything with ``dtype`` and
-        ``shape``) of the declared dtype and shape ``(1, *sample_shape)``. ``where`` is added
-        to the message after the model name (e.g. ``" (from client 7)"``)."""
-        self._validate(inputs, where, 1)
+        ``shape``) of the declared dtype and shape ``(n, *sample_shape)``, with the same n >= 1
+        rows in every input; returns n. ``TooLargeError`` when n exceeds ``max_rows`` (the
+        model's max batch: a request is never split across batches). ``where`` is added to the
+        message after the model name (e.g. ``" (from client 7)"``)."""
+        rows = self._validate(inputs, where)
+        if max_rows is not None and rows > max_rows:
+            raise TooLargeError(
+                f"model {self.model!r}{where}: a request of {rows} rows exceeds the model's max "
+                f"batch of {max_rows} rows (split it into several requests)"
+            )
+        return rows
 
     def validate_batch(self, inputs: Any, where: str = "") -> int:
         """Like ``validate_request`` for one stacked batch (every array of shape
         ``(b, *sample_shape)`` with the same b >= 1); returns b."""
-        return self._validate(inputs, where, None)
+        return self._validate(inputs, where)
 
-    def _validate(self, inputs: Any, where: str, leading: int | None) -> int:
+    def _validate(self, inputs: Any, where: str) -> int:
         expected = self._expected
         # `type(...) is dict` first: isinstance against an ABC costs more than the whole check.
         if type(inputs) is not dict and not isinstance(inputs, Mapping):
@@ -129,34 +137,56 @@ class ModelSignature:
                 f"model {self.model!r}{where}: {'; '.join(parts)} "
                 f"(the model takes {self._describe_inputs()})"
             )
+        rows = -1
+        first = ""
         for name, (dtype, sample_shape) in expected.items():
-            array = inputs[name]
-            got_dtype = getattr(array, "dtype", None)
-            got_shape = getattr(array, "shape", None)
-            if got_dtype is None or got_shape is None:
+            got_shape = self._checked_shape(inputs[name], name, dtype, sample_shape, where)
+            if rows < 0:
+                rows, first = got_shape[0], name
+            elif got_shape[0] != rows:
                 raise BadRequestError(
-                    f"model {self.model!r}{where}: input {name!r} must be an array, "
-                    f"got {type(array).__name__}"
+                    f"model {self.model!r}{where}: inputs disagree on the number of rows: "
+                    f"{first!r} has {rows}, {name!r} has {got_shape[0]} (every input of one "
+                    "request has the same leading dimension)"
                 )
-            if got_dtype != dtype:
-                raise BadRequestError(
-                    f"model {self.model!r}{where}: input {name!r} has dtype {got_dtype}, "
-                    f"expected {dtype}"
-                )
-            if type(got_shape) is not tuple:
-                got_shape = tuple(got_shape)
-            if leading is None and len(got_shape) > 0 and got_shape[0] >= 1:
-                leading = got_shape[0]  # a stacked batch: the first input fixes b
-            shape = (leading, *sample_shape)
-            if got_shape != shape and not _shape_matches(got_shape, shape):
-                hint = ""
-                if got_shape == shape[1:]:
-                    hint = " (add a leading batch dimension of size 1: one request is one sample)"
-                raise BadRequestError(
-                    f"model {self.model!r}{where}: input {name!r} has shape "
-                    f"{got_shape}, expected {_format_shape(shape)}{hint}"
-                )
-        return leading or 0
+        if rows < 1:
+            raise BadRequestError(
+                f"model {self.model!r}{where}: input {first!r} has 0 rows (a request carries "
+                "at least one row in its leading dimension)"
+            )
+        return rows
+
+    def _checked_shape(self, array: Any, name: str, dtype: np.dtype[Any],
+                       sample_shape: tuple[int | None, ...], where: str) -> tuple[int, ...]:
+        """``array``'s shape, if it has ``dtype`` and shape ``(n, *sample_shape)``."""
+        got_dtype = getattr(array, "dtype", None)
+        got_shape = getattr(array, "shape", None)
+        if got_dtype is None or got_shape is None:
+            raise BadRequestError(
+                f"model {self.model!r}{where}: input {name!r} must be an array, "
+                f"got {type(array).__name__}"
+            )
+        if got_dtype != dtype:
+            raise BadRequestError(
+                f"model {self.model!r}{where}: input {name!r} has dtype {got_dtype}, "
+                f"expected {dtype}"
+            )
+        if type(got_shape) is not tuple:
+            got_shape = tuple(got_shape)
+        if len(got_shape) == len(sample_shape) + 1 and (
+            got_shape[1:] == sample_shape or _shape_matches(got_shape[1:], sample_shape)
+        ):
+            return got_shape
+        hint = ""
+        leading: int | str = "n"
+        if _shape_matches(got_shape, sample_shape):
+            hint = " (add a leading batch dimension: its size is the request's number of rows)"
+        elif len(got_shape) == len(sample_shape) + 1:
+            leading = got_shape[0]
+        raise BadRequestError(
+            f"model {self.model!r}{where}: input {name!r} has shape "
+            f"{got_shape}, expected {_format_shape((leading, *sample_shape))}{hint}"
+        )
 
     def _describe_inputs(self) -> str:
         return ", ".join(s.describe() for s in self.inputs)
@@ -168,5 +198,5 @@ def _shape_matches(got: tuple[int, ...], expected: tuple[int | None, ...]) -> bo
     )
 
 
-def _format_shape(shape: tuple[int | None, ...]) -> str:
+def _format_shape(shape: tuple[int | str | None, ...]) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

@@ -148,10 +148,15 @@ class Supervisor:
 
     @property
     def client_addresses(self) -> list[str]:
+        return self.frontend_endpoints("client")
+
+    def frontend_endpoints(self, socket: str) -> list[str]:
+        """Where each frontend serves ``socket`` (``client``, and ``http`` / ``grpc`` where its
+        Open Inference Protocol servers are on), in frontend order."""
         return [
-            c.endpoints["client"]
+            c.endpoints[socket]
             for c in self.children.values()
-            if c.role == "frontend" and "client" in c.endpoints
+            if c.role == "frontend" and socket in c.endpoints
         ]
 
     def _error_file(self, child: SupervisedChild) -> str:
@@ -576,6 +581,16 @@ class Cluster:
     @property
     def client_addresses(self) -> list[str]:
         return self._sup.client_addresses
+
+    @property
+    def http_addresses(self) -> list[str]:
+        """Each frontend's OIP HTTP/REST ``host:port`` (those configured to serve it)."""
+        return self._sup.frontend_endpoints("http")
+
+    @property
+    def grpc_addresses(self) -> list[str]:
+        """Each frontend's OIP gRPC ``host:port`` (those configured to serve it)."""
+        return self._sup.frontend_endpoints("grpc")
 
     @property
     def run_dir(self) -> str:

@@ -143,6 +143,9 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
         if security.curve and address.startswith("tcp://"):  # docs/security.md
             print(f"zserve: with CURVE: server_key={security.keys_dir}/frontend.key and a client "
                   f"key listed in {security.clients_dir}", flush=True)
+    for server in ("http", "grpc"):  # the frontends' Open Inference Protocol servers
+        for address in supervisor.frontend_endpoints(server):
+            print(f"zserve: cluster {name!r} serves OIP {server} at {address}", flush=True)
     view = supervisor.scheduler_view
     if supervisor.config.scheduler.standby and view:
         print(f"zserve: scheduler {view.get('active')} is active in epoch {view.get('epoch')}; "

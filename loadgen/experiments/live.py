@@ -115,7 +115,7 @@ def live_lateness_bound_ms(workload: Workload) -> float:
 
 def live_run(
     target: Any, workload: Workload, rate_rps: float, *, bail: bool,
-    lateness_bound_ms: float | None = None,
+    lateness_bound_ms: float | None = None, protocol: str = "native",
 ) -> dict[str, Any]:
     """One live run at ``rate_rps``; a run the generator could not keep up with (p99 send
     lateness above ``lateness_bound_ms``, by default :func:`live_lateness_bound_ms`) is retried
@@ -128,6 +128,7 @@ def live_run(
     options = BenchOptions(
         workers=0, lateness_bound_ms=lateness_bound_ms,
         bail=BailRule(MAX_BAD_RATE) if bail else None, progress=False, schedule=None,
+        protocol=protocol,
     )
     report: dict[str, Any]
     try:
@@ -139,7 +140,7 @@ def live_run(
 
 def live_goodput(
     target: Any, workload: Workload, *, start_rps: float, precision: float, say: Say, label: str,
-    max_rate_rps: float = LIVE_MAX_RATE_RPS,
+    max_rate_rps: float = LIVE_MAX_RATE_RPS, protocol: str = "native",
 ) -> Goodput:
     """Goodput search on a live cluster. Rates above LIVE_MAX_RATE_RPS count as failing without a
     run (this machine cannot carry them; see the constant), and so does a probe the generator
@@ -158,7 +159,7 @@ def live_goodput(
         if rate < floor_rps:
             return {"bad_rate": 1.0, "bailed": True}
         try:
-            report = live_run(target, workload, rate, bail=True)
+            report = live_run(target, workload, rate, bail=True, protocol=protocol)
         except GeneratorBehindError as exc:
             refused += 1
             say(f"  {label} probe {rate:8.1f} r/s: refused ({exc}); counted as failing")

@@ -24,6 +24,7 @@ from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
+from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.scale import run_scale
 from zserve.loadgen.experiments.zoo import run_zoo
 
@@ -32,6 +33,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "zoo": (run_zoo, "the 37-model A100 zoo on 64 GPUs: deferred vs eager vs timeout"),
     "flattop": (run_flattop, "goodput, bad rate, GPU busy vs offered load (0.1x..2x)"),
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
+    "protocols": (run_protocols, "goodput and CPU per request through the native client, OIP "
+                  "HTTP/JSON, HTTP/binary and gRPC (live)"),
     "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
               "machine's end-to-end ceiling"),
     "failover": (run_failover, "the scheduler SIGKILLed under load: hot spare vs a plain "

@@ -1,0 +1,266 @@
+"""Open Inference Protocol tensors: datatypes, shapes, and the HTTP request and response bodies.
+
+Pure functions shared by the HTTP and gRPC servers of the frontend (``zserve.oip_http``,
+``zserve.oip_grpc``) and by the load generator's OIP senders: the OIP datatype of each numpy
+dtype, a signature's tensors as OIP metadata (``-1`` for the batch dimension and for any size the
+model does not fix), the request parameters zserve reads (``timeout`` in microseconds, as
+tritonclient sends it, and ``slo_ms``), and the HTTP/REST body in both forms: JSON tensor data,
+and Triton's binary tensor data extension (a JSON header of ``Inference-Header-Content-Length``
+bytes followed by each binary tensor's bytes, in order). A binary input becomes a numpy view over
+the request body: no copy on the way to the frontend core. Every problem with a request raises
+``BadRequestError`` with one line naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from zserve.errors import BadRequestError
+from zserve.signature import ModelSignature, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+JSON_CONTENT_TYPE = "application/json"
+
+# OIP datatype -> numpy dtype; BYTES (strings) is not a type a zserve model takes.
+_DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+_DATATYPES = {dtype: name for name, dtype in _DTYPES.items()}
+# Triton's model configuration names of the same types (``TYPE_FP32``).
+CONFIG_TYPE_PREFIX = "TYPE_"
+
+
+def datatype_of(dtype: np.dtype[Any] | str) -> str:
+    """The OIP datatype name of a numpy dtype (``float32`` -> ``FP32``)."""
+    name = _DATATYPES.get(np.dtype(dtype))
+    if name is None:
+        raise BadRequestError(f"dtype {dtype} has no Open Inference Protocol datatype")
+    return name
+
+
+def dtype_of(datatype: str) -> np.dtype[Any]:
+    dtype = _DTYPES.get(datatype)
+    if dtype is None:
+        raise BadRequestError(f"unsupported datatype {datatype!r} (zserve takes "
+                              f"{', '.join(_DTYPES)})")
+    return dtype
+
+
+def oip_shape(spec: TensorSpec) -> list[int]:
+    """A tensor's OIP shape: ``-1`` for the batch dimension and for unfixed dimensions."""
+    return [-1, *(-1 if dim is None else dim for dim in spec.shape)]
+
+
+def tensor_metadata(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+    return [{"name": s.name, "datatype": datatype_of(s.dtype), "shape": oip_shape(s)}
+            for s in specs]
+
+
+def model_metadata(name: str, signature: ModelSignature | None) -> dict[str, Any]:
+    """The body of ``GET /v2/models/<name>`` (the gRPC ModelMetadata has the same fields)."""
+    inputs = outputs = []
+    if signature is not None:
+        inputs, outputs = tensor_metadata(signature.inputs), tensor_metadata(signature.outputs)
+    return {"name": name, "versions": ["1"], "platform": "zserve", "inputs": inputs,
+            "outputs": outputs}
+
+
+def model_config(name: str, max_batch: int, signature: ModelSignature | None) -> dict[str, Any]:
+    """Triton's model configuration, the fields zserve fills: dims are per sample (the batch
+    dimension is implied by ``max_batch_size``), ``-1`` where the model does not fix them."""
+
+    def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+        return [{"name": s.name, "data_type": CONFIG_TYPE_PREFIX + datatype_of(s.dtype),
+                 "dims": [-1 if d is None else d for d in s.shape]} for s in specs]
+
+    return {"name": name, "platform": "zserve", "backend": "zserve", "max_batch_size": max_batch,
+            "input": tensors(signature.inputs) if signature else [],
+            "output": tensors(signature.outputs) if signature else []}
+
+
+def requested_slo_ms(parameters: Mapping[str, Any]) -> float:
+    """The per-request SLO the parameters ask for, in ms (0: the model's): ``timeout`` in
+    microseconds (tritonclient's ``timeout=``) and ``slo_ms``; the smaller one when both."""
+    slo_ms = math.inf
+    timeout_us = parameters.get("timeout")
+    if timeout_us is not None:
+        if type(timeout_us) is not int or timeout_us <= 0:
+            raise BadRequestError(f"parameter timeout must be a positive integer of "
+                                  f"microseconds, got {timeout_us!r}")
+        slo_ms = timeout_us / 1e3
+    asked = parameters.get("slo_ms")
+    if asked is not None:
+        if type(asked) not in (int, float) or not 0 < asked < math.inf:
+            raise BadRequestError(f"parameter slo_ms must be a number > 0, got {asked!r}")
+        slo_ms = min(slo_ms, float(asked))
+    return 0.0 if slo_ms == math.inf else slo_ms
+
+
+def array_from_bytes(name: str, datatype: str, shape: Sequence[int], data: Any, *,
+                     offset: int = 0, nbytes: int = -1) -> np.ndarray[Any, Any]:
+    """A read-only view of ``shape`` over ``data`` (bytes-like) from ``offset``, ``nbytes`` long
+    (-1: the rest)."""
+    dtype = dtype_of(datatype)
+    dims = _checked_shape(name, shape)
+    count = math.prod(dims)
+    available = (len(data) - offset) if nbytes < 0 else nbytes
+    if available != count * dtype.itemsize:
+        raise BadRequestError(f"input {name!r}: {available} bytes of data for shape "
+                              f"{list(dims)} of {datatype} ({count * dtype.itemsize} bytes)")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims)
+
+
+def array_from_values(name: str, datatype: str, shape: Sequence[int],
+                      values: Any) -> np.ndarray[Any, Any]:
+    """An array of ``shape`` from JSON values (flat or nested, in row-major order)."""
+    dtype = dtype_of(datatype)
+    dims = _checked_shape(name, shape)
+    try:
+        array = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(f"input {name!r}: data is not {datatype}: {exc}") from None
+    if array.size != math.prod(dims):
+        raise BadRequestError(f"input {name!r}: {array.size} values for shape {list(dims)}")
+    return array.reshape(dims)
+
+
+def _checked_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise BadRequestError(f"input {name!r}: negative dimension in shape {list(dims)}")
+    return dims
+
+
+# --------------------------------------------------------------------------- HTTP bodies
+
+
+class HttpInput(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] = {}
+    data: Any = None
+
+
+class HttpOutput(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    parameters: dict[str, Any] = {}
+
+
+class HttpInferBody(msgspec.Struct, forbid_unknown_fields=False):
+    inputs: list[HttpInput]
+    id: str | None = None
+    parameters: dict[str, Any] = {}
+    outputs: list[HttpOutput] | None = None
+
+
+_BODY_DECODER = msgspec.json.Decoder(HttpInferBody)
+_ENCODER = msgspec.json.Encoder()
+
+
+class OipRequest(msgspec.Struct):
+    """An inference request as both transports hand it to the frontend: the inputs, the
+    requested outputs (None: all) with whether each goes back as binary data, the id to echo
+    and the requested SLO."""
+
+    inputs: dict[str, np.ndarray[Any, Any]]
+    outputs: list[tuple[str, bool]] | None
+    request_id: str | None
+    slo_ms: float
+    binary_outputs: bool  # the default for outputs not named in ``outputs``
+
+
+def decode_http_body(body: bytes, header_length: int | None) -> OipRequest:
+    """Decode ``POST /v2/models/<m>/infer``: JSON alone, or a JSON header of ``header_length``
+    bytes followed by the binary inputs' bytes (Triton's binary tensor data extension)."""
+    if header_length is None:
+        header_length = len(body)
+    if not 0 <= header_length <= len(body):
+        raise BadRequestError(f"{HEADER_LENGTH} {header_length} is outside the body of "
+                              f"{len(body)} bytes")
+    try:
+        parsed = _BODY_DECODER.decode(memoryview(body)[:header_length])
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"bad inference request: {exc}") from None
+    inputs = _http_inputs(parsed.inputs, body, header_length)
+    binary_default = bool(parsed.parameters.get("binary_data_output", False))
+    outputs = None
+    if parsed.outputs is not None:
+        outputs = [(o.name, bool(o.parameters.get("binary_data", binary_default)))
+                   for o in parsed.outputs]
+    return OipRequest(inputs, outputs, parsed.id, requested_slo_ms(parsed.parameters),
+                      binary_default)
+
+
+def _http_inputs(inputs: list[HttpInput], body: bytes,
+                 offset: int) -> dict[str, np.ndarray[Any, Any]]:
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for tensor in inputs:
+        size = tensor.parameters.get("binary_data_size")
+        if size is not None:
+            if type(size) is not int or size < 0 or offset + size > len(body):
+                raise BadRequestError(f"input {tensor.name!r}: binary_data_size {size!r} "
+                                      "does not fit the body")
+            arrays[tensor.name] = array_from_bytes(tensor.name, tensor.datatype, tensor.shape,
+                                                   body, offset=offset, nbytes=size)
+            offset += size
+        elif tensor.data is None:
+            raise BadRequestError(f"input {tensor.name!r} has neither data nor "
+                                  "binary_data_size")
+        else:
+            arrays[tensor.name] = array_from_values(tensor.name, tensor.datatype, tensor.shape,
+                                                    tensor.data)
+    if offset != len(body):
+        raise BadRequestError(f"{len(body) - offset} bytes after the last binary input")
+    return arrays
+
+
+def selected_outputs(request: OipRequest,
+                     outputs: Mapping[str, Any]) -> list[tuple[str, Any, bool]]:
+    """``(name, array, binary)`` of each output to return, in the order asked."""
+    if request.outputs is None:
+        return [(name, array, request.binary_outputs) for name, array in outputs.items()]
+    chosen = []
+    for name, binary in request.outputs:
+        array = outputs.get(name)
+        if array is None:
+            raise BadRequestError(f"unknown output {name!r} (the model returns "
+                                  f"{', '.join(map(repr, outputs))})")
+        chosen.append((name, array, binary))
+    return chosen
+
+
+def encode_http_response(model: str, request: OipRequest,
+                         outputs: Mapping[str, Any]) -> tuple[list[Any], int | None]:
+    """The response body's parts (the JSON header, then each binary output's buffer) and the
+    header's length when any output is binary (None: the body is JSON alone)."""
+    described: list[dict[str, Any]] = []
+    tails: list[Any] = []
+    for name, output, binary in selected_outputs(request, outputs):
+        array = np.ascontiguousarray(output)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype),
+                                 "shape": list(array.shape)}
+        if binary:
+            entry["parameters"] = {"binary_data_size": array.nbytes}
+            tails.append(array.data.cast("B"))
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        described.append(entry)
+    response: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    if request.request_id is not None:
+        response["id"] = request.request_id
+    header = _ENCODER.encode(response)
+    return [header, *tails], (len(header) if tails else None)
+
+
+def encode_json(value: Any) -> bytes:
+    return _ENCODER.encode(value)
