@@ -20,7 +20,10 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
    its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
    frontend, then ``on_batch_done``), and arms one precise timer (``zserve.timers``) at
    ``follower.wake_at``: a plan starts tens of microseconds after its exec_at, never before.
-   Heartbeats to the rank stop while a batch is wedged (``WEDGED_FACTOR`` x its plan).
+   Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop.
+   Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
+   ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
+   batch in the executor's worker thread, so the loop itself keeps running and must say so.
 3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
    and new plans are answered SHUTTING_DOWN; the rest run; exit 0.
 
@@ -79,6 +82,7 @@ from zserve.transport.messages import (
     InputFetch,
     InputReply,
     Message,
+    PlanAck,
     StatsReply,
     StatsRequest,
 )
@@ -341,18 +345,28 @@ class Backend:
 
     def _on_plan_chunk(self, messages: Chunk) -> None:
         outbox: Outbox = []
+        now = self.clock.now()
+        # Each plan is acknowledged to its shard at once, before its inputs are fetched, unless
+        # the running batch is wedged: then, as with a stopped process, no acknowledgement comes
+        # and the shard plans the requests elsewhere (this loop starts the batches, so an
+        # acknowledgement from it says that they can start).
+        acks: dict[bytes, list[int]] | None = None if self.wedged(now) else {}
         for identity, msg in messages:
             if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
                 continue
             if isinstance(msg, BatchPlan):
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
-                self.follower.on_plan(self.clock.now(), msg, outbox)
+                self.follower.on_plan(now, msg, outbox)
+                if acks is not None and identity is not None:
+                    acks.setdefault(identity, []).append(msg.plan_id)
             elif isinstance(msg, StatsRequest):
                 assert identity is not None
                 self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif not isinstance(msg, Hello | Heartbeat):
                 log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
+        for identity, plan_ids in (acks or {}).items():
+            self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
         self._deliver(outbox)
 
     def _admit_plan(self, plan: BatchPlan) -> bool:
@@ -525,6 +539,9 @@ class Backend:
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
+            # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
+            # heartbeats to the rank and no plan acknowledgements while it lasts
+            "wedged": self.wedged(self.clock.now()),
             "scheduler": {"active": self.fence.active, "epoch": self.fence.highest,
                           "plans_by_epoch": {str(e): n for e, n in self.plans_by_epoch.items()}},
             "counters_total": self.counter_totals(),

@@ -7,8 +7,11 @@ calls, same messages). Arrivals reach a frontend's core, which admits them (or a
 once: OVERLOADED, BAD_REQUEST ...); at the end of each tick (every event at one instant, or
 ``sim_tick_ms`` after the tick's first admission) its metadata reaches the ModelThreads.
 Scheduler messages are delivered at once, in order; a BatchPlan reaches its GPU's follower
-``d_ctrl`` after the grant, the follower fetches the inputs from the core, and they come back
-``d_data`` per request later (the allowances the ModelThreads plan with). The follower decides
+``d_ctrl`` after the grant, where it is acknowledged at once (the shard's ``SentPlans`` holds each
+plan as a live shard does and checks the acknowledgement against its allowance, d_ctrl +
+``PLAN_ACK_MARGIN_S``; a simulated backend never hangs, so none is ever suspected), the follower
+fetches the inputs from the core, and they come back ``d_data`` per request later (the
+allowances the ModelThreads plan with). The follower decides
 the start, sheds rows that would finish late (answered through the core, like the live backend)
 and reports the device-free time, which the rank's drift correction reads. Each batch runs for
 exactly l(bs) (the emulated executor) and its outputs go to the core, which answers the client;
@@ -56,6 +59,7 @@ from zserve.policies import SchedulePolicy
 from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,
@@ -149,7 +153,10 @@ class Simulator:
         self.late_starts = 0  # batches a follower started after their exec_at
         self.batches: list[tuple[int, int, float, float, int]] = []  # model, gpu, exec, end, bs
         self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
+        self.sent_plans = SentPlans()  # the shard's record of the plans sent, and their acks
+        self._ack_allowance_s = d_ctrl_s + PLAN_ACK_MARGIN_S
         self.bailed = False
+        self.bailed_at = math.inf  # when a bailing run stopped (the report counts up to it)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._model_wake = [math.inf] * len(self.models)
@@ -423,6 +430,8 @@ class Simulator:
         self.gpu_planned_until[plan.gpu_id] = plan.expected_finish_at
         if self.config.record_plans:
             self.plans.append(plan)
+        slo_s = self.w.models[self.index[plan.model]].slo_s
+        self.sent_plans.remember(now, plan.gpu_id, plan, slo_s, ack_due=now + self._ack_allowance_s)
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
@@ -459,6 +468,9 @@ class Simulator:
         if kind == _EV_PLAN:
             plan = self._payloads.pop(seq)
             follower.on_plan(now, plan, outbox)
+            self.sent_plans.acknowledge((plan.plan_id,))  # at once, as a live backend does
+            if self.sent_plans.wake_at <= now:
+                self._fail("a plan went unacknowledged past its allowance")
         elif kind == _EV_INPUTS:
             address, reply = self._payloads.pop(seq)
             follower.on_input_reply(now, address, reply, outbox)
@@ -538,6 +550,7 @@ class Simulator:
                     next_bail_check = now + BAIL_CHECK_INTERVAL_S
                     if self._should_bail(bail, now):
                         self.bailed = True
+                        self.bailed_at = now
                         break
             else:
                 self._on_event(now, kind, idx, seq)

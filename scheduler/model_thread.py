@@ -13,6 +13,8 @@ Inputs (host -> ModelThread):
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
   queue and the candidate (``CancelQueued``, coalesced per tick by the host).
+- ``on_replan(now, frontend, request_ids, deadlines, outbox)``: requests of a plan whose backend
+  never acknowledged it come back to the queue (the host knows they did not start).
 
 Outputs (appended to the outbox):
 
@@ -72,9 +74,7 @@ from zserve.policies import (
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
-    DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
-    DEFER_MISS_WIDEN_S,
     RpsMeter,
     target_batch_size,
 )
@@ -140,6 +140,7 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
+        self._adaptive = self._policy.name == "deferred-adaptive"
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
         self.jitter_s = jitter_s
@@ -148,6 +149,7 @@ class ModelThread(CandidateSizing):
         # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
         self._defer_below = math.inf
         self._defer_shared = False  # set with _defer_below: the model shares its GPUs
+        self._defer_rate = math.inf  # the metered rate the joiner rule reads (inf: no rate yet)
         self._meter = RpsMeter(rate_bucket_s, rate_window)
         self.keep_tolerance = keep_tolerance
         self.target = 1
@@ -168,6 +170,7 @@ class ModelThread(CandidateSizing):
         self.n_extra_rows = 0  # rows arrived beyond one per request
         self.n_dropped = 0
         self.n_cancelled = 0
+        self.n_replanned = 0  # requests put back by on_replan
         self.n_planned = 0
         self.n_batches = 0
         # The scheduler epoch its plans carry (zserve.epochs); the host sets it.
@@ -193,6 +196,13 @@ class ModelThread(CandidateSizing):
         # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
         self._cand_deferred = False
         self.miss_margin_s = 0.0
+        # deferred, sharing GPUs: the estimated chance that a deferred candidate misses its
+        # grant window (DEFER_MISS_EWMA); above DEFER_MISS_RATE_MAX the model does not defer
+        self.miss_rate = 0.0
+        # ... and the chance that a deferred candidate finds every GPU busy at its aim
+        self.queued_rate = 0.0
+        self._waited = False  # a candidate deferred since the last grant
+        self._learned_at = 0.0  # when the estimates last learned something (a grant, a miss)
 
     # ------------------------------------------------------------------ attributes
 
@@ -233,6 +243,10 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
+        # deferred-adaptive: the joiner rule and the window estimates (policy.py)
+        self._adaptive = policy.name == "deferred-adaptive"
+        if hasattr(self, "_meter"):
+            self._refresh_defer_below()
 
     # ------------------------------------------------------------------ inputs
 
@@ -315,6 +329,43 @@ class ModelThread(CandidateSizing):
         arrived = count  # rows
         if rows:
             rows, arrived = self._note_rows(rows, count)
+        self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
+        self.n_arrived += count
+        meter = self._meter
+        if meter.add(now, arrived):
+            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
+                                               self.d_data_s))
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def on_replan(self, now: float, frontend: str, request_ids: Sequence[int],  # noqa: PLR0917
+                  deadlines: Sequence[float], outbox: Outbox, rows: Sequence[int] = ()) -> None:
+        """Requests of ``frontend`` that were planned but never reached their backend (it did
+        not acknowledge the plan) go back into the queue, to be batched again or dropped as any
+        queued request (``rows`` as in ``on_arrivals``). They are not new load: neither
+        ``n_arrived``, ``n_extra_rows`` nor the rate meter counts them. A plan carries no
+        arrival times; the latest one consistent with the deadline (``deadline - budget -
+        d_ctrl``, at most ``now``) stands in (only the timeout policy reads it)."""
+        count = len(request_ids)
+        if count == 0:
+            return
+        if rows:
+            extra_rows = self.n_extra_rows
+            rows, _ = self._note_rows(rows, count)
+            self.n_extra_rows = extra_rows
+        lead = self.budget_s + self.d_ctrl_s
+        arrivals = [min(now, deadline - lead) for deadline in deadlines]
+        self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
+        self.n_replanned += count
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
+    def _enqueue(self, frontend: str, request_ids: Sequence[int],
+                 arrivals: Sequence[float], deadlines: Sequence[float],
+                 rows: Sequence[int]) -> None:
+        """Put a chunk into the deadline-ordered queue (appended when in order after its tail,
+        else merged); ``rows`` as ``_note_rows`` returned it."""
+        count = len(request_ids)
         fidx = self._frontend_index.get(frontend)
         if fidx is None:
             fidx = self._frontend_index[frontend] = len(self._frontends)
@@ -346,13 +397,6 @@ class ModelThread(CandidateSizing):
             self._fe = [e[2] for e in merged]
             self._arr = [e[3] for e in merged]
             self._head = 0
-        self.n_arrived += count
-        meter = self._meter
-        if meter.add(now, arrived):
-            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
-                                               self.d_data_s))
-        self._update(now, _NEG_INF, outbox)
-        self._publish(now, outbox)
 
     def _note_rows(self, rows: Sequence[int], count: int) -> tuple[Sequence[int], int]:
         """A chunk's rows list: ``()`` while it and the queue hold one row per request (the
@@ -395,9 +439,7 @@ class ModelThread(CandidateSizing):
             # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
             # grant still on its way when the window closes counts too: it came too late for the
             # batch as planned, and the cap bounds what such misses can cost.
-            self.n_window_misses += 1
-            margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
-            self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+            self._missed_window(now)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -410,6 +452,7 @@ class ModelThread(CandidateSizing):
         publish the next candidate (the rank dropped ours when it granted)."""
         self._sent = None
         gpu_id = grant.gpu_id
+        was_deferred, queued = self._deferral_outcome(now)
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -428,6 +471,7 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
+        self._learn_from_grant(now, bs, was_deferred, queued)
         head = self._head
         sizes = self._rows
         count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
@@ -496,6 +540,8 @@ class ModelThread(CandidateSizing):
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
+            if self._waited and self._adaptive:  # deferring cost the head: a window was lost
+                self._missed_window(now)
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
         if bs == 0:

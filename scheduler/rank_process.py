@@ -20,8 +20,12 @@ DEALERs whose identity is their process name:
   ``zserve.clock``).
 
 A backend leaves the table when it stops heartbeating for ``BACKEND_TIMEOUT_S``, or at once when
-the supervisor says its process died (``BackendGone(name)`` on the control link):
-the shards then answer the requests they had planned onto it ``BACKEND_FAILED``.
+the supervisor says its process died (``BackendGone(name)`` on the control link), or when a shard
+suspects it (``BackendSuspect``: it did not acknowledge a plan within the plan's allowance, so its
+batch loop is stopped or wedged): the shards then plan again the requests of the plans it never
+acknowledged and answer those of the plans it did ``BACKEND_FAILED``. A suspect backend comes
+back with the first heartbeat it sends after the rank heard of the suspicion (``revivals``); a
+removed one with its next heartbeat.
 
 A restarted rank knows nobody: when a peer it does not know heartbeats (backends, shards and
 frontends heartbeat to the rank), it answers ``Hello`` (epoch 0), and the peer introduces itself
@@ -54,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -77,6 +82,7 @@ from zserve.timers import WakeTimer
 from zserve.transport.messages import (
     BackendGone,
     BackendRegister,
+    BackendSuspect,
     BackendTable,
     BatchStats,
     CandidateUpdate,
@@ -101,7 +107,8 @@ SOCKET_CLOSE_LINGER_MS = 200
 RANK_COUNTERS = (
     "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
-    "unroutable_grants", "deaths_announced", "clock_probes", "grants_released",
+    "unroutable_grants", "deaths_announced", "clock_probes", "grants_released", "suspects",
+    "revivals",
     # scheduler epochs (zserve.epochs): taking over, stepping down, what a standby ignored
     "takeovers", "superseded", "standby_ignored",
 )
@@ -123,6 +130,10 @@ class _Backend:
     profiles_ms: dict[str, list[float]]
     last_seen: float
     alive: bool = True
+    # When a shard's suspicion took it out (rank clock; -inf: not suspect): only a heartbeat
+    # sent after it brings the backend back (one sent before may arrive after).
+    suspect_since: float = -math.inf
+    registered_at: float = 0.0
     signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -183,6 +194,7 @@ class RankHost:
             BackendRegister: self._on_register,
             Hello: self._on_hello,
             ClockProbe: self._on_clock_probe,
+            BackendSuspect: self._on_suspect,
             StatsRequest: self._on_stats_request,
             SchedulerPing: self._on_ping,
         }
@@ -261,7 +273,9 @@ class RankHost:
         backend = self.backends.get(gpu_id) if gpu_id is not None else None
         if backend is not None and backend.identity == identity:
             backend.last_seen = now
-            if not backend.alive:  # came back before re-registering: take it back
+            # came back before re-registering (a suspect one: from a heartbeat sent after the
+            # suspicion): take it back
+            if not backend.alive and msg.sent_at > backend.suspect_since:
                 self._revive(now, backend, outbox)
         elif identity not in self.peers and identity not in self.backend_ids:
             # A peer this rank does not know (the rank restarted): ask it to introduce itself
@@ -428,7 +442,7 @@ class RankHost:
         previous = self.backends.get(gpu_id)
         backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
                            list(msg.models), dict(msg.profiles_ms), now,
-                           signatures=dict(msg.signatures))
+                           signatures=dict(msg.signatures), registered_at=now)
         self.backends[gpu_id] = backend
         # The table goes out before the GPU can be granted: a shard knows a GPU's plan address
         # before its first plan for it (one FIFO per peer).
@@ -444,7 +458,29 @@ class RankHost:
             if not self._rebuilding and self._rebuild_handle is not None:
                 self._end_rebuild()
 
+    def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
+                    outbox: Outbox) -> None:
+        """A shard's plan went unacknowledged: stop granting that GPU now, and tell every shard
+        and frontend (they release its plans and the requests it fetched). A suspicion that
+        changes nothing (the backend is out already, or registered again since that plan was
+        sent) is answered with the table, which the shard then serves from again."""
+        backend = self.backends.get(msg.gpu_id)
+        if backend is None or not backend.alive or backend.registered_at > msg.sent_at:
+            self._send(self.table(), identity)
+            return
+        self.counters["suspects"] += 1
+        log.warning("%s: backend %s (GPU %d) is suspect: %s", self.name, backend.name,
+                    backend.gpu_id, msg.message)
+        backend.suspect_since = now
+        self._take_out(now, backend, outbox)
+        self._broadcast_table()
+
     def _revive(self, now: float, backend: _Backend, outbox: Outbox) -> None:
+        if backend.suspect_since > -math.inf:
+            self.counters["revivals"] += 1
+            log.info("%s: backend %s (GPU %d) answers again: back in use", self.name,
+                     backend.name, backend.gpu_id)
+            backend.suspect_since = -math.inf
         backend.alive = True
         self._broadcast_table()
         self.rank.add_gpu(now, backend.gpu_id, outbox)
@@ -467,8 +503,12 @@ class RankHost:
             self._flush(outbox)
 
     def _remove(self, now: float, backend: _Backend, outbox: Outbox) -> None:
-        backend.alive = False
         self.counters["removals"] += 1
+        self._take_out(now, backend, outbox)
+
+    def _take_out(self, now: float, backend: _Backend, outbox: Outbox) -> None:
+        """Grant the backend's GPU nothing new (it finishes what it holds)."""
+        backend.alive = False
         with contextlib.suppress(ValueError):
             self.rank.remove_gpu(now, backend.gpu_id, outbox)
 
@@ -557,7 +597,8 @@ class RankHost:
             "epoch": self.epoch,
             "rebuilding": self._rebuilding is not None,
             "gpus": {
-                str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device}
+                str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
+                                "suspect": not b.alive and b.suspect_since > -math.inf}
                 for b in self.backends.values()
             },
             "rank_thread": {

@@ -23,6 +23,14 @@ straight there.
   the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
   requests a backend had fetched, but only the shard knows those planned onto it and not yet
   fetched, e.g. plans queued for a backend that died).
+- Backends -> shard: ``PlanAck`` over the same DEALERs, sent by each backend's batch loop on
+  receipt of a plan. A plan not acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the
+  shard suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which
+  stops granting the GPU and broadcasts the table without it), takes the GPU out of its
+  ModelThreads, and puts the requests of every plan the backend never acknowledged back into
+  their ModelThread's queue (``replanned``; ``UNAVAILABLE`` when no live backend serves the model
+  any more). Only the requests of plans it acknowledged (it holds their inputs) are answered
+  ``BACKEND_FAILED``; the same split applies when a backend leaves the table.
 
 Time: every time this process handles (arrivals, deadlines, ``exec_at``, ``now``) is on the cluster
 clock (``zserve.clock``: the rank's CLOCK_MONOTONIC); a shard not embedded with the rank estimates
@@ -64,10 +72,11 @@ from zserve.role_runner import cancel_all, spawn
 from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_process import RankHost
-from zserve.scheduler.sent_plans import SentPlans
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
 from zserve.stats import Stats
 from zserve.timers import WakeTimer
 from zserve.transport.messages import (
+    BackendSuspect,
     BackendTable,
     BatchPlan,
     CancelQueued,
@@ -76,6 +85,7 @@ from zserve.transport.messages import (
     Heartbeat,
     Hello,
     Message,
+    PlanAck,
     RequestMetaBatch,
     StatsReply,
     StatsRequest,
@@ -92,7 +102,7 @@ DRAIN_POLL_S = 0.01
 SHARD_COUNTERS = (
     "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
     "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
-    "cancelled",
+    "cancelled", "replanned", "suspects", "plan_acks",
     # a standby's: metadata it ignored (the frontends re-send it to the active scheduler);
     # a superseded one's: plans it made but never sent (zserve.epochs)
     "standby_ignored", "fenced_plans",
@@ -137,8 +147,10 @@ class ShardHost:
         peers: dict[str, str],
         index: int = 0,
         clock: ClusterClock | None = None,
+        plan_ack_margin_s: float = PLAN_ACK_MARGIN_S,
     ) -> None:
         self.name = name
+        self.plan_ack_margin_s = plan_ack_margin_s
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.ctx = ctx
@@ -152,10 +164,12 @@ class ShardHost:
         self.timers: dict[str, WakeTimer] = {}
         self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
-        # Send-only DEALERs (plans out; backends answer the frontends, not the shard).
+        # Plans out, PlanAcks in (backends send their outputs to the frontends, not here).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
-        # so that a backend leaving the table fails the requests planned onto it
+        # so that a backend leaving the table fails the requests planned onto it, and one that
+        # does not acknowledge a plan in time is suspected (its timer: the earliest ack due)
         self._sent_plans = SentPlans()
+        self._ack_timer = WakeTimer(self.loop, self._sent_plans, self._on_ack_timer, self.clock)
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
@@ -192,6 +206,9 @@ class ShardHost:
         self.d_ctrl_s = sched.d_ctrl_ms / 1e3
         self.d_data_s = sched.d_data_ms / 1e3
         self.jitter_s = sched.jitter_ms / 1e3
+        # A plan's acknowledgement is due this long after the shard sent it: its delivery
+        # allowance (the ModelThreads plan with it) and the margin of sent_plans.
+        self.ack_allowance_s = self.d_ctrl_s + self.plan_ack_margin_s
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
 
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
@@ -251,9 +268,11 @@ class ShardHost:
         """Stop receiving and the timers; close the DEALERs (the caller closes ``sock``)."""
         for timer in self.timers.values():
             timer.cancel()
+        self._ack_timer.cancel()
         self.reactor.unwatch(self.sock)
         await cancel_all(self._tasks)
         for _, sock in self.backend_socks.values():
+            self.reactor.unwatch(sock)
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
         self.backend_socks.clear()
         if self.rank_sock is not None:
@@ -405,17 +424,30 @@ class ShardHost:
     def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
         self._table_epoch = max(self._table_epoch, table.epoch)
         live = dict(zip(table.gpu_ids, table.addresses, strict=True))
+        departed: list[tuple[int, str]] = []
         for gpu_id in list(self.backend_socks):
             address, sock = self.backend_socks[gpu_id]
             if live.get(gpu_id) != address:
+                self.reactor.unwatch(sock)
                 sock.close(linger=SOCKET_CLOSE_LINGER_MS)
                 del self.backend_socks[gpu_id]
-                self._fail_sent_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster")
+                departed.append((gpu_id, address))
         for gpu_id, address in live.items():
             if gpu_id not in self.backend_socks:
                 sock = make_dealer(self.ctx, address, identity=self.identity,
                                    peer_role="backend")
                 self.backend_socks[gpu_id] = (address, sock)
+                self.reactor.watch(sock, router=False, on_bad=self._on_bad,
+                                   on_chunk=functools.partial(self._on_backend_chunk, gpu_id))
+        self._serve_table(now, table, outbox)
+        # After the ModelThreads know the GPUs that are left: a plan put back is not granted to
+        # a departed GPU again, and a model nobody serves any more answers UNAVAILABLE.
+        for gpu_id, address in departed:
+            self._release_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster",
+                                outbox)
+
+    def _serve_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        """The GPUs serving each model and their merged profiles, from the table."""
         served: dict[str, list[int]] = {}
         tables: dict[str, list[list[float]]] = {}
         for i, (gpu_id, models) in enumerate(zip(table.gpu_ids, table.models, strict=True)):
@@ -497,15 +529,95 @@ class ShardHost:
     def _remember_sent(self, gpu_id: int, plan: BatchPlan) -> None:
         model = self.models.get(plan.model)
         slo_s = model.slo_ms / 1e3 if model is not None else 0.0
-        self._sent_plans.remember(self.clock.now(), gpu_id, plan, slo_s)
+        now = self.clock.now()
+        self._sent_plans.remember(now, gpu_id, plan, slo_s, ack_due=now + self.ack_allowance_s)
+        self._ack_timer.sync()
 
-    def _fail_sent_plans(self, now: float, gpu_id: int, why: str) -> None:
-        """The backend of ``gpu_id`` is gone: answer every request of the plans sent to it
-        ``BACKEND_FAILED``. Requests already answered (the batch ran, or the frontend failed
-        the ones the backend fetched) are ignored by their frontend, which answers once."""
-        for address, ids in self._sent_plans.take(now, gpu_id).items():
+    def _release_plans(self, now: float, gpu_id: int, why: str, outbox: Outbox) -> None:
+        """The backend of ``gpu_id`` is gone or suspect: the requests of the plans it never
+        acknowledged go back to their ModelThreads (it never asked for their inputs, so they
+        have not run; should it fetch them after all, the frontend hands each request's inputs
+        out once, so one backend at most runs it); those of the plans it acknowledged are
+        answered ``BACKEND_FAILED`` (it holds their inputs: they may run). Requests already
+        answered (the batch ran, or the frontend failed the ones the backend fetched) are
+        ignored by their frontend, which answers once."""
+        taken = self._sent_plans.take(now, gpu_id)
+        for plan in taken.unacked:
+            self._replan(now, plan, why, outbox)
+        for address, ids in taken.acked.items():
             self.counters["backend_failed"] += len(ids)
             self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
+
+    def _replan(self, now: float, plan: BatchPlan, why: str, outbox: Outbox) -> None:
+        """Put an unacknowledged plan's requests back into its ModelThread's queue, which
+        batches them again or drops them (DEADLINE) as any queued request; with no live backend
+        for the model they are answered UNAVAILABLE (they never ran)."""
+        thread = self.threads.get(plan.model)
+        positions_by_frontend = group_by_frontend(range(len(plan.request_ids)),
+                                                  plan.request_frontend)
+        for f, positions in positions_by_frontend.items():
+            ids = [plan.request_ids[i] for i in positions]
+            address = plan.frontends[f]
+            if (thread is None or not self.served.get(plan.model)
+                    or len(plan.finish_by) != len(plan.request_ids)):
+                self.counters["unavailable"] += len(ids)
+                self._drop_now(address, ids, ErrorKind.UNAVAILABLE,
+                               f"{why}; no live backend serves {plan.model!r}")
+                continue
+            self.counters["replanned"] += len(ids)
+            rows = [plan.rows[i] for i in positions] if plan.rows else []
+            thread.on_replan(now, address, ids, [plan.finish_by[i] for i in positions], outbox,
+                             rows)
+            self._dirty.add(plan.model)
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
+        """Acknowledgements from the backend of ``gpu_id``."""
+        for _, msg in chunk:
+            if type(msg) is PlanAck:
+                assert isinstance(msg, PlanAck)
+                self.counters["plan_acks"] += self._sent_plans.acknowledge(msg.plan_ids)
+            elif type(msg) is not Hello:
+                log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
+                            gpu_id)
+        self._ack_timer.sync()
+
+    def _on_ack_timer(self) -> None:
+        """A plan's acknowledgement is due. Read what the backends sent before judging: after a
+        stall of this process the timer and an acknowledgement that came meanwhile are ready
+        together, and the timer may run first."""
+        for gpu_id, _, _ in self._sent_plans.overdue(self.clock.now()):
+            entry = self.backend_socks.get(gpu_id)
+            if entry is not None:
+                self.reactor.kick(entry[1])
+        self.loop.call_soon(self._judge_acks)
+
+    def _judge_acks(self) -> None:
+        now = self.clock.now()
+        outbox: Outbox = []
+        for gpu_id, plan_id, sent_at in self._sent_plans.overdue(now):
+            self._suspect(now, gpu_id, plan_id, sent_at, outbox)
+        self._flush(outbox)
+        self._ack_timer.sync()
+
+    def _suspect(self, now: float, gpu_id: int, plan_id: int, sent_at: float,
+                 outbox: Outbox) -> None:
+        """The backend of ``gpu_id`` did not acknowledge ``plan_id`` in time: no more grants
+        for it here, its plans released, and the rank told (it broadcasts the table without
+        it; a heartbeat brings it back)."""
+        self.counters["suspects"] += 1
+        address = self.backend_socks[gpu_id][0] if gpu_id in self.backend_socks else "?"
+        why = (f"GPU {gpu_id} ({address}) did not acknowledge plan {plan_id} within "
+               f"{(now - sent_at) * 1e3:.0f} ms")
+        log.warning("%s: %s: suspect", self.name, why)
+        # First to the rank: it hears of the suspicion before the candidates the released
+        # requests make (and answers with a table, which this shard serves from again).
+        outbox.append((TO_RANK, BackendSuspect(gpu_id, plan_id, sent_at, why)))
+        self.served = {m: [g for g in gpus if g != gpu_id] for m, gpus in self.served.items()}
+        for name, thread in self.threads.items():
+            thread.set_gpus(now, self.served.get(name, []), outbox)
+        self._release_plans(now, gpu_id, why, outbox)
 
     def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
         error = self.reactor.send_nowait(sock, msg, identity)
@@ -554,6 +666,7 @@ class ShardHost:
                     "arrived": t.n_arrived,
                     "dropped": t.n_dropped,
                     "cancelled": t.n_cancelled,
+                    "replanned": t.n_replanned,
                     "planned": t.n_planned,
                     "batches": t.n_batches,
                     "window_misses": t.n_window_misses,

@@ -24,6 +24,7 @@ from zserve.config import STANDBY_NAME, RoleConfig
 from zserve.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
 from zserve.scheduler.standby import PairLink
 from zserve.transport.reactor import SocketReactor
@@ -97,7 +98,8 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
     host = proc.host = ShardHost(
         name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
         models=list(config.models),
-        peers=dict(config.peers), index=config.index, clock=clock)
+        peers=dict(config.peers), index=config.index, clock=clock,
+        plan_ack_margin_s=config.plan_ack_margin_s or PLAN_ACK_MARGIN_S)
     if embedded:
         rank_sock, endpoints["rank"] = proc.bind(config.bind["rank"], f"{name} rank",
                                                  advertise)

@@ -27,7 +27,7 @@ import zmq
 from zserve.clock import reply_to_probe
 from zserve.config import ClusterConfig, RoleConfig, parse_config, role_config
 from zserve.transport import socket_io
-from zserve.transport.messages import ClockProbe, Message, Ready
+from zserve.transport.messages import BatchPlan, ClockProbe, Message, PlanAck, Ready
 from zserve.transport.sockets import make_dealer, make_router
 
 WAIT_S = 20.0  # generous: the machine is shared; a healthy test never waits this long
@@ -108,6 +108,9 @@ class Peer:
         self.endpoint = endpoint
         self.router = router
         self.backlog: list[tuple[bytes | None, Message]] = []
+        # A ROUTER playing a backend's plan socket acknowledges each BatchPlan as it reads it,
+        # as a live backend's batch loop does (False: a hung backend, which the shard suspects).
+        self.ack_plans = True
 
     def send(self, msg: Message, identity: bytes | str | None = None) -> None:
         if isinstance(identity, str):
@@ -120,6 +123,8 @@ class Peer:
         if self.router and isinstance(msg, ClockProbe):
             self.send(reply_to_probe(msg), identity)
             return None
+        if self.router and self.ack_plans and isinstance(msg, BatchPlan):
+            self.send(PlanAck([msg.plan_id], time.monotonic()), identity)
         return identity, msg
 
     def recv(self, timeout: float = WAIT_S) -> tuple[bytes | None, Message]:

@@ -28,6 +28,7 @@ from zserve.transport.messages import (
     DropNotice,
     Heartbeat,
     Hello,
+    PlanAck,
     RequestMetaBatch,
     StatsReply,
     StatsRequest,
@@ -64,6 +65,8 @@ class SoakRig:
             scheduler={"shards": 0, "policy": POLICY}, backends={"device": "emulated"})
         config = role_config_for(cluster, "shard", 0, h.dir)
         config.backend_timeout_s = 30.0
+        # its backend acknowledges a plan only when the test reads it, between chunks
+        config.plan_ack_margin_s = 30.0
         self.child = h.start("shard", config)
         ready = h.await_ready(self.child, {})
         self.data_address = h.endpoint("fe-data")
@@ -112,8 +115,10 @@ class SoakRig:
             return 0
         count = 0
         while peer.sock.poll(0, zmq.POLLIN):
-            _, msg = socket_io.sync_recv(peer.sock, router=peer.router)
+            identity, msg = socket_io.sync_recv(peer.sock, router=peer.router)
             if isinstance(msg, BatchPlan):
+                # acknowledged as a live backend's batch loop does (else the shard suspects it)
+                peer.send(PlanAck([msg.plan_id], time.monotonic()), identity)
                 self.planned += len(msg.request_ids)
                 count += len(msg.request_ids)
             elif isinstance(msg, DropNotice):

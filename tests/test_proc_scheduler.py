@@ -45,7 +45,10 @@ class SchedulerRig:
     """Rank and shard processes started for ``shards``; the test's backend and frontend."""
 
     def __init__(self, h: Harness, shards: int, backend_timeout_s: float = 30.0,
-                 drain_s: float = 5.0) -> None:
+                 drain_s: float = 5.0, plan_ack_margin_s: float | None = 30.0) -> None:
+        """``plan_ack_margin_s``: the shards' wait for a plan's acknowledgement past d_ctrl;
+        long by default, since the test's backend acknowledges a plan only once the test reads
+        it (None: the production default, for the tests of suspicion)."""
         self.h = h
         self.shards = shards
         cluster = cluster_config(
@@ -65,6 +68,7 @@ class SchedulerRig:
         for index in range(max(1, shards)):
             config = role_config_for(cluster, "shard", index, h.dir)
             config.backend_timeout_s = backend_timeout_s
+            config.plan_ack_margin_s = plan_ack_margin_s
             shard = h.start("shard", config)
             ready = h.await_ready(shard, dict(peers))
             self.shard_endpoints.append(ready.endpoints["shard"])

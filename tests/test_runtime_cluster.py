@@ -239,9 +239,10 @@ def test_backend_killed_mid_batch(tmp_path: Path) -> None:
 
 
 def test_backend_killed_before_fetching_its_plans(tmp_path: Path) -> None:
-    """Requests planned onto a backend that dies before it fetches their inputs are answered
-    BACKEND_FAILED at once (the supervisor tells the rank, the rank's table tells the shard,
-    which knows what it planned there), not DEADLINE at the end of their SLO."""
+    """Requests planned onto a backend that hangs and then dies before it fetches their inputs
+    are answered at once, not DEADLINE at the end of their SLO: it never acknowledged their
+    plans, so the shard (which knows what it planned there) takes them back, and with no other
+    backend for the model answers them UNAVAILABLE: they never ran."""
     slo_s = 20.0
     config = emulated(backends=1, alpha_ms=1.0, beta_ms=5.0, slo_ms=slo_s * 1e3,
                       policy="eager")
@@ -266,7 +267,7 @@ def test_backend_killed_before_fetching_its_plans(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         for future in futures:
-            with pytest.raises(zserve.BackendFailedError):
+            with pytest.raises(zserve.UnavailableError):
                 future.result(slo_s)
         assert time.monotonic() - killed_at < slo_s / 4
         cluster.wait_ready("backend-0", incarnation=2)

@@ -413,6 +413,33 @@ class StatsReply(Message, frozen=True, tag="stats"):
     stats: dict[str, Any]
 
 
+# --------------------------------------------------------------------------- plan acknowledgement
+
+
+class PlanAck(Message, frozen=True, tag="pack"):
+    """Backend -> the shard that sent these plans (over the backend's ``plan`` ROUTER): its batch
+    loop received them at ``received_at`` (cluster clock). Sent at once on receipt, from the loop
+    that starts the batches, so a stopped or wedged backend sends none: a plan not acknowledged
+    within its delivery allowance (``d_ctrl``) plus ``zserve.scheduler.sent_plans.
+    PLAN_ACK_MARGIN_S`` makes the shard suspect the backend (``BackendSuspect``) and plan the
+    requests of every plan the backend has not acknowledged again."""
+
+    plan_ids: list[int]
+    received_at: float
+
+
+class BackendSuspect(Message, frozen=True, tag="bsuspect"):
+    """Shard -> rank: the backend of ``gpu_id`` did not acknowledge plan ``plan_id``, sent at
+    ``sent_at`` (cluster clock), within its allowance. The rank stops granting the GPU and
+    broadcasts the table without it, as for a removal; a heartbeat the backend sends after the
+    rank heard this brings it back."""
+
+    gpu_id: int
+    plan_id: int
+    sent_at: float
+    message: str
+
+
 class SchedulerPing(Message, frozen=True, tag="sping"):
     """Scheduler process -> the other scheduler process of an active/standby pair (to its
     ``rank`` ROUTER), every ``zserve.epochs.PING_INTERVAL_S``: ``name`` is alive and, when
@@ -459,6 +486,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ClusterStatsRequest,
     ClockProbe,
     ClockReply,
+    PlanAck,
+    BackendSuspect,
     SchedulerPing,
 )
 

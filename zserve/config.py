@@ -510,6 +510,10 @@ class RoleConfig(msgspec.Struct, kw_only=True):
     device: str = "cpu"  # backend: cpu | cuda:N | emulated
     # rank and shard: how long a silent backend stays registered (None: the role's default).
     backend_timeout_s: float | None = None
+    # shard: how long past d_ctrl a plan may go unacknowledged before its backend is suspect
+    # (None: zserve.scheduler.sent_plans.PLAN_ACK_MARGIN_S; tests that play a backend slowly
+    # raise it).
+    plan_ack_margin_s: float | None = None
     # shard with ``[scheduler] standby``: start as the standby of the pair (the supervisor
     # starts STANDBY_NAME so, and every scheduler it restarts).
     standby: bool = False

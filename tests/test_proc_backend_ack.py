@@ -1,0 +1,90 @@
+"""A backend acknowledges each plan at once from the loop that runs its batches (``PlanAck``),
+and a backend whose running batch is wedged neither acknowledges nor heartbeats: the real
+backend process with the test playing the rank, a shard and a frontend."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from proc_harness import Harness, cluster_config, role_config_for
+from test_proc_backend import FRONTEND, MAX_BATCH, MODEL, BackendRig
+
+from zserve.backends.process import WEDGED_MIN_S
+from zserve.transport.messages import (
+    BackendRegister,
+    BatchOutputs,
+    Heartbeat,
+    InputFetch,
+    InputReply,
+    PlanAck,
+    StatsReply,
+    StatsRequest,
+)
+
+# The emulated batch really runs this long, while its plan (BackendRig.plan) says 22 ms: from
+# WEDGED_MIN_S into it the backend counts it wedged (WEDGED_FACTOR x 22 ms is far less).
+STUCK_S = WEDGED_MIN_S + 1.5
+QUIET_S = 0.6  # longer than a heartbeat interval (0.5 s)
+
+
+def _start(h: Harness) -> BackendRig:
+    cluster = cluster_config(
+        [{"name": MODEL, "max_batch": MAX_BATCH,
+          "emulated": {"alpha_ms": 0.0, "beta_ms": STUCK_S * 1e3}}],
+        backends={"device": "emulated"},
+    )
+    rank = h.router("rank")
+    frontend = h.router("fe-data")
+    child = h.start("backend", role_config_for(cluster, "backend", 0, h.dir))
+    h.await_ready(child, {"rank/rank": rank.endpoint, f"{FRONTEND}/data": frontend.endpoint})
+    _, register = rank.expect(BackendRegister)
+    shard = h.dealer(register.plan_address, "shard-0")
+    return BackendRig(h, child, rank=rank, shard=shard, frontend=frontend, register=register)
+
+
+def _send_plan(rig: BackendRig, plan_id: int, exec_at: float) -> None:
+    rig.plan(plan_id, [plan_id], exec_at)
+
+
+def _serve_fetch(rig: BackendRig) -> None:
+    identity, fetch = rig.frontend.expect(InputFetch)
+    inputs = [{"x": np.full((1, 4), float(rid), np.float32)} for rid in fetch.request_ids]
+    rig.frontend.send(InputReply(fetch.plan_id, fetch.request_ids, inputs, []), identity)
+
+
+def test_proc_backend_acks_plans_unless_its_batch_is_wedged(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        rig = _start(h)
+        rig.rank.expect(Heartbeat)
+        now = time.monotonic()
+        _send_plan(rig, 1, now)  # acknowledged at once, then it runs for STUCK_S
+        _, ack = rig.shard.expect(PlanAck)
+        assert ack.plan_ids == [1] and ack.received_at >= now
+        _serve_fetch(rig)
+        # Once the batch counts as wedged (its stats say so), listen for QUIET_S: no
+        # heartbeat, and a plan sent now gets no acknowledgement.
+        while True:
+            rig.shard.send(StatsRequest(reset=False))
+            if rig.shard.expect(StatsReply)[1].stats["wedged"]:
+                break
+            assert time.monotonic() < now + STUCK_S, "the batch never counted as wedged"
+        wedged_at = time.monotonic()
+        rig.rank.drain_kind(Heartbeat)
+        _send_plan(rig, 2, time.monotonic())
+        end = time.monotonic() + QUIET_S
+        while time.monotonic() < end:
+            if rig.shard.sock.poll(int((end - time.monotonic()) * 1000) + 1):
+                rig.shard.recv(0.0)
+                raise AssertionError("a wedged backend acknowledged a plan")
+        late = [hb for hb in rig.rank.drain_kind(Heartbeat) if hb.sent_at > wedged_at]
+        assert late == [], "a wedged backend heartbeated"
+        # Once the batch ends the backend heartbeats and acknowledges again.
+        rig.frontend.expect(BatchOutputs, timeout=STUCK_S + 5.0)
+        _send_plan(rig, 3, time.monotonic() + 10.0)
+        _, ack = rig.shard.expect(PlanAck, where=lambda a: 3 in a.plan_ids)
+        rig.rank.expect(Heartbeat)
+    finally:
+        h.close()
