@@ -181,12 +181,10 @@ class ShardHost:
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
-        # False while this process is the standby of a pair; ``fenced`` once it is superseded:
-        # it sends no plan again (zserve.epochs).
-        self.active = True
-        self.fenced = False
+        # active: False while the standby of a pair; fenced: superseded, it sends no plan
+        # again (zserve.epochs); first_plan_at: its first plan (a takeover's end).
+        self.active, self.fenced, self.first_plan_at = True, False, 0.0
         self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
-        self.first_plan_at = 0.0  # when this process sent its first plan (a takeover's end)
         self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
         self.counters = self._stats.counters
         self._meta_delay = self._stats.histograms["meta_delay"]
