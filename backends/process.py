@@ -548,6 +548,7 @@ class Backend:
             "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
+            "busy_total_s": self.runner.busy.total(self.clock.now()),
             "clock": self.clock.stats(),
             **self.follower.stats.snapshot(reset),
             "counters": counters,

@@ -94,6 +94,7 @@ from zserve.transport.messages import (
     SchedulerPing,
     StatsReply,
     StatsRequest,
+    protocol_mismatch,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_router
@@ -430,6 +431,11 @@ class RankHost:
 
     def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
                      outbox: Outbox) -> None:
+        refusal = protocol_mismatch(f"backend {msg.name}", msg.protocol)
+        if refusal is not None:  # its plans and table entries could not be trusted to decode
+            self.counters["bad_messages"] += 1
+            log.error("%s: refusing %s", self.name, refusal)
+            return
         self.backend_ids.add(identity)
         if not self.active:
             self.counters["standby_ignored"] += 1

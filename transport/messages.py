@@ -36,6 +36,21 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
+WIRE_PROTOCOL_VERSION = 1
+"""The version of this module's wire messages, carried last in every handshake (``ClientHello``,
+``Hello``, ``BackendRegister``, ``Ready``). A receiver refuses a peer of another version with one
+line naming both (``protocol_mismatch``). A peer that predates the field sends none and reads as
+version 1 (the field's default)."""
+
+
+def protocol_mismatch(peer: str, theirs: int) -> str | None:
+    """The one-line refusal of ``peer`` speaking wire protocol ``theirs``; None if it matches."""
+    if theirs == WIRE_PROTOCOL_VERSION:
+        return None
+    return (f"{peer} speaks wire protocol version {theirs}, this process speaks version "
+            f"{WIRE_PROTOCOL_VERSION}: upgrade the older side")
+
+
 class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
     """Base class; ``KIND`` is the tag that leads the encoded header (each class's ``tag``).
     ``SAME_LENGTH`` names groups of fields that are parallel lists (struct of arrays): decoding
@@ -79,6 +94,7 @@ class ClientHello(Message, frozen=True, tag="chello"):
     never sends one is answered with one message per request."""
 
     accepts: list[str]
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class InferAnswers(Message, frozen=True, tag="answers"):
@@ -298,6 +314,7 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # model -> the wire form of its ``zserve.signature.ModelSignature`` (``to_dict``), for the
     # frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    protocol: int = WIRE_PROTOCOL_VERSION
     # When the backend's device frees (cluster clock; 0: free now): a scheduler that takes
     # over rebuilds each GPU's free time from it.
     device_free_at: float = 0.0
@@ -335,6 +352,7 @@ class Hello(Message, frozen=True, tag="hello"):
     role: str
     name: str
     pid: int
+    protocol: int = WIRE_PROTOCOL_VERSION
     epoch: int = 0
 
 
@@ -352,6 +370,7 @@ class Ready(Message, frozen=True, tag="ready"):
     name: str
     pid: int
     endpoints: dict[str, str]
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class Heartbeat(Message, frozen=True, tag="hb"):
