@@ -158,8 +158,7 @@ class FrontendCore:
         # Unique across the cluster's frontends and across this frontend's restarts.
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
-        self.epoch = 0  # the newest scheduler epoch heard of (zserve.epochs); the host sets it
-        self.draining = False
+        self.epoch, self.draining = 0, False  # epoch: the newest heard of (zserve.epochs)
         # counter name of (model, outcome), built once: the answer path only looks it up
         self._outcome_names = _outcome_names(self.models)
         self._stats = Stats(
