@@ -61,7 +61,7 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         "BackendTable.models",
     ),
     "int-map-key": ([b"\x93\xa5ready" + b"\x81\x01\x02"], ProtocolError, "not valid msgpack"),
-    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"})], ProtocolError, "endpoints"),
+    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"}, 1)], ProtocolError, "endpoints"),
     "non-native-stats": (
         [_pack("stats", "n", {"x": msgpack.ExtType(1, b"z")})],
         ProtocolError,
@@ -182,7 +182,7 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         ProtocolError,
         "has 5 fields",
     ),
-    "client-hello-not-list": ([_pack("chello", "answers")], ProtocolError, "ClientHello.accepts"),
+    "client-hello-not-list": ([_pack("chello", "answers", 1)], ProtocolError, "ClientHello.accepts"),
 }
 
 TIGHT = codec.DecodeLimits(
