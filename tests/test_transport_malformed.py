@@ -182,7 +182,8 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         ProtocolError,
         "has 5 fields",
     ),
-    "client-hello-not-list": ([_pack("chello", "answers", 1)], ProtocolError, "ClientHello.accepts"),
+    "client-hello-not-list": (
+        [_pack("chello", "answers", 1)], ProtocolError, "ClientHello.accepts"),
 }
 
 TIGHT = codec.DecodeLimits(
