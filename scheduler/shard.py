@@ -103,6 +103,12 @@ SHARD_COUNTERS = (
     "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
     "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
     "cancelled", "replanned", "suspects", "plan_acks",
+    # a standby's: metadata it ignored (the frontends re-send it to the active scheduler);
+    # a superseded one's: plans it made but never sent (zserve.epochs)
+    "standby_ignored", "fenced_plans",
+    # metadata of an older scheduler epoch than this one's: its frontend re-sends what is
+    # still queued once it hears this epoch (zserve.epochs)
+    "stale_epoch",
 )
 # meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
 # what was left of the candidate's grant window when the grant came (negative: too late).
@@ -175,6 +181,10 @@ class ShardHost:
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
+        # active: False while the standby of a pair; fenced: superseded, it sends no plan
+        # again (zserve.epochs); first_plan_at: its first plan (a takeover's end).
+        self.active, self.fenced, self.first_plan_at = True, False, 0.0
+        self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
         self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
         self.counters = self._stats.counters
         self._meta_delay = self._stats.histograms["meta_delay"]
@@ -284,6 +294,8 @@ class ShardHost:
         cancels: dict[tuple[str, str], list[int]] = {}
         for identity, msg in chunk:
             assert identity is not None
+            if self._ignored(msg):
+                continue
             if type(msg) is RequestMetaBatch:
                 self._take_meta(now, identity, msg, arrivals)
             elif type(msg) is CancelQueued:
@@ -374,6 +386,7 @@ class ShardHost:
                 window_left = thread.grant_window_left(now)
                 if window_left is not None:
                     self._grant_slack.observe(window_left)
+                thread.epoch = msg.epoch  # its plan carries the granting rank's epoch
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
@@ -386,7 +399,28 @@ class ShardHost:
                 log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
         self._flush(outbox)
 
+    def _ignored(self, msg: Message) -> bool:
+        """Requests a standby ignores, and metadata of an older epoch than this embedded
+        scheduler's (sent to a process that died or was superseded): either way the frontend
+        re-sends what is still queued once it hears the active epoch. (Epoch 0: a frontend that
+        has heard of none yet. Shards of their own keep their queues across a rank restart:
+        nothing is re-sent to them.)"""
+        if type(msg) in (RequestMetaBatch, CancelQueued) and not self.active:
+            self.counters["standby_ignored"] += 1
+            return True
+        if type(msg) is RequestMetaBatch and self.rank_local is not None and (
+                0 < msg.epoch < self.rank_local.epoch):
+            self.counters["stale_epoch"] += 1
+            return True
+        return False
+
+    @property
+    def epoch(self) -> int:
+        """The scheduler epoch this shard plans in (its rank's)."""
+        return self.rank_local.epoch if self.rank_local is not None else self._table_epoch
+
     def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        self._table_epoch = max(self._table_epoch, table.epoch)
         live = dict(zip(table.gpu_ids, table.addresses, strict=True))
         departed: list[tuple[int, str]] = []
         for gpu_id in list(self.backend_socks):
@@ -474,8 +508,13 @@ class ShardHost:
             self._send(self.sock, msg, identity)
 
     def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
+        if self.fenced:  # superseded: the backends would refuse it anyway
+            self.counters["fenced_plans"] += 1
+            return
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
+            if not self.first_plan_at:
+                self.first_plan_at = self.clock.now()
             self.counters["plans"] += 1
             self.counters["planned_requests"] += len(plan.request_ids)
             self._remember_sent(gpu_id, plan)
@@ -615,6 +654,9 @@ class ShardHost:
             "role": ROLE,
             "name": self.name,
             "clock": self.clock.stats(),
+            "active": self.active and not self.fenced,
+            "epoch": self.epoch,
+            "first_plan_at": self.first_plan_at,
             "sent_plans_held": len(self._sent_plans),
             "models": {
                 name: {

@@ -2,8 +2,11 @@
 
 Sockets (docs/runtime.md): a ``client`` ROUTER (clients' DEALERs connect), a ``data`` ROUTER
 (backends connect to fetch inputs and push outputs), a DEALER to every scheduler shard (request
-metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in) and the control DEALER.
-All of them are received through one ``SocketReactor``.
+metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in; heartbeats out) and
+the control DEALER. With a hot spare, a shard and a rank DEALER to each scheduler process: the
+one that announced the newest epoch (``Hello.epoch``, ``zserve.epochs``) gets the metadata, and
+on a new one the requests still queued here are sent to it again; what a superseded scheduler
+sends is refused (``stale_epoch``). All of them are received through one ``SocketReactor``.
 
 The logic lives in ``zserve.frontend_core.FrontendCore`` (admission, the request table and input
 store, deadlines, cancellation, backend failures, coalescing of what a tick sends). This host
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -34,6 +38,7 @@ import zmq.utils.monitor
 from zserve import control_link, keys, peer_map, readiness, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
+from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
@@ -52,6 +57,7 @@ from zserve.transport.messages import (
     ClientHello,
     ClusterStatsRequest,
     DropNotice,
+    Heartbeat,
     Hello,
     InferAnswers,
     InferError,
@@ -79,7 +85,10 @@ _SRCFD = int(zmq.SRCFD)
 # with what came (the ones that did not are listed under "cluster_silent").
 PEER_STATS_TIMEOUT_S = 0.5
 # The host's own counters, next to the core's (``FrontendCore.counters``).
-HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats")
+# stale_epoch: messages of a superseded scheduler, refused; epoch_switches: new active schedulers
+# heard of (zserve.epochs).
+HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats", "stale_epoch",
+                 "epoch_switches")
 
 
 def _load_profile(config: ModelConfig) -> LatencyProfile | None:
@@ -139,6 +148,12 @@ class FrontendHost:
         self.monitor_sock: zmq.Socket[Any] | None = None
         self.shard_socks: list[zmq.Socket[Any] | None] = [None] * self.cluster.scheduler_processes
         self.rank_sock: zmq.Socket[Any] | None = None
+        # Every scheduler process by name (an active/standby pair: two of each); the fence says
+        # which one is active (zserve.epochs), and shard_socks[0] / rank_sock are its sockets.
+        self.shard_by_name: dict[str, zmq.Socket[Any]] = {}
+        self.rank_socks: dict[str, zmq.Socket[Any]] = {}
+        self.fence = EpochFence()
+        self._heartbeat: asyncio.Task[None] | None = None
         self.endpoints: dict[str, str] = {}
         # The Open Inference Protocol servers' way in (zserve.oip_bridge).
         self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
@@ -169,25 +184,25 @@ class FrontendHost:
         """Connect to the shards and rank named in the peer map."""
         identity = self.name.encode()
         hello = Hello(role="frontend", name=self.name, pid=os.getpid())
-        shard_eps = peer_map.endpoints_of(peers, "shard")
+        for name, address in peer_map.endpoints_of(peers, "shard").items():
+            self.shard_by_name[name] = make_dealer(self.ctx, address, identity=identity,
+                                                   peer_role="shard")
+            socket_io.sync_send(self.shard_by_name[name], hello)
         for index in range(len(self.shard_socks)):
-            address = shard_eps.get(f"shard-{index}")
-            if address is None:
+            sock = self.shard_by_name.get(f"shard-{index}")
+            if sock is None:
                 log.error("%s: no address for shard-%d: its models are unavailable",
                           self.name, index)
                 self.core.shard_reachable[index] = False
-                continue
-            sock = make_dealer(self.ctx, address, identity=identity, peer_role="shard")
-            socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
-        rank_eps = peer_map.endpoints_of(peers, "rank")
-        rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
+        for name, address in peer_map.endpoints_of(peers, "rank").items():
+            self.rank_socks[name] = make_dealer(self.ctx, address, identity=identity,
+                                                peer_role="rank")
+            socket_io.sync_send(self.rank_socks[name], hello)
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
-        if rank_address is not None:
-            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity,
-                                         peer_role="rank")
-            socket_io.sync_send(self.rank_sock, hello)
+        self.rank_sock = self.rank_socks.get("rank") or self.rank_socks.get("shard-0") or next(
+            iter(self.rank_socks.values()), None)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -197,10 +212,9 @@ class FrontendHost:
         reactor.watch_frames(self.monitor_sock, on_frames=self._on_monitor_events)
         reactor.watch(self.data_sock, router=True, on_chunk=self._on_data,
                       on_bad=lambda exc: self._malformed("data", exc))
-        for sock in (*self.shard_socks, self.rank_sock):
-            if sock is not None:
-                reactor.watch(sock, router=False, on_chunk=self._on_scheduler,
-                              on_bad=lambda exc: self._malformed("scheduler", exc))
+        for name, sock in [*self.shard_by_name.items(), *self.rank_socks.items()]:
+            reactor.watch(sock, router=False, on_chunk=functools.partial(self._on_scheduler, name),
+                          on_bad=lambda exc: self._malformed("scheduler", exc))
         reactor.watch_frames(self.client_sock, on_frames=self._on_client)
         # OIP requests are answered like a client that takes one InferAnswers per tick.
         outbox: Outbox = []
@@ -208,16 +222,31 @@ class FrontendHost:
                                     ClientHello(accepts=[InferAnswers.KIND]), outbox)
         self._after(outbox)
         self.oip.open(loop)
+        self._heartbeat = loop.create_task(self._heartbeat_loop(), name="scheduler-heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeat every scheduler: a restarted one asks who this frontend is (so it hears the
+        new epoch), and a superseded one hears the newest epoch and steps down."""
+        seq = 0
+        while True:
+            seq += 1
+            beat = Heartbeat(self.name, seq, self.clock.now(), self.fence.highest)
+            assert self._reactor is not None
+            for sock in self.rank_socks.values():
+                self._reactor.send_nowait(sock, beat)
+            await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
 
     def _sockets(self) -> list[zmq.Socket[Any]]:
-        socks = [self.monitor_sock, self.data_sock, *self.shard_socks, self.rank_sock]
-        socks.append(self.client_sock)
+        socks = [self.monitor_sock, self.data_sock, *self.shard_by_name.values(),
+                 *self.rank_socks.values(), self.client_sock]
         return [s for s in socks if s is not None]
 
     def close(self) -> None:
         if not self._closed:
             self._after([])  # answers of this tick (answer_all's at shutdown) go out first
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._timer_handle is not None:
             self._timer_handle.cancel()
         if self._gathering is not None and self._gathering.handle is not None:
@@ -396,18 +425,24 @@ class FrontendHost:
 
     # ------------------------------------------------------------------ scheduler and backends
 
-    def _on_scheduler(self, chunk: Chunk) -> None:
-        """Messages from a shard or the rank."""
+    def _on_scheduler(self, scheduler: str, chunk: Chunk) -> None:
+        """Messages from a shard or the rank (process ``scheduler``)."""
         outbox: Outbox = []
         core = self.core
+        fence = self.fence
         for _, msg in chunk:
             now = self.clock.now()
-            if type(msg) is DropNotice:
+            if type(msg) is Hello:
+                self._on_scheduler_hello(now, scheduler, msg, outbox)
+            elif type(msg) is StatsReply:  # a standby's too (cluster stats list both)
+                self._on_peer_stats(msg, outbox)
+            elif (scheduler in fence.epoch_of and not fence.is_current(scheduler)) or (
+                    type(msg) is BackendTable and not fence.admits(msg.epoch)):
+                self.counters["stale_epoch"] += 1  # a superseded scheduler's
+            elif type(msg) is DropNotice:
                 core.on_drop(now, msg, outbox)
             elif type(msg) is BackendTable:
                 core.on_backend_table(now, msg, outbox)
-            elif type(msg) is StatsReply:
-                self._on_peer_stats(msg, outbox)
             else:
                 self.counters["ignored"] += 1
         self._after(outbox)
@@ -432,6 +467,28 @@ class FrontendHost:
             else:
                 self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
         self._after(outbox)
+
+    def _on_scheduler_hello(self, now: float, scheduler: str, msg: Hello,
+                            outbox: Outbox) -> None:
+        """Epoch 0: a (re)started scheduler asks who this is. Else it announces the epoch in
+        which it is active: a newer one than any heard of is the scheduler from now on, and
+        the requests still queued here are sent to it."""
+        fence = self.fence
+        if msg.epoch == 0:
+            sock = self.rank_socks.get(scheduler)
+            if sock is not None and self._reactor is not None:
+                self._reactor.send_nowait(sock, Hello(role="frontend", name=self.name,
+                                                      pid=os.getpid(), epoch=fence.highest))
+        elif fence.observe(scheduler, msg.epoch):
+            self.counters["epoch_switches"] += 1
+            self.core.epoch = msg.epoch
+            if self.cluster.scheduler.shards == 0 and scheduler in self.shard_by_name:
+                self.shard_socks[0] = self.shard_by_name[scheduler]
+                self.rank_sock = self.rank_socks.get(scheduler, self.rank_sock)
+                self.core.requeue_queued(now, outbox)
+            log.info("%s: scheduler %s is active in epoch %d", self.name, scheduler, msg.epoch)
+        elif msg.epoch < fence.highest:
+            self.counters["stale_epoch"] += 1
 
     def on_control_message(self, msg: Message) -> None:
         """The supervisor says a backend's process died (``BackendGone``)."""
@@ -463,9 +520,9 @@ class FrontendHost:
         assert self._reactor is not None and self.data_sock is not None
         request = StatsRequest(reset=reset)
         asked: set[str] = set()
-        for index, sock in enumerate(self.shard_socks):
-            if sock is not None and self._reactor.send_nowait(sock, request) is None:
-                asked.add(f"shard-{index}")
+        for name, sock in self.shard_by_name.items():
+            if self._reactor.send_nowait(sock, request) is None:
+                asked.add(name)
         if self.rank_sock is not None and not self._rank_embedded and (
                 self._reactor.send_nowait(self.rank_sock, request) is None):
             asked.add("rank")
@@ -513,6 +570,7 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
         out["metrics_url"] = self.metrics_url
         out["pid"] = os.getpid()
         out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`

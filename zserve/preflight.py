@@ -79,6 +79,13 @@ def check_cluster(
     for index, model in enumerate(config.models):
         problems += check_model(f"models[{index}]", model)
     problems += _check_explicit_binds(config)
+    if config.scheduler.standby and config.scheduler.shards > 0:
+        # The standby replaces the one embedded scheduler process; a pair per shard plus one
+        # for the rank is not built (docs/runtime.md, "Hot spare").
+        problems.append(Problem("scheduler.standby",
+                                "needs scheduler.shards = 0 (a hot spare replaces the one "
+                                f"embedded scheduler process), got shards = "
+                                f"{config.scheduler.shards}"))
     problems += check_security(config)
     if config.transport == "ipc":
         base = ipc_base or config.ipc_dir or tempfile.gettempdir()
