@@ -30,7 +30,6 @@ import math
 import os
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
@@ -42,7 +41,7 @@ from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
-from zserve.metrics import MetricsServer, serve_frontend_metrics
+from zserve.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.oip_bridge import OIP_CLIENT, OipBridge
 from zserve.oip_server import OipServers
 from zserve.profiles import LatencyProfile, configured_profile
@@ -101,6 +100,10 @@ def _load_profile(config: ModelConfig) -> LatencyProfile | None:
         return None
 
 
+# Who waits on a stats round: a client (its identity) or the metrics endpoint (a future).
+StatsWaiter = bytes | asyncio.Future[dict[str, Any] | None]
+
+
 class _StatsGathering:
     """One round of StatsRequests to the frontend's peers, for clients waiting on it."""
 
@@ -109,7 +112,7 @@ class _StatsGathering:
     def __init__(self, waiting: set[str]) -> None:
         self.waiting = waiting  # peer process names not yet answered
         self.replies: dict[str, Any] = {}
-        self.waiters: list[tuple[bytes, dict[str, Any]]] = []  # (client, frontend's own stats)
+        self.waiters: list[tuple[StatsWaiter, dict[str, Any]]] = []  # (who, frontend's own)
         self.handle: asyncio.TimerHandle | None = None
 
 
@@ -243,14 +246,14 @@ class FrontendHost:
 
     def close(self) -> None:
         if not self._closed:
-            self._after([])  # answers of this tick (answer_all's at shutdown) go out first
+            outbox: Outbox = []
+            self._stats_gathered(outbox)  # an open stats round answers with what came
+            self._after(outbox)  # answers of this tick (answer_all's at shutdown) go out first
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._timer_handle is not None:
             self._timer_handle.cancel()
-        if self._gathering is not None and self._gathering.handle is not None:
-            self._gathering.handle.cancel()
         if self._reactor is not None:
             self._reactor.close()
         if self.client_sock is not None and self.monitor_sock is not None:
@@ -366,7 +369,7 @@ class FrontendHost:
             msg = codec.decode(frames[1:])
         except ProtocolError as exc:
             self._malformed("client", exc)
-            request_id = _recover_request_id(frames[1])
+            request_id = codec.recover_request_id(frames[1])
             if request_id is not None:
                 kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
                     ErrorKind.BAD_REQUEST
@@ -499,7 +502,18 @@ class FrontendHost:
 
     # ------------------------------------------------------------------ cluster stats
 
-    def _gather_stats(self, client: bytes, reset: bool, outbox: Outbox) -> None:
+    async def cluster_stats(self) -> dict[str, Any] | None:
+        """What ``ClusterStatsRequest(reset=False)`` answers, asked in-process (the metrics
+        endpoint): the same round, resolved as a future. None while the frontend is not serving."""
+        if self._loop is None or self._closed:
+            return None
+        answer: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        outbox: Outbox = []
+        self._gather_stats(answer, False, outbox)
+        self._after(outbox)
+        return await answer
+
+    def _gather_stats(self, client: StatsWaiter, reset: bool, outbox: Outbox) -> None:
         """Answer ``client`` with this frontend's stats and, under ``cluster``, those of every
         shard, the rank and every backend it knows, asked now (with ``reset``). A request that
         comes while a round is open joins it (that round's peers reset once, if the first
@@ -556,9 +570,12 @@ class FrontendHost:
         if gathering.handle is not None:
             gathering.handle.cancel()
         silent = sorted(gathering.waiting)
-        for client, own in gathering.waiters:
+        for waiter, own in gathering.waiters:
             stats = {**own, "cluster": gathering.replies, "cluster_silent": silent}
-            outbox.append(((TO_CLIENT, client), StatsReply(self.name, stats)))
+            if isinstance(waiter, bytes):
+                outbox.append(((TO_CLIENT, waiter), StatsReply(self.name, stats)))
+            elif not waiter.done():  # a scrape that gave up has cancelled it
+                waiter.set_result(stats)
 
     # ------------------------------------------------------------------ drain and stats
 
@@ -580,24 +597,6 @@ class FrontendHost:
         out["unready_models"] = readiness.unready_models(self.core.models,
                                                          self.core.backend_models)
         return out
-
-
-def _recover_request_id(header: Any) -> int | None:
-    """The request id of a malformed client message, if its header still names one."""
-    try:
-        data = header.bytes if isinstance(header, zmq.Frame) else bytes(header)
-        if len(data) > 4096:
-            data = data[:4096]
-        unpacker = msgpack.Unpacker(max_buffer_size=8192, raw=False, strict_map_key=False)
-        unpacker.feed(data)
-        size = unpacker.read_array_header()
-        if size < 2:
-            return None
-        unpacker.skip()
-        value = unpacker.unpack()
-    except Exception:
-        return None
-    return value if type(value) is int else None
 
 
 # --------------------------------------------------------------------------- process entry
@@ -628,7 +627,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         endpoints = frontend.bind()
         endpoints.update(await oip.start())
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
-        metrics_server = _start_metrics(config, frontend, endpoints["client"])
+        metrics_server = _start_metrics(config, frontend, loop)
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
         clock_sync = await role_runner.sync_cluster_clock(actx, peers, name=frontend.name,
@@ -662,13 +661,15 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
 
 
 def _start_metrics(config: RoleConfig, frontend: FrontendHost,
-                   client_endpoint: str) -> MetricsServer | None:
-    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one."""
+                   loop: asyncio.AbstractEventLoop) -> MetricsServer | None:
+    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
+    scrape asks the frontend on its loop (``FrontendHost.cluster_stats``)."""
     addresses = frontend.cluster.frontends.metrics_addresses
     if config.index >= len(addresses):
         return None
     server = serve_frontend_metrics(addresses[config.index], frontend.name,
-                                    [m.name for m in frontend.cluster.models], client_endpoint)
+                                    [m.name for m in frontend.cluster.models],
+                                    in_process_stats_reader(loop, frontend.cluster_stats))
     frontend.metrics_url = server.url
     return server
 
