@@ -5,9 +5,10 @@ DEALERs whose identity is their process name:
 
 - shards send ``Hello`` on connect, then ``CandidateUpdate`` and ``GrantAnswer``; they receive
   ``GrantGpu`` (for the models whose candidates they sent) and ``BackendTable``;
-- backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
-  ``BatchStats``; the rank assigns GPU ids in registration order (a backend that registers again
-  under the same name keeps its id) and removes a backend that has not heartbeated for
+- backends send ``BackendRegister`` (device, plan address, models, profiles, configured index),
+  ``Heartbeat`` and ``BatchStats``; a backend's GPU id is its configured index, so a restarted rank
+  gives every backend the id it had whatever order they register in (a backend that registers
+  again under the same name keeps its id); the rank removes a backend that has not heartbeated for
   ``BACKEND_TIMEOUT_S``. A BatchStats' ``device_free_at`` (when the backend projects its device
   free, having started batches later than planned) moves the GPU's free time in the RankThread
   later, never earlier (``RankThread.on_device_free_at``; counted in ``rank_thread`` stats as
@@ -314,7 +315,7 @@ class RankHost:
         self.counters["registrations"] += 1
         gpu_id = self.gpu_by_name.get(msg.name)
         if gpu_id is None:
-            gpu_id = len(self.gpu_by_name)
+            gpu_id = self._new_gpu_id(msg)
             self.gpu_by_name[msg.name] = gpu_id
         previous = self.backends.get(gpu_id)
         backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
@@ -328,6 +329,18 @@ class RankHost:
             self.rank.add_gpu(now, gpu_id, outbox)
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
+
+    def _new_gpu_id(self, msg: BackendRegister) -> int:
+        """The id of a backend this rank has not seen: its configured index, so a restarted
+        rank gives every backend the id the shards' plans and tables already use, whatever order
+        they register in; the lowest free id when it has none or another backend holds it."""
+        taken = set(self.gpu_by_name.values())
+        if msg.index >= 0 and msg.index not in taken:
+            return msg.index
+        if msg.index >= 0:
+            log.warning("%s: backend %s has index %d, which another backend holds", self.name,
+                        msg.name, msg.index)
+        return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
                     outbox: Outbox) -> None:

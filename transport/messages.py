@@ -286,6 +286,10 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # model -> the wire form of its ``zserve.signature.ModelSignature`` (``to_dict``), for the
     # frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # The backend's index in its cluster config (``zserve backend --index``): the GPU id the
+    # rank gives it, so ids stay the same across rank restarts whatever the registration order
+    # (-1: none; the rank then picks the lowest free id).
+    index: int = -1
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):
