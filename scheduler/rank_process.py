@@ -489,6 +489,8 @@ class RankHost:
             },
         }
         out.update(self._stats.snapshot(reset))
+        # who hears of table changes (a frontend absent here never learns of a backend change)
+        out["peers"] = {i.decode(errors="replace"): role for i, role in self.peers.items()}
         return out
 
 
