@@ -30,6 +30,7 @@ class BusyMeter:
     window_start: float
     accumulated_s: float = 0.0
     running_since: float | None = None
+    finished_total_s: float = 0.0  # busy seconds of every finished batch, never reset
 
     def start(self, t: float) -> None:
         self.running_since = t
@@ -37,7 +38,13 @@ class BusyMeter:
     def stop(self, t: float) -> None:
         if self.running_since is not None:
             self.accumulated_s += max(0.0, t - max(self.running_since, self.window_start))
+            self.finished_total_s += max(0.0, t - self.running_since)
             self.running_since = None
+
+    def total(self, now: float) -> float:
+        """Busy seconds since the process started, windows ignored (a Prometheus counter)."""
+        running = 0.0 if self.running_since is None else max(0.0, now - self.running_since)
+        return self.finished_total_s + running
 
     def take(self, now: float, reset: bool) -> float:
         """Busy seconds from the window's start to ``now``; ``reset`` starts a new window."""

@@ -155,10 +155,8 @@ class Backend:
         reactor: SocketReactor,
         clock: ClusterClock | None = None,
         shed_grace_s: float = 0.0,
-        index: int = -1,
     ) -> None:
         self.name = name
-        self.index = index  # in the cluster config: the rank makes it this GPU's id
         # Set before the backend starts (its offset is estimated after Ready, before it serves).
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
@@ -241,7 +239,6 @@ class Backend:
                 models=list(self.models),
                 profiles_ms=profiles_ms,
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
-                index=self.index,
             ),
         )
 
@@ -496,6 +493,7 @@ class Backend:
             "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
+            "busy_total_s": self.runner.busy.total(self.clock.now()),
             "clock": self.clock.stats(),
             **self.follower.stats.snapshot(reset),
             "counters": counters,
@@ -544,7 +542,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
                               else DEFAULT_REPLY_ALLOWANCE_MS)
         backend = Backend(name=name, device=device, executor=build_executor(device, models),
                           ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
-                          reactor=reactor, index=config.index,
+                          reactor=reactor,
                           shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_ms / 1e3)
         backend_ref.append(backend)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.

@@ -6,8 +6,10 @@
 - ``gamma:K``: Gamma(shape K, scale 1/(K*rate)) gaps: mean 1/rate, CV 1/sqrt(K) (K < 1 is bursty;
   K = 1 is Poisson).
 
-Model i's generator is seeded with ``seed + 31*i`` (as in the authors' load generator), so adding
-a model leaves the others' arrivals unchanged.
+Model i's generator is the i-th child of ``numpy.random.SeedSequence(seed)`` (spawn key ``(i,)``):
+independent streams per model and per seed, and adding a model leaves the others' arrivals
+unchanged. (The authors' load generator seeds model i with ``seed + 31*i``, so seed 32's model 0
+replayed seed 1's model 1: two "independent" runs shared arrival streams.)
 
 Popularity: ``equal``; ``zipf:S`` (model i gets weight 1/(i+1)^S); or explicit shares (a list in
 the workload, or per-model ``share``), normalized to sum to 1.
@@ -20,8 +22,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
-
-SEED_STRIDE = 31
 
 
 class _HasShare(Protocol):
@@ -62,7 +62,12 @@ def popularity_shares(
 
 
 def model_rng(seed: int, model_index: int) -> np.random.Generator:
-    return np.random.default_rng(seed + SEED_STRIDE * model_index)
+    """Model ``model_index``'s arrival generator for run seed ``seed``: the model's own child of
+    ``SeedSequence(seed)`` (what ``SeedSequence(seed).spawn(n)[model_index]`` gives, without
+    spawning the others), so streams never repeat across models or seeds."""
+    if seed < 0 or model_index < 0:
+        raise ValueError(f"seed and model index must be >= 0, got {seed}, {model_index}")
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(model_index,)))
 
 
 def arrival_times(  # noqa: PLR0917

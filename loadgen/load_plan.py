@@ -155,11 +155,11 @@ def build_plan(
     and last rate. Model m gets ``shares[m]`` (normalised) of the total rate, and its own
     arrival process when ``arrival`` is a sequence (one per model).
 
-    Each model's arrivals come from ``zserve.loadgen.arrivals`` (its own generator, seeded
-    ``seed + 31 * m``) run at unit rate in operational time and mapped to wall time by the
-    schedule (time rescaling, see ``zserve.loadgen.schedules``). numpy scales the standard
-    exponential/gamma/uniform draws by the mean gap, so for a constant schedule the times are the
-    ones the simulator draws at the model's rate from the same seed.
+    Each model's arrivals come from ``zserve.loadgen.arrivals`` (its own generator, the m-th
+    child of ``SeedSequence(seed)``) run at unit rate in operational time and mapped to wall
+    time by the schedule (time rescaling, see ``zserve.loadgen.schedules``). numpy scales the
+    standard exponential/gamma/uniform draws by the mean gap, so for a constant schedule the
+    times are the ones the simulator draws at the model's rate from the same seed.
     """
     n_models = len(models)
     if not (len(slo_ms) == len(shares) == n_models) or n_models == 0:

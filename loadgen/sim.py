@@ -156,6 +156,7 @@ class Simulator:
         self.sent_plans = SentPlans()  # the shard's record of the plans sent, and their acks
         self._ack_allowance_s = d_ctrl_s + PLAN_ACK_MARGIN_S
         self.bailed = False
+        self.bailed_at = math.inf  # when a bailing run stopped (the report counts up to it)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._model_wake = [math.inf] * len(self.models)
@@ -549,6 +550,7 @@ class Simulator:
                     next_bail_check = now + BAIL_CHECK_INTERVAL_S
                     if self._should_bail(bail, now):
                         self.bailed = True
+                        self.bailed_at = now
                         break
             else:
                 self._on_event(now, kind, idx, seq)

@@ -7,14 +7,14 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     [workload]
     name = "table2-resnet50"   # optional; defaults to the file stem
     gpus = 8                   # GPUs (simulator) / expected GPUs (live)
-    seed = 1                   # per-model arrival seeds are seed + 31 * model_index
+    seed = 1                   # model i's arrivals: child i of numpy SeedSequence(seed)
     rate = 5000.0              # total offered rate in requests/s (--rate overrides)
     arrival = "poisson"        # "constant" | "poisson" | "gamma:K" (CV = 1/sqrt(K))
     popularity = "equal"       # "equal" | "zipf:S" | [share, share, ...] (one per model)
     warmup_s = 2.0             # not counted
     measure_s = 10.0           # counted: bad rate, latency, goodput
     cooldown_s = 1.0           # load keeps flowing, not counted
-    policy = "deferred"        # deferred | deferred-bl | latest | eager | timeout:F
+    policy = "deferred"        # deferred | frontrun | latest | eager | eager-edf | timeout:F
     drop = "window"            # window | alone | fcfs
     d_ctrl_ms = 0.0            # plan delivery allowance before a batch can start
     d_data_ms = 0.0            # per-request input-fetch allowance
@@ -427,8 +427,9 @@ def _validate(w: Workload, source: str) -> None:
         raise WorkloadError(f"{source}: workload.gpus must be >= 1")
     if not w.rate > 0:
         raise WorkloadError(f"{source}: workload.rate must be > 0")
-    for key in ("warmup_s", "cooldown_s", "d_ctrl_ms", "d_data_ms", "reply_ms", "sim_tick_ms",
-                "keep_tolerance", "jitter_ms"):
+    # (seed: numpy's SeedSequence takes non-negative entropy only)
+    for key in ("seed", "warmup_s", "cooldown_s", "d_ctrl_ms", "d_data_ms", "reply_ms",
+                "sim_tick_ms", "keep_tolerance", "jitter_ms"):
         if getattr(w, key) < 0:
             raise WorkloadError(f"{source}: workload.{key} must be >= 0")
     if not w.measure_s > 0:

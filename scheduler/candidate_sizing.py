@@ -4,10 +4,12 @@
 computations over the ModelThread's deadline-ordered queue (parallel lists from ``_head`` on) that
 decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
 size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
-wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The event
-handling (arrivals, grants, timers) and what goes into the outbox stay in
-``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's hot
-path, and reading the queue through ``self`` costs no argument passing.
+wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The deferred
+policies' learned state (missed windows, contention) is updated here too (``_missed_window``,
+``_deferral_outcome``, ``_learn_from_grant``). The event handling (arrivals, grants, timers) and
+what goes into the outbox stay in ``zserve.scheduler.model_thread``. A base class rather than
+functions: these run on the shard's hot path, and reading the queue through ``self`` costs no
+argument passing.
 
 ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on the hot path), and
 ``b if b < a else a`` for ``min(a, b)``.
@@ -30,7 +32,19 @@ from zserve.policies import (
 )
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
-from zserve.scheduler.policy import DEFER_STAGGER_MIN_GPUS, RpsMeter
+from zserve.scheduler.policy import (
+    DEFER_MIN_JOINERS,
+    DEFER_MISS_EWMA,
+    DEFER_MISS_FORGET_REQUESTS,
+    DEFER_MISS_FORGET_S,
+    DEFER_MISS_MAX_S,
+    DEFER_MISS_RATE_MAX,
+    DEFER_MISS_WIDEN_S,
+    DEFER_QUEUED_RATE_MAX,
+    DEFER_QUEUED_SLACK_S,
+    DEFER_STAGGER_MIN_GPUS,
+    RpsMeter,
+)
 
 COMPACT_AT = 4096
 """Compact the queue's lists once this many popped entries precede the head (and they are at
@@ -68,7 +82,11 @@ class CandidateSizing:
     # the deferred policy's beta*lambda batch size, and whether the model shares its GPUs
     _defer_below: float
     _defer_shared: bool
+    _defer_rate: float
+    _adaptive: bool
     miss_margin_s: float
+    miss_rate: float
+    queued_rate: float
     # the candidate as last computed
     cand_bs: int  # in rows
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
@@ -77,6 +95,9 @@ class CandidateSizing:
     n_arrived: int  # requests
     n_extra_rows: int  # their rows beyond one each
     _cand_deferred: bool
+    _waited: bool
+    _learned_at: float
+    n_window_misses: int
     wake_at: float
 
     def _set_target(self, target: int) -> None:
@@ -98,19 +119,20 @@ class CandidateSizing:
     def _refresh_defer_below(self) -> None:
         """The batch size from which the ``deferred`` policy stops deferring (policy.py), from
         the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
-        size b (n = lambda*l(b)/b). Cached: it changes only when the meter seals a bucket or the
-        target or profile changes."""
+        size b (n = lambda*l(b)/b), and the rate the joiner rule reads. Cached: it changes only
+        when the meter seals a bucket or the target or profile changes."""
         rate = self._meter.rate()
         self._defer_shared = False
+        self._defer_rate = math.inf if rate is None else rate  # no rate yet: plain frontrun
         if rate is None:
-            self._defer_below = math.inf  # no rate yet: plain frontrun
+            self._defer_below = math.inf
             return
         beta_lambda = self._profile.beta_s * rate
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:
-            self._defer_below = beta_lambda - 1.0
+        else:  # shares GPUs: beta*lambda - 1 (deferred), or the joiner rule in _aim (adaptive)
+            self._defer_below = math.inf if self._adaptive else beta_lambda - 1.0
             self._defer_shared = True
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
@@ -313,13 +335,23 @@ class CandidateSizing:
         kind = self._kind
         deferred = False
         if kind == KIND_DEFERRED:
-            if bs >= self._defer_below:  # waiting no longer pays (policy.py, deferred)
-                exec_at = earliest
-            elif self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
+            deferred = bs < self._defer_below
+            if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
-                deferred = True
-            else:  # staggered: a missed window is the stagger at work; the authors' aim
+                if self._adaptive:  # ... unless windows are too often lost or contended
+                    deferred = (self.miss_rate <= DEFER_MISS_RATE_MAX
+                                and self.queued_rate <= DEFER_QUEUED_RATE_MAX)
+            else:  # staggered: the authors' aim
                 exec_at = deadline - self.jitter_s - table[bs + grow]
+            if not deferred or (
+                self._adaptive and (exec_at - now) * self._defer_rate < DEFER_MIN_JOINERS
+            ):
+                # waiting does not pay (policy.py, deferred): staggered and at its batch size,
+                # windows on shared GPUs too often lost, or too few requests expected to join
+                exec_at = earliest
+                deferred = False
+            elif not self._defer_shared:
+                deferred = False  # staggered: a missed window is the stagger at work
         elif kind == KIND_FRONTRUN:
             exec_at = deadline - self.jitter_s - table[bs + grow]
         elif kind == KIND_EAGER:
@@ -336,8 +368,47 @@ class CandidateSizing:
         self.cand_exec = exec_at
         self.cand_latest = latest
         self._cand_deferred = deferred
+        if deferred:
+            self._waited = True
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 
+    def _missed_window(self, now: float) -> None:
+        """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
+        earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
+        self._cand_deferred = self._waited = False  # counted once
+        self.n_window_misses += 1
+        margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
+        self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+        self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
+        self._learned_at = now
+
+    def _deferral_outcome(self, now: float) -> tuple[bool, bool]:
+        """At a grant, before the candidate is recomputed: whether a candidate deferred since
+        the last grant, and whether it then waited for a GPU past its exec: every GPU was busy
+        (contention; it may have stopped deferring just before its aim: the joiner rule)."""
+        was_deferred = self._waited
+        self._waited = False
+        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
+        return was_deferred, (
+            was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S)
+
+    def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
+        """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
+        deferred): a deferred batch that got its window counts against the miss estimate, and
+        for or against the queued one; a batch that did not defer forgets both, by the smaller
+        of the time since they last learned something over DEFER_MISS_FORGET_S and its requests
+        over DEFER_MISS_FORGET_REQUESTS."""
+        since = now - self._learned_at
+        self._learned_at = now
+        if was_deferred:
+            keep = 1.0 - DEFER_MISS_EWMA
+        else:
+            forget = min(since / DEFER_MISS_FORGET_S, bs / DEFER_MISS_FORGET_REQUESTS)
+            keep = 1.0 - forget if forget < 1.0 else 0.0
+        self.miss_rate *= keep
+        self.queued_rate *= keep
+        if queued:
+            self.queued_rate += DEFER_MISS_EWMA
 
 __all__ = ["COMPACT_AT", "CandidateSizing"]

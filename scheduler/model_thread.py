@@ -74,9 +74,7 @@ from zserve.policies import (
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
-    DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
-    DEFER_MISS_WIDEN_S,
     RpsMeter,
     target_batch_size,
 )
@@ -142,6 +140,7 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
+        self._adaptive = self._policy.name == "deferred-adaptive"
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
         self.jitter_s = jitter_s
@@ -150,6 +149,7 @@ class ModelThread(CandidateSizing):
         # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
         self._defer_below = math.inf
         self._defer_shared = False  # set with _defer_below: the model shares its GPUs
+        self._defer_rate = math.inf  # the metered rate the joiner rule reads (inf: no rate yet)
         self._meter = RpsMeter(rate_bucket_s, rate_window)
         self.keep_tolerance = keep_tolerance
         self.target = 1
@@ -194,6 +194,13 @@ class ModelThread(CandidateSizing):
         # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
         self._cand_deferred = False
         self.miss_margin_s = 0.0
+        # deferred, sharing GPUs: the estimated chance that a deferred candidate misses its
+        # grant window (DEFER_MISS_EWMA); above DEFER_MISS_RATE_MAX the model does not defer
+        self.miss_rate = 0.0
+        # ... and the chance that a deferred candidate finds every GPU busy at its aim
+        self.queued_rate = 0.0
+        self._waited = False  # a candidate deferred since the last grant
+        self._learned_at = 0.0  # when the estimates last learned something (a grant, a miss)
 
     # ------------------------------------------------------------------ attributes
 
@@ -234,6 +241,10 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
+        # deferred-adaptive: the joiner rule and the window estimates (policy.py)
+        self._adaptive = policy.name == "deferred-adaptive"
+        if hasattr(self, "_meter"):
+            self._refresh_defer_below()
 
     # ------------------------------------------------------------------ inputs
 
@@ -426,9 +437,7 @@ class ModelThread(CandidateSizing):
             # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
             # grant still on its way when the window closes counts too: it came too late for the
             # batch as planned, and the cap bounds what such misses can cost.
-            self.n_window_misses += 1
-            margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
-            self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
+            self._missed_window(now)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -441,6 +450,7 @@ class ModelThread(CandidateSizing):
         publish the next candidate (the rank dropped ours when it granted)."""
         self._sent = None
         gpu_id = grant.gpu_id
+        was_deferred, queued = self._deferral_outcome(now)
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -459,6 +469,7 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
+        self._learn_from_grant(now, bs, was_deferred, queued)
         head = self._head
         sizes = self._rows
         count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
@@ -526,6 +537,8 @@ class ModelThread(CandidateSizing):
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
+            if self._waited and self._adaptive:  # deferring cost the head: a window was lost
+                self._missed_window(now)
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
         if bs == 0:

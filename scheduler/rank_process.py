@@ -5,8 +5,8 @@ DEALERs whose identity is their process name:
 
 - shards send ``Hello`` on connect, then ``CandidateUpdate`` and ``GrantAnswer``; they receive
   ``GrantGpu`` (for the models whose candidates they sent) and ``BackendTable``;
-- backends send ``BackendRegister`` (device, plan address, models, profiles, configured index),
-  ``Heartbeat`` and ``BatchStats``; a backend's GPU id is its configured index, so a restarted rank
+- backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
+  ``BatchStats``; a backend's GPU id is its index in the cluster config, so a restarted rank
   gives every backend the id it had whatever order they register in (a backend that registers
   again under the same name keeps its id); the rank removes a backend that has not heartbeated for
   ``BACKEND_TIMEOUT_S``. A BatchStats' ``device_free_at`` (when the backend projects its device
@@ -86,6 +86,7 @@ from zserve.transport.messages import (
     Message,
     StatsReply,
     StatsRequest,
+    protocol_mismatch,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_router
@@ -93,6 +94,7 @@ from zserve.transport.sockets import make_router
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
+BACKEND_ROLE = "backend"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
@@ -105,6 +107,14 @@ RANK_COUNTERS = (
 # lateness: batch start - planned exec_at; candidate_slack: how long before its model timer
 # (exec - delay) a candidate came (negative: late).
 RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
+
+
+
+def configured_backend_index(name: str) -> int | None:
+    """``n`` for the backend named ``backend-<n>`` (``zserve.config.process_name``), else None."""
+    role, _, index = name.rpartition("-")
+    return int(index) if role == BACKEND_ROLE and index.isdigit() else None
+
 
 # --------------------------------------------------------------------------- the rank host
 
@@ -312,6 +322,11 @@ class RankHost:
 
     def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
                      outbox: Outbox) -> None:
+        refusal = protocol_mismatch(f"backend {msg.name}", msg.protocol)
+        if refusal is not None:  # its plans and table entries could not be trusted to decode
+            self.counters["bad_messages"] += 1
+            log.error("%s: refusing %s", self.name, refusal)
+            return
         self.counters["registrations"] += 1
         gpu_id = self.gpu_by_name.get(msg.name)
         if gpu_id is None:
@@ -331,15 +346,17 @@ class RankHost:
                  msg.plan_address, gpu_id)
 
     def _new_gpu_id(self, msg: BackendRegister) -> int:
-        """The id of a backend this rank has not seen: its configured index, so a restarted
-        rank gives every backend the id the shards' plans and tables already use, whatever order
-        they register in; the lowest free id when it has none or another backend holds it."""
+        """The id of a backend this rank has not seen: its index in the cluster config (the
+        ``<n>`` of its name ``backend-<n>``, ``zserve.config.process_name``), so a restarted rank
+        gives every backend the id the shards' plans and tables already use, whatever order they
+        register in; the lowest free id when its name has none or another backend holds it."""
         taken = set(self.gpu_by_name.values())
-        if msg.index >= 0 and msg.index not in taken:
-            return msg.index
-        if msg.index >= 0:
+        index = configured_backend_index(msg.name)
+        if index is not None and index not in taken:
+            return index
+        if index is not None:
             log.warning("%s: backend %s has index %d, which another backend holds", self.name,
-                        msg.name, msg.index)
+                        msg.name, index)
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,

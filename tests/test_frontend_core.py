@@ -359,11 +359,14 @@ def test_stats_are_the_one_schema_and_frontends_merge() -> None:
     assert set(stats["counters"]) >= set(FRONTEND_COUNTERS)
     assert stats["counters"]["replied"] == 1 and stats["counters"]["admitted"] == 1
     latency = stats["latency"]
-    assert set(latency) == {*FRONTEND_HISTOGRAMS, "queueing/m", "queueing/a"}
+    assert set(latency) == {*FRONTEND_HISTOGRAMS, *(f"{hop}/{model}" for model in ("m", "a")
+                                                    for hop in ("queueing", "execution",
+                                                                "latency"))}
     # one sample each: exact (a histogram keeps its min and max)
     expected_ms = {"admit_to_fetch": 10.0, "fetch_to_outputs": 15.0, "admit_to_answer": 25.0,
-                   "queueing": 12.0, "queueing/m": 12.0, "execution": 8.0,
-                   "finish_to_answer": 5.0, "overhead": 17.0}
+                   "queueing": 12.0, "queueing/m": 12.0, "execution": 8.0, "execution/m": 8.0,
+                   "latency/m": 25.0, "finish_to_answer": 5.0, "overhead": 17.0}
+    assert stats["counters"]["outcome/m/ok"] == 1 and stats["counters"]["outcome/a/ok"] == 0
     for metric, value_ms in expected_ms.items():
         assert latency[metric]["count"] == 1
         assert latency[metric]["p50_ms"] == pytest.approx(value_ms), metric

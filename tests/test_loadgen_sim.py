@@ -115,8 +115,40 @@ def test_constant_arrivals_and_per_model_seeds() -> None:
     times = arrival_times("constant", 0.0, 100.0, 1.0, model_rng(1, 0))
     assert np.allclose(np.diff(times), 0.01) and 0 <= times[0] < 0.01
     a = arrival_times("poisson", 1.0, 100.0, 1.0, model_rng(7, 2))
-    b = arrival_times("poisson", 1.0, 100.0, 1.0, np.random.default_rng(7 + 31 * 2))
+    b = arrival_times("poisson", 1.0, 100.0, 1.0,
+                      np.random.default_rng(np.random.SeedSequence(7).spawn(3)[2]))
     assert np.array_equal(a, b)
+
+
+def test_per_model_streams_never_repeat_across_seeds() -> None:
+    # seed + 31*i made seed 32's model 0 replay seed 1's model 1 (and seed 1's model 0 was seed
+    # 32's model -1 ...): SeedSequence children are independent streams
+    first = {(seed, m): model_rng(seed, m).random(4).tobytes()
+             for seed in (0, 1, 2, 32, 63) for m in range(4)}
+    assert len(set(first.values())) == len(first)
+    assert model_rng(32, 0).random(4).tobytes() != model_rng(1, 1).random(4).tobytes()
+    with pytest.raises(WorkloadError, match=r"workload\.seed"):
+        parse_workload(_small(seed=-1))
+
+
+def test_a_bailed_probe_counts_only_the_requests_decided_before_it_stopped() -> None:
+    # 3x the capacity of 2 GPUs over a 4 s window: the run bails within the first second of it.
+    # Before the fix, every request of the window that never arrived counted as bad.
+    w = parse_workload(_small(rate=5000.0, measure_s=4.0, cooldown_s=0.0))
+    sim = Simulator(w, SimConfig(bail_bad_rate=0.03))
+    report = sim.run()
+    assert report["bailed"] and sim.bailed_at < w.warmup_s + 1.0
+    decided = ((sim.arrival_all >= w.warmup_s) & (sim.arrival_all < sim.bailed_at)
+               & (sim.status != 0))
+    for i, name in enumerate(("a", "b")):
+        mine = decided & (sim.model_of == i)
+        bad = np.count_nonzero(mine & (sim.status != 1))  # 1: GOOD
+        entry = report["per_model"][name]
+        assert entry["total"] == np.count_nonzero(mine) > 0
+        assert entry["bad_rate"] == pytest.approx(bad / np.count_nonzero(mine), abs=1e-6)
+    in_window = np.count_nonzero((sim.arrival_all >= w.warmup_s)
+                                 & (sim.arrival_all < w.warmup_s + w.measure_s))
+    assert sum(e["total"] for e in report["per_model"].values()) < in_window / 3
 
 
 def test_popularity_shares() -> None:
@@ -171,7 +203,8 @@ def test_simulation_report_schema_and_invariants() -> None:
     assert "offered" in text and len(text.splitlines()) < 25
 
 
-@pytest.mark.parametrize("policy", ["deferred", "deferred-bl", "latest", "eager", "timeout:0.3"])
+@pytest.mark.parametrize("policy", ["deferred", "deferred-bl", "latest", "eager", "eager-edf",
+                                    "timeout:0.3"])
 @pytest.mark.parametrize("arrival", ["poisson", "gamma:0.2"])
 def test_every_policy_keeps_every_invariant_under_overload(policy: str, arrival: str) -> None:
     # 4x the capacity of 2 GPUs: drops galore, and every invariant is checked on every plan

@@ -70,7 +70,7 @@ def test_restarted_rank_s_partial_table_keeps_the_shard_s_backends(tmp_path: Pat
         assert hello.role == "rank"
         rig.be_rank.send(BackendRegister(
             name="backend-0", device="emulated", plan_address=rig.plans.endpoint,
-            models=list(MODELS), profiles_ms={m: _profile_ms() for m in MODELS}, index=0))
+            models=list(MODELS), profiles_ms={m: _profile_ms() for m in MODELS}))
         # Past the grace the rank's own table (with the backend) is what the shard serves.
         time_after_grace = time.monotonic() + REJOIN_GRACE_S
         while time.monotonic() < time_after_grace or _shard_stats(shard)["models"][MODEL][

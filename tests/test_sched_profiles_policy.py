@@ -92,6 +92,9 @@ def test_policy_names() -> None:
     assert SchedulePolicy.parse("deferred").drop_name == "window"
     assert SchedulePolicy.parse("timeout:0.3").timeout_fraction == pytest.approx(0.3)
     assert SchedulePolicy.parse("eager", "alone").drop_name == "alone"
+    edf = SchedulePolicy.parse("eager-edf")
+    assert (edf.kind, edf.drop_name) == (SchedulePolicy.parse("eager").kind, "alone")
+    assert SchedulePolicy.parse("eager-edf", "fcfs").drop_name == "fcfs"
     for bad in ("fast", "timeout", "timeout:2", "eager:1"):
         with pytest.raises(ValueError):
             SchedulePolicy.parse(bad)

@@ -36,6 +36,21 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
+WIRE_PROTOCOL_VERSION = 1
+"""The version of this module's wire messages, carried last in every handshake (``ClientHello``,
+``Hello``, ``BackendRegister``, ``Ready``). A receiver refuses a peer of another version with one
+line naming both (``protocol_mismatch``). A peer that predates the field sends none and reads as
+version 1 (the field's default)."""
+
+
+def protocol_mismatch(peer: str, theirs: int) -> str | None:
+    """The one-line refusal of ``peer`` speaking wire protocol ``theirs``; None if it matches."""
+    if theirs == WIRE_PROTOCOL_VERSION:
+        return None
+    return (f"{peer} speaks wire protocol version {theirs}, this process speaks version "
+            f"{WIRE_PROTOCOL_VERSION}: upgrade the older side")
+
+
 class Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
     """Base class; ``KIND`` is the tag that leads the encoded header (each class's ``tag``).
     ``SAME_LENGTH`` names groups of fields that are parallel lists (struct of arrays): decoding
@@ -79,6 +94,7 @@ class ClientHello(Message, frozen=True, tag="chello"):
     never sends one is answered with one message per request."""
 
     accepts: list[str]
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class InferAnswers(Message, frozen=True, tag="answers"):
@@ -286,10 +302,7 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # model -> the wire form of its ``zserve.signature.ModelSignature`` (``to_dict``), for the
     # frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
-    # The backend's index in its cluster config (``zserve backend --index``): the GPU id the
-    # rank gives it, so ids stay the same across rank restarts whatever the registration order
-    # (-1: none; the rank then picks the lowest free id).
-    index: int = -1
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):
@@ -322,6 +335,7 @@ class Hello(Message, frozen=True, tag="hello"):
     role: str
     name: str
     pid: int
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class BackendGone(Message, frozen=True, tag="bgone"):
@@ -338,6 +352,7 @@ class Ready(Message, frozen=True, tag="ready"):
     name: str
     pid: int
     endpoints: dict[str, str]
+    protocol: int = WIRE_PROTOCOL_VERSION
 
 
 class Heartbeat(Message, frozen=True, tag="hb"):

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("zserve.demo", "main", "start the built-in local cluster and measure its goodput"),
     "up": ("zserve.supervisor_cli", "main_up", "start a cluster from cluster.toml"),
     "down": ("zserve.supervisor_cli", "main_down", "stop a cluster started with `up --detach`"),
+    "status": ("zserve.status", "main",
+               "a running cluster's roles, models, backends, readiness and rates"),
     "frontend": ("zserve.frontend", "main", "run one frontend process"),
     "scheduler": ("zserve.scheduler.shard_process", "main", "run one scheduler shard process"),
     "rank": ("zserve.scheduler.rank_process", "main", "run the rank process"),

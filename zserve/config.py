@@ -72,6 +72,9 @@ def _check_name(key: str, name: str) -> None:
         raise FieldError(key, f"must match {_NAME_RE.pattern}, got {name!r}")
 
 
+_HTTP_ADDRESS_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
 def _check_addresses(key: str, addresses: tuple[str, ...], limit: int, limit_name: str) -> None:
     for i, address in enumerate(addresses):
         _check_address(f"{key}[{i}]", address)
@@ -230,6 +233,8 @@ class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     grpc_addresses: tuple[str, ...] = ()
     reply_allowance_ms: float = DEFAULT_REPLY_ALLOWANCE_MS
     max_request_bytes: Count = DEFAULT_MAX_REQUEST_BYTES
+    # Prometheus endpoints (HOST:PORT, port 0: any free one), one per frontend; none: off.
+    metrics_addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_finite("reply_allowance_ms", self.reply_allowance_ms)
@@ -237,6 +242,12 @@ class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         _check_addresses("data_addresses", self.data_addresses, self.count, "frontends.count")
         _check_host_ports("http_addresses", self.http_addresses, self.count)
         _check_host_ports("grpc_addresses", self.grpc_addresses, self.count)
+        for i, address in enumerate(self.metrics_addresses):
+            if not _HTTP_ADDRESS_RE.match(address):
+                raise FieldError(f"metrics_addresses[{i}]",
+                                 f"not HOST:PORT (e.g. 127.0.0.1:9464), got {address!r}")
+        if len(self.metrics_addresses) > self.count:
+            raise FieldError("metrics_addresses", "more addresses than frontends.count")
 
 
 class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -37,6 +37,7 @@ from zserve.config import ModelConfig, RoleConfig
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
+from zserve.metrics import MetricsServer, serve_frontend_metrics
 from zserve.oip_bridge import OIP_CLIENT, OipBridge
 from zserve.oip_server import OipServers
 from zserve.profiles import LatencyProfile, configured_profile
@@ -123,6 +124,7 @@ class FrontendHost:
         self.idle = asyncio.Event()
         self.idle.set()
         self._gathering: _StatsGathering | None = None
+        self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
         self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         self._closed = False
         self._timer_handle: asyncio.TimerHandle | None = None
@@ -511,6 +513,9 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        out["metrics_url"] = self.metrics_url
+        out["pid"] = os.getpid()
+        out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`
         keys.count_auth_failed(self.ctx, out["counters"], reset)
         # What the health endpoints answer (zserve.readiness), for status and metrics readers.
         out["ready"] = self.oip.ready()
@@ -557,6 +562,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         on_message=frontend.on_control_message,
     )
     clock_sync: ClockSync | None = None
+    metrics_server: MetricsServer | None = None
     oip = OipServers(frontend.oip, http=config.bind.get("http"),
                      grpc_address=config.bind.get("grpc"),
                      max_request_bytes=frontend.cluster.frontends.max_request_bytes)
@@ -564,6 +570,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         endpoints = frontend.bind()
         endpoints.update(await oip.start())
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
+        metrics_server = _start_metrics(config, frontend, endpoints["client"])
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
         clock_sync = await role_runner.sync_cluster_clock(actx, peers, name=frontend.name,
@@ -584,6 +591,8 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         log.info("%s: stopped; counters %s", frontend.name,
                  {key: value for key, value in frontend.counters.items() if value})
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         if clock_sync is not None:
             await clock_sync.close()
         await oip.stop()
@@ -592,6 +601,18 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         keys.release_role_context(ctx)
         ctx.term()
     return 0
+
+
+def _start_metrics(config: RoleConfig, frontend: FrontendHost,
+                   client_endpoint: str) -> MetricsServer | None:
+    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one."""
+    addresses = frontend.cluster.frontends.metrics_addresses
+    if config.index >= len(addresses):
+        return None
+    server = serve_frontend_metrics(addresses[config.index], frontend.name,
+                                    [m.name for m in frontend.cluster.models], client_endpoint)
+    frontend.metrics_url = server.url
+    return server
 
 
 def run_frontend(config: RoleConfig, control_address: str | None) -> int:

@@ -51,6 +51,7 @@ from zserve.transport.messages import (
     InputReply,
     Message,
     RequestMetaBatch,
+    protocol_mismatch,
 )
 
 log = logging.getLogger("zserve.frontend")
@@ -98,9 +99,23 @@ FRONTEND_HISTOGRAMS = {
     "finish_to_answer": "signed",
     "overhead": "signed",
 }
-"""The core's latency histograms (seconds), by bounds scheme; plus ``queueing/<model>``, the
-``queueing`` hop of one model."""
+"""The core's latency histograms (seconds), by bounds scheme; plus, per configured model,
+``queueing/<model>`` (the ``queueing`` hop of one model), ``execution/<model>`` (one value per
+batch) and ``latency/<model>`` (admission -> answer), and the counters ``outcome/<model>/<o>``
+(``o``: ``ok`` or an ``ErrorKind`` value; answers after admission and rejections of a configured
+model) that ``zserve.metrics`` exports."""
 QUEUEING_OF_MODEL = "queueing/{}"
+EXECUTION_OF_MODEL = "execution/{}"
+LATENCY_OF_MODEL = "latency/{}"
+OUTCOME_OF_MODEL = "outcome/{}/{}"
+OUTCOME_OK = "ok"
+
+
+def _outcome_names(models: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``outcome/<model>/<outcome>`` counter names by model and outcome (``ok`` or an error
+    kind)."""
+    outcomes = (OUTCOME_OK, *_WIRE_ERRORS.values())
+    return {name: {o: OUTCOME_OF_MODEL.format(name, o) for o in outcomes} for name in models}
 
 
 def error_kind(value: str) -> ErrorKind:
@@ -142,9 +157,14 @@ class FrontendCore:
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
         self.draining = False
-        self._stats = Stats((*FRONTEND_COUNTERS, *host_counters), {
-            **FRONTEND_HISTOGRAMS,
-            **{QUEUEING_OF_MODEL.format(name): "delay" for name in self.models}})
+        # counter name of (model, outcome), built once: the answer path only looks it up
+        self._outcome_names = _outcome_names(self.models)
+        self._stats = Stats(
+            (*FRONTEND_COUNTERS, *host_counters,
+             *(n for names in self._outcome_names.values() for n in names.values())),
+            {**FRONTEND_HISTOGRAMS,
+             **{pattern.format(name): "delay" for name in self.models
+                for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)}})
         self.counters = self._stats.counters
         hist = self._stats.histograms
         # Bound once: the per-request path observes into these directly.
@@ -155,8 +175,11 @@ class FrontendCore:
         self._execution = hist["execution"]
         self._finish_to_answer = hist["finish_to_answer"]
         self._overhead = hist["overhead"]
-        self._queueing_of = {name: hist[QUEUEING_OF_MODEL.format(name)] for name in self.models}
+        self._queueing_of, self._execution_of, self._latency_of = (
+            {name: hist[pattern.format(name)] for name in self.models}
+            for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL))
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
+        self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
         self._answers: dict[bytes, Answers] = {}
         self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
         # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
@@ -184,6 +207,7 @@ class FrontendCore:
         elif type(msg) is CancelRequest:
             self.on_cancel(now, client, msg.request_id, outbox)
         elif type(msg) is ClientHello:
+            self._check_client_protocol(client, msg.protocol)
             if InferAnswers.KIND in msg.accepts:
                 self.batched_clients.add(client)
             else:
@@ -192,12 +216,25 @@ class FrontendCore:
             return False
         return True
 
+    def _check_client_protocol(self, client: bytes, protocol: int) -> None:
+        """A client of another wire protocol has each of its requests refused BAD_REQUEST with
+        the one line naming both versions (it cannot be answered before it sends one)."""
+        refusal = protocol_mismatch(f"client {client.hex()}", protocol)
+        if refusal is None:
+            self.refused_clients.pop(client, None)
+        else:
+            log.warning("%s: refusing %s", self.name, refusal)
+            self.refused_clients[client] = refusal
+
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
             model, rows = self._admit(client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
+            names = self._outcome_names.get(req.model)  # a configured model's rejection only
+            if names is not None:
+                self.counters[names[_WIRE_ERRORS[rejected.kind]]] += 1
             self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
             return
         slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
@@ -221,6 +258,8 @@ class FrontendCore:
     def _admit(self, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
         """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
         otherwise."""
+        if self.refused_clients and client in self.refused_clients:
+            raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
         model = self.models.get(req.model)
         if model is None:
             raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {req.model!r}")
@@ -290,6 +329,7 @@ class FrontendCore:
     def client_gone(self, client: bytes) -> None:
         """``client``'s connection closed: forget its requests, unanswered."""
         self.batched_clients.discard(client)
+        self.refused_clients.pop(client, None)
         self._answers.pop(client, None)
         client_reqs = self.requests.by_client.get(client)
         if not client_reqs:
@@ -350,12 +390,14 @@ class FrontendCore:
             self._execution.observe(execution)
             self._finish_to_answer.observe(now - msg.finished_at)
         fetch_to_outputs = self._fetch_to_outputs.observe
+        batch_model: str | None = None
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
             p = self.requests.pending.get(rid)
             if p is None:  # answered already (cancelled, deadline): the outputs are discarded
                 if not self._refuse_if_stale(rid, "stale_outputs", "outputs"):
                     self.counters["late_outputs"] += 1
                 continue
+            batch_model = p.model
             if p.fetched_at:
                 fetch_to_outputs(now - p.fetched_at)
             if started_at > 0.0:
@@ -363,6 +405,8 @@ class FrontendCore:
                 if timed:
                     self._overhead.observe(now - p.arrival - execution)
             self._answer_outputs(now, p, outputs, outbox)
+        if timed and batch_model is not None:  # a batch runs one model
+            self._execution_of[batch_model].observe(execution)
 
     def _note_queueing(self, p: Pending, delay: float) -> None:
         self._queueing.observe(delay)
@@ -414,7 +458,11 @@ class FrontendCore:
 
     def on_backend_hello(self, now: float, msg: Hello, outbox: Outbox) -> None:
         """A backend says hello with its pid: a new pid means a new incarnation, which holds
-        none of the requests the old one fetched."""
+        none of the requests the old one fetched. One of another wire protocol is ignored."""
+        refusal = protocol_mismatch(f"{msg.role} {msg.name}", msg.protocol)
+        if refusal is not None:
+            log.error("%s: ignoring %s", self.name, refusal)
+            return
         previous = self.backend_pids.get(msg.name)
         self.backend_pids[msg.name] = msg.pid
         if previous is not None and previous != msg.pid:
@@ -528,15 +576,18 @@ class FrontendCore:
         client = p.client
         self._finish(p)
         self.counters[_ERROR_COUNTERS[kind]] += 1
+        self.counters[self._outcome_names[p.model][_WIRE_ERRORS[kind]]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message, outbox)
             self._admit_to_answer.observe(now - p.arrival)
+            self._latency_of[p.model].observe(now - p.arrival)
 
     def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
                         outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
         self.counters["replied"] += 1
+        self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
         if client is None:
             return
         if client in self.batched_clients:
@@ -546,6 +597,7 @@ class FrontendCore:
         else:
             outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
         self._admit_to_answer.observe(now - p.arrival)
+        self._latency_of[p.model].observe(now - p.arrival)
 
     def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
         for p in list(self.requests.pending.values()):

@@ -16,7 +16,8 @@ batch whose per-request cost l(b)/b is within 5% of the target's still fits. In 
 raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 942 to 970 r/s
 (InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
 
-SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "timeout")
+SCHEDULE_POLICIES = ("deferred", "deferred-bl", "deferred-adaptive", "frontrun", "latest",
+                     "eager", "eager-edf", "timeout")
 DROP_POLICIES = ("window", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
@@ -28,11 +29,16 @@ KIND_TIMEOUT = 4
 _KIND_BY_NAME = {
     "deferred": KIND_DEFERRED,
     "deferred-bl": KIND_DEFERRED,
+    "deferred-adaptive": KIND_DEFERRED,  # the flag is its name (zserve.scheduler.policy)
     "frontrun": KIND_FRONTRUN,
     "latest": KIND_LATEST,
     "eager": KIND_EAGER,
+    "eager-edf": KIND_EAGER,
     "timeout": KIND_TIMEOUT,
 }
+# eager-edf is eager under the alone drop (Clockwork: no target batch size; see
+# zserve.scheduler.policy): its drop unless another than the default window is named.
+_DEFAULT_DROP_BY_NAME = {"eager-edf": "alone"}
 DROP_WINDOW = 0
 DROP_ALONE = 1
 DROP_FCFS = 2
@@ -59,8 +65,9 @@ class SchedulePolicy:
 
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
-        """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
-        ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``. Raises PolicyError (a
+        """``deferred`` | ``deferred-bl`` | ``deferred-adaptive`` | ``frontrun`` | ``latest`` |
+        ``eager`` | ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``
+        (``window``, the default, means ``alone`` for ``eager-edf``). Raises PolicyError (a
         ValueError) naming the choices and, in ``key``, which of the two names is at fault."""
         base, _, arg = spec.strip().partition(":")
         if base not in _KIND_BY_NAME:
@@ -70,6 +77,8 @@ class SchedulePolicy:
         if drop not in _DROP_BY_NAME:
             raise PolicyError("drop",
                               f"unknown drop policy {drop!r}; choose one of {DROP_POLICIES}")
+        if drop == "window":
+            drop = _DEFAULT_DROP_BY_NAME.get(base, drop)
         return cls(spec.strip(), _KIND_BY_NAME[base], _timeout_fraction(base, arg, spec),
                    _DROP_BY_NAME[drop], drop)
 

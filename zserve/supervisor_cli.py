@@ -33,6 +33,12 @@ DETACH_POLL_S = 0.05
 child's exit wakes it at once through a pidfd)."""
 
 
+def state_dir_for(arg: str | None) -> Path:
+    """The folder of the pid and state files: ``arg``, else $XDG_RUNTIME_DIR/zserve, else a
+    per-user folder under the temp dir (also what ``zserve status`` reads)."""
+    return _state_dir(arg)
+
+
 def _state_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)

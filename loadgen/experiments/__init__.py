@@ -26,6 +26,12 @@ the full runs and says how to read them.
     A grid of small cases (GPUs x models x beta/alpha x SLO multiple) in the simulator:
     deferred/eager (and frontrun/eager) goodput per cell and the minimum (Symphony section 3.4.2
     claims >= 0.95).
+``policy-grid``
+    The default against frontrun, eager, eager-edf and the best timeout over single models,
+    Figure 6a's shapes, 3- and 10-model mixes, the 37-model zoo and network delays (goodput,
+    ratios, median batch, GPU busy; the check: default >= max(frontrun, eager) - 1% everywhere),
+    and light load (busy fraction and p50 from 0.05x to 1x of the goodput). ``--only TEXT`` runs
+    the cells whose name contains TEXT.
 ``scale``
     ``zserve bench-scheduler`` over a models x GPUs sweep (ResNet50's profile, 80% of the
     staggered bound): the scheduler's CPU per simulated second and whether one core keeps up.

@@ -82,6 +82,7 @@ class Options:
     out_dir: Path
     plots: bool
     say: Say
+    only: str | None = None  # run only the cells whose name contains this (experiments with cells)
 
 
 @dataclass

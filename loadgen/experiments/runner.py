@@ -23,6 +23,7 @@ from zserve.loadgen.experiments.common import (
 from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
+from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.scale import run_scale
 from zserve.loadgen.experiments.zoo import run_zoo
@@ -32,6 +33,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "zoo": (run_zoo, "the 37-model A100 zoo on 64 GPUs: deferred vs eager vs timeout"),
     "flattop": (run_flattop, "goodput, bad rate, GPU busy vs offered load (0.1x..2x)"),
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
+    "policy-grid": (run_policy_grid, "the default vs frontrun, eager, eager-edf, timeout over "
+                    "single models, mixes, the zoo; light load"),
     "protocols": (run_protocols, "goodput and CPU per request through the native client, OIP "
                   "HTTP/JSON, HTTP/binary and gRPC (live)"),
     "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
@@ -93,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small version (< 30 s), for tests")
     p.add_argument("--out", default=str(DEFAULT_OUT_DIR),
                    help=f"results go to OUT/NAME/ (default {DEFAULT_OUT_DIR})")
+    p.add_argument("--only", metavar="TEXT",
+                   help="policy-grid: run only the cells whose name contains TEXT")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -107,7 +112,7 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr, flush=True)
 
     opts = Options(quick=args.quick, live=args.live, out_dir=Path(args.out) / args.name,
-                   plots=not args.no_plots, say=say)
+                   plots=not args.no_plots, say=say, only=args.only)
     command = "zserve experiment " + " ".join(argv)
     result = run_experiment(args.name, opts, command)
     print(result_text(result))
