@@ -6,8 +6,9 @@ DEALERs whose identity is their process name:
 - shards send ``Hello`` on connect, then ``CandidateUpdate`` and ``GrantAnswer``; they receive
   ``GrantGpu`` (for the models whose candidates they sent) and ``BackendTable``;
 - backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
-  ``BatchStats``; the rank assigns GPU ids in registration order (a backend that registers again
-  under the same name keeps its id) and removes a backend that has not heartbeated for
+  ``BatchStats``; a backend's GPU id is its index in the cluster config, so a restarted rank
+  gives every backend the id it had whatever order they register in (a backend that registers
+  again under the same name keeps its id); the rank removes a backend that has not heartbeated for
   ``BACKEND_TIMEOUT_S``. A BatchStats' ``device_free_at`` (when the backend projects its device
   free, having started batches later than planned) moves the GPU's free time in the RankThread
   later, never earlier (``RankThread.on_device_free_at``; counted in ``rank_thread`` stats as
@@ -102,6 +103,7 @@ from zserve.transport.sockets import make_router
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
+BACKEND_ROLE = "backend"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
@@ -116,6 +118,14 @@ RANK_COUNTERS = (
 # lateness: batch start - planned exec_at; candidate_slack: how long before its model timer
 # (exec - delay) a candidate came (negative: late).
 RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
+
+
+
+def configured_backend_index(name: str) -> int | None:
+    """``n`` for the backend named ``backend-<n>`` (``zserve.config.process_name``), else None."""
+    role, _, index = name.rpartition("-")
+    return int(index) if role == BACKEND_ROLE and index.isdigit() else None
+
 
 # --------------------------------------------------------------------------- the rank host
 
@@ -443,7 +453,7 @@ class RankHost:
         self.counters["registrations"] += 1
         gpu_id = self.gpu_by_name.get(msg.name)
         if gpu_id is None:
-            gpu_id = len(self.gpu_by_name)
+            gpu_id = self._new_gpu_id(msg)
             self.gpu_by_name[msg.name] = gpu_id
         previous = self.backends.get(gpu_id)
         backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
@@ -463,6 +473,20 @@ class RankHost:
             self._rebuilding.discard(msg.name)
             if not self._rebuilding and self._rebuild_handle is not None:
                 self._end_rebuild()
+
+    def _new_gpu_id(self, msg: BackendRegister) -> int:
+        """The id of a backend this rank has not seen: its index in the cluster config (the
+        ``<n>`` of its name ``backend-<n>``, ``zserve.config.process_name``), so a restarted rank
+        gives every backend the id the shards' plans and tables already use, whatever order they
+        register in; the lowest free id when its name has none or another backend holds it."""
+        taken = set(self.gpu_by_name.values())
+        index = configured_backend_index(msg.name)
+        if index is not None and index not in taken:
+            return index
+        if index is not None:
+            log.warning("%s: backend %s has index %d, which another backend holds", self.name,
+                        msg.name, index)
+        return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
                     outbox: Outbox) -> None:
@@ -618,6 +642,8 @@ class RankHost:
             },
         }
         out.update(self._stats.snapshot(reset))
+        # who hears of table changes (a frontend absent here never learns of a backend change)
+        out["peers"] = {i.decode(errors="replace"): role for i, role in self.peers.items()}
         return out
 
 
