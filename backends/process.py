@@ -8,10 +8,14 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
 
 1. Start-up: binds its ``plan`` ROUTER, loads and warms every model at every batch size, fixes
    each model's profile (the configured file, the emulated alpha/beta, or measured here), and
-   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``) and opens a
+   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``; with a hot
+   spare, with both scheduler processes, and again with one that announces a newer epoch, with
+   when its device frees) and opens a
    DEALER to every frontend ``data`` address of the peer map at once (its ``Hello`` carries the
    pid, so a frontend knows when a backend of this name restarted); a frontend a plan names
    first is connected when that plan arrives, before the follower fetches from it.
+   The epoch fence (``zserve.epochs.EpochFence``): a plan of an older scheduler epoch than the
+   newest seen is refused, counted (``stale_epoch``) and never run.
 2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock), delivers
    its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
    frontend, then ``on_batch_done``), and arms one precise timer (``zserve.timers``) at
@@ -60,6 +64,7 @@ from zserve.config import (
     ModelConfig,
     RoleConfig,
 )
+from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ZServeError
 from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_FRONTEND, Outbox
@@ -94,7 +99,9 @@ WEDGED_MIN_S = 2.0
 # Repeats per batch size when a profile has to be measured at start-up.
 PROFILE_REPEATS = 3
 SOCKET_CLOSE_LINGER_MS = 200
-HOST_COUNTER_NAMES = ("send_dropped", "bad_messages")
+# stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
+# refused (zserve.epochs)
+HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
 
 
 # --------------------------------------------------------------------------- executors
@@ -168,7 +175,12 @@ class Backend:
         self.loop = asyncio.get_running_loop()
         self.reactor = reactor
         self.follower = PlanFollower(name, shed_grace_s=shed_grace_s)
-        self.rank_sock: zmq.Socket[Any] | None = None
+        # Every scheduler process that hosts a rank (an active/standby pair: two), by name; the
+        # fence says which one is active (zserve.epochs).
+        self.rank_socks: dict[str, zmq.Socket[Any]] = {}
+        self.fence = EpochFence()
+        self._stale_logged: set[int] = set()
+        self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
         self.data_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
@@ -213,25 +225,38 @@ class Backend:
         log.info("%s: %d model(s) loaded and warmed in %.2f s", self.name, len(self.models),
                  self.warm_s)
 
-    def start(self, rank_address: str, frontend_addresses: Sequence[str] = ()) -> None:
-        """Serve: watch the plan socket, connect the frontends known now, register with the
-        rank and start heartbeating."""
+    def start(self, rank_addresses: dict[str, str],
+              frontend_addresses: Sequence[str] = ()) -> None:
+        """Serve: watch the plan socket, connect the frontends known now, register with every
+        scheduler's rank (a standby ignores it until it takes over) and start heartbeating."""
         self.reactor.watch(self.plan_sock, router=True, on_chunk=self._on_plan_chunk,
                            on_bad=self._on_bad)
         for address in frontend_addresses:
             self._connect_frontend(address)
-        self.rank_sock = make_dealer(self.ctx, rank_address, identity=self.identity,
-                                     peer_role="rank")
-        self.reactor.watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
-                           on_bad=self._on_bad)
-        self._register()
+        for scheduler, address in rank_addresses.items():
+            sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
+            self.rank_socks[scheduler] = sock
+            self.reactor.watch(sock, router=False, on_bad=self._on_bad,
+                               on_chunk=functools.partial(self._on_rank_chunk, scheduler))
+            self._register(sock)
         self._spawn(self._rank_heartbeat_loop())
 
-    def _register(self) -> None:
-        assert self.rank_sock is not None
+    @property
+    def rank_sock(self) -> zmq.Socket[Any] | None:
+        """The active scheduler's rank (before any announced an epoch: the first, which starts
+        active)."""
+        sock = self.rank_socks.get(self.fence.active)
+        if sock is None and self.rank_socks:
+            sock = next(iter(self.rank_socks.values()))
+        return sock
+
+    def _register(self, sock: zmq.Socket[Any]) -> None:
         profiles_ms = {m: p.latency_ms_list() for m, p in self.profiles.items()}
+        running = self.follower.running
+        now = self.clock.now()
+        free_at = max(now, running.started_at + running.planned_s) if running else now
         self._send(
-            self.rank_sock,
+            sock,
             BackendRegister(
                 name=self.name,
                 device=self.device,
@@ -239,6 +264,7 @@ class Backend:
                 models=list(self.models),
                 profiles_ms=profiles_ms,
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
+                device_free_at=self.follower.device_free_at(free_at),
             ),
         )
 
@@ -326,6 +352,8 @@ class Backend:
         # acknowledgement from it says that they can start).
         acks: dict[bytes, list[int]] | None = None if self.wedged(now) else {}
         for identity, msg in messages:
+            if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
+                continue
             if isinstance(msg, BatchPlan):
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
@@ -341,12 +369,35 @@ class Backend:
             self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
         self._deliver(outbox)
 
-    def _on_rank_chunk(self, messages: Chunk) -> None:
+    def _admit_plan(self, plan: BatchPlan) -> bool:
+        """The epoch fence: a plan of an older scheduler epoch than the newest seen never runs
+        (its requests are the new epoch's to plan; nothing is answered for them here)."""
+        if self.fence.admits(plan.epoch):
+            self.fence.note(plan.epoch)
+            self.plans_by_epoch[plan.epoch] = self.plans_by_epoch.get(plan.epoch, 0) + 1
+            return True
+        self.counters["stale_epoch"] += 1
+        if plan.epoch not in self._stale_logged:
+            self._stale_logged.add(plan.epoch)
+            log.warning("%s: refused plan %d of scheduler epoch %d (the newest is %d)",
+                        self.name, plan.plan_id, plan.epoch, self.fence.highest)
+        return False
+
+    def _on_rank_chunk(self, scheduler: str, messages: Chunk) -> None:
+        sock = self.rank_socks[scheduler]
         for _, msg in messages:
-            if isinstance(msg, Hello):  # a restarted rank asks who we are
-                self._register()
-            elif not isinstance(msg, Heartbeat):
-                log.debug("%s: ignoring %s from rank", self.name, type(msg).__name__)
+            if not isinstance(msg, Hello):
+                if not isinstance(msg, Heartbeat):
+                    log.debug("%s: ignoring %s from rank", self.name, type(msg).__name__)
+            elif msg.epoch == 0 or self.fence.observe(scheduler, msg.epoch):
+                # A restarted scheduler asks who we are, or one announces a newer epoch (it
+                # took over): register there, with when the device frees.
+                if msg.epoch:
+                    log.info("%s: scheduler %s is active in epoch %d", self.name, scheduler,
+                             msg.epoch)
+                self._register(sock)
+            elif msg.epoch < self.fence.highest:
+                self.counters["stale_epoch"] += 1
 
     def _on_data_chunk(self, address: str, messages: Chunk) -> None:
         outbox: Outbox = []
@@ -417,10 +468,14 @@ class Backend:
                     running = self.follower.running
                     log.error("%s: batch %d is wedged; heartbeats to the rank stop", self.name,
                               running.plan.plan_id if running else -1)
-            elif self.rank_sock is not None:
+            else:
+                # To every scheduler: a standby learns this backend, and a superseded one
+                # hears the newest epoch and steps down.
                 self._wedged_logged = False
                 self._hb_seq += 1
-                self._send(self.rank_sock, Heartbeat(self.name, self._hb_seq, now))
+                beat = Heartbeat(self.name, self._hb_seq, now, self.fence.highest)
+                for sock in self.rank_socks.values():
+                    self._send(sock, beat)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def drain(self, drain_s: float) -> None:
@@ -452,9 +507,7 @@ class Backend:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        socks = [self.plan_sock, *self.data_socks.values()]
-        if self.rank_sock is not None:
-            socks.append(self.rank_sock)
+        socks = [self.plan_sock, *self.data_socks.values(), *self.rank_socks.values()]
         for sock in socks:
             self.reactor.unwatch(sock)
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
@@ -489,6 +542,8 @@ class Backend:
             # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
             # heartbeats to the rank and no plan acknowledgements while it lasts
             "wedged": self.wedged(self.clock.now()),
+            "scheduler": {"active": self.fence.active, "epoch": self.fence.highest,
+                          "plans_by_epoch": {str(e): n for e, n in self.plans_by_epoch.items()}},
             "counters_total": self.counter_totals(),
             "samples": {**batches.samples(),
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
@@ -555,9 +610,9 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
                                                        clock=backend.clock)
         if clock_sync is None:
             return 0 if link.drain.requested else 2
-        rank_address = peer_map.rank_address(peers)
-        assert rank_address is not None
-        backend.start(rank_address, list(peer_map.endpoints_of(peers, "data").values()))
+        ranks = peer_map.endpoints_of(peers, "rank")
+        assert ranks, "no rank in the peer map"
+        backend.start(ranks, list(peer_map.endpoints_of(peers, "data").values()))
         await link.drain.wait()
         await backend.drain(link.drain.drain_s)
         return 0

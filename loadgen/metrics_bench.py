@@ -3,7 +3,7 @@
 Starts ``examples/clusters/demo.toml``'s shape with emulated backends and a metrics endpoint,
 sends a little load so that every family has samples, then scrapes ``/metrics`` N times with a
 real HTTP client and prints the median wall time of one scrape, the frontend's CPU time per
-scrape (psutil, the whole process: its ClusterStatsRequest round and the HTTP thread's
+scrape (psutil, the whole process: its in-process cluster stats round and the HTTP thread's
 rendering) and the size of one exposition. The request path has no added cost by construction:
 the collector reads the stats snapshots at scrape time.
 """

@@ -173,6 +173,8 @@ class ModelThread(CandidateSizing):
         self.n_replanned = 0  # requests put back by on_replan
         self.n_planned = 0
         self.n_batches = 0
+        # The scheduler epoch its plans carry (zserve.epochs); the host sets it.
+        self.epoch = 0
 
     def _clear_queue(self) -> None:
         """An empty queue: parallel lists sorted by deadline, live from ``_head`` on."""
@@ -494,6 +496,7 @@ class ModelThread(CandidateSizing):
             request_ids=request_ids,
             finish_by=finish_by,
             rows=plan_rows,
+            epoch=self.epoch,
         )
         self.n_planned += count
         self.n_batches += 1

@@ -6,8 +6,9 @@ DEALERs whose identity is their process name:
 - shards send ``Hello`` on connect, then ``CandidateUpdate`` and ``GrantAnswer``; they receive
   ``GrantGpu`` (for the models whose candidates they sent) and ``BackendTable``;
 - backends send ``BackendRegister`` (device, plan address, models, profiles), ``Heartbeat`` and
-  ``BatchStats``; the rank assigns GPU ids in registration order (a backend that registers again
-  under the same name keeps its id) and removes a backend that has not heartbeated for
+  ``BatchStats``; a backend's GPU id is its index in the cluster config, so a restarted rank
+  gives every backend the id it had whatever order they register in (a backend that registers
+  again under the same name keeps its id); the rank removes a backend that has not heartbeated for
   ``BACKEND_TIMEOUT_S``. A BatchStats' ``device_free_at`` (when the backend projects its device
   free, having started batches later than planned) moves the GPU's free time in the RankThread
   later, never earlier (``RankThread.on_device_free_at``; counted in ``rank_thread`` stats as
@@ -27,9 +28,16 @@ acknowledged and answer those of the plans it did ``BACKEND_FAILED``. A suspect 
 back with the first heartbeat it sends after the rank heard of the suspicion (``revivals``); a
 removed one with its next heartbeat.
 
-A restarted rank knows nobody: when a peer it does not know heartbeats (backends and shards
-heartbeat to the rank), it answers ``Hello``, and the peer introduces itself again (a backend
-re-registers, a shard says Hello and gets the table).
+A restarted rank knows nobody: when a peer it does not know heartbeats (backends, shards and
+frontends heartbeat to the rank), it answers ``Hello`` (epoch 0), and the peer introduces itself
+again (a backend re-registers, a shard or frontend says Hello and gets the table).
+
+Epochs (``zserve.epochs``): the rank is active in an epoch, which its grants, tables and hellos
+carry. With a ``SchedulerWatch`` (the embedded scheduler) it may be a standby: it then records
+who its peers are and tells them nothing; ``activate`` makes it active in a newer epoch. An
+active rank tells a frontend its epoch (``Hello``) and table only once the backends it expects
+have registered (``begin_rebuild``), so the requests the frontend re-sends find the GPUs; it
+steps down (``on_superseded``) when a ping, heartbeat or hello carries a newer epoch.
 
 Every ``BackendTable`` change is broadcast to every shard and frontend that said hello, and a new
 peer gets the current table at once. The rank never waits on a peer: sends are non-blocking (a
@@ -61,9 +69,10 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, keys, role_runner
+from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClusterClock, reply_to_probe
 from zserve.config import RoleConfig
+from zserve.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
 from zserve.errors import ZServeError
 from zserve.hosting import DEST_MODEL, Outbox
 from zserve.role_runner import cancel_all, spawn
@@ -83,6 +92,7 @@ from zserve.transport.messages import (
     Heartbeat,
     Hello,
     Message,
+    SchedulerPing,
     StatsReply,
     StatsRequest,
     protocol_mismatch,
@@ -93,6 +103,7 @@ from zserve.transport.sockets import make_router
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
+BACKEND_ROLE = "backend"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
 SOCKET_CLOSE_LINGER_MS = 200
@@ -101,10 +112,20 @@ RANK_COUNTERS = (
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
     "unroutable_grants", "deaths_announced", "clock_probes", "grants_released", "suspects",
     "revivals",
+    # scheduler epochs (zserve.epochs): taking over, stepping down, what a standby ignored
+    "takeovers", "superseded", "standby_ignored",
 )
 # lateness: batch start - planned exec_at; candidate_slack: how long before its model timer
 # (exec - delay) a candidate came (negative: late).
 RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
+
+
+
+def configured_backend_index(name: str) -> int | None:
+    """``n`` for the backend named ``backend-<n>`` (``zserve.config.process_name``), else None."""
+    role, _, index = name.rpartition("-")
+    return int(index) if role == BACKEND_ROLE and index.isdigit() else None
+
 
 # --------------------------------------------------------------------------- the rank host
 
@@ -140,6 +161,7 @@ class RankHost:
         reactor: SocketReactor,
         backend_timeout_s: float = BACKEND_TIMEOUT_S,
         local: tuple[str, Callable[[Message], None]] | None = None,
+        watch: SchedulerWatch | None = None,
     ) -> None:
         self.name = name
         self.sock = sock
@@ -155,6 +177,16 @@ class RankHost:
         self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
         self.peer_pids: dict[bytes, int] = {}  # identity -> the pid its last Hello gave
         self.model_owner: dict[str, bytes] = {}
+        # Epochs (zserve.epochs): None: always active (a rank process of its own).
+        self.watch = watch
+        self.epoch = watch.epoch if watch is not None else next_epoch(0, now_ms())
+        self.rank.epoch = self.epoch
+        self.on_superseded: Callable[[], None] | None = None
+        self.backend_ids: set[bytes] = set()  # peers that said Hello as backends
+        # Backends still to register before the frontends hear of this epoch (None: rebuilt;
+        # an empty set: waiting for ``begin_rebuild``).
+        self._rebuilding: set[str] | None = set()
+        self._rebuild_handle: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stats = Stats(RANK_COUNTERS, RANK_HISTOGRAMS)
         self.counters = self._stats.counters
@@ -175,6 +207,7 @@ class RankHost:
             ClockProbe: self._on_clock_probe,
             BackendSuspect: self._on_suspect,
             StatsRequest: self._on_stats_request,
+            SchedulerPing: self._on_ping,
         }
 
     def start(self) -> None:
@@ -184,6 +217,8 @@ class RankHost:
     async def close(self) -> None:
         """Stop receiving and the timers; the caller closes the socket."""
         self.timer.cancel()
+        if self._rebuild_handle is not None:
+            self._rebuild_handle.cancel()
         self.reactor.unwatch(self.sock)
         await cancel_all(self._tasks)
 
@@ -219,6 +254,9 @@ class RankHost:
 
     def _on_candidate(self, now: float, identity: bytes, msg: CandidateUpdate,
                       outbox: Outbox) -> None:
+        if not self.active:
+            self.counters["standby_ignored"] += 1
+            return
         self.counters["candidates"] += 1
         self.model_owner[msg.model] = identity
         if msg.batch_size > 0:
@@ -240,6 +278,8 @@ class RankHost:
             log.warning("%s: %s", self.name, exc)
 
     def _on_heartbeat(self, now: float, identity: bytes, msg: Heartbeat, outbox: Outbox) -> None:
+        if self._superseded_by(msg.epoch):
+            return
         gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
         backend = self.backends.get(gpu_id) if gpu_id is not None else None
         if backend is not None and backend.identity == identity:
@@ -248,18 +288,26 @@ class RankHost:
             # suspicion): take it back
             if not backend.alive and msg.sent_at > backend.suspect_since:
                 self._revive(now, backend, outbox)
-        elif identity not in self.peers:
+        elif identity not in self.peers and identity not in self.backend_ids:
             # A peer this rank does not know (the rank restarted): ask it to introduce itself
-            # again; a backend re-registers, a shard says Hello.
+            # again (epoch 0: "who are you"): a backend registers again, a shard or a frontend
+            # says Hello.
             self._send(Hello(role=ROLE, name=self.name, pid=os.getpid()), identity)
 
     def _on_hello(self, now: float, identity: bytes, msg: Hello, outbox: Outbox) -> None:
+        if self._superseded_by(msg.epoch):
+            return
         previous_pid = self.peer_pids.get(identity)
         self.peer_pids[identity] = msg.pid
         if previous_pid is not None and previous_pid != msg.pid:
             # A restarted process under the same name: what its predecessor was granted will
             # never be answered.
             self._release_grants_of(now, identity, outbox)
+        if msg.role == "backend":
+            self.backend_ids.add(identity)
+            if self.active:  # it registers on hearing the active epoch
+                self._send(self._epoch_hello(), identity)
+            return
         self._new_peer(identity, msg.role)
 
     def _release_grants_of(self, now: float, identity: bytes, outbox: Outbox) -> None:
@@ -305,10 +353,91 @@ class RankHost:
     # ------------------------------------------------------------------ membership
 
     def _new_peer(self, identity: bytes, role: str) -> None:
-        if role == "backend":
-            return
         self.peers[identity] = role
+        if self._tells(role):
+            self._introduce(identity, role)
+
+    def _tells(self, role: str) -> bool:
+        """Whether a peer of ``role`` hears from this rank now: never from a standby, and a
+        frontend only once the backends have registered (it re-sends its queued requests on
+        hearing a new epoch, and they must find the GPUs)."""
+        return self.active and (role != "frontend" or self._rebuilding is None)
+
+    def _introduce(self, identity: bytes, role: str) -> None:
+        if role == "frontend":
+            self._send(self._epoch_hello(), identity)
         self._send(self.table(), identity)
+
+    def _epoch_hello(self) -> Hello:
+        return Hello(role=ROLE, name=self.name, pid=os.getpid(), epoch=self.epoch)
+
+    # ------------------------------------------------------------------ epochs
+
+    @property
+    def active(self) -> bool:
+        return self.watch is None or self.watch.active
+
+    def _on_ping(self, now: float, identity: bytes, msg: SchedulerPing, outbox: Outbox) -> None:
+        """The partner's ping: answered at once from this loop (its proof of life)."""
+        self.on_partner(now, msg)
+        if not msg.reply and self.watch is not None:
+            self._send(SchedulerPing(self.name, self.watch.epoch, self.watch.active, True),
+                       identity)
+
+    def on_partner(self, now: float, msg: SchedulerPing) -> None:
+        """What the partner scheduler said of itself (a ping, or the answer to this one's)."""
+        if self.watch is not None and self.watch.on_ping(now, msg.epoch, msg.active):
+            self._step_down(msg.epoch)
+
+    def _superseded_by(self, epoch: int) -> bool:
+        """A peer has seen ``epoch``: True (after stepping down) if it supersedes this rank."""
+        if self.watch is None or not self.watch.on_epoch(epoch):
+            return False
+        self._step_down(epoch)
+        return True
+
+    def _step_down(self, epoch: int) -> None:
+        self.counters["superseded"] += 1
+        log.error("%s: superseded by scheduler epoch %d (this one's is %d): stepping down",
+                  self.name, epoch, self.epoch)
+        self.timer.cancel()
+        if self.on_superseded is not None:
+            self.on_superseded()
+
+    def activate(self, epoch: int, expected_backends: set[str]) -> None:
+        """Become the active scheduler in ``epoch`` (a standby taking over): the known
+        backends hear the epoch and re-register; the frontends hear it once they have."""
+        self.counters["takeovers"] += 1
+        self.epoch = self.rank.epoch = epoch
+        self._rebuilding = set()
+        for identity in self.backend_ids:
+            self._send(self._epoch_hello(), identity)
+        self.begin_rebuild(expected_backends)
+
+    def begin_rebuild(self, expected_backends: set[str]) -> None:
+        """Wait for these backends to register (at most REBUILD_MAX_S), then tell the
+        frontends this epoch and its table."""
+        if self._rebuilding is None:
+            return
+        registered = {b.name for b in self.backends.values() if b.alive}
+        self._rebuilding = set(expected_backends) - registered
+        if not self._rebuilding:
+            self._end_rebuild()
+        elif self._rebuild_handle is None:
+            self._rebuild_handle = self.loop.call_later(REBUILD_MAX_S, self._end_rebuild)
+
+    def _end_rebuild(self) -> None:
+        if self._rebuilding is None or not self.active:
+            return
+        if self._rebuilding:
+            log.warning("%s: epoch %d: %s did not register in time", self.name, self.epoch,
+                        sorted(self._rebuilding))
+        self._rebuilding = None
+        if self._rebuild_handle is not None:
+            self._rebuild_handle.cancel()
+            self._rebuild_handle = None
+        for identity, role in list(self.peers.items()):
+            self._introduce(identity, role)
 
     def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
                      outbox: Outbox) -> None:
@@ -317,10 +446,14 @@ class RankHost:
             self.counters["bad_messages"] += 1
             log.error("%s: refusing %s", self.name, refusal)
             return
+        self.backend_ids.add(identity)
+        if not self.active:
+            self.counters["standby_ignored"] += 1
+            return
         self.counters["registrations"] += 1
         gpu_id = self.gpu_by_name.get(msg.name)
         if gpu_id is None:
-            gpu_id = len(self.gpu_by_name)
+            gpu_id = self._new_gpu_id(msg)
             self.gpu_by_name[msg.name] = gpu_id
         previous = self.backends.get(gpu_id)
         backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
@@ -332,8 +465,28 @@ class RankHost:
         self._broadcast_table()
         if previous is None or not previous.alive:
             self.rank.add_gpu(now, gpu_id, outbox)
+        if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
+            self.rank.on_device_free_at(now, gpu_id, msg.device_free_at, outbox)
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
+        if self._rebuilding:
+            self._rebuilding.discard(msg.name)
+            if not self._rebuilding and self._rebuild_handle is not None:
+                self._end_rebuild()
+
+    def _new_gpu_id(self, msg: BackendRegister) -> int:
+        """The id of a backend this rank has not seen: its index in the cluster config (the
+        ``<n>`` of its name ``backend-<n>``, ``zserve.config.process_name``), so a restarted rank
+        gives every backend the id the shards' plans and tables already use, whatever order they
+        register in; the lowest free id when its name has none or another backend holds it."""
+        taken = set(self.gpu_by_name.values())
+        index = configured_backend_index(msg.name)
+        if index is not None and index not in taken:
+            return index
+        if index is not None:
+            log.warning("%s: backend %s has index %d, which another backend holds", self.name,
+                        msg.name, index)
+        return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
                     outbox: Outbox) -> None:
@@ -398,12 +551,14 @@ class RankHost:
             models=[list(b.models) for b in alive],
             profiles_ms=[dict(b.profiles_ms) for b in alive],
             signatures=[dict(b.signatures) for b in alive],
+            epoch=self.epoch,
         )
 
     def _broadcast_table(self) -> None:
         table = self.table()
-        for identity in list(self.peers):
-            self._send(table, identity)
+        for identity, role in list(self.peers.items()):
+            if self._tells(role):
+                self._send(table, identity)
 
     # ------------------------------------------------------------------ output
 
@@ -445,6 +600,8 @@ class RankHost:
     # ------------------------------------------------------------------ stats
 
     def _on_batch_stats(self, now: float, identity: bytes, msg: BatchStats, outbox: Outbox) -> None:
+        if not self.active:  # a plan of another epoch's: not this standby's to count
+            return
         if msg.device_free_at > 0.0:
             # Drift correction: the backend's device frees later than the grants planned (it
             # started batches late). Only from the live backend that holds this GPU.
@@ -466,6 +623,9 @@ class RankHost:
             "role": ROLE,
             "name": self.name,
             "clock": self.clock.stats(),
+            "active": self.active,
+            "epoch": self.epoch,
+            "rebuilding": self._rebuilding is not None,
             "gpus": {
                 str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
                                 "suspect": not b.alive and b.suspect_since > -math.inf}
@@ -482,6 +642,8 @@ class RankHost:
             },
         }
         out.update(self._stats.snapshot(reset))
+        # who hears of table changes (a frontend absent here never learns of a backend change)
+        out["peers"] = {i.decode(errors="replace"): role for i, role in self.peers.items()}
         return out
 
 
@@ -510,7 +672,8 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         holder.append(host)
         host.start()
         log.info("%s: %s", name, host.clock.describe())
-        await link.ready({"rank": endpoint})
+        peers = await link.ready({"rank": endpoint})
+        host.begin_rebuild(set(peer_map.endpoints_of(peers, "plan")))
         await link.drain.wait()
         return 0
     finally:

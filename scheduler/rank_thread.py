@@ -58,6 +58,7 @@ class RankThread:
 
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0) -> None:
         self.wake_at = _INF
+        self.epoch = 0  # the scheduler epoch its grants carry (zserve.epochs); the host sets it
         self._free_at: dict[int, float] = {}
         self._state: dict[int, int] = {}
         self._stamp: dict[int, int] = {}
@@ -240,7 +241,8 @@ class RankThread:
         self._pending.pop(model, None)
         self._version[model] = self._version.get(model, 0) + 1
         self.n_grants += 1
-        outbox.append(((DEST_MODEL, model), GrantGpu(model, gpu_id, grant_id, free_at)))
+        outbox.append(((DEST_MODEL, model), GrantGpu(model, gpu_id, grant_id, free_at,
+                                                     self.epoch)))
 
     def _on_model_timer(self, now: float, model: str, version: int, outbox: Outbox) -> None:
         _, exec_at, latest, delay = self._cand[model]

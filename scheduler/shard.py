@@ -11,40 +11,39 @@ straight there.
   (a bare frontend name is looked up in the peer map as ``<frontend>/data``); it is the key under
   which the ModelThread knows the frontend, so a BatchPlan names data addresses, and drops go back
   to the DEALER identity that sent the metadata.
-- Shard <-> rank: ``CandidateUpdate`` and ``GrantAnswer`` out, ``GrantGpu`` and ``BackendTable`` in,
-  over a DEALER (identity = shard name) to the rank; nothing waits for an answer.
-- Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the
-  ``BackendTable`` (connected when a backend appears, closed when it leaves).
+- Shard <-> rank: ``CandidateUpdate``, ``GrantAnswer`` out, ``GrantGpu``, ``BackendTable`` in, over
+  a DEALER (identity = shard name); nothing waits for an answer. A restarted rank's first tables
+  lack backends not yet registered again: ``scheduler.rank_rejoin`` keeps those for a grace.
+- Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the table
+  (connected when a backend appears, closed when it leaves).
 - Frontend -> shard: ``CancelQueued`` (one per frontend per tick, after its RequestMetaBatch):
-  cancelled requests leave their ModelThread's queue before any batch takes them
-  (``cancelled`` counts those removed).
+  cancelled requests leave their ModelThread's queue before a batch takes them (``cancelled``).
 - Shard -> frontends: ``DropNotice`` (``DEADLINE`` from the ModelThread; ``UNAVAILABLE`` for a model
   no live backend serves; ``SHUTTING_DOWN`` while draining; ``BACKEND_FAILED`` for the requests of
   the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
   requests a backend had fetched, but only the shard knows those planned onto it and not yet
   fetched, e.g. plans queued for a backend that died).
 - Backends -> shard: ``PlanAck`` over the same DEALERs, sent by each backend's batch loop on
-  receipt of a plan. A plan not acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the
-  shard suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which
-  stops granting the GPU and broadcasts the table without it), takes the GPU out of its
-  ModelThreads, and puts the requests of every plan the backend never acknowledged back into
-  their ModelThread's queue (``replanned``; ``UNAVAILABLE`` when no live backend serves the model
-  any more). Only the requests of plans it acknowledged (it holds their inputs) are answered
-  ``BACKEND_FAILED``; the same split applies when a backend leaves the table.
+  receipt of a plan. A plan not acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the shard
+  suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which stops
+  granting the GPU and broadcasts the table without it), takes the GPU out of its ModelThreads,
+  and puts the requests of every plan the backend never acknowledged back into their queue
+  (``replanned``; ``UNAVAILABLE`` when no live backend serves the model any more). Only those of
+  plans it acknowledged (it holds their inputs) are answered ``BACKEND_FAILED``; the same split
+  applies when a backend leaves the table.
 
 Time: every time this process handles (arrivals, deadlines, ``exec_at``, ``now``) is on the cluster
-clock (``zserve.clock``: the rank's CLOCK_MONOTONIC); a shard not embedded with the rank estimates
-its offset before it takes requests, and its ModelThread timers are armed at the local time of
-each ``wake_at``.
+clock (``zserve.clock``: the rank's CLOCK_MONOTONIC); a shard apart from the rank estimates its
+offset before it takes requests, and arms ModelThread timers at the local time of each ``wake_at``.
 
 Latency profiles: a ModelThread uses the model's configured profile (profile file or emulated
-alpha/beta) until backends register; then the slowest registered profile of the backends serving
-the model (element-wise maximum of l(b), up to the smallest max batch), as the authors merge them.
+alpha/beta) until backends register, then the slowest registered profile of those serving the
+model (element-wise maximum of l(b), up to the smallest max batch), as the authors merge them.
 
-With ``embedded_rank`` (``shards = 0``) the same process also binds ``rank`` and hosts the
-RankThread (``zserve.scheduler.rank_process.RankHost``); the ModelThread <-> RankThread messages are
-then handed over in-process (shard -> rank synchronously after each flush, rank -> shard through a
-queue drained on the next loop iteration, so neither side re-enters the other).
+With ``embedded_rank`` (``shards = 0``) the process also binds ``rank`` and hosts the RankThread
+(``rank_process.RankHost``); ModelThread <-> RankThread messages are then handed over in-process
+(shard -> rank synchronously after each flush, rank -> shard through a queue drained on the next
+loop iteration, so neither side re-enters the other).
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ from zserve.role_runner import cancel_all, spawn
 from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_process import RankHost
+from zserve.scheduler.rank_rejoin import RankRejoin
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
 from zserve.stats import Stats
 from zserve.timers import WakeTimer
@@ -102,7 +102,13 @@ DRAIN_POLL_S = 0.01
 SHARD_COUNTERS = (
     "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
     "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
-    "cancelled", "replanned", "suspects", "plan_acks",
+    "cancelled", "replanned", "suspects", "plan_acks", "gpus_kept",
+    # a standby's: metadata it ignored (the frontends re-send it to the active scheduler);
+    # a superseded one's: plans it made but never sent (zserve.epochs)
+    "standby_ignored", "fenced_plans",
+    # metadata of an older scheduler epoch than this one's: its frontend re-sends what is
+    # still queued once it hears this epoch (zserve.epochs)
+    "stale_epoch",
 )
 # meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
 # what was left of the candidate's grant window when the grant came (negative: too late).
@@ -175,8 +181,13 @@ class ShardHost:
         self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
+        # active: False while the standby of a pair; fenced: superseded, it sends no plan
+        # again (zserve.epochs); first_plan_at: its first plan (a takeover's end).
+        self.active, self.fenced, self.first_plan_at = True, False, 0.0
+        self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
         self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
         self.counters = self._stats.counters
+        self._rejoin = RankRejoin(self.counters)  # a restarted rank's first tables lack backends
         self._meta_delay = self._stats.histograms["meta_delay"]
         self._grant_slack = self._stats.histograms["grant_slack"]
         now = self.clock.now()
@@ -284,6 +295,8 @@ class ShardHost:
         cancels: dict[tuple[str, str], list[int]] = {}
         for identity, msg in chunk:
             assert identity is not None
+            if self._ignored(msg):
+                continue
             if type(msg) is RequestMetaBatch:
                 self._take_meta(now, identity, msg, arrivals)
             elif type(msg) is CancelQueued:
@@ -374,19 +387,50 @@ class ShardHost:
                 window_left = thread.grant_window_left(now)
                 if window_left is not None:
                     self._grant_slack.observe(window_left)
+                thread.epoch = msg.epoch  # its plan carries the granting rank's epoch
                 thread.on_grant(now, msg, outbox)
                 self._dirty.add(msg.model)
             elif type(msg) is BackendTable:
                 assert isinstance(msg, BackendTable)
-                self._on_backend_table(now, msg, outbox)
+                self._on_backend_table(now, self._rejoin.on_table(now, msg), outbox)
             elif type(msg) is Hello and self.rank_sock is not None:
                 # A restarted rank asks who we are; our candidates reach it on their next change.
+                spawn(self._tasks, self._rejoin_grace(self._rejoin.on_rank_hello(now) - now))
                 self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
             elif type(msg) is not Heartbeat:
                 log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
         self._flush(outbox)
 
+    def _ignored(self, msg: Message) -> bool:
+        """Requests a standby ignores, and metadata of an older epoch than this embedded
+        scheduler's (sent to a process that died or was superseded): either way the frontend
+        re-sends what is still queued once it hears the active epoch. (Epoch 0: a frontend that
+        has heard of none yet. Shards of their own keep their queues across a rank restart:
+        nothing is re-sent to them.)"""
+        if type(msg) in (RequestMetaBatch, CancelQueued) and not self.active:
+            self.counters["standby_ignored"] += 1
+            return True
+        if type(msg) is RequestMetaBatch and self.rank_local is not None and (
+                0 < msg.epoch < self.rank_local.epoch):
+            self.counters["stale_epoch"] += 1
+            return True
+        return False
+
+    @property
+    def epoch(self) -> int:
+        """The scheduler epoch this shard plans in (its rank's)."""
+        return self.rank_local.epoch if self.rank_local is not None else self._table_epoch
+
+    async def _rejoin_grace(self, grace_s: float) -> None:
+        """Then the restarted rank's latest table applies as it is (``rank_rejoin``)."""
+        await asyncio.sleep(grace_s)
+        if (table := self._rejoin.on_grace_over(self.clock.now())) is not None:
+            outbox: Outbox = []
+            self._on_backend_table(self.clock.now(), table, outbox)
+            self._flush(outbox)
+
     def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        self._table_epoch = max(self._table_epoch, table.epoch)
         live = dict(zip(table.gpu_ids, table.addresses, strict=True))
         departed: list[tuple[int, str]] = []
         for gpu_id in list(self.backend_socks):
@@ -474,8 +518,13 @@ class ShardHost:
             self._send(self.sock, msg, identity)
 
     def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
+        if self.fenced:  # superseded: the backends would refuse it anyway
+            self.counters["fenced_plans"] += 1
+            return
         entry = self.backend_socks.get(gpu_id)
         if entry is not None and self._send(entry[1], plan):
+            if not self.first_plan_at:
+                self.first_plan_at = self.clock.now()
             self.counters["plans"] += 1
             self.counters["planned_requests"] += len(plan.request_ids)
             self._remember_sent(gpu_id, plan)
@@ -615,6 +664,9 @@ class ShardHost:
             "role": ROLE,
             "name": self.name,
             "clock": self.clock.stats(),
+            "active": self.active and not self.fenced,
+            "epoch": self.epoch,
+            "first_plan_at": self.first_plan_at,
             "sent_plans_held": len(self._sent_plans),
             "models": {
                 name: {

@@ -11,18 +11,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import sys
+import time
 from typing import Any
 
 import zmq
 
 from zserve import control_link, keys, peer_map, role_runner
 from zserve.clock import ClockSync, ClusterClock
-from zserve.config import RoleConfig
+from zserve.config import STANDBY_NAME, RoleConfig
+from zserve.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
+from zserve.scheduler.standby import PairLink
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
 
@@ -40,6 +44,9 @@ class _ShardProcess:
     host: ShardHost | None = None
     rank: RankHost | None = None
     clock_sync: ClockSync | None = None
+    pair: PairLink | None = None
+    # Set when a newer scheduler epoch superseded this process (zserve.epochs).
+    superseded: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
         sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
@@ -47,6 +54,8 @@ class _ShardProcess:
         return sock, endpoint
 
     async def close(self) -> None:
+        if self.pair is not None:
+            await self.pair.close()
         if self.clock_sync is not None:
             await self.clock_sync.close()
         if self.host is not None:
@@ -96,12 +105,17 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
                                                  advertise)
         timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
         proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
-                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank))
+                             backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank),
+                             watch=_watch(config))
+        proc.rank.on_superseded = lambda: _step_down(proc)
+        host.active = proc.rank.active
         host.embed_rank(proc.rank)
         proc.rank.start()
         host.start()
         log.info("%s: %s", name, clock.describe())
     host.peers.update(await link.ready(endpoints))
+    if proc.rank is not None:
+        _start_pair(proc, config)
     if not embedded:
         proc.clock_sync = await role_runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
                                                             drain=link.drain, clock=clock)
@@ -111,9 +125,58 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
         assert rank_address is not None
         host.start()
         host.connect_rank(rank_address)
-    await link.drain.wait()
+    drained = asyncio.ensure_future(link.drain.wait())
+    superseded = asyncio.ensure_future(proc.superseded.wait())
+    await asyncio.wait([drained, superseded], return_when=asyncio.FIRST_COMPLETED)
+    drained.cancel()
+    superseded.cancel()
+    if proc.pair is not None:  # a draining scheduler neither pings nor takes over
+        await proc.pair.close(leaving=not proc.superseded.is_set())
+        proc.pair = None
+    if proc.superseded.is_set():
+        # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);
+        # a supervisor restarts this process as the standby.
+        log.error("%s: superseded; exiting", name)
+        return 0
     await host.drain(link.drain.drain_s)
     return 0
+
+
+def _watch(config: RoleConfig) -> SchedulerWatch:
+    """The epoch watch of an embedded scheduler: a pair's member, or alone (never takes over,
+    still steps down on hearing a newer epoch)."""
+    scheduler = config.cluster.scheduler
+    timeout_s = scheduler.takeover_timeout_ms / 1e3 if scheduler.standby else math.inf
+    return SchedulerWatch(active=not config.standby, epoch=next_epoch(0, now_ms()),
+                          takeover_timeout_s=timeout_s, now=time.monotonic())
+
+
+def _start_pair(proc: _ShardProcess, config: RoleConfig) -> None:
+    """After the peer map: an active scheduler waits for the backends; a pair's member starts
+    pinging its partner."""
+    rank, host = proc.rank, proc.host
+    assert rank is not None and host is not None
+    expected = set(peer_map.endpoints_of(host.peers, "plan"))
+    if rank.active:
+        rank.begin_rebuild(expected)
+    if not config.cluster.scheduler.standby or rank.watch is None:
+        return
+    partner = STANDBY_NAME if config.name != STANDBY_NAME else "shard-0"
+    address = host.peers.get(peer_map.peer_key(partner, "rank"))
+    if address is None:
+        log.error("%s: no address for its partner %s: no watch link", config.name, partner)
+        return
+    proc.pair = PairLink(name=config.name, ctx=proc.ctx, reactor=proc.reactor, rank=rank,
+                         host=host, watch=rank.watch, expected_backends=expected)
+    proc.pair.start(address)
+    log.info("%s: %s of the scheduler pair (partner %s)", config.name,
+             "active" if rank.active else "standby", partner)
+
+
+def _step_down(proc: _ShardProcess) -> None:
+    if proc.host is not None:
+        proc.host.fenced = True
+    proc.superseded.set()
 
 
 def run_shard(config: RoleConfig, control_address: str | None) -> int:

@@ -81,11 +81,8 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str) -> Run:
         cluster.wait_ready(name, incarnation + 1, timeout=60.0)
     try:
         recovery_s = wait_served(cluster.client_address, ledger, Cases.take(1000))
-    except AssertionError as exc:  # say what the frontend and the rank knew
-        frontend = cluster.stats("frontend-0")
-        raise AssertionError(f"{exc}; frontend backends {frontend.get('backends')}, counters "
-                             f"{frontend['counters']}; rank gpus {cluster.stats('rank')['gpus']}"
-                             ) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {_what_each_role_knew(cluster)}") from None
     counts = ledger.check()
     assert run.fault_at is not None
     # No answer comes later than its SLO (the frontend's deadline timer), save while the
@@ -97,6 +94,22 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str) -> Run:
           f"{ledger.latest_failure_after(run.fault_at):.2f} s after the fault; slowest answer "
           f"{slowest_s:.2f} s; served again {recovery_s:.2f} s after the load")
     return run
+
+
+def _what_each_role_knew(cluster: Cluster) -> str:
+    """For a cluster that does not serve again: which of its parts refuses, and what it knows.
+    An UNAVAILABLE answered at once comes from the frontend's admission (no backend in its
+    table serves the model, or its shard unreachable: its counters, its table), from the shard
+    (no GPU serves the model: its ``unavailable`` counter and GPUs per model) or from the
+    client (its connection down). The rank's peers say whether the frontend still hears of
+    table changes; its GPUs what the table holds."""
+    frontend = cluster.stats("frontend-0")
+    shard = cluster.stats("shard-0")
+    rank = cluster.stats("rank")
+    shard_gpus = {m: s["gpus"] for m, s in shard["models"].items()}
+    return (f"frontend: backends {frontend.get('backends')}, counters {frontend['counters']}; "
+            f"shard: GPUs per model {shard_gpus}, counters {shard['counters']}; "
+            f"rank: gpus {rank['gpus']}, peers {rank.get('peers')}")
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -58,6 +58,7 @@ class SchedulerRig:
             scheduler={"shards": shards},
             backends={"device": "emulated"},
         )
+        self.cluster = cluster
         peers: dict[str, str] = {}
         if shards > 0:
             config = role_config_for(cluster, "rank", 0, h.dir)

@@ -2,19 +2,22 @@
 every link between them authenticated and encrypted): a client with the keys is served
 correctly; a client without CURVE and a client whose key the frontend does not list get nothing
 served, each call ends with UNAVAILABLE within its bound (no hang), and the frontend counts the
-refused handshakes (``auth_failed``)."""
+refused handshakes (``auth_failed``). The frontend's Prometheus endpoint works under CURVE too: a
+scrape shows every process up and the keyed client's requests, nothing of the refused ones."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 import zserve
 from zserve.backends.process import build_executor
@@ -42,7 +45,7 @@ def _config(keys_dir: Path, shards: int) -> ClusterConfig:
     return parse_config({
         "cluster": {"transport": "tcp", "drain_s": 1.0},
         "scheduler": {"shards": shards, "policy": "eager", "d_ctrl_ms": 5.0},
-        "frontends": {"reply_allowance_ms": 20.0},
+        "frontends": {"reply_allowance_ms": 20.0, "metrics_addresses": ["127.0.0.1:0"]},
         "backends": {"count": 1, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0},
                     "slo_ms": 2000.0, "max_batch": 8}],
@@ -77,6 +80,25 @@ def _wait_auth_failed(cluster: Cluster, at_least: int, name: str = "frontend-0")
         if counters["auth_failed"] >= at_least or time.monotonic() > deadline:
             return int(counters["auth_failed"])
         time.sleep(0.05)  # a bounded poll of a counter in another process
+
+
+def _assert_scrape_shows(cluster: Cluster, processes: tuple[str, ...], served: int) -> None:
+    """A scrape of the frontend's /metrics (a real HTTP client, prometheus_client's parser): every
+    process answered its stats round, and the requests counted are the ``served`` ones, all ok."""
+    url = cluster.stats("frontend-0")["metrics_url"]
+    with urllib.request.urlopen(url, timeout=CALL_TIMEOUT_S) as response:
+        text = response.read().decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    up = {s.labels["process"]: s.value for s in families["zserve_up"].samples}
+    assert up == dict.fromkeys(processes, 1.0)
+    requests = {s.labels["outcome"]: s.value for s in families["zserve_requests"].samples
+                if s.name == "zserve_requests_total" and s.value}
+    assert requests == {"ok": served}
+    (received,) = families["zserve_requests_received"].samples
+    assert received.value == served
+    arrived = [s.value for s in families["zserve_scheduler_arrived"].samples
+               if s.name == "zserve_scheduler_arrived_total" and s.labels["model"] == "m"]
+    assert arrived == [served]
 
 
 # shards = 1: a rank process of its own (its key pair and the shard's both in use); shards = 0:
@@ -117,6 +139,7 @@ def test_a_curve_cluster_serves_only_clients_with_keys(tmp_path: Path, shards: i
         roles = ("rank", "shard-0", "backend-0") if shards else ("shard-0", "backend-0")
         for name in roles:  # every role link handshook fine
             assert cluster.stats(name)["counters"]["auth_failed"] == 0, name
+        _assert_scrape_shows(cluster, ("frontend-0", *roles), served=REQUESTS)
         # The roles' own sockets refuse a peer without keys too: a raw DEALER to the backend's
         # plan socket (where shards send plans) is refused and counted, and the backend runs on.
         plan_address = cluster.peers()["backend-0/plan"]

@@ -53,15 +53,15 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
     "float-for-int": ([_pack("cancel", 1.0)], ProtocolError, "expected int"),
     "str-in-int-list": ([_pack("drop", [1, "2"], "E", "m")], ProtocolError, "list[int]"),
     "int-for-str": ([_pack("error", 1, 2, "m")], ProtocolError, "InferError.error"),
-    "str-for-float": ([_pack("hb", "n", 1, "x")], ProtocolError, "Heartbeat.sent_at"),
+    "str-for-float": ([_pack("hb", "n", 1, "x", 0)], ProtocolError, "Heartbeat.sent_at"),
     "int-for-bool": ([_pack("statsreq", 1)], ProtocolError, "expected bool"),
     "nested-list-wrong": (
-        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [])],
+        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [], 0)],
         ProtocolError,
         "BackendTable.models",
     ),
     "int-map-key": ([b"\x93\xa5ready" + b"\x81\x01\x02"], ProtocolError, "not valid msgpack"),
-    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"})], ProtocolError, "endpoints"),
+    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"}, 1)], ProtocolError, "endpoints"),
     "non-native-stats": (
         [_pack("stats", "n", {"x": msgpack.ExtType(1, b"z")})],
         ProtocolError,
@@ -182,7 +182,8 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         ProtocolError,
         "has 5 fields",
     ),
-    "client-hello-not-list": ([_pack("chello", "answers")], ProtocolError, "ClientHello.accepts"),
+    "client-hello-not-list": (
+        [_pack("chello", "answers", 1)], ProtocolError, "ClientHello.accepts"),
 }
 
 TIGHT = codec.DecodeLimits(

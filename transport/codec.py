@@ -338,6 +338,25 @@ def _explain(
     return error
 
 
+def recover_request_id(header: Any) -> int | None:
+    """The request id of a message that failed to decode, if its header still names one (so a
+    frontend can answer that request with a typed error)."""
+    try:
+        data = header.bytes if isinstance(header, zmq.Frame) else bytes(header)
+        if len(data) > 4096:
+            data = data[:4096]
+        unpacker = msgpack.Unpacker(max_buffer_size=8192, raw=False, strict_map_key=False)
+        unpacker.feed(data)
+        size = unpacker.read_array_header()
+        if size < 2:
+            return None
+        unpacker.skip()
+        value = unpacker.unpack()
+    except Exception:
+        return None
+    return value if type(value) is int else None
+
+
 def _header_arity(header: bytes | memoryview) -> int:
     """The element count of the msgpack array that ``header`` starts with."""
     marker = header[0]

@@ -139,6 +139,10 @@ class RequestMetaBatch(Message, frozen=True, tag="meta"):
     # Empty: every request holds one row (the common case costs one byte per message, nothing
     # per request); otherwise exactly one entry per request (a shard refuses another length).
     rows: list[int] = msgspec.field(default_factory=list)
+    # The newest scheduler epoch the frontend had heard of when it sent this: a scheduler of a
+    # newer epoch ignores it, since the frontend re-sends what is still queued on hearing that
+    # epoch (messages queued for a dead scheduler must not be planned twice).
+    epoch: int = 0
 
 
 class CancelQueued(Message, frozen=True, tag="qcancel"):
@@ -183,6 +187,8 @@ class GrantGpu(Message, frozen=True, tag="grant"):
     gpu_id: int
     grant_id: int
     free_at: float
+    # The scheduler epoch of the rank that granted (``zserve.epochs``).
+    epoch: int = 0
 
 
 class GrantAnswer(Message, frozen=True, tag="gans"):
@@ -209,6 +215,9 @@ class BackendTable(Message, frozen=True, tag="btable"):
     # Per backend, the signatures it registered: ``signatures[i][model]`` is the wire form of the
     # model's ``zserve.signature.ModelSignature`` (frontends validate requests against it).
     signatures: list[dict[str, dict[str, Any]]] = msgspec.field(default_factory=list)
+    # The scheduler epoch of the rank that sent it: a frontend ignores a table of an older
+    # epoch than the newest it has seen (``zserve.epochs``).
+    epoch: int = 0
 
 
 # --------------------------------------------------------------------------- shard -> backend
@@ -234,6 +243,9 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     # Each request's rows, as in RequestMetaBatch (empty: one each). The batch holds their sum,
     # at most the model's max batch; its l(b) and late shedding count rows.
     rows: list[int] = msgspec.field(default_factory=list)
+    # The scheduler epoch that made the plan: a backend that has seen a newer epoch refuses it
+    # (``zserve.epochs``: a superseded scheduler never dispatches).
+    epoch: int = 0
 
 
 # --------------------------------------------------------------------------- backend <-> frontend
@@ -303,6 +315,9 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     protocol: int = WIRE_PROTOCOL_VERSION
+    # When the backend's device frees (cluster clock; 0: free now): a scheduler that takes
+    # over rebuilds each GPU's free time from it.
+    device_free_at: float = 0.0
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):
@@ -330,12 +345,15 @@ class BatchStats(Message, frozen=True, tag="bstats"):
 
 
 class Hello(Message, frozen=True, tag="hello"):
-    """Any process -> its peer on connect."""
+    """Any process -> its peer on connect. ``epoch``: from a scheduler process, the epoch in
+    which it is active (0: a standby); from any other process, the newest scheduler epoch it has
+    seen (``zserve.epochs``)."""
 
     role: str
     name: str
     pid: int
     protocol: int = WIRE_PROTOCOL_VERSION
+    epoch: int = 0
 
 
 class BackendGone(Message, frozen=True, tag="bgone"):
@@ -363,6 +381,9 @@ class Heartbeat(Message, frozen=True, tag="hb"):
     name: str
     seq: int
     sent_at: float
+    # To a scheduler: the newest scheduler epoch the sender has seen (a superseded scheduler
+    # that hears a newer one steps down; ``zserve.epochs``).
+    epoch: int = 0
 
 
 class ClockProbe(Message, frozen=True, tag="clkprobe"):
@@ -438,6 +459,20 @@ class BackendSuspect(Message, frozen=True, tag="bsuspect"):
     message: str
 
 
+class SchedulerPing(Message, frozen=True, tag="sping"):
+    """Scheduler process -> the other scheduler process of an active/standby pair (to its
+    ``rank`` ROUTER), every ``zserve.epochs.PING_INTERVAL_S``: ``name`` is alive and, when
+    ``active``, dispatches in ``epoch``. The receiver answers each on the same connection with
+    its own (``reply`` True; a reply is not answered), so each process hears its partner over
+    the connection it made itself. A standby takes over once the active one stops answering,
+    and an active one that hears a newer epoch steps down (``zserve.epochs``)."""
+
+    name: str
+    epoch: int
+    active: bool
+    reply: bool = False
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
     InferReply,
@@ -472,6 +507,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ClockReply,
     PlanAck,
     BackendSuspect,
+    SchedulerPing,
 )
 
 # KIND is each class's msgspec tag, read back once here so that the tag is written only once.

@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "experiment": (
         "zserve.loadgen.experiments.runner",
         "main",
-        "run a performance experiment (fig6a, zoo, flattop, eager-floor, scale)",
+        "run a performance experiment (fig6a, zoo, flattop, eager-floor, scale, failover)",
     ),
     "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model"),
     "models": ("zserve.backends.builtin", "main", "build (or list) the built-in ONNX models"),

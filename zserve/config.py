@@ -43,6 +43,10 @@ DEFAULT_JITTER_MS = 1.0
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_DRAIN_S = 5.0
 DEFAULT_START_TIMEOUT_S = 120.0
+# A standby scheduler takes over after this long without a ping from the active one (10 pings).
+DEFAULT_TAKEOVER_TIMEOUT_MS = 1000.0
+# The second scheduler process of an active/standby pair (``[scheduler] standby = true``).
+STANDBY_NAME = "shard-0b"
 
 TRANSPORTS = ("ipc", "tcp")
 Transport = Literal["ipc", "tcp"]
@@ -196,8 +200,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     jitter_ms: float = DEFAULT_JITTER_MS
     rank_address: str | None = None
     shard_addresses: tuple[str, ...] = ()
+    # A hot-spare scheduler process (``shards = 0`` only; docs/runtime.md, "Hot spare").
+    standby: bool = False
+    takeover_timeout_ms: float = DEFAULT_TAKEOVER_TIMEOUT_MS
 
     def __post_init__(self) -> None:
+        check_finite("takeover_timeout_ms", self.takeover_timeout_ms, positive=True)
         try:
             SchedulePolicy.parse(self.policy, self.drop)
         except PolicyError as exc:
@@ -408,15 +416,21 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.scheduler.shards > 0:
             names.append(("rank", "rank", 0))
         names += [("shard", f"shard-{i}", i) for i in range(self.scheduler_processes)]
+        if self.scheduler.standby:
+            names.append(("shard", STANDBY_NAME, 0))
         names += [("backend", f"backend-{i}", i) for i in range(self.backends.total)]
         names += [("frontend", f"frontend-{i}", i) for i in range(self.frontends.count)]
         return names
 
-    def bind_addresses(self, role: str, index: int, ipc_dir: str | None) -> dict[str, str]:
+    def bind_addresses(self, role: str, index: int, ipc_dir: str | None,
+                       name: str | None = None) -> dict[str, str]:
         """Socket name -> bind address of one process: what cluster.toml names, else
-        ``ipc://<ipc_dir>/<name>.<socket>`` (transport ipc) or ``tcp://<host>:0``."""
+        ``ipc://<ipc_dir>/<name>.<socket>`` (transport ipc) or ``tcp://<host>:0``. The standby
+        scheduler (``name`` STANDBY_NAME) always gets the generated addresses."""
+        if name == STANDBY_NAME:
+            sockets: dict[str, str | None] = {"shard": None, "rank": None}
+            return self._generated(sockets, name, self.host, ipc_dir)
         name = process_name(role, index)
-        sockets: dict[str, str | None]
         if role == "rank":
             sockets = {"rank": self.scheduler.rank_address}
         elif role == "shard":
@@ -441,6 +455,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         else:
             raise ValueError(f"unknown role {role!r}")
         host = (self.backends.host or self.host) if role == "backend" else self.host
+        return self._generated(sockets, name, host, ipc_dir)
+
+    def _generated(self, sockets: dict[str, str | None], name: str, host: str,
+                   ipc_dir: str | None) -> dict[str, str]:
         out: dict[str, str] = {}
         for sock, explicit_address in sockets.items():
             if explicit_address:
@@ -474,7 +492,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         A role started alone uses it, overridden by its command line."""
         peers: dict[str, str] = {}
         for role, name, index in self.process_names():
-            for sock, address in self.bind_addresses(role, index, ipc_dir).items():
+            for sock, address in self.bind_addresses(role, index, ipc_dir, name).items():
                 if not address.endswith(":0"):
                     peers[f"{name}/{sock}"] = address
         return peers
@@ -511,6 +529,9 @@ class RoleConfig(msgspec.Struct, kw_only=True):
     # (None: zserve.scheduler.sent_plans.PLAN_ACK_MARGIN_S; tests that play a backend slowly
     # raise it).
     plan_ack_margin_s: float | None = None
+    # shard with ``[scheduler] standby``: start as the standby of the pair (the supervisor
+    # starts STANDBY_NAME so, and every scheduler it restarts).
+    standby: bool = False
 
 
 def role_config(
@@ -522,6 +543,7 @@ def role_config(
     bind: dict[str, str] | None = None,
     peers: dict[str, str] | None = None,
     advertise_host: str | None = None,
+    name: str | None = None,
 ) -> RoleConfig:
     """The RoleConfig of process ``index`` of ``role`` (binding what cluster.toml names, else
     what ``bind_addresses`` allocates under ``ipc_dir``)."""
@@ -529,18 +551,21 @@ def role_config(
     models = cluster.models
     if role == "shard":
         models = tuple(m for m in models if shard_for_model(m.name, shards) == index)
+    name = name or process_name(role, index)
     return RoleConfig(
         role=role,
-        name=process_name(role, index),
+        name=name,
         index=index,
         cluster=cluster,
-        bind=dict(bind) if bind is not None else cluster.bind_addresses(role, index, ipc_dir),
+        bind=dict(bind) if bind is not None else cluster.bind_addresses(role, index, ipc_dir,
+                                                                        name),
         peers=dict(peers or {}),
         models=models,
         shards=shards,
         embedded_rank=role == "shard" and shards == 0,
         advertise_host=advertise_host,
         device=cluster.backends.device_of(index) if role == "backend" else "cpu",
+        standby=name == STANDBY_NAME,
     )
 
 

@@ -2,8 +2,11 @@
 
 Sockets (docs/runtime.md): a ``client`` ROUTER (clients' DEALERs connect), a ``data`` ROUTER
 (backends connect to fetch inputs and push outputs), a DEALER to every scheduler shard (request
-metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in) and the control DEALER.
-All of them are received through one ``SocketReactor``.
+metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in; heartbeats out) and
+the control DEALER. With a hot spare, a shard and a rank DEALER to each scheduler process: the
+one that announced the newest epoch (``Hello.epoch``, ``zserve.epochs``) gets the metadata, and
+on a new one the requests still queued here are sent to it again; what a superseded scheduler
+sends is refused (``stale_epoch``). All of them are received through one ``SocketReactor``.
 
 The logic lives in ``zserve.frontend_core.FrontendCore`` (admission, the request table and input
 store, deadlines, cancellation, backend failures, coalescing of what a tick sends). This host
@@ -21,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
@@ -34,10 +37,11 @@ import zmq.utils.monitor
 from zserve import control_link, keys, peer_map, readiness, role_runner
 from zserve.clock import ClockSync, ClusterClock
 from zserve.config import ModelConfig, RoleConfig
+from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.hosting import Destination, Outbox
-from zserve.metrics import MetricsServer, serve_frontend_metrics
+from zserve.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.oip_bridge import OIP_CLIENT, OipBridge
 from zserve.oip_server import OipServers
 from zserve.profiles import LatencyProfile, configured_profile
@@ -52,6 +56,7 @@ from zserve.transport.messages import (
     ClientHello,
     ClusterStatsRequest,
     DropNotice,
+    Heartbeat,
     Hello,
     InferAnswers,
     InferError,
@@ -79,7 +84,10 @@ _SRCFD = int(zmq.SRCFD)
 # with what came (the ones that did not are listed under "cluster_silent").
 PEER_STATS_TIMEOUT_S = 0.5
 # The host's own counters, next to the core's (``FrontendCore.counters``).
-HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats")
+# stale_epoch: messages of a superseded scheduler, refused; epoch_switches: new active schedulers
+# heard of (zserve.epochs).
+HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats", "stale_epoch",
+                 "epoch_switches")
 
 
 def _load_profile(config: ModelConfig) -> LatencyProfile | None:
@@ -92,6 +100,10 @@ def _load_profile(config: ModelConfig) -> LatencyProfile | None:
         return None
 
 
+# Who waits on a stats round: a client (its identity) or the metrics endpoint (a future).
+StatsWaiter = bytes | asyncio.Future[dict[str, Any] | None]
+
+
 class _StatsGathering:
     """One round of StatsRequests to the frontend's peers, for clients waiting on it."""
 
@@ -100,7 +112,7 @@ class _StatsGathering:
     def __init__(self, waiting: set[str]) -> None:
         self.waiting = waiting  # peer process names not yet answered
         self.replies: dict[str, Any] = {}
-        self.waiters: list[tuple[bytes, dict[str, Any]]] = []  # (client, frontend's own stats)
+        self.waiters: list[tuple[StatsWaiter, dict[str, Any]]] = []  # (who, frontend's own)
         self.handle: asyncio.TimerHandle | None = None
 
 
@@ -139,6 +151,12 @@ class FrontendHost:
         self.monitor_sock: zmq.Socket[Any] | None = None
         self.shard_socks: list[zmq.Socket[Any] | None] = [None] * self.cluster.scheduler_processes
         self.rank_sock: zmq.Socket[Any] | None = None
+        # Every scheduler process by name (an active/standby pair: two of each); the fence says
+        # which one is active (zserve.epochs), and shard_socks[0] / rank_sock are its sockets.
+        self.shard_by_name: dict[str, zmq.Socket[Any]] = {}
+        self.rank_socks: dict[str, zmq.Socket[Any]] = {}
+        self.fence = EpochFence()
+        self._heartbeat: asyncio.Task[None] | None = None
         self.endpoints: dict[str, str] = {}
         # The Open Inference Protocol servers' way in (zserve.oip_bridge).
         self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
@@ -169,25 +187,25 @@ class FrontendHost:
         """Connect to the shards and rank named in the peer map."""
         identity = self.name.encode()
         hello = Hello(role="frontend", name=self.name, pid=os.getpid())
-        shard_eps = peer_map.endpoints_of(peers, "shard")
+        for name, address in peer_map.endpoints_of(peers, "shard").items():
+            self.shard_by_name[name] = make_dealer(self.ctx, address, identity=identity,
+                                                   peer_role="shard")
+            socket_io.sync_send(self.shard_by_name[name], hello)
         for index in range(len(self.shard_socks)):
-            address = shard_eps.get(f"shard-{index}")
-            if address is None:
+            sock = self.shard_by_name.get(f"shard-{index}")
+            if sock is None:
                 log.error("%s: no address for shard-%d: its models are unavailable",
                           self.name, index)
                 self.core.shard_reachable[index] = False
-                continue
-            sock = make_dealer(self.ctx, address, identity=identity, peer_role="shard")
-            socket_io.sync_send(sock, hello)
             self.shard_socks[index] = sock
-        rank_eps = peer_map.endpoints_of(peers, "rank")
-        rank_address = rank_eps.get("rank") or rank_eps.get("shard-0")
+        for name, address in peer_map.endpoints_of(peers, "rank").items():
+            self.rank_socks[name] = make_dealer(self.ctx, address, identity=identity,
+                                                peer_role="rank")
+            socket_io.sync_send(self.rank_socks[name], hello)
         # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
         self._rank_embedded = self.cluster.scheduler.shards == 0
-        if rank_address is not None:
-            self.rank_sock = make_dealer(self.ctx, rank_address, identity=identity,
-                                         peer_role="rank")
-            socket_io.sync_send(self.rank_sock, hello)
+        self.rank_sock = self.rank_socks.get("rank") or self.rank_socks.get("shard-0") or next(
+            iter(self.rank_socks.values()), None)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -197,10 +215,9 @@ class FrontendHost:
         reactor.watch_frames(self.monitor_sock, on_frames=self._on_monitor_events)
         reactor.watch(self.data_sock, router=True, on_chunk=self._on_data,
                       on_bad=lambda exc: self._malformed("data", exc))
-        for sock in (*self.shard_socks, self.rank_sock):
-            if sock is not None:
-                reactor.watch(sock, router=False, on_chunk=self._on_scheduler,
-                              on_bad=lambda exc: self._malformed("scheduler", exc))
+        for name, sock in [*self.shard_by_name.items(), *self.rank_socks.items()]:
+            reactor.watch(sock, router=False, on_chunk=functools.partial(self._on_scheduler, name),
+                          on_bad=lambda exc: self._malformed("scheduler", exc))
         reactor.watch_frames(self.client_sock, on_frames=self._on_client)
         # OIP requests are answered like a client that takes one InferAnswers per tick.
         outbox: Outbox = []
@@ -208,20 +225,35 @@ class FrontendHost:
                                     ClientHello(accepts=[InferAnswers.KIND]), outbox)
         self._after(outbox)
         self.oip.open(loop)
+        self._heartbeat = loop.create_task(self._heartbeat_loop(), name="scheduler-heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeat every scheduler: a restarted one asks who this frontend is (so it hears the
+        new epoch), and a superseded one hears the newest epoch and steps down."""
+        seq = 0
+        while True:
+            seq += 1
+            beat = Heartbeat(self.name, seq, self.clock.now(), self.fence.highest)
+            assert self._reactor is not None
+            for sock in self.rank_socks.values():
+                self._reactor.send_nowait(sock, beat)
+            await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
 
     def _sockets(self) -> list[zmq.Socket[Any]]:
-        socks = [self.monitor_sock, self.data_sock, *self.shard_socks, self.rank_sock]
-        socks.append(self.client_sock)
+        socks = [self.monitor_sock, self.data_sock, *self.shard_by_name.values(),
+                 *self.rank_socks.values(), self.client_sock]
         return [s for s in socks if s is not None]
 
     def close(self) -> None:
         if not self._closed:
-            self._after([])  # answers of this tick (answer_all's at shutdown) go out first
+            outbox: Outbox = []
+            self._stats_gathered(outbox)  # an open stats round answers with what came
+            self._after(outbox)  # answers of this tick (answer_all's at shutdown) go out first
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._timer_handle is not None:
             self._timer_handle.cancel()
-        if self._gathering is not None and self._gathering.handle is not None:
-            self._gathering.handle.cancel()
         if self._reactor is not None:
             self._reactor.close()
         if self.client_sock is not None and self.monitor_sock is not None:
@@ -337,7 +369,7 @@ class FrontendHost:
             msg = codec.decode(frames[1:])
         except ProtocolError as exc:
             self._malformed("client", exc)
-            request_id = _recover_request_id(frames[1])
+            request_id = codec.recover_request_id(frames[1])
             if request_id is not None:
                 kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
                     ErrorKind.BAD_REQUEST
@@ -396,18 +428,24 @@ class FrontendHost:
 
     # ------------------------------------------------------------------ scheduler and backends
 
-    def _on_scheduler(self, chunk: Chunk) -> None:
-        """Messages from a shard or the rank."""
+    def _on_scheduler(self, scheduler: str, chunk: Chunk) -> None:
+        """Messages from a shard or the rank (process ``scheduler``)."""
         outbox: Outbox = []
         core = self.core
+        fence = self.fence
         for _, msg in chunk:
             now = self.clock.now()
-            if type(msg) is DropNotice:
+            if type(msg) is Hello:
+                self._on_scheduler_hello(now, scheduler, msg, outbox)
+            elif type(msg) is StatsReply:  # a standby's too (cluster stats list both)
+                self._on_peer_stats(msg, outbox)
+            elif (scheduler in fence.epoch_of and not fence.is_current(scheduler)) or (
+                    type(msg) is BackendTable and not fence.admits(msg.epoch)):
+                self.counters["stale_epoch"] += 1  # a superseded scheduler's
+            elif type(msg) is DropNotice:
                 core.on_drop(now, msg, outbox)
             elif type(msg) is BackendTable:
                 core.on_backend_table(now, msg, outbox)
-            elif type(msg) is StatsReply:
-                self._on_peer_stats(msg, outbox)
             else:
                 self.counters["ignored"] += 1
         self._after(outbox)
@@ -433,6 +471,28 @@ class FrontendHost:
                 self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
         self._after(outbox)
 
+    def _on_scheduler_hello(self, now: float, scheduler: str, msg: Hello,
+                            outbox: Outbox) -> None:
+        """Epoch 0: a (re)started scheduler asks who this is. Else it announces the epoch in
+        which it is active: a newer one than any heard of is the scheduler from now on, and
+        the requests still queued here are sent to it."""
+        fence = self.fence
+        if msg.epoch == 0:
+            sock = self.rank_socks.get(scheduler)
+            if sock is not None and self._reactor is not None:
+                self._reactor.send_nowait(sock, Hello(role="frontend", name=self.name,
+                                                      pid=os.getpid(), epoch=fence.highest))
+        elif fence.observe(scheduler, msg.epoch):
+            self.counters["epoch_switches"] += 1
+            self.core.epoch = msg.epoch
+            if self.cluster.scheduler.shards == 0 and scheduler in self.shard_by_name:
+                self.shard_socks[0] = self.shard_by_name[scheduler]
+                self.rank_sock = self.rank_socks.get(scheduler, self.rank_sock)
+                self.core.requeue_queued(now, outbox)
+            log.info("%s: scheduler %s is active in epoch %d", self.name, scheduler, msg.epoch)
+        elif msg.epoch < fence.highest:
+            self.counters["stale_epoch"] += 1
+
     def on_control_message(self, msg: Message) -> None:
         """The supervisor says a backend's process died (``BackendGone``)."""
         if type(msg) is BackendGone and not self._closed:
@@ -442,7 +502,18 @@ class FrontendHost:
 
     # ------------------------------------------------------------------ cluster stats
 
-    def _gather_stats(self, client: bytes, reset: bool, outbox: Outbox) -> None:
+    async def cluster_stats(self) -> dict[str, Any] | None:
+        """What ``ClusterStatsRequest(reset=False)`` answers, asked in-process (the metrics
+        endpoint): the same round, resolved as a future. None while the frontend is not serving."""
+        if self._loop is None or self._closed:
+            return None
+        answer: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        outbox: Outbox = []
+        self._gather_stats(answer, False, outbox)
+        self._after(outbox)
+        return await answer
+
+    def _gather_stats(self, client: StatsWaiter, reset: bool, outbox: Outbox) -> None:
         """Answer ``client`` with this frontend's stats and, under ``cluster``, those of every
         shard, the rank and every backend it knows, asked now (with ``reset``). A request that
         comes while a round is open joins it (that round's peers reset once, if the first
@@ -463,9 +534,9 @@ class FrontendHost:
         assert self._reactor is not None and self.data_sock is not None
         request = StatsRequest(reset=reset)
         asked: set[str] = set()
-        for index, sock in enumerate(self.shard_socks):
-            if sock is not None and self._reactor.send_nowait(sock, request) is None:
-                asked.add(f"shard-{index}")
+        for name, sock in self.shard_by_name.items():
+            if self._reactor.send_nowait(sock, request) is None:
+                asked.add(name)
         if self.rank_sock is not None and not self._rank_embedded and (
                 self._reactor.send_nowait(self.rank_sock, request) is None):
             asked.add("rank")
@@ -499,9 +570,12 @@ class FrontendHost:
         if gathering.handle is not None:
             gathering.handle.cancel()
         silent = sorted(gathering.waiting)
-        for client, own in gathering.waiters:
+        for waiter, own in gathering.waiters:
             stats = {**own, "cluster": gathering.replies, "cluster_silent": silent}
-            outbox.append(((TO_CLIENT, client), StatsReply(self.name, stats)))
+            if isinstance(waiter, bytes):
+                outbox.append(((TO_CLIENT, waiter), StatsReply(self.name, stats)))
+            elif not waiter.done():  # a scrape that gave up has cancelled it
+                waiter.set_result(stats)
 
     # ------------------------------------------------------------------ drain and stats
 
@@ -513,6 +587,7 @@ class FrontendHost:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
         out["clock"] = self.clock.stats()
+        out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
         out["metrics_url"] = self.metrics_url
         out["pid"] = os.getpid()
         out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`
@@ -522,24 +597,6 @@ class FrontendHost:
         out["unready_models"] = readiness.unready_models(self.core.models,
                                                          self.core.backend_models)
         return out
-
-
-def _recover_request_id(header: Any) -> int | None:
-    """The request id of a malformed client message, if its header still names one."""
-    try:
-        data = header.bytes if isinstance(header, zmq.Frame) else bytes(header)
-        if len(data) > 4096:
-            data = data[:4096]
-        unpacker = msgpack.Unpacker(max_buffer_size=8192, raw=False, strict_map_key=False)
-        unpacker.feed(data)
-        size = unpacker.read_array_header()
-        if size < 2:
-            return None
-        unpacker.skip()
-        value = unpacker.unpack()
-    except Exception:
-        return None
-    return value if type(value) is int else None
 
 
 # --------------------------------------------------------------------------- process entry
@@ -570,7 +627,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         endpoints = frontend.bind()
         endpoints.update(await oip.start())
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
-        metrics_server = _start_metrics(config, frontend, endpoints["client"])
+        metrics_server = _start_metrics(config, frontend, loop)
         peers = await control.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
         clock_sync = await role_runner.sync_cluster_clock(actx, peers, name=frontend.name,
@@ -604,13 +661,15 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
 
 
 def _start_metrics(config: RoleConfig, frontend: FrontendHost,
-                   client_endpoint: str) -> MetricsServer | None:
-    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one."""
+                   loop: asyncio.AbstractEventLoop) -> MetricsServer | None:
+    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
+    scrape asks the frontend on its loop (``FrontendHost.cluster_stats``)."""
     addresses = frontend.cluster.frontends.metrics_addresses
     if config.index >= len(addresses):
         return None
     server = serve_frontend_metrics(addresses[config.index], frontend.name,
-                                    [m.name for m in frontend.cluster.models], client_endpoint)
+                                    [m.name for m in frontend.cluster.models],
+                                    in_process_stats_reader(loop, frontend.cluster_stats))
     frontend.metrics_url = server.url
     return server
 

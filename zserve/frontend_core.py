@@ -78,6 +78,8 @@ FRONTEND_COUNTERS = (
     "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
     # refused: what came back for requests of another incarnation (zserve.request_ids)
     "stale_outputs", "stale_drops", "stale_failures", "stale_fetched",
+    # queued requests re-sent to a scheduler of a new epoch (zserve.epochs)
+    "requeued",
     # delivery failures the host reported (on_send_failed)
     "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
     "reply_unroutable",
@@ -156,7 +158,7 @@ class FrontendCore:
         # Unique across the cluster's frontends and across this frontend's restarts.
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
-        self.draining = False
+        self.epoch, self.draining = 0, False  # epoch: the newest heard of (zserve.epochs)
         # counter name of (model, outcome), built once: the answer path only looks it up
         self._outcome_names = _outcome_names(self.models)
         self._stats = Stats(
@@ -247,14 +249,20 @@ class FrontendCore:
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
-        ids, models, arrivals, deadlines, meta_rows = self._meta[model.shard]
+        self._queue_meta(model.shard, rid, req.model, now, answer_by - self.reply_allowance_s,
+                         rows=rows)
+
+    def _queue_meta(self, shard: int, rid: int, model: str, arrival: float, deadline: float,
+                    *, rows: int) -> None:
+        """Add one request to the metadata its shard gets at the end of this tick."""
+        ids, models, arrivals, deadlines, meta_rows = self._meta[shard]
         if rows != 1 or meta_rows:  # one entry per request once one holds several rows
             meta_rows.extend([1] * (len(ids) - len(meta_rows)))
             meta_rows.append(rows)
         ids.append(rid)
-        models.append(req.model)
-        arrivals.append(now)
-        deadlines.append(answer_by - self.reply_allowance_s)
+        models.append(model)
+        arrivals.append(arrival)
+        deadlines.append(deadline)
 
     def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
         """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
@@ -530,6 +538,8 @@ class FrontendCore:
                              f"cannot send inputs to {target!s}", outbox)
         elif type(msg) is RequestMetaBatch:
             self.counters["meta_send_failed"] += 1
+            if self.cluster.scheduler.standby:  # the next active scheduler gets them (requeue)
+                return
             self._answer_ids(now, msg.request_ids, ErrorKind.UNAVAILABLE,
                              f"scheduler shard {target!s} is not accepting", outbox)
         elif type(msg) is CancelFetched:  # the backend is gone: nothing of it will run
@@ -616,7 +626,8 @@ class FrontendCore:
                 if rows:
                     rows.extend([1] * (len(ids) - len(rows)))
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
-                    self.data_address, ids, models, arrivals, deadlines, rows)))
+                    self.data_address, ids, models, arrivals, deadlines, rows,
+                    epoch=self.epoch)))
                 self.counters["meta_batches"] += 1
         for shard, (ids, models) in enumerate(self._queued_cancels):
             if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
@@ -631,6 +642,22 @@ class FrontendCore:
             outbox.append(((TO_CLIENT, client), InferAnswers(
                 batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
                 batch.messages)))
+
+    def requeue_queued(self, now: float, outbox: Outbox) -> None:
+        """A scheduler of a new epoch took over: its queues start empty, so the metadata of
+        every request still queued here goes to it again (with this tick's); one whose
+        scheduler deadline has passed is answered ``DEADLINE`` now."""
+        for p in list(self.requests.pending.values()):
+            if p.state != QUEUED or p.client is None:
+                continue
+            deadline = p.answer_by - self.reply_allowance_s
+            if deadline <= now:
+                self._answer_error(now, p, ErrorKind.DEADLINE, "its deadline passed while the "
+                                   "scheduler was being replaced", outbox)
+                continue
+            self.counters["requeued"] += 1
+            self._queue_meta(self.models[p.model].shard, p.rid, p.model, p.arrival, deadline,
+                             rows=p.rows)
 
     # ------------------------------------------------------------------ deadlines
 

@@ -1,11 +1,12 @@
 """Prometheus metrics of a cluster, served by each frontend (docs/metrics.md).
 
-One scrape of a frontend's endpoint asks that frontend, over a ZeroMQ DEALER to its own client
-socket, for ``ClusterStatsRequest(reset=False)``: its ``zserve.stats`` snapshot and those of every
-shard, rank and backend it talks to. :func:`cluster_families` turns that one snapshot into
-Prometheus families at scrape time; nothing is counted twice and nothing is added to the request
-path (one stats schema). The fixed buckets of ``zserve.stats`` become cumulative ``le`` buckets
-in seconds.
+One scrape of a frontend's endpoint asks that frontend in its own process (the HTTP thread hands
+the question to the frontend's loop: no socket, so no keys under ``[security]``) for what a
+``ClusterStatsRequest(reset=False)`` answers: its ``zserve.stats`` snapshot and those of every
+shard, rank and backend it talks to, gathered in the same round a client's request joins.
+:func:`cluster_families` turns that one snapshot into Prometheus families at scrape time;
+nothing is counted twice and nothing is added to the request path (one stats schema). The fixed
+buckets of ``zserve.stats`` become cumulative ``le`` buckets in seconds.
 
 Label values come from the configuration only: ``model`` is kept only for the configured model
 names handed to :class:`ClusterCollector`; ``outcome`` is ``ok`` or an ``ErrorKind`` value;
@@ -14,14 +15,12 @@ names handed to :class:`ClusterCollector`; ``outcome`` is ``ok`` or an ``ErrorKi
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import concurrent.futures
 import logging
-import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
-import zmq
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,14 +32,11 @@ from prometheus_client.registry import Collector
 
 from zserve.errors import ErrorKind
 from zserve.stats import BOUNDS, Histogram
-from zserve.transport import codec
-from zserve.transport.messages import ClusterStatsRequest, StatsReply
-from zserve.transport.sockets import make_dealer
 
 log = logging.getLogger("zserve.metrics")
 
-# The frontend answers a ClusterStatsRequest within its peers' bound (0.5 s); a scrape waits
-# this long, then reports what it has (zserve_up 0 for the frontend).
+# The frontend's stats round ends within its peers' bound (0.5 s); a scrape waits this long
+# for it (a loop busy with a burst of requests), then reports zserve_up 0 for the frontend.
 SCRAPE_STATS_TIMEOUT_S = 2.0
 OUTCOMES = ("ok", *(kind.value for kind in ErrorKind))
 # Exported ``le`` bounds: every 5th bound of ``zserve.stats`` (4 per decade: 1, 1.78, 3.16, 5.62)
@@ -58,6 +54,8 @@ _EXPORTED_INDICES = {
 BATCH_ROW_BOUNDS = tuple(2 ** i for i in range(11))  # 1 .. 1024
 
 StatsReader = Callable[[], dict[str, Any] | None]
+# Run on the frontend's loop: its ClusterStatsRequest(reset=False) answer (None: not serving).
+StatsAsker = Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
 
 
 # --------------------------------------------------------------------------- conversions
@@ -221,25 +219,24 @@ class ClusterCollector(Collector):
         yield from cluster_families(self.frontend, self.read(), self.models)
 
 
-def frontend_stats_reader(client_address: str) -> StatsReader:
-    """Asks the frontend at ``client_address`` for its cluster stats; None on no answer. Each
-    call uses its own socket (scrapes may come from several HTTP threads)."""
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    counter = itertools.count()
-    lock = threading.Lock()
+def in_process_stats_reader(loop: asyncio.AbstractEventLoop, ask: StatsAsker) -> StatsReader:
+    """Reads the cluster stats from the frontend's own loop: each call (on an HTTP thread) runs
+    ``ask()`` on ``loop`` and waits for its answer; None when it does not come within
+    ``SCRAPE_STATS_TIMEOUT_S`` or the loop no longer runs. No socket: a scrape is the frontend
+    asking itself, so it needs no keys with ``[security]`` CURVE."""
 
     def read() -> dict[str, Any] | None:
-        with lock:
-            identity = f"metrics-{os.getpid()}-{next(counter)}".encode()
-        sock = make_dealer(ctx, client_address, identity=identity)
+        asking = ask()
         try:
-            sock.send_multipart(codec.encode(ClusterStatsRequest(reset=False)), copy=False)
-            if not sock.poll(int(SCRAPE_STATS_TIMEOUT_S * 1e3)):
-                return None
-            msg = codec.decode(sock.recv_multipart(copy=False))
-        finally:
-            sock.close(linger=0)
-        return dict(msg.stats) if isinstance(msg, StatsReply) else None
+            answer = asyncio.run_coroutine_threadsafe(asking, loop)
+        except RuntimeError:  # the loop has closed: the frontend is stopping
+            asking.close()
+            return None
+        try:
+            return answer.result(SCRAPE_STATS_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            answer.cancel()
+            return None
 
     return read
 
@@ -265,13 +262,12 @@ class MetricsServer:
 
 
 def serve_frontend_metrics(address: str, frontend: str, models: Iterable[str],
-                           client_address: str) -> MetricsServer:
+                           read: StatsReader) -> MetricsServer:
     """Start the endpoint of one frontend (``address``: ``HOST:PORT``; port 0 picks one)."""
-    server = MetricsServer(address, ClusterCollector(
-        frontend, models, frontend_stats_reader(client_address)))
+    server = MetricsServer(address, ClusterCollector(frontend, models, read))
     log.info("%s: Prometheus metrics at %s", frontend, server.url)
     return server
 
 
-__all__ = ["ClusterCollector", "MetricsServer", "cluster_families", "frontend_stats_reader",
-           "histogram_buckets", "serve_frontend_metrics"]
+__all__ = ["ClusterCollector", "MetricsServer", "cluster_families", "histogram_buckets",
+           "in_process_stats_reader", "serve_frontend_metrics"]

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import zmq
 
 from zserve import peer_map
-from zserve.config import ClusterConfig, load_config, role_config
+from zserve.config import STANDBY_NAME, ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
 from zserve.keys import release_role_context, secure_role_context
@@ -125,7 +125,7 @@ class Supervisor:
         self.children: dict[str, SupervisedChild] = {}
         for role, name, index in config.process_names():
             self.children[name] = SupervisedChild(
-                role, name, index, role_config(config, role, index, ipc_dir=ipc_dir)
+                role, name, index, role_config(config, role, index, ipc_dir=ipc_dir, name=name)
             )
         self._mp = multiprocessing.get_context("spawn")
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -138,6 +138,8 @@ class Supervisor:
         self.peers: dict[str, str] = {}
         self.started = False
         self.closed = False
+        # What the frontends last said of the schedulers: {"active": name, "epoch": int}.
+        self.scheduler_view: dict[str, Any] = {}
         self.idle_pollers: IdlePollers | None = None
         # Control messages refused: undecodable, or from a process that is not a child.
         self.counters = {"malformed": 0, "unknown_peer": 0}
@@ -321,6 +323,7 @@ class Supervisor:
                     self._send(child, StatsRequest(reset=False))
                 elif future.done():
                     del waiting[child.name]
+                    self.scheduler_view = dict(future.result().get("scheduler") or {})
                     if len(future.result().get("backends", [])) >= expected:
                         serving.add(child.name)
                     else:
@@ -370,6 +373,11 @@ class Supervisor:
                 child.ready = False
                 log.error("%s; restarting in %.2f s", message, delay)
             if now >= child.restart_at:
+                if child.role == "shard" and self.config.scheduler.standby:
+                    # The other one of the pair has taken over (or will): this one comes back
+                    # as its standby (docs/runtime.md, "Hot spare").
+                    child.config.standby = True
+                    log.warning("%s restarts as the standby scheduler", child.name)
                 self._spawn(child)
         elif child.ready and child.alive and now - child.last_heartbeat > HEARTBEAT_TIMEOUT_S:
             log.error("%s sent no heartbeat for %.1f s; killing it", child.name,
@@ -383,9 +391,10 @@ class Supervisor:
         fetched, and the rank removes it from the table, whereupon the shards fail those they had
         planned onto it (fetched or not)."""
         notice = BackendGone(name=backend.name)
-        rank_host = "rank" if self.config.scheduler.shards > 0 else "shard-0"
+        # Both of an active/standby pair: only the active one has the backend registered.
+        rank_hosts = {"rank"} if self.config.scheduler.shards > 0 else {"shard-0", STANDBY_NAME}
         for child in self.children.values():
-            told = child.role == "frontend" or child.name == rank_host
+            told = child.role == "frontend" or child.name in rank_hosts
             if told and child.ready and child.alive:
                 self._send(child, notice)
 

@@ -152,6 +152,10 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
     for server in ("http", "grpc"):  # the frontends' Open Inference Protocol servers
         for address in supervisor.frontend_endpoints(server):
             print(f"zserve: cluster {name!r} serves OIP {server} at {address}", flush=True)
+    view = supervisor.scheduler_view
+    if supervisor.config.scheduler.standby and view:
+        print(f"zserve: scheduler {view.get('active')} is active in epoch {view.get('epoch')}; "
+              "the other one is its hot standby", flush=True)
 
 
 def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:

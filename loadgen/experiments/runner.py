@@ -21,6 +21,7 @@ from zserve.loadgen.experiments.common import (
     machine_info,
 )
 from zserve.loadgen.experiments.eager_floor import run_eager_floor
+from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
@@ -39,6 +40,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "HTTP/JSON, HTTP/binary and gRPC (live)"),
     "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
               "machine's end-to-end ceiling"),
+    "failover": (run_failover, "the scheduler SIGKILLed under load: hot spare vs a plain "
+                 "restart (takeover time, requests lost)"),
 }
 
 
