@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from zserve.errors import ErrorKind
+
 REPORT_SCHEMA = "zserve-report/1"
 Floats = np.ndarray[Any, np.dtype[np.float64]]
 
@@ -103,7 +105,16 @@ def _model_entry(o: ModelOutcome, measure_s: float) -> dict[str, Any]:
         "batches": len(bs) if bs is not None else None,
         "batch_histogram": _histogram(bs) if bs is not None else None,
         **o.extra,
+        "admitted_attainment": _admitted_attainment(o),
     }
+
+
+def _admitted_attainment(o: ModelOutcome) -> float | None:
+    """Of the requests admitted (not refused ``OVERLOADED``), the fraction answered good: what
+    admission control promises under overload (simulated and live alike)."""
+    refused = o.extra.get("error_kinds", {}).get(ErrorKind.OVERLOADED.value, 0)
+    admitted = o.total - refused
+    return round(o.good / admitted, 6) if admitted else None
 
 
 def build_report(

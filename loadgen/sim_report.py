@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zserve.errors import ErrorKind
 from zserve.loadgen.report import ModelOutcome, build_report
 from zserve.loadgen.sim_frontend import DROPPED, ERROR, GOOD, LATE, PENDING
 from zserve.loadgen.workload import Workload
@@ -89,22 +88,18 @@ def _outcome(sim: Simulator, i: int, in_window: np.ndarray[Any, Any],
     window_mask = np.zeros(sim.n_requests, dtype=np.bool_)
     window_mask[sl] = mask
     error_kinds = sim.answers.error_counts(window_mask)
-    good = int(np.count_nonzero(status == GOOD))
-    admitted = int(mask.sum()) - error_kinds.get(ErrorKind.OVERLOADED.value, 0)
     return ModelOutcome(
         name=spec.name,
         slo_ms=spec.slo_ms,
         total=int(mask.sum()),
-        good=good,
+        good=int(np.count_nonzero(status == GOOD)),
         late=int(np.count_nonzero(status == LATE)),
         dropped=int(np.count_nonzero(status == DROPPED)),
         latencies_ms=latencies,
         queueing_ms=queueing,
         batch_sizes=mine[:, 4].astype(np.int64),
         extra={"errors": int(np.count_nonzero(status == ERROR)),
-               "error_kinds": error_kinds,
-               # of the requests admitted (not refused OVERLOADED), the fraction answered good
-               "admitted_attainment": round(good / admitted, 6) if admitted else None},
+               "error_kinds": error_kinds},
     )
 
 
