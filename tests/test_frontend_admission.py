@@ -132,3 +132,20 @@ def test_the_bound_can_be_switched_off_and_the_predicted_wait_bound_set_per_mode
     _offer(core, 0.0, 0, 40)
     assert core.counters["admitted"] == PREDICTED_WAIT_ROWS
     assert isinstance(core.models["m"], ModelAdmission)
+
+
+def test_a_slow_models_burst_that_one_batch_serves_is_not_past_its_capacity() -> None:
+    """l(b) = 3 s, SLO 4.5 s, one GPU: a capacity of 1/3 r/s (b* = 1), yet up to 8 requests at
+    once fit one batch (3.008 s). Before any rate is measured (taken as past the capacity) the
+    bound starts at the batch one idle GPU finishes within the SLO (8 rows), not at b* = 1: the
+    pair is admitted, the ninth waiting row is refused. Afterwards a rate window spans two of
+    b*'s runs (6 s), so a pair in it is not read as 2 r/s past the capacity."""
+    cluster = parse_config({
+        "backends": {"count": 1, "device": "emulated"},
+        "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 3000.0,
+                                              "input_shape": [4]},
+                    "slo_ms": 4500.0, "max_batch": 8}]})
+    core = FrontendCore(name="frontend-0", cluster=cluster, index=0, data_address="ipc://data",
+                        profiles={"m": LatencyProfile.linear(1.0, 3000.0, 8)})
+    assert _offer(core, 0.0, 1, 2) == {}
+    assert _offer(core, 0.5, 3, 7) == {9: "OVERLOADED"}

@@ -21,6 +21,9 @@ from zserve.signature import ModelSignature
 # Admission measures each model's offered rate over windows of this length (docs/runtime.md
 # "Admission"); long against a Poisson burst, short against the time a queue takes to overflow.
 RATE_WINDOW_S = 1.0
+# ... and at least this many run times of the model's capacity batch: for a slow model, a burst
+# that one batch absorbs (two requests to a 3 s model) is not a rate past its capacity.
+RATE_WINDOW_BATCHES = 2
 # Past the capacity, the bound on queued rows adapts between its floor and ``max_wait_ms`` x the
 # capacity: each DEADLINE answer of the model cuts it by QUEUE_LIMIT_CUT, each answer with outputs
 # raises it by QUEUE_LIMIT_GROW, so it settles where about GROW / CUT (0.1%) of admitted requests
@@ -44,6 +47,7 @@ class ModelAdmission:
         "_profile",
         "_window_capacity_rows",
         "_window_rows",
+        "_window_s",
         "_window_start",
         "config",
         "max_queue",
@@ -83,6 +87,7 @@ class ModelAdmission:
         self._window_start: float | None = None
         self._window_rows = 0
         self._window_capacity_rows = math.inf  # what the capacity serves in one window
+        self._window_s = RATE_WINDOW_S
         self.overloaded = True
         # None until a backend of the model registered one: then the backend validates.
         self.signature: ModelSignature | None = None
@@ -160,7 +165,7 @@ class ModelAdmission:
     def queue_limit(self, now: float, rows: int, gpus: int) -> float:
         """How many rows may wait to be planned when a request of ``rows`` rows arrives at
         ``now``: unbounded while the model's offered rate is within its capacity at ``gpus``
-        GPUs; past it (over the last ``RATE_WINDOW_S`` window, or already in this one), the
+        GPUs; past it (over the last rate window, or already in this one), the
         adaptive limit of ``note_answer``: it starts where the last of them still finishes within
         the SLO at capacity, and stays within 1 row and ``max_wait_ms`` x capacity."""
         if gpus != self._bounds_gpus:
@@ -168,7 +173,7 @@ class ModelAdmission:
         start = self._window_start
         if start is None:
             self._window_start = now
-        elif now - start >= RATE_WINDOW_S:
+        elif now - start >= self._window_s:
             self.overloaded = self._window_rows > self.capacity_rps(gpus) * (now - start)
             self._window_start = now
             self._window_rows = 0
@@ -187,22 +192,28 @@ class ModelAdmission:
     def _set_floor(self, gpus: int) -> None:
         capacity = self.capacity_rps(gpus)
         floor = ceiling = math.inf  # no profile: no bound
+        self._window_s = RATE_WINDOW_S
+        if self._profile is not None:  # the capacity batch b*: see capacity_rps
+            batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
+            self._window_s = max(RATE_WINDOW_S,
+                                 RATE_WINDOW_BATCHES * self._profile.latency(batch))
         if self.config.shed_past_capacity and self._profile is not None and capacity < math.inf:
             # b*: the capacity batch. With ``start`` rows waiting, the last starts within
             # start / C + l(b*) / N (at capacity a GPU frees every l(b*) / N) and finishes l(b*)
             # later: within the SLO less the reply allowance, with one more l(b*) / N of margin
-            # for the hosts' timing. The bound starts there (at least one batch of b*) and may
-            # fall to 1 row.
-            batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
+            # for the hosts' timing. The bound starts there, or at the largest batch that one
+            # idle GPU finishes within the SLO if that is more (a burst one batch serves is
+            # admitted), and may fall to 1 row.
             run_s = self._profile.latency(batch) * (1.0 + 2.0 / gpus)
             start = capacity * (self.slo_s - self.reply_allowance_s - run_s)
             floor = max(1.0, start)
-            start = max(float(batch), start)
+            one_batch = self._profile.largest_batch_within(self.slo_s - self.reply_allowance_s)
+            start = max(float(batch), float(one_batch), start)
             ceiling = max(start, capacity * self.wait_bound_s)
         else:
             start = floor
         self._bounds_gpus = gpus
-        self._window_capacity_rows = capacity * RATE_WINDOW_S
+        self._window_capacity_rows = capacity * self._window_s
         self._floor = floor
         self._ceiling = ceiling
         if self._limit == 0.0:
