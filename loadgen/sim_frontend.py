@@ -60,10 +60,10 @@ def frontend_address(index: int) -> str:
 def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> ClusterConfig:
     """The cluster the simulated frontends admit by: the workload's models, SLOs, GPUs and reply
     allowance (the scheduler's deadlines leave exactly that) with ``cluster``'s ``[frontends]``
-    and its models' ``max_queue``/``max_wait_ms`` (matched by name as ``zserve bench`` matches
-    them: exactly, else case-insensitively; a model it lacks gets a default cluster's). Without
-    ``cluster`` no admission rule applies (queue and wait bounds open: a workload file has no
-    cluster to take them from); the rest is a default cluster's."""
+    and its models' ``max_queue``, ``max_wait_ms`` and ``shed_past_capacity`` (matched by name
+    as ``zserve bench`` matches them: exactly, else case-insensitively; a model it lacks gets a
+    default cluster's). Without ``cluster`` no admission rule applies (queue and wait bounds
+    open: a workload file has no cluster to take them from); the rest is a default cluster's."""
     base = cluster if cluster is not None else ClusterConfig()
     frontends = msgspec.structs.replace(base.frontends, reply_allowance_ms=w.reply_ms,
                                         addresses=(), data_addresses=())
@@ -76,10 +76,12 @@ def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> Clust
         configured = _cluster_model(base, spec.name)
         if cluster is None:
             model = msgspec.structs.replace(model, max_queue=UNBOUNDED_QUEUE,
-                                            max_wait_ms=UNBOUNDED_WAIT_MS)
+                                            max_wait_ms=UNBOUNDED_WAIT_MS,
+                                            shed_past_capacity=False)
         elif configured is not None:
-            model = msgspec.structs.replace(model, max_queue=configured.max_queue,
-                                            max_wait_ms=configured.max_wait_ms)
+            model = msgspec.structs.replace(
+                model, max_queue=configured.max_queue, max_wait_ms=configured.max_wait_ms,
+                shed_past_capacity=configured.shed_past_capacity)
         models.append(model)
     return ClusterConfig(frontends=frontends, models=tuple(models),
                          backends=BackendsConfig(count=w.gpus, device="emulated"))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zserve.errors import ErrorKind
 from zserve.loadgen.report import ModelOutcome, build_report
 from zserve.loadgen.sim_frontend import DROPPED, ERROR, GOOD, LATE, PENDING
 from zserve.loadgen.workload import Workload
@@ -87,18 +88,23 @@ def _outcome(sim: Simulator, i: int, in_window: np.ndarray[Any, Any],
     mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]
     window_mask = np.zeros(sim.n_requests, dtype=np.bool_)
     window_mask[sl] = mask
+    error_kinds = sim.answers.error_counts(window_mask)
+    good = int(np.count_nonzero(status == GOOD))
+    admitted = int(mask.sum()) - error_kinds.get(ErrorKind.OVERLOADED.value, 0)
     return ModelOutcome(
         name=spec.name,
         slo_ms=spec.slo_ms,
         total=int(mask.sum()),
-        good=int(np.count_nonzero(status == GOOD)),
+        good=good,
         late=int(np.count_nonzero(status == LATE)),
         dropped=int(np.count_nonzero(status == DROPPED)),
         latencies_ms=latencies,
         queueing_ms=queueing,
         batch_sizes=mine[:, 4].astype(np.int64),
         extra={"errors": int(np.count_nonzero(status == ERROR)),
-               "error_kinds": sim.answers.error_counts(window_mask)},
+               "error_kinds": error_kinds,
+               # of the requests admitted (not refused OVERLOADED), the fraction answered good
+               "admitted_attainment": round(good / admitted, 6) if admitted else None},
     )
 
 

@@ -168,6 +168,23 @@ def test_a_non_loopback_bind_needs_keys_or_insecure(tmp_path: Path) -> None:
     assert [p for p in _problems(loopback) if "reachable" in p] == []
 
 
+def test_http_endpoints_off_loopback_need_insecure_even_with_keys(tmp_path: Path) -> None:
+    """The OIP and metrics endpoints have no authentication: CURVE keys do not cover them."""
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    frontends = {"addresses": ["tcp://127.0.0.1:0"], "http_addresses": ["0.0.0.0:8000"],
+                 "grpc_addresses": ["127.0.0.1:0"], "metrics_addresses": ["[::]:9464"]}
+    document = {**_document(keys_dir=str(keys)), "frontends": frontends}
+    assert [p.split(": ")[0] for p in _problems(document)] == [
+        "frontends.http_addresses[0]", "frontends.metrics_addresses[0]"]
+    assert "has no authentication" in _problems(document)[0]
+    insecure = {**document, "security": {"keys_dir": str(keys), "insecure": True}}
+    assert _problems(insecure) == []
+    loopback = {**document, "frontends": {**frontends, "http_addresses": ["localhost:0"],
+                                          "metrics_addresses": ["[::1]:0"]}}
+    assert _problems(loopback) == []
+
+
 def test_transport_tcp_on_every_interface_needs_keys() -> None:
     document = {**_document(), "cluster": {"transport": "tcp", "host": "0.0.0.0"},
                 "frontends": {}}

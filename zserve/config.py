@@ -124,7 +124,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     slo_ms: float = DEFAULT_SLO_MS
     max_batch: Count = DEFAULT_MAX_BATCH
     max_queue: Count = DEFAULT_MAX_QUEUE
-    max_wait_ms: float | None = None  # admission bound on the predicted wait; None = slo_ms
+    # Admission: refuse past this predicted wait (None: no such bound); the ceiling, as wait at
+    # capacity, of the bound on rows waiting to be planned (None: slo_ms). docs/runtime.md.
+    max_wait_ms: float | None = None
+    # Past the model's capacity, bound the rows that wait to be planned (docs/runtime.md).
+    shed_past_capacity: bool = True
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)

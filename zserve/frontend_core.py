@@ -146,9 +146,9 @@ class FrontendCore:
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
-        shards = cluster.scheduler.shards
-        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards),
-                                              profiles.get(m.name)) for m in cluster.models}
+        shards, reply_s = cluster.scheduler.shards, self.reply_allowance_s
+        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(
+            m.name), reply_s) for m in cluster.models}
         nshards = cluster.scheduler_processes
         self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
@@ -231,7 +231,7 @@ class FrontendCore:
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
-            model, rows = self._admit(client, req)
+            model, rows = self._admit(now, client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
             names = self._outcome_names.get(req.model)  # a configured model's rejection only
@@ -245,6 +245,7 @@ class FrontendCore:
         self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
                                   answer_by, rows))
         model.pending += rows
+        model.queued += rows
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by)
@@ -263,7 +264,7 @@ class FrontendCore:
         arrivals.append(arrival)
         deadlines.append(deadline)
 
-    def _admit(self, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
+    def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
         """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
         otherwise."""
         if self.refused_clients and client in self.refused_clients:
@@ -290,16 +291,11 @@ class FrontendCore:
         gpus = self.gpus_for_model.get(req.model, -1)
         if gpus == 0:
             raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
-        if model.pending + rows > model.max_queue:
-            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: {model.pending} "
-                            f"rows queued (limit {model.max_queue})")
         if gpus < 0:
             gpus = self.cluster.backends.total
-        predicted_wait_s = model.pending / model.capacity_rps(gpus)
-        if predicted_wait_s > model.wait_bound_s:
-            raise _Rejected(ErrorKind.OVERLOADED, f"model {req.model!r}: predicted wait "
-                            f"{predicted_wait_s * 1e3:.1f} ms exceeds "
-                            f"{model.wait_bound_s * 1e3:.1f} ms")
+        refusal = model.overload(now, rows, gpus)
+        if refusal is not None:
+            raise _Rejected(ErrorKind.OVERLOADED, refusal)
         return model, rows
 
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
@@ -383,6 +379,7 @@ class FrontendCore:
                 self._refuse_if_stale(rid, "stale_fetched", "an input fetch")
                 continue
             p, request_inputs = taken
+            self.models[p.model].queued -= p.rows
             ids.append(rid)
             inputs.append(request_inputs)
             observe(now - p.arrival)
@@ -578,13 +575,18 @@ class FrontendCore:
         return answers
 
     def _finish(self, p: Pending) -> None:
+        model = self.models[p.model]
+        model.pending -= p.rows
+        if p.state == QUEUED:
+            model.queued -= p.rows
         self.requests.remove(p)
-        self.models[p.model].pending -= p.rows
 
     def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
                       outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
+        if kind is ErrorKind.DEADLINE:
+            self.models[p.model].note_answer(deadline_missed=True)
         self.counters[_ERROR_COUNTERS[kind]] += 1
         self.counters[self._outcome_names[p.model][_WIRE_ERRORS[kind]]] += 1
         if client is not None:
@@ -596,6 +598,7 @@ class FrontendCore:
                         outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
+        self.models[p.model].note_answer(deadline_missed=False)
         self.counters["replied"] += 1
         self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
         if client is None:

@@ -228,20 +228,21 @@ def is_loopback_host(host: str) -> bool:
 def check_security(config: ClusterConfig) -> list[Problem]:
     """Without CURVE keys, each tcp bind on a non-loopback host, unless ``security.insecure``
     says so in so many words; with keys, each key file the cluster needs that is missing,
-    malformed or readable by others."""
+    malformed or readable by others; keys or not, each HTTP/gRPC endpoint on a non-loopback
+    host (they have no authentication), unless ``security.insecure``."""
     security = config.security
+    problems = [] if security.insecure else _open_http_endpoints(config)
     if security.curve:
         roles = {"supervisor", "shard", "backend", "frontend"}
         if config.scheduler.shards > 0:
             roles.add("rank")
-        return [Problem(key, problem) for key, problem in key_problems(security, roles)]
+        return problems + [Problem(key, problem) for key, problem in key_problems(security, roles)]
     if security.insecure:
         return []
     binds = [(key, address) for key, address in config.explicit_bind_keys()
              if address.startswith(TCP_SCHEME)]
     if config.transport == "tcp":
         binds += _generated_tcp_hosts(config)
-    problems = []
     for key, address in binds:
         host = address[len(TCP_SCHEME):].rpartition(":")[0]
         if not is_loopback_host(host):
@@ -251,6 +252,24 @@ def check_security(config: ClusterConfig) -> list[Problem]:
                 "security.insecure = true"
             )))
     return problems
+
+
+def _open_http_endpoints(config: ClusterConfig) -> list[Problem]:
+    """The frontends' HTTP and gRPC endpoints (Open Inference Protocol, Prometheus) have no
+    authentication of their own (CURVE covers ZeroMQ links only): one on a non-loopback host
+    is refused unless ``security.insecure`` says so, keys or not (put an authenticating,
+    TLS-terminating proxy in front, or bind loopback)."""
+    frontends = config.frontends
+    endpoints = [(f"frontends.{name}[{i}]", address)
+                 for name, addresses in (("http_addresses", frontends.http_addresses),
+                                         ("grpc_addresses", frontends.grpc_addresses),
+                                         ("metrics_addresses", frontends.metrics_addresses))
+                 for i, address in enumerate(addresses)]
+    return [Problem(key, (
+        f"{address} is reachable from other hosts and its HTTP/gRPC endpoint has no "
+        "authentication: bind loopback behind an authenticating proxy, or set "
+        "security.insecure = true"
+    )) for key, address in endpoints if not is_loopback_host(address.rpartition(":")[0])]
 
 
 def _generated_tcp_hosts(config: ClusterConfig) -> list[tuple[str, str]]:
