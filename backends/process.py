@@ -27,6 +27,9 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
 3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
    and new plans are answered SHUTTING_DOWN; the rest run; exit 0.
 
+The heartbeats, the wedged rule and the drain are ``zserve.backends.backend_liveness``, mixed
+into ``Backend``.
+
 Sends never block: a message ZeroMQ cannot queue is dropped, counted and logged (a lost
 InputFetch is reported to the follower, which runs without those inputs); the frontends'
 deadline timers answer whatever a lost message leaves.
@@ -48,6 +51,7 @@ from typing import Any
 import zmq
 
 from zserve import control_link, keys, peer_map, role_runner, timers
+from zserve.backends.backend_liveness import BackendLiveness
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import (
@@ -92,10 +96,6 @@ from zserve.transport.sockets import make_dealer, make_router
 log = logging.getLogger(__name__)
 
 ROLE = "backend"
-HEARTBEAT_INTERVAL_S = control_link.HEARTBEAT_INTERVAL_S
-# A batch running longer than max(WEDGED_MIN_S, WEDGED_FACTOR x its planned duration) is wedged.
-WEDGED_FACTOR = 10.0
-WEDGED_MIN_S = 2.0
 # Repeats per batch size when a profile has to be measured at start-up.
 PROFILE_REPEATS = 3
 SOCKET_CLOSE_LINGER_MS = 200
@@ -146,7 +146,7 @@ def _emulated_model(model: ModelConfig) -> Any:
 # --------------------------------------------------------------------------- the host
 
 
-class Backend:
+class Backend(BackendLiveness):
     """The process host of one device's PlanFollower: sockets, executor, timer, heartbeats.
     Created and run by ``_main``; every method runs on the event loop."""
 
@@ -448,53 +448,7 @@ class Backend:
                 self._send(sock, BatchOutputs(plan.plan_id, ids, outs, run.started_at,
                                               finished_at))
 
-    # ------------------------------------------------------------------ liveness and drain
-
-    def wedged(self, now: float) -> bool:
-        """True while the running batch has overrun its planned duration many times over."""
-        held = self.follower.running
-        if held is None:
-            return False
-        started_at: float = held.started_at
-        planned_s: float = held.planned_s
-        return now - started_at > max(WEDGED_MIN_S, WEDGED_FACTOR * planned_s)
-
-    async def _rank_heartbeat_loop(self) -> None:
-        while True:
-            now = self.clock.now()
-            if self.wedged(now):
-                if not self._wedged_logged:
-                    self._wedged_logged = True
-                    running = self.follower.running
-                    log.error("%s: batch %d is wedged; heartbeats to the rank stop", self.name,
-                              running.plan.plan_id if running else -1)
-            else:
-                # To every scheduler: a standby learns this backend, and a superseded one
-                # hears the newest epoch and steps down.
-                self._wedged_logged = False
-                self._hb_seq += 1
-                beat = Heartbeat(self.name, self._hb_seq, now, self.fence.highest)
-                for sock in self.rank_socks.values():
-                    self._send(sock, beat)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-
-    async def drain(self, drain_s: float) -> None:
-        """Refuse new plans; run the held plans that can start within ``drain_s``; answer the
-        others SHUTTING_DOWN; wait (bounded) for the running batch."""
-        outbox: Outbox = []
-        now = self.clock.now()
-        self.follower.drain(now, now + drain_s, outbox)
-        self._deliver(outbox)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=drain_s)
-        self.follower.drain(self.clock.now(), -float("inf"), outbox)
-        self._deliver(outbox)
-        running = self.follower.running
-        if running is not None:
-            grace = max(0.0, running.plan.expected_finish_at - self.clock.now()) + WEDGED_MIN_S
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), timeout=grace)
-        log.info("%s: drained; counters since start %s", self.name, self.counter_totals())
+    # ------------------------------------------------------------------ close
 
     async def close(self) -> None:
         # A batch still running now holds the executor's worker thread (it cannot be cancelled).

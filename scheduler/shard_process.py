@@ -23,7 +23,8 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.config import STANDBY_NAME, RoleConfig
 from zserve.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.rolecli import role_config_from_args, role_parser
-from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S, RankHost
+from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
+from zserve.scheduler.rank_process import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
 from zserve.scheduler.standby import PairLink

@@ -33,7 +33,7 @@ from oip_helpers import (
 
 from zserve.backends.process import build_executor
 from zserve.config import load_config
-from zserve.scheduler.rank_process import BACKEND_TIMEOUT_S
+from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
 from zserve.supervisor import Cluster
 
 REPO = Path(__file__).resolve().parent.parent

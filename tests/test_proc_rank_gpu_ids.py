@@ -13,7 +13,7 @@ from pathlib import Path
 from proc_harness import Harness, cluster_config, role_config_for
 
 from zserve.config import process_name
-from zserve.scheduler.rank_process import configured_backend_index
+from zserve.scheduler.rank_backends import configured_backend_index
 from zserve.transport.messages import BackendRegister, BackendTable, Hello
 
 MODEL = "alpha"

@@ -14,10 +14,11 @@ feeds it what arrives, stamped on the cluster clock (``zserve.clock``: the rank'
 CLOCK_MONOTONIC, estimated before the frontend connects to the scheduler), delivers its outbox
 (telling it what could not be delivered), arms one loop timer at its ``wake_at``, matches client
 disconnects (socket monitor events) to connections by file descriptor, and gathers the cluster's
-stats for clients that ask (``ClusterStatsRequest``). What one socket's chunk of messages
-produced is sent when the chunk is handled: one ``RequestMetaBatch`` per shard, one
-``InferAnswers`` per client that announced it decodes them (``ClientHello``; other clients get one
-``InferReply`` / ``InferError`` per request, every array as a frame of its own).
+stats for clients that ask (``ClusterStatsRequest``; ``zserve.frontend_stats``). What one
+socket's chunk of messages produced is sent when the chunk is handled: one ``RequestMetaBatch``
+per shard, one ``InferAnswers`` per client that announced it decodes them (``ClientHello``;
+other clients get one ``InferReply`` / ``InferError`` per request, every array as a frame of its
+own).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from zserve.config import ModelConfig, RoleConfig
 from zserve.epochs import EpochFence
 from zserve.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.frontend_core import TO_BACKEND, TO_CLIENT, FrontendCore
+from zserve.frontend_stats import FrontendStats, StatsGathering
 from zserve.hosting import Destination, Outbox
 from zserve.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.oip_bridge import OIP_CLIENT, OipBridge
@@ -80,9 +82,6 @@ log = logging.getLogger("zserve.frontend")
 MALFORMED_LOG_FIRST = 10
 MALFORMED_LOG_EVERY = 1000
 _SRCFD = int(zmq.SRCFD)
-# A client's ClusterStatsRequest is answered once every peer has, or after this long
-# with what came (the ones that did not are listed under "cluster_silent").
-PEER_STATS_TIMEOUT_S = 0.5
 # The host's own counters, next to the core's (``FrontendCore.counters``).
 # stale_epoch: messages of a superseded scheduler, refused; epoch_switches: new active schedulers
 # heard of (zserve.epochs).
@@ -100,23 +99,7 @@ def _load_profile(config: ModelConfig) -> LatencyProfile | None:
         return None
 
 
-# Who waits on a stats round: a client (its identity) or the metrics endpoint (a future).
-StatsWaiter = bytes | asyncio.Future[dict[str, Any] | None]
-
-
-class _StatsGathering:
-    """One round of StatsRequests to the frontend's peers, for clients waiting on it."""
-
-    __slots__ = ("handle", "replies", "waiters", "waiting")
-
-    def __init__(self, waiting: set[str]) -> None:
-        self.waiting = waiting  # peer process names not yet answered
-        self.replies: dict[str, Any] = {}
-        self.waiters: list[tuple[StatsWaiter, dict[str, Any]]] = []  # (who, frontend's own)
-        self.handle: asyncio.TimerHandle | None = None
-
-
-class FrontendHost:
+class FrontendHost(FrontendStats):
     """A ``FrontendCore`` on its sockets. ``_serve`` drives it."""
 
     def __init__(self, config: RoleConfig, ctx: zmq.Context[Any]) -> None:
@@ -135,7 +118,7 @@ class FrontendHost:
         )
         self.idle = asyncio.Event()
         self.idle.set()
-        self._gathering: _StatsGathering | None = None
+        self._gathering: StatsGathering | None = None
         self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
         self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         self._closed = False
@@ -499,83 +482,6 @@ class FrontendHost:
             outbox: Outbox = []
             self.core.on_backend_gone(self.clock.now(), msg, outbox)
             self._after(outbox)
-
-    # ------------------------------------------------------------------ cluster stats
-
-    async def cluster_stats(self) -> dict[str, Any] | None:
-        """What ``ClusterStatsRequest(reset=False)`` answers, asked in-process (the metrics
-        endpoint): the same round, resolved as a future. None while the frontend is not serving."""
-        if self._loop is None or self._closed:
-            return None
-        answer: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
-        outbox: Outbox = []
-        self._gather_stats(answer, False, outbox)
-        self._after(outbox)
-        return await answer
-
-    def _gather_stats(self, client: StatsWaiter, reset: bool, outbox: Outbox) -> None:
-        """Answer ``client`` with this frontend's stats and, under ``cluster``, those of every
-        shard, the rank and every backend it knows, asked now (with ``reset``). A request that
-        comes while a round is open joins it (that round's peers reset once, if the first
-        asked to)."""
-        own = self.stats(reset)
-        gathering = self._gathering
-        if gathering is None:
-            gathering = self._gathering = _StatsGathering(self._ask_peers(reset))
-            assert self._loop is not None
-            gathering.handle = self._loop.call_later(PEER_STATS_TIMEOUT_S,
-                                                     self._stats_timed_out)
-        gathering.waiters.append((client, own))
-        if not gathering.waiting:
-            self._stats_gathered(outbox)
-
-    def _ask_peers(self, reset: bool) -> set[str]:
-        """Send StatsRequest to every peer; the names of those it reached."""
-        assert self._reactor is not None and self.data_sock is not None
-        request = StatsRequest(reset=reset)
-        asked: set[str] = set()
-        for name, sock in self.shard_by_name.items():
-            if self._reactor.send_nowait(sock, request) is None:
-                asked.add(name)
-        if self.rank_sock is not None and not self._rank_embedded and (
-                self._reactor.send_nowait(self.rank_sock, request) is None):
-            asked.add("rank")
-        for name in sorted(self.core.backend_names()):
-            # Fails for a backend that never connected, or whose queue is full.
-            if self._reactor.send_nowait(self.data_sock, request, name.encode()) is None:
-                asked.add(name)
-        return asked
-
-    def _on_peer_stats(self, msg: StatsReply, outbox: Outbox) -> None:
-        gathering = self._gathering
-        if gathering is None or msg.name not in gathering.waiting:
-            self.counters["late_peer_stats"] += 1
-            return
-        gathering.waiting.discard(msg.name)
-        gathering.replies[msg.name] = msg.stats
-        if not gathering.waiting:
-            self._stats_gathered(outbox)
-
-    def _stats_timed_out(self) -> None:
-        if self._closed:
-            return
-        outbox: Outbox = []
-        self._stats_gathered(outbox)
-        self._after(outbox)
-
-    def _stats_gathered(self, outbox: Outbox) -> None:
-        gathering, self._gathering = self._gathering, None
-        if gathering is None:
-            return
-        if gathering.handle is not None:
-            gathering.handle.cancel()
-        silent = sorted(gathering.waiting)
-        for waiter, own in gathering.waiters:
-            stats = {**own, "cluster": gathering.replies, "cluster_silent": silent}
-            if isinstance(waiter, bytes):
-                outbox.append(((TO_CLIENT, waiter), StatsReply(self.name, stats)))
-            elif not waiter.done():  # a scrape that gave up has cancelled it
-                waiter.set_result(stats)
 
     # ------------------------------------------------------------------ drain and stats
 

@@ -11,13 +11,16 @@ Destinations: ``("client", identity)``, ``("shard", index)``, ``("backend", name
 that cannot deliver a message says so with ``on_send_failed``. Hosted by ``zserve.frontend``
 (the process) and drivable by a simulator.
 
+Cancellations and client disconnects are ``zserve.frontend_cancel.FrontendCancellation``, the
+backends (their table, hellos, deaths and the requests that fail with them)
+``zserve.frontend_backends.FrontendBackends``; both are mixed into ``FrontendCore``.
+
 Statistics are one ``zserve.stats.Stats`` (``FRONTEND_COUNTERS``, ``FRONTEND_HISTOGRAMS`` and
 ``queueing/<model>`` per model); ``stats(reset)`` is its snapshot plus the request table's state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -26,6 +29,8 @@ from typing import Any
 from zserve.config import ClusterConfig, shard_for_model
 from zserve.errors import ErrorKind, ZServeError
 from zserve.frontend_admission import ModelAdmission
+from zserve.frontend_backends import FrontendBackends
+from zserve.frontend_cancel import FrontendCancellation
 from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile
@@ -33,8 +38,6 @@ from zserve.request_ids import RequestIds, incarnation_of
 from zserve.stats import Stats
 from zserve.timers import LazyTimerHeap
 from zserve.transport.messages import (
-    BackendGone,
-    BackendTable,
     BatchFailed,
     BatchOutputs,
     CancelFetched,
@@ -42,7 +45,6 @@ from zserve.transport.messages import (
     CancelRequest,
     ClientHello,
     DropNotice,
-    Hello,
     InferAnswers,
     InferError,
     InferReply,
@@ -131,7 +133,7 @@ class _Rejected(Exception):
         self.message = message
 
 
-class FrontendCore:
+class FrontendCore(FrontendCancellation, FrontendBackends):
     """The frontend's state and decisions; see the module docstring for the hosting contract."""
 
     def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
@@ -298,72 +300,6 @@ class FrontendCore:
             raise _Rejected(ErrorKind.OVERLOADED, refusal)
         return model, rows
 
-    def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
-        """Cancel one request of ``client`` (``client_rid`` < 0: all of them, unanswered)."""
-        client_reqs = self.requests.by_client.get(client)
-        if not client_reqs:
-            return
-        if client_rid < 0:  # cancel everything this connection has in flight (client close)
-            for rid in list(client_reqs.values()):
-                self._cancel(now, rid, False, outbox)
-            return
-        target = client_reqs.get(client_rid)
-        if target is not None:
-            self._cancel(now, target, True, outbox)
-
-    def _cancel(self, now: float, rid: int, answer: bool, outbox: Outbox) -> None:
-        """Cancel a request that has not started; one that has runs on and is answered."""
-        p = self.requests.pending.get(rid)
-        if p is None:
-            return
-        if p.state == QUEUED:
-            self.counters["cancelled"] += 1
-            self._note_queued_cancel(p)
-        else:
-            # Fetched: the backend drops it if its batch has not started; if it has, the
-            # outputs come back for a request already answered and are discarded.
-            self.counters["cancelled_fetched"] += 1
-            self._note_cancel(p)
-        if answer:
-            self._answer_error(now, p, ErrorKind.CANCELLED, "cancelled by the client", outbox)
-        else:
-            p.client = None
-            self._finish(p)
-
-    def client_gone(self, client: bytes) -> None:
-        """``client``'s connection closed: forget its requests, unanswered."""
-        self.batched_clients.discard(client)
-        self.refused_clients.pop(client, None)
-        self._answers.pop(client, None)
-        client_reqs = self.requests.by_client.get(client)
-        if not client_reqs:
-            return
-        self.counters["client_disconnects"] += 1
-        for rid in list(client_reqs.values()):
-            p = self.requests.pending.get(rid)
-            if p is None:
-                continue
-            if p.state == QUEUED:
-                self.counters["disconnect_cancelled"] += 1
-                self._note_queued_cancel(p)
-            else:
-                self.counters["disconnect_cancelled_fetched"] += 1
-                self._note_cancel(p)
-            p.client = None
-            self._finish(p)
-        self.requests.by_client.pop(client, None)
-
-    def _note_queued_cancel(self, p: Pending) -> None:
-        """Tell the owning shard, at the tick's end, to take ``p`` out of its queue."""
-        ids, models = self._queued_cancels[self.models[p.model].shard]
-        ids.append(p.rid)
-        models.append(p.model)
-
-    def _note_cancel(self, p: Pending) -> None:
-        plans, rids = self._cancel_notes.setdefault(p.backend, ([], []))
-        plans.append(p.plan_id)
-        rids.append(p.rid)
-
     # ------------------------------------------------------------------ backends
 
     def on_fetch(self, now: float, backend: str, msg: InputFetch, outbox: Outbox) -> None:
@@ -460,70 +396,6 @@ class FrontendCore:
             p = self.requests.pending.get(rid)
             if p is not None:
                 self._answer_error(now, p, kind, message, outbox)
-
-    def on_backend_hello(self, now: float, msg: Hello, outbox: Outbox) -> None:
-        """A backend says hello with its pid: a new pid means a new incarnation, which holds
-        none of the requests the old one fetched. One of another wire protocol is ignored."""
-        refusal = protocol_mismatch(f"{msg.role} {msg.name}", msg.protocol)
-        if refusal is not None:
-            log.error("%s: ignoring %s", self.name, refusal)
-            return
-        previous = self.backend_pids.get(msg.name)
-        self.backend_pids[msg.name] = msg.pid
-        if previous is not None and previous != msg.pid:
-            self._backend_failed(now, msg.name, "backend restarted", outbox)
-
-    def on_backend_gone(self, now: float, msg: BackendGone, outbox: Outbox) -> None:
-        """The supervisor says a backend's process died: the requests it had fetched are
-        answered ``BACKEND_FAILED`` now, not at their deadline."""
-        if self.backend_pids.pop(msg.name, None) is not None:
-            self._backend_failed(now, msg.name, "backend process died", outbox)
-
-    def on_backend_table(self, now: float, msg: BackendTable, outbox: Outbox) -> None:
-        table = dict(zip(msg.names, msg.models, strict=False))
-        previous = self.backend_models or {}
-        self.backend_models = table
-        for name in previous:
-            if name not in table:
-                self._backend_failed(now, name, "backend left the cluster", outbox)
-        counts: dict[str, int] = dict.fromkeys(self.models, 0)
-        for models in table.values():
-            for model in models:
-                if model in counts:
-                    counts[model] += 1
-        self.gpus_for_model = counts
-        self._learn_signatures(msg.signatures)
-        self._learn_profiles(msg.profiles_ms)
-
-    def _learn_signatures(self, per_backend: list[dict[str, dict[str, Any]]]) -> None:
-        """Validate requests against the signatures the backends registered."""
-        for signatures in per_backend:
-            for model, wire in signatures.items():
-                state = self.models.get(model)
-                if state is None:
-                    continue
-                try:
-                    state.set_signature(wire, self.max_request_bytes)
-                except ValueError as exc:
-                    log.warning("%s: bad signature for %s: %s", self.name, model, exc)
-
-    def _learn_profiles(self, per_backend: list[dict[str, list[float]]]) -> None:
-        """Models without a configured profile use the one their backends measured."""
-        for profiles in per_backend:
-            for model, table_ms in profiles.items():
-                state = self.models.get(model)
-                if state is not None and state.profile is None and table_ms:
-                    with contextlib.suppress(ValueError):
-                        state.profile = LatencyProfile.from_table_ms(table_ms)
-
-    def _backend_failed(self, now: float, backend: str, why: str, outbox: Outbox) -> None:
-        for p in self.requests.fetched_requests(backend):
-            self._answer_error(now, p, ErrorKind.BACKEND_FAILED, f"{backend}: {why}", outbox)
-
-    def backend_names(self) -> set[str]:
-        """Every backend this frontend knows of (the table's, and live ones that said hello)."""
-        return set(self.backend_models or {}) | {
-            name for name, pid in self.backend_pids.items() if pid}
 
     # ------------------------------------------------------------------ delivery failures
 

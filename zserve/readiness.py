@@ -5,7 +5,7 @@ the metrics) says the same thing: a frontend is ready when it admits requests (i
 draining) and every configured model has at least one live backend in the rank's backend table.
 That table holds only backends that finished warming (a backend registers after loading and
 warming every model at every batch size) and loses a backend the rank finds silent for its
-heartbeat timeout (``scheduler.rank_process.BACKEND_TIMEOUT_S``): a wedged backend makes its
+heartbeat timeout (``scheduler.rank_backends.BACKEND_TIMEOUT_S``): a wedged backend makes its
 models unready within that timeout, and a frontend that never received the table is not ready.
 """
 
