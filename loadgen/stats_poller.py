@@ -29,6 +29,9 @@ from zserve.transport.sockets import make_dealer
 # deadline (the window's end + the largest SLO + this margin), or at the run's end if sooner.
 HOPS_MARK = "hops"
 HOPS_MARK_MARGIN_S = 0.05
+# A run that stops this close before a mark (its last request answered just before the window's
+# end) still gets the mark; one that stops earlier (bailed) reports the mark missing.
+MARK_AT_STOP_S = 0.05
 # Scheduler statistics are polled from every backend once per interval, aligned to the run's
 # start, with reset: each reply covers exactly one interval, which gives the per-second timeline
 # and, summed over the measure window, the window's batch sizes and GPU busy time.
@@ -117,6 +120,13 @@ class StatsPoller:
                 mark_at = self._t0 + marks[0][0] if marks else math.inf
                 at = min(poll_at, mark_at)
                 if at == math.inf or self._stop.wait(max(0.0, at - time.monotonic())):
+                    # A run whose window ends with it stops the poller about when the window's
+                    # end mark falls due (its last answer may come a little before): a mark due
+                    # within MARK_AT_STOP_S is taken now, as nothing happens after the run.
+                    due_by = time.monotonic() + MARK_AT_STOP_S
+                    while marks and self._t0 + marks[0][0] <= due_by:
+                        _, label, names = marks.pop(0)
+                        self._take_mark(label, names)
                     break
                 if mark_at <= poll_at:
                     _, label, names = marks.pop(0)
