@@ -37,10 +37,13 @@ TensorMap = dict[str, Array]
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
 WIRE_PROTOCOL_VERSION = 1
-"""The version of this module's wire messages, carried last in every handshake (``ClientHello``,
-``Hello``, ``BackendRegister``, ``Ready``). A receiver refuses a peer of another version with one
-line naming both (``protocol_mismatch``). A peer that predates the field sends none and reads as
-version 1 (the field's default)."""
+"""The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
+``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
+``protocol``. A receiver refuses a peer of another version with one line naming both
+(``protocol_mismatch``): the receiving host when the handshake decodes, else the codec
+(``zserve.errors.WireVersionError``: a later version's handshake with other fields, whose
+``protocol`` still sits where this version has it). A peer from before the field sends one field
+fewer and is refused as malformed by the arity check."""
 
 
 def protocol_mismatch(peer: str, theirs: int) -> str | None:
@@ -514,5 +517,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 for _cls in ALL_MESSAGES:
     _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment]
 del _cls
+
+HANDSHAKES: tuple[type[Message], ...] = (ClientHello, Hello, BackendRegister, Ready)
+"""The messages that open a conversation and carry ``protocol`` (``WIRE_PROTOCOL_VERSION``)."""
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}
