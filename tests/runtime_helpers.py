@@ -181,17 +181,19 @@ def wait_stats(
         assert time.monotonic() < end, f"condition not reached; stats {current}"
 
 
-def wait_until(predicate: Callable[[], T], what: str, *, timeout_s: float = WAIT_BOUND_S,
+def wait_until(predicate: Callable[[], T | None], what: str, *, timeout_s: float = WAIT_BOUND_S,
                interval_s: float = POLL_INTERVAL_S) -> T:
     """Call ``predicate`` every ``interval_s`` until it returns a true value, and return that
     value; fail the test naming ``what`` after ``timeout_s``. A bounded poll of a real condition
     (a stats value of another process, a health endpoint, a counter another thread bumps) that
     has no event to wait on; never a sleep standing in for one."""
     end = time.monotonic() + timeout_s
-    while not (value := predicate()):
+    while True:
+        value = predicate()
+        if value:
+            return value
         assert time.monotonic() < end, f"timed out after {timeout_s:g} s waiting for {what}"
         time.sleep(interval_s)
-    return value
 
 
 def meta_ids(h: FrontendHarness, count: int) -> list[int]:
