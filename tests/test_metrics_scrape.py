@@ -93,6 +93,7 @@ def test_scrape_matches_the_ledger(tmp_path: Path) -> None:
         _check_derived_histograms(own)
         assert _value(families["zserve_frontend_ready"], frontend="frontend-0") == 1.0
         assert _value(families["zserve_model_ready"], model="a") == 1.0
+        _check_arrival_rate(cluster.client_address, url)
         # No backend left for "a" (the supervisor does not restart it): both gauges drop to 0.
         cluster.kill("backend-0")
         wait_until(lambda: _value(_scrape(url)["zserve_model_ready"], model="a") == 0.0,
@@ -129,6 +130,18 @@ def _check_ledger(families: dict[str, Any], ledger: collections.Counter[str]) ->
     assert _value(families["zserve_backend_busy_seconds"], "_total") > 0
     assert _value(families["zserve_scheduler_arrived"], "_total", model="a") == OK_REQUESTS
     assert _value(families["zserve_up"]) == 3  # frontend, shard, backend
+
+
+def _check_arrival_rate(address: str, url: str) -> None:
+    """The scheduler's rate meter seals a bucket on an arrival after the bucket's end (50 ms),
+    so requests go one at a time until the gauge reads a rate: NaN before, > 0 after."""
+    with zserve.Client(address, timeout=20) as client:
+        def rate_measured() -> bool:
+            client.infer("a", {"x": np.ones((1, 4), np.float32)})
+            rate = _value(_scrape(url)["zserve_scheduler_arrival_rate"], model="a")
+            assert math.isnan(rate) or rate > 0
+            return rate > 0
+        wait_until(rate_measured, "the scheduler's arrival rate measured")
 
 
 def _check_busy_fraction(first: dict[str, Any], second: dict[str, Any],
