@@ -150,7 +150,10 @@ inside a 1% bad-rate budget), and shrinks again when the cluster has room."""
 RESCUE_CONTENTION = 0.1
 """``deferred``: the rank starts deferring (early_ok) candidates early, on a GPU that frees or is
 idle, while more than this fraction of the candidates reaching their exec time find every GPU
-busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each). A single staggered model finds
+busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each; a GPU that frees with no
+candidate waiting for it counts as one that found its GPU free, or the rescue, once on, would
+keep itself on: its smaller batches keep the GPUs busy, and at 0.8x of the 10-model zoo subset's
+goodput the GPUs were 1.00 busy instead of 0.80). A single staggered model finds
 its GPU busy at about 40% of its aims by design and is never rescued (its candidates are not
 early_ok); below saturation on shared GPUs the fraction is near 0 and deferral is left alone,
 so GPU use stays proportional to load."""

@@ -392,6 +392,9 @@ class RankThread:
         _, model, delay = best
         if free_at - delay > now:
             return free_at - delay
+        # a GPU that frees with no candidate waiting for it is room: it counts like a candidate
+        # that found its GPU free, or the rescue, once on, would keep itself on
+        self.contention -= RESCUE_CONTENTION_EWMA * self.contention
         self.n_rescues += 1
         self._grant(now, model, gpu_id, outbox, early=True)
         return None
