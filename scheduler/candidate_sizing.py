@@ -5,7 +5,7 @@ computations over the ModelThread's deadline-ordered queue (parallel lists from 
 decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
 size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
 wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The
-``deferred-bl`` policy's learned margin is updated here too (``_missed_window``). The event
+``deferred`` policy's learned margin is updated here too (``_missed_window``). The event
 handling (arrivals, grants, timers) and what goes into the outbox stay in
 ``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's
 hot path, and reading the queue through ``self`` costs no argument passing.
@@ -124,7 +124,7 @@ class CandidateSizing:
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:  # shares GPUs: beta*lambda - 1 (deferred-bl); deferred defers, rescued by the rank
+        else:  # shares GPUs: beta*lambda - 1 (deferred); deferred-rescue: rescued by the rank
             self._defer_below = math.inf if self._rescue else beta_lambda - 1.0
             self._defer_shared = True
 
@@ -331,14 +331,14 @@ class CandidateSizing:
             exec_at = earliest
         elif self._rescue:
             exec_at = self._aim_rescue(now, earliest, deadline, bs, grow)
-        elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
+        elif kind == KIND_DEFERRED:  # deferred (policy.py)
             deferred = bs < self._defer_below
             if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
             else:  # staggered: the authors' aim
                 exec_at = deadline - self.jitter_s - table[bs + grow]
             if not deferred:
-                # waiting does not pay (policy.py, deferred-bl): at its batch size
+                # waiting does not pay (policy.py, deferred): at its batch size
                 exec_at = earliest
             elif not self._defer_shared:
                 deferred = False  # staggered: a missed window is the stagger at work
@@ -357,7 +357,7 @@ class CandidateSizing:
         self.cand_bs = bs
         self.cand_exec = exec_at
         self.cand_latest = latest
-        # deferred: the rank may start it early (its rescue); a staggered model only once its
+        # deferred-rescue: the rank may start it early (its rescue); a staggered model only once its
         # batch reaches beta*lambda - 1, where waiting no longer pays in throughput (policy.py)
         self._cand_early_ok = self._rescue and exec_at > earliest and (
             self._defer_shared or bs >= self._rescue_from)
@@ -367,7 +367,7 @@ class CandidateSizing:
 
     def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,
                     grow: int) -> float:
-        """``deferred``: the frontrun moment while deferring pays, else ``earliest``.
+        """``deferred-rescue``: the frontrun moment while deferring pays, else ``earliest``.
         Staggered models defer while below max(beta*lambda, b*) (as ``deferred``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
         (light load: nothing would join). Contention is the rank's: a deferring candidate is
@@ -381,7 +381,7 @@ class CandidateSizing:
         return aim
 
     def _missed_window(self, now: float) -> None:
-        """A deferred candidate lost its grant window (policy.py, deferred-bl): count it and aim
+        """A deferred candidate lost its grant window (policy.py, deferred): count it and aim
         earlier, up to DEFER_MISS_MAX_S."""
         self._cand_deferred = False  # counted once
         self.n_window_misses += 1

@@ -140,7 +140,7 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
-        self._rescue = self._policy.name == "deferred"  # the rank may start it early
+        self._rescue = self._policy.name == "deferred-rescue"  # the rank may start it early
         self._start_now = False  # set while an early (rescue) grant is planned
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
@@ -236,8 +236,8 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
-        # deferred: the joiner rule and the rank's rescue (policy.py); deferred-bl: beta*lambda
-        self._rescue = policy.name == "deferred"
+        # deferred-rescue: the joiner rule and the rank's rescue (policy.py)
+        self._rescue = policy.name == "deferred-rescue"
         if hasattr(self, "_meter"):
             self._refresh_defer_below()
 
@@ -612,4 +612,13 @@ class ModelThread(CandidateSizing):
             return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
-                                                self._table[bs], early_ok)))
+                                                self._expected_duration(now, bs), early_ok)))
+
+    def _expected_duration(self, now: float, bs: int) -> float:
+        """l(b) of the batch expected at the exec time: bs plus the requests the metered rate
+        brings until then (the rescue's projection; a deferred batch grows while it waits)."""
+        grow = (self.cand_exec - now) * self._defer_rate
+        if grow > 0.0 and grow != math.inf:
+            expected = bs + int(grow)
+            bs = expected if expected < self._max_batch else self._max_batch
+        return self._table[bs]

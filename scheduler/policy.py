@@ -5,7 +5,24 @@ batch size. The policy names and their parse (``SchedulePolicy``) are the runtim
 Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` time); every policy
 runs through the same ModelThread/RankThread code paths:
 
-``deferred`` (default)
+``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
+    The second Symphony paper's rule (section 4.3). A candidate waits for its frontrun moment
+    ``d - l(bs + 1)`` only while
+
+    - ``bs < max(beta*lambda, b*)`` for a staggered model (n >= DEFER_STAGGER_MIN_GPUS and
+      beta*lambda >= 1, n = lambda*l(b*)/b* the GPUs its load needs; DESIGN section 3:
+      dispatching below the staggered batch wastes the stagger);
+    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, and waits only while
+      at least one more whole request is expected within beta. Such a model also learns a
+      margin from its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S,
+      each granted batch gives DEFER_MISS_RELAX_S back).
+
+    It keeps deferred at or above 0.95x eager on the eager-floor grid, but on shared GPUs it
+    mostly turns deferral off (``beta*lambda - 1`` is below 1 for most A100-zoo models at their
+    rates), so at light load the GPUs are busier than the load needs, and on the 10-model zoo
+    subset it trails eager by 3%.
+``deferred-rescue``
+    The candidate for the default that ``zserve experiment policy-grid`` measures against it.
     Symphony's frontrun moment wherever waiting can pay, and never a GPU left idle for it while
     the cluster is short of GPUs. With lambda the model's metered rate, b* its rate-driven
     target batch size and n = lambda*l(b*)/b* the GPUs its load needs, a candidate of ``bs``
@@ -36,23 +53,18 @@ runs through the same ModelThread/RankThread code paths:
     - l(bs)`` wide; with several models aiming into the same few milliseconds, a window closes
     with every GPU busy and the head is lost (frontrun drops 1.9% of requests on the 10-model
     zoo subset at 5,300 r/s with the GPUs 0.91 busy). And a GPU kept idle for an aim is capacity
-    the cluster lacks a moment later. The second paper's ``beta*lambda`` rule (``deferred-bl``)
+    the cluster lacks a moment later. The second paper's ``beta*lambda`` rule (``deferred``)
     avoids both by not deferring on shared GPUs at all, which loses deferral's batching and the
-    load-proportional GPU use. Measured by ``zserve experiment policy-grid``.
-``deferred-bl``
-    The previous default (the second Symphony paper's rule, section 4.3). A candidate waits for
-    its frontrun moment ``d - l(bs + 1)`` only while
+    load-proportional GPU use. Measured by ``zserve experiment policy-grid``: at or above
+    max(frontrun, eager) - 1% on the mixes where ``deferred`` trails eager, on the
+    load-proportional line at light load; but on one GPU shared by two models (the eager-floor
+    grid) a window lost to the other model's batch still costs heads at low rates, where
+    ``deferred`` does not defer at all (docs/performance.md, "The policy grid").
 
-    - ``bs < max(beta*lambda, b*)`` for a staggered model (as ``deferred``);
-    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, and waits only while
-      at least one more whole request is expected within beta. Such a model also learns a
-      margin from its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S,
-      each granted batch gives DEFER_MISS_RELAX_S back).
-
-    It keeps deferred at or above 0.95x eager on the eager-floor grid, but on shared GPUs it
-    mostly turns deferral off (``beta*lambda - 1`` is below 1 for most A100-zoo models at their
-    rates), so at light load the GPUs are busier than the load needs, and on the 10-model zoo
-    subset it trails eager by 3%.
+    Below the contention bar a second trigger covers a loss that is certain: with a GPU idle,
+    the rank projects the waiting candidates onto the GPUs in order of their exec times (each
+    holds a GPU for its expected duration, ``CandidateUpdate.duration``); if one would find no
+    GPU by its latest start, the next to start goes now.
 ``frontrun``
     Symphony Algorithm 1 as written (section 3.1):
     ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more
@@ -111,19 +123,19 @@ __all__ = [
 ]
 
 DEFER_STAGGER_MIN_GPUS = 2.0
-"""``deferred`` and ``deferred-bl``: a model whose load needs at least this many GPUs (at its
+"""``deferred`` and ``deferred-rescue``: a model whose load needs at least this many GPUs (at its
 target batch size) is treated as running staggered over GPUs of its own and defers at least to
-its target batch size; below it the model shares GPUs (``deferred``: rescued by the rank;
-``deferred-bl``: defers only while beta*lambda - 1 exceeds its batch)."""
+its target batch size; below it the model shares GPUs (``deferred``: defers only while
+beta*lambda - 1 exceeds its batch; ``deferred-rescue``: defers, rescued by the rank)."""
 
 DEFER_MIN_JOINERS = math.log(2.0)
-"""``deferred``: a candidate waits for its aim only while at least this many requests are
+"""``deferred-rescue``: a candidate waits for its aim only while at least this many requests are
 expected to join it before then (lambda * (aim - now)): ln 2 is an even chance that one does.
 Below it waiting buys nothing but latency and a GPU held later (a lone request at light load
 starts at once, on a GPU that is idle anyway)."""
 
 DEFER_MISS_WIDEN_S = 0.0005
-"""``deferred-bl``, for a model that shares its GPUs: how much earlier it aims its deferred
+"""``deferred``, for a model that shares its GPUs: how much earlier it aims its deferred
 candidates after each one that missed its grant window (the window closed with no GPU granted,
 so its head request is lost or the batch shrinks). A deferred candidate is grantable only from
 ``d - jitter - l(bs + 1)`` to ``d - l(bs)``, about alpha + jitter wide; when other models'
@@ -134,7 +146,7 @@ the frontrun moment exactly, and a staggered model (a miss there is the stagger 
 nothing."""
 
 DEFER_MISS_MAX_S = 0.001
-"""``deferred-bl``: the most a model's learned margin can reach (the grant window at most doubles
+"""``deferred``: the most a model's learned margin can reach (the grant window at most doubles
 with the default 1 ms jitter). Aiming earlier means smaller batches, and when a model's own
 load is what fills the GPUs (DenseNet121 on the flat-top workload, ~1.8 GPUs' worth) smaller
 batches cause more misses: uncapped, its margin ran to beta and the flat top's goodput fell
@@ -143,20 +155,20 @@ deferred/eager with 5 s warm-up and 10 s windows: 0.874 without a margin, 0.950 
 cap, 0.966 with 1 ms, 0.958 with 0.5 ms."""
 
 DEFER_MISS_RELAX_S = DEFER_MISS_WIDEN_S / 200
-"""``deferred-bl``: how much of the learned margin each granted batch gives back, so the margin
+"""``deferred``: how much of the learned margin each granted batch gives back, so the margin
 settles where about one deferred candidate in 200 misses its window (0.5% of batches, well
 inside a 1% bad-rate budget), and shrinks again when the cluster has room."""
 
 RESCUE_CONTENTION = 0.1
-"""``deferred``: the rank starts deferring (early_ok) candidates early, on a GPU that frees or is
-idle, while more than this fraction of the candidates reaching their exec time find every GPU
-busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each; a GPU that frees with no
-candidate waiting for it counts as one that found its GPU free, or the rescue, once on, would
-keep itself on: its smaller batches keep the GPUs busy, and at 0.8x of the 10-model zoo subset's
-goodput the GPUs were 1.00 busy instead of 0.80). A single staggered model finds
-its GPU busy at about 40% of its aims by design and is never rescued (its candidates are not
-early_ok); below saturation on shared GPUs the fraction is near 0 and deferral is left alone,
-so GPU use stays proportional to load."""
+"""``deferred-rescue``: the rank starts deferring (early_ok) candidates early, on a GPU that
+frees or is idle, while more than this fraction of the candidates reaching their exec time find
+every GPU busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each). A GPU that frees with
+no candidate waiting for it counts as one that found its GPU free; otherwise the rescue, once
+on, keeps itself on: its smaller batches keep the GPUs busy (at 0.8x of the 10-model zoo
+subset's goodput the GPUs were 1.00 busy instead of 0.80; 0.05 keeps it on there). A single
+staggered model finds its GPU busy at about 40% of its aims by design and is never rescued (one
+model: nothing to arbitrate); below saturation on shared GPUs the fraction is near 0 and
+deferral is left alone, so GPU use stays proportional to load."""
 
 RESCUE_CONTENTION_EWMA = 0.02
 """The weight of each candidate reaching its exec time in the rank's contention estimate

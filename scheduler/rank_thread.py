@@ -315,16 +315,16 @@ class RankThread:
 
     def _most_urgent_deferring(self, now: float, free_at: float
                                ) -> tuple[float, str, float] | None:
-        """The deferring (early_ok, not yet due) candidate with the earliest latest start that a
-        GPU free at ``free_at`` still serves in time, as (latest, model, delay)."""
+        """The not yet due candidate with the earliest latest start that a GPU free at
+        ``free_at`` still serves in time, as (latest, model, delay), if it is early_ok (one that
+        is not will want that GPU at its exec time: nobody is started ahead of it)."""
         best: tuple[float, str, float] | None = None
-        run = self._cand_run
         pending = self._pending
         for model, (_, _, latest, delay) in self._cand.items():
-            if (model not in pending and run[model][1] and latest >= free_at
-                    and now + delay <= latest and (best is None or latest < best[0])):
+            if (model not in pending and latest >= free_at and now + delay <= latest
+                    and (best is None or latest < best[0])):
                 best = (latest, model, delay)
-        return best
+        return best if best is not None and self._cand_run[best[1]][1] else None
 
     def _fire_due(self, now: float, outbox: Outbox) -> None:
         timers = self._model_timers
@@ -359,8 +359,9 @@ class RankThread:
                     continue  # purged some; re-evaluate
                 continue
             wake = t_model if t_model < t_gpu else t_gpu
-            if not self._pending and self._rescuing():
-                t_rescue = self._rescue(now, outbox)
+            if not self._pending and self._n_early_ok and len(self._version) > 1:
+                t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
+                            else self._rescue_at_risk(now, outbox))
                 if t_rescue is None:
                     continue  # granted
                 wake = t_rescue if t_rescue < wake else wake
@@ -375,8 +376,43 @@ class RankThread:
         return (self._n_early_ok > 0 and self.contention > RESCUE_CONTENTION
                 and len(self._version) > 1)
 
+    def _rescue_at_risk(self, now: float, outbox: Outbox) -> float | None:
+        """The rescue below the contention bar, for a window that will certainly be lost: with a
+        GPU idle now, the waiting candidates in order of their exec times each take the GPU that
+        frees first and hold it for their duration; when one would then find no GPU by its
+        latest start, the first early_ok candidate starts now (its batch frees the GPU sooner).
+        On one GPU shared by two models this is what stops deferral losing a head to the other
+        model's batch; a busier cluster's losses are the contention's. None when it granted."""
+        found = self._earliest_gpu(now)
+        if found is None or found[1] > now:
+            return _INF  # no GPU idle: its freeing is an event of its own
+        waiting = sorted((c[1], c[2], model) for model, c in self._cand.items()
+                         if model not in self._pending)
+        times = sorted(self._free_at[g] if self._free_at[g] > now else now
+                       for g, st in self._state.items()
+                       if st != _GRANTED and g not in self._removing)
+        del times[len(waiting):]
+        if len(times) == len(waiting) and times[-1] <= now:
+            return _INF  # an idle GPU for every waiting candidate
+        heapq.heapify(times)
+        run = self._cand_run
+        for exec_at, latest, model in waiting:
+            free_at = times[0]
+            start = exec_at if exec_at > free_at else free_at
+            if start > latest:
+                break  # at risk
+            heapq.heapreplace(times, start + run[model][0])
+        else:
+            return _INF
+        _, latest, model = waiting[0]  # the next to start: another would take its GPU
+        if run[model][1] and now + self._cand[model][3] <= latest:
+            self.n_rescues += 1
+            self._grant(now, model, found[0], outbox, early=True)
+            return None
+        return _INF
+
     def _rescue(self, now: float, outbox: Outbox) -> float | None:
-        """The ``deferred`` policy's rescue (zserve.scheduler.policy), while candidates that
+        """The ``deferred-rescue`` policy's rescue (zserve.scheduler.policy), while candidates that
         reach their exec time often find every GPU busy (``contention``) and none waits for a
         GPU: the GPU that frees first goes to the deferring (early_ok) candidate with the
         earliest latest start it still serves, granted ``delay`` before it frees, as a pending

@@ -126,53 +126,55 @@ def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() ->
     assert c8.exec_at == pytest.approx(now)  # 8 >= ~5: at once
 
 
-def test_deferred_waits_only_while_a_request_is_likely_to_join() -> None:
+def test_deferred_rescue_waits_only_while_a_request_is_likely_to_join() -> None:
     # no rate sample yet: frontrun
-    (cand,) = _cands(_arrive(_mt("deferred"), 0.0, [1]))
+    (cand,) = _cands(_arrive(_mt("deferred-rescue"), 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
     # 1000 r/s, a model that shares its GPUs: a batch of 8 still waits (about 14 requests are
     # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
-    busy = _mt30("deferred")  # SLO 30 ms: the load needs under 2 GPUs
+    busy = _mt30("deferred-rescue")  # SLO 30 ms: the load needs under 2 GPUs
     busy.meter = meter
     (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
     assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
     # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
-    late = _mt30("deferred")
+    late = _mt30("deferred-rescue")
     late.meter = _taught_meter(10)
     (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
     assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
     # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
     # arrivals, so it starts at once (frontrun waits for its moment regardless)
-    for policy, expected in (("deferred", now), ("frontrun", now + 5 * MS)):
+    for policy, expected in (("deferred-rescue", now), ("frontrun", now + 5 * MS)):
         lone = _mt(policy)
         lone.meter = _taught_meter(1)
         (c,) = _cands(_arrive(lone, now, [1]))
         assert c.exec_at == pytest.approx(expected), policy
 
 
-def test_deferred_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_once() -> None:
+def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_once() -> None:
     # 1000 r/s, SLO 30 ms: the load needs under 2 GPUs, so the model shares its GPUs; its
     # deferring candidate is early_ok and carries its duration l(bs) for the rank's rescue
     now = TAUGHT_UNTIL_S
-    shared = _mt30("deferred")
+    shared = _mt30("deferred-rescue")
     shared.meter = _taught_meter(10)
     (cand,) = _cands(_arrive(shared, now, [1, 2, 3], slo=30 * MS))
     assert cand.early_ok and cand.exec_at > now + 10 * MS
-    assert cand.duration == pytest.approx(PROFILE.latency(3))
+    # the duration is l(b) of the batch expected by its aim: 3 plus ~1 request per ms until then
+    grow = int((cand.exec_at - now) * shared.meter.rate())
+    assert grow > 10 and cand.duration == pytest.approx(PROFILE.latency(3 + grow))
     out: Outbox = []
     shared.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS, early=True), out)
     (plan,) = [m for _, m in out if isinstance(m, BatchPlan)]
     assert plan.exec_at == pytest.approx(now + 1 * MS) and len(plan.request_ids) == 3
     # the same grant, not early, starts the batch at its aim
-    aimed = _mt30("deferred")
+    aimed = _mt30("deferred-rescue")
     aimed.meter = _taught_meter(10)
     (cand2,) = _cands(_arrive(aimed, now, [1, 2, 3], slo=30 * MS))
     aimed.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS), out := [])
     (plan2,) = [m for _, m in out if isinstance(m, BatchPlan)]
     assert plan2.exec_at == pytest.approx(cand2.exec_at)
     # 10,000 r/s: about 15 GPUs of load, staggered over GPUs of its own: never early_ok
-    staggered = _mt30("deferred")
+    staggered = _mt30("deferred-rescue")
     staggered.meter = _taught_meter(100)
     (cand3,) = _cands(_arrive(staggered, now, [1], slo=30 * MS))
     assert cand3.exec_at > now and not cand3.early_ok
@@ -408,7 +410,7 @@ def test_publish_ahead_holds_candidate_until_lead_before_its_rank_timer() -> Non
     assert _cands(out)[0].batch_size == 4
 
 
-def _mt30(policy: str = "deferred-bl") -> ModelThread:
+def _mt30(policy: str = "deferred") -> ModelThread:
     # SLO 30 ms: target batch 10, so at 1000 r/s the load needs under 2 GPUs (l(10)/10 = 1.5 ms
     # per request) and at 10,000 r/s about 15
     return ModelThread("m", PROFILE, 30 * MS, SchedulePolicy.parse(policy, "window"),
@@ -425,7 +427,7 @@ def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() 
     (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
     d = now + 30 * MS
     assert cand.exec_at == pytest.approx(d - PROFILE.latency(2))  # frontrun: waiting pays
-    assert not cand.early_ok  # deferred-bl is never started early
+    assert not cand.early_ok  # deferred is never started early
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
     # No grant came before the window closed: a miss, and the aim moves earlier.
     mt.on_timer(mt.wake_at, [])
@@ -454,7 +456,7 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     assert mt.miss_margin_s == pytest.approx(DEFER_MISS_MAX_S)
 
 
-@pytest.mark.parametrize("policy", ["frontrun", "eager", "deferred"])
+@pytest.mark.parametrize("policy", ["frontrun", "eager", "deferred-rescue"])
 def test_other_policies_learn_no_margin(policy: str) -> None:
     meter = _taught_meter(10)
     mt = _mt30(policy)

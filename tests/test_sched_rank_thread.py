@@ -209,13 +209,28 @@ def test_under_contention_an_idle_gpu_starts_the_most_urgent_deferring_candidate
     out: Outbox = []
     rank.on_candidate(0.5, _deferring("late", exec_at=8.0, latest=9.0), out)
     rank.on_candidate(0.5, _deferring("urgent", exec_at=4.0, latest=4.5), out)
-    rank.on_candidate(0.5, _deferring("not-ok", exec_at=3.0, latest=3.5, early_ok=False), out)
+    rank.on_candidate(0.5, _deferring("not-ok", exec_at=6.0, latest=8.5, early_ok=False), out)
     assert _grants(out) == [] and rank.wake_at == pytest.approx(2.0)  # GPU 1 frees
     rank.on_timer(2.0, out)
     (grant,) = _grants(out)
-    # "not-ok" is not early_ok and waits for its exec time; of the others "urgent" goes first
+    # the most urgent by latest start goes first ("not-ok" is never started early)
     assert grant.model == "urgent" and grant.gpu_id == 1 and grant.early
     assert rank.n_rescues == 1
+
+
+def test_the_rescue_starts_nobody_ahead_of_a_more_urgent_candidate_that_is_not_early_ok() -> None:
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _busy(rank, 0.0, 1, until=2.0)
+    _contend(rank, 0.0, 6)
+    out: Outbox = []
+    rank.on_candidate(0.5, _deferring("ok", exec_at=4.0, latest=4.5), out)
+    rank.on_candidate(0.5, _deferring("not-ok", exec_at=3.0, latest=3.5, early_ok=False), out)
+    rank.on_timer(2.0, out)
+    assert _grants(out) == []  # GPU 1 waits for "not-ok"'s exec time, when it wants it
+    rank.on_timer(3.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "not-ok" and not grant.early
 
 
 def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgent_than_pending(

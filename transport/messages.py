@@ -177,7 +177,7 @@ class CandidateUpdate(Message, frozen=True, tag="cand"):
     ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size.
     ``duration`` is l(batch_size), what the batch holds a GPU for; ``early_ok``: the candidate is
     deferring by choice, and the rank may start it before ``exec_at`` on an idle GPU when waiting
-    would lose its grant window (the ``deferred`` policy's rescue, zserve.scheduler.policy)."""
+    would lose its grant window (``deferred-rescue``, zserve.scheduler.policy)."""
 
     model: str
     batch_size: int
