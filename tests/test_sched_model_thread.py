@@ -160,7 +160,9 @@ def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_o
     (cand,) = _cands(_arrive(shared, now, [1, 2, 3], slo=30 * MS))
     assert cand.early_ok and cand.exec_at > now + 10 * MS
     # the duration is l(b) of the batch expected by its aim: 3 plus ~1 request per ms until then
-    grow = int((cand.exec_at - now) * shared.meter.rate())
+    rate = shared.meter.rate()
+    assert rate is not None
+    grow = int((cand.exec_at - now) * rate)
     assert grow > 10 and cand.duration == pytest.approx(PROFILE.latency(3 + grow))
     out: Outbox = []
     shared.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS, early=True), out)
