@@ -388,6 +388,8 @@ class RankThread:
             return _INF  # no GPU idle: its freeing is an event of its own
         waiting = sorted((c[1], c[2], model) for model, c in self._cand.items()
                          if model not in self._pending)
+        if not waiting:
+            return _INF
         times = sorted(self._free_at[g] if self._free_at[g] > now else now
                        for g, st in self._state.items()
                        if st != _GRANTED and g not in self._removing)
