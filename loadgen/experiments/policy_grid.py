@@ -323,17 +323,21 @@ def run_policy_grid(opts: Options) -> Outcome:
         ("ResNet50 x8 poisson", "mix3 x16 equal", "mix10 x16 equal"))]
     light = [_light_load(c, by_name[c.name]["policies"]["deferred"]["goodput_rps"], fractions,
                          opts.say) for c in light_cells]
+    light_table: Table | None
     light_table, light_checks = _light_tables(light)
     config = {"policies": [*GRID_POLICIES, "timeout"], "cells": [c.name for c in cells],
               "precision": precision, "margin": GRID_MARGIN, "jitter_ms": GRID_JITTER_MS,
               "windows_s": GRID_QUICK_WINDOWS_S if quick else GRID_WINDOWS_S,
               "timeout_fractions": GRID_QUICK_TIMEOUT_FRACTIONS if quick
               else GRID_TIMEOUT_FRACTIONS, "light_fractions": fractions}
-    outcome = Outcome(config, [*tables, light_table], [check, *light_checks],
-                      {"cells": rows, "light": light})
+    if not light:  # --only without a light-load cell: no table, and no check with nothing in it
+        light_table, light_checks = None, []
+    outcome = Outcome(config, [*tables, *([light_table] if light_table else [])],
+                      [check, *light_checks], {"cells": rows, "light": light})
     if opts.plots:
         outcome.plots.append(_plot_grid(rows, opts.out_dir / "policy-grid.png"))
-        outcome.plots.append(_plot_light(light, opts.out_dir / "policy-grid-light.png"))
+        if light:
+            outcome.plots.append(_plot_light(light, opts.out_dir / "policy-grid-light.png"))
     return outcome
 
 
