@@ -26,9 +26,9 @@ from zserve.loadgen.workload import Workload
 # Rate a single worker is assumed to sustain when --workers auto picks a count (see
 # --max-rate-check for this machine's figure).
 AUTO_WORKER_RATE_RPS = 2000.0
-# The same for an OIP worker (an HTTP or gRPC client costs several times the native one per
-# request; docs/performance.md, "Protocols").
-AUTO_OIP_WORKER_RATE_RPS = 500.0
+# The same for a gRPC worker (grpcio's client costs about four times the native one per request;
+# the HTTP client costs about what the native one does: docs/performance.md, "Protocols").
+AUTO_GRPC_WORKER_RATE_RPS = 500.0
 # A search probe must plan at least this many measured requests (a 1% bad rate needs 100).
 MIN_MEASURED_REQUESTS = 100
 
@@ -106,8 +106,8 @@ def run_once(
             inputs=inputs,
             protocol=options.protocol,
             workers=_workers_for(options.workers, plan, len(addresses),
-                                 AUTO_WORKER_RATE_RPS if options.protocol == "native"
-                                 else AUTO_OIP_WORKER_RATE_RPS),
+                                 AUTO_GRPC_WORKER_RATE_RPS if options.protocol == "grpc"
+                                 else AUTO_WORKER_RATE_RPS),
             lateness_bound_ms=options.lateness_bound_ms,
             bail=options.bail,
             progress=options.progress,

@@ -347,7 +347,9 @@ def send_loop(spec: WorkerSpec, t0: float, monitor: Monitor) -> WorkerOutput:
     if spec.protocol != "native":
         from zserve.loadgen.oip_sender import oip_send_loop
 
-        return oip_send_loop(spec, t0, monitor)
+        out = oip_send_loop(spec, lambda: t0, monitor)
+        assert out is not None  # a start instant was given
+        return out
     loop = asyncio.SelectorEventLoop()  # not uvloop: see the module docstring
     try:
         return loop.run_until_complete(_serve(spec, t0, monitor))
@@ -462,10 +464,22 @@ def worker_main(spec: WorkerSpec, slot: int, channels: Channels, out_path: str) 
         channels.lag_s[slot] = lag_s
         return "stopped by the coordinator" if channels.stop.is_set() else None
 
-    channels.ready.release()
-    if not channels.go.wait(WORKER_START_TIMEOUT_S) or channels.stop.is_set():
+    def start() -> float | None:
+        """Report ready, wait for the others: the agreed start instant (None: called off)."""
+        channels.ready.release()
+        if not channels.go.wait(WORKER_START_TIMEOUT_S) or channels.stop.is_set():
+            return None
+        return float(channels.start_at.value)
+
+    if spec.protocol == "native":
+        t0 = start()
+        out = None if t0 is None else send_loop(spec, t0, publish)
+    else:  # an OIP worker connects before it reports ready (connecting is not measured)
+        from zserve.loadgen.oip_sender import oip_send_loop
+
+        out = oip_send_loop(spec, start, publish)
+    if out is None:
         return
-    out = send_loop(spec, float(channels.start_at.value), publish)
     np.savez(
         out_path,
         sent_s=out.sent_s,

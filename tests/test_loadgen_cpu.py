@@ -67,3 +67,49 @@ def test_cpu_per_request_over_a_window() -> None:
     assert out["cores"] == {"frontend-0": 0.25, LOADGEN_PROCESS: 0.5}
     assert out["total_cores"] == 0.75
     assert cpu_per_request(start, end, requests=0, seconds=2.0) is None
+
+
+# Each child burns its own amount, reports its own CPU time, then waits (no more CPU).
+SELF_REPORTING = (
+    "import sys, time\n"
+    "end = time.process_time() + float(sys.argv[1])\n"
+    "while time.process_time() < end: pass\n"
+    "print(time.process_time(), flush=True)\n"
+    "sys.stdin.read()\n"
+)
+# A reading may exceed the child's own last one by the little it does after reporting.
+AFTER_REPORT_S = 0.003
+
+
+def test_each_process_is_read_under_its_own_name_finer_than_a_clock_tick() -> None:
+    """Two children whose CPU differs by 5 ms (half a clock tick): each name reads its own
+    child's CPU to within a few ms. Tick-resolution readings (10 ms) made the frontend and the
+    generator of a quick protocols run read the same figure, which looked like a mislabel."""
+    burns = {"frontend-0": 0.040, "loadgen-like": 0.045}
+    children = {name: subprocess.Popen([sys.executable, "-c", SELF_REPORTING, str(burn)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for name, burn in burns.items()}
+    try:
+        reported = {}
+        for name, child in children.items():
+            assert child.stdout is not None
+            reported[name] = float(child.stdout.readline())
+        snapshot = cpu_snapshot({name: child.pid for name, child in children.items()})
+        for name in burns:
+            assert reported[name] <= snapshot[name] <= reported[name] + AFTER_REPORT_S, (
+                name, reported, snapshot)
+    finally:
+        for child in children.values():
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.close()
+            child.wait()
+            child.stdout.close()
+
+
+def test_the_protocols_experiment_reads_each_column_from_its_own_processes() -> None:
+    from zserve.loadgen.experiments.protocols import _cpu_us
+
+    per = {"frontend-0": 300.0, "shard-0": 100.0, "backend-0": 50.0, "backend-1": 40.0,
+           LOADGEN_PROCESS: 20.0, LOADGEN_WORKERS: 110.0}
+    assert _cpu_us({"per_request_us": per}) == (300.0, 490.0, 130.0)
+    assert _cpu_us(None) == (None, None, None)

@@ -72,13 +72,18 @@ def _health(ok: bool) -> web.Response:
     return web.Response(status=200 if ok else 503)
 
 
-@web.middleware
-async def _typed_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every ``ZServeError`` a handler raises becomes its status and JSON body."""
-    try:
-        return await handler(request)
-    except ZServeError as error:
-        return error_response(error)
+def _typed_errors(handler: Handler) -> Handler:
+    """``handler`` with every ``ZServeError`` it raises turned into its status and JSON body.
+    Wrapped once per route rather than as an aiohttp middleware, which aiohttp runs through an
+    extra layer of its own on every request."""
+
+    async def typed(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ZServeError as error:
+            return error_response(error)
+
+    return typed
 
 
 class OipHttp:
@@ -89,19 +94,23 @@ class OipHttp:
 
     def app(self, max_request_bytes: int) -> web.Application:
         app = web.Application(
-            middlewares=[_typed_errors],
             client_max_size=JSON_BODY_FACTOR * max_request_bytes + BODY_SLACK_BYTES,
         )
-        get, post = web.get, web.post
+
+        def get(path: str, handler: Handler) -> web.RouteDef:
+            return web.get(path, _typed_errors(handler))
+
         model = "/v2/models/{model}"
         versioned = "/v2/models/{model}/versions/{version}"
+        # Inference first: aiohttp tries the routes under one prefix (/v2/models) in the order
+        # they were added, a regular expression each, and nearly every request is an inference.
         app.add_routes([
+            *(web.post(p + "/infer", _typed_errors(self.infer)) for p in (model, versioned)),
             get("/v2/health/live", self.live), get("/v2/health/ready", self.ready),
             get("/v2", self.server_metadata),
             *(get(p + "/ready", self.model_ready) for p in (model, versioned)),
             *(get(p, self.model_metadata) for p in (model, versioned)),
             *(get(p + "/config", self.model_config) for p in (model, versioned)),
-            *(post(p + "/infer", self.infer) for p in (model, versioned)),
         ])
         return app
 
