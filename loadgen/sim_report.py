@@ -118,6 +118,7 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "rank": {
             "grants": rank.n_grants,
             "model_matches": rank.n_model_matches,
+            "rescues": rank.n_rescues,
             "gpu_matches": rank.n_gpu_matches,
             "stale": rank.n_stale,
             "purged": rank.n_purged,

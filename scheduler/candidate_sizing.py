@@ -4,12 +4,11 @@
 computations over the ModelThread's deadline-ordered queue (parallel lists from ``_head`` on) that
 decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
 size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
-wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The deferred
-policies' learned state (missed windows, contention) is updated here too (``_missed_window``,
-``_deferral_outcome``, ``_learn_from_grant``). The event handling (arrivals, grants, timers) and
-what goes into the outbox stay in ``zserve.scheduler.model_thread``. A base class rather than
-functions: these run on the shard's hot path, and reading the queue through ``self`` costs no
-argument passing.
+wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The
+``deferred`` policy's learned margin is updated here too (``_missed_window``). The event
+handling (arrivals, grants, timers) and what goes into the outbox stay in
+``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's
+hot path, and reading the queue through ``self`` costs no argument passing.
 
 ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on the hot path), and
 ``b if b < a else a`` for ``min(a, b)``.
@@ -34,14 +33,8 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
     DEFER_MIN_JOINERS,
-    DEFER_MISS_EWMA,
-    DEFER_MISS_FORGET_REQUESTS,
-    DEFER_MISS_FORGET_S,
     DEFER_MISS_MAX_S,
-    DEFER_MISS_RATE_MAX,
     DEFER_MISS_WIDEN_S,
-    DEFER_QUEUED_RATE_MAX,
-    DEFER_QUEUED_SLACK_S,
     DEFER_STAGGER_MIN_GPUS,
     RpsMeter,
 )
@@ -83,10 +76,10 @@ class CandidateSizing:
     _defer_below: float
     _defer_shared: bool
     _defer_rate: float
-    _adaptive: bool
+    _rescue: bool
+    _rescue_from: float
+    _start_now: bool
     miss_margin_s: float
-    miss_rate: float
-    queued_rate: float
     # the candidate as last computed
     cand_bs: int  # in rows
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
@@ -95,8 +88,7 @@ class CandidateSizing:
     n_arrived: int  # requests
     n_extra_rows: int  # their rows beyond one each
     _cand_deferred: bool
-    _waited: bool
-    _learned_at: float
+    _cand_early_ok: bool
     n_window_misses: int
     wake_at: float
 
@@ -125,14 +117,15 @@ class CandidateSizing:
         self._defer_shared = False
         self._defer_rate = math.inf if rate is None else rate  # no rate yet: plain frontrun
         if rate is None:
-            self._defer_below = math.inf
+            self._defer_below = self._rescue_from = math.inf
             return
         beta_lambda = self._profile.beta_s * rate
+        self._rescue_from = beta_lambda - 1.0
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:  # shares GPUs: beta*lambda - 1 (deferred), or the joiner rule in _aim (adaptive)
-            self._defer_below = math.inf if self._adaptive else beta_lambda - 1.0
+        else:  # shares GPUs: beta*lambda - 1 (deferred); deferred-rescue: rescued by the rank
+            self._defer_below = math.inf if self._rescue else beta_lambda - 1.0
             self._defer_shared = True
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
@@ -334,22 +327,19 @@ class CandidateSizing:
         latest = deadline - table[bs]
         kind = self._kind
         deferred = False
-        if kind == KIND_DEFERRED:
+        if self._start_now:  # an early grant (the rank's rescue): start at once
+            exec_at = earliest
+        elif self._rescue:
+            exec_at = self._aim_rescue(now, earliest, deadline, bs, grow)
+        elif kind == KIND_DEFERRED:  # deferred (policy.py)
             deferred = bs < self._defer_below
             if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
-                if self._adaptive:  # ... unless windows are too often lost or contended
-                    deferred = (self.miss_rate <= DEFER_MISS_RATE_MAX
-                                and self.queued_rate <= DEFER_QUEUED_RATE_MAX)
             else:  # staggered: the authors' aim
                 exec_at = deadline - self.jitter_s - table[bs + grow]
-            if not deferred or (
-                self._adaptive and (exec_at - now) * self._defer_rate < DEFER_MIN_JOINERS
-            ):
-                # waiting does not pay (policy.py, deferred): staggered and at its batch size,
-                # windows on shared GPUs too often lost, or too few requests expected to join
+            if not deferred:
+                # waiting does not pay (policy.py, deferred): at its batch size
                 exec_at = earliest
-                deferred = False
             elif not self._defer_shared:
                 deferred = False  # staggered: a missed window is the stagger at work
         elif kind == KIND_FRONTRUN:
@@ -367,48 +357,35 @@ class CandidateSizing:
         self.cand_bs = bs
         self.cand_exec = exec_at
         self.cand_latest = latest
+        # deferred-rescue: the rank may start it early (its rescue); a staggered model only once its
+        # batch reaches beta*lambda - 1, where waiting no longer pays in throughput (policy.py)
+        self._cand_early_ok = self._rescue and exec_at > earliest and (
+            self._defer_shared or bs >= self._rescue_from)
         self._cand_deferred = deferred
-        if deferred:
-            self._waited = True
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 
+    def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,
+                    grow: int) -> float:
+        """``deferred-rescue``: the frontrun moment while deferring pays, else ``earliest``.
+        Staggered models defer while below max(beta*lambda, b*) (as ``deferred``); every model
+        starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
+        (light load: nothing would join). Contention is the rank's: a deferring candidate is
+        published ``early_ok`` (set in ``_aim``) and the rank starts it early while the
+        cluster is short of GPUs (``RankThread``, rescue)."""
+        if bs >= self._defer_below:
+            return earliest
+        aim = deadline - self.jitter_s - self._table[bs + grow]
+        if (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
+            return earliest
+        return aim
+
     def _missed_window(self, now: float) -> None:
-        """A deferred candidate lost its grant window (policy.py, deferred): count it, aim
-        earlier (up to DEFER_MISS_MAX_S) and raise the estimated chance of missing."""
-        self._cand_deferred = self._waited = False  # counted once
+        """A deferred candidate lost its grant window (policy.py, deferred): count it and aim
+        earlier, up to DEFER_MISS_MAX_S."""
+        self._cand_deferred = False  # counted once
         self.n_window_misses += 1
         margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
-        self.miss_rate += DEFER_MISS_EWMA * (1.0 - self.miss_rate)
-        self._learned_at = now
-
-    def _deferral_outcome(self, now: float) -> tuple[bool, bool]:
-        """At a grant, before the candidate is recomputed: whether a candidate deferred since
-        the last grant, and whether it then waited for a GPU past its exec: every GPU was busy
-        (contention; it may have stopped deferring just before its aim: the joiner rule)."""
-        was_deferred = self._waited
-        self._waited = False
-        delay = self.d_ctrl_s + self.d_data_s * self.cand_bs
-        return was_deferred, (
-            was_deferred and now + delay > self.cand_exec + DEFER_QUEUED_SLACK_S)
-
-    def _learn_from_grant(self, now: float, bs: int, was_deferred: bool, queued: bool) -> None:
-        """Update the deferred policy's estimates on a grant of ``bs`` requests (policy.py,
-        deferred): a deferred batch that got its window counts against the miss estimate, and
-        for or against the queued one; a batch that did not defer forgets both, by the smaller
-        of the time since they last learned something over DEFER_MISS_FORGET_S and its requests
-        over DEFER_MISS_FORGET_REQUESTS."""
-        since = now - self._learned_at
-        self._learned_at = now
-        if was_deferred:
-            keep = 1.0 - DEFER_MISS_EWMA
-        else:
-            forget = min(since / DEFER_MISS_FORGET_S, bs / DEFER_MISS_FORGET_REQUESTS)
-            keep = 1.0 - forget if forget < 1.0 else 0.0
-        self.miss_rate *= keep
-        self.queued_rate *= keep
-        if queued:
-            self.queued_rate += DEFER_MISS_EWMA
 
 __all__ = ["COMPACT_AT", "CandidateSizing"]

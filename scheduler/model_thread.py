@@ -140,14 +140,15 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
-        self._adaptive = self._policy.name == "deferred-adaptive"
+        self._rescue = self._policy.name == "deferred-rescue"  # the rank may start it early
+        self._start_now = False  # set while an early (rescue) grant is planned
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
         self.jitter_s = jitter_s
         self.publish_lead_s = publish_lead_s
         self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
-        # the deferred policy's beta*lambda batch size (inf until the meter has a rate)
-        self._defer_below = math.inf
+        # the deferred policies' beta*lambda bounds (inf until the meter has a rate)
+        self._defer_below = self._rescue_from = math.inf
         self._defer_shared = False  # set with _defer_below: the model shares its GPUs
         self._defer_rate = math.inf  # the metered rate the joiner rule reads (inf: no rate yet)
         self._meter = RpsMeter(rate_bucket_s, rate_window)
@@ -170,9 +171,7 @@ class ModelThread(CandidateSizing):
         self.n_extra_rows = 0  # rows arrived beyond one per request
         self.n_dropped = 0
         self.n_cancelled = 0
-        self.n_replanned = 0  # requests put back by on_replan
-        self.n_planned = 0
-        self.n_batches = 0
+        self.n_replanned = self.n_planned = self.n_batches = 0  # replanned: by on_replan
         # The scheduler epoch its plans carry (zserve.epochs); the host sets it.
         self.epoch = 0
 
@@ -191,18 +190,12 @@ class ModelThread(CandidateSizing):
         self.cand_count = 0
         self.cand_exec = 0.0
         self.cand_latest = 0.0
-        self._sent: tuple[int, float, float] | None = None
+        self._sent: tuple[int, float, float, bool] | None = None
         # deferred: whether the candidate waits for its frontrun moment, and the margin this
         # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
         self._cand_deferred = False
+        self._cand_early_ok = False  # deferring by choice: the rank may start it early
         self.miss_margin_s = 0.0
-        # deferred, sharing GPUs: the estimated chance that a deferred candidate misses its
-        # grant window (DEFER_MISS_EWMA); above DEFER_MISS_RATE_MAX the model does not defer
-        self.miss_rate = 0.0
-        # ... and the chance that a deferred candidate finds every GPU busy at its aim
-        self.queued_rate = 0.0
-        self._waited = False  # a candidate deferred since the last grant
-        self._learned_at = 0.0  # when the estimates last learned something (a grant, a miss)
 
     # ------------------------------------------------------------------ attributes
 
@@ -243,8 +236,8 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
-        # deferred-adaptive: the joiner rule and the window estimates (policy.py)
-        self._adaptive = policy.name == "deferred-adaptive"
+        # deferred-rescue: the joiner rule and the rank's rescue (policy.py)
+        self._rescue = policy.name == "deferred-rescue"
         if hasattr(self, "_meter"):
             self._refresh_defer_below()
 
@@ -452,7 +445,6 @@ class ModelThread(CandidateSizing):
         publish the next candidate (the rank dropped ours when it granted)."""
         self._sent = None
         gpu_id = grant.gpu_id
-        was_deferred, queued = self._deferral_outcome(now)
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -460,7 +452,9 @@ class ModelThread(CandidateSizing):
             self._update(now, _NEG_INF, outbox)
             self._publish(now, outbox)
             return
+        self._start_now = grant.early  # a rescue: start at once, not at the aim
         self._update(now, grant.free_at, outbox)
+        self._start_now = False
         bs = self.cand_bs
         if bs == 0:
             outbox.append(
@@ -471,7 +465,6 @@ class ModelThread(CandidateSizing):
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
-        self._learn_from_grant(now, bs, was_deferred, queued)
         head = self._head
         sizes = self._rows
         count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
@@ -540,8 +533,6 @@ class ModelThread(CandidateSizing):
         else:
             head, bs = self._size_feasible(start, gpu_free_at)
         if head != head0:
-            if self._waited and self._adaptive:  # deferring cost the head: a window was lost
-                self._missed_window(now)
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
         if bs == 0:
@@ -605,18 +596,29 @@ class ModelThread(CandidateSizing):
                 self._sent = None
                 outbox.append((TO_RANK, CandidateUpdate(self.model, 0, 0.0, 0.0, 0.0)))
             return
+        early_ok = self._cand_early_ok
         lead = self.publish_lead_s
         delay = self.d_ctrl_s + self.d_data_s * bs
         exec_at = self.cand_exec
         if sent is None:
-            if lead is not None:
+            # an early_ok candidate goes out at once: the rank's rescue needs to see it
+            if lead is not None and not early_ok:
                 publish_at = exec_at - delay - lead
                 if publish_at > now:
                     self.wake_at = min(self.wake_at, publish_at)
                     return
-        elif sent[0] == bs and sent[1] == exec_at and sent[2] == self.cand_latest:
+        elif (sent[0] == bs and sent[1] == exec_at and sent[2] == self.cand_latest
+              and sent[3] == early_ok):
             return
-        self._sent = (bs, exec_at, self.cand_latest)
-        outbox.append(
-            (TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay))
-        )
+        self._sent = (bs, exec_at, self.cand_latest, early_ok)
+        outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
+                                                self._expected_duration(now, bs), early_ok)))
+
+    def _expected_duration(self, now: float, bs: int) -> float:
+        """l(b) of the batch expected at the exec time: bs plus the requests the metered rate
+        brings until then (the rescue's projection; a deferred batch grows while it waits)."""
+        grow = (self.cand_exec - now) * self._defer_rate
+        if grow > 0.0 and grow != math.inf:
+            expected = bs + int(grow)
+            bs = expected if expected < self._max_batch else self._max_batch
+        return self._table[bs]

@@ -6,43 +6,65 @@ Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` ti
 runs through the same ModelThread/RankThread code paths:
 
 ``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
-    Frontrun while deferring pays, else schedulable at once. With lambda the model's metered
-    rate, b* its rate-driven target batch size and n = lambda*l(b*)/b* the GPUs its load needs,
-    a candidate of ``bs`` requests waits for its frontrun moment ``d - l(bs + 1)`` only while
+    The second Symphony paper's rule (section 4.3). A candidate waits for its frontrun moment
+    ``d - l(bs + 1)`` only while
 
-    - ``bs < max(beta*lambda, b*)`` when n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1: a
-      model with the load of several GPUs runs staggered (DESIGN section 3), and starting before
-      the staggered batch size wastes the stagger;
-    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, so at its frontrun
-      moment (a window only ``alpha + jitter`` wide) the GPU it needs is often running another
-      model's batch, and a missed window costs the head request; it waits only while at least
-      one more whole request is expected within beta. Such a model also learns a margin from
-      its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S, each granted
-      batch gives DEFER_MISS_RELAX_S back).
+    - ``bs < max(beta*lambda, b*)`` for a staggered model (n >= DEFER_STAGGER_MIN_GPUS and
+      beta*lambda >= 1, n = lambda*l(b*)/b* the GPUs its load needs; DESIGN section 3:
+      dispatching below the staggered batch wastes the stagger);
+    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, and waits only while
+      at least one more whole request is expected within beta. Such a model also learns a
+      margin from its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S,
+      each granted batch gives DEFER_MISS_RELAX_S back).
 
-    ``beta*lambda`` is the second Symphony paper's rule (section 4.3). It keeps deferred at or
-    above 0.95x eager on the eager-floor grid, but on shared GPUs it mostly turns deferral off:
-    ``beta*lambda - 1`` is below 1 for most A100-zoo models at their rates (batches of median 1
-    on the 10-model zoo subset), and at light load a model below 2 GPUs of load never defers
-    (at 0.1x of ResNet50's goodput on 4 GPUs the GPUs are 0.39 busy for 0.09 of load).
-``deferred-adaptive``
-    The decision by what waiting buys and what it costs (``zserve experiment policy-grid``
-    measures it against the default). A candidate waits for its aim ``d - l(bs + 1)`` only while
+    It keeps deferred at or above 0.95x eager on the eager-floor grid, but on shared GPUs it
+    mostly turns deferral off (``beta*lambda - 1`` is below 1 for most A100-zoo models at their
+    rates), so at light load the GPUs are busier than the load needs, and on the 10-model zoo
+    subset it trails eager by 3%.
+``deferred-rescue``
+    The candidate for the default that ``zserve experiment policy-grid`` measures against it.
+    Symphony's frontrun moment wherever waiting can pay, and never a GPU left idle for it while
+    the cluster is short of GPUs. With lambda the model's metered rate, b* its rate-driven
+    target batch size and n = lambda*l(b*)/b* the GPUs its load needs, a candidate of ``bs``
+    requests aims at ``d - jitter - l(bs + 1)``, the last moment one more request could join:
 
-    - a request is likely to join before then: lambda * (aim - now) >= DEFER_MIN_JOINERS (ln 2,
-      an even chance); otherwise it starts at once, on a GPU that is idle anyway (at light load
-      a lone request runs in l(1) plus the allowances);
-    - on shared GPUs (the second branch above, with no beta*lambda bound): the model's estimate
-      of its chance to lose the grant window (a window closed ungranted, or a head dropped after
-      its candidate waited; DEFER_MISS_EWMA per deferred outcome) is at most DEFER_MISS_RATE_MAX,
-      and its estimate of the chance to find every GPU busy at its aim is at most
-      DEFER_QUEUED_RATE_MAX; batches granted meanwhile forget both (DEFER_MISS_FORGET_S,
-      DEFER_MISS_FORGET_REQUESTS), so it tries again when the cluster has room;
-    - staggered models: as ``deferred``.
+    - a model with the load of several GPUs (n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1)
+      runs staggered over GPUs of its own (DESIGN section 3) and defers while
+      ``bs < max(beta*lambda, b*)``, starting at once from there;
+    - any model starts at once when fewer than DEFER_MIN_JOINERS requests are expected before
+      its aim (lambda * (aim - now)): waiting would buy nothing but latency (light load: a lone
+      request runs in l(1) plus the allowances, on a GPU that is idle anyway);
+    - a model that shares its GPUs with others defers, and its candidate is ``early_ok``: the
+      rank may start it before its aim (the *rescue*, ``RankThread``). While more than
+      RESCUE_CONTENTION of the candidates that reach their exec time find every GPU busy, and
+      the rank serves more than one model, a GPU that frees (or is idle) goes to the most
+      urgent of the candidates waiting for a GPU and the early_ok ones, by latest start: the
+      work-conserving order of eager, with batches that grew up to the grant. Below that
+      contention the GPU waits for the next aim. A staggered model's candidate is early_ok only
+      from ``beta*lambda - 1`` requests on: on a contended cluster its GPUs are not its own, and
+      from there starting now costs less GPU time per request than waiting (the second paper's
+      throughput argument); below it, as for InceptionResNetV2 on the 3-model mix on 4 GPUs,
+      a rescue would run a batch of 1 for 23 ms. An early_ok candidate is published to the rank
+      at once (publish-ahead holds back only the others), since the rescue can only choose
+      among candidates it has seen.
 
-    It keeps the GPU busy fraction on the load-proportional line at light load and runs larger
-    batches below saturation, but at saturation on mixes it loses to eager (the staggered
-    branch keeps deferring on GPUs it shares; see docs/performance.md, "The policy grid").
+    Why: deferring on shared GPUs has two costs, and the rescue removes both. A deferred
+    candidate enters the contest for a GPU only at its aim, with a window ``jitter + l(bs + 1)
+    - l(bs)`` wide; with several models aiming into the same few milliseconds, a window closes
+    with every GPU busy and the head is lost (frontrun drops 1.9% of requests on the 10-model
+    zoo subset at 5,300 r/s with the GPUs 0.91 busy). And a GPU kept idle for an aim is capacity
+    the cluster lacks a moment later. The second paper's ``beta*lambda`` rule (``deferred``)
+    avoids both by not deferring on shared GPUs at all, which loses deferral's batching and the
+    load-proportional GPU use. Measured by ``zserve experiment policy-grid``: at or above
+    max(frontrun, eager) - 1% on the mixes where ``deferred`` trails eager, on the
+    load-proportional line at light load; but on one GPU shared by two models (the eager-floor
+    grid) a window lost to the other model's batch still costs heads at low rates, where
+    ``deferred`` does not defer at all (docs/performance.md, "The policy grid").
+
+    Below the contention bar a second trigger covers a loss that is certain: with a GPU idle,
+    the rank projects the waiting candidates onto the GPUs in order of their exec times (each
+    holds a GPU for its expected duration, ``CandidateUpdate.duration``); if one would find no
+    GPU by its latest start, the next to start goes now.
 ``frontrun``
     Symphony Algorithm 1 as written (section 3.1):
     ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more
@@ -89,64 +111,28 @@ from zserve.profiles import LatencyProfile
 
 __all__ = [
     "DEFER_MIN_JOINERS",
-    "DEFER_MISS_EWMA",
-    "DEFER_MISS_FORGET_REQUESTS",
-    "DEFER_MISS_FORGET_S",
     "DEFER_MISS_MAX_S",
-    "DEFER_MISS_RATE_MAX",
     "DEFER_MISS_RELAX_S",
     "DEFER_MISS_WIDEN_S",
-    "DEFER_QUEUED_RATE_MAX",
-    "DEFER_QUEUED_SLACK_S",
     "DEFER_STAGGER_MIN_GPUS",
+    "RESCUE_CONTENTION",
+    "RESCUE_CONTENTION_EWMA",
     "RpsMeter",
     "largest_batch_at_rate",
     "target_batch_size",
 ]
 
 DEFER_STAGGER_MIN_GPUS = 2.0
-"""``deferred``: a model whose load needs at least this many GPUs (at its target batch size) is
-treated as running staggered over GPUs of its own and defers at least to its target batch size;
-below it the model shares GPUs and defers only while beta*lambda - 1 exceeds its batch."""
+"""``deferred`` and ``deferred-rescue``: a model whose load needs at least this many GPUs (at its
+target batch size) is treated as running staggered over GPUs of its own and defers at least to
+its target batch size; below it the model shares GPUs (``deferred``: defers only while
+beta*lambda - 1 exceeds its batch; ``deferred-rescue``: defers, rescued by the rank)."""
 
 DEFER_MIN_JOINERS = math.log(2.0)
-"""``deferred``: a candidate waits for its aim only while at least this many requests are
+"""``deferred-rescue``: a candidate waits for its aim only while at least this many requests are
 expected to join it before then (lambda * (aim - now)): ln 2 is an even chance that one does.
 Below it waiting buys nothing but latency and a GPU held later (a lone request at light load
 starts at once, on a GPU that is idle anyway)."""
-
-DEFER_MISS_EWMA = 0.02
-"""``deferred``, sharing GPUs: the weight of each deferred candidate's outcome (window missed: 1,
-granted: 0) in the model's estimate of its chance to lose the grant window to other models."""
-
-DEFER_MISS_RATE_MAX = 0.02
-"""``deferred``, sharing GPUs: the model stops deferring while its estimated chance to miss a
-grant window is above this (two misses in close succession): waiting then costs more heads than
-the batching it buys (1 GPU shared by 2 models with beta/alpha 16: deferring lost 90% of eager's
-goodput). One missed window stays below it."""
-
-DEFER_MISS_FORGET_S = 5.0
-DEFER_MISS_FORGET_REQUESTS = 2000
-"""``deferred``: a model that stopped deferring forgets its miss and queued estimates as its
-batches are granted, by the smaller of the time since the last one over DEFER_MISS_FORGET_S and
-the batch's requests over DEFER_MISS_FORGET_REQUESTS: it tries again after about 3.5 s and 1,400
-requests from two misses, and keeps deferring once the cluster has room. A try that fails costs
-about two heads: at most 0.15% of the model's requests. Forgetting per batch instead (1/200,
-1/1000 of the estimate per batch) let fast models retry every second or two, and slow ones every
-few hundred requests; those misses alone cost 0.3-1.4% of requests at batches of 1, and
-deferred fell to 0.82-0.93x eager on 2 GPUs shared by 2 models."""
-
-DEFER_QUEUED_RATE_MAX = 0.2
-"""``deferred``, sharing GPUs: the model stops deferring while its estimate (same weights as the
-miss estimate) of the chance that a deferred candidate finds every GPU busy at its aim is above
-this. Deferring then only moves its place in the queue for a GPU later: its batch grows, but it
-enters the contest for the next free GPU with a window alpha + jitter wide instead of its whole
-slack. Measured: on 10 A100-zoo models on 16 GPUs, 2% of deferred grants waited for a GPU
-(deferring pays); on 2 GPUs shared by 2 models with beta = alpha, 55% (eager wins by 8%)."""
-
-DEFER_QUEUED_SLACK_S = 0.0002
-"""A deferred candidate granted more than this after its aim counts as having waited for a GPU
-(live, a grant reaches the shard a little after the rank's timer)."""
 
 DEFER_MISS_WIDEN_S = 0.0005
 """``deferred``, for a model that shares its GPUs: how much earlier it aims its deferred
@@ -172,6 +158,21 @@ DEFER_MISS_RELAX_S = DEFER_MISS_WIDEN_S / 200
 """``deferred``: how much of the learned margin each granted batch gives back, so the margin
 settles where about one deferred candidate in 200 misses its window (0.5% of batches, well
 inside a 1% bad-rate budget), and shrinks again when the cluster has room."""
+
+RESCUE_CONTENTION = 0.1
+"""``deferred-rescue``: the rank starts deferring (early_ok) candidates early, on a GPU that
+frees or is idle, while more than this fraction of the candidates reaching their exec time find
+every GPU busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each). A GPU that frees with
+no candidate waiting for it counts as one that found its GPU free; otherwise the rescue, once
+on, keeps itself on: its smaller batches keep the GPUs busy (at 0.8x of the 10-model zoo
+subset's goodput the GPUs were 1.00 busy instead of 0.80; 0.05 keeps it on there). A single
+staggered model finds its GPU busy at about 40% of its aims by design and is never rescued (one
+model: nothing to arbitrate); below saturation on shared GPUs the fraction is near 0 and
+deferral is left alone, so GPU use stays proportional to load."""
+
+RESCUE_CONTENTION_EWMA = 0.02
+"""The weight of each candidate reaching its exec time in the rank's contention estimate
+(about the last 50 such moments: tens of milliseconds on a busy cluster)."""
 
 class RpsMeter:
     """Windowed request-rate meter: counts sealed every ``bucket_s`` (50 ms), mean over the last

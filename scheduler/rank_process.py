@@ -492,6 +492,7 @@ class RankHost(RankBackends):
             "rank_thread": {
                 "grants": self.rank.n_grants,
                 "model_matches": self.rank.n_model_matches,
+                "rescues": self.rank.n_rescues,
                 "gpu_matches": self.rank.n_gpu_matches,
                 "stale": self.rank.n_stale,
                 "purged": self.rank.n_purged,

@@ -44,6 +44,7 @@ import heapq
 import math
 
 from zserve.hosting import DEST_MODEL, Outbox
+from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_CONTENTION_EWMA
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
 _INF = math.inf
@@ -67,6 +68,10 @@ class RankThread:
         self._busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
         # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
         self._cand: dict[str, tuple[int, float, float, float]] = {}
+        # the rescue's view of each candidate: model -> (duration, early_ok); and how many
+        # candidates are early_ok (the rescue runs only while some are)
+        self._cand_run: dict[str, tuple[float, bool]] = {}
+        self._n_early_ok = 0
         self._version: dict[str, int] = {}
         self._awaiting: dict[str, int] = {}  # model -> grant_id
         self._grants: dict[int, tuple[str, int]] = {}  # grant_id -> (model, gpu_id)
@@ -82,6 +87,9 @@ class RankThread:
         self.n_gpu_matches = 0
         self.n_stale = 0
         self.n_purged = 0
+        self.n_rescues = 0  # early grants: a deferring candidate started before its exec time
+        # the chance that a candidate due at its exec time finds every GPU busy (EWMA)
+        self.contention = 0.0
         self.n_drift_corrections = 0  # device_free_at reports that moved a GPU later
         self.drift_corrected_s = 0.0  # and by how much, in total
         for gpu_id in gpu_ids:
@@ -143,13 +151,22 @@ class RankThread:
         version = self._version.get(model, 0) + 1
         self._version[model] = version
         self._pending.pop(model, None)
+        self._forget_run(model)
         if update.batch_size <= 0:
             self._cand.pop(model, None)
         else:
             delay = update.send_delay
             self._cand[model] = (update.batch_size, update.exec_at, update.latest, delay)
+            self._cand_run[model] = (update.duration, update.early_ok)
+            if update.early_ok:
+                self._n_early_ok += 1
             heapq.heappush(self._model_timers, (update.exec_at - delay, version, model))
         self._fire_due(now, outbox)
+
+    def _forget_run(self, model: str) -> None:
+        run = self._cand_run.pop(model, None)
+        if run is not None and run[1]:
+            self._n_early_ok -= 1
 
     def on_grant_answer(self, now: float, answer: GrantAnswer, outbox: Outbox) -> None:
         grant = self._grants.get(answer.grant_id)
@@ -228,7 +245,8 @@ class RankThread:
             return busy[0][1], busy[0][0]
         return None
 
-    def _grant(self, now: float, model: str, gpu_id: int, outbox: Outbox) -> None:
+    def _grant(self, now: float, model: str, gpu_id: int, outbox: Outbox,
+               early: bool = False) -> None:
         free_at = self._free_at[gpu_id]
         self._state[gpu_id] = _GRANTED
         self._stamp[gpu_id] += 1
@@ -238,11 +256,12 @@ class RankThread:
         self._granted_free_at[grant_id] = free_at
         self._awaiting[model] = grant_id
         self._cand.pop(model, None)
+        self._forget_run(model)
         self._pending.pop(model, None)
         self._version[model] = self._version.get(model, 0) + 1
         self.n_grants += 1
         outbox.append(((DEST_MODEL, model), GrantGpu(model, gpu_id, grant_id, free_at,
-                                                     self.epoch)))
+                                                     self.epoch, early)))
 
     def _on_model_timer(self, now: float, model: str, version: int, outbox: Outbox) -> None:
         _, exec_at, latest, delay = self._cand[model]
@@ -251,9 +270,11 @@ class RankThread:
             return
         found = self._earliest_gpu(now)
         if found is not None and found[1] <= exec_at:
+            self.contention -= RESCUE_CONTENTION_EWMA * self.contention
             self.n_model_matches += 1
             self._grant(now, model, found[0], outbox)
             return
+        self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._pending[model] = version
         heapq.heappush(self._pending_latest, (latest, version, model))
         heapq.heappush(self._pending_delay, (-delay, version, model))
@@ -281,10 +302,29 @@ class RankThread:
                 del pending[model]
                 self.n_purged += 1
                 continue
+            if self._rescuing():
+                rival = self._most_urgent_deferring(now, free_at)
+                if rival is not None and rival[0] < latest:
+                    self.n_rescues += 1
+                    self._grant(now, rival[1], gpu_id, outbox, early=True)
+                    return
             heapq.heappop(heap)
             self.n_gpu_matches += 1
             self._grant(now, model, gpu_id, outbox)
             return
+
+    def _most_urgent_deferring(self, now: float, free_at: float
+                               ) -> tuple[float, str, float] | None:
+        """The not yet due candidate with the earliest latest start that a GPU free at
+        ``free_at`` still serves in time, as (latest, model, delay), if it is early_ok (one that
+        is not will want that GPU at its exec time: nobody is started ahead of it)."""
+        best: tuple[float, str, float] | None = None
+        pending = self._pending
+        for model, (_, _, latest, delay) in self._cand.items():
+            if (model not in pending and latest >= free_at and now + delay <= latest
+                    and (best is None or latest < best[0])):
+                best = (latest, model, delay)
+        return best if best is not None and self._cand_run[best[1]][1] else None
 
     def _fire_due(self, now: float, outbox: Outbox) -> None:
         timers = self._model_timers
@@ -318,8 +358,84 @@ class RankThread:
                 if self.n_grants == before and self._pending:
                     continue  # purged some; re-evaluate
                 continue
-            self.wake_at = t_model if t_model < t_gpu else t_gpu
+            wake = t_model if t_model < t_gpu else t_gpu
+            if not self._pending and self._n_early_ok and len(self._version) > 1:
+                t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
+                            else self._rescue_at_risk(now, outbox))
+                if t_rescue is None:
+                    continue  # granted
+                wake = t_rescue if t_rescue < wake else wake
+            self.wake_at = wake
             return
+
+    # ------------------------------------------------------------------ rescue
+
+    def _rescuing(self) -> bool:
+        """Whether the rescue is on: an early_ok candidate exists, the cluster is contended, and
+        more than one model has been seen (with one model there is nothing to arbitrate)."""
+        return (self._n_early_ok > 0 and self.contention > RESCUE_CONTENTION
+                and len(self._version) > 1)
+
+    def _rescue_at_risk(self, now: float, outbox: Outbox) -> float | None:
+        """The rescue below the contention bar, for a window that will certainly be lost: with a
+        GPU idle now, the waiting candidates in order of their exec times each take the GPU that
+        frees first and hold it for their duration; when one would then find no GPU by its
+        latest start, the first early_ok candidate starts now (its batch frees the GPU sooner).
+        On one GPU shared by two models this is what stops deferral losing a head to the other
+        model's batch; a busier cluster's losses are the contention's. None when it granted."""
+        found = self._earliest_gpu(now)
+        if found is None or found[1] > now:
+            return _INF  # no GPU idle: its freeing is an event of its own
+        waiting = sorted((c[1], c[2], model) for model, c in self._cand.items()
+                         if model not in self._pending)
+        if not waiting:
+            return _INF
+        times = sorted(self._free_at[g] if self._free_at[g] > now else now
+                       for g, st in self._state.items()
+                       if st != _GRANTED and g not in self._removing)
+        del times[len(waiting):]
+        if len(times) == len(waiting) and times[-1] <= now:
+            return _INF  # an idle GPU for every waiting candidate
+        heapq.heapify(times)
+        run = self._cand_run
+        for exec_at, latest, model in waiting:
+            free_at = times[0]
+            start = exec_at if exec_at > free_at else free_at
+            if start > latest:
+                break  # at risk
+            heapq.heapreplace(times, start + run[model][0])
+        else:
+            return _INF
+        _, latest, model = waiting[0]  # the next to start: another would take its GPU
+        if run[model][1] and now + self._cand[model][3] <= latest:
+            self.n_rescues += 1
+            self._grant(now, model, found[0], outbox, early=True)
+            return None
+        return _INF
+
+    def _rescue(self, now: float, outbox: Outbox) -> float | None:
+        """The ``deferred-rescue`` policy's rescue (zserve.scheduler.policy), while candidates that
+        reach their exec time often find every GPU busy (``contention``) and none waits for a
+        GPU: the GPU that frees first goes to the deferring (early_ok) candidate with the
+        earliest latest start it still serves, granted ``delay`` before it frees, as a pending
+        candidate's would be. Idle GPU time is then what the cluster runs short of later.
+        None when it granted, else when to look again."""
+        found = self._earliest_gpu(now)
+        if found is None:
+            return _INF
+        gpu_id, free_at = found
+        best = self._most_urgent_deferring(now, free_at if free_at > now else now)
+        if best is None:
+            return _INF  # no candidate fits this GPU's free time; events change that
+        _, model, delay = best
+        if free_at - delay > now:
+            return free_at - delay
+        # a GPU that frees with no candidate waiting for it is room: it counts like a candidate
+        # that found its GPU free, or the rescue, once on, would keep itself on
+        self.contention -= RESCUE_CONTENTION_EWMA * self.contention
+        self.n_rescues += 1
+        self._grant(now, model, gpu_id, outbox, early=True)
+        return None
 
     # ------------------------------------------------------------------ introspection
 

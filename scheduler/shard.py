@@ -587,6 +587,7 @@ class ShardHost(ShardPlanAcks):
                     "window_misses": t.n_window_misses,
                     "miss_margin_ms": t.miss_margin_s * 1e3,
                     "target": t.target,
+                    "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
                     "max_batch": t.profile.max_batch,
                     "gpus": list(self.served.get(name, [])),
                 }

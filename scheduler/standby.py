@@ -13,6 +13,11 @@ whose partner was active takes over at once. The decisions are the pure
 ``zserve.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
 partner has been silent for ``takeover_timeout_ms`` takes over here (``RankHost.activate`` with
 the next epoch); an active one that hears a newer epoch steps down (``RankHost.on_superseded``).
+
+Everything runs on the process's event loop through its ``SocketReactor``, like every role's
+sockets: the answers and the monitor's events are reactor callbacks, and the pings are a chain of
+loop timers (``_tick``), each armed for the next ping or the takeover deadline, whichever is
+sooner; a closed connection re-arms it at once. No task of its own, so nothing to cancel.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from typing import Any
 import zmq
 
 from zserve.epochs import PING_INTERVAL_S, SchedulerWatch, now_ms
-from zserve.role_runner import cancel_all
 from zserve.scheduler.rank_process import RankHost
 from zserve.scheduler.shard import ShardHost
 from zserve.transport.messages import SchedulerPing
@@ -54,10 +58,10 @@ class PairLink:
         self.expected_backends = expected_backends
         self.sock: zmq.Socket[Any] | None = None
         self.monitor: zmq.Socket[Any] | None = None
-        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_tick: asyncio.Handle | None = None  # the armed _tick
         self._partner_gone = False  # the last takeover reason, for the log
         self._closed = False
-        self._task: asyncio.Task[None] | None = None
 
     def start(self, partner_rank_address: str) -> None:
         self.sock = make_dealer(self.ctx, partner_rank_address,
@@ -67,26 +71,32 @@ class PairLink:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.reactor.watch_frames(self.monitor, on_frames=self._on_monitor)
         self.watch.start(time.monotonic())
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pair-watch")
+        self._loop = asyncio.get_running_loop()
+        self._tick()
 
-    async def _run(self) -> None:
-        while not self.watch.superseded and not self._closed:
-            now = time.monotonic()
+    def _tick(self) -> None:
+        """Take over if the watch says so, ping the partner, and arm the next tick (the next
+        ping or the takeover deadline, whichever is sooner). Superseded or closed: no more."""
+        self._next_tick = None
+        if self.watch.superseded or self._closed:
+            return
+        now = time.monotonic()
+        try:
             epoch = self.watch.take_over(now, now_ms())
             if epoch is not None:
                 self._take_over(now, epoch)
             assert self.sock is not None
             self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch,
                                                               self.watch.active))
+        finally:  # a failed tick (logged by the loop) does not end the watch
             wait = min(PING_INTERVAL_S, self.watch.takeover_at - time.monotonic())
-            self._wake.clear()
-            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation
-            # that comes as the event is set, and close() would wait for this task forever.
-            waiter = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait([waiter], timeout=max(0.0, wait))
-            finally:
-                waiter.cancel()
+            assert self._loop is not None
+            self._next_tick = self._loop.call_later(max(0.0, wait), self._tick)
+
+    def _tick_now(self) -> None:
+        if self._next_tick is not None and self._loop is not None:
+            self._next_tick.cancel()
+            self._next_tick = self._loop.call_soon(self._tick)
 
     def _on_answers(self, chunk: Chunk) -> None:
         now = time.monotonic()
@@ -98,7 +108,7 @@ class PairLink:
         """The partner's process closed the connection: it died."""
         self._partner_gone = self.watch.partner_active
         self.watch.on_partner_gone(time.monotonic())
-        self._wake.set()
+        self._tick_now()  # a standby whose partner was active takes over at once
 
     def _take_over(self, now: float, epoch: int) -> None:
         why = ("its connection closed" if self._partner_gone else
@@ -114,11 +124,10 @@ class PairLink:
         partner take over at once (a partner left running still does, after the timeout)."""
         if leaving and self.sock is not None:
             self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch, False))
-        self._closed = True  # the loop ends even if a cancellation were lost
-        self._wake.set()
-        if self._task is not None:
-            await cancel_all([self._task])
-            self._task = None
+        self._closed = True
+        if self._next_tick is not None:
+            self._next_tick.cancel()
+            self._next_tick = None
         if self.sock is not None:
             self.reactor.unwatch(self.sock)
         if self.monitor is not None:

@@ -3,7 +3,6 @@ outcome of a call through a real tritonclient, HTTP or gRPC, as (status or code,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,6 @@ from tritonclient.utils import InferenceServerException
 from zserve.config import ClusterConfig, parse_config
 
 LOOPBACK_ANY = "127.0.0.1:0"
-POLL_S = 0.02
 JITTER_MS = 50.0
 
 
@@ -75,14 +73,6 @@ def grpc_code(call: Callable[[], Any]) -> str:
     except InferenceServerException as exc:
         return str(exc.status()).removeprefix("StatusCode.")
     return "OK"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``predicate`` (a real call: a health endpoint, a stats value) until it holds."""
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(POLL_S)
 
 
 def grpc_trailers(address: str, model: str, array: np.ndarray[Any, Any],

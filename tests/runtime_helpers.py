@@ -31,7 +31,11 @@ from zserve.transport.messages import (
 from zserve.transport.sockets import make_dealer, make_router
 
 RECV_TIMEOUT_S = 10.0
+# wait_until: how often it asks, and for how long by default.
+POLL_INTERVAL_S = 0.02
+WAIT_BOUND_S = 30.0
 MessageT = TypeVar("MessageT", bound=Message)
+T = TypeVar("T")
 
 
 def recv(sock: zmq.Socket[Any], *, router: bool, timeout: float = RECV_TIMEOUT_S) -> tuple[
@@ -175,6 +179,21 @@ def wait_stats(
         if predicate(current):
             return current
         assert time.monotonic() < end, f"condition not reached; stats {current}"
+
+
+def wait_until(predicate: Callable[[], T | None], what: str, *, timeout_s: float = WAIT_BOUND_S,
+               interval_s: float = POLL_INTERVAL_S) -> T:
+    """Call ``predicate`` every ``interval_s`` until it returns a true value, and return that
+    value; fail the test naming ``what`` after ``timeout_s``. A bounded poll of a real condition
+    (a stats value of another process, a health endpoint, a counter another thread bumps) that
+    has no event to wait on; never a sleep standing in for one."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(interval_s)
 
 
 def meta_ids(h: FrontendHarness, count: int) -> list[int]:

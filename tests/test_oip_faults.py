@@ -28,8 +28,8 @@ from oip_helpers import (
     http_input,
     http_status,
     oip_cluster,
-    wait_until,
 )
+from runtime_helpers import wait_until
 
 from zserve.backends.process import build_executor
 from zserve.config import load_config
@@ -52,7 +52,8 @@ def test_wedged_backend_makes_its_models_unready(tmp_path: Path) -> None:
         os.kill(pid, signal.SIGSTOP)  # alive, heartbeating no more
         try:
             stopped_at = time.monotonic()
-            wait_until(lambda: not http.is_model_ready("m"), UNREADY_WITHIN_S * 2, "unready")
+            wait_until(lambda: not http.is_model_ready("m"), "unready",
+                       timeout_s=UNREADY_WITHIN_S * 2)
             assert time.monotonic() - stopped_at < UNREADY_WITHIN_S * 2
             assert not http.is_server_ready() and not grpc_client.is_model_ready("m")
             stats = cluster.stats("frontend-0")
@@ -64,7 +65,7 @@ def test_wedged_backend_makes_its_models_unready(tmp_path: Path) -> None:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        wait_until(http.is_server_ready, RECOVERY_S, "ready again")
+        wait_until(http.is_server_ready, "ready again", timeout_s=RECOVERY_S)
         assert cluster.stats("frontend-0")["ready"] is True
         assert http_status(lambda: http.infer("m", [http_input("x", X)])) == 200
         http.close()
@@ -83,7 +84,7 @@ def test_backend_dying_under_a_batch_is_500(tmp_path: Path) -> None:
         grpc_call = pool.submit(grpc_code,
                                 lambda: grpc_client.infer("slow", [grpc_input("x", X)]))
         wait_until(lambda: cluster.stats("frontend-0")["fetched_by"].get("backend-0", 0) == 2,
-                   10.0, "the batch of both requests to start")
+                   "the batch of both requests to start", timeout_s=10.0)
         cluster.kill("backend-0")
         assert http_call.result(20.0) == 500
         assert grpc_call.result(20.0) == "INTERNAL"
@@ -101,11 +102,13 @@ def test_draining_frontend_is_unready_and_answers_in_flight(tmp_path: Path) -> N
         try:
             in_flight: Future[Any] = pool.submit(
                 lambda: http.infer("slow", [http_input("x", X)]).as_numpy("y"))
-            wait_until(lambda: cluster.stats("frontend-0")["pending"] == 1, 20.0, "admitted")
+            wait_until(lambda: cluster.stats("frontend-0")["pending"] == 1, "admitted",
+                       timeout_s=20.0)
             stopper = threading.Thread(target=cluster.stop)
             stopper.start()
             checker = httpclient.InferenceServerClient(cluster.http_addresses[0])
-            wait_until(lambda: not checker.is_server_ready(), 20.0, "unready while draining")
+            wait_until(lambda: not checker.is_server_ready(), "unready while draining",
+                       timeout_s=20.0)
             assert http_status(lambda: checker.infer("m", [http_input("x", X)])) == 503
             assert grpc_code(lambda: grpc_client.infer("m", [grpc_input("x", X)])) \
                 == "UNAVAILABLE"

@@ -9,12 +9,12 @@ import asyncio
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from runtime_helpers import wait_until
 
 import zserve
 from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
@@ -111,15 +111,6 @@ class OpenLoop:
         return "OK"
 
 
-def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> float:
-    """Poll (bounded) until ``predicate`` holds; the moment it was seen."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return time.monotonic()
-
-
 def _active(cluster: Cluster) -> tuple[str, int]:
     view = cluster.stats("frontend-0")["scheduler"]
     return str(view["active"]), int(view["epoch"])
@@ -147,7 +138,8 @@ def test_standby_takes_over_from_a_killed_scheduler(tmp_path: Path) -> None:
         with OpenLoop(cluster.client_address) as load:
             assert load.fault_point.wait(WAIT_S)
             cluster.kill("shard-0")
-            switched_at = _wait_until(lambda: _active(cluster)[0] == STANDBY_NAME, "takeover")
+            wait_until(lambda: _active(cluster)[0] == STANDBY_NAME, "takeover", timeout_s=WAIT_S)
+            switched_at = time.monotonic()  # the moment the takeover was seen
         epoch = _active(cluster)[1]
         assert epoch > old_epoch
         _check_answers(load, switched_at)
@@ -165,8 +157,9 @@ def test_resumed_old_scheduler_dispatches_nothing_and_steps_down(tmp_path: Path)
             assert load.fault_point.wait(WAIT_S)
             cluster.kill("shard-0", signal.SIGSTOP)  # hung: its sockets stay open
             try:
-                switched_at = _wait_until(lambda: _active(cluster)[0] == STANDBY_NAME,
-                                          "takeover")
+                wait_until(lambda: _active(cluster)[0] == STANDBY_NAME, "takeover",
+                           timeout_s=WAIT_S)
+                switched_at = time.monotonic()  # the moment the takeover was seen
                 before = _old_plans(cluster, old_epoch)
             finally:
                 cluster.kill("shard-0", signal.SIGCONT)

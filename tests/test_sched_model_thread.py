@@ -16,10 +16,7 @@ from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
     DEFER_MIN_JOINERS,
-    DEFER_MISS_FORGET_REQUESTS,
-    DEFER_MISS_FORGET_S,
     DEFER_MISS_MAX_S,
-    DEFER_MISS_RATE_MAX,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
     RpsMeter,
@@ -129,29 +126,60 @@ def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() ->
     assert c8.exec_at == pytest.approx(now)  # 8 >= ~5: at once
 
 
-def test_deferred_adaptive_waits_only_while_a_request_is_likely_to_join() -> None:
+def test_deferred_rescue_waits_only_while_a_request_is_likely_to_join() -> None:
     # no rate sample yet: frontrun
-    (cand,) = _cands(_arrive(_mt("deferred-adaptive"), 0.0, [1]))
+    (cand,) = _cands(_arrive(_mt("deferred-rescue"), 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
     # 1000 r/s, a model that shares its GPUs: a batch of 8 still waits (about 14 requests are
     # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
-    busy = _mt30("deferred-adaptive")  # SLO 30 ms: the load needs under 2 GPUs
+    busy = _mt30("deferred-rescue")  # SLO 30 ms: the load needs under 2 GPUs
     busy.meter = meter
     (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
     assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
     # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
-    late = _mt30("deferred-adaptive")
+    late = _mt30("deferred-rescue")
     late.meter = _taught_meter(10)
     (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
     assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
     # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
     # arrivals, so it starts at once (frontrun waits for its moment regardless)
-    for policy, expected in (("deferred-adaptive", now), ("frontrun", now + 5 * MS)):
+    for policy, expected in (("deferred-rescue", now), ("frontrun", now + 5 * MS)):
         lone = _mt(policy)
         lone.meter = _taught_meter(1)
         (c,) = _cands(_arrive(lone, now, [1]))
         assert c.exec_at == pytest.approx(expected), policy
+
+
+def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_once() -> None:
+    # 1000 r/s, SLO 30 ms: the load needs under 2 GPUs, so the model shares its GPUs; its
+    # deferring candidate is early_ok and carries its duration l(bs) for the rank's rescue
+    now = TAUGHT_UNTIL_S
+    shared = _mt30("deferred-rescue")
+    shared.meter = _taught_meter(10)
+    (cand,) = _cands(_arrive(shared, now, [1, 2, 3], slo=30 * MS))
+    assert cand.early_ok and cand.exec_at > now + 10 * MS
+    # the duration is l(b) of the batch expected by its aim: 3 plus ~1 request per ms until then
+    rate = shared.meter.rate()
+    assert rate is not None
+    grow = int((cand.exec_at - now) * rate)
+    assert grow > 10 and cand.duration == pytest.approx(PROFILE.latency(3 + grow))
+    out: Outbox = []
+    shared.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS, early=True), out)
+    (plan,) = [m for _, m in out if isinstance(m, BatchPlan)]
+    assert plan.exec_at == pytest.approx(now + 1 * MS) and len(plan.request_ids) == 3
+    # the same grant, not early, starts the batch at its aim
+    aimed = _mt30("deferred-rescue")
+    aimed.meter = _taught_meter(10)
+    (cand2,) = _cands(_arrive(aimed, now, [1, 2, 3], slo=30 * MS))
+    aimed.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS), out := [])
+    (plan2,) = [m for _, m in out if isinstance(m, BatchPlan)]
+    assert plan2.exec_at == pytest.approx(cand2.exec_at)
+    # 10,000 r/s: about 15 GPUs of load, staggered over GPUs of its own: never early_ok
+    staggered = _mt30("deferred-rescue")
+    staggered.meter = _taught_meter(100)
+    (cand3,) = _cands(_arrive(staggered, now, [1], slo=30 * MS))
+    assert cand3.exec_at > now and not cand3.early_ok
 
 
 def test_chunk_gives_one_candidate_update_and_unchanged_candidate_is_not_resent() -> None:
@@ -401,6 +429,7 @@ def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() 
     (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
     d = now + 30 * MS
     assert cand.exec_at == pytest.approx(d - PROFILE.latency(2))  # frontrun: waiting pays
+    assert not cand.early_ok  # deferred is never started early
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
     # No grant came before the window closed: a miss, and the aim moves earlier.
     mt.on_timer(mt.wake_at, [])
@@ -422,7 +451,6 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     mt.meter = meter
     now = TAUGHT_UNTIL_S
     for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
-        mt.miss_rate = 0.0  # (the miss estimate alone would stop it deferring: next test)
         _arrive(mt, now, [rid], slo=30 * MS)
         mt.on_timer(mt.wake_at, [])
         now = mt.wake_at + 1 * MS if math.isfinite(mt.wake_at) else now + 1 * MS
@@ -430,50 +458,7 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     assert mt.miss_margin_s == pytest.approx(DEFER_MISS_MAX_S)
 
 
-def test_a_model_that_keeps_losing_windows_stops_deferring_and_tries_again_later() -> None:
-    mt = _mt30("deferred-adaptive")
-    mt.meter = _taught_meter(10)
-    now = TAUGHT_UNTIL_S
-    for rid in (1, 2):  # two windows lost in a row
-        _arrive(mt, now, [rid], slo=30 * MS)
-        assert mt.cand_exec > now + 20 * MS  # deferred
-        mt.on_timer(mt.wake_at, [])
-        now += 40 * MS  # the head was lost with its window
-    assert mt.n_window_misses == 2 and mt.miss_rate > DEFER_MISS_RATE_MAX
-    # now its candidates start at once ...
-    _arrive(mt, now, [3], slo=30 * MS)
-    assert mt.cand_exec == pytest.approx(now)
-    # ... and the batches granted meanwhile forget the misses until it defers again
-    # (batches of 10 every 10 ms: time, not the request count, is what it waits for here)
-    grants, started, served = 0, now, 0
-    while mt.miss_rate > DEFER_MISS_RATE_MAX:
-        grants += 1
-        now += 10 * MS
-        _arrive(mt, now, list(range(1000 + 10 * grants, 1010 + 10 * grants)), slo=30 * MS)
-        mt.on_grant(now, GrantGpu("m", 0, grants, free_at=now), [])
-        served = mt.n_planned
-    assert 0.5 * DEFER_MISS_FORGET_S < now - started < DEFER_MISS_FORGET_S  # ~ln 2 of it
-    assert served > DEFER_MISS_FORGET_REQUESTS / 2
-    _arrive(mt, now, [5], slo=30 * MS)
-    assert mt.cand_exec > now + 20 * MS
-
-
-def test_a_head_lost_after_deferring_counts_as_a_missed_window() -> None:
-    # the window drop removes a head once it would force a batch below the target: when that
-    # happens to a candidate that waited, the wait lost it, whichever timer noticed
-    mt = _mt30("deferred-adaptive")
-    mt.meter = _taught_meter(10)
-    now = TAUGHT_UNTIL_S
-    mt.target = mt.keep_min = 4
-    out: Outbox = []
-    mt.on_arrivals(now, "fe", [1], [now], [now + 30 * MS], out)  # l(4) = 9 ms: by now + 21
-    mt.on_arrivals(now, "fe", [2, 3, 4, 5], [now] * 4, [now + 200 * MS] * 4, out)
-    assert mt.cand_exec > now + 10 * MS  # deferred
-    mt._update(now + 22 * MS, -math.inf, out)
-    assert mt.n_dropped == 1 and mt.n_window_misses == 1
-
-
-@pytest.mark.parametrize("policy", ["frontrun", "eager"])
+@pytest.mark.parametrize("policy", ["frontrun", "eager", "deferred-rescue"])
 def test_other_policies_learn_no_margin(policy: str) -> None:
     meter = _taught_meter(10)
     mt = _mt30(policy)

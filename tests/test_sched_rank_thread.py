@@ -7,6 +7,7 @@ import math
 import pytest
 
 from zserve.hosting import Outbox
+from zserve.scheduler.policy import RESCUE_CONTENTION
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
@@ -173,3 +174,75 @@ def test_many_gpus_consolidate_on_low_ids() -> None:
                                               now + 1.5), out)
         out.clear()
     assert used == {0, 1}  # batches of 1.5 every 1.0: two GPUs suffice
+
+
+def _deferring(model: str, exec_at: float, latest: float, early_ok: bool = True
+               ) -> CandidateUpdate:
+    return CandidateUpdate(model, 3, exec_at, latest, 0.0, duration=0.5, early_ok=early_ok)
+
+
+def _contend(rank: RankThread, now: float, times: int) -> None:
+    """``times`` candidates reach their exec time with every GPU busy (then withdraw)."""
+    out: Outbox = []
+    for i in range(times):
+        rank.on_candidate(now, _cand(f"contender{i}", 1, now, now + 100.0), out)
+        rank.on_candidate(now, _cand(f"contender{i}", 0, 0.0, 0.0), out)
+    assert _grants(out) == []
+
+
+def test_without_contention_an_idle_gpu_waits_for_the_deferring_candidates_aim() -> None:
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _deferring("a", exec_at=5.0, latest=6.0), out)
+    assert _grants(out) == [] and rank.wake_at == pytest.approx(5.0)
+    rank.on_timer(5.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "a" and not grant.early and rank.n_rescues == 0
+
+
+def test_under_contention_an_idle_gpu_starts_the_most_urgent_deferring_candidate_early() -> None:
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _busy(rank, 0.0, 1, until=2.0)
+    _contend(rank, 0.0, 6)  # 6 of 6 found no GPU: the estimate passes RESCUE_CONTENTION
+    assert rank.contention > RESCUE_CONTENTION
+    out: Outbox = []
+    rank.on_candidate(0.5, _deferring("late", exec_at=8.0, latest=9.0), out)
+    rank.on_candidate(0.5, _deferring("urgent", exec_at=4.0, latest=4.5), out)
+    rank.on_candidate(0.5, _deferring("not-ok", exec_at=6.0, latest=8.5, early_ok=False), out)
+    assert _grants(out) == [] and rank.wake_at == pytest.approx(2.0)  # GPU 1 frees
+    rank.on_timer(2.0, out)
+    (grant,) = _grants(out)
+    # the most urgent by latest start goes first ("not-ok" is never started early)
+    assert grant.model == "urgent" and grant.gpu_id == 1 and grant.early
+    assert rank.n_rescues == 1
+
+
+def test_the_rescue_starts_nobody_ahead_of_a_more_urgent_candidate_that_is_not_early_ok() -> None:
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _busy(rank, 0.0, 1, until=2.0)
+    _contend(rank, 0.0, 6)
+    out: Outbox = []
+    rank.on_candidate(0.5, _deferring("ok", exec_at=4.0, latest=4.5), out)
+    rank.on_candidate(0.5, _deferring("not-ok", exec_at=3.0, latest=3.5, early_ok=False), out)
+    rank.on_timer(2.0, out)
+    assert _grants(out) == []  # GPU 1 waits for "not-ok"'s exec time, when it wants it
+    rank.on_timer(3.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "not-ok" and not grant.early
+
+
+def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgent_than_pending(
+) -> None:
+    rank = RankThread([0], 0.0)
+    _busy(rank, 0.0, 0, until=5.0)
+    _contend(rank, 0.0, 6)
+    out: Outbox = []
+    rank.on_candidate(1.0, _cand("due", 2, exec_at=1.0, latest=9.0), out)  # pending
+    rank.on_candidate(1.0, _deferring("deferring", exec_at=6.0, latest=7.0), out)
+    assert rank.pending_models() == ["due"]
+    rank.on_timer(5.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "deferring" and grant.early
+    assert rank.pending_models() == ["due"]

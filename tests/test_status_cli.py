@@ -1,15 +1,44 @@
 """``zserve status ADDRESS`` against a running cluster, run as the real command in a subprocess:
 it names every role, each model with its SLO and readiness, each backend with its device, and
-the request rates."""
+the request rates; against a cluster ``zserve up --detach`` started, each role's pid and restart
+count from the state file its supervisor rewrites (a killed backend: a new pid, one restart)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from runtime_helpers import wait_until
 
 from zserve.config import parse_config
 from zserve.supervisor import Cluster
+
+ZSERVE = [sys.executable, "-m", "zserve"]
+COMMAND_TIMEOUT_S = 120.0
+CLUSTER_TOML = """
+[cluster]
+name = "statustest"
+drain_s = 2.0
+
+[scheduler]
+shards = 0
+jitter_ms = 50.0
+
+[backends]
+count = 2
+device = "emulated"
+
+[[models]]
+name = "m"
+emulated = { alpha_ms = 1.0, beta_ms = 2.0, input_shape = [4] }
+slo_ms = 1500.0
+"""
 
 
 def test_status_prints_roles_models_backends_and_rates(tmp_path: Path) -> None:
@@ -31,7 +60,8 @@ def test_status_prints_roles_models_backends_and_rates(tmp_path: Path) -> None:
     for role_line in ("frontend-0   frontend  up", "shard-0      shard", "backend-0    backend",
                       "backend-1    backend"):
         assert role_line in out, out
-    assert "alpha        SLO 1500 ms  ready  backends 2 warmed / 2 live" in out, out
+    assert "alpha        SLO 1500 ms  ready  backends 2 warmed / 2 live  arrivals 0.0 r/s" \
+        "  queued 0  in flight 0" in out, out
     assert "beta         SLO 1500 ms  ready" in out, out
     assert "backend-0    device emulated" in out, out
     assert "requests over the last 0.2 s: received 0.0 r/s" in out, out
@@ -43,3 +73,59 @@ def test_status_of_an_address_where_nothing_answers_says_so(tmp_path: Path) -> N
          "--interval", "0"], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1
     assert "no StatsReply from the frontend" in done.stderr
+
+
+def _status(*args: str) -> str:
+    done = subprocess.run([*ZSERVE, "status", *args, "--interval", "0.1"], capture_output=True,
+                          text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _state(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads(path.read_text())
+    return state
+
+
+def _role_line(out: str, name: str) -> str:
+    (line,) = [line for line in out.splitlines()
+               if line.startswith(f"  {name} ") and "restarts" in line]  # under "roles:"
+    return line
+
+
+def test_status_shows_pids_and_restarts_of_a_cluster_zserve_up_started(tmp_path: Path) -> None:
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(CLUSTER_TOML)
+    state_dir = tmp_path / "state"
+    state_path = state_dir / "statustest.json"
+    up = subprocess.run([*ZSERVE, "up", str(toml), "--detach", "--state-dir", str(state_dir),
+                         "--ipc-dir", str(tmp_path)], capture_output=True, text=True,
+                        timeout=COMMAND_TIMEOUT_S, check=False)
+    assert up.returncode == 0, up.stderr
+    try:
+        state = _state(state_path)
+        address = state["client_addresses"][0]
+        out = _status(address, "--state-dir", str(state_dir))
+        for name in ("frontend-0", "shard-0", "backend-0", "backend-1"):
+            assert f"pid {state['pids'][name]}  restarts 0" in _role_line(out, name), out
+        old_pid = state["pids"]["backend-1"]
+        os.kill(old_pid, signal.SIGKILL)
+
+        def restarted() -> dict[str, Any] | None:
+            with contextlib.suppress(ValueError):  # not a torn read: written by rename
+                current = _state(state_path)
+                if current["restarts"]["backend-1"] == 1:
+                    return current
+            return None
+
+        state = wait_until(restarted, "the supervisor to record backend-1's restart",
+                           timeout_s=COMMAND_TIMEOUT_S)
+        assert state["pids"]["backend-1"] != old_pid
+        out = _status("--state-dir", str(state_dir))  # the recorded cluster's address
+        assert f"pid {state['pids']['backend-1']}  restarts 1" in _role_line(out, "backend-1")
+        assert "restarts 0" in _role_line(out, "backend-0"), out
+    finally:
+        down = subprocess.run([*ZSERVE, "down", "--state-dir", str(state_dir)],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                              check=False)
+    assert down.returncode == 0, down.stderr

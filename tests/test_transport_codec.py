@@ -66,9 +66,9 @@ def test_every_message_class_round_trips(transport_pair: Pair, message: Message)
 def test_header_layout_is_kind_then_fields_in_order() -> None:
     import msgpack
 
-    message = CandidateUpdate("m", 4, 1.0, 2.0, 0.5)
+    message = CandidateUpdate("m", 4, 1.0, 2.0, 0.5, 3.0, True)
     (header,) = codec.encode(message)
-    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5]
+    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5, 3.0, True]
 
     array = np.ones((1, FRAMED_INT16), dtype=np.int16)
     frames = codec.encode(InferReply(3, {"y": array}))

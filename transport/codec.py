@@ -35,10 +35,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from zserve.errors import ProtocolError, TooLargeError
+from zserve.errors import ProtocolError, TooLargeError, WireVersionError
 from zserve.transport import schema
 from zserve.transport.arrays import EncodedFrames, decode_array
-from zserve.transport.messages import ALL_MESSAGES, Message
+from zserve.transport.messages import ALL_MESSAGES, HANDSHAKES, Message, protocol_mismatch
 from zserve.transport.schema import ArrayFieldEncoder, array_field_encoders, wire_fields
 
 Frames = list[bytes | memoryview]
@@ -334,8 +334,27 @@ def _explain(
 ) -> ProtocolError:
     """The error of a header that failed to decode or a check after it (the slow path)."""
     items = bounded_parse(header, limits)
-    error: ProtocolError = schema.first_problem(items, buffers, cause)
+    error: ProtocolError = _version_problem(items) or schema.first_problem(items, buffers, cause)
     return error
+
+
+# Where each handshake's header carries ``protocol`` (after the kind; fields are only appended).
+_PROTOCOL_POSITION = {cls.KIND: (cls.__name__,
+                                 1 + [f.name for f in wire_fields(cls)].index("protocol"))
+                      for cls in HANDSHAKES}
+
+
+def _version_problem(items: Any) -> WireVersionError | None:
+    """A handshake that failed to decode and names another wire protocol version where this
+    version has ``protocol`` (a later version appended fields): the line naming both versions.
+    None for anything else (the usual error explains it)."""
+    if not isinstance(items, list) or not items or not isinstance(items[0], str):
+        return None
+    name, position = _PROTOCOL_POSITION.get(items[0], ("", 0))
+    if not position or len(items) <= position or type(items[position]) is not int:
+        return None
+    refusal = protocol_mismatch(f"a peer's {name}", items[position])
+    return None if refusal is None else WireVersionError(refusal)
 
 
 def recover_request_id(header: Any) -> int | None:

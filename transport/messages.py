@@ -36,11 +36,15 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
-WIRE_PROTOCOL_VERSION = 1
-"""The version of this module's wire messages, carried last in every handshake (``ClientHello``,
-``Hello``, ``BackendRegister``, ``Ready``). A receiver refuses a peer of another version with one
-line naming both (``protocol_mismatch``). A peer that predates the field sends none and reads as
-version 1 (the field's default)."""
+WIRE_PROTOCOL_VERSION = 2
+"""The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
+``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
+``protocol``. A receiver refuses a peer of another version with one line naming both
+(``protocol_mismatch``): the receiving host when the handshake decodes, else the codec
+(``zserve.errors.WireVersionError``: a later version's handshake with other fields, whose
+``protocol`` still sits where this version has it). A peer from before the field sends one field
+fewer and is refused as malformed by the arity check. Version 2: the rescue's fields of
+``CandidateUpdate`` and ``GrantGpu``."""
 
 
 def protocol_mismatch(peer: str, theirs: int) -> str | None:
@@ -170,13 +174,18 @@ class DropNotice(Message, frozen=True, tag="drop"):
 
 class CandidateUpdate(Message, frozen=True, tag="cand"):
     """Shard -> rank: a model's current batch candidate (latest value wins).
-    ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size."""
+    ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size.
+    ``duration`` is l(batch_size), what the batch holds a GPU for; ``early_ok``: the candidate is
+    deferring by choice, and the rank may start it before ``exec_at`` on an idle GPU when waiting
+    would lose its grant window (``deferred-rescue``, zserve.scheduler.policy)."""
 
     model: str
     batch_size: int
     exec_at: float
     latest: float
     send_delay: float
+    duration: float = 0.0
+    early_ok: bool = False
 
 
 class GrantGpu(Message, frozen=True, tag="grant"):
@@ -189,6 +198,8 @@ class GrantGpu(Message, frozen=True, tag="grant"):
     free_at: float
     # The scheduler epoch of the rank that granted (``zserve.epochs``).
     epoch: int = 0
+    # Granted before the candidate's exec time (a rescue): the batch starts as soon as it can.
+    early: bool = False
 
 
 class GrantAnswer(Message, frozen=True, tag="gans"):
@@ -514,5 +525,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 for _cls in ALL_MESSAGES:
     _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment]
 del _cls
+
+HANDSHAKES: tuple[type[Message], ...] = (ClientHello, Hello, BackendRegister, Ready)
+"""The messages that open a conversation and carry ``protocol`` (``WIRE_PROTOCOL_VERSION``)."""
 
 MESSAGES_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}

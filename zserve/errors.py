@@ -136,6 +136,11 @@ class ProtocolError(BadRequestError):
     """A wire message failed to decode or validate (wrong kind, arity, types, frames or sizes)."""
 
 
+class WireVersionError(ProtocolError):
+    """A handshake (``transport.messages.HANDSHAKES``) of another wire protocol version whose
+    fields differ from this version's: the message names both versions."""
+
+
 class UnroutableError(UnavailableError):
     """A ROUTER send named a peer identity that is not connected (ROUTER_MANDATORY)."""
 

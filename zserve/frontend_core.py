@@ -107,7 +107,8 @@ FRONTEND_HISTOGRAMS = {
 ``queueing/<model>`` (the ``queueing`` hop of one model), ``execution/<model>`` (one value per
 batch) and ``latency/<model>`` (admission -> answer), and the counters ``outcome/<model>/<o>``
 (``o``: ``ok`` or an ``ErrorKind`` value; answers after admission and rejections of a configured
-model) that ``zserve.metrics`` exports."""
+model) that ``zserve.metrics`` exports. ``admit_to_answer`` and ``queueing`` are the sums of
+``latency/<model>`` and ``queueing/<model>``, summed when a snapshot is taken."""
 QUEUEING_OF_MODEL = "queueing/{}"
 EXECUTION_OF_MODEL = "execution/{}"
 LATENCY_OF_MODEL = "latency/{}"
@@ -350,10 +351,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             self._execution_of[batch_model].observe(execution)
 
     def _note_queueing(self, p: Pending, delay: float) -> None:
-        self._queueing.observe(delay)
-        by_model = self._queueing_of.get(p.model)
-        if by_model is not None:
-            by_model.observe(delay)
+        self._queueing_of[p.model].observe(delay)  # queueing: stats()
 
     def on_batch_failed(self, now: float, msg: BatchFailed, outbox: Outbox) -> None:
         kind = error_kind(msg.error)
@@ -463,8 +461,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         self.counters[self._outcome_names[p.model][_WIRE_ERRORS[kind]]] += 1
         if client is not None:
             self._send_error(client, p.client_rid, kind, message, outbox)
-            self._admit_to_answer.observe(now - p.arrival)
-            self._latency_of[p.model].observe(now - p.arrival)
+            self._latency_of[p.model].observe(now - p.arrival)  # admit_to_answer: stats()
 
     def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
                         outbox: Outbox) -> None:
@@ -481,8 +478,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             answers.outputs.append(outputs)
         else:
             outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
-        self._admit_to_answer.observe(now - p.arrival)
-        self._latency_of[p.model].observe(now - p.arrival)
+        self._latency_of[p.model].observe(now - p.arrival)  # admit_to_answer: stats()
 
     def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
         for p in list(self.requests.pending.values()):
@@ -557,6 +553,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """The request table's state and the ``zserve.stats`` snapshot (``counters``,
         ``latency``, ``histograms``); ``reset`` starts a new window."""
+        self._sum_per_model()
         return {
             "name": self.name,
             "incarnation": self.ids.incarnation,
@@ -568,3 +565,13 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             "models": {name: m.pending for name, m in self.models.items()},
             **self._stats.snapshot(reset),
         }
+
+    def _sum_per_model(self) -> None:
+        """``admit_to_answer`` and ``queueing`` are the sums of their per-model histograms
+        (every pending request's model is configured), so the answer path observes each value
+        once; they are summed here, when a snapshot is taken, not per request."""
+        for total, parts in ((self._admit_to_answer, self._latency_of),
+                             (self._queueing, self._queueing_of)):
+            total.reset()
+            for part in parts.values():
+                total.merge(part)

@@ -18,6 +18,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -52,6 +56,10 @@ _EXPORTED_INDICES = {
     for scheme, bounds in BOUNDS.items()}
 # Batch-size buckets (rows): powers of two up to the largest batch any model allows.
 BATCH_ROW_BOUNDS = tuple(2 ** i for i in range(11))  # 1 .. 1024
+# zserve_backend_busy_fraction spans the last BUSY_WINDOW_S of scrapes: from the newest scrape at
+# least this old (or the oldest one kept, when none is) to now. Long enough that a second scraper
+# (a person with curl between two Prometheus scrapes) does not shrink it to a blip.
+BUSY_WINDOW_S = 10.0
 
 StatsReader = Callable[[], dict[str, Any] | None]
 # Run on the frontend's loop: its ClusterStatsRequest(reset=False) answer (None: not serving).
@@ -133,13 +141,44 @@ def frontend_families(name: str, stats: Mapping[str, Any],
     return out
 
 
-def backend_families(cluster: Mapping[str, Mapping[str, Any]],
-                     models: frozenset[str]) -> list[Metric]:
-    """Batch sizes per backend and model, and each backend's busy time."""
+class BusyWindows:
+    """Each backend's busy fraction over its recent scrapes: the increase of its busy seconds
+    (``busy_total_s``, never reset) over the time between the reference scrape and this one.
+    Scrapes may come from several HTTP threads at once (hence the lock)."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._lock = threading.Lock()
+
+    def fraction(self, backend: str, now: float, busy_total_s: float) -> float:
+        """Record ``(now, busy_total_s)``; the busy share since the reference scrape (NaN on a
+        backend's first scrape, and after its counter went back: a restarted process)."""
+        with self._lock:
+            samples = self._samples.setdefault(backend, deque())
+            if samples and busy_total_s < samples[-1][1]:
+                samples.clear()
+            samples.append((now, busy_total_s))
+            while len(samples) > 2 and samples[1][0] <= now - self.window_s:
+                samples.popleft()  # the next one is old enough to be the reference
+            then, busy_then = samples[0]
+        if now <= then:
+            return math.nan
+        return min(1.0, (busy_total_s - busy_then) / (now - then))
+
+
+def backend_families(cluster: Mapping[str, Mapping[str, Any]], models: frozenset[str],
+                     busy_windows: BusyWindows | None = None) -> list[Metric]:
+    """Batch sizes per backend and model, and each backend's busy time and busy fraction
+    (with ``busy_windows``, which keeps the scrapes it spans)."""
     rows = HistogramMetricFamily("zserve_batch_size_rows", "Rows per batch a backend ran",
                                  labels=["backend", "model"])
     busy = CounterMetricFamily("zserve_backend_busy_seconds", "Seconds the backend's device "
                                "ran batches (rate(): the busy fraction)", labels=["backend"])
+    fraction = GaugeMetricFamily("zserve_backend_busy_fraction", "Share of the recent scrapes' "
+                                 f"span (at least {BUSY_WINDOW_S:g} s, else since the first) the "
+                                 "backend's device ran batches", labels=["backend"])
+    now = time.monotonic()
     for name, stats in sorted(cluster.items()):
         if stats.get("role") != "backend":
             continue
@@ -147,8 +186,11 @@ def backend_families(cluster: Mapping[str, Mapping[str, Any]],
             if model in models:
                 buckets, total = _batch_rows(sizes)
                 rows.add_metric([name, model], buckets, total)
-        busy.add_metric([name], float(stats.get("busy_total_s", 0.0)))
-    return [rows, busy]
+        busy_total_s = float(stats.get("busy_total_s", 0.0))
+        busy.add_metric([name], busy_total_s)
+        if busy_windows is not None:
+            fraction.add_metric([name], busy_windows.fraction(name, now, busy_total_s))
+    return [rows, busy, fraction]
 
 
 _SHARD_COUNTERS = (
@@ -172,6 +214,9 @@ def scheduler_families(cluster: Mapping[str, Mapping[str, Any]],
     gauges = {key: GaugeMetricFamily(metric, doc, labels=labels)
               for key, metric, doc in _SHARD_GAUGES}
     gpus = GaugeMetricFamily("zserve_scheduler_gpus", "GPUs serving the model", labels=labels)
+    rate = GaugeMetricFamily("zserve_scheduler_arrival_rate", "The arrival rate the scheduler "
+                             "measures (requests/s; NaN before its first measurement)",
+                             labels=labels)
     for name, stats in sorted(cluster.items()):
         rows = stats.get("models")
         if stats.get("role") == "backend" or not isinstance(rows, dict):
@@ -184,12 +229,31 @@ def scheduler_families(cluster: Mapping[str, Mapping[str, Any]],
             for key, gauge in gauges.items():
                 gauge.add_metric([name, model], float(row.get(key, 0)))
             gpus.add_metric([name, model], float(len(row.get("gpus", []))))
-    return [*counters.values(), *gauges.values(), gpus]
+            if "rate_rps" in row:  # a shard that reports its rate meter's reading
+                measured = row["rate_rps"]
+                rate.add_metric([name, model], math.nan if measured is None else float(measured))
+    return [*counters.values(), *gauges.values(), gpus, rate]
 
 
-def cluster_families(frontend: str, stats: Mapping[str, Any] | None,
-                     models: frozenset[str]) -> list[Metric]:
-    """Every family of one ``ClusterStatsRequest`` answer (None: the frontend did not answer)."""
+def readiness_families(frontend: str, stats: Mapping[str, Any],
+                       models: frozenset[str]) -> list[Metric]:
+    """What the frontend's health endpoints answer (``zserve.readiness``), as gauges."""
+    ready = GaugeMetricFamily("zserve_frontend_ready", "1 when the frontend admits requests and "
+                              "every configured model is ready (its health endpoints' answer)",
+                              labels=["frontend"])
+    ready.add_metric([frontend], 1.0 if stats.get("ready") else 0.0)
+    model_ready = GaugeMetricFamily("zserve_model_ready", "1 when a live, warmed backend serves "
+                                    "the model", labels=["frontend", "model"])
+    unready = set(stats.get("unready_models", models))
+    for model in sorted(models):
+        model_ready.add_metric([frontend, model], 0.0 if model in unready else 1.0)
+    return [ready, model_ready]
+
+
+def cluster_families(frontend: str, stats: Mapping[str, Any] | None, models: frozenset[str],
+                     busy_windows: BusyWindows | None = None) -> list[Metric]:
+    """Every family of one ``ClusterStatsRequest`` answer (None: the frontend did not answer);
+    ``busy_windows``: the scrapes the backends' busy fractions span (none: no fraction)."""
     up = GaugeMetricFamily("zserve_up", "1 if the process answered this scrape's stats request",
                            labels=["process"])
     up.add_metric([frontend], 1.0 if stats is not None else 0.0)
@@ -201,7 +265,9 @@ def cluster_families(frontend: str, stats: Mapping[str, Any] | None,
     for name in stats.get("cluster_silent", []):
         up.add_metric([name], 0.0)
     return [up, *frontend_families(frontend, stats, models),
-            *backend_families(cluster, models), *scheduler_families(cluster, models)]
+            *readiness_families(frontend, stats, models),
+            *backend_families(cluster, models, busy_windows),
+            *scheduler_families(cluster, models)]
 
 
 # --------------------------------------------------------------------------- serving
@@ -214,9 +280,10 @@ class ClusterCollector(Collector):
         self.frontend = frontend
         self.models = frozenset(models)
         self.read = read
+        self.busy_windows = BusyWindows()
 
     def collect(self) -> Iterator[Metric]:
-        yield from cluster_families(self.frontend, self.read(), self.models)
+        yield from cluster_families(self.frontend, self.read(), self.models, self.busy_windows)
 
 
 def in_process_stats_reader(loop: asyncio.AbstractEventLoop, ask: StatsAsker) -> StatsReader:
@@ -269,5 +336,5 @@ def serve_frontend_metrics(address: str, frontend: str, models: Iterable[str],
     return server
 
 
-__all__ = ["ClusterCollector", "MetricsServer", "cluster_families", "histogram_buckets",
-           "in_process_stats_reader", "serve_frontend_metrics"]
+__all__ = ["BusyWindows", "ClusterCollector", "MetricsServer", "cluster_families",
+           "histogram_buckets", "in_process_stats_reader", "serve_frontend_metrics"]

@@ -16,8 +16,8 @@ batch whose per-request cost l(b)/b is within 5% of the target's still fits. In 
 raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 942 to 970 r/s
 (InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
 
-SCHEDULE_POLICIES = ("deferred", "deferred-bl", "deferred-adaptive", "frontrun", "latest",
-                     "eager", "eager-edf", "timeout")
+SCHEDULE_POLICIES = ("deferred", "deferred-bl", "deferred-rescue", "frontrun", "latest", "eager",
+                     "eager-edf", "timeout")
 DROP_POLICIES = ("window", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
@@ -28,8 +28,8 @@ KIND_EAGER = 3
 KIND_TIMEOUT = 4
 _KIND_BY_NAME = {
     "deferred": KIND_DEFERRED,
-    "deferred-bl": KIND_DEFERRED,
-    "deferred-adaptive": KIND_DEFERRED,  # the flag is its name (zserve.scheduler.policy)
+    "deferred-bl": KIND_DEFERRED,  # the same policy under its older name
+    "deferred-rescue": KIND_DEFERRED,  # the rule differs by name (zserve.scheduler.policy)
     "frontrun": KIND_FRONTRUN,
     "latest": KIND_LATEST,
     "eager": KIND_EAGER,
@@ -65,7 +65,7 @@ class SchedulePolicy:
 
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
-        """``deferred`` | ``deferred-bl`` | ``deferred-adaptive`` | ``frontrun`` | ``latest`` |
+        """``deferred`` | ``deferred-bl`` | ``deferred-rescue`` | ``frontrun`` | ``latest`` |
         ``eager`` | ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``
         (``window``, the default, means ``alone`` for ``eager-edf``). Raises PolicyError (a
         ValueError) naming the choices and, in ``key``, which of the two names is at fault."""

@@ -5,7 +5,10 @@ running cluster in its state folder) for ``ClusterStatsRequest(reset=False)`` tw
 ``--interval`` seconds apart, and prints what the second answer says plus the rates between the
 two (requests by outcome, the scheduler's arrivals, each backend's busy fraction). Readiness is
 the frontend's own (``zserve.readiness``: admitting, and every configured model served by a live,
-warmed backend).
+warmed backend). Each role's pid and restart count come from the state file of the cluster
+``zserve up`` recorded with that client address, which its supervisor rewrites whenever a
+restarted role is ready (``-`` for a cluster started otherwise); a role's own stats give its
+pid where they carry one.
 """
 
 from __future__ import annotations
@@ -32,19 +35,39 @@ def _recorded_address(state_dir_arg: str | None) -> str:
     return addresses[0]
 
 
+def _recorded_state(address: str, state_dir_arg: str | None) -> dict[str, Any]:
+    """The state file of the recorded cluster with a frontend at ``address`` ({}: none)."""
+    state_dir = state_dir_for(state_dir_arg)
+    for path in sorted(state_dir.glob("*.json")) if state_dir.exists() else []:
+        try:
+            state: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):  # being rewritten, or not ours
+            continue
+        if address in state.get("client_addresses", []):
+            return state
+    return {}
+
+
 def _rate(before: dict[str, Any], after: dict[str, Any], key: str, interval_s: float) -> float:
     return (float(after.get(key, 0)) - float(before.get(key, 0))) / interval_s
 
 
-def _print_roles(stats: dict[str, Any]) -> None:
+def _print_roles(stats: dict[str, Any], state: dict[str, Any]) -> None:
+    """One line per role: answered (up) or silent, pid, restarts (from ``state``: ``-``)."""
+    pids, restarts = state.get("pids", {}), state.get("restarts", {})
+
+    def recorded(name: str, own_pid: Any = None) -> str:
+        pid = own_pid if own_pid is not None else pids.get(name, "-")
+        return f"pid {pid}  restarts {restarts.get(name, '-')}"
+
     print("roles:")
-    print(f"  {stats['name']:<12} frontend  up  pid {stats.get('pid')}  "
-          f"incarnation {stats.get('incarnation')}  in flight {stats.get('pending')}")
+    print(f"  {stats['name']:<12} frontend  up      {recorded(stats['name'], stats.get('pid'))}"
+          f"  incarnation {stats.get('incarnation')}  in flight {stats.get('pending')}")
     for name, peer in sorted(stats.get("cluster", {}).items()):
-        role = peer.get("role", "?")
-        print(f"  {name:<12} {role:<9} up  pid {peer.get('pid', '-')}")
+        print(f"  {name:<12} {peer.get('role', '?'):<9} up      "
+              f"{recorded(name, peer.get('pid'))}")
     for name in stats.get("cluster_silent", []):
-        print(f"  {name:<12} {'?':<9} silent (did not answer within 0.5 s)")
+        print(f"  {name:<12} {'?':<9} silent  {recorded(name)}  (did not answer within 0.5 s)")
 
 
 def _print_models(before: dict[str, Any], stats: dict[str, Any], interval_s: float) -> None:
@@ -53,13 +76,26 @@ def _print_models(before: dict[str, Any], stats: dict[str, Any], interval_s: flo
                 if peer.get("role") == "backend"}
     unready = set(stats.get("unready_models", []))
     counters, counters0 = stats.get("counters", {}), before.get("counters", {})
+    scheduled, scheduled0 = _shard_rows(stats), _shard_rows(before)
     for model, slo_ms in sorted(stats.get("slo_ms", {}).items()):
         live = [n for n, b in backends.items() if model in b.get("models", [])]
         warmed = [n for n in live if backends[n].get("warmed", {}).get(model)]
         ok = _rate(counters0, counters, f"outcome/{model}/ok", interval_s)
+        row = scheduled.get(model, {})
+        arrivals = _rate(scheduled0.get(model, {}), row, "arrived", interval_s)
         print(f"  {model:<12} SLO {slo_ms:g} ms  {'ready' if model not in unready else 'UNREADY'}"
               f"  backends {len(warmed)} warmed / {len(live)} live"
+              f"  arrivals {arrivals:.1f} r/s  queued {row.get('queued', 0)}"
               f"  in flight {stats.get('models', {}).get(model, 0)}  ok {ok:.1f} r/s")
+
+
+def _shard_rows(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each model's row of the shard that schedules it (arrivals, queue length)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for peer in stats.get("cluster", {}).values():
+        if peer.get("role") == "shard" and isinstance(peer.get("models"), dict):
+            rows.update(peer["models"])
+    return rows
 
 
 def _print_backends(before: dict[str, Any], stats: dict[str, Any], interval_s: float) -> None:
@@ -106,7 +142,7 @@ def main(argv: list[str]) -> int:
         print(f"zserve status: {exc}", file=sys.stderr)
         return 1
     print(f"cluster at {address}: {'ready' if stats.get('ready') else 'NOT READY'}")
-    _print_roles(stats)
+    _print_roles(stats, _recorded_state(address, args.state_dir))
     _print_models(before, stats, args.interval)
     _print_backends(before, stats, args.interval)
     _print_requests(before, stats, args.interval)

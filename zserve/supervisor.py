@@ -137,6 +137,9 @@ class Supervisor:
         self._stop_drain_s: float | None = None
         self.peers: dict[str, str] = {}
         self.started = False
+        # Called (on the serving thread) when a restarted child is ready: `zserve up` rewrites
+        # its state file then, so `zserve status` shows current pids and restart counts.
+        self.on_child_ready: Callable[[], None] | None = None
         self.closed = False
         # What the frontends last said of the schedulers: {"active": name, "epoch": int}.
         self.scheduler_view: dict[str, Any] = {}
@@ -255,6 +258,8 @@ class Supervisor:
             log.info("%s ready (pid %d): %s", name, msg.pid, msg.endpoints)
             if self.started:  # a restart: it gets the same peer map as before
                 self._send(child, self._peer_ready())
+                if self.on_child_ready is not None:
+                    self.on_child_ready()
             with self._cond:
                 self._cond.notify_all()
         elif type(msg) is StatsReply:

@@ -4,8 +4,9 @@
 naming its key, exit code 2, nothing started), then runs a ``Supervisor`` (``zserve.supervisor``)
 in the foreground until SIGINT/SIGTERM, then drains it; ``--detach`` starts that in a new session
 and returns once the cluster is up, printing where clients connect. A running cluster leaves a
-pid file and a state file (JSON: client addresses, run folder, child pids) in the state folder,
-which ``zserve down`` reads to drain it.
+pid file and a state file (JSON: client addresses, run folder, child pids and restart counts,
+rewritten when a restarted child is ready) in the state folder, which ``zserve down`` reads to
+drain it and ``zserve status`` to name each role's pid and restarts.
 """
 
 from __future__ import annotations
@@ -130,18 +131,29 @@ def _report(problems: Iterable[Problem]) -> None:
         print(f"zserve up: {problem}", file=sys.stderr)
 
 
-def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_path: Path) -> None:
-    """The cluster is up: write its state and pid files, print where clients connect."""
-    name = supervisor.config.name
+def _write_state(supervisor: Supervisor, config_path: str, state_path: Path) -> None:
+    """The state file (`zserve down` and `zserve status` read it): client addresses, run folder,
+    each child's pid and how many times the supervisor restarted it."""
+    children = supervisor.children
     state = {
-        "name": name,
+        "name": supervisor.config.name,
         "pid": os.getpid(),
         "config": str(Path(config_path).resolve()),
         "client_addresses": supervisor.client_addresses,
         "run_dir": supervisor.run_dir,
-        "pids": {child_name: child.pid for child_name, child in supervisor.children.items()},
+        "pids": {child_name: child.pid for child_name, child in children.items()},
+        "restarts": {child_name: len(child.restart_history)
+                     for child_name, child in children.items()},
     }
     _write_atomic(state_path, json.dumps(state, indent=2) + "\n")
+
+
+def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_path: Path) -> None:
+    """The cluster is up: write its state and pid files (the state file again whenever a
+    restarted child is ready), print where clients connect."""
+    name = supervisor.config.name
+    _write_state(supervisor, config_path, state_path)
+    supervisor.on_child_ready = lambda: _write_state(supervisor, config_path, state_path)
     _write_atomic(pid_path, f"{os.getpid()}\n")
     security = supervisor.config.security
     for address in supervisor.client_addresses:
