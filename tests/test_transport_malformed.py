@@ -18,7 +18,7 @@ from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_withi
 
 from zserve.errors import ProtocolError, TooLargeError
 from zserve.transport import codec, socket_io
-from zserve.transport.messages import CancelRequest
+from zserve.transport.messages import WIRE_PROTOCOL_VERSION, CancelRequest
 from zserve.transport.sockets import make_dealer, make_router
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
@@ -61,7 +61,8 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         "BackendTable.models",
     ),
     "int-map-key": ([b"\x93\xa5ready" + b"\x81\x01\x02"], ProtocolError, "not valid msgpack"),
-    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"}, 1)], ProtocolError, "endpoints"),
+    "bytes-map-key": ([_pack("ready", "r", "n", 1, {b"k": "v"}, WIRE_PROTOCOL_VERSION)],
+                      ProtocolError, "endpoints"),
     "non-native-stats": (
         [_pack("stats", "n", {"x": msgpack.ExtType(1, b"z")})],
         ProtocolError,
@@ -183,7 +184,8 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
         "has 5 fields",
     ),
     "client-hello-not-list": (
-        [_pack("chello", "answers", 1)], ProtocolError, "ClientHello.accepts"),
+        [_pack("chello", "answers", WIRE_PROTOCOL_VERSION)], ProtocolError,
+        "ClientHello.accepts"),
 }
 
 TIGHT = codec.DecodeLimits(
