@@ -611,8 +611,10 @@ class ModelThread(CandidateSizing):
               and sent[3] == early_ok):
             return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
+        # the duration feeds only deferred-rescue's projection: no work for the other policies
+        duration = self._expected_duration(now, bs) if self._rescue else 0.0
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
-                                                self._expected_duration(now, bs), early_ok)))
+                                                duration, early_ok)))
 
     def _expected_duration(self, now: float, bs: int) -> float:
         """l(b) of the batch expected at the exec time: bs plus the requests the metered rate

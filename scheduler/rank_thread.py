@@ -359,7 +359,7 @@ class RankThread:
                     continue  # purged some; re-evaluate
                 continue
             wake = t_model if t_model < t_gpu else t_gpu
-            if not self._pending and self._n_early_ok and len(self._version) > 1:
+            if not self._pending and self._may_rescue():
                 t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
                             else self._rescue_at_risk(now, outbox))
                 if t_rescue is None:
@@ -370,11 +370,14 @@ class RankThread:
 
     # ------------------------------------------------------------------ rescue
 
+    def _may_rescue(self) -> bool:
+        """An early_ok candidate exists and more than one model has been seen (with one model
+        there is nothing to arbitrate)."""
+        return self._n_early_ok > 0 and len(self._version) > 1
+
     def _rescuing(self) -> bool:
-        """Whether the rescue is on: an early_ok candidate exists, the cluster is contended, and
-        more than one model has been seen (with one model there is nothing to arbitrate)."""
-        return (self._n_early_ok > 0 and self.contention > RESCUE_CONTENTION
-                and len(self._version) > 1)
+        """Whether the contention rescue is on: it may rescue, and the cluster is contended."""
+        return self.contention > RESCUE_CONTENTION and self._may_rescue()
 
     def _rescue_at_risk(self, now: float, outbox: Outbox) -> float | None:
         """The rescue below the contention bar, for a window that will certainly be lost: with a
