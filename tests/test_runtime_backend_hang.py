@@ -51,6 +51,7 @@ DETECT_BOUND_S = 0.75
 FAILED_BOUND = 3 * MAX_BATCH
 POLL_S = 0.02
 BACK_TIMEOUT_S = 15.0
+REVIVED_BATCHES = 5  # batches the revived backend runs before the figures are read
 
 
 def hang_config() -> ClusterConfig:
@@ -149,7 +150,11 @@ class Scenario:
             assert time.monotonic() - resumed_at < BACK_TIMEOUT_S, "the backend never came back"
             await asyncio.sleep(POLL_S)
         self.figures["back_s"] = time.monotonic() - resumed_at
-        await asyncio.sleep(0.3)  # a little load on the revived backend
+        # some load on the revived backend: a few more batches of its own, not a guessed time
+        back = (await self.stats(victim))["counters_total"]["batches_ok"]
+        while (await self.stats(victim))["counters_total"]["batches_ok"] < back + REVIVED_BATCHES:
+            assert time.monotonic() - resumed_at < BACK_TIMEOUT_S, "the backend ran nothing more"
+            await asyncio.sleep(POLL_S)
         self.figures["victim"] = (await self.stats(victim))["counters_total"]
         self.figures["frontend"] = (await self.stats("frontend-0"))["counters"]
         shard = await self.stats("shard-0")
