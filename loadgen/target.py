@@ -236,6 +236,21 @@ def backend_addresses(peers: dict[str, str]) -> dict[str, str]:
     }
 
 
+def recorded_oip_addresses(client_address: str, config: Any) -> dict[str, list[str]]:
+    """Where the running cluster with a frontend at ``client_address`` serves the Open Inference
+    Protocol: as its state file records them (`zserve up` writes the ports the kernel picked for
+    a configured port 0), else as ``config`` names them where it names a port."""
+    from zserve.supervisor_cli import recorded_state
+
+    recorded = recorded_state(client_address).get("oip_addresses")
+    if isinstance(recorded, dict):
+        return {str(server): [str(a) for a in addresses]
+                for server, addresses in recorded.items()}
+    return {server: [a for a in getattr(config.frontends, f"{server}_addresses")
+                     if not a.endswith(":0")]
+            for server in ("http", "grpc")}
+
+
 @contextlib.contextmanager
 def open_target(
     spec: str, workload: Workload, *, cluster_config: str | None, model_map: dict[str, str]
@@ -255,9 +270,9 @@ def open_target(
             return
         config = load_config(cluster_config)
         peers = config.static_peers(config.ipc_dir)
-        yield at_address(
-            target_from_config(config, spec, backend_addresses(peers), workload, model_map)
-        )
+        target = target_from_config(config, spec, backend_addresses(peers), workload, model_map)
+        target.oip_addresses = recorded_oip_addresses(spec, config)
+        yield at_address(target)
         return
     config = load_config(spec)
     from zserve import supervisor

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,4 +129,54 @@ def test_status_shows_pids_and_restarts_of_a_cluster_zserve_up_started(tmp_path:
         down = subprocess.run([*ZSERVE, "down", "--state-dir", str(state_dir)],
                               capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
                               check=False)
+    assert down.returncode == 0, down.stderr
+
+
+WORKLOAD_TOML = """
+[workload]
+name = "bench-at-address"
+gpus = 2
+seed = 1
+rate = 20
+arrival = "poisson"
+warmup_s = 0.5
+measure_s = 1.0
+cooldown_s = 0.5
+
+[[models]]
+name = "m"
+slo_ms = 1500.0
+alpha_ms = 1.0
+beta_ms = 2.0
+"""
+
+
+def test_bench_at_an_address_finds_the_oip_port_the_kernel_picked(tmp_path: Path) -> None:
+    # `zserve up` records where its frontends serve the Open Inference Protocol (port 0 in the
+    # config: the kernel's pick), and `zserve bench ADDRESS --protocol http-json` sends there
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(CLUSTER_TOML.replace(
+        "[backends]", '[frontends]\nhttp_addresses = ["127.0.0.1:0"]\n\n[backends]'))
+    workload = tmp_path / "workload.toml"
+    workload.write_text(WORKLOAD_TOML)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime")}
+    up = subprocess.run([*ZSERVE, "up", str(toml), "--detach", "--ipc-dir", str(tmp_path)],
+                        capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,
+                        env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        state = _state(tmp_path / "runtime" / "zserve" / "statustest.json")
+        (http,) = state["oip_addresses"]["http"]
+        assert not http.endswith(":0"), state
+        bench = subprocess.run(
+            [*ZSERVE, "bench", state["client_addresses"][0], str(workload), "--cluster",
+             str(toml), "--protocol", "http-json", "--rate", "20", "--no-progress"],
+            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False, env=env)
+        assert bench.returncode == 0, bench.stderr + bench.stdout
+        # every request sent over HTTP was answered in time (a Poisson second: not exactly 20)
+        assert re.search(r"offered ([\d.]+) r/s  good \1 r/s  worst bad rate 0\.000%",
+                         bench.stdout), bench.stdout
+    finally:
+        down = subprocess.run([*ZSERVE, "down"], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S, check=False, env=env)
     assert down.returncode == 0, down.stderr

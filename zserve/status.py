@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from zserve.loadgen.target import FRONTEND_AT_ADDRESS, frontend_stats_reader
-from zserve.supervisor_cli import state_dir_for
+from zserve.supervisor_cli import recorded_state, state_dir_for
 
 DEFAULT_INTERVAL_S = 1.0
 
@@ -33,19 +33,6 @@ def _recorded_address(state_dir_arg: str | None) -> str:
                          "pass the frontend's client ADDRESS")
     addresses: list[str] = json.loads(found[0].read_text())["client_addresses"]
     return addresses[0]
-
-
-def _recorded_state(address: str, state_dir_arg: str | None) -> dict[str, Any]:
-    """The state file of the recorded cluster with a frontend at ``address`` ({}: none)."""
-    state_dir = state_dir_for(state_dir_arg)
-    for path in sorted(state_dir.glob("*.json")) if state_dir.exists() else []:
-        try:
-            state: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, ValueError):  # being rewritten, or not ours
-            continue
-        if address in state.get("client_addresses", []):
-            return state
-    return {}
 
 
 def _rate(before: dict[str, Any], after: dict[str, Any], key: str, interval_s: float) -> float:
@@ -142,7 +129,7 @@ def main(argv: list[str]) -> int:
         print(f"zserve status: {exc}", file=sys.stderr)
         return 1
     print(f"cluster at {address}: {'ready' if stats.get('ready') else 'NOT READY'}")
-    _print_roles(stats, _recorded_state(address, args.state_dir))
+    _print_roles(stats, recorded_state(address, args.state_dir))
     _print_models(before, stats, args.interval)
     _print_backends(before, stats, args.interval)
     _print_requests(before, stats, args.interval)

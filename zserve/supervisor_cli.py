@@ -40,6 +40,19 @@ def state_dir_for(arg: str | None) -> Path:
     return _state_dir(arg)
 
 
+def recorded_state(address: str, state_dir_arg: str | None = None) -> dict[str, Any]:
+    """The state file of the recorded cluster with a frontend at client ``address`` ({}: none)."""
+    state_dir = state_dir_for(state_dir_arg)
+    for path in sorted(state_dir.glob("*.json")) if state_dir.exists() else []:
+        try:
+            state: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):  # being rewritten, or not ours
+            continue
+        if address in state.get("client_addresses", []):
+            return state
+    return {}
+
+
 def _state_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
@@ -140,6 +153,10 @@ def _write_state(supervisor: Supervisor, config_path: str, state_path: Path) -> 
         "pid": os.getpid(),
         "config": str(Path(config_path).resolve()),
         "client_addresses": supervisor.client_addresses,
+        # Where the frontends serve the Open Inference Protocol: the ports the kernel picked for
+        # a configured port 0 (`zserve bench ADDRESS --protocol http-json` reads them).
+        "oip_addresses": {server: supervisor.frontend_endpoints(server)
+                          for server in ("http", "grpc")},
         "run_dir": supervisor.run_dir,
         "pids": {child_name: child.pid for child_name, child in children.items()},
         "restarts": {child_name: len(child.restart_history)
