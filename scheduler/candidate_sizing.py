@@ -5,8 +5,9 @@ computations over the ModelThread's deadline-ordered queue (parallel lists from 
 decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
 size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
 wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The
-``deferred`` policy's learned margin is updated here too (``_missed_window``). The event
-handling (arrivals, grants, timers) and what goes into the outbox stay in
+deferred policies' learned margin and window-loss estimate are updated here too
+(``_missed_window``). The event handling (arrivals, grants, timers) and what goes into the
+outbox stay in
 ``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's
 hot path, and reading the queue through ``self`` costs no argument passing.
 
@@ -32,6 +33,11 @@ from zserve.policies import (
 from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
+    DEFER_BACKOFF_MAX,
+    DEFER_LOSS_DECAY,
+    DEFER_LOSS_MAX,
+    DEFER_LOSS_RECENT,
+    DEFER_LOSS_WEIGHT,
     DEFER_MIN_JOINERS,
     DEFER_MISS_MAX_S,
     DEFER_MISS_WIDEN_S,
@@ -80,6 +86,9 @@ class CandidateSizing:
     _rescue_from: float
     _start_now: bool
     miss_margin_s: float
+    # deferred: this model's estimate of how often a deferred candidate loses its window
+    defer_loss: float
+    defer_backoff: int  # divides DEFER_LOSS_DECAY: doubles with each loss soon after the last
     # the candidate as last computed
     cand_bs: int  # in rows
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
@@ -124,7 +133,7 @@ class CandidateSizing:
         target = self.target
         if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
-        else:  # shares GPUs: beta*lambda - 1 (deferred); deferred-rescue: rescued by the rank
+        else:  # shares GPUs: deferred: rescued by the rank; deferred-bl: beta*lambda - 1
             self._defer_below = math.inf if self._rescue else beta_lambda - 1.0
             self._defer_shared = True
 
@@ -331,7 +340,7 @@ class CandidateSizing:
             exec_at = earliest
         elif self._rescue:
             exec_at = self._aim_rescue(now, earliest, deadline, bs, grow)
-        elif kind == KIND_DEFERRED:  # deferred (policy.py)
+        elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
             deferred = bs < self._defer_below
             if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
@@ -357,34 +366,59 @@ class CandidateSizing:
         self.cand_bs = bs
         self.cand_exec = exec_at
         self.cand_latest = latest
-        # deferred-rescue: the rank may start it early (its rescue); a staggered model only once its
-        # batch reaches beta*lambda - 1, where waiting no longer pays in throughput (policy.py)
-        self._cand_early_ok = self._rescue and exec_at > earliest and (
-            self._defer_shared or bs >= self._rescue_from)
-        self._cand_deferred = deferred
+        # deferred: the rank may start it early (its rescue); a staggered model only once its
+        # batch reaches beta*lambda - 1, where waiting no longer pays in throughput (policy.py).
+        # A shared model's deferring candidate is the one whose window may be lost.
+        waits = self._rescue and exec_at > earliest
+        self._cand_early_ok = waits and (self._defer_shared or bs >= self._rescue_from)
+        self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 
     def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,
                     grow: int) -> float:
-        """``deferred-rescue``: the frontrun moment while deferring pays, else ``earliest``.
-        Staggered models defer while below max(beta*lambda, b*) (as ``deferred``); every model
+        """``deferred``: the frontrun moment while deferring pays, else ``earliest``.
+        Staggered models defer while below max(beta*lambda, b*) (as ``deferred-bl``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
         (light load: nothing would join). Contention is the rank's: a deferring candidate is
         published ``early_ok`` (set in ``_aim``) and the rank starts it early while the
         cluster is short of GPUs (``RankThread``, rescue)."""
         if bs >= self._defer_below:
             return earliest
+        if self._defer_shared and self.defer_loss > DEFER_LOSS_MAX:
+            # its deferred windows are being lost (to other models' batches): waiting costs
+            # more heads than it buys joiners, so it starts at once while the estimate is high
+            return earliest
         aim = deadline - self.jitter_s - self._table[bs + grow]
-        if (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
+        if self._defer_shared and (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
             return earliest
         return aim
 
+    def _granted_in_window(self) -> None:
+        """``deferred``: a grant came for the candidate: a deferred one kept its window (the
+        loss estimate falls by DEFER_LOSS_WEIGHT), one started at once lets the estimate decay
+        (DEFER_LOSS_DECAY), so a model that stopped deferring tries again (policy.py)."""
+        loss = self.defer_loss
+        if self._cand_deferred:
+            loss -= DEFER_LOSS_WEIGHT * loss
+            if loss < DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # the losses are behind it
+                self.defer_backoff = 1
+        else:
+            loss -= DEFER_LOSS_DECAY / self.defer_backoff * loss
+        self.defer_loss = loss
+
     def _missed_window(self, now: float) -> None:
-        """A deferred candidate lost its grant window (policy.py, deferred): count it and aim
-        earlier, up to DEFER_MISS_MAX_S."""
+        """A deferred candidate lost its grant window (policy.py): count it; ``deferred`` raises
+        its estimate of lost windows, ``deferred-bl`` aims earlier, up to DEFER_MISS_MAX_S."""
         self._cand_deferred = False  # counted once
         self.n_window_misses += 1
+        if self._rescue:
+            loss = self.defer_loss
+            if loss > DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # soon after the last loss: back off
+                backoff = 2 * self.defer_backoff
+                self.defer_backoff = backoff if backoff < DEFER_BACKOFF_MAX else DEFER_BACKOFF_MAX
+            self.defer_loss = loss + DEFER_LOSS_WEIGHT * (1.0 - loss)
+            return
         margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
 

@@ -140,7 +140,7 @@ class ModelThread(CandidateSizing):
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
         self._kind = self._policy.kind
-        self._rescue = self._policy.name == "deferred-rescue"  # the rank may start it early
+        self._rescue = self._policy.rank_rescue  # the rank may start it early
         self._start_now = False  # set while an early (rescue) grant is planned
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
@@ -196,6 +196,8 @@ class ModelThread(CandidateSizing):
         self._cand_deferred = False
         self._cand_early_ok = False  # deferring by choice: the rank may start it early
         self.miss_margin_s = 0.0
+        self.defer_loss = 0.0
+        self.defer_backoff = 1
 
     # ------------------------------------------------------------------ attributes
 
@@ -236,8 +238,8 @@ class ModelThread(CandidateSizing):
         self._policy = policy
         self._drop = policy.drop
         self._kind = policy.kind
-        # deferred-rescue: the joiner rule and the rank's rescue (policy.py)
-        self._rescue = policy.name == "deferred-rescue"
+        # deferred: the joiner rule and the rank's rescue (policy.py)
+        self._rescue = policy.rank_rescue
         if hasattr(self, "_meter"):
             self._refresh_defer_below()
 
@@ -452,6 +454,8 @@ class ModelThread(CandidateSizing):
             self._update(now, _NEG_INF, outbox)
             self._publish(now, outbox)
             return
+        if self._rescue:
+            self._granted_in_window()
         self._start_now = grant.early  # a rescue: start at once, not at the aim
         self._update(now, grant.free_at, outbox)
         self._start_now = False
@@ -611,10 +615,11 @@ class ModelThread(CandidateSizing):
               and sent[3] == early_ok):
             return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
-        # the duration feeds only deferred-rescue's projection: no work for the other policies
+        # the duration feeds only deferred's projection: no work for the other policies
         duration = self._expected_duration(now, bs) if self._rescue else 0.0
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
-                                                duration, early_ok)))
+                                                duration, early_ok,
+                                                self._rescue and self._defer_shared)))
 
     def _expected_duration(self, now: float, bs: int) -> float:
         """l(b) of the batch expected at the exec time: bs plus the requests the metered rate

@@ -5,24 +5,7 @@ batch size. The policy names and their parse (``SchedulePolicy``) are the runtim
 Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` time); every policy
 runs through the same ModelThread/RankThread code paths:
 
-``deferred`` (default; ``deferred-bl`` is the same policy under its older name)
-    The second Symphony paper's rule (section 4.3). A candidate waits for its frontrun moment
-    ``d - l(bs + 1)`` only while
-
-    - ``bs < max(beta*lambda, b*)`` for a staggered model (n >= DEFER_STAGGER_MIN_GPUS and
-      beta*lambda >= 1, n = lambda*l(b*)/b* the GPUs its load needs; DESIGN section 3:
-      dispatching below the staggered batch wastes the stagger);
-    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, and waits only while
-      at least one more whole request is expected within beta. Such a model also learns a
-      margin from its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S,
-      each granted batch gives DEFER_MISS_RELAX_S back).
-
-    It keeps deferred at or above 0.95x eager on the eager-floor grid, but on shared GPUs it
-    mostly turns deferral off (``beta*lambda - 1`` is below 1 for most A100-zoo models at their
-    rates), so at light load the GPUs are busier than the load needs, and on the 10-model zoo
-    subset it trails eager by 3%.
-``deferred-rescue``
-    The candidate for the default that ``zserve experiment policy-grid`` measures against it.
+``deferred`` (default)
     Symphony's frontrun moment wherever waiting can pay, and never a GPU left idle for it while
     the cluster is short of GPUs. With lambda the model's metered rate, b* its rate-driven
     target batch size and n = lambda*l(b*)/b* the GPUs its load needs, a candidate of ``bs``
@@ -31,40 +14,67 @@ runs through the same ModelThread/RankThread code paths:
     - a model with the load of several GPUs (n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1)
       runs staggered over GPUs of its own (DESIGN section 3) and defers while
       ``bs < max(beta*lambda, b*)``, starting at once from there;
-    - any model starts at once when fewer than DEFER_MIN_JOINERS requests are expected before
-      its aim (lambda * (aim - now)): waiting would buy nothing but latency (light load: a lone
-      request runs in l(1) plus the allowances, on a GPU that is idle anyway);
+    - a model that shares its GPUs starts at once when fewer than DEFER_MIN_JOINERS requests
+      are expected before its aim (lambda * (aim - now)): waiting would buy nothing but latency
+      (light load: a lone request runs in l(1) plus the allowances, on a GPU that is idle
+      anyway). A staggered model keeps its aim: a batch started below its stagger costs the
+      stagger (InceptionResNetV2 x8 under Gamma(0.3) bursts: 736 against frontrun's 753 r/s
+      when the rule applied to it too);
     - a model that shares its GPUs with others defers, and its candidate is ``early_ok``: the
       rank may start it before its aim (the *rescue*, ``RankThread``). While more than
-      RESCUE_CONTENTION of the candidates that reach their exec time find every GPU busy, and
-      the rank serves more than one model, a GPU that frees (or is idle) goes to the most
-      urgent of the candidates waiting for a GPU and the early_ok ones, by latest start: the
-      work-conserving order of eager, with batches that grew up to the grant. Below that
-      contention the GPU waits for the next aim. A staggered model's candidate is early_ok only
-      from ``beta*lambda - 1`` requests on: on a contended cluster its GPUs are not its own, and
-      from there starting now costs less GPU time per request than waiting (the second paper's
-      throughput argument); below it, as for InceptionResNetV2 on the 3-model mix on 4 GPUs,
-      a rescue would run a batch of 1 for 23 ms. An early_ok candidate is published to the rank
-      at once (publish-ahead holds back only the others), since the rescue can only choose
-      among candidates it has seen.
+      RESCUE_CONTENTION of the shared models' candidates that reach their exec time find every
+      GPU busy, a GPU that frees (or is idle) goes to the most urgent of the candidates
+      waiting for a GPU and the early_ok ones, by latest start: the work-conserving order of
+      eager, with batches that grew up to the grant. Below that contention the GPU waits for
+      the next aim. A staggered model's candidate is early_ok only from ``beta*lambda - 1``
+      requests on: on a contended cluster its GPUs are not its own, and from there starting
+      now costs less GPU time per request than waiting (the second paper's throughput
+      argument); below it, as for InceptionResNetV2 on the 3-model mix on 4 GPUs, a rescue
+      would run a batch of 1 for 23 ms. A staggered model's candidate
+      that finds its GPUs busy is not contention: it does so at about 40% of its aims by design
+      (counted, Figure 6a's ten staggered models at beta 5 ms were rescued into smaller batches
+      and lost 13%). One model alone is rescued too: its own batches are the contention (one
+      GPU, beta/alpha 0.25: deferral left the GPU idle at 0.868 of eager, rescued 1.000). An
+      early_ok candidate is published to the rank at once (publish-ahead
+      holds back only the others), since the rescue can only choose among candidates it has
+      seen;
+    - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
+      their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
+      granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
+      meanwhile decays it by DEFER_LOSS_DECAY / ``defer_backoff``, so the model tries deferring
+      again after about 700 batches, and twice as late after each retry that soon loses again
+      (DEFER_LOSS_RECENT, DEFER_BACKOFF_MAX). This is the decision's cost side: waiting buys the
+      joiners expected before the aim, and costs the head whenever the window is lost.
 
-    Why: deferring on shared GPUs has two costs, and the rescue removes both. A deferred
-    candidate enters the contest for a GPU only at its aim, with a window ``jitter + l(bs + 1)
-    - l(bs)`` wide; with several models aiming into the same few milliseconds, a window closes
-    with every GPU busy and the head is lost (frontrun drops 1.9% of requests on the 10-model
-    zoo subset at 5,300 r/s with the GPUs 0.91 busy). And a GPU kept idle for an aim is capacity
-    the cluster lacks a moment later. The second paper's ``beta*lambda`` rule (``deferred``)
-    avoids both by not deferring on shared GPUs at all, which loses deferral's batching and the
-    load-proportional GPU use. Measured by ``zserve experiment policy-grid``: at or above
-    max(frontrun, eager) - 1% on the mixes where ``deferred`` trails eager, on the
-    load-proportional line at light load; but on one GPU shared by two models (the eager-floor
-    grid) a window lost to the other model's batch still costs heads at low rates, where
-    ``deferred`` does not defer at all (docs/performance.md, "The policy grid").
+    Below the contention bar a second rank trigger covers a loss that is certain: with a GPU
+    idle, the rank projects the waiting candidates onto the GPUs in order of their exec times
+    (each holds a GPU for its expected duration, ``CandidateUpdate.duration``); if one would
+    find no GPU by its latest start, the next to start goes now.
 
-    Below the contention bar a second trigger covers a loss that is certain: with a GPU idle,
-    the rank projects the waiting candidates onto the GPUs in order of their exec times (each
-    holds a GPU for its expected duration, ``CandidateUpdate.duration``); if one would find no
-    GPU by its latest start, the next to start goes now.
+    Why: deferring on shared GPUs has two costs, and the rescue and the loss estimate remove
+    them. A deferred candidate enters the contest for a GPU only at its aim, with a window
+    ``jitter + l(bs + 1) - l(bs)`` wide; with several models aiming into the same few
+    milliseconds, a window closes with every GPU busy and the head is lost (frontrun drops
+    1.9% of requests on the 10-model zoo subset at 5,300 r/s with the GPUs 0.91 busy); on one
+    GPU shared by two models the other model's batch holds the GPU through the whole window
+    (the eager-floor cell with beta/alpha 16 and SLO 4 l(1): 30 r/s against eager's 243
+    without the loss estimate, 228 with it). And a GPU kept idle for an aim is capacity the
+    cluster lacks a moment later. Measured by ``zserve experiment policy-grid``
+    (docs/performance.md, "The policy grid").
+``deferred-bl``
+    The second Symphony paper's rule (section 4.3), the default before ``deferred`` above. A
+    candidate waits for its frontrun moment ``d - l(bs + 1)`` only while
+
+    - ``bs < max(beta*lambda, b*)`` for a staggered model (as above);
+    - ``bs < beta*lambda - 1`` otherwise: the model shares GPUs with others, and waits only while
+      at least one more whole request is expected within beta. Such a model also learns a
+      margin from its own missed windows (DEFER_MISS_WIDEN_S per miss, up to DEFER_MISS_MAX_S,
+      each granted batch gives DEFER_MISS_RELAX_S back).
+
+    It keeps deferral at or above 0.95x eager on the eager-floor grid, but on shared GPUs it
+    mostly turns deferral off (``beta*lambda - 1`` is below 1 for most A100-zoo models at their
+    rates), so at light load the GPUs are busier than the load needs, and on the 10-model zoo
+    subset it trails eager by 3%.
 ``frontrun``
     Symphony Algorithm 1 as written (section 3.1):
     ``exec = max(now + delay(bs), gpu_free_at, d - l(bs + 1))``, the last moment at which one more
@@ -110,6 +120,11 @@ import math
 from zserve.profiles import LatencyProfile
 
 __all__ = [
+    "DEFER_BACKOFF_MAX",
+    "DEFER_LOSS_DECAY",
+    "DEFER_LOSS_MAX",
+    "DEFER_LOSS_RECENT",
+    "DEFER_LOSS_WEIGHT",
     "DEFER_MIN_JOINERS",
     "DEFER_MISS_MAX_S",
     "DEFER_MISS_RELAX_S",
@@ -123,19 +138,19 @@ __all__ = [
 ]
 
 DEFER_STAGGER_MIN_GPUS = 2.0
-"""``deferred`` and ``deferred-rescue``: a model whose load needs at least this many GPUs (at its
+"""``deferred`` and ``deferred-bl``: a model whose load needs at least this many GPUs (at its
 target batch size) is treated as running staggered over GPUs of its own and defers at least to
-its target batch size; below it the model shares GPUs (``deferred``: defers only while
-beta*lambda - 1 exceeds its batch; ``deferred-rescue``: defers, rescued by the rank)."""
+its target batch size; below it the model shares GPUs (``deferred``: defers, rescued by the
+rank; ``deferred-bl``: defers only while beta*lambda - 1 exceeds its batch)."""
 
 DEFER_MIN_JOINERS = math.log(2.0)
-"""``deferred-rescue``: a candidate waits for its aim only while at least this many requests are
-expected to join it before then (lambda * (aim - now)): ln 2 is an even chance that one does.
-Below it waiting buys nothing but latency and a GPU held later (a lone request at light load
-starts at once, on a GPU that is idle anyway)."""
+"""``deferred``: a shared model's candidate waits for its aim only while at least this many
+requests are expected to join it before then (lambda * (aim - now)): ln 2 is an even chance
+that one does. Below it waiting buys nothing but latency and a GPU held later (a lone request at
+light load starts at once, on a GPU that is idle anyway)."""
 
 DEFER_MISS_WIDEN_S = 0.0005
-"""``deferred``, for a model that shares its GPUs: how much earlier it aims its deferred
+"""``deferred-bl``, for a model that shares its GPUs: how much earlier it aims its deferred
 candidates after each one that missed its grant window (the window closed with no GPU granted,
 so its head request is lost or the batch shrinks). A deferred candidate is grantable only from
 ``d - jitter - l(bs + 1)`` to ``d - l(bs)``, about alpha + jitter wide; when other models'
@@ -146,7 +161,7 @@ the frontrun moment exactly, and a staggered model (a miss there is the stagger 
 nothing."""
 
 DEFER_MISS_MAX_S = 0.001
-"""``deferred``: the most a model's learned margin can reach (the grant window at most doubles
+"""``deferred-bl``: the most a model's learned margin can reach (the grant window at most doubles
 with the default 1 ms jitter). Aiming earlier means smaller batches, and when a model's own
 load is what fills the GPUs (DenseNet121 on the flat-top workload, ~1.8 GPUs' worth) smaller
 batches cause more misses: uncapped, its margin ran to beta and the flat top's goodput fell
@@ -155,20 +170,52 @@ deferred/eager with 5 s warm-up and 10 s windows: 0.874 without a margin, 0.950 
 cap, 0.966 with 1 ms, 0.958 with 0.5 ms."""
 
 DEFER_MISS_RELAX_S = DEFER_MISS_WIDEN_S / 200
-"""``deferred``: how much of the learned margin each granted batch gives back, so the margin
+"""``deferred-bl``: how much of the learned margin each granted batch gives back, so the margin
 settles where about one deferred candidate in 200 misses its window (0.5% of batches, well
 inside a 1% bad-rate budget), and shrinks again when the cluster has room."""
 
+DEFER_LOSS_WEIGHT = 0.02
+"""``deferred``: the weight of each deferred candidate of a model that shares its GPUs in the
+model's estimate of how often such a candidate loses its grant window (``defer_loss``): a lost
+window adds it towards 1, a granted one takes it towards 0."""
+
+DEFER_LOSS_MAX = 0.01
+"""``deferred``: a model that shares its GPUs starts its candidates at once while its
+``defer_loss`` is above this. One lost window (DEFER_LOSS_WEIGHT) is enough: a lost window
+costs a head, and with the small batches of shared models at moderate rates that is a large
+share of a 1% bad-rate budget. On the eager-floor cell with one GPU, two models, beta/alpha 16
+and SLO 4 l(1), deferred candidates lost 3.6% of their windows (1.2% of requests at 60 r/s)."""
+
+DEFER_LOSS_RECENT = 0.25
+"""``deferred``: a lost window while ``defer_loss`` is still above this fraction of
+DEFER_LOSS_MAX comes soon after the previous one (within about 70 kept windows of it), and
+doubles the model's ``defer_backoff``; kept windows that bring the estimate under it reset the
+backoff to 1."""
+
+DEFER_BACKOFF_MAX = 64
+"""``deferred``: the most ``defer_backoff`` reaches: a model whose deferred windows keep being
+lost tries deferring again after at most 64 x 693 batches."""
+
+DEFER_LOSS_DECAY = 0.001
+"""``deferred``: how much of ``defer_loss`` each batch a model starts at once (not deferred)
+takes away, divided by the model's ``defer_backoff``: a model that stopped deferring after one
+lost window tries again after ln(DEFER_LOSS_MAX / DEFER_LOSS_WEIGHT) / ln(1 - DEFER_LOSS_DECAY)
+= 693 batches, and after twice, four times ... as many while its retries keep losing windows
+soon (exponential backoff, DEFER_LOSS_RECENT). A short fixed period lets a model that should
+not defer keep losing heads: retrying every 139 batches (0.005) left one GPU shared by two
+models (beta/alpha 16, SLO 4 l(1)) at 0.4-1.0% bad from 60 to 230 r/s, and a goodput search
+there at 116 r/s against eager's 243."""
+
 RESCUE_CONTENTION = 0.1
-"""``deferred-rescue``: the rank starts deferring (early_ok) candidates early, on a GPU that
-frees or is idle, while more than this fraction of the candidates reaching their exec time find
-every GPU busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each). A GPU that frees with
-no candidate waiting for it counts as one that found its GPU free; otherwise the rescue, once
-on, keeps itself on: its smaller batches keep the GPUs busy (at 0.8x of the 10-model zoo
-subset's goodput the GPUs were 1.00 busy instead of 0.80; 0.05 keeps it on there). A single
-staggered model finds its GPU busy at about 40% of its aims by design and is never rescued (one
-model: nothing to arbitrate); below saturation on shared GPUs the fraction is near 0 and
-deferral is left alone, so GPU use stays proportional to load."""
+"""``deferred``: the rank starts deferring (early_ok) candidates early, on a GPU that frees or is
+idle, while more than this fraction of the shared models' candidates reaching their exec time
+find every GPU busy (an EWMA over those moments, RESCUE_CONTENTION_EWMA each). A GPU that frees
+with no candidate waiting for it counts as one that found its GPU free; otherwise the rescue,
+once on, keeps itself on: its smaller batches keep the GPUs busy (at 0.8x of the 10-model zoo
+subset's goodput the GPUs were 1.00 busy instead of 0.80; 0.05 keeps it on there). A staggered
+model's candidates do not count: they find their GPUs busy at about 40% of their aims by design;
+below saturation on shared GPUs the fraction is near 0 and deferral is left alone, so GPU use
+stays proportional to load."""
 
 RESCUE_CONTENTION_EWMA = 0.02
 """The weight of each candidate reaching its exec time in the rank's contention estimate

@@ -54,6 +54,7 @@ _BUSY = 1  # lives in the busy heap keyed by (free_at, gpu_id)
 _GRANTED = 2  # granted, waiting for the model's answer; in no heap
 
 
+
 class RankThread:
     """Global GPU state and per-model candidates; see the module docstring."""
 
@@ -68,9 +69,9 @@ class RankThread:
         self._busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
         # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
         self._cand: dict[str, tuple[int, float, float, float]] = {}
-        # the rescue's view of each candidate: model -> (duration, early_ok); and how many
-        # candidates are early_ok (the rescue runs only while some are)
-        self._cand_run: dict[str, tuple[float, bool]] = {}
+        # the rescue's view of each candidate: model -> (duration, early_ok, shared); and how
+        # many candidates are early_ok (the rescue runs only while some are)
+        self._cand_run: dict[str, tuple[float, bool, bool]] = {}
         self._n_early_ok = 0
         self._version: dict[str, int] = {}
         self._awaiting: dict[str, int] = {}  # model -> grant_id
@@ -157,7 +158,7 @@ class RankThread:
         else:
             delay = update.send_delay
             self._cand[model] = (update.batch_size, update.exec_at, update.latest, delay)
-            self._cand_run[model] = (update.duration, update.early_ok)
+            self._cand_run[model] = (update.duration, update.early_ok, update.shared)
             if update.early_ok:
                 self._n_early_ok += 1
             heapq.heappush(self._model_timers, (update.exec_at - delay, version, model))
@@ -269,12 +270,18 @@ class RankThread:
             self.n_stale += 1
             return
         found = self._earliest_gpu(now)
+        # contention counts the candidates of models that share GPUs: a staggered model's
+        # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
+        run = self._cand_run.get(model)
+        shared = run is not None and run[2]
         if found is not None and found[1] <= exec_at:
-            self.contention -= RESCUE_CONTENTION_EWMA * self.contention
+            if shared:
+                self.contention -= RESCUE_CONTENTION_EWMA * self.contention
             self.n_model_matches += 1
             self._grant(now, model, found[0], outbox)
             return
-        self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
+        if shared:
+            self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._pending[model] = version
         heapq.heappush(self._pending_latest, (latest, version, model))
         heapq.heappush(self._pending_delay, (-delay, version, model))
@@ -371,9 +378,10 @@ class RankThread:
     # ------------------------------------------------------------------ rescue
 
     def _may_rescue(self) -> bool:
-        """An early_ok candidate exists and more than one model has been seen (with one model
-        there is nothing to arbitrate)."""
-        return self._n_early_ok > 0 and len(self._version) > 1
+        """An early_ok candidate exists. One model alone may be rescued too: its shared
+        candidates that find the GPUs busy are contention of its own (one GPU at saturation:
+        deferral only leaves it idle), and a staggered model's never count as contention."""
+        return self._n_early_ok > 0
 
     def _rescuing(self) -> bool:
         """Whether the contention rescue is on: it may rescue, and the cluster is contended."""
@@ -417,7 +425,7 @@ class RankThread:
         return _INF
 
     def _rescue(self, now: float, outbox: Outbox) -> float | None:
-        """The ``deferred-rescue`` policy's rescue (zserve.scheduler.policy), while candidates that
+        """The ``deferred`` policy's rescue (zserve.scheduler.policy), while candidates that
         reach their exec time often find every GPU busy (``contention``) and none waits for a
         GPU: the GPU that frees first goes to the deferring (early_ok) candidate with the
         earliest latest start it still serves, granted ``delay`` before it frees, as a pending

@@ -586,6 +586,7 @@ class ShardHost(ShardPlanAcks):
                     "batches": t.n_batches,
                     "window_misses": t.n_window_misses,
                     "miss_margin_ms": t.miss_margin_s * 1e3,
+                    "defer_loss": round(t.defer_loss, 4),
                     "target": t.target,
                     "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
                     "max_batch": t.profile.max_batch,

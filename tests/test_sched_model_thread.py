@@ -15,6 +15,10 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
+    DEFER_LOSS_DECAY,
+    DEFER_LOSS_MAX,
+    DEFER_LOSS_RECENT,
+    DEFER_LOSS_WEIGHT,
     DEFER_MIN_JOINERS,
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
@@ -128,23 +132,23 @@ def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() ->
 
 def test_deferred_rescue_waits_only_while_a_request_is_likely_to_join() -> None:
     # no rate sample yet: frontrun
-    (cand,) = _cands(_arrive(_mt("deferred-rescue"), 0.0, [1]))
+    (cand,) = _cands(_arrive(_mt("deferred"), 0.0, [1]))
     assert cand.exec_at == pytest.approx((12 - 7) * MS)
     # 1000 r/s, a model that shares its GPUs: a batch of 8 still waits (about 14 requests are
     # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
-    busy = _mt30("deferred-rescue")  # SLO 30 ms: the load needs under 2 GPUs
+    busy = _mt30("deferred")  # SLO 30 ms: the load needs under 2 GPUs
     busy.meter = meter
     (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
     assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
     # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
-    late = _mt30("deferred-rescue")
+    late = _mt30("deferred")
     late.meter = _taught_meter(10)
     (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
     assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
     # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
     # arrivals, so it starts at once (frontrun waits for its moment regardless)
-    for policy, expected in (("deferred-rescue", now), ("frontrun", now + 5 * MS)):
+    for policy, expected in (("deferred", now), ("frontrun", now + 5 * MS)):
         lone = _mt(policy)
         lone.meter = _taught_meter(1)
         (c,) = _cands(_arrive(lone, now, [1]))
@@ -155,7 +159,7 @@ def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_o
     # 1000 r/s, SLO 30 ms: the load needs under 2 GPUs, so the model shares its GPUs; its
     # deferring candidate is early_ok and carries its duration l(bs) for the rank's rescue
     now = TAUGHT_UNTIL_S
-    shared = _mt30("deferred-rescue")
+    shared = _mt30("deferred")
     shared.meter = _taught_meter(10)
     (cand,) = _cands(_arrive(shared, now, [1, 2, 3], slo=30 * MS))
     assert cand.early_ok and cand.exec_at > now + 10 * MS
@@ -169,14 +173,14 @@ def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_o
     (plan,) = [m for _, m in out if isinstance(m, BatchPlan)]
     assert plan.exec_at == pytest.approx(now + 1 * MS) and len(plan.request_ids) == 3
     # the same grant, not early, starts the batch at its aim
-    aimed = _mt30("deferred-rescue")
+    aimed = _mt30("deferred")
     aimed.meter = _taught_meter(10)
     (cand2,) = _cands(_arrive(aimed, now, [1, 2, 3], slo=30 * MS))
     aimed.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS), out := [])
     (plan2,) = [m for _, m in out if isinstance(m, BatchPlan)]
     assert plan2.exec_at == pytest.approx(cand2.exec_at)
     # 10,000 r/s: about 15 GPUs of load, staggered over GPUs of its own: never early_ok
-    staggered = _mt30("deferred-rescue")
+    staggered = _mt30("deferred")
     staggered.meter = _taught_meter(100)
     (cand3,) = _cands(_arrive(staggered, now, [1], slo=30 * MS))
     assert cand3.exec_at > now and not cand3.early_ok
@@ -419,17 +423,17 @@ def _mt30(policy: str = "deferred") -> ModelThread:
                        publish_lead_s=None)
 
 
-def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() -> None:
+def test_deferred_bl_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() -> None:
     # 1000 r/s: beta * lambda = 5 requests, and the load needs under 2 GPUs, so the model
     # shares its GPUs and defers while its batch is below beta * lambda - 1 = 4.
     meter = _taught_meter(10)
     now = TAUGHT_UNTIL_S
-    mt = _mt30()
+    mt = _mt30("deferred-bl")
     mt.meter = meter
     (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
     d = now + 30 * MS
     assert cand.exec_at == pytest.approx(d - PROFILE.latency(2))  # frontrun: waiting pays
-    assert not cand.early_ok  # deferred is never started early
+    assert not cand.early_ok  # deferred-bl is never started early
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
     # No grant came before the window closed: a miss, and the aim moves earlier.
     mt.on_timer(mt.wake_at, [])
@@ -447,7 +451,7 @@ def test_deferred_model_sharing_gpus_aims_earlier_after_a_missed_grant_window() 
 
 def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     meter = _taught_meter(10)
-    mt = _mt30()
+    mt = _mt30("deferred-bl")
     mt.meter = meter
     now = TAUGHT_UNTIL_S
     for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
@@ -458,7 +462,7 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     assert mt.miss_margin_s == pytest.approx(DEFER_MISS_MAX_S)
 
 
-@pytest.mark.parametrize("policy", ["frontrun", "eager", "deferred-rescue"])
+@pytest.mark.parametrize("policy", ["frontrun", "eager"])
 def test_other_policies_learn_no_margin(policy: str) -> None:
     meter = _taught_meter(10)
     mt = _mt30(policy)
@@ -466,6 +470,79 @@ def test_other_policies_learn_no_margin(policy: str) -> None:
     _arrive(mt, TAUGHT_UNTIL_S, [1], slo=30 * MS)
     mt.on_timer(mt.wake_at, [])
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
+
+
+def test_deferred_model_stops_deferring_while_its_windows_are_lost() -> None:
+    # 1000 r/s, SLO 30 ms: the model shares its GPUs, defers, and is early_ok
+    now = TAUGHT_UNTIL_S
+    mt = _mt30()
+    mt.meter = _taught_meter(10)
+    (cand,) = _cands(_arrive(mt, now, [1, 2, 3], slo=30 * MS))
+    assert cand.exec_at > now and cand.early_ok and cand.shared
+    # its window closes with no grant: one lost window lifts the estimate over DEFER_LOSS_MAX
+    mt.on_timer(mt.wake_at, [])
+    assert mt.n_window_misses == 1 and mt.defer_loss == pytest.approx(DEFER_LOSS_WEIGHT)
+    assert DEFER_LOSS_WEIGHT > DEFER_LOSS_MAX and mt.miss_margin_s == 0.0
+    # so its next candidates start at once (not early_ok: there is nothing to start early) ...
+    now = mt.wake_at + 1 * MS
+    expected_grants = math.ceil(math.log(DEFER_LOSS_MAX / DEFER_LOSS_WEIGHT)
+                                / math.log(1 - DEFER_LOSS_DECAY))
+    for rid in range(10, 10 + expected_grants):
+        (c,) = _cands(_arrive(mt, now, [rid], slo=30 * MS))
+        assert c.exec_at == pytest.approx(now) and not c.early_ok
+        mt.on_grant(now, GrantGpu("m", 0, rid, free_at=now), [])
+        now += 2 * MS
+    # ... until the grants since have decayed the estimate under the bar: it defers again
+    assert mt.defer_loss <= DEFER_LOSS_MAX
+    (again,) = _cands(_arrive(mt, now, [1000], slo=30 * MS))
+    assert again.exec_at > now and again.early_ok
+    # a deferred candidate granted in its window lowers the estimate by the full weight
+    before = mt.defer_loss
+    mt.on_grant(now, GrantGpu("m", 0, 1000, free_at=now), [])
+    assert mt.defer_loss == pytest.approx(before * (1 - DEFER_LOSS_WEIGHT))
+
+
+def test_deferred_backs_off_while_its_retries_keep_losing_windows() -> None:
+    now = TAUGHT_UNTIL_S
+    mt = _mt30()
+    mt.meter = _taught_meter(10)
+    ids = itertools.count(10)
+
+    def candidate() -> CandidateUpdate:
+        (cand,) = _cands(_arrive(mt, now, [next(ids)], slo=30 * MS))
+        return cand
+
+    def lose_window() -> None:  # the candidate's window closes with no grant
+        nonlocal now
+        closes = mt.wake_at
+        mt.on_timer(closes, [])
+        now = closes + 1 * MS
+
+    def batches_until_it_defers() -> int:
+        nonlocal now
+        count = 0
+        while not candidate().early_ok:
+            mt.on_grant(now, GrantGpu("m", 0, count, free_at=now), [])
+            count += 1
+            now += 2 * MS
+        return count
+
+    assert candidate().early_ok
+    lose_window()
+    first = batches_until_it_defers()
+    assert mt.defer_backoff == 1
+    lose_window()  # the retry loses its window at once: a loss soon after the last
+    assert mt.defer_backoff == 2
+    second = batches_until_it_defers()
+    assert second > first  # a longer wait before the next try
+    # kept windows that bring the estimate well under the bar reset the backoff
+    kept = 0
+    while mt.defer_backoff > 1:
+        mt.on_grant(now, GrantGpu("m", 0, kept, free_at=now), [])
+        kept += 1
+        now += 2 * MS
+        assert candidate().early_ok
+    assert mt.defer_loss < DEFER_LOSS_RECENT * DEFER_LOSS_MAX and kept > 10
 
 
 def test_staggered_model_learns_no_margin() -> None:

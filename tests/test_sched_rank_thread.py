@@ -181,13 +181,26 @@ def _deferring(model: str, exec_at: float, latest: float, early_ok: bool = True
     return CandidateUpdate(model, 3, exec_at, latest, 0.0, duration=0.5, early_ok=early_ok)
 
 
-def _contend(rank: RankThread, now: float, times: int) -> None:
-    """``times`` candidates reach their exec time with every GPU busy (then withdraw)."""
+def _contend(rank: RankThread, now: float, times: int, *, shared: bool = True) -> None:
+    """``times`` candidates of models that share GPUs (``shared``) reach their exec time with
+    every GPU busy (then withdraw)."""
     out: Outbox = []
     for i in range(times):
-        rank.on_candidate(now, _cand(f"contender{i}", 1, now, now + 100.0), out)
+        rank.on_candidate(now, CandidateUpdate(f"contender{i}", 1, now, now + 100.0, 0.0,
+                                               shared=shared), out)
         rank.on_candidate(now, _cand(f"contender{i}", 0, 0.0, 0.0), out)
     assert _grants(out) == []
+
+
+def test_a_staggered_models_busy_gpus_are_not_contention() -> None:
+    # a staggered model finds its GPUs busy at many of its aims by design: that is no reason
+    # to start other models' deferring candidates early
+    rank = RankThread([0], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _contend(rank, 0.0, 6, shared=False)
+    assert rank.contention == 0.0
+    _contend(rank, 0.0, 6)
+    assert rank.contention > RESCUE_CONTENTION
 
 
 def test_without_contention_an_idle_gpu_waits_for_the_deferring_candidates_aim() -> None:
@@ -246,3 +259,23 @@ def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgen
     (grant,) = _grants(out)
     assert grant.model == "deferring" and grant.early
     assert rank.pending_models() == ["due"]
+
+
+def test_one_model_alone_is_rescued_too() -> None:
+    # one model sharing one GPU with its own batches: at saturation its deferring candidates
+    # find the GPU busy, and a GPU that frees goes to its candidate at once instead of idling
+    # until the aim
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _cand("m", 1, 0.0, 10.0), out)  # its own batch holds the GPU
+    (busy,) = _grants(out)
+    rank.on_grant_answer(0.0, GrantAnswer("m", 0, busy.grant_id, True, 2.0), out)
+    out.clear()
+    for i in range(6):
+        rank.on_candidate(0.0, CandidateUpdate("m", 1, 0.0, 100.0 + i, 0.0, shared=True), out)
+        rank.on_candidate(0.0, _cand("m", 0, 0.0, 0.0), out)
+    assert rank.contention > RESCUE_CONTENTION and _grants(out) == []
+    rank.on_candidate(0.5, _deferring("m", exec_at=6.0, latest=7.0), out)
+    rank.on_timer(2.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "m" and grant.early and rank.n_rescues == 1

@@ -177,7 +177,9 @@ class CandidateUpdate(Message, frozen=True, tag="cand"):
     ``batch_size`` 0 withdraws the candidate. ``send_delay`` is d_ctrl + d_data * batch_size.
     ``duration`` is l(batch_size), what the batch holds a GPU for; ``early_ok``: the candidate is
     deferring by choice, and the rank may start it before ``exec_at`` on an idle GPU when waiting
-    would lose its grant window (``deferred-rescue``, zserve.scheduler.policy)."""
+    would lose its grant window (``deferred``, zserve.scheduler.policy). ``shared``: the
+    model shares its GPUs with other models, so a candidate of it that finds every GPU busy at
+    its exec time is contention (a staggered model's is its stagger at work)."""
 
     model: str
     batch_size: int
@@ -186,6 +188,7 @@ class CandidateUpdate(Message, frozen=True, tag="cand"):
     send_delay: float
     duration: float = 0.0
     early_ok: bool = False
+    shared: bool = False
 
 
 class GrantGpu(Message, frozen=True, tag="grant"):

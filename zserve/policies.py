@@ -16,8 +16,8 @@ batch whose per-request cost l(b)/b is within 5% of the target's still fits. In 
 raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 942 to 970 r/s
 (InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
 
-SCHEDULE_POLICIES = ("deferred", "deferred-bl", "deferred-rescue", "frontrun", "latest", "eager",
-                     "eager-edf", "timeout")
+SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "eager-edf",
+                     "timeout")
 DROP_POLICIES = ("window", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
@@ -28,8 +28,7 @@ KIND_EAGER = 3
 KIND_TIMEOUT = 4
 _KIND_BY_NAME = {
     "deferred": KIND_DEFERRED,
-    "deferred-bl": KIND_DEFERRED,  # the same policy under its older name
-    "deferred-rescue": KIND_DEFERRED,  # the rule differs by name (zserve.scheduler.policy)
+    "deferred-bl": KIND_DEFERRED,  # the second paper's beta*lambda rule, the earlier default
     "frontrun": KIND_FRONTRUN,
     "latest": KIND_LATEST,
     "eager": KIND_EAGER,
@@ -55,18 +54,21 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SchedulePolicy:
-    """A parsed policy name. ``timeout_fraction`` is only meaningful for ``timeout``."""
+    """A parsed policy name. ``timeout_fraction`` is only meaningful for ``timeout``;
+    ``rank_rescue``: the rank may start the policy's deferring candidates early (``deferred``;
+    ``deferred-bl`` runs the same kind without it, zserve.scheduler.policy)."""
 
     name: str
     kind: int
     timeout_fraction: float = 0.0
     drop: int = DROP_WINDOW
     drop_name: str = "window"
+    rank_rescue: bool = False
 
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
-        """``deferred`` | ``deferred-bl`` | ``deferred-rescue`` | ``frontrun`` | ``latest`` |
-        ``eager`` | ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``
+        """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
+        ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``
         (``window``, the default, means ``alone`` for ``eager-edf``). Raises PolicyError (a
         ValueError) naming the choices and, in ``key``, which of the two names is at fault."""
         base, _, arg = spec.strip().partition(":")
@@ -80,7 +82,7 @@ class SchedulePolicy:
         if drop == "window":
             drop = _DEFAULT_DROP_BY_NAME.get(base, drop)
         return cls(spec.strip(), _KIND_BY_NAME[base], _timeout_fraction(base, arg, spec),
-                   _DROP_BY_NAME[drop], drop)
+                   _DROP_BY_NAME[drop], drop, rank_rescue=base == "deferred")
 
 
 def _timeout_fraction(base: str, arg: str, spec: str) -> float:

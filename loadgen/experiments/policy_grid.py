@@ -49,7 +49,7 @@ from zserve.loadgen.experiments.simulated import (
 )
 from zserve.loadgen.workload import Workload, load_workload, parse_workload
 
-GRID_POLICIES = ("deferred", "frontrun", "eager", "eager-edf", "deferred-rescue")
+GRID_POLICIES = ("deferred", "frontrun", "eager", "eager-edf", "deferred-bl")
 GRID_TIMEOUT_FRACTIONS = (0.1, 0.2, 0.3)
 GRID_QUICK_TIMEOUT_FRACTIONS = (0.2,)
 GRID_WINDOWS_S = (2.0, 4.0, 1.0)  # warmup, measure, cooldown of a full-grid probe
