@@ -92,7 +92,9 @@ class SimConfig:
     """Knobs for one simulator run beyond the workload file."""
 
     check: bool = True
-    bail_bad_rate: float | None = None  # stop early once the worst bad rate clearly exceeds it
+    # stop early once a model's bad requests exceed this fraction of its whole measure window
+    # (its bad rate can then only end above it)
+    bail_bad_rate: float | None = None
     record_plans: bool = False
     keep_tolerance: float | None = None  # None: the workload's
     # The cluster whose [frontends] (count, max_request_bytes) and models' max_queue/max_wait_ms
@@ -135,6 +137,10 @@ class Simulator:
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
         self._build_requests(_arrivals_of(w, arrivals))
         self.window = (w.warmup_s, w.warmup_s + w.measure_s)
+        # each model's requests in the measure window (the early stop's bar, _should_bail)
+        self._window_totals = [
+            int(np.searchsorted(t, self.window[1], side="left"))
+            - int(np.searchsorted(t, self.window[0], side="left")) for t in self.arrivals]
         self.answers = AnswerLog(self.deadline_all, self.model_of, self.arrival_all, self.window,
                                  len(w.models))
         self.status = self.answers.status  # each request's outcome (sim_frontend's codes)
@@ -596,14 +602,14 @@ class Simulator:
             self._fail(f"{pending} requests left pending in a frontend core")
 
     def _should_bail(self, bail: float, now: float) -> bool:
-        lo_w = self.window[0]
+        """Whether some model's measured bad requests already exceed ``bail`` times all of its
+        requests in the measure window: its bad rate can only end above ``bail`` then, so the
+        verdict against that bar is the full run's. (A bar on the requests arrived so far
+        failed runs whose early bursts a quiet rest of the window would have made up for: the
+        10-model Zipf mix at 11,644 r/s bailed, and ran to 0.87% in full.)"""
+        totals = self._window_totals
         for i, bad in enumerate(self.answers.measured_bad):
-            if bad < BAIL_MIN_BAD:
-                continue
-            times = self.arrivals[i]
-            arrived = int(np.searchsorted(times, now, side="right")) - int(
-                np.searchsorted(times, lo_w, side="left"))
-            if bad > bail * arrived:
+            if bad >= BAIL_MIN_BAD and bad > bail * totals[i]:
                 return True
         return False
 

@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if args.search:
-            bail = min(1.0, 3 * args.max_bad_rate)
+            bail = args.max_bad_rate  # exact: a bailed probe could only have failed
 
             def probe(rate: float) -> dict[str, Any]:
                 probed: dict[str, Any] = simulate(workload.with_overrides(rate=rate),

@@ -18,8 +18,9 @@ from zserve.loadgen.workload import Workload
 MAX_BAD_RATE = 0.01
 # A probe must measure at least this many requests: a 1% bad rate over fewer decides little.
 MIN_MEASURED_REQUESTS = 1000
-# A simulated probe stops once a model's bad rate is clearly above 3x the bound (sim_cli's rule).
-SIM_BAIL_FACTOR = 3.0
+# A simulated probe stops once a model's bad requests exceed the bound times its whole measure
+# window: it can then only fail, so stopping changes no verdict.
+SIM_BAIL_FACTOR = 1.0
 FULL_PRECISION = 0.01  # relative precision of a simulated goodput search
 QUICK_PRECISION = 0.03
 QUICK_WINDOWS_S = (1.0, 1.5, 0.5)  # warmup, measure, cooldown of --quick simulations
