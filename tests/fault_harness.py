@@ -97,7 +97,9 @@ def fault_cluster(
         model["max_wait_ms"] = max_wait_ms
     return parse_config({
         "cluster": {"drain_s": drain_s, "transport": transport},
-        "scheduler": {"shards": shards, "d_ctrl_ms": 5.0},
+        # jitter 50 ms: the default policy defers a lone model's batches to their last moment
+        # minus the jitter allowance, and a loaded 2-core CI host stalls for more than 1 ms
+        "scheduler": {"shards": shards, "d_ctrl_ms": 5.0, "jitter_ms": 50.0},
         "frontends": {"count": 1, "reply_allowance_ms": 20.0},
         "backends": {"count": backends, "device": "emulated"},
         "models": [model],

@@ -68,7 +68,7 @@ def test_header_layout_is_kind_then_fields_in_order() -> None:
 
     message = CandidateUpdate("m", 4, 1.0, 2.0, 0.5, 3.0, True)
     (header,) = codec.encode(message)
-    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5, 3.0, True]
+    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5, 3.0, True, False]
 
     array = np.ones((1, FRAMED_INT16), dtype=np.int16)
     frames = codec.encode(InferReply(3, {"y": array}))

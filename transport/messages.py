@@ -36,7 +36,7 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
-WIRE_PROTOCOL_VERSION = 2
+WIRE_PROTOCOL_VERSION = 3  # 3: CandidateUpdate.shared
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
