@@ -272,8 +272,7 @@ class RankThread:
         found = self._earliest_gpu(now)
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
-        run = self._cand_run.get(model)
-        shared = run is not None and run[2]
+        shared = self._cand_run[model][2]  # set with _cand[model], in on_candidate
         if found is not None and found[1] <= exec_at:
             if shared:
                 self.contention -= RESCUE_CONTENTION_EWMA * self.contention

@@ -7,6 +7,7 @@ the pool; ``Connection: close`` is honoured."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -110,6 +111,19 @@ class _Settled:
         return list(await asyncio.gather(*(self.future(i) for i in range(count))))
 
 
+
+@contextlib.asynccontextmanager
+async def _open(address: str, models: tuple[str, ...] = ("m",), *, binary: bool = True,
+                connections: int = 1) -> AsyncIterator[HttpChannel]:
+    """An opened HttpChannel on ``address`` sending INPUTS for each model, closed on exit."""
+    channel = HttpChannel(address, models, {m: INPUTS for m in models}, binary=binary,
+                          connections=connections)
+    await channel.open()
+    try:
+        yield channel
+    finally:
+        await channel.close()
+
 async def test_each_answer_settles_its_request_by_status_and_kind(
         served: Callable[[Handler], Awaitable[str]]) -> None:
     async def handler(request: web.Request) -> web.Response:
@@ -125,18 +139,14 @@ async def test_each_answer_settles_its_request_by_status_and_kind(
 
     address = await served(handler)
     models = ("ok", "busy", "odd", "alien")
-    channel = HttpChannel(address, models, {m: INPUTS for m in models}, binary=True)
     settled = _Settled()
-    await channel.open()
-    try:
+    async with _open(address, models) as channel:
         for index in range(len(models)):
             channel.send(index, index, settled)
             await settled.future(index)  # one connection: sent one after the other
         assert await settled.all(4) == [NO_ERROR, ERROR_INDEX["OVERLOADED"],
                                         ERROR_INDEX["BAD_REPLY"], ERROR_INDEX["BAD_REPLY"]]
         assert len(channel.live) == 1 and len(channel.idle) == 1  # kept alive throughout
-    finally:
-        await channel.close()
 
 
 async def test_one_request_per_connection_and_a_new_one_when_all_are_busy(
@@ -156,18 +166,14 @@ async def test_one_request_per_connection_and_a_new_one_when_all_are_busy(
         return web.json_response({})
 
     address = await served(handler)
-    channel = HttpChannel(address, ("m",), {"m": INPUTS}, binary=False, connections=2)
     settled = _Settled()
-    await channel.open()
-    try:
+    async with _open(address, binary=False, connections=2) as channel:
         assert len(channel.idle) == 2
         for index in range(5):
             channel.send(index, 0, settled)
         assert await settled.all(5) == [NO_ERROR] * 5
         assert len(set(arrived)) == 5
         assert len(channel.idle) == len(channel.live) == 5
-    finally:
-        await channel.close()
 
 
 async def test_a_connection_lost_mid_request_settles_it_unavailable_and_leaves_the_pool(
@@ -178,15 +184,11 @@ async def test_a_connection_lost_mid_request_settles_it_unavailable_and_leaves_t
         raise asyncio.CancelledError
 
     address = await served(handler)
-    channel = HttpChannel(address, ("m",), {"m": INPUTS}, binary=True)
     settled = _Settled()
-    await channel.open()
-    try:
+    async with _open(address) as channel:
         channel.send(0, 0, settled)
         assert await settled.all(1) == [ERROR_INDEX["UNAVAILABLE"]]
         assert not channel.live and not channel.idle
-    finally:
-        await channel.close()
 
 
 async def test_connection_close_is_honoured(
@@ -196,30 +198,22 @@ async def test_connection_close_is_honoured(
         return web.json_response({}, headers={"Connection": "close"})
 
     address = await served(handler)
-    channel = HttpChannel(address, ("m",), {"m": INPUTS}, binary=True)
     settled = _Settled()
-    await channel.open()
-    try:
+    async with _open(address) as channel:
         channel.send(0, 0, settled)
         channel.send(1, 0, settled)  # the pool's one connection is busy: a new one
         assert await settled.all(2) == [NO_ERROR, NO_ERROR]
         assert not channel.idle  # neither went back to the pool
-    finally:
-        await channel.close()
 
 
 async def test_no_server_settles_unavailable() -> None:
     with socket.socket() as probe:  # a port nothing listens on (bound, never listening)
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
-        channel = HttpChannel(address, ("m",), {"m": INPUTS}, binary=True, connections=0)
         settled = _Settled()
-        await channel.open()
-        try:
+        async with _open(address, connections=0) as channel:
             channel.send(0, 0, settled)
             assert await settled.all(1) == [ERROR_INDEX["UNAVAILABLE"]]
-        finally:
-            await channel.close()
 
 
 async def test_requests_in_flight_at_close_stay_unanswered(
