@@ -18,8 +18,23 @@ Devices:
     are left to ONNX Runtime to allocate and are then copied to the host (or wrapped as CuPy
     arrays without a copy).
 
+Batch sizes on a GPU: ONNX Runtime's CUDA provider rebuilds every convolution's cuDNN plan when
+a session's input shape changes, and keeps only the last shape's plan. A deferred scheduler changes
+the batch size from batch to batch, so one session per model paid 40-125 ms per batch for
+ResNet50 on an H200 against 1.4-7.8 ms at a fixed size, whatever ``cudnn_conv_algo_search`` said
+(docs/performance.md, "On a GPU"). A CUDA model therefore gets one session per batch size of
+``SessionConfig.session_batch_sizes`` (default ``default_cuda_batch_sizes``: 1, 2, 3, 4, 6, 8,
+12, 16, 24, 32, ... up to ``max_batch``); a batch runs in the smallest session that holds it, with
+the rows past the batch left as padding (zeroed at load, their outputs never read). Each session
+holds its own copy of the weights: the price is GPU memory (about ten copies for a max_batch of
+32) and load time; the padding costs at most a third of a batch's rows. CPU models get one
+session for every size unless ``session_batch_sizes`` is set.
+
 A CUDA session whose provider fails to initialise is an error at load time, never a silent fall
-back to the CPU.
+back to the CPU. Before the first CUDA session, ``onnxruntime.preload_dlls()`` loads the CUDA and
+cuDNN libraries that ``onnxruntime-gpu[cuda,cudnn]`` (the ``gpu`` extra) installs as ``nvidia-*``
+wheels beside it; without that, the provider's ``dlopen`` finds them only on
+``LD_LIBRARY_PATH``. Libraries installed system-wide are found either way.
 
 Load-time checks (``ModelLoadError`` with a message that names the model, the file and the
 input): the file must exist and parse (a truncated or corrupt file is reported as such, not as a
@@ -72,6 +87,10 @@ _ORT_DTYPES: dict[str, str] = {
 
 _GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
 DEFAULT_MAX_BATCH = 32
+# How far a CUDA run's outputs may sit from the CPU provider's: cuDNN runs FP32 convolutions in
+# TF32 (10-bit mantissa) by default and picks different kernels per batch size.
+CUDA_OUTPUT_RTOL = 2e-2
+CUDA_OUTPUT_ATOL = 2e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +108,15 @@ class SessionConfig:
     allow_spinning: let idle intra-op threads spin (lower latency, burns CPU while idle).
     gpu_mem_limit_bytes: cap of the CUDA arena (None: no cap).
     cuda_arena_extend_strategy: "kNextPowerOfTwo" | "kSameAsRequested".
-    cudnn_conv_algo_search: "EXHAUSTIVE" | "HEURISTIC" | "DEFAULT".
+    cudnn_conv_algo_search: "HEURISTIC" (default) | "EXHAUSTIVE" | "DEFAULT". On an H200
+        (docs/performance.md, "On a GPU") HEURISTIC ran ResNet50 as fast as EXHAUSTIVE at a
+        fixed size (1.42 against 1.48 ms at b1, 6.84 against 7.77 at b32) and builds a new
+        shape's plan faster; DEFAULT was 2.6-5x slower.
     log_severity: ONNX Runtime log level, 0 (verbose) .. 4 (fatal); default 3 (errors).
+    session_batch_sizes: the batch sizes that get a session of their own, each batch padded to
+        the smallest of them that holds it (module docstring). Empty (default): on a GPU
+        ``default_cuda_batch_sizes(max_batch)``, on a CPU one session for every size. Sizes past
+        a model's max_batch are dropped and max_batch is always added.
     """
 
     intra_op_threads: int = 1
@@ -102,10 +128,13 @@ class SessionConfig:
     allow_spinning: bool = True
     gpu_mem_limit_bytes: int | None = None
     cuda_arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kNextPowerOfTwo"
-    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "EXHAUSTIVE"
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     log_severity: int = 3
+    session_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(size < 1 for size in self.session_batch_sizes):
+            raise ValueError(f"session_batch_sizes must be >= 1, got {self.session_batch_sizes}")
         if self.graph_optimization not in _GRAPH_OPT_LEVELS:
             raise ValueError(
                 f"graph_optimization {self.graph_optimization!r} not in {_GRAPH_OPT_LEVELS}"
@@ -148,6 +177,20 @@ class SessionConfig:
         if self.gpu_mem_limit_bytes is not None:
             options["gpu_mem_limit"] = str(self.gpu_mem_limit_bytes)
         return options
+
+
+def default_cuda_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) up to max_batch, and
+    max_batch: each size within 1.5x of the next smaller one, so padding wastes at most a third of
+    a batch, with a session count that grows as log(max_batch)."""
+    sizes = {1, max_batch}
+    power = 2
+    while power <= max_batch:
+        sizes.add(power)
+        if power + power // 2 <= max_batch:
+            sizes.add(power + power // 2)
+        power *= 2
+    return tuple(sorted(sizes))
 
 
 def parse_device(device: str) -> tuple[str, int]:
@@ -251,15 +294,40 @@ def _signature(
     )
 
 
+_cuda_libraries_preloaded = False
+
+
+def _preload_cuda_libraries(ort: Any) -> None:
+    """Load the pip-installed CUDA/cuDNN libraries once per process (module docstring)."""
+    global _cuda_libraries_preloaded
+    if _cuda_libraries_preloaded:
+        return
+    _cuda_libraries_preloaded = True
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
+    if preload is not None:
+        preload()
+
+
 def _is_cupy(array: Any) -> bool:
     return type(array).__module__.startswith("cupy")
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two arrays of one kind (numpy or CuPy) start at the same address."""
+    if _is_cupy(a) != _is_cupy(b):
+        return False
+    if _is_cupy(a):
+        return bool(a.data.ptr == b.data.ptr)
+    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 @dataclass(slots=True)
 class _LoadedModel:
     spec: ModelSpec
     max_batch: int
-    session: Any  # onnxruntime.InferenceSession
+    session: Any  # onnxruntime.InferenceSession of the largest batch size
+    # Batch size -> its own session, ascending; empty: ``session`` runs every size.
+    sized_sessions: dict[int, Any]
     signature: ModelSignature
     output_names: list[str]
     host_buffers: dict[str, Array]  # input name -> (max_batch, *sample_shape)
@@ -333,7 +401,7 @@ class OnnxExecutor(Executor):
         loaded = self._model(model)
         buffers = sum(b.nbytes for b in loaded.host_buffers.values())
         buffers += sum(int(b.nbytes) for b in loaded.device_buffers.values())
-        return loaded.file_bytes + buffers
+        return loaded.file_bytes * max(1, len(loaded.sized_sessions)) + buffers
 
     @property
     def providers(self) -> list[str]:
@@ -348,12 +416,17 @@ class OnnxExecutor(Executor):
         batch_size, rows = self._check_batch(model, inputs, request_rows)
         with self._run_lock:
             feed = self._assemble(loaded, inputs, batch_size)
+            session, rows_run = self._session_for(loaded, batch_size)
+            if rows_run != batch_size:
+                feed = self._padded(loaded, feed, batch_size, rows_run)
             try:
                 if self._kind == "cuda":
-                    outputs = self._run_cuda(loaded, feed, batch_size)
+                    outputs = self._run_cuda(loaded, session, feed, rows_run)
                 else:
-                    values = loaded.session.run(loaded.output_names, feed)
+                    values = session.run(loaded.output_names, feed)
                     outputs = dict(zip(loaded.output_names, values, strict=True))
+                if rows_run != batch_size:
+                    outputs = {name: value[:batch_size] for name, value in outputs.items()}
             except Exception as exc:  # ONNX Runtime raises its own pybind error types
                 raise BackendFailedError(
                     f"model {model!r}: batch of {batch_size} failed in ONNX Runtime: {exc}"
@@ -373,35 +446,14 @@ class OnnxExecutor(Executor):
             ) from None
 
     def _load_model(self, spec: ModelSpec) -> _LoadedModel:
-        import onnxruntime as ort
-
         _check_file(spec.name, spec.path)
-        if self._kind == "cuda":
-            available = ort.get_available_providers()
-            if "CUDAExecutionProvider" not in available:
-                raise ModelLoadError(
-                    f"model {spec.name!r}: device {self.device} needs onnxruntime-gpu, but this "
-                    f"onnxruntime has only {available} (pip uninstall onnxruntime && "
-                    "pip install 'zserve[gpu]')"
-                )
-            providers: list[Any] = [
-                ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
-                "CPUExecutionProvider",
-            ]
-        else:
-            providers = ["CPUExecutionProvider"]
-        options = self.config.session_options()
-        try:
-            session = ort.InferenceSession(
-                str(spec.path), sess_options=options, providers=providers
-            )
-        except Exception as exc:  # ONNX Runtime raises its own pybind error types
-            raise ModelLoadError(_describe_load_failure(spec, exc)) from None
-        if self._kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-            raise ModelLoadError(
-                f"model {spec.name!r}: the CUDA execution provider failed to initialise on "
-                f"{self.device} (CUDA/cuDNN libraries missing?); refusing to run on the CPU"
-            )
+        limit = self._max_batch[spec.name]
+        sizes = self.config.session_batch_sizes
+        if not sizes and self._kind == "cuda":
+            sizes = default_cuda_batch_sizes(limit)
+        sizes = tuple(sorted({size for size in sizes if size < limit} | {limit})) if sizes else ()
+        sessions = self._open_sessions(spec, sizes or (limit,))
+        session = sessions[limit]
 
         def raw(arg: Any) -> tuple[str, str, list[int | str | None] | None]:
             dtype = _ORT_DTYPES.get(arg.type, arg.type)
@@ -413,7 +465,6 @@ class OnnxExecutor(Executor):
             [raw(a) for a in session.get_inputs()],
             [raw(a) for a in session.get_outputs()],
         )
-        limit = self._max_batch[spec.name]
         host_buffers = {
             s.name: self._host_buffer((limit, *(int(d) for d in s.shape if d is not None)),
                                       np.dtype(s.dtype))
@@ -423,6 +474,7 @@ class OnnxExecutor(Executor):
             spec=spec,
             max_batch=limit,
             session=session,
+            sized_sessions=sessions if sizes else {},
             signature=signature,
             output_names=signature.output_names,
             host_buffers=host_buffers,
@@ -430,6 +482,44 @@ class OnnxExecutor(Executor):
             static_outputs=all(None not in s.shape for s in signature.outputs),
             file_bytes=spec.path.stat().st_size,
         )
+
+    def _providers(self, ort: Any, spec: ModelSpec) -> list[Any]:
+        if self._kind != "cuda":
+            return ["CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise ModelLoadError(
+                f"model {spec.name!r}: device {self.device} needs onnxruntime-gpu, but this "
+                f"onnxruntime has only {available} (pip uninstall onnxruntime && "
+                "pip install 'zserve[gpu]')"
+            )
+        _preload_cuda_libraries(ort)
+        return [
+            ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
+            "CPUExecutionProvider",
+        ]
+
+    def _open_sessions(self, spec: ModelSpec, sizes: Sequence[int]) -> dict[int, Any]:
+        """One InferenceSession per batch size in ``sizes``."""
+        import onnxruntime as ort
+
+        providers = self._providers(ort, spec)
+        sessions: dict[int, Any] = {}
+        for size in sizes:
+            try:
+                sessions[size] = ort.InferenceSession(
+                    str(spec.path), sess_options=self.config.session_options(),
+                    providers=providers
+                )
+            except Exception as exc:  # ONNX Runtime raises its own pybind error types
+                raise ModelLoadError(_describe_load_failure(spec, exc)) from None
+            cuda_missing = "CUDAExecutionProvider" not in sessions[size].get_providers()
+            if self._kind == "cuda" and cuda_missing:
+                raise ModelLoadError(
+                    f"model {spec.name!r}: the CUDA execution provider failed to initialise on "
+                    f"{self.device} (CUDA/cuDNN libraries missing?); refusing to run on the CPU"
+                )
+        return sessions
 
     def _host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
         if self._kind == "cuda":
@@ -439,10 +529,36 @@ class OnnxExecutor(Executor):
                 # Pinned host memory: the host -> device copy runs at full bus speed.
                 size = int(np.prod(shape)) * dtype.itemsize
                 memory = cupy.cuda.alloc_pinned_memory(size)
-                return np.frombuffer(memory, dtype, int(np.prod(shape))).reshape(shape)
+                pinned = np.frombuffer(memory, dtype, int(np.prod(shape))).reshape(shape)
+                pinned.fill(0)  # rows past a batch are a padded session's input (module docstring)
+                return pinned
             except ImportError:
                 pass
-        return np.empty(shape, dtype)
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def _session_for(loaded: _LoadedModel, batch_size: int) -> tuple[Any, int]:
+        """The session that runs a batch of ``batch_size`` rows, and the rows it runs."""
+        for size, session in loaded.sized_sessions.items():
+            if size >= batch_size:
+                return session, size
+        return loaded.session, batch_size
+
+    def _padded(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int,
+                rows: int) -> TensorMap:
+        """``feed`` grown to ``rows`` rows: the batch buffer's first ``rows`` rows, the batch
+        copied in unless it was assembled there."""
+        padded: TensorMap = {}
+        for name, array in feed.items():
+            if _is_cupy(array):
+                buffer = self._device_buffer(loaded, name)
+            else:
+                buffer = loaded.host_buffers[name]
+            head = buffer[:batch_size]
+            if not _same_memory(array, head):
+                head[...] = array
+            padded[name] = buffer[:rows]
+        return padded
 
     def _assemble(self, loaded: _LoadedModel, inputs: BatchInputs, batch_size: int) -> TensorMap:
         """The batch as one array per input: at most one copy per request and input."""
@@ -479,13 +595,7 @@ class OnnxExecutor(Executor):
             )
         import cupy
 
-        buffer = loaded.device_buffers.get(name)
-        if buffer is None:
-            host = loaded.host_buffers[name]
-            with cupy.cuda.Device(self._device_id):
-                buffer = cupy.empty(host.shape, host.dtype)
-            loaded.device_buffers[name] = buffer
-        out = buffer[: sum(int(p.shape[0]) for p in parts)]
+        out = self._device_buffer(loaded, name)[: sum(int(p.shape[0]) for p in parts)]
         if all(_is_cupy(p) for p in parts):
             cupy.concatenate(parts, axis=0, out=out)
         else:
@@ -497,8 +607,21 @@ class OnnxExecutor(Executor):
                 start = stop
         return out
 
-    def _run_cuda(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int) -> TensorMap:
-        binding = loaded.session.io_binding()
+    def _device_buffer(self, loaded: _LoadedModel, name: str) -> Any:
+        """The model's device batch buffer of input ``name`` (zeroed, allocated on first use)."""
+        import cupy
+
+        buffer = loaded.device_buffers.get(name)
+        if buffer is None:
+            host = loaded.host_buffers[name]
+            with cupy.cuda.Device(self._device_id):
+                buffer = cupy.zeros(host.shape, host.dtype)
+            loaded.device_buffers[name] = buffer
+        return buffer
+
+    def _run_cuda(self, loaded: _LoadedModel, session: Any, feed: TensorMap,
+                  batch_size: int) -> TensorMap:
+        binding = session.io_binding()
         on_device = False
         for name, array in feed.items():
             if _is_cupy(array):
@@ -531,12 +654,12 @@ class OnnxExecutor(Executor):
                     binding.bind_output(spec.name, "cpu", 0, dtype.type, shape, out.ctypes.data)
                 outputs[spec.name] = out
             # Run synchronises the provider's stream before returning, so the outputs are ready.
-            loaded.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             return outputs
 
         for name in loaded.output_names:
             binding.bind_output(name, "cuda", self._device_id)
-        loaded.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         if not on_device:
             values = binding.copy_outputs_to_cpu()
             return dict(zip(loaded.output_names, values, strict=True))

@@ -14,11 +14,11 @@ import onnxruntime as ort
 import pytest
 
 from zserve.backends.executor import ModelLoadError
+from zserve.backends.onnx_executor import CUDA_OUTPUT_ATOL as ATOL
+from zserve.backends.onnx_executor import CUDA_OUTPUT_RTOL as RTOL
 from zserve.backends.onnx_executor import OnnxExecutor
 
 MAX_BATCH = 4
-# cuDNN/cuBLAS kernels differ from the CPU's (TF32 may be on for convolutions): loose tolerance.
-RTOL, ATOL = 2e-2, 2e-3
 
 
 def _has_cuda_provider() -> bool:

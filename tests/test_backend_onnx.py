@@ -12,7 +12,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from zserve.backends.builtin import ModelSpec, ensure_builtin
 from zserve.backends.executor import ModelLoadError
-from zserve.backends.onnx_executor import OnnxExecutor, SessionConfig, read_signature
+from zserve.backends.onnx_executor import (
+    OnnxExecutor,
+    SessionConfig,
+    default_cuda_batch_sizes,
+    read_signature,
+)
 from zserve.errors import BadRequestError, InternalError
 
 MAX_BATCH = 8
@@ -74,6 +79,35 @@ def test_outputs_survive_later_runs(executor: OnnxExecutor) -> None:
     executor.run("mlp", executor.synthetic_requests("mlp", 4, seed=2))
     for held, copy in zip(first, kept, strict=True):
         np.testing.assert_array_equal(held["logits"], copy)
+
+
+def test_sized_sessions_pad_each_batch_to_its_session(executor: OnnxExecutor) -> None:
+    # What a CUDA model does by default (one session per size, module docstring), run here on
+    # the CPU provider: every batch size, as a request list, a stacked batch and one request,
+    # gives the one-session executor's answers, and the padding rows never leak into them.
+    config = SessionConfig(session_batch_sizes=(1, 3, 5, 99))
+    with OnnxExecutor(["mlp"], max_batch=MAX_BATCH, config=config) as sized:
+        for size in range(1, MAX_BATCH + 1):
+            requests = executor.synthetic_requests("mlp", size, seed=40 + size)
+            want = executor.run("mlp", requests)
+            stacked = {"features": np.concatenate([r["features"] for r in requests])}
+            for got in (sized.run("mlp", requests), sized.run("mlp", stacked)):
+                assert len(got) == size
+                for g, w in zip(got, want, strict=True):
+                    assert g["logits"].shape == (1, 10)
+                    np.testing.assert_allclose(g["logits"], w["logits"], rtol=RTOL, atol=ATOL)
+        # Sizes past max_batch are dropped and max_batch is added: sessions of 1, 3, 5 and 8
+        # rows, each holding the weights.
+        weights = ensure_builtin("mlp").stat().st_size
+        assert sized.memory_bytes("mlp") - executor.memory_bytes("mlp") == 3 * weights
+
+
+def test_default_cuda_batch_sizes() -> None:
+    assert default_cuda_batch_sizes(32) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    assert default_cuda_batch_sizes(20) == (1, 2, 3, 4, 6, 8, 12, 16, 20)
+    assert default_cuda_batch_sizes(1) == (1,)
+    with pytest.raises(ValueError, match="session_batch_sizes"):
+        SessionConfig(session_batch_sizes=(0, 4))
 
 
 def test_read_only_wire_buffers_are_accepted(executor: OnnxExecutor) -> None:

@@ -65,6 +65,8 @@ GOODPUT_COOLDOWN_S = 0.2
 GOODPUT_PRECISION = 0.10
 GOODPUT_MAX_BAD_RATE = 0.01
 DISTINCT_INPUTS = 64
+# Answers are checked against the model run here on the CPU provider: within 1e-4 when the cluster
+# runs it on CPUs, within the CUDA tolerance (TF32 convolutions) when any backend is a GPU.
 RTOL = 1e-4
 ATOL = 1e-4
 
@@ -93,17 +95,30 @@ class Reference:
         self.executor.close()
 
 
-def _matches(got: dict[str, Any], expected: dict[str, Any]) -> bool:
+def output_tolerance(config: ClusterConfig) -> tuple[float, float]:
+    """(rtol, atol) of the answer check for this cluster's backends."""
+    from zserve.backends.onnx_executor import CUDA_OUTPUT_ATOL, CUDA_OUTPUT_RTOL
+
+    backends = config.backends
+    if any(backends.device_of(i).startswith("cuda") for i in range(backends.total)):
+        return CUDA_OUTPUT_RTOL, CUDA_OUTPUT_ATOL
+    return RTOL, ATOL
+
+
+def _matches(got: dict[str, Any], expected: dict[str, Any], tolerance: tuple[float, float]
+             ) -> bool:
     if got.keys() != expected.keys():
         return False
+    rtol, atol = tolerance
     return all(
-        got[k].shape == expected[k].shape and np.allclose(got[k], expected[k], RTOL, ATOL)
+        got[k].shape == expected[k].shape and np.allclose(got[k], expected[k], rtol, atol)
         for k in got
     )
 
 
 class Tally:
-    def __init__(self) -> None:
+    def __init__(self, tolerance: tuple[float, float] = (RTOL, ATOL)) -> None:
+        self.tolerance = tolerance
         self.latencies_s: list[float] = []
         self.errors: collections.Counter[str] = collections.Counter()
         self.wrong = 0
@@ -117,7 +132,7 @@ class Tally:
             self.errors[type(outcome).__name__] += 1
             return
         self.latencies_s.append(time.monotonic() - started)
-        if _matches(outcome, expected[index % len(expected)]):
+        if _matches(outcome, expected[index % len(expected)], self.tolerance):
             self.ok += 1
         else:
             self.wrong += 1
@@ -388,10 +403,10 @@ class _Burst:
     """Parts 1 and 2 on a running cluster: the lone requests, then the burst."""
 
     def __init__(self, args: argparse.Namespace, model: str, inputs: list[Any],
-                 expected: list[Any]) -> None:
+                 expected: list[Any], tolerance: tuple[float, float]) -> None:
         self.args, self.model, self.inputs, self.expected = args, model, inputs, expected
-        self.lone = Tally()
-        self.tally = Tally()
+        self.lone = Tally(tolerance)
+        self.tally = Tally(tolerance)
         self.elapsed_s = 0.0
 
     async def drive(self, address: str) -> None:
@@ -464,7 +479,7 @@ def main(argv: list[str]) -> int:
           f" backends, model {model.name!r}, SLO {model.slo_ms:g} ms, policy "
           f"{config.scheduler.policy})", flush=True)
     started = time.monotonic()
-    burst = _Burst(args, model.name, inputs, expected)
+    burst = _Burst(args, model.name, inputs, expected, output_tolerance(config))
     with Cluster(config) as cluster:
         print(f"zserve demo: up in {time.monotonic() - started:.1f} s; clients connect to "
               f"{cluster.client_address}", flush=True)
