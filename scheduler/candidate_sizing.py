@@ -22,6 +22,7 @@ from bisect import bisect_left
 
 from zserve.policies import (
     DROP_FCFS,
+    DROP_SUFFIX,
     DROP_WINDOW,
     KIND_DEFERRED,
     KIND_EAGER,
@@ -138,8 +139,9 @@ class CandidateSizing:
             self._defer_shared = True
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
-        """Window drop: the new head and batch size. Drop the head while keeping it would force
-        a batch smaller than the target (keep_min). While at least keep_min requests remain the
+        """Window and suffix drops: the new head and batch size. Drop the head while keeping it
+        would force a batch smaller than the target (keep_min; suffix: or than the longest
+        feasible suffix, if shorter). While at least keep_min requests remain the
         bar is one deadline threshold: bisect to it, then step through the short remainder.
         ``start`` is now + d_ctrl."""
         dl = self._dl
@@ -149,6 +151,11 @@ class CandidateSizing:
         table = self._table
         d_data = self.d_data_s
         keep_min = self.keep_min
+        if self._drop == DROP_SUFFIX:
+            suffix = self._longest_feasible_suffix(start, gpu_free_at)
+            if not suffix:  # not even the last request can finish alone: all are lost
+                return size, 0
+            keep_min = suffix if suffix < keep_min else keep_min
         earliest = start + d_data * keep_min
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
         threshold = earliest + table[keep_min]
@@ -170,6 +177,29 @@ class CandidateSizing:
         if bs < cap:
             bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
         return head, bs
+
+    def _longest_feasible_suffix(self, start: float, gpu_free_at: float) -> int:
+        """``suffix`` drop (nexuslb's batch_policy.cpp since 2022): the most requests at the
+        queue's tail (latest deadlines) that could still run as one batch in time, at most
+        max_batch. Feasibility is monotone along the queue (a later start index has a later
+        deadline and a smaller batch), so it is a bisection."""
+        dl = self._dl
+        table = self._table
+        d_data = self.d_data_s
+        size = len(dl)
+        lo = size - self._max_batch
+        lo = self._head if self._head > lo else lo
+        hi = size
+        while lo < hi:
+            mid = (lo + hi) // 2
+            bs = size - mid
+            earliest = start + d_data * bs
+            earliest = gpu_free_at if gpu_free_at > earliest else earliest
+            if dl[mid] >= earliest + table[bs]:
+                hi = mid
+            else:
+                lo = mid + 1
+        return size - lo
 
     def _size_feasible(self, start: float, gpu_free_at: float) -> tuple[int, int]:
         """FCFS and no-drop policies: drop only what cannot finish even alone; the new head and
@@ -217,7 +247,8 @@ class CandidateSizing:
         threshold = earliest + table[1]
         if dl[head] < threshold:  # what cannot finish even as one row: drop in bulk
             head = bisect_left(dl, threshold, head, size)
-        floor = self.keep_min if self._drop == DROP_WINDOW else 1
+        # suffix: as window here (rows make the suffix rule's bisection a scan; not built)
+        floor = self.keep_min if self._drop in {DROP_WINDOW, DROP_SUFFIX} else 1
         while head < size:
             first = sizes[head]
             if first <= max_batch:

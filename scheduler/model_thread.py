@@ -68,6 +68,7 @@ from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.policies import (
     DEFAULT_KEEP_TOLERANCE,
+    DROP_SUFFIX,
     DROP_WINDOW,
     SchedulePolicy,
 )
@@ -532,7 +533,7 @@ class ModelThread(CandidateSizing):
             self.wake_at = math.inf
             return
         start = now + self.d_ctrl_s
-        if self._drop == DROP_WINDOW:
+        if self._drop in {DROP_WINDOW, DROP_SUFFIX}:
             head, bs = self._size_keeping_target(start, gpu_free_at)
         else:
             head, bs = self._size_feasible(start, gpu_free_at)

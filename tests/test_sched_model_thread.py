@@ -386,6 +386,29 @@ def test_jitter_allowance_moves_frontrun_and_latest_policy_earlier() -> None:
     assert cand.exec_at == pytest.approx((12 - 0.5 - 7) * MS)
 
 
+def test_suffix_drop_keeps_a_head_the_queue_could_not_fill_a_target_batch_behind() -> None:
+    # l(b) = b + 5 ms, target 4, at 2 ms: the head (deadline 10.1 ms) and four requests (10.3 ms)
+    # each fit a batch of 3 (done at 10 ms), none of 4 (11 ms). The window rule (the 2021 rule)
+    # asks the head for a batch of min(target, queued) = 4 and drops heads until 3 are left;
+    # the suffix rule (nexuslb 2022) asks for min(target, longest feasible suffix) = 3 and keeps
+    # the head, which goes in a batch of 3.
+    window = _mt(keep_tolerance=0.0)
+    suffix = _mt(drop="suffix", keep_tolerance=0.0)
+    for mt in (window, suffix):
+        mt._set_target(4)
+        out: Outbox = []
+        mt.on_arrivals(0.0, "fe", [1], [0.0], [10.1 * MS], out)
+        mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [10.3 * MS] * 4, out)
+        mt._update(2.0 * MS, -math.inf, out)
+    assert (window.n_dropped, window.cand_bs) == (2, 3)
+    assert (suffix.n_dropped, suffix.cand_bs) == (0, 3)
+    # with nothing able to finish even alone, the suffix rule drops everything
+    late = _mt(drop="suffix")
+    late.on_arrivals(0.0, "fe", [1, 2], [0.0] * 2, [5.5 * MS] * 2, out := [])
+    late._update(0.5 * MS, -math.inf, out)
+    assert (late.n_dropped, late.cand_bs) == (2, 0)
+
+
 def test_keep_tolerance_keeps_head_for_a_nearly_as_efficient_batch() -> None:
     # l(b) = b + 5: per-request cost l(b)/b is 9/4 = 2.25 at 4 and 8/3 = 2.67 (+19%) at 3
     strict = _mt(keep_tolerance=0.0)

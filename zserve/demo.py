@@ -9,8 +9,11 @@
 
 Three parts, on one cluster:
 
-1. Lone requests (``LONE_REQUESTS``, one at a time): under deferred scheduling a lone request
-   waits until one more could no longer join its batch, so each is answered close to its SLO.
+1. Lone requests (``LONE_REQUESTS``, one every ``LONE_GAP_S``: light load). The first defers to
+   its last moment: a model defers until its rate meter has a sample (at a cold burst, starting
+   at once would drop requests). From then on the meter reads about 2 r/s, nothing is expected
+   to join a lone request before its latest start, and the default policy starts it at once:
+   it is answered in about l(1) plus the allowances (``scheduler/policy.py``, the joiner rule).
 2. A burst: closed loop by default (``--concurrency`` requests in flight, ``--requests`` in all);
    with ``--rate`` it is open loop (requests sent on a fixed schedule with
    ``AsyncClient.submit``, whatever the replies do). Prints throughput and latency.
@@ -57,7 +60,8 @@ DEMO_CONFIG: dict[str, Any] = {
     "models": [{"name": "cnn", "builtin": "cnn", "slo_ms": 200.0, "max_batch": 16,
                 "max_queue": 256}],
 }
-LONE_REQUESTS = 3
+LONE_REQUESTS = 4
+LONE_GAP_S = 0.4  # between one lone request's answer and the next: ~2 r/s, light load
 # Goodput search: probe shape and precision (a short search, not a benchmark: see zserve bench).
 GOODPUT_WARMUP_S = 0.5
 GOODPUT_MEASURE_S = 2.0
@@ -412,8 +416,13 @@ class _Burst:
     async def drive(self, address: str) -> None:
         args = self.args
         async with AsyncClient(address, timeout=30.0) as client:
-            alone = Work(self.model, self.inputs, self.expected, self.lone)
-            await _closed_loop(client, alone, requests=LONE_REQUESTS, concurrency=1)
+            for index in range(LONE_REQUESTS):
+                if index:
+                    await asyncio.sleep(LONE_GAP_S)
+                inputs = self.inputs[index:] + self.inputs[:index]
+                expected = self.expected[index:] + self.expected[:index]
+                alone = Work(self.model, inputs, expected, self.lone)
+                await _closed_loop(client, alone, requests=1, concurrency=1)
             work = Work(self.model, self.inputs, self.expected, self.tally)
             begin = time.monotonic()
             if args.rate:
@@ -434,12 +443,16 @@ class _Burst:
 
     def print(self, policy: str) -> None:
         lone, tally, args = self.lone, self.tally, self.args
-        print(f"zserve demo: {LONE_REQUESTS} lone requests, one at a time: correct {lone.ok}, "
+        print(f"zserve demo: {LONE_REQUESTS} lone requests, one every {LONE_GAP_S:g} s: "
+              f"correct {lone.ok}, "
               f"wrong {lone.wrong}, errors {dict(lone.errors) or 0}; latency "
               f"{_percentiles(lone.latencies_s)}")
-        if policy.startswith("deferred"):
-            print("  (deferred scheduling holds a lone request until one more could no longer "
-                  "join its batch: it is answered close to its SLO, by design)")
+        if policy in {"frontrun", "deferred-bl"}:
+            print(f"  ({policy} holds a lone request until one more could no longer join its "
+                  "batch: it is answered close to its SLO, by design)")
+        elif policy == "deferred":
+            print("  (the first waits to its last moment: no rate sample yet; the others start "
+                  "at once: nothing is expected to join them)")
         mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
                 else f"closed loop, {args.concurrency} in flight")
         print(f"zserve demo: burst of {self.total} requests ({mode}) in {self.elapsed_s:.2f} s: "

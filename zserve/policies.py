@@ -18,7 +18,7 @@ raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 
 
 SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "eager-edf",
                      "timeout")
-DROP_POLICIES = ("window", "alone", "fcfs")
+DROP_POLICIES = ("window", "suffix", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
 KIND_DEFERRED = 0
@@ -41,7 +41,9 @@ _DEFAULT_DROP_BY_NAME = {"eager-edf": "alone"}
 DROP_WINDOW = 0
 DROP_ALONE = 1
 DROP_FCFS = 2
-_DROP_BY_NAME = {"window": DROP_WINDOW, "alone": DROP_ALONE, "fcfs": DROP_FCFS}
+DROP_SUFFIX = 3
+_DROP_BY_NAME = {"window": DROP_WINDOW, "suffix": DROP_SUFFIX, "alone": DROP_ALONE,
+                 "fcfs": DROP_FCFS}
 
 
 class PolicyError(ValueError):
@@ -68,7 +70,7 @@ class SchedulePolicy:
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
         """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
-        ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``alone`` | ``fcfs``
+        ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``suffix`` | ``alone`` | ``fcfs``
         (``window``, the default, means ``alone`` for ``eager-edf``). Raises PolicyError (a
         ValueError) naming the choices and, in ``key``, which of the two names is at fault."""
         base, _, arg = spec.strip().partition(":")

@@ -12,7 +12,11 @@ Clockwork-style baseline) and ``timeout:F`` (the best of a few fractions of the 
 - the 37-model A100 zoo on 64 GPUs;
 - network delays (d_ctrl 0.5 ms, d_data 0.05 ms per row) on ResNet50 x 8 and the 3-model mix.
 
-The check fails if the default's goodput is below max(frontrun, eager) - 1% in any cell. A second
+The check fails if the default's goodput is below max(frontrun, eager) - 1% in any cell. Where
+the default's search stopped below that bar, the default is probed at the bar itself, and a
+passing probe lifts its goodput there (a bad rate near 1% is not monotone in the rate, so a
+search can stop below a rate that passes). The default also runs under the ``suffix`` drop rule
+(``deferred+suffix``), against the ``window`` rule it runs by default. A second
 part, light load, runs the default at fixed fractions (0.05x .. 1x) of its goodput on a single
 model and a mix, and reports the GPU busy fraction against the load-proportional line (busy at 1x
 times the fraction) and the p50 latency against l(1) + the allowances.
@@ -23,6 +27,7 @@ windows and a coarse search, and light load at two fractions: a smoke test of se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +54,9 @@ from zserve.loadgen.experiments.simulated import (
 )
 from zserve.loadgen.workload import Workload, load_workload, parse_workload
 
-GRID_POLICIES = ("deferred", "frontrun", "eager", "eager-edf", "deferred-bl")
+# "POLICY+DROP" runs POLICY under that drop rule: the default under the other window rule
+# (scheduler/policy.py, ``window`` the authors' 2021 rule, ``suffix`` nexuslb's 2022 one).
+GRID_POLICIES = ("deferred", "frontrun", "eager", "eager-edf", "deferred-bl", "deferred+suffix")
 GRID_TIMEOUT_FRACTIONS = (0.1, 0.2, 0.3)
 GRID_QUICK_TIMEOUT_FRACTIONS = (0.2,)
 GRID_WINDOWS_S = (2.0, 4.0, 1.0)  # warmup, measure, cooldown of a full-grid probe
@@ -105,9 +112,10 @@ def _workload(name: str, gpus: int, models: list[tuple[str, float, float, float]
         section.update(d_ctrl_ms=NETWORK_D_CTRL_MS, d_data_ms=NETWORK_D_DATA_MS)
     specs = [{"name": n, "slo_ms": slo, "alpha_ms": a, "beta_ms": b} for n, slo, a, b in models]
 
-    def make(policy: str) -> Workload:
-        return parse_workload({"workload": {**section, "policy": policy}, "models": specs},
-                              source=f"policy-grid {name}")
+    def make(label: str) -> Workload:
+        policy, _, drop = label.partition("+")
+        return parse_workload({"workload": {**section, "policy": policy, "drop": drop or "window"},
+                               "models": specs}, source=f"policy-grid {name}")
     return make
 
 
@@ -119,8 +127,9 @@ def _zoo(name: str, gpus: int, stride: int, popularity: str,
                               warmup_s=warmup, measure_s=measure, cooldown_s=cooldown,
                               name=name)
 
-    def make(policy: str) -> Workload:
-        return zoo.with_overrides(policy=policy)
+    def make(label: str) -> Workload:
+        policy, _, drop = label.partition("+")
+        return zoo.with_overrides(policy=policy, drop=drop or "window")
     return make
 
 
@@ -171,8 +180,16 @@ def _grid_cell(cell: Cell, *, quick: bool, precision: float, say: Say) -> dict[s
                                         label=cell.name)
     found["timeout"] = timeout
     crossed = _cross_probe(cell, found, {"timeout": timeout_policy(fraction)})
-    d = found["deferred"].goodput_rps
     best_baseline = max(found["frontrun"].goodput_rps, found["eager"].goodput_rps)
+    bar = math.ceil((1 - GRID_MARGIN) * best_baseline * 10) / 10
+    # The check's own question, asked directly: does the default pass at the bar? A passing
+    # probe is a lower bound of its goodput, as in _cross_probe; a search at 1% precision can
+    # stop below a rate that passes (a bad rate near 1% is not monotone in the rate).
+    if (found["deferred"].goodput_rps < bar
+            and sim_probe(cell.make("deferred"), bar)["bad_rate"] <= MAX_BAD_RATE):
+        found["deferred"].goodput_rps = bar
+        crossed.append(f"deferred@{bar:g} (the bar)")
+    d = found["deferred"].goodput_rps
     row: dict[str, Any] = {
         "cell": cell.name, "group": cell.group, "timeout_fraction": fraction,
         "cross_probes": crossed,
