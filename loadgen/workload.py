@@ -15,7 +15,7 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     measure_s = 10.0           # counted: bad rate, latency, goodput
     cooldown_s = 1.0           # load keeps flowing, not counted
     policy = "deferred"        # deferred | frontrun | latest | eager | eager-edf | timeout:F
-    drop = "window"            # window | alone | fcfs
+    drop = "window"            # window | suffix | alone | fcfs
     d_ctrl_ms = 0.0            # plan delivery allowance before a batch can start
     d_data_ms = 0.0            # per-request input-fetch allowance
     reply_ms = 0.0             # reply allowance: deadline = arrival + SLO - reply_ms

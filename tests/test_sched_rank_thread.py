@@ -8,6 +8,7 @@ import pytest
 
 from zserve.hosting import Outbox
 from zserve.scheduler.policy import RESCUE_CONTENTION
+from zserve.scheduler.rank_thread import _IDLE as IDLE
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
@@ -146,6 +147,8 @@ def test_added_gpu_serves_pending_candidate_and_removed_gpu_gets_nothing_new() -
     assert _grants(out) == []
     rank.add_gpu(12.0, 0, out)
     assert _grants(out)[0].gpu_id == 0
+    # the idle count the at-risk rescue reads follows every state change above
+    assert rank._n_idle == sum(state == IDLE for state in rank._state.values())
 
 
 def test_gpu_removed_while_granted_is_dropped_on_answer() -> None:
@@ -173,6 +176,7 @@ def test_many_gpus_consolidate_on_low_ids() -> None:
         rank.on_grant_answer(now, GrantAnswer("a", grant.gpu_id, grant.grant_id, True,
                                               now + 1.5), out)
         out.clear()
+        assert rank._n_idle == sum(state == IDLE for state in rank._state.values())
     assert used == {0, 1}  # batches of 1.5 every 1.0: two GPUs suffice
 
 
