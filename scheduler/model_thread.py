@@ -615,16 +615,6 @@ class ModelThread(CandidateSizing):
         elif (sent[0] == bs and sent[1] == exec_at and sent[2] == self.cand_latest
               and sent[3] == early_ok):
             return
-        elif (early_ok and sent[3] and lead is not None and bs > sent[0]
-              and self.cand_latest >= sent[2] - lead):
-            # An early_ok candidate the rank holds that only grew: the rank may rescue it as
-            # it holds it (the grant takes the batch as it is then), so it hears of the growth
-            # only once the latest start moved by the lead or the model timer is near. Growth
-            # otherwise cost one rank update per arrival: 128 models on 128 GPUs outran a core.
-            publish_at = exec_at - delay - lead
-            if publish_at > now:
-                self.wake_at = min(self.wake_at, publish_at)
-                return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
         # the duration feeds only deferred's projection: no work for the other policies
         duration = self._expected_duration(now, bs) if self._rescue else 0.0
