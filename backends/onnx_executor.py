@@ -342,6 +342,8 @@ class OnnxExecutor(Executor):
     ``models``: ModelSpecs or model spec strings (``cnn``, ``NAME=PATH.onnx``, ``PATH.onnx``).
     ``max_batch``: the largest batch, for every model or per model name (a model missing from
     the mapping gets DEFAULT_MAX_BATCH).
+    ``session_batch_sizes``: per model name, the batch sizes that get a session of their own,
+    in place of ``config.session_batch_sizes`` (module docstring).
     """
 
     def __init__(
@@ -351,6 +353,7 @@ class OnnxExecutor(Executor):
         device: str = "cpu",
         max_batch: int | Mapping[str, int] = DEFAULT_MAX_BATCH,
         config: SessionConfig | None = None,
+        session_batch_sizes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         super().__init__(device)
         self._kind, self._device_id = parse_device(device)
@@ -367,6 +370,11 @@ class OnnxExecutor(Executor):
         for name, limit in self._max_batch.items():
             if limit < 1:
                 raise ValueError(f"model {name!r}: max_batch must be >= 1, got {limit}")
+        self._session_sizes = {name: tuple(sizes)
+                               for name, sizes in (session_batch_sizes or {}).items()}
+        for name, sizes in self._session_sizes.items():
+            if any(size < 1 for size in sizes):
+                raise ValueError(f"model {name!r}: session batch sizes must be >= 1, got {sizes}")
         self._loaded: dict[str, _LoadedModel] = {}
         self._load_lock = threading.Lock()
 
@@ -448,7 +456,7 @@ class OnnxExecutor(Executor):
     def _load_model(self, spec: ModelSpec) -> _LoadedModel:
         _check_file(spec.name, spec.path)
         limit = self._max_batch[spec.name]
-        sizes = self.config.session_batch_sizes
+        sizes = self._session_sizes.get(spec.name) or self.config.session_batch_sizes
         if not sizes and self._kind == "cuda":
             sizes = default_cuda_batch_sizes(limit)
         sizes = tuple(sorted({size for size in sizes if size < limit} | {limit})) if sizes else ()

@@ -126,7 +126,9 @@ def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
             specs.append(ModelSpec(m.name, Path(m.onnx)))
         else:
             raise ValueError(f"model {m.name!r} ({m.kind}) needs device 'emulated', not {device!r}")
-    return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models})
+    return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models},
+                        session_batch_sizes={m.name: m.session_batch_sizes for m in models
+                                             if m.session_batch_sizes})
 
 
 def _emulated_model(model: ModelConfig) -> Any:

@@ -102,6 +102,20 @@ def test_sized_sessions_pad_each_batch_to_its_session(executor: OnnxExecutor) ->
         assert sized.memory_bytes("mlp") - executor.memory_bytes("mlp") == 3 * weights
 
 
+def test_per_model_session_sizes_override_the_config(executor: OnnxExecutor) -> None:
+    # cluster.toml's [[models]] session_batch_sizes (build_executor passes them per model):
+    # mlp gets sessions of 2 and 8 rows, cnn keeps one; a batch of 1 runs padded to 2.
+    weights = ensure_builtin("mlp").stat().st_size
+    with OnnxExecutor(["cnn", "mlp"], max_batch=MAX_BATCH,
+                      session_batch_sizes={"mlp": (2,)}) as sized:
+        assert sized.memory_bytes("mlp") - executor.memory_bytes("mlp") == weights
+        assert sized.memory_bytes("cnn") == executor.memory_bytes("cnn")
+        (request,) = executor.synthetic_requests("mlp", 1, seed=9)
+        (got,) = sized.run("mlp", [request])
+        (want,) = executor.run("mlp", [request])
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=RTOL, atol=ATOL)
+
+
 def test_default_cuda_batch_sizes() -> None:
     assert default_cuda_batch_sizes(32) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     assert default_cuda_batch_sizes(20) == (1, 2, 3, 4, 6, 8, 12, 16, 20)

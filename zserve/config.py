@@ -129,6 +129,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_wait_ms: float | None = None
     # Past the model's capacity, bound the rows that wait to be planned (docs/runtime.md).
     shed_past_capacity: bool = True
+    # ONNX Runtime models: the batch sizes that get a session of their own (empty: on a GPU
+    # 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ...; on a CPU one session). backends/onnx_executor.py.
+    session_batch_sizes: tuple[Count, ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -137,6 +140,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise FieldError("", "exactly one of onnx, builtin, emulated is required")
         check_finite("slo_ms", self.slo_ms, positive=True)
         check_finite("max_wait_ms", self.max_wait_ms, positive=True)
+        for i, size in enumerate(self.session_batch_sizes):
+            if size > self.max_batch:
+                raise FieldError(f"session_batch_sizes[{i}]",
+                                 f"{size} is above max_batch ({self.max_batch})")
 
     @property
     def kind(self) -> Literal["onnx", "builtin", "emulated"]:
