@@ -43,6 +43,7 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_WIDEN_S,
     DEFER_STAGGER_MIN_GPUS,
+    RESCUE_SHARED_FLOOR,
     RpsMeter,
 )
 
@@ -398,10 +399,12 @@ class CandidateSizing:
         self.cand_exec = exec_at
         self.cand_latest = latest
         # deferred: the rank may start it early (its rescue); a staggered model only once its
-        # batch reaches beta*lambda - 1, where waiting no longer pays in throughput (policy.py).
-        # A shared model's deferring candidate is the one whose window may be lost.
+        # batch reaches beta*lambda - 1, where waiting no longer pays in throughput, a shared
+        # model from RESCUE_SHARED_FLOOR of that (policy.py). A shared model's deferring
+        # candidate is the one whose window may be lost.
         waits = self._rescue and exec_at > earliest
-        self._cand_early_ok = waits and (self._defer_shared or bs >= self._rescue_from)
+        floor = RESCUE_SHARED_FLOOR * self._rescue_from if self._defer_shared else self._rescue_from
+        self._cand_early_ok = waits and bs >= floor
         self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
