@@ -42,9 +42,10 @@ raw ONNX Runtime traceback); every input and output must be a tensor with a *dyn
 dimension (the batch, e.g. ``"N"``); every other input dimension must be fixed, because zserve
 batches requests by concatenating them along the first dimension.
 
-``SessionConfig`` holds every session option zserve sets; its defaults suit one backend per
-device: one intra-op thread on the CPU (so several CPU backends do not fight over cores, and l(b)
-is reproducible), full graph optimisation, memory arena and memory patterns on.
+``SessionConfig`` (``zserve.backends.onnx_session``, with the device parse, the CUDA batch sizes
+and the library preload) holds every session option zserve sets; its defaults suit one backend
+per device: one intra-op thread on the CPU (so several CPU backends do not fight over cores, and
+l(b) is reproducible), full graph optimisation, memory arena and memory patterns on.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,12 @@ from zserve.backends.executor import (
     ModelLoadError,
     TensorMap,
     split_rows,
+)
+from zserve.backends.onnx_session import (
+    SessionConfig,
+    default_cuda_batch_sizes,
+    parse_device,
+    preload_cuda_libraries,
 )
 from zserve.errors import BackendFailedError, BadRequestError
 from zserve.signature import ModelSignature, TensorSpec
@@ -85,122 +92,7 @@ _ORT_DTYPES: dict[str, str] = {
     "tensor(bool)": "bool",
 }
 
-_GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
 DEFAULT_MAX_BATCH = 32
-# How far a CUDA run's outputs may sit from the CPU provider's: cuDNN runs FP32 convolutions in
-# TF32 (10-bit mantissa) by default and picks different kernels per batch size.
-CUDA_OUTPUT_RTOL = 2e-2
-CUDA_OUTPUT_ATOL = 2e-3
-
-
-@dataclass(frozen=True, slots=True)
-class SessionConfig:
-    """ONNX Runtime session options (see the ONNX Runtime docs of SessionOptions and of the
-    CUDA execution provider for each one's exact effect).
-
-    intra_op_threads: threads one operator may use. Default 1: a CPU backend is one "device" of
-        one core; raise it to run one fast backend on a many-core host.
-    inter_op_threads: threads running independent operators in parallel (parallel mode only).
-    parallel_execution: run independent branches of the graph in parallel.
-    graph_optimization: "disable" | "basic" | "extended" | "all".
-    cpu_mem_arena: keep freed CPU buffers for reuse instead of returning them to the OS.
-    mem_pattern: plan activation memory once per input shape and reuse the plan.
-    allow_spinning: let idle intra-op threads spin (lower latency, burns CPU while idle).
-    gpu_mem_limit_bytes: cap of the CUDA arena (None: no cap).
-    cuda_arena_extend_strategy: "kNextPowerOfTwo" | "kSameAsRequested".
-    cudnn_conv_algo_search: "HEURISTIC" (default) | "EXHAUSTIVE" | "DEFAULT". On an H200
-        (docs/performance.md, "On a GPU") HEURISTIC ran ResNet50 as fast as EXHAUSTIVE at a
-        fixed size (1.42 against 1.48 ms at b1, 6.84 against 7.77 at b32) and builds a new
-        shape's plan faster; DEFAULT was 2.6-5x slower.
-    log_severity: ONNX Runtime log level, 0 (verbose) .. 4 (fatal); default 3 (errors).
-    session_batch_sizes: the batch sizes that get a session of their own, each batch padded to
-        the smallest of them that holds it (module docstring). Empty (default): on a GPU
-        ``default_cuda_batch_sizes(max_batch)``, on a CPU one session for every size. Sizes past
-        a model's max_batch are dropped and max_batch is always added.
-    """
-
-    intra_op_threads: int = 1
-    inter_op_threads: int = 1
-    parallel_execution: bool = False
-    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
-    cpu_mem_arena: bool = True
-    mem_pattern: bool = True
-    allow_spinning: bool = True
-    gpu_mem_limit_bytes: int | None = None
-    cuda_arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kNextPowerOfTwo"
-    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
-    log_severity: int = 3
-    session_batch_sizes: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if any(size < 1 for size in self.session_batch_sizes):
-            raise ValueError(f"session_batch_sizes must be >= 1, got {self.session_batch_sizes}")
-        if self.graph_optimization not in _GRAPH_OPT_LEVELS:
-            raise ValueError(
-                f"graph_optimization {self.graph_optimization!r} not in {_GRAPH_OPT_LEVELS}"
-            )
-        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
-            raise ValueError("thread counts must be >= 0 (0: ONNX Runtime's default)")
-
-    def session_options(self) -> Any:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.intra_op_threads
-        options.inter_op_num_threads = self.inter_op_threads
-        options.execution_mode = (
-            ort.ExecutionMode.ORT_PARALLEL
-            if self.parallel_execution
-            else ort.ExecutionMode.ORT_SEQUENTIAL
-        )
-        options.graph_optimization_level = {
-            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[self.graph_optimization]
-        options.enable_cpu_mem_arena = self.cpu_mem_arena
-        options.enable_mem_pattern = self.mem_pattern
-        options.log_severity_level = self.log_severity
-        options.add_session_config_entry(
-            "session.intra_op.allow_spinning", "1" if self.allow_spinning else "0"
-        )
-        return options
-
-    def cuda_provider_options(self, device_id: int) -> dict[str, str]:
-        options = {
-            "device_id": str(device_id),
-            "arena_extend_strategy": self.cuda_arena_extend_strategy,
-            "cudnn_conv_algo_search": self.cudnn_conv_algo_search,
-            "do_copy_in_default_stream": "1",
-        }
-        if self.gpu_mem_limit_bytes is not None:
-            options["gpu_mem_limit"] = str(self.gpu_mem_limit_bytes)
-        return options
-
-
-def default_cuda_batch_sizes(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) up to max_batch, and
-    max_batch: each size within 1.5x of the next smaller one, so padding wastes at most a third of
-    a batch, with a session count that grows as log(max_batch)."""
-    sizes = {1, max_batch}
-    power = 2
-    while power <= max_batch:
-        sizes.add(power)
-        if power + power // 2 <= max_batch:
-            sizes.add(power + power // 2)
-        power *= 2
-    return tuple(sorted(sizes))
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """``"cpu"`` -> ("cpu", 0); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N)."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu" and not index:
-        return "cpu", 0
-    if kind == "cuda" and (not index or index.isdigit()):
-        return "cuda", int(index or 0)
-    raise ValueError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
 
 
 def read_signature(path: str | Path, model: str | None = None) -> ModelSignature:
@@ -292,20 +184,6 @@ def _signature(
         tuple(spec("input", n, t, d) for n, t, d in inputs),
         tuple(spec("output", n, t, d) for n, t, d in outputs),
     )
-
-
-_cuda_libraries_preloaded = False
-
-
-def _preload_cuda_libraries(ort: Any) -> None:
-    """Load the pip-installed CUDA/cuDNN libraries once per process (module docstring)."""
-    global _cuda_libraries_preloaded
-    if _cuda_libraries_preloaded:
-        return
-    _cuda_libraries_preloaded = True
-    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
-    if preload is not None:
-        preload()
 
 
 def _is_cupy(array: Any) -> bool:
@@ -501,7 +379,7 @@ class OnnxExecutor(Executor):
                 f"onnxruntime has only {available} (pip uninstall onnxruntime && "
                 "pip install 'zserve[gpu]')"
             )
-        _preload_cuda_libraries(ort)
+        preload_cuda_libraries(ort)
         return [
             ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
             "CPUExecutionProvider",

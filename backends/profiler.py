@@ -258,7 +258,8 @@ def main(argv: Sequence[str]) -> int:
 
     from zserve.backends.builtin import resolve_model_spec
     from zserve.backends.executor import ModelLoadError
-    from zserve.backends.onnx_executor import OnnxExecutor, SessionConfig
+    from zserve.backends.onnx_executor import OnnxExecutor
+    from zserve.backends.onnx_session import SessionConfig
 
     try:
         spec = resolve_model_spec(args.model)

@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 
 from zserve.backends.executor import ModelLoadError
-from zserve.backends.onnx_executor import CUDA_OUTPUT_ATOL as ATOL
-from zserve.backends.onnx_executor import CUDA_OUTPUT_RTOL as RTOL
 from zserve.backends.onnx_executor import OnnxExecutor
+from zserve.backends.onnx_session import CUDA_OUTPUT_ATOL as ATOL
+from zserve.backends.onnx_session import CUDA_OUTPUT_RTOL as RTOL
 
 MAX_BATCH = 4
 

@@ -12,12 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from zserve.backends.builtin import ModelSpec, ensure_builtin
 from zserve.backends.executor import ModelLoadError
-from zserve.backends.onnx_executor import (
-    OnnxExecutor,
-    SessionConfig,
-    default_cuda_batch_sizes,
-    read_signature,
-)
+from zserve.backends.onnx_executor import OnnxExecutor, read_signature
+from zserve.backends.onnx_session import SessionConfig, default_cuda_batch_sizes
 from zserve.errors import BadRequestError, InternalError
 
 MAX_BATCH = 8

@@ -101,7 +101,7 @@ class Reference:
 
 def output_tolerance(config: ClusterConfig) -> tuple[float, float]:
     """(rtol, atol) of the answer check for this cluster's backends."""
-    from zserve.backends.onnx_executor import CUDA_OUTPUT_ATOL, CUDA_OUTPUT_RTOL
+    from zserve.backends.onnx_session import CUDA_OUTPUT_ATOL, CUDA_OUTPUT_RTOL
 
     backends = config.backends
     if any(backends.device_of(i).startswith("cuda") for i in range(backends.total)):
