@@ -23,7 +23,6 @@ from bisect import bisect_left
 from zserve.policies import (
     DROP_FCFS,
     DROP_SUFFIX,
-    DROP_WINDOW,
     KIND_DEFERRED,
     KIND_EAGER,
     KIND_FRONTRUN,
@@ -71,6 +70,7 @@ class CandidateSizing:
     _max_batch: int
     _policy: SchedulePolicy
     _drop: int
+    _keeps_target: bool  # window or suffix drop (SchedulePolicy.keeps_target)
     _kind: int
     _meter: RpsMeter
     slo_s: float
@@ -249,7 +249,7 @@ class CandidateSizing:
         if dl[head] < threshold:  # what cannot finish even as one row: drop in bulk
             head = bisect_left(dl, threshold, head, size)
         # suffix: as window here (rows make the suffix rule's bisection a scan; not built)
-        floor = self.keep_min if self._drop in {DROP_WINDOW, DROP_SUFFIX} else 1
+        floor = self.keep_min if self._keeps_target else 1
         while head < size:
             first = sizes[head]
             if first <= max_batch:

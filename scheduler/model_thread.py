@@ -68,8 +68,6 @@ from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.policies import (
     DEFAULT_KEEP_TOLERANCE,
-    DROP_SUFFIX,
-    DROP_WINDOW,
     SchedulePolicy,
 )
 from zserve.profiles import LatencyProfile
@@ -140,6 +138,7 @@ class ModelThread(CandidateSizing):
         self.slo_s = slo_s
         self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._drop = self._policy.drop
+        self._keeps_target = self._policy.keeps_target
         self._kind = self._policy.kind
         self._rescue = self._policy.rank_rescue  # the rank may start it early
         self._start_now = False  # set while an early (rescue) grant is planned
@@ -238,6 +237,7 @@ class ModelThread(CandidateSizing):
     def policy(self, policy: SchedulePolicy) -> None:
         self._policy = policy
         self._drop = policy.drop
+        self._keeps_target = policy.keeps_target
         self._kind = policy.kind
         # deferred: the joiner rule and the rank's rescue (policy.py)
         self._rescue = policy.rank_rescue
@@ -533,7 +533,7 @@ class ModelThread(CandidateSizing):
             self.wake_at = math.inf
             return
         start = now + self.d_ctrl_s
-        if self._drop in {DROP_WINDOW, DROP_SUFFIX}:
+        if self._keeps_target:
             head, bs = self._size_keeping_target(start, gpu_free_at)
         else:
             head, bs = self._size_feasible(start, gpu_free_at)

@@ -67,6 +67,11 @@ class SchedulePolicy:
     drop_name: str = "window"
     rank_rescue: bool = False
 
+    @property
+    def keeps_target(self) -> bool:
+        """The drop keeps a target batch size (``window`` and ``suffix``)."""
+        return self.drop in (DROP_WINDOW, DROP_SUFFIX)
+
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
         """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
