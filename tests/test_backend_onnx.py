@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from zserve.backends.builtin import ModelSpec, ensure_builtin
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import OnnxExecutor, read_signature
-from zserve.backends.onnx_session import SessionConfig, default_cuda_batch_sizes
+from zserve.backends.onnx_session import SessionConfig, cuda_output_error, default_cuda_batch_sizes
 from zserve.errors import BadRequestError, InternalError
 
 MAX_BATCH = 8
@@ -118,6 +118,19 @@ def test_default_cuda_batch_sizes() -> None:
     assert default_cuda_batch_sizes(1) == (1,)
     with pytest.raises(ValueError, match="session_batch_sizes"):
         SessionConfig(session_batch_sizes=(0, 4))
+
+
+def test_cuda_output_error_is_relative_to_the_tensors_scale() -> None:
+    # The H200's TF32 ResNet50 logits: largest magnitude 83, up to 0.06 off, near-zero ones too.
+    rng = np.random.default_rng(0)
+    want = rng.normal(0.0, 25.0, size=(1, 1000))
+    want[0, 0] = 83.0
+    tf32_like = want + rng.uniform(-0.06, 0.06, size=want.shape)
+    assert cuda_output_error(tf32_like, want) <= 1.0
+    assert not np.allclose(tf32_like, want, rtol=2e-2, atol=2e-3)  # elementwise would refuse it
+    other_row = rng.normal(0.0, 25.0, size=(1, 1000))  # another request's answer
+    assert cuda_output_error(other_row, want) > 1.0
+    assert cuda_output_error(want[:, :999], want) == float("inf")
 
 
 def test_read_only_wire_buffers_are_accepted(executor: OnnxExecutor) -> None:
