@@ -44,7 +44,11 @@ import heapq
 import math
 
 from zserve.hosting import DEST_MODEL, Outbox
-from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_CONTENTION_EWMA
+from zserve.scheduler.policy import (
+    RESCUE_CONTENTION,
+    RESCUE_CONTENTION_EWMA,
+    RESCUE_SPACING_S_PER_CANDIDATE,
+)
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
 _INF = math.inf
@@ -74,6 +78,8 @@ class RankThread:
         # many candidates are early_ok (the rescue runs only while some are)
         self._cand_run: dict[str, tuple[float, bool, bool]] = {}
         self._n_early_ok = 0
+        # the rescue's next evaluation no sooner than this (RESCUE_SPACING_S_PER_CANDIDATE)
+        self._rescue_next = -_INF
         self._version: dict[str, int] = {}
         self._awaiting: dict[str, int] = {}  # model -> grant_id
         self._grants: dict[int, tuple[str, int]] = {}  # grant_id -> (model, gpu_id)
@@ -376,8 +382,7 @@ class RankThread:
                 continue
             wake = t_model if t_model < t_gpu else t_gpu
             if not self._pending and self._may_rescue():
-                t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
-                            else self._rescue_at_risk(now, outbox))
+                t_rescue = self._rescue_step(now, outbox)
                 if t_rescue is None:
                     continue  # granted
                 wake = t_rescue if t_rescue < wake else wake
@@ -385,6 +390,18 @@ class RankThread:
             return
 
     # ------------------------------------------------------------------ rescue
+
+    def _rescue_step(self, now: float, outbox: Outbox) -> float | None:
+        """The rescue that applies (contention or at-risk), at most once per spacing
+        (RESCUE_SPACING_S_PER_CANDIDATE): an event soon after a look waits for the next one.
+        None when it granted, else when to look again."""
+        if now < self._rescue_next:
+            return self._rescue_next
+        t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
+                    else self._rescue_at_risk(now, outbox))
+        if t_rescue is not None:
+            self._rescue_next = now + RESCUE_SPACING_S_PER_CANDIDATE * len(self._cand)
+        return t_rescue
 
     def _may_rescue(self) -> bool:
         """An early_ok candidate exists. One model alone may be rescued too: its shared

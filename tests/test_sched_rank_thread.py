@@ -7,7 +7,7 @@ import math
 import pytest
 
 from zserve.hosting import Outbox
-from zserve.scheduler.policy import RESCUE_CONTENTION
+from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_SPACING_S_PER_CANDIDATE
 from zserve.scheduler.rank_thread import _IDLE as IDLE
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
@@ -227,6 +227,7 @@ def test_under_contention_an_idle_gpu_starts_the_most_urgent_deferring_candidate
     rank.on_candidate(0.5, _deferring("late", exec_at=8.0, latest=9.0), out)
     rank.on_candidate(0.5, _deferring("urgent", exec_at=4.0, latest=4.5), out)
     rank.on_candidate(0.5, _deferring("not-ok", exec_at=6.0, latest=8.5, early_ok=False), out)
+    rank.on_timer(rank.wake_at, out)  # the rescue's look at the last two (its spacing)
     assert _grants(out) == [] and rank.wake_at == pytest.approx(2.0)  # GPU 1 frees
     rank.on_timer(2.0, out)
     (grant,) = _grants(out)
@@ -263,6 +264,22 @@ def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgen
     (grant,) = _grants(out)
     assert grant.model == "deferring" and grant.early
     assert rank.pending_models() == ["due"]
+
+
+def test_the_rescue_looks_again_only_after_its_spacing() -> None:
+    # one idle GPU; "a" alone is no risk. "b" makes one: "a" would hold the GPU past b's latest
+    # start. The update comes right after the rescue's last look, so the rank looks again once
+    # the spacing (per candidate held) has passed, not at every update.
+    rank = RankThread([0], 0.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _deferring("a", exec_at=1.0, latest=1.2), out)
+    assert _grants(out) == [] and rank.wake_at == pytest.approx(1.0)
+    rank.on_candidate(0.0, _deferring("b", exec_at=1.1, latest=1.3), out)
+    assert _grants(out) == []
+    assert rank.wake_at == pytest.approx(RESCUE_SPACING_S_PER_CANDIDATE * 1)
+    rank.on_timer(rank.wake_at, out)
+    (grant,) = _grants(out)
+    assert grant.model == "a" and grant.early and rank.n_rescues == 1
 
 
 def test_one_model_alone_is_rescued_too() -> None:
