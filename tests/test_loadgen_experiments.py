@@ -23,6 +23,7 @@ from zserve.loadgen.experiments import (
     simulated,
 )
 from zserve.loadgen.sim import Simulator
+from zserve.loadgen.workload import Workload
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MAX_PLOT_BYTES = 200_000  # docs/perf PNGs stay small
@@ -125,6 +126,25 @@ def test_deferred_keeps_the_eager_floor_where_plain_frontrun_collapses() -> None
     eager = goodput("eager")
     assert goodput("deferred") >= 0.95 * eager
     assert goodput("frontrun") < 0.5 * eager
+
+
+def test_a_probe_at_the_bar_lifts_a_goodput_only_where_it_passes() -> None:
+    def make(policy: str) -> Workload:
+        return eager_floor.floor_workload(1, 2, 4.0, 4.0, policy, quick=True)
+
+    def found(rps: float) -> simulated.Goodput:
+        return simulated.Goodput(rps, None, 1, None, None, 0.0, [])
+
+    low = found(10.0)
+    assert simulated.probe_at_bar(make, "eager", low, 100.0)  # 100 r/s: far below capacity
+    assert low.goodput_rps == 100.0
+    high = found(10.0)
+    assert not simulated.probe_at_bar(make, "eager", high, 10_000.0)  # far past capacity
+    assert high.goodput_rps == 10.0
+    # a cross-probe lifts a policy only to a rate within CROSS_PROBE_SPAN of its own
+    pair = {"eager": found(100.0), "deferred": found(10_000.0)}
+    assert simulated.cross_probe(make, pair) == []
+    assert pair["eager"].goodput_rps == 100.0
 
 
 # --------------------------------------------------------------------------- quick experiments

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from zserve.loadgen.experiments.common import (
 from zserve.loadgen.experiments.simulated import (
     QUICK_PRECISION,
     QUICK_WINDOWS_S,
+    cross_probe,
+    probe_at_bar,
     ratio,
     sim_goodput,
 )
@@ -60,8 +63,17 @@ def _floor_cell(gpus: int, models: int, beta_over_alpha: float, slo_multiple: fl
     deferred = sim_goodput(make("deferred"), precision=precision)
     eager = sim_goodput(make("eager"), precision=precision)
     frontrun = sim_goodput(make("frontrun"), precision=precision)
+    # as in the policy grid: each policy probed at the others' goodputs, then the default at
+    # the check's bar (a bad rate near 1% is not monotone in the rate; on one GPU shared by
+    # two models at beta/alpha 16 the default read 0.57% bad at 228 r/s, 0.77% at 235 and
+    # 0.58% at 242, and eager 0.82% at 242 and 1.01% at 235)
+    lifted = cross_probe(make, {"deferred": deferred, "eager": eager, "frontrun": frontrun})
+    bar = math.ceil(FLOOR_THRESHOLD * eager.goodput_rps * 10) / 10
+    if probe_at_bar(make, "deferred", deferred, bar):
+        lifted.append(f"deferred@{bar:g} (the bar)")
     row: dict[str, Any] = {"gpus": gpus, "models": models, "beta_over_alpha": beta_over_alpha,
            "slo_multiple": slo_multiple, "slo_ms": make("eager").models[0].slo_ms,
+           "lifted": lifted,
            "deferred_rps": deferred.goodput_rps, "eager_rps": eager.goodput_rps,
            "frontrun_rps": frontrun.goodput_rps,
            "deferred_over_eager": ratio(deferred.goodput_rps, eager.goodput_rps),
@@ -69,7 +81,8 @@ def _floor_cell(gpus: int, models: int, beta_over_alpha: float, slo_multiple: fl
     say(f"  g={gpus} m={models} beta/alpha={beta_over_alpha:g} SLO={slo_multiple:g}*l(1): "
         f"deferred {deferred.goodput_rps:.1f} frontrun {frontrun.goodput_rps:.1f} eager "
         f"{eager.goodput_rps:.1f}: deferred/eager {row['deferred_over_eager']}, "
-        f"frontrun/eager {row['frontrun_over_eager']}")
+        f"frontrun/eager {row['frontrun_over_eager']}"
+        + (f" (probes lifted {', '.join(lifted)})" if lifted else ""))
     return row
 
 

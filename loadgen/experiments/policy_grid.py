@@ -44,9 +44,10 @@ from zserve.loadgen.experiments.common import (
     save_figure,
 )
 from zserve.loadgen.experiments.simulated import (
-    MAX_BAD_RATE,
     Goodput,
     best_timeout,
+    cross_probe,
+    probe_at_bar,
     ratio,
     sim_goodput,
     sim_probe,
@@ -64,7 +65,6 @@ GRID_PRECISION = 0.01  # the check is at 1%: a coarser search could not resolve 
 GRID_QUICK_WINDOWS_S = (0.5, 1.0, 0.25)
 GRID_QUICK_PRECISION = 0.05
 GRID_MARGIN = 0.01  # the default may trail max(frontrun, eager) by at most this fraction
-CROSS_PROBE_SPAN = 0.05  # a policy is probed at another's goodput up to this much above its own
 GRID_JITTER_MS = 1.0
 NETWORK_D_CTRL_MS = 0.5
 NETWORK_D_DATA_MS = 0.05
@@ -179,15 +179,10 @@ def _grid_cell(cell: Cell, *, quick: bool, precision: float, say: Say) -> dict[s
                                         start_rps=start or 1000.0, say=lambda _l: None,
                                         label=cell.name)
     found["timeout"] = timeout
-    crossed = _cross_probe(cell, found, {"timeout": timeout_policy(fraction)})
+    crossed = cross_probe(cell.make, found, {"timeout": timeout_policy(fraction)})
     best_baseline = max(found["frontrun"].goodput_rps, found["eager"].goodput_rps)
     bar = math.ceil((1 - GRID_MARGIN) * best_baseline * 10) / 10
-    # The check's own question, asked directly: does the default pass at the bar? A passing
-    # probe is a lower bound of its goodput, as in _cross_probe; a search at 1% precision can
-    # stop below a rate that passes (a bad rate near 1% is not monotone in the rate).
-    if (found["deferred"].goodput_rps < bar
-            and sim_probe(cell.make("deferred"), bar)["bad_rate"] <= MAX_BAD_RATE):
-        found["deferred"].goodput_rps = bar
+    if probe_at_bar(cell.make, "deferred", found["deferred"], bar):
         crossed.append(f"deferred@{bar:g} (the bar)")
     d = found["deferred"].goodput_rps
     row: dict[str, Any] = {
@@ -199,29 +194,6 @@ def _grid_cell(cell: Cell, *, quick: bool, precision: float, say: Say) -> dict[s
     say(f"  {cell.name}: " + "  ".join(f"{p} {g.goodput_rps:.0f} (bs {g.median_batch}, busy "
                                        f"{g.busy_fraction:.2f})" for p, g in found.items()))
     return row
-
-
-def _cross_probe(cell: Cell, found: dict[str, Goodput], names: dict[str, str]) -> list[str]:
-    """Lift each policy's goodput to another policy's higher goodput (within CROSS_PROBE_SPAN)
-    where a probe of it there passes. A bisection over a bad rate that is not monotone in the
-    rate stops at different rates for two policies with the same curve (the 3-model mix with
-    network delays: both near 1% from 4,600 to 4,650 r/s; searches found 4,564 and 4,671), and
-    a passing probe is a lower bound of the goodput whichever search ran it. Every policy gets
-    the same chance, so the ratios compare curves rather than search paths. Returns what was
-    lifted, as ``policy@rate``."""
-    lifted = []
-    rates = sorted({g.goodput_rps for g in found.values()})
-    for policy, goodput in found.items():
-        own = goodput.goodput_rps
-        for rate in reversed(rates):
-            if not own < rate <= (1 + CROSS_PROBE_SPAN) * own:
-                continue
-            report = sim_probe(cell.make(names.get(policy, policy)), rate)
-            if report["bad_rate"] <= MAX_BAD_RATE:
-                goodput.goodput_rps = rate
-                lifted.append(f"{policy}@{rate:g}")
-                break
-    return lifted
 
 
 def _grid_tables(rows: list[dict[str, Any]]) -> tuple[list[Table], Check]:
