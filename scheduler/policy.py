@@ -244,11 +244,12 @@ RESCUE_CONTENTION_EWMA = 0.02
 RESCUE_SPACING_S_PER_CANDIDATE = 2.5e-6
 """``deferred``: after the rank evaluates its rescue, it evaluates it again no sooner than this
 times the candidates it holds later (events in between wait for that moment). The at-risk
-projection sorts every waiting candidate and GPU, about 0.25 us per candidate on this VM, and
+projection sorts every waiting candidate and GPU, 0.25-0.5 us per candidate on this VM, and
 ran at every candidate update: with 128 models on 128 GPUs at 20,000 r/s it took 1.8 of every 3
-seconds, and one core no longer kept up at a third of the cluster's capacity. Ten times the
-cost bounds the rescue to about a tenth of the rank's core at any rate, and delays a decision
-by at most 5 us for 2 models, 0.32 ms for 128."""
+seconds, and one core no longer kept up at a third of the cluster's capacity. Five to ten
+times the cost bounds the rescue to a fifth to a tenth of the rank's core at any rate, and
+delays a decision by at most 5 us for 2 models, 0.32 ms for 128 (twice the spacing changed
+nothing measurable at 128 models: the rest of the cost is per request)."""
 
 
 class RpsMeter:
