@@ -34,6 +34,11 @@ Matching (Symphony Appendix D, with the design's consolidation rule):
 - A grant marks the GPU as granted (free at +inf) and discards the model's candidate; the model's
   further candidates are ignored until its GrantAnswer arrives.
 
+The ``deferred`` policy's rescue (``_rescue``, ``_rescue_at_risk``): a GPU that is idle or frees
+may start an ``early_ok`` candidate before its exec time, under contention or where waiting would
+certainly cost another candidate its window; it is evaluated at most once per
+``RESCUE_SPACING_S_PER_CANDIDATE`` times the candidates held (``_rescue_step``).
+
 Data structures: binary heaps with lazy deletion (each entry carries the model's candidate version
 or the GPU's state stamp), so every event costs O(log M + log G) amortized.
 """
