@@ -85,7 +85,7 @@ class CandidateSizing:
     _defer_shared: bool
     _defer_rate: float
     _rescue: bool
-    _rescue_from: float
+    _rescue_from: float  # the batch from which a deferring candidate is early_ok (cached)
     _start_now: bool
     miss_margin_s: float
     # deferred: this model's estimate of how often a deferred candidate loses its window
@@ -138,6 +138,7 @@ class CandidateSizing:
         else:  # shares GPUs: deferred: rescued by the rank; deferred-bl: beta*lambda - 1
             self._defer_below = math.inf if self._rescue else beta_lambda - 1.0
             self._defer_shared = True
+            self._rescue_from *= RESCUE_SHARED_FLOOR
 
     def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
         """Window and suffix drops: the new head and batch size. Drop the head while keeping it
@@ -403,8 +404,7 @@ class CandidateSizing:
         # model from RESCUE_SHARED_FLOOR of that (policy.py). A shared model's deferring
         # candidate is the one whose window may be lost.
         waits = self._rescue and exec_at > earliest
-        floor = RESCUE_SHARED_FLOOR * self._rescue_from if self._defer_shared else self._rescue_from
-        self._cand_early_ok = waits and bs >= floor
+        self._cand_early_ok = waits and bs >= self._rescue_from
         self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
