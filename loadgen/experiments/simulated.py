@@ -27,9 +27,6 @@ QUICK_WINDOWS_S = (1.0, 1.5, 0.5)  # warmup, measure, cooldown of --quick simula
 CROSS_PROBE_SPAN = 0.05  # a policy is probed at another's goodput up to this much above its own
 
 
-
-
-
 def read_toml(path: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text())
 
