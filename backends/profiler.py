@@ -144,10 +144,15 @@ class LatencyMeasurement:
 def fit_linear(
     batch_sizes: Sequence[int], latency_ms: Sequence[float]
 ) -> tuple[float, float, float, float]:
-    """Least-squares ``l(b) = alpha*b + beta``; returns (alpha, beta, R^2, max relative error).
+    """Least-squares ``l(b) = alpha*b + beta`` with ``alpha, beta >= 0``; returns (alpha, beta,
+    R^2, max relative error).
 
-    With a single batch size the fit is ``alpha = 0, beta = l``. R^2 is 1.0 when the data have no
-    variance at all (every l equal and fitted exactly)."""
+    The bounds are the profile's contract (a batch never costs less than a smaller one, and no
+    batch runs in negative time): a tiny model whose timings are all noise can fit a falling line,
+    which the profile file would refuse. The bounded optimum is then on the edge: ``alpha = 0,
+    beta = mean(l)``, or ``beta = 0`` and alpha through the origin. With a single batch size the
+    fit is ``alpha = 0, beta = l``. R^2 is 1.0 when the data have no variance at all (every l equal
+    and fitted exactly)."""
     b = np.asarray(batch_sizes, dtype=np.float64)
     y = np.asarray(latency_ms, dtype=np.float64)
     if b.size == 0 or b.size != y.size:
@@ -157,6 +162,10 @@ def fit_linear(
     else:
         design = np.stack([b, np.ones_like(b)], axis=1)
         (alpha, beta), *_ = np.linalg.lstsq(design, y, rcond=None)
+        if alpha < 0:
+            alpha, beta = 0.0, float(y.mean())
+        elif beta < 0:
+            alpha, beta = float(np.dot(b, y) / np.dot(b, b)), 0.0
     fitted = alpha * b + beta
     ss_res = float(np.sum((y - fitted) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))

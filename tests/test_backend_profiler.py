@@ -26,12 +26,24 @@ def test_fit_linear_recovers_exact_line() -> None:
 def test_fit_linear_reports_misfit() -> None:
     # Quadratic data: the line cannot explain it all, and says so.
     sizes = list(range(1, 9))
-    alpha, beta, r2, max_rel = fit_linear(sizes, [float(b * b) for b in sizes])
+    alpha, beta, r2, max_rel = fit_linear(sizes, [float(b * b + 20) for b in sizes])
     assert alpha == pytest.approx(9.0)
-    assert beta == pytest.approx(-15.0)
+    assert beta == pytest.approx(5.0)
     assert 0.9 < r2 < 1.0
-    assert max_rel == pytest.approx(7.0)  # at b = 1: fit -6 against 1
+    assert max_rel == pytest.approx(1 / 3)  # at b = 1: fit 14 against 21
     assert fit_linear([4], [7.0]) == (0.0, 7.0, 1.0, 0.0)
+
+
+def test_fit_linear_keeps_alpha_and_beta_non_negative() -> None:
+    # A tiny model's timings are noise: the unbounded line falls (alpha < 0), which a profile
+    # file refuses. The bounded fit is flat at the mean.
+    alpha, beta, _, _ = fit_linear([1, 2, 3], [0.023, 0.025, 0.021])
+    assert alpha == 0.0
+    assert beta == pytest.approx(0.023)
+    # A line through below the origin (beta < 0) is fitted through the origin instead.
+    alpha, beta, _, _ = fit_linear([1, 2, 3], [1.0, 3.0, 5.0])
+    assert beta == 0.0
+    assert alpha == pytest.approx((1 + 6 + 15) / 14)
 
 
 def test_profile_table_is_monotone() -> None:
