@@ -86,11 +86,20 @@ class Executor(abc.ABC):
 
     def warm(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Run every model once at each batch size (default 1..max_batch), so that no request
-        pays for first-run allocations or kernel selection."""
+        pays for first-run allocations or kernel selection.
+
+        On the worker thread that ``run_async`` serves batches from: a runtime's per-thread
+        state (ONNX Runtime's CUDA provider creates its cuBLAS and cuDNN handles per thread)
+        is then built here. Warmed on another thread, the first served batch of ResNet50 on an
+        H200 took 7.1 ms against 2.7 for the next ones."""
         sizes = None if batch_sizes is None else sorted(set(batch_sizes))
-        for model in self.models:
-            for b in sizes if sizes is not None else range(1, self.max_batch(model) + 1):
-                self.run(model, self.synthetic_requests(model, b))
+
+        def warm_all() -> None:
+            for model in self.models:
+                for b in sizes if sizes is not None else range(1, self.max_batch(model) + 1):
+                    self.run(model, self.synthetic_requests(model, b))
+
+        self._get_worker().submit(warm_all).result()
 
     def close(self) -> None:
         """Release the worker thread and any runtime resources (idempotent)."""
@@ -158,14 +167,16 @@ class Executor(abc.ABC):
         of the machine spreads over every size instead of bending the curve."""
         sizes = list(batch_sizes or range(1, self.max_batch(model) + 1))
         batches = {b: self.synthetic_requests(model, b) for b in sizes}
-        return measure_latency(
+        # On the worker thread, as batches are served (see ``warm``).
+        return self._get_worker().submit(
+            measure_latency,
             model,
             self.device,
             lambda b: self.run(model, batches[b]),
             sizes,
             repeats=repeats,
             warmup=warmup,
-        )
+        ).result()
 
     # -- helpers for subclasses and tests
 

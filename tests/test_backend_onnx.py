@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -239,6 +241,30 @@ def test_any_onnx_file_by_model_spec(tmp_path: Path) -> None:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
         out = executor.run("twice", [{"x": x[:1]}, {"x": x[1:]}])
         np.testing.assert_array_equal(np.concatenate([o["y"] for o in out]), x * 2)
+
+
+class _ThreadRecordingExecutor(OnnxExecutor):
+    """The real executor, noting the thread each batch ran on."""
+
+    threads: set[int]
+
+    def run(self, model: str, inputs: Any, request_rows: Any = None) -> Any:
+        self.threads.add(threading.get_ident())
+        return super().run(model, inputs, request_rows)
+
+
+def test_warm_and_profile_run_on_the_thread_that_serves_batches() -> None:
+    # A runtime's per-thread state (the CUDA provider's cuBLAS/cuDNN handles) is built while
+    # warming only if warming runs where the served batches will.
+    with _ThreadRecordingExecutor(["mlp"], max_batch=2) as executor:
+        executor.threads = set()
+        executor.warm()
+        executor.profile("mlp", [1, 2], repeats=1, warmup=0)
+        warmed = set(executor.threads)
+        request = executor.synthetic_requests("mlp", 1)
+        asyncio.run(executor.run_async("mlp", request))
+        assert len(warmed) == 1 and warmed != {threading.get_ident()}
+        assert executor.threads == warmed
 
 
 def test_warm_and_session_config(tmp_path: Path) -> None:

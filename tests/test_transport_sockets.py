@@ -7,6 +7,8 @@ import asyncio
 import os
 import socket
 import stat
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,25 @@ def test_factory_sets_every_option(transport_pair: Pair) -> None:
         assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
     assert dealer.getsockopt(zmq.ROUTING_ID) == b"peer-0"
     assert router.type == zmq.ROUTER and dealer.type == zmq.DEALER
+
+
+def test_the_factory_starts_the_zero_copy_collector_before_the_first_send() -> None:
+    # In a fresh interpreter: pyzmq starts its collector thread lazily, on the first zero-copy
+    # frame; the factory starts it with the socket, so no request pays for it.
+    probe = (
+        "import zmq\n"
+        "from zmq.utils.garbage import gc\n"
+        "from zserve.transport.sockets import make_dealer\n"
+        "ctx = zmq.Context()\n"
+        "before = gc.is_alive()\n"
+        "sock = make_dealer(ctx, 'inproc://nowhere', identity=b'probe')\n"
+        "print(before, gc.is_alive())\n"
+        "sock.close(0)\n"
+        "ctx.term()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.split() == ["False", "True"]
 
 
 def test_default_bind_is_loopback_with_a_kernel_chosen_port(transport_ctx: Ctx) -> None:
