@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,8 @@ def test_factory_sets_every_option(transport_pair: Pair) -> None:
     assert router.type == zmq.ROUTER and dealer.type == zmq.DEALER
 
 
-def test_the_factory_starts_the_zero_copy_collector_before_the_first_send() -> None:
+def test_the_factory_starts_the_zero_copy_collector_before_the_first_send(
+        tmp_path: Path) -> None:
     # In a fresh interpreter: pyzmq starts its collector thread lazily, on the first zero-copy
     # frame; the factory starts it with the socket, so no request pays for it.
     probe = (
@@ -62,8 +64,9 @@ def test_the_factory_starts_the_zero_copy_collector_before_the_first_send() -> N
         "sock.close(0)\n"
         "ctx.term()\n"
     )
+    # Run from an empty folder: the checkout's root holds a ``zserve`` folder of its own.
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            timeout=60, check=True)
+                            timeout=60, check=True, cwd=tmp_path)
     assert result.stdout.split() == ["False", "True"]
 
 
