@@ -266,6 +266,22 @@ def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgen
     assert rank.pending_models() == ["due"]
 
 
+def test_under_contention_a_waiting_candidate_with_a_longer_batch_keeps_the_freeing_gpu(
+) -> None:
+    # the same, but the waiting batch runs longer than the rival's: passed over, it is the one
+    # that would find every GPU busy when its window closes
+    rank = RankThread([0], 0.0)
+    _busy(rank, 0.0, 0, until=5.0)
+    _contend(rank, 0.0, 6)
+    out: Outbox = []
+    rank.on_candidate(1.0, CandidateUpdate("due", 2, 1.0, 9.0, 0.0, duration=2.0), out)
+    rank.on_candidate(1.0, _deferring("deferring", exec_at=6.0, latest=7.0), out)  # 0.5
+    assert rank.pending_models() == ["due"]
+    rank.on_timer(5.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "due" and not grant.early and rank.n_rescues == 0
+
+
 def test_the_rescue_looks_again_only_after_its_spacing() -> None:
     # one idle GPU; "a" alone is no risk. "b" makes one: "a" would hold the GPU past b's latest
     # start. The update comes right after the rescue's last look, so the rank looks again once
