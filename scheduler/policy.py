@@ -29,8 +29,10 @@ runs through the same ModelThread/RankThread code paths:
       RESCUE_CONTENTION of the shared models' candidates that reach their exec time find every
       GPU busy, a GPU that frees (or is idle) goes to the most urgent of the candidates
       waiting for a GPU and the early_ok ones, by latest start: the work-conserving order of
-      eager, with batches that grew up to the grant. Below that contention the GPU waits for
-      the next aim. A staggered model's candidate is early_ok only from ``beta*lambda - 1``
+      eager, with batches that grew up to the grant. A waiting candidate is passed over only
+      for an early_ok one whose batch runs at least as long: a longer batch passed over is the
+      one that finds every GPU busy when its window closes (the zoo's NASNetLarge). Below that
+      contention the GPU waits for the next aim. A staggered model's candidate is early_ok only from ``beta*lambda - 1``
       requests on: on a contended cluster its GPUs are not its own, and from there starting
       now costs less GPU time per request than waiting (the second paper's throughput
       argument); below it, as for InceptionResNetV2 on the 3-model mix on 4 GPUs, a rescue

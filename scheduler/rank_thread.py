@@ -37,7 +37,9 @@ Matching (Symphony Appendix D, with the design's consolidation rule):
 The ``deferred`` policy's rescue (``_rescue``, ``_rescue_at_risk``): a GPU that is idle or frees
 may start an ``early_ok`` candidate before its exec time, under contention or where waiting would
 certainly cost another candidate its window; it is evaluated at most once per
-``RESCUE_SPACING_S_PER_CANDIDATE`` times the candidates held (``_rescue_step``).
+``RESCUE_SPACING_S_PER_CANDIDATE`` times the candidates held (``_rescue_step``). Under contention
+a freeing GPU may go to such a candidate ahead of a pending one with a later latest start, if its
+batch runs at least as long as the pending one's (``_on_gpu_timer``).
 
 Data structures: binary heaps with lazy deletion (each entry carries the model's candidate version
 or the GPU's state stamp), so every event costs O(log M + log G) amortized.
