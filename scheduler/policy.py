@@ -24,26 +24,24 @@ runs through the same ModelThread/RankThread code paths:
       stagger (InceptionResNetV2 x8 under Gamma(0.3) bursts: 736 against frontrun's 753 r/s
       when the rule applied to it too);
     - a model that shares its GPUs with others defers, and its candidate is ``early_ok`` from
-      RESCUE_SHARED_FLOOR x (beta*lambda - 1) requests on (at light load, from one): the
-      rank may start it before its aim (the *rescue*, ``RankThread``). While more than
-      RESCUE_CONTENTION of the shared models' candidates that reach their exec time find every
-      GPU busy, a GPU that frees (or is idle) goes to the most urgent of the candidates
-      waiting for a GPU and the early_ok ones, by latest start: the work-conserving order of
-      eager, with batches that grew up to the grant. A waiting candidate is passed over only
-      for an early_ok one whose batch runs at least as long: a longer batch passed over is the
-      one that finds every GPU busy when its window closes (the zoo's NASNetLarge). Below that
-      contention the GPU waits for the next aim. A staggered model's candidate is early_ok only from ``beta*lambda - 1``
-      requests on: on a contended cluster its GPUs are not its own, and from there starting
-      now costs less GPU time per request than waiting (the second paper's throughput
-      argument); below it, as for InceptionResNetV2 on the 3-model mix on 4 GPUs, a rescue
-      would run a batch of 1 for 23 ms. A staggered model's candidate
-      that finds its GPUs busy is not contention: it does so at about 40% of its aims by design
-      (counted, Figure 6a's ten staggered models at beta 5 ms were rescued into smaller batches
-      and lost 13%). One model alone is rescued too: its own batches are the contention (one
-      GPU, beta/alpha 0.25: deferral left the GPU idle at 0.868 of eager, rescued 1.000). An
-      early_ok candidate is published to the rank at once (publish-ahead
-      holds back only the others), since the rescue can only choose among candidates it has
-      seen;
+      RESCUE_SHARED_FLOOR x (beta*lambda - 1) requests on (at light load, from one): the rank may
+      start it before its aim (the *rescue*, ``RankThread``). While more than RESCUE_CONTENTION of
+      the shared models' candidates that reach their exec time find every GPU busy, a GPU that frees
+      (or is idle) goes to the most urgent of the candidates waiting for a GPU and the early_ok
+      ones, by latest start: the work-conserving order of eager, with batches that grew up to the
+      grant. A waiting candidate is passed over only for an early_ok one whose batch runs at least
+      as long: a longer batch passed over is the one that finds every GPU busy when its window
+      closes (the zoo's NASNetLarge). Below that contention the GPU waits for the next aim. A
+      staggered model's candidate is early_ok only from ``beta*lambda - 1`` requests on: on a
+      contended cluster its GPUs are not its own, and from there starting now costs less GPU time
+      per request than waiting (the second paper's throughput argument); below it, as for
+      InceptionResNetV2 on the 3-model mix on 4 GPUs, a rescue would run a batch of 1 for 23 ms. A
+      staggered model's candidate that finds its GPUs busy is not contention: it does so at about
+      40% of its aims by design (counted, Figure 6a's ten staggered models at beta 5 ms were rescued
+      into smaller batches and lost 13%). One model alone is rescued too: its own batches are the
+      contention (one GPU, beta/alpha 0.25: deferral left the GPU idle at 0.868 of eager, rescued
+      1.000). An early_ok candidate is published to the rank at once (publish-ahead holds back only
+      the others), since the rescue can only choose among candidates it has seen;
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
