@@ -132,9 +132,10 @@ class Simulator:
         tol = self.config.keep_tolerance
         self.keep_tolerance = w.keep_tolerance if tol is None else tol
         d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
-        self.models, self.rank, self.followers = self._build_roles(d_ctrl_s, d_data_s)
+        self.models, self.rank, self.followers = self._build_roles(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
+        self._d_data_s_of = [w.d_data_ms_of(m) / 1e3 for m in w.models]  # by model index
         self._build_requests(_arrivals_of(w, arrivals))
         self.window = (w.warmup_s, w.warmup_s + w.measure_s)
         # each model's requests in the measure window (the early stop's bar, _should_bail)
@@ -199,7 +200,7 @@ class Simulator:
         self.rows_all = draw_request_rows(w.request_rows, w.seed, total)
         self._arrival_rows = None if self.rows_all is None else self.rows_all[order].tolist()
 
-    def _build_roles(self, d_ctrl_s: float, d_data_s: float,
+    def _build_roles(self, d_ctrl_s: float,
                      ) -> tuple[list[ModelThread], RankThread, list[PlanFollower]]:
         """One ModelThread per model, the RankThread, and one PlanFollower per GPU, configured
         as the live processes configure theirs."""
@@ -210,7 +211,8 @@ class Simulator:
         plan_ids = itertools.count(1)
         models = [
             ModelThread(
-                m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s,
+                m.name, m.profile, m.slo_s, self.policy, d_ctrl_s=d_ctrl_s,
+                d_data_s=w.d_data_ms_of(m) / 1e3,
                 jitter_s=w.jitter_ms / 1e3, plan_ids=plan_ids,
                 budget_s=m.slo_s - reply_s - d_ctrl_s,
                 keep_tolerance=self.keep_tolerance,
@@ -442,7 +444,8 @@ class Simulator:
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
         rows = sum(plan.rows) if plan.rows else len(ids)
-        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + self.d_data_s * rows)
+        d_data_s = self._d_data_s_of[self.index[plan.model]]
+        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + d_data_s * rows)
 
     def _check_plan(self, now: float, plan: BatchPlan, ids: np.ndarray[Any, Any]) -> None:
         eps = FEASIBILITY_EPS_S

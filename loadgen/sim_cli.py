@@ -10,12 +10,12 @@ model's bad rate in the measure window exceeds 3x the bound (with at least 200 b
 Exit status: 0 on success, 1 if an invariant broke, 2 on a usage or workload error.
 
 ``--allowances-from CLUSTER.toml`` schedules with that cluster's allowances (``d_ctrl_ms``,
-``d_data_ms``, ``jitter_ms`` of ``[scheduler]``, ``reply_allowance_ms`` of ``[frontends]``)
-instead of the workload's, and its frontends' admission (``[frontends]`` count and
-``max_request_bytes``, each model's ``max_queue`` and ``max_wait_ms``): the simulated twin of
-``zserve bench CLUSTER.toml WORKLOAD``, which schedules and admits as the live cluster does.
-``--jitter-ms`` still wins over it. Without it no admission bound applies (the workload file has
-no cluster to take them from).
+``d_data_ms``, ``jitter_ms`` of ``[scheduler]``, ``reply_allowance_ms`` of ``[frontends]``, and a
+model's own ``d_data_ms`` for the workload's model of its name) instead of the workload's, and its
+frontends' admission (``[frontends]`` count and ``max_request_bytes``, each model's ``max_queue``
+and ``max_wait_ms``): the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which schedules
+and admits as the live cluster does. ``--jitter-ms`` still wins over it. Without it no admission
+bound applies (the workload file has no cluster to take them from).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import InvariantError, SimConfig, simulate, workload_bound_rps
-from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload
+from zserve.loadgen.workload import ArrivalSpec, ModelSpec, Workload, load_workload
 
 if TYPE_CHECKING:
     from zserve.config import ClusterConfig
@@ -67,6 +68,12 @@ def cluster_allowances(config: ClusterConfig) -> dict[str, float]:
             "jitter_ms": config.scheduler.jitter_ms}
 
 
+def cluster_model_allowances(config: ClusterConfig, models: list[ModelSpec]) -> list[ModelSpec]:
+    """``models`` with the per-model ``d_data_ms`` of the cluster's models of the same name."""
+    own = {m.name: m.d_data_ms for m in config.models if m.d_data_ms is not None}
+    return [replace(m, d_data_ms=own[m.name]) if m.name in own else m for m in models]
+
+
 def _load(args: argparse.Namespace) -> tuple[Workload, ClusterConfig | None]:
     """The workload with the command line's overrides, and the cluster of --allowances-from."""
     from zserve.config import load_config  # its ConfigError is a ValueError: exit status 2
@@ -77,6 +84,7 @@ def _load(args: argparse.Namespace) -> tuple[Workload, ClusterConfig | None]:
     if args.allowances_from is not None:
         cluster = load_config(args.allowances_from)
         overrides.update(cluster_allowances(cluster))
+        overrides["models"] = cluster_model_allowances(cluster, workload.models)
     for key, value in (("policy", args.policy), ("drop", args.drop), ("rate", args.rate),
                        ("seed", args.seed), ("gpus", args.gpus),
                        ("measure_s", args.measure), ("warmup_s", args.warmup),

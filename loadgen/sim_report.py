@@ -28,7 +28,8 @@ def workload_bound_rps(w: Workload) -> float:
         (m.profile, (m.slo_ms - w.reply_ms - w.d_ctrl_ms) / 1e3, share)
         for m, share in zip(w.models, shares, strict=True)
     ]
-    bound_rows: float = staggered_bound_rps(models, w.gpus, w.d_data_ms / 1e3)
+    bound_rows: float = staggered_bound_rps(models, w.gpus,
+                                            [w.d_data_ms_of(m) / 1e3 for m in w.models])
     return bound_rows / w.request_rows.mean
 
 

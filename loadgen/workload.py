@@ -59,7 +59,7 @@ from zserve.loadgen.arrivals import popularity_shares
 from zserve.loadgen.zoo import load_zoo_csv
 from zserve.policies import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
 from zserve.profiles import LatencyProfile, load_profiles
-from zserve.schema import FieldError, SchemaError, decode
+from zserve.schema import FieldError, SchemaError, check_finite, decode
 
 
 class WorkloadError(ValueError):
@@ -210,8 +210,10 @@ class WorkloadModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     profile: str | None = None
     profile_model: str | None = None  # the entry in the profile file (default: name)
     share: float | None = None  # explicit popularity weight
+    d_data_ms: float | None = None  # this model's allowance per row (None: workload.d_data_ms)
 
     def __post_init__(self) -> None:
+        check_finite("d_data_ms", self.d_data_ms)
         linear = self.alpha_ms is not None or self.beta_ms is not None
         if self.profile is not None and linear:
             raise FieldError("", "give either profile or alpha_ms/beta_ms, not both")
@@ -262,6 +264,7 @@ class ModelSpec:
     slo_ms: float
     profile: LatencyProfile
     share: float | None = None  # explicit popularity weight
+    d_data_ms: float | None = None  # its own allowance per row (None: the workload's)
 
     @property
     def slo_s(self) -> float:
@@ -295,6 +298,10 @@ class Workload:
     @property
     def duration_s(self) -> float:
         return self.warmup_s + self.measure_s + self.cooldown_s
+
+    def d_data_ms_of(self, model: ModelSpec) -> float:
+        """``model``'s data allowance per row: its own, else the workload's."""
+        return self.d_data_ms if model.d_data_ms is None else model.d_data_ms
 
     def with_overrides(self, **changes: Any) -> Workload:
         """A copy with fields replaced (e.g. ``rate=...``, ``policy=...``), validated again."""
@@ -398,7 +405,7 @@ def _listed_models(
                                                         entry.slo_ms, max_batch)
             except ValueError as exc:
                 raise WorkloadError(f"{where}: {exc}") from None
-        models.append(ModelSpec(entry.name, entry.slo_ms, profile, entry.share))
+        models.append(ModelSpec(entry.name, entry.slo_ms, profile, entry.share, entry.d_data_ms))
     return models
 
 

@@ -64,17 +64,22 @@ def gpus_needed(profile: LatencyProfile, budget_s: float, rate_rps: float, d_dat
 def staggered_bound_rps(
     models: Sequence[tuple[LatencyProfile, float, float]],
     gpus: int,
-    d_data_s: float = 0.0,
+    d_data_s: float | Sequence[float] = 0.0,
     rel_precision: float = 1e-4,
 ) -> float:
     """Largest total rate whose staggered GPU need fits ``gpus``.
 
     ``models`` holds ``(profile, budget_s, share)`` with shares summing to 1 (budget: SLO minus the
-    reply allowance and d_ctrl).
+    reply allowance and d_ctrl); ``d_data_s`` is one allowance per row for all, or one per model.
     """
+    per_model = ([float(d_data_s)] * len(models) if isinstance(d_data_s, int | float)
+                 else list(d_data_s))
+    if len(per_model) != len(models):
+        raise ValueError("staggered_bound_rps: one d_data_s per model, or one for all")
 
     def need(total: float) -> float:
-        return sum(gpus_needed(p, budget, total * share, d_data_s) for p, budget, share in models)
+        return sum(gpus_needed(p, budget, total * share, d)
+                   for (p, budget, share), d in zip(models, per_model, strict=True))
 
     lo, hi = 0.0, 1.0
     while need(hi) <= gpus:

@@ -214,7 +214,8 @@ class ShardHost(ShardPlanAcks):
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
-            d_data_s=self.d_data_s, jitter_s=self.jitter_s,
+            d_data_s=self.d_data_s if model.d_data_ms is None else model.d_data_ms / 1e3,
+            jitter_s=self.jitter_s,
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )

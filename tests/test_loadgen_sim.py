@@ -17,6 +17,7 @@ from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import InvariantError, SimConfig, Simulator, simulate
+from zserve.loadgen.sim_report import workload_bound_rps
 from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
 from zserve.profiles import LatencyProfile, save_profiles
 from zserve.scheduler import bench
@@ -297,6 +298,27 @@ def test_plans_and_inputs_reach_the_follower_after_their_delays_and_start_on_tim
     assert list(sim.answers.answered_at[:2]) == [pytest.approx(plan.expected_finish_at)] * 2
 
 
+def test_a_models_own_data_allowance_times_its_inputs_and_plans() -> None:
+    # model a's own d_data (1.5 ms per row) against the workload's 0.5: its two inputs are in
+    # at 2 + 2 x 1.5 ms, its ModelThread plans with it, and the bound accounts for it
+    document = _small(d_ctrl_ms=2.0, d_data_ms=0.5)
+    document["models"][0]["d_data_ms"] = 1.5
+    w = parse_workload(document)
+    sim = Simulator(w, SimConfig(), arrivals=[np.array([0.0, 0.0]), np.array([0.0])])
+    assert [m.d_data_s for m in sim.models] == [pytest.approx(1.5e-3), pytest.approx(0.5e-3)]
+    r0, r1, _ = _admitted(sim)
+    plan = BatchPlan(1, "a", 0, 0.005, 0.005 + w.models[0].profile.latency(2), ["sim"],
+                     [0, 0], [r0, r1], [0.025, 0.025])
+    sim._on_plan(0.0, plan)
+    now, seq, kind, gpu = heapq.heappop(sim._events)
+    sim._on_gpu_event(now, kind, gpu, seq)  # the plan, at 2 ms
+    assert sim._events[0][0] == pytest.approx(0.005)  # its inputs
+    assert workload_bound_rps(w) < workload_bound_rps(parse_workload(_small(d_data_ms=0.5)))
+    document["models"][0]["d_data_ms"] = -1.0
+    with pytest.raises(WorkloadError, match=r"models\[0\]\.d_data_ms: must be a finite"):
+        parse_workload(document)
+
+
 def test_a_plan_reaching_its_follower_late_starts_at_once_and_sheds_late_rows() -> None:
     # d_ctrl 5 ms, but this plan's exec_at leaves none of it: the follower gets it 5 ms late,
     # starts it at once, and sheds the request whose deadline the late batch would miss
@@ -369,6 +391,17 @@ def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
                          "--quiet", "--json", str(twin)]) == 0
     assert json.loads(twin.read_text())["allowances_ms"]["jitter"] == 2.0
     assert sim_cli.main([str(path), "--allowances-from", str(tmp_path / "none.toml")]) == 2
+
+
+def test_the_allowances_of_a_cluster_file_carry_each_models_own_data_allowance() -> None:
+    from zserve.config import parse_config
+
+    cluster = parse_config({"models": [
+        {"name": "a", "emulated": {"alpha_ms": 1.0, "beta_ms": 5.0}, "d_data_ms": 0.7},
+        {"name": "c", "emulated": {"alpha_ms": 1.0, "beta_ms": 5.0}, "d_data_ms": 0.9}]})
+    w = parse_workload(_small())
+    a, b = sim_cli.cluster_model_allowances(cluster, w.models)
+    assert (a.d_data_ms, b.d_data_ms) == (0.7, None)  # b: not in the cluster, the workload's
 
 
 def test_bench_scheduler_cli_smoke(tmp_path: Path) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from zserve.config import (
     DEFAULT_JITTER_MS,
@@ -20,6 +22,9 @@ from zserve.config import (
     shard_for_model,
 )
 from zserve.peer_map import endpoints_of
+from zserve.scheduler.shard import ShardHost
+from zserve.transport.reactor import SocketReactor
+from zserve.transport.sockets import make_router
 
 MODEL: dict[str, Any] = {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 2.0}}
 
@@ -65,6 +70,8 @@ def config(**tables: Any) -> ClusterConfig:
         ({"models": [MODEL], "cluster": {"transport": "udp"}}, r"^cluster\.transport: must be one"),
         ({"models": [MODEL], "cluster": {"drain_s": float("nan")}}, r"^cluster\.drain_s: "),
         ({"models": [MODEL], "cluster": "x"}, r"^cluster: must be a table"),
+        ({"models": [{**MODEL, "d_data_ms": -0.1}]},
+         r"^models\[0\]\.d_data_ms: must be a finite number >= 0"),
     ],
 )
 def test_errors_name_the_key(document: dict[str, Any], message: str) -> None:
@@ -179,3 +186,27 @@ def test_role_config_is_typed_and_survives_spawn_and_json(tmp_path: Path) -> Non
     assert backend.device == "emulated" and backend.bind == {"plan": "tcp://127.0.0.1:0"}
     with pytest.raises(ValueError, match="unknown role"):
         role_config(cluster, "router", 0, ipc_dir=None)
+
+
+async def test_a_models_own_data_allowance_reaches_its_model_thread() -> None:
+    # One cluster, 600 KB images and small vectors: the images' allowance is their own, the
+    # other model keeps the scheduler's. The shard's ModelThreads plan with them.
+    cluster = parse_config({
+        "scheduler": {"d_data_ms": 0.05},
+        "models": [{**MODEL, "name": "images", "d_data_ms": 0.5}, {**MODEL, "name": "vectors"}],
+    })
+    images, vectors = cluster.models
+    assert (cluster.d_data_ms(images), cluster.d_data_ms(vectors)) == (0.5, 0.05)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock, _ = make_router(ctx, name="shard")
+    reactor = SocketReactor(asyncio.get_running_loop())
+    host = ShardHost(name="shard-0", ctx=ctx, sock=sock, reactor=reactor, cluster=cluster,
+                     models=list(cluster.models), peers={})
+    try:
+        assert host.threads["images"].d_data_s == pytest.approx(0.5e-3)
+        assert host.threads["vectors"].d_data_s == pytest.approx(0.05e-3)
+    finally:
+        await host.close()
+        reactor.close()
+        sock.close(0)
+        ctx.term()

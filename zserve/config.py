@@ -132,6 +132,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # ONNX Runtime models: the batch sizes that get a session of their own (empty: on a GPU
     # 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ...; on a CPU one session). backends/onnx_executor.py.
     session_batch_sizes: tuple[Count, ...] = ()
+    # The scheduler's allowance per request row for fetching this model's inputs (None: the
+    # cluster's ``[scheduler] d_data_ms``): one cluster may serve 600 KB images and 4 KB vectors.
+    d_data_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -140,6 +143,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise FieldError("", "exactly one of onnx, builtin, emulated is required")
         check_finite("slo_ms", self.slo_ms, positive=True)
         check_finite("max_wait_ms", self.max_wait_ms, positive=True)
+        check_finite("d_data_ms", self.d_data_ms)
         for i, size in enumerate(self.session_batch_sizes):
             if size > self.max_batch:
                 raise FieldError(f"session_batch_sizes[{i}]",
@@ -411,6 +415,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def d_data_ms(self, model: ModelConfig) -> float:
+        """``model``'s data allowance per request row: its own ``d_data_ms``, else the
+        scheduler's."""
+        return self.scheduler.d_data_ms if model.d_data_ms is None else model.d_data_ms
 
     @property
     def scheduler_processes(self) -> int:
