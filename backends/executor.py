@@ -45,14 +45,21 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
 from zserve.backends.profiler import LatencyMeasurement, measure_latency
 from zserve.errors import BadRequestError, InternalError
 from zserve.signature import ModelSignature, TensorSpec
+
+_T = TypeVar("_T")
+
+
+class _Stopped(Exception):
+    """A measurement on the worker thread, stopped because its caller was interrupted."""
+
 
 Array = np.ndarray[Any, Any]
 TensorMap = dict[str, Array]
@@ -94,12 +101,14 @@ class Executor(abc.ABC):
         H200 took 7.1 ms against 2.7 for the next ones."""
         sizes = None if batch_sizes is None else sorted(set(batch_sizes))
 
-        def warm_all() -> None:
+        def warm_all(stop: threading.Event) -> None:
             for model in self.models:
                 for b in sizes if sizes is not None else range(1, self.max_batch(model) + 1):
+                    if stop.is_set():
+                        return
                     self.run(model, self.synthetic_requests(model, b))
 
-        self._get_worker().submit(warm_all).result()
+        self._on_worker(warm_all)
 
     def close(self) -> None:
         """Release the worker thread and any runtime resources (idempotent)."""
@@ -167,16 +176,29 @@ class Executor(abc.ABC):
         of the machine spreads over every size instead of bending the curve."""
         sizes = list(batch_sizes or range(1, self.max_batch(model) + 1))
         batches = {b: self.synthetic_requests(model, b) for b in sizes}
+
+        def measure(stop: threading.Event) -> LatencyMeasurement:
+            def run_batch(b: int) -> None:
+                if stop.is_set():
+                    raise _Stopped
+                self.run(model, batches[b])
+
+            return measure_latency(model, self.device, run_batch, sizes, repeats=repeats,
+                                   warmup=warmup)
+
         # On the worker thread, as batches are served (see ``warm``).
-        return self._get_worker().submit(
-            measure_latency,
-            model,
-            self.device,
-            lambda b: self.run(model, batches[b]),
-            sizes,
-            repeats=repeats,
-            warmup=warmup,
-        ).result()
+        return self._on_worker(measure)
+
+    def _on_worker(self, work: Callable[[threading.Event], _T]) -> _T:
+        """``work(stop)`` on the worker thread, waited for here. Interrupted while waiting
+        (Ctrl-C), it sets ``stop`` so that ``work`` ends after the batch it is running, instead
+        of the worker's shutdown waiting for all of it."""
+        stop = threading.Event()
+        try:  # the submit too: the work may start before it returns
+            return self._get_worker().submit(work, stop).result()
+        except BaseException:
+            stop.set()
+            raise
 
     # -- helpers for subclasses and tests
 

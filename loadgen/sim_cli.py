@@ -69,7 +69,9 @@ def cluster_allowances(config: ClusterConfig) -> dict[str, float]:
 
 
 def cluster_model_allowances(config: ClusterConfig, models: list[ModelSpec]) -> list[ModelSpec]:
-    """``models`` with the per-model ``d_data_ms`` of the cluster's models of the same name."""
+    """``models`` with the per-model ``d_data_ms`` of the cluster's models of the same name
+    (exact names, as the simulated admission matches them; ``zserve bench --model-map`` maps
+    names for the live run only)."""
     own = {m.name: m.d_data_ms for m in config.models if m.d_data_ms is not None}
     return [replace(m, d_data_ms=own[m.name]) if m.name in own else m for m in models]
 

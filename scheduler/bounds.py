@@ -72,8 +72,8 @@ def staggered_bound_rps(
     ``models`` holds ``(profile, budget_s, share)`` with shares summing to 1 (budget: SLO minus the
     reply allowance and d_ctrl); ``d_data_s`` is one allowance per row for all, or one per model.
     """
-    per_model = ([float(d_data_s)] * len(models) if isinstance(d_data_s, int | float)
-                 else list(d_data_s))
+    per_model = ([float(x) for x in d_data_s] if isinstance(d_data_s, Sequence)
+                 else [float(d_data_s)] * len(models))
     if len(per_model) != len(models):
         raise ValueError("staggered_bound_rps: one d_data_s per model, or one for all")
 

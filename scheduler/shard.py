@@ -203,18 +203,18 @@ class ShardHost(ShardPlanAcks):
         sched = cluster.scheduler
         self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
         self.d_ctrl_s = sched.d_ctrl_ms / 1e3
-        self.d_data_s = sched.d_data_ms / 1e3
         self.jitter_s = sched.jitter_ms / 1e3
         # A plan's acknowledgement is due this long after the shard sent it: its delivery
         # allowance (the ModelThreads plan with it) and the margin of sent_plans.
         self.ack_allowance_s = self.d_ctrl_s + self.plan_ack_margin_s
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self.cluster = cluster
 
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
-            d_data_s=self.d_data_s if model.d_data_ms is None else model.d_data_ms / 1e3,
+            d_data_s=self.cluster.d_data_ms(model) / 1e3,
             jitter_s=self.jitter_s,
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,

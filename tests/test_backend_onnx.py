@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,6 +266,32 @@ def test_warm_and_profile_run_on_the_thread_that_serves_batches() -> None:
         asyncio.run(executor.run_async("mlp", request))
         assert len(warmed) == 1 and warmed != {threading.get_ident()}
         assert executor.threads == warmed
+
+
+def test_an_interrupted_caller_stops_the_work_it_waits_for_on_the_worker() -> None:
+    # Ctrl-C while warming or profiling: the worker stops after its current batch instead of
+    # running the rest while the executor's shutdown waits for it.
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    stopped = threading.Event()
+    try:
+        with OnnxExecutor(["mlp"], max_batch=2) as executor:
+            def work(stop: threading.Event) -> None:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+                stop.wait(60.0)  # set by the interrupted caller
+                if stop.is_set():
+                    stopped.set()
+
+            with pytest.raises(Interrupted):
+                executor._on_worker(work)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert stopped.wait(30.0)  # the work saw its stop (not its 60 s timeout)
 
 
 def test_warm_and_session_config(tmp_path: Path) -> None:

@@ -231,17 +231,17 @@ def _grid_tables(rows: list[dict[str, Any]]) -> tuple[list[Table], Check]:
 def _lone_latency_ms(w: Workload) -> float:
     """A lone request's best latency: l(1) of the model with the smallest, plus the allowances
     (d_ctrl, one row of d_data, the reply)."""
-    l1 = min(m.profile.latency(1) for m in w.models) * 1e3
-    return l1 + w.d_ctrl_ms + w.d_data_ms + w.reply_ms
+    return min(m.profile.latency(1) * 1e3 + w.d_data_ms_of(m) for m in w.models) + (
+        w.d_ctrl_ms + w.reply_ms)
 
 
 def _trickle(w: Workload) -> dict[str, Any]:
     """The default under a trickle (TRICKLE_RPS_PER_MODEL): the largest excess of a model's p50
     over its own lone latency, l(1) + the allowances."""
     report = sim_probe(w, TRICKLE_RPS_PER_MODEL * len(w.models), bail=False)
-    allowances_ms = w.d_ctrl_ms + w.d_data_ms + w.reply_ms
     excess = {m.name: round(report["per_model"][m.name]["p50_ms"]
-                            - (m.profile.latency(1) * 1e3 + allowances_ms), 3)
+                            - (m.profile.latency(1) * 1e3 + w.d_ctrl_ms + w.d_data_ms_of(m)
+                               + w.reply_ms), 3)
               for m in w.models}
     worst = max(excess, key=lambda name: excess[name])
     return {"offered_rps": report["offered_rps"], "worst_model": worst,
