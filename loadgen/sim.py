@@ -135,7 +135,6 @@ class Simulator:
         self.models, self.rank, self.followers = self._build_roles(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
-        self._d_data_s_of = [w.d_data_ms_of(m) / 1e3 for m in w.models]  # by model index
         self._build_requests(_arrivals_of(w, arrivals))
         self.window = (w.warmup_s, w.warmup_s + w.measure_s)
         # each model's requests in the measure window (the early stop's bar, _should_bail)
@@ -444,7 +443,7 @@ class Simulator:
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
         rows = sum(plan.rows) if plan.rows else len(ids)
-        d_data_s = self._d_data_s_of[self.index[plan.model]]
+        d_data_s = self.models[self.index[plan.model]].d_data_s  # the model's own allowance
         self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + d_data_s * rows)
 
     def _check_plan(self, now: float, plan: BatchPlan, ids: np.ndarray[Any, Any]) -> None:

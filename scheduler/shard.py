@@ -214,7 +214,7 @@ class ShardHost(ShardPlanAcks):
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
-            d_data_s=self.cluster.d_data_ms(model) / 1e3,
+            d_data_s=self.cluster.d_data_ms_of(model) / 1e3,
             jitter_s=self.jitter_s,
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,

@@ -196,7 +196,7 @@ async def test_a_models_own_data_allowance_reaches_its_model_thread() -> None:
         "models": [{**MODEL, "name": "images", "d_data_ms": 0.5}, {**MODEL, "name": "vectors"}],
     })
     images, vectors = cluster.models
-    assert (cluster.d_data_ms(images), cluster.d_data_ms(vectors)) == (0.5, 0.05)
+    assert (cluster.d_data_ms_of(images), cluster.d_data_ms_of(vectors)) == (0.5, 0.05)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock, _ = make_router(ctx, name="shard")
     reactor = SocketReactor(asyncio.get_running_loop())

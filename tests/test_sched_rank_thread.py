@@ -251,35 +251,26 @@ def test_the_rescue_starts_nobody_ahead_of_a_more_urgent_candidate_that_is_not_e
     assert grant.model == "not-ok" and not grant.early
 
 
-def test_under_contention_a_freeing_gpu_goes_to_a_deferring_candidate_more_urgent_than_pending(
-) -> None:
+@pytest.mark.parametrize("due_duration", [0.0, 2.0])
+def test_under_contention_a_freeing_gpu_goes_to_a_more_urgent_deferring_candidate_unless_shorter(
+        due_duration: float) -> None:
+    # the deferring candidate (batch 0.5 long) is more urgent than the pending "due". It takes
+    # the GPU ahead of a batch as short as its own or shorter; a longer batch keeps it: passed
+    # over, that one would find every GPU busy when its window closes
     rank = RankThread([0], 0.0)
     _busy(rank, 0.0, 0, until=5.0)
     _contend(rank, 0.0, 6)
     out: Outbox = []
-    rank.on_candidate(1.0, _cand("due", 2, exec_at=1.0, latest=9.0), out)  # pending
+    rank.on_candidate(1.0, CandidateUpdate("due", 2, 1.0, 9.0, 0.0, duration=due_duration), out)
     rank.on_candidate(1.0, _deferring("deferring", exec_at=6.0, latest=7.0), out)
     assert rank.pending_models() == ["due"]
     rank.on_timer(5.0, out)
     (grant,) = _grants(out)
-    assert grant.model == "deferring" and grant.early
-    assert rank.pending_models() == ["due"]
-
-
-def test_under_contention_a_waiting_candidate_with_a_longer_batch_keeps_the_freeing_gpu(
-) -> None:
-    # the same, but the waiting batch runs longer than the rival's: passed over, it is the one
-    # that would find every GPU busy when its window closes
-    rank = RankThread([0], 0.0)
-    _busy(rank, 0.0, 0, until=5.0)
-    _contend(rank, 0.0, 6)
-    out: Outbox = []
-    rank.on_candidate(1.0, CandidateUpdate("due", 2, 1.0, 9.0, 0.0, duration=2.0), out)
-    rank.on_candidate(1.0, _deferring("deferring", exec_at=6.0, latest=7.0), out)  # 0.5
-    assert rank.pending_models() == ["due"]
-    rank.on_timer(5.0, out)
-    (grant,) = _grants(out)
-    assert grant.model == "due" and not grant.early and rank.n_rescues == 0
+    if due_duration <= 0.5:
+        assert grant.model == "deferring" and grant.early
+        assert rank.pending_models() == ["due"]
+    else:
+        assert grant.model == "due" and not grant.early and rank.n_rescues == 0
 
 
 def test_the_rescue_looks_again_only_after_its_spacing() -> None:

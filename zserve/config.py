@@ -416,7 +416,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 return m
         raise KeyError(name)
 
-    def d_data_ms(self, model: ModelConfig) -> float:
+    def d_data_ms_of(self, model: ModelConfig) -> float:
         """``model``'s data allowance per request row: its own ``d_data_ms``, else the
         scheduler's."""
         return self.scheduler.d_data_ms if model.d_data_ms is None else model.d_data_ms

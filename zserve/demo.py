@@ -286,7 +286,7 @@ def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float,
             "rate": rate, "arrival": "poisson", "warmup_s": GOODPUT_WARMUP_S,
             "measure_s": GOODPUT_MEASURE_S, "cooldown_s": GOODPUT_COOLDOWN_S,
             "policy": sched.policy, "drop": sched.drop, "jitter_ms": sched.jitter_ms,
-            "d_ctrl_ms": sched.d_ctrl_ms, "d_data_ms": config.d_data_ms(model),
+            "d_ctrl_ms": sched.d_ctrl_ms, "d_data_ms": config.d_data_ms_of(model),
             "reply_ms": config.frontends.reply_allowance_ms,
         },
         # alpha/beta only to pass the parser; the measured table replaces them below.
