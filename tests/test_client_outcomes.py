@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 from runtime_helpers import FrontendHarness, emulated_cluster, meta_ids, sample
@@ -18,8 +20,8 @@ import zserve
 from zserve.client import CONNECTION_DOWN_BOUND_S, AsyncClient, ConnectionLostError
 from zserve.sync_client import Client
 from zserve.transport import socket_io
-from zserve.transport.messages import InferRequest
-from zserve.transport.sockets import make_router
+from zserve.transport.messages import InferReply, InferRequest
+from zserve.transport.sockets import MAX_FRAME_BYTES, make_router
 
 # Slack over the bound for a loaded 2-core host to run the timer and the callbacks.
 SLACK_S = 2.0
@@ -226,3 +228,100 @@ def test_a_frontend_that_comes_up_after_the_bound_is_used(tmp_path: Any) -> None
         asyncio.run(drive())
     finally:
         ctx.term()
+
+
+class _AnsweringFrontend:
+    """A test-owned ROUTER playing the frontend on its own thread: it answers every
+    InferRequest at once with the request's own input as its output."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+        self.router, self.address = make_router(ctx, address)
+        self.received = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="answering-frontend")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            identity, message = socket_io.sync_recv(self.router, router=True)
+            if isinstance(message, InferRequest):
+                self.received += 1
+                socket_io.sync_send(self.router, InferReply(message.request_id,
+                                                            {"y": message.inputs["x"]}),
+                                    identity=identity)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.router.close(linger=0)
+
+
+def test_a_client_stalled_right_after_connecting_still_sees_its_live_frontend(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reliability defect: the client attached its socket monitor after connecting, so a
+    handshake completed while its thread was held up (a loaded host) was never reported, and
+    the client failed everything UNAVAILABLE against a live frontend. Its thread is stalled for
+    0.2 s right after the connect here; a closed loop that runs past the connection-down bound
+    must get every answer, its own."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    frontend = _AnsweringFrontend(ctx, f"ipc://{tmp_path}/frontend")
+    real_connect = zmq.Socket.connect
+
+    def stalled_connect(sock: zmq.Socket[Any], address: str) -> Any:
+        result = real_connect(sock, address)
+        if address == frontend.address:
+            time.sleep(0.2)  # the loaded host's scheduling, made deterministic
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", stalled_connect)
+
+    async def drive() -> list[float]:
+        answers: list[float] = []
+        async with AsyncClient(frontend.address, timeout=30, max_retries=0) as client:
+            end = time.monotonic() + CONNECTION_DOWN_BOUND_S * 1.5
+            while time.monotonic() < end and len(answers) < 1_000_000:
+                outputs = await client.infer("m", sample(len(answers)))
+                answers.append(float(outputs["y"][0, 0]))
+            assert client.connected
+        return answers
+
+    try:
+        answers = asyncio.run(drive())
+    finally:
+        frontend.close()
+        ctx.term()
+    assert answers == [float(i) for i in range(len(answers))]
+    assert frontend.received == len(answers) >= 2
+
+
+def test_an_input_over_the_frame_limit_is_refused_at_once_and_nothing_else_is_lost(
+    tmp_path: Any
+) -> None:
+    """Reliability defect: an input larger than any zserve socket accepts (``MAX_FRAME_BYTES``)
+    was sent anyway; the frontend's ZeroMQ dropped it, and the call waited out its whole timeout
+    (DEADLINE). The client refuses it at once, TOO_LARGE (never ran), and keeps serving."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    frontend = _AnsweringFrontend(ctx, f"ipc://{tmp_path}/frontend")
+    # np.zeros maps untouched pages: the test does not hold 256 MiB of memory.
+    oversized = {"x": np.zeros((1, MAX_FRAME_BYTES // 4 + 1), dtype=np.float32)}
+
+    async def drive() -> None:
+        async with AsyncClient(frontend.address, timeout=30, max_retries=0) as client:
+            assert float((await client.infer("m", sample(1)))["y"][0, 0]) == 1.0
+            with pytest.raises(zserve.TooLargeError, match="frame limit") as refused:
+                await asyncio.wait_for(client.infer("m", oversized), CONNECTION_DOWN_BOUND_S)
+            assert not refused.value.may_have_run and not refused.value.retryable
+            assert float((await client.infer("m", sample(2)))["y"][0, 0]) == 2.0
+            assert client.connected and client.in_flight == 0
+
+    try:
+        asyncio.run(drive())
+    finally:
+        frontend.close()
+        ctx.term()
+    assert frontend.received == 2

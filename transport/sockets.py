@@ -20,6 +20,7 @@ directly (the public client). ``ipc://`` and ``inproc://`` links stay unauthenti
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -229,6 +230,61 @@ def make_dealer(
     process's key pair and the public key of ``peer_role`` (required then: ``"rank"``,
     ``"shard"``, ``"backend"``, ``"frontend"``, ``"supervisor"``).
     """
+    sock = _unconnected_dealer(
+        ctx, connect, identity=identity, peer_role=peer_role, curve=curve,
+        send_hwm_messages=send_hwm_messages, recv_hwm_messages=recv_hwm_messages,
+        max_message_bytes=max_message_bytes, linger_ms=linger_ms,
+    )
+    try:
+        sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def make_monitored_dealer(
+    ctx: zmq.Context[_SocketT],
+    connect: str,
+    *,
+    identity: bytes,
+    monitor_events: int,
+    monitor_addr: str,
+    curve: CurveClient | None = None,
+) -> tuple[_SocketT, zmq.Socket[Any]]:
+    """``make_dealer``'s DEALER and its monitor socket (``monitor_events`` at
+    ``monitor_addr``), the monitor attached *before* the DEALER connects: a handshake that
+    completes at once (a peer on the same host) is always reported. Attached after the
+    connect, the monitor misses the first connection's events whenever the caller's thread is
+    slower than the handshake, as on a loaded host."""
+    sock = _unconnected_dealer(ctx, connect, identity=identity, curve=curve)
+    monitor: zmq.Socket[Any] | None = None
+    try:
+        monitor = sock.get_monitor_socket(monitor_events, addr=monitor_addr)
+        sock.connect(connect)
+    except BaseException:
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
+    return sock, monitor
+
+
+def _unconnected_dealer(
+    ctx: zmq.Context[_SocketT],
+    connect: str,
+    *,
+    identity: bytes,
+    peer_role: str | None = None,
+    curve: CurveClient | None = None,
+    send_hwm_messages: int = SEND_HWM_MESSAGES,
+    recv_hwm_messages: int = RECV_HWM_MESSAGES,
+    max_message_bytes: int = MAX_FRAME_BYTES,
+    linger_ms: int = LINGER_MS,
+) -> _SocketT:
+    """A DEALER with every option of ``make_dealer`` set, not connected yet."""
     if not identity or len(identity) > _MAX_IDENTITY_BYTES or identity[0] == 0:
         raise ValueError(
             f"identity must be 1..{_MAX_IDENTITY_BYTES} bytes not starting with a zero byte, "
@@ -248,7 +304,6 @@ def make_dealer(
             curve = curve or _process_curve(ctx, connect, peer_role)
             if curve is not None:
                 curve.apply(sock)
-        sock.connect(connect)
         return sock
     except BaseException:
         sock.close(linger=0)

@@ -69,6 +69,7 @@ import zmq.utils.monitor
 from zserve.errors import (
     DeadlineError,
     OverloadedError,
+    TooLargeError,
     UnavailableError,
     ZServeError,
     error_from_wire,
@@ -85,7 +86,7 @@ from zserve.transport.messages import (
     InferRequest,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
-from zserve.transport.sockets import make_dealer
+from zserve.transport.sockets import MAX_FRAME_BYTES, make_monitored_dealer
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
@@ -176,6 +177,19 @@ def _inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {str(name): to_host_array(value) for name, value in inputs.items()}
 
 
+def _oversized_input(inputs: Mapping[str, Any]) -> TooLargeError | None:
+    """The error for an input whose frame no frontend would take (``MAX_FRAME_BYTES``: ZeroMQ
+    drops the connection on such a frame, and the request would wait out its timeout), else
+    None."""
+    for name, array in inputs.items():
+        nbytes = getattr(array, "nbytes", 0)
+        if nbytes > MAX_FRAME_BYTES:
+            return TooLargeError(
+                f"input {name!r} is {nbytes} bytes, over the {MAX_FRAME_BYTES}-byte frame limit "
+                "of a zserve connection: the request was not sent")
+    return None
+
+
 class AsyncClient:
     """An asyncio client of one frontend. Use it from one event loop (the one that first uses
     it). ``submit`` sends at once and returns a future (one attempt, no retry): an open-loop
@@ -249,16 +263,19 @@ class AsyncClient:
     def _open_socket(self) -> zmq.Socket[Any]:
         assert self._ctx is not None and self._reactor is not None
         identity = b"c" + os.urandom(8).hex().encode()
-        sock: zmq.Socket[Any] = make_dealer(self._ctx, self.address, identity=identity,
-                                            curve=self._curve)
+        # The monitor is attached before the socket connects, so the connection's first
+        # handshake is always seen (attached after, a loaded host's scheduling could hide it and
+        # leave the client taking a live frontend for a dead one). Its endpoint is named after
+        # the identity: pyzmq's default names it after the file descriptor, which a replacement
+        # socket may reuse while the old endpoint lingers.
+        sock, self._monitor = make_monitored_dealer(
+            self._ctx, self.address, identity=identity, curve=self._curve,
+            monitor_events=_CONNECTION_UP | _DISCONNECTED,
+            monitor_addr=f"inproc://zserve-client-monitor-{identity.decode()}",
+        )
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))
-        # The monitor's endpoint named after the identity: pyzmq's default names it after the
-        # file descriptor, which a replacement socket may reuse while the old endpoint lingers.
-        self._monitor = sock.get_monitor_socket(
-            _CONNECTION_UP | _DISCONNECTED, addr=f"inproc://zserve-client-monitor-{identity.decode()}"
-        )
         self._sock = sock
         self._reactor.watch(sock, router=False, on_chunk=self._on_replies)
         self._reactor.watch_frames(self._monitor, on_frames=self._on_monitor_events)
@@ -338,13 +355,18 @@ class AsyncClient:
         sock = self._ensure()
         assert self._loop is not None and self._reactor is not None
         future: asyncio.Future[Outputs] = self._loop.create_future()
+        prepared = _inputs(inputs)
+        oversized = _oversized_input(prepared)
+        if oversized is not None:
+            future.set_exception(oversized)
+            return future
         if self._down_for_too_long():
             self._drain_monitor()  # it may be up again, its event not read yet
             if self._down_for_too_long():
                 future.set_exception(self._unavailable())
                 return future
         request_id = next(self._ids)
-        frames = codec.encode(InferRequest(request_id, model, _inputs(inputs), float(slo_ms)))
+        frames = codec.encode(InferRequest(request_id, model, prepared, float(slo_ms)))
         error = self._reactor.send_frames(sock, frames)
         if isinstance(error, zmq.Again):
             future.set_exception(OverloadedError("client send queue is full"))
@@ -470,6 +492,10 @@ class AsyncClient:
             delay_s = max(0.0, since + CONNECTION_DOWN_BOUND_S - time.monotonic())
             self._down_timer = self._loop.call_later(delay_s, self._on_down_bound)
 
+    def _connection_up(self) -> None:
+        self._down_since = None
+        self._unsent.clear()  # the socket sends its queue now
+
     def _on_down_bound(self) -> None:
         """The connection has been down for the bound (unless it came up meanwhile): answer the
         requests waiting in the socket's queue, and replace the socket so they are never sent."""
@@ -506,13 +532,16 @@ class AsyncClient:
         for frames in messages:  # rare: a connection event
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
             if event["event"] == _CONNECTION_UP:
-                self._down_since = None
-                self._unsent.clear()  # the socket sends its queue now
+                self._connection_up()
             elif event["event"] == _DISCONNECTED and self._down_since is None:
                 self._connection_down(time.monotonic())
                 self._connection_lost()
 
     def _on_replies(self, chunk: Chunk) -> None:
+        if self._down_since is not None:
+            # A reply proves the connection up, whatever the monitor said last: its event may
+            # still be queued behind this chunk.
+            self._connection_up()
         futures = self._futures
         for _, msg in chunk:
             if type(msg) is InferAnswers:
