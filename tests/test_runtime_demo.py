@@ -3,6 +3,10 @@ backends): its analytic bound comes from the profile the backends measured at st
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,3 +62,45 @@ def test_demo_search_stops_at_its_time_budget_or_below_its_floor() -> None:
         rate, 0.0, ends_at=20.0, floor_rps=floor_rps))
     assert [p["rate"] for p in found["search"]["probes"]] == [347.2, 173.6, 86.8, 43.4]
     assert found["goodput_rps"] == 0.0
+
+
+def _burst(lone: dict[str, int], burst: dict[str, int]) -> Any:
+    """A demo's parts 1 and 2 as tallied: ``ok``, ``wrong`` and error kinds with their counts."""
+    args = argparse.Namespace(rate=0.0, requests=400, concurrency=16)
+    result = demo._Burst(args, "cnn", [], [], demo._close_on_cpu)
+    for tally, counts in ((result.lone, lone), (result.tally, burst)):
+        tally.ok, tally.wrong = counts.pop("ok", 0), counts.pop("wrong", 0)
+        tally.errors.update(counts)
+    return result
+
+
+@pytest.mark.parametrize(("lone", "burst", "verdict"), [
+    ({"ok": 4}, {"ok": 400}, "PASS: 4 of 4 lone requests and 400 of 400 burst requests"),
+    ({"ok": 3, "DEADLINE": 1}, {"ok": 400},
+     "FAIL: 1 of 4 lone requests not answered correctly (0 wrong, 1 DEADLINE)"),
+    ({"ok": 4}, {"ok": 399, "wrong": 1}, "FAIL: burst: 399 of 400 answered correctly (1 wrong)"),
+    ({"ok": 4}, {"ok": 396, "DEADLINE": 3, "OVERLOADED": 1}, "PASS"),
+    ({"ok": 4}, {"ok": 395, "DEADLINE": 5},
+     "FAIL: burst: 395 of 400 answered correctly (0 wrong, 5 DEADLINE)"),
+    ({"ok": 4}, {"UNAVAILABLE": 400}, "FAIL: burst: 0 of 400"),
+])
+def test_demo_ends_with_one_line_saying_pass_or_what_failed(
+    lone: dict[str, int], burst: dict[str, int], verdict: str
+) -> None:
+    result = _burst(lone, burst)
+    line = result.verdict()
+    assert line.startswith("zserve demo: " + verdict) and "\n" not in line
+    assert bool(result.failures()) == ("FAIL" in verdict)
+
+
+def test_demo_run_ends_with_its_verdict_line(tmp_path: Path) -> None:
+    """The main job as a user runs it (the demo cluster, its OIP ports the kernel's): the last
+    line says PASS and the exit status agrees."""
+    config = tmp_path / "demo.toml"
+    config.write_text(demo.DEMO_TOML.read_text().replace(":8000", ":0").replace(":8001", ":0"))
+    run = subprocess.run([sys.executable, "-m", "zserve", "demo", "--config", str(config),
+                          "--requests", "100", "--goodput-s", "0"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("zserve demo: PASS"), run.stdout + run.stderr
+    assert run.returncode == 0

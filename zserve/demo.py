@@ -24,8 +24,9 @@ Three parts, on one cluster:
 
 Every output of parts 1 and 2 is checked against the model run in this process (ONNX Runtime on
 the CPU, or the emulated model's formula). ``--stats`` adds each process's CPU time per request,
-counters and timings, and the frontend's per-hop latencies. Exit status 0 when every request of
-parts 1 and 2 was answered and every output was right.
+counters and timings, and the frontend's per-hop latencies. The last line is ``PASS`` or ``FAIL``
+with what failed; exit status 0 on PASS: every lone request answered correctly, no wrong output,
+and at most ``GOODPUT_MAX_BAD_RATE`` of the burst answered with an error.
 """
 
 from __future__ import annotations
@@ -444,10 +445,28 @@ class _Burst:
     def total(self) -> int:
         return self.tally.ok + self.tally.wrong + sum(self.tally.errors.values())
 
-    @property
-    def ok(self) -> bool:
-        return (self.tally.wrong == 0 and self.lone.wrong == 0 and self.tally.ok > 0
-                and self.lone.ok == LONE_REQUESTS)
+    def failures(self) -> list[str]:
+        """What failed, one phrase each (empty: the demo passes): a wrong answer anywhere, a lone
+        request not answered correctly, a burst with no correct answer or with more errors than
+        the goodput's bad-rate bar allows."""
+        lone, tally = self.lone, self.tally
+        failed = []
+        if lone.ok < LONE_REQUESTS:
+            failed.append(f"{LONE_REQUESTS - lone.ok} of {LONE_REQUESTS} lone requests not "
+                          f"answered correctly ({_outcomes(lone)})")
+        burst_errors = sum(tally.errors.values())
+        if tally.wrong or tally.ok == 0 or burst_errors > GOODPUT_MAX_BAD_RATE * self.total:
+            failed.append(f"burst: {tally.ok} of {self.total} answered correctly "
+                          f"({_outcomes(tally)})")
+        return failed
+
+    def verdict(self) -> str:
+        """The demo's last line: PASS, or FAIL and what failed."""
+        failed = self.failures()
+        if failed:
+            return "zserve demo: FAIL: " + "; ".join(failed)
+        return (f"zserve demo: PASS: {LONE_REQUESTS} of {LONE_REQUESTS} lone requests and "
+                f"{self.tally.ok} of {self.total} burst requests answered correctly")
 
     def print(self, policy: str) -> None:
         lone, tally, args = self.lone, self.tally, self.args
@@ -467,6 +486,11 @@ class _Burst:
               f"{tally.ok / self.elapsed_s:.0f} correct answers/s")
         print(f"  correct {tally.ok}, wrong {tally.wrong}, errors {dict(tally.errors) or 0}")
         print(f"  latency (client): {_percentiles(tally.latencies_s)}")
+
+
+def _outcomes(tally: Tally) -> str:
+    errors = ", ".join(f"{count} {kind}" for kind, count in sorted(tally.errors.items()))
+    return f"{tally.wrong} wrong" + (f", {errors}" if errors else "")
 
 
 def _expected_outputs(config: ClusterConfig, model: ModelConfig,
@@ -518,4 +542,5 @@ def main(argv: list[str]) -> int:
             start_rps = max(burst.tally.ok / burst.elapsed_s, 60.0)
             _print_goodput(measure_goodput(cluster, config, model, start_rps, args.goodput_s))
     print("zserve demo: cluster stopped", flush=True)
-    return 0 if burst.ok else 1
+    print(burst.verdict(), flush=True)
+    return 1 if burst.failures() else 0
