@@ -15,6 +15,7 @@ from zserve.config import ClusterConfig, parse_config
 from zserve.frontend_core import (
     FRONTEND_COUNTERS,
     FRONTEND_HISTOGRAMS,
+    TIMER_COALESCE_S,
     TIMER_COMPACT_FACTOR,
     TO_BACKEND,
     TO_CLIENT,
@@ -157,13 +158,14 @@ def test_deadline_answers_fire_on_time_through_wake_at() -> None:
     _submit(core, 10.0, 1)
     _submit(core, 10.05, 2)
     _meta_ids(core)
-    assert core.wake_at == pytest.approx(10.0 + SLO_S)
+    # One coalescing window after the earliest deadline, never before it.
+    assert core.wake_at == pytest.approx(10.0 + SLO_S + TIMER_COALESCE_S)
     outbox: Outbox = []
     core.on_timer(10.0 + SLO_S - 0.01, outbox)  # early: a harmless no-op
     assert outbox == [] and len(core.pending) == 2
     core.on_timer(core.wake_at, outbox)
     assert _errors(outbox) == {1: "DEADLINE"}
-    assert core.wake_at == pytest.approx(10.05 + SLO_S)
+    assert core.wake_at == pytest.approx(10.05 + SLO_S + TIMER_COALESCE_S)
 
 
 def test_an_answered_request_moves_wake_at_to_the_next_pending_deadline() -> None:
@@ -174,7 +176,7 @@ def test_an_answered_request_moves_wake_at_to_the_next_pending_deadline() -> Non
     outbox: Outbox = []
     core.on_cancel(0.03, CLIENT, 1, outbox)
     core.on_timer(0.04, outbox)  # prunes the answered request's deadline
-    assert core.wake_at == pytest.approx(0.02 + SLO_S)
+    assert core.wake_at == pytest.approx(0.02 + SLO_S + TIMER_COALESCE_S)
 
 
 # --------------------------------------------------------------------------- cancellation
@@ -338,7 +340,7 @@ def test_the_deadline_heap_stays_proportional_to_the_pending_requests() -> None:
                     outbox)
     assert len(core.pending) == 1
     core.on_timer(0.04, outbox)  # before any deadline: answers nothing, drops the stale entries
-    assert len(core.pending) == 1 and core.wake_at == pytest.approx(0.0 + SLO_S)
+    assert len(core.pending) == 1 and core.wake_at == pytest.approx(SLO_S + TIMER_COALESCE_S)
     assert len(core._timers) <= TIMER_COMPACT_FACTOR  # the heap itself (private): one entry
 
 
@@ -536,3 +538,59 @@ def test_every_request_is_answered_exactly_once(ops: list[Op]) -> None:
     for key, count in host.answers.items():
         # One answer each; none for a request whose client went away while it was in flight.
         assert count == (0 if key in host.exempt else 1), (key, count)
+
+
+class _DeadlineHost(_VirtualHost):
+    """A ``_VirtualHost`` that records when each request was admitted and checks every
+    ``DEADLINE`` its timer answers: never before the request's SLO has passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admitted_at: dict[tuple[bytes, int], float] = {}
+        self.timer_deadlines = 0
+
+    def _submit(self, client_index: int, model: int, outbox: Outbox) -> None:
+        client = f"client-{client_index}".encode()
+        self.admitted_at[(client, self.next_id[client_index])] = self.now
+        super()._submit(client_index, model, outbox)
+
+    def advance(self, to: float) -> None:
+        while self.core.wake_at <= to:
+            self.now = max(self.now, self.core.wake_at)
+            outbox: Outbox = []
+            self.core.on_timer(self.now, outbox)
+            self.deliver(outbox)
+            for (_, client), msg in outbox:
+                ids = [msg.request_id] if isinstance(msg, InferError) else (
+                    msg.error_ids if isinstance(msg, InferAnswers) else [])
+                for request_id in ids:
+                    assert isinstance(client, bytes)
+                    self.timer_deadlines += 1
+                    early_s = self.admitted_at[(client, request_id)] + SLO_S - self.now
+                    assert early_s <= 0.0, f"DEADLINE answered {early_s * 1e6:.1f} us early"
+        self.now = to
+
+    def _advance_us(self, microseconds: int, _: int, outbox: Outbox) -> None:
+        self.advance(self.now + microseconds * 1e-6)
+
+
+_DEADLINE_OPS = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 2), st.integers(0, 1)),
+    st.tuples(st.just("advance_us"), st.integers(1, 2000), st.just(0)),
+    st.tuples(st.just("advance"), st.integers(1, 120), st.just(0)),
+    st.tuples(st.just("hello"), st.integers(0, 2), st.just(0)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_DEADLINE_OPS, max_size=80))
+def test_no_deadline_answer_before_the_deadline(ops: list[Op]) -> None:
+    """Whatever the schedule, the frontend's timer answers DEADLINE only once the request's SLO
+    has passed: a batch may still answer it until then (it answered requests whose deadline was
+    within 0.5 ms of the timer, which a policy finishing batches that close lost at any load)."""
+    host = _DeadlineHost()
+    for op in ops:
+        host.apply(op)
+    host.advance(host.now + 2 * SLO_S)
+    assert not host.core.pending
+    assert all(count == 1 for count in host.answers.values())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from zserve.config import ClusterConfig, parse_config
+from zserve.frontend_core import TIMER_COALESCE_S
 from zserve.loadgen import sim_cli
 from zserve.loadgen.sim import InvariantError, SimConfig, Simulator
 from zserve.loadgen.sim_frontend import DROPPED, GOOD, PENDING
@@ -75,12 +76,13 @@ def test_without_a_cluster_file_no_admission_bound_applies() -> None:
 
 def test_deadlines_are_answered_by_the_core_timer() -> None:
     # A frontend tick longer than the SLO: request 0's metadata reaches the scheduler 30 ms
-    # after it arrived, 5 ms after its SLO; the core's timer answers it DEADLINE at arrival +
-    # SLO, and the scheduler's later drop of it is not a second answer.
+    # after it arrived, 5 ms after its SLO; the core's timer answers it DEADLINE once its SLO
+    # has passed (one coalescing window after it), and the scheduler's later drop of it is not
+    # a second answer.
     sim = Simulator(_workload(sim_tick_ms=30.0), arrivals=[np.array([0.0, 0.02]), np.empty(0)])
     report = sim.run()
     assert sim.status[0] == DROPPED
-    assert sim.answers.answered_at[0] == pytest.approx(SLO_A_S)
+    assert sim.answers.answered_at[0] == pytest.approx(SLO_A_S + TIMER_COALESCE_S)
     assert sim.models[0].n_arrived == 2 and sim.models[0].n_dropped == 1
     # request 1 reached the scheduler at 30 ms with 15 ms left: served in time
     assert sim.status[1] == GOOD
