@@ -20,11 +20,35 @@ Outputs (appended to the outbox):
 - ``(("device", gpu_id), RunBatch)``: run these rows now. The host runs them, sends their outputs
   (or BACKEND_FAILED) and calls ``on_batch_done`` once the device is free. Never two at once.
 
-Start decision: the held plan with the earliest ``exec_at`` starts at its exec_at (at once when it
-is already late; lateness is recorded) once every frontend answered its fetch, or ``input_wait_s``
-after max(exec_at, arrival) without the inputs that have not come (those are answered
-UNAVAILABLE). Late shedding (:func:`shed_late_rows`) then leaves out the rows that cannot finish
-by their ``finish_by`` plus ``shed_grace_s`` (answered DEADLINE); a plan left empty is skipped.
+Start decision: the held plan with the earliest ``exec_at`` (the head) starts at its exec_at (at
+once when it is already late; lateness is recorded) once every frontend answered its fetch, or,
+without the inputs that have not come, at its give-up moment (those requests are answered
+UNAVAILABLE: they never ran). Late shedding (:func:`shed_late_rows`) then leaves out the rows that
+cannot finish by their ``finish_by`` plus ``shed_grace_s`` (answered DEADLINE); a plan left empty
+is skipped.
+
+Input wait (``PlanFollower._give_up_at``): the head waits for missing inputs past its exec_at
+only as long as waiting costs no request that starting at once would have served:
+
+- *its own deadlines*: at most until the latest start at which late shedding would still keep
+  some row of the plan (:func:`latest_start_keeping_some`; later, inputs that come could only be
+  shed), and, when some rows' inputs are in, until the latest start at which those rows alone
+  still all fit (:func:`latest_start_keeping_all`): waiting never sheds a request that is here;
+- *the plans held behind it*: at most until the latest head start at which each of them, run in
+  exec_at order for its planned duration, still starts in time to keep every one of its rows
+  (a plan without ``finish_by``: ``input_wait_s`` after its exec_at), so a waiting head delays
+  the queue only within the slack the later plans have anyway;
+- *a floor*: never less than the fetch floor after the plan's arrival, so a fetch the frontend is
+  about to answer is not cut short: ``FETCH_FLOOR_FACTOR`` x the ``FETCH_FLOOR_QUANTILE`` of the
+  last ``FETCH_WINDOW`` measured fetch times (arrival -> last InputReply; a plan that gave up
+  counts its wait), clamped to ``FETCH_FLOOR_MIN_S`` .. ``input_wait_s``; ``input_wait_s`` until
+  ``FETCH_FLOOR_MIN_SAMPLES`` were measured (a fresh or restarted backend).
+
+So give_up_at = max(arrival + floor, min(own bound, queue bound)). A plan without ``finish_by``
+(the scheduler always sends it; hand-made and benchmark plans may not) keeps the fixed bound
+``input_wait_s`` after max(exec_at, arrival). The floor is at most ``input_wait_s`` after the
+arrival, so a head never holds the plans behind it longer than the old fixed rule could, except
+within their own slack. The rule reads only the plans held and the samples recorded: no clock.
 """
 
 from __future__ import annotations
@@ -52,9 +76,21 @@ from zserve.transport.messages import (
 )
 
 DEST_DEVICE = "device"
-# How long after exec_at the head plan waits for a frontend's InputReply before it runs without
-# those requests (a frontend that is alive answers within a millisecond or two).
+# A plan without finish_by waits this long after max(exec_at, its arrival) for its inputs; it also
+# caps the fetch floor (a frontend that is alive answers within a millisecond or two, tens of ms
+# on a loaded host).
 INPUT_WAIT_S = 0.050
+# The fetch floor (module docstring, "Input wait"): FETCH_FLOOR_FACTOR x this quantile of the last
+# FETCH_WINDOW fetch times, at least FETCH_FLOOR_MIN_S; input_wait_s until the follower measured
+# FETCH_FLOOR_MIN_SAMPLES of them.
+FETCH_WINDOW = 256
+FETCH_FLOOR_QUANTILE = 0.99
+FETCH_FLOOR_FACTOR = 2.0
+FETCH_FLOOR_MIN_S = 0.005
+FETCH_FLOOR_MIN_SAMPLES = 16
+# The give-up moment is taken this much before the deadline-derived bounds, so that float rounding
+# never makes late shedding drop, at that moment, a request the bound meant to keep.
+BOUND_ROUNDING_S = 1e-9
 # A plan that starts more than this after its exec_at counts as late in the stats.
 LATE_TOLERANCE_S = 0.001
 # Batch sizes kept for the stats (a ring of the most recent batches).
@@ -115,6 +151,35 @@ def shed_late_rows(
     return [row for row in rows if row not in dropped], shed
 
 
+def latest_start_keeping_all(
+    rows: list[int], finish_by: Sequence[float], table_s: Sequence[float],
+    grace_s: float = 0.0, *, sizes: Sequence[int] = (),
+) -> float:
+    """The latest start at which :func:`shed_late_rows` keeps every one of ``rows`` (same
+    arguments): the earliest ``finish_by`` among them plus ``grace_s`` minus l(their rows).
+    ``math.inf`` for no rows."""
+    if not rows:
+        return math.inf
+    left = sum(sizes[i] for i in rows) if sizes else len(rows)
+    return min(finish_by[i] for i in rows) + grace_s - table_s[left]
+
+
+def latest_start_keeping_some(
+    rows: list[int], finish_by: Sequence[float], table_s: Sequence[float],
+    grace_s: float = 0.0, *, sizes: Sequence[int] = (),
+) -> float:
+    """The latest start at which :func:`shed_late_rows` keeps at least one of ``rows``: it keeps
+    the rows from the ``c``-th earliest ``finish_by`` on while they fit, so this is the latest of
+    ``finish_by[c] + grace_s - l(rows from c on)``. ``-math.inf`` for no rows."""
+    order = sorted(rows, key=finish_by.__getitem__)
+    left = sum(sizes[i] for i in order) if sizes else len(order)
+    latest = -math.inf
+    for row in order:
+        latest = max(latest, finish_by[row] + grace_s - table_s[left])
+        left -= sizes[row] if sizes else 1
+    return latest
+
+
 def _indexes_within(indexes: list[int], count: int) -> bool:
     """Every index in ``0 <= i < count``."""
     return not indexes or (min(indexes) >= 0 and max(indexes) < count)
@@ -144,6 +209,9 @@ class HeldPlan:
     # Fetched, then cancelled by their frontend before the batch started: left out of it.
     cancelled: set[tuple[int, int]] = field(default_factory=set)
     inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
+    # The latest starts at which late shedding keeps every row / some row (inf: no finish_by);
+    # computed when an input wait first needs them (PlanFollower._start_bys).
+    start_bys: tuple[float, float] | None = None
     started_at: float = 0.0
     rows: int = 0  # the batch size it ran with, in rows
     requests: int = 0  # the requests it ran (fewer than rows when a request holds several)
@@ -207,6 +275,8 @@ class PlanFollower:
         self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
         self._seq = 0
         self._running: HeldPlan | None = None
+        self._fetch_times: deque[float] = deque(maxlen=FETCH_WINDOW)  # seconds, most recent
+        self._fetch_floor_s: float | None = None  # computed from _fetch_times when needed
 
     def add_model(self, model: str, latency_s: Sequence[float], max_batch: int) -> None:
         """Serve ``model``: ``latency_s[b]`` is l(b) in seconds for ``1 <= b <= max_batch``
@@ -375,7 +445,7 @@ class PlanFollower:
                 self.wake_at = exec_at
                 return
             if held.awaiting:
-                give_up_at = max(exec_at, held.received_at) + self.input_wait_s
+                give_up_at = self._give_up_at(held)
                 if now < give_up_at:
                     self.wake_at = give_up_at  # or the InputReply comes first
                     return
@@ -383,10 +453,65 @@ class PlanFollower:
             if self._start(now, held, outbox):
                 return
 
+    def _give_up_at(self, held: HeldPlan) -> float:
+        """When the head ``held`` stops waiting for the inputs not yet in (module docstring,
+        "Input wait"): max(arrival + fetch floor, min(own bound, queue bound))."""
+        plan = held.plan
+        if not plan.finish_by:  # no deadlines to derive a bound from: the fixed one
+            return max(plan.exec_at, held.received_at) + self.input_wait_s
+        own = self._start_bys(held)[1]
+        if held.inputs:  # never wait so long that a request whose inputs are here is shed
+            keys = list(zip(plan.request_frontend, plan.request_ids, strict=True))
+            here = [i for i, key in enumerate(keys) if key in held.inputs]
+            own = min(own, latest_start_keeping_all(here, plan.finish_by,
+                                                    self.latency_s[plan.model],
+                                                    self.shed_grace_s, sizes=plan.rows))
+        bound = min(own, self._queue_bound(held)) - BOUND_ROUNDING_S
+        return max(held.received_at + self._fetch_floor(), bound)
+
+    def _queue_bound(self, head: HeldPlan) -> float:
+        """The latest start of ``head`` at which every plan held behind it, run in exec_at order
+        for its planned duration, still starts by the latest start that keeps all its rows."""
+        limit = math.inf  # the latest start of the plan after the one being looked at
+        for _, _, plan_id in sorted(self._heap, reverse=True):
+            held = self._plans[plan_id]
+            if held is head:
+                break
+            start_by = (self._start_bys(held)[0] if held.plan.finish_by
+                        else held.plan.exec_at + self.input_wait_s)
+            limit = min(start_by, limit - held.planned_s)
+        return limit - head.planned_s
+
+    def _start_bys(self, held: HeldPlan) -> tuple[float, float]:
+        """``held``'s latest starts keeping every row and some row (only the rare input-wait
+        path needs them, so they are computed then, once)."""
+        if held.start_bys is None:
+            plan = held.plan
+            every = list(range(len(plan.request_ids)))
+            args = (every, plan.finish_by, self.latency_s[plan.model], self.shed_grace_s)
+            held.start_bys = (latest_start_keeping_all(*args, sizes=plan.rows),
+                              latest_start_keeping_some(*args, sizes=plan.rows))
+        return held.start_bys
+
+    def _fetch_floor(self) -> float:
+        """How long after its arrival a plan waits for its inputs at least (module docstring)."""
+        if self._fetch_floor_s is None:
+            samples = sorted(self._fetch_times)
+            if len(samples) < FETCH_FLOOR_MIN_SAMPLES:
+                self._fetch_floor_s = self.input_wait_s
+            else:
+                high = samples[min(len(samples) - 1, int(FETCH_FLOOR_QUANTILE * len(samples)))]
+                self._fetch_floor_s = min(self.input_wait_s,
+                                          max(FETCH_FLOOR_MIN_S, FETCH_FLOOR_FACTOR * high))
+        return self._fetch_floor_s
+
     def _start(self, now: float, held: HeldPlan, outbox: Outbox) -> bool:
         """Start ``held``; False when nothing was left to run (the caller moves on)."""
         plan = held.plan
         held.started_at = now
+        # the fetch time, or how long it waited in vain: a lower bound of that fetch's time
+        self._fetch_times.append((held.inputs_at or now) - held.received_at)
+        self._fetch_floor_s = None
         rows = self._rows_with_inputs(held, outbox)
         lateness = now - plan.exec_at
         shed: list[int] = []
@@ -431,8 +556,12 @@ class PlanFollower:
                     and key not in held.cancelled]
             if late:
                 self.counters["requests_unavailable"] += len(late)
+                waited_ms = (held.started_at - held.received_at) * 1e3
+                bound = ("as long as the deadlines of this batch and the next allowed"
+                         if plan.finish_by else "the fixed wait of a plan without deadlines")
                 self._fail_rows(plan, late, ErrorKind.UNAVAILABLE,
-                                f"inputs did not reach backend {self.name} in time", outbox)
+                                f"inputs did not reach backend {self.name} in time (waited "
+                                f"{waited_ms:.1f} ms after the plan arrived: {bound})", outbox)
         if held.missing:
             self.counters["requests_missing"] += sum(
                 1 for key in keys if key in held.missing and key not in inputs)
@@ -478,11 +607,18 @@ class PlanFollower:
 
 __all__ = [
     "DEST_DEVICE",
+    "FETCH_FLOOR_FACTOR",
+    "FETCH_FLOOR_MIN_S",
+    "FETCH_FLOOR_MIN_SAMPLES",
+    "FETCH_FLOOR_QUANTILE",
+    "FETCH_WINDOW",
     "INPUT_WAIT_S",
     "SHED_GRACE_FRACTION",
     "BatchSizes",
     "HeldPlan",
     "PlanFollower",
     "RunBatch",
+    "latest_start_keeping_all",
+    "latest_start_keeping_some",
     "shed_late_rows",
 ]

@@ -11,10 +11,14 @@ import pytest
 
 from zserve.backends.follower import (
     DEST_DEVICE,
+    FETCH_FLOOR_FACTOR,
+    FETCH_FLOOR_MIN_SAMPLES,
     INPUT_WAIT_S,
     LATE_TOLERANCE_S,
     PlanFollower,
     RunBatch,
+    latest_start_keeping_all,
+    latest_start_keeping_some,
     shed_late_rows,
 )
 from zserve.errors import ErrorKind
@@ -201,7 +205,8 @@ def test_inputs_arriving_after_exec_at_start_the_plan_when_they_come() -> None:
     follower.on_plan(0.0, make_plan(1, 0.010, [1, 2]), outbox)
     follower.on_timer(0.010, outbox)
     assert not runs(outbox)
-    assert follower.wake_at == pytest.approx(0.010 + INPUT_WAIT_S)  # gives up then
+    # gives up at the latest start that keeps some row: the later finish_by, alone (l(1))
+    assert follower.wake_at == pytest.approx(0.010 + 1.0 + GRACE_S - l_s(1))
     follower.on_input_reply(0.013, FRONTEND, inputs_for([1, 2], 1), outbox)
     (run,) = runs(outbox)
     assert run.started_at == 0.013
@@ -213,13 +218,17 @@ def test_inputs_arriving_after_exec_at_start_the_plan_when_they_come() -> None:
 def test_inputs_that_never_come_are_answered_unavailable_and_the_rest_runs() -> None:
     follower = make_follower()
     outbox: Outbox = []
-    plan = make_plan(1, 0.010, [1, 2, 3], frontend_of=[0, 1, 0])
+    # Rows 0 and 2 (frontend 0) are here; row 1 (frontend 1) never comes. The plan waits until
+    # the latest start at which rows 0 and 2 alone still finish in time (the earliest of them
+    # is due at 0.150): waiting never sheds a request whose inputs are here.
+    plan = make_plan(1, 0.010, [1, 2, 3], frontend_of=[0, 1, 0],
+                     finish_by=[0.150, 0.120, 0.400])
     follower.on_plan(0.0, plan, outbox)
     follower.on_input_reply(0.001, FRONTEND, inputs_for([1, 3], 1), outbox)
     follower.on_timer(0.010, outbox)
     assert not runs(outbox)
     give_up = follower.wake_at
-    assert give_up == pytest.approx(0.010 + INPUT_WAIT_S)
+    assert give_up == pytest.approx(0.150 + GRACE_S - l_s(2))
     follower.on_timer(give_up, outbox)
     (failed,) = of_type(outbox, BatchFailed)
     assert (failed.request_ids, failed.error) == ([2], ErrorKind.UNAVAILABLE.value)
@@ -229,6 +238,138 @@ def test_inputs_that_never_come_are_answered_unavailable_and_the_rest_runs() -> 
     late = inputs_for([2], 1)
     follower.on_input_reply(give_up + 0.001, OTHER_FRONTEND, late, outbox)  # ignored: started
     assert len(runs(outbox)) == 1
+
+
+def test_inputs_80_ms_after_exec_at_run_every_row_when_the_deadline_is_far() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    plan = make_plan(1, 0.010, [1, 2, 3])  # finish_by 1 s after exec_at
+    follower.on_plan(0.0, plan, outbox)
+    follower.on_timer(0.010, outbox)
+    assert follower.wake_at > 0.090  # a frontend 80 ms late can still make it
+    follower.on_timer(0.089, outbox)  # (a host's early call is a no-op)
+    assert not of_type(outbox, BatchFailed) and not runs(outbox)
+    follower.on_input_reply(0.090, FRONTEND, inputs_for([1, 2, 3], 1), outbox)
+    assert not of_type(outbox, BatchFailed)
+    (run,) = runs(outbox)
+    assert run.rows == [0, 1, 2] and run.started_at == 0.090
+    assert follower.counters["requests_unavailable"] == 0
+
+
+def test_inputs_that_never_come_are_answered_when_no_row_could_still_be_served() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    finish_by = [0.200, 0.300]
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2], finish_by=finish_by), outbox)
+    follower.on_timer(0.010, outbox)
+    # The latest start that keeps a row: row 1 alone, 0.300 + grace - l(1).
+    give_up = follower.wake_at
+    assert give_up == pytest.approx(0.300 + GRACE_S - l_s(1))
+    assert give_up == pytest.approx(
+        latest_start_keeping_some([0, 1], finish_by, PROFILE.table_s, GRACE_S))
+    follower.on_timer(give_up - 0.001, outbox)
+    assert not of_type(outbox, BatchFailed)
+    follower.on_timer(give_up, outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert sorted(failed.request_ids) == [1, 2]
+    assert failed.error == ErrorKind.UNAVAILABLE.value  # they never ran
+    assert "waited 291.0 ms after the plan arrived" in failed.message
+    assert "deadlines" in failed.message
+    assert not runs(outbox) and follower.idle
+    # Had they come just before it, the batch would have run with the row that still fits.
+    other = make_follower()
+    hold(other, 0.0, make_plan(1, 0.010, [1, 2], finish_by=finish_by))
+    late: Outbox = []
+    other.on_timer(give_up, late)  # inputs were in: nothing to wait for; a late start
+    (run,) = runs(late)
+    assert run.rows == [1]
+
+
+def test_plan_without_finish_by_keeps_the_fixed_bound() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2], finish_by=[]), outbox)
+    follower.on_timer(0.010, outbox)
+    assert follower.wake_at == pytest.approx(0.010 + INPUT_WAIT_S)
+    follower.on_timer(follower.wake_at, outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert (sorted(failed.request_ids), failed.error) == ([1, 2], ErrorKind.UNAVAILABLE.value)
+    assert "fixed wait of a plan without deadlines" in failed.message
+    # a late plan: from its arrival
+    follower.on_plan(0.200, make_plan(2, 0.100, [3], finish_by=[]), outbox)
+    assert follower.wake_at == pytest.approx(0.200 + INPUT_WAIT_S)
+
+
+def test_a_waiting_head_never_makes_a_plan_behind_it_shed() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [1, 2]), outbox)  # due in 1 s; inputs never come
+    # Plan 2 (one row, due at 0.100) must start by 0.100 + grace - l(1) = 0.091, so plan 1
+    # (planned l(2) = 12 ms) must start by 0.079.
+    hold(follower, 0.001, make_plan(2, 0.030, [3], finish_by=[0.100]))
+    follower.on_timer(0.010, outbox)
+    assert follower.wake_at == pytest.approx(0.100 + GRACE_S - l_s(1) - l_s(2))
+    follower.on_timer(follower.wake_at, outbox)
+    (failed,) = of_type(outbox, BatchFailed)
+    assert (sorted(failed.request_ids), failed.error) == ([1, 2], ErrorKind.UNAVAILABLE.value)
+    (run,) = runs(outbox)  # plan 1 had nothing to run: plan 2 starts now, all its rows kept
+    assert run.plan.plan_id == 2 and run.rows == [0]
+    assert run.started_at + l_s(1) <= 0.100 + GRACE_S
+    assert follower.counters["requests_shed_late"] == 0
+
+
+def _measure_fetches(follower: PlanFollower, fetch_s: float, count: int) -> float:
+    """Run ``count`` one-row plans whose inputs come ``fetch_s`` after the plan; the time after."""
+    now = 0.0
+    for plan_id in range(100, 100 + count):
+        outbox: Outbox = []
+        follower.on_plan(now, make_plan(plan_id, now + fetch_s + 0.001, [plan_id]), outbox)
+        follower.on_input_reply(now + fetch_s, FRONTEND, inputs_for([plan_id], plan_id), outbox)
+        follower.on_timer(now + fetch_s + 0.001, outbox)
+        assert len(runs(outbox)) == 1
+        now += fetch_s + 0.001 + l_s(1)
+        follower.on_batch_done(now, ok=True, finished_at=now, outbox=outbox)
+    return now
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_cut_short_head_still_waits_the_measured_fetch_floor(measured: bool) -> None:
+    follower = make_follower()
+    now = _measure_fetches(follower, 0.020, FETCH_FLOOR_MIN_SAMPLES) if measured else 1.0
+    outbox: Outbox = []
+    follower.on_plan(now, make_plan(1, now + 0.001, [1]), outbox)  # due in 1 s
+    # plan 2 leaves plan 1 no slack at all: the plans behind cut its wait to nothing
+    hold(follower, now, make_plan(2, now + 0.012, [2], finish_by=[now + 0.020]))
+    follower.on_timer(now + 0.001, outbox)
+    assert not runs(outbox)
+    # fresh: the fixed wait (a restarted backend); measured: twice the fetches' 20 ms
+    floor_s = FETCH_FLOOR_FACTOR * 0.020 if measured else INPUT_WAIT_S
+    assert follower.wake_at == pytest.approx(now + floor_s)
+    follower.on_input_reply(now + floor_s - 0.001, FRONTEND, inputs_for([1], 1), outbox)
+    (run,) = runs(outbox)
+    assert run.plan.plan_id == 1 and run.rows == [0]
+
+
+def test_latest_starts_agree_with_late_shedding() -> None:
+    rng = np.random.default_rng(7)
+    table = PROFILE.table_s
+    for _ in range(300):
+        count = int(rng.integers(1, 5))
+        sizes = [int(x) for x in rng.integers(1, 3, count)] if rng.random() < 0.5 else []
+        finish_by = [float(x) for x in rng.uniform(0.0, 0.05, count)]
+        rows = list(range(count))
+        every = latest_start_keeping_all(rows, finish_by, table, GRACE_S, sizes=sizes)
+        some = latest_start_keeping_some(rows, finish_by, table, GRACE_S, sizes=sizes)
+        assert some >= every
+        for start, kept_all, kept_some in ((every - 1e-6, True, True), (every + 1e-6, False, None),
+                                           (some - 1e-6, None, True), (some + 1e-6, False, False)):
+            kept, _ = shed_late_rows(rows, finish_by, start, table, GRACE_S, sizes=sizes)
+            if kept_all is not None:
+                assert (kept == rows) == kept_all
+            if kept_some is not None:
+                assert bool(kept) == kept_some
+    assert latest_start_keeping_all([], [], table) == math.inf
+    assert latest_start_keeping_some([], [], table) == -math.inf
 
 
 def test_a_lost_fetch_runs_without_that_frontend_at_exec_at() -> None:
