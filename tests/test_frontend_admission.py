@@ -3,10 +3,10 @@
 The model: one GPU, l(b) = 40 b + 160 ms up to b = 8, SLO 2 s, reply allowance 50 ms. Its
 capacity at the SLO is 8 / 480 ms = 16.7 r/s, so a predicted-wait bound of the SLO (pending /
 capacity <= max_wait_ms = 2 s, set explicitly) admits 34 requests at once. Past the capacity the
-rows that wait to be planned are bounded, from max(b*, C (SLO - reply - l(b*) (1 + 2/N))) = 16.7
-x 0.51 s = 8.5 rows (9 admitted), where the last of them still finishes within the SLO with
-l(b*) to spare; the bound adapts from there, down on DEADLINE answers (to 1 row at least), up on
-answers with outputs."""
+frontend admits rows at a rate (a token bucket of one batch, 8 rows, refilled at the capacity to
+start with) that follows the model's answers once per rate window: down by the excess of its
+deadline misses over GATE_MISS_TARGET, up by GATE_PROBE_UP while it refuses and misses stay
+under the target."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 
 from zserve.config import parse_config
-from zserve.frontend_admission import QUEUE_LIMIT_CUT, QUEUE_LIMIT_GROW, ModelAdmission
+from zserve.frontend_admission import (
+    GATE_CEILING_FRACTION,
+    GATE_FLOOR_FRACTION,
+    GATE_MAX_CUT,
+    GATE_MISS_TARGET,
+    GATE_PROBE_UP,
+    RATE_WINDOW_S,
+    ModelAdmission,
+)
 from zserve.frontend_core import FrontendCore
 from zserve.hosting import Outbox
 from zserve.profiles import LatencyProfile
@@ -30,7 +38,7 @@ from zserve.transport.messages import (
 
 CLIENT = b"client-1"
 CAPACITY_RPS = 8 / 0.480
-FLOOR_ROWS = 9  # admitted while fewer than 16.7 r/s x (2 - 0.05 - 0.48 x 3) s = 8.5 wait
+BUCKET_ROWS = 8  # one batch: b* = 8, which one idle GPU also finishes within the SLO
 PREDICTED_WAIT_ROWS = 34  # admitted while pending / capacity <= 2 s: 33 / 16.7 = 1.98 s
 INPUTS = {"x": np.zeros((1, 4), np.float32)}
 
@@ -54,32 +62,31 @@ def _offer(core: FrontendCore, now: float, first_id: int, count: int) -> dict[in
     return {msg.request_id: msg.error for _, msg in outbox if isinstance(msg, InferError)}
 
 
-def test_past_capacity_only_the_rows_that_can_still_finish_in_time_are_admitted() -> None:
+def test_past_capacity_rows_are_admitted_at_the_capacity_rate() -> None:
     core = _core()
-    # A burst before any rate was measured: taken as past the capacity (the safe start). The old
-    # default, a predicted-wait bound of the SLO, admitted 34, whose last would start after four
-    # batches of 480 ms.
+    # A burst before any rate was measured: taken as past the capacity (the safe start). One
+    # batch fits the bucket; the old default, a predicted-wait bound of the SLO, admitted 34,
+    # whose last would start after four batches of 480 ms.
     errors = _offer(core, 0.0, 0, 40)
-    assert core.counters["admitted"] == FLOOR_ROWS
-    assert set(errors) == set(range(FLOOR_ROWS, 40))
+    assert core.counters["admitted"] == BUCKET_ROWS
+    assert set(errors) == set(range(BUCKET_ROWS, 40))
     assert set(errors.values()) == {"OVERLOADED"}
-    # A backend fetching a batch frees its rows from the bound (they are planned): 8 more.
-    outbox: Outbox = []
-    core.on_fetch(0.1, "backend-0", InputFetch(1, list(core.pending)[:8]), outbox)
-    assert model_queued(core) == FLOOR_ROWS - 8
-    assert _offer(core, 0.1, 100, 9) == {108: "OVERLOADED"}
-    assert core.models["m"].queued == FLOOR_ROWS
+    assert "admitting 16.7 rows/s" in _message(core, 0.0, 40)
+    # The bucket refills at the capacity, whatever the scheduler holds back: 0.3 s later, 5 rows.
+    assert _offer(core, 0.3, 100, 6) == {105: "OVERLOADED"}
+    assert core.models["m"].queued == BUCKET_ROWS + 5
 
 
 def test_within_capacity_the_waiting_rows_are_not_bounded() -> None:
     core = _core()
-    # One second offered at 8 r/s (under 16.7) lifts the bound on queued rows.
+    # One second offered at 8 r/s (under 16.7) lifts the gate.
     for i in range(8):
         assert _offer(core, i * 0.125, i, 1) == {}
-    assert _offer(core, 1.0, 8, 16) == {}  # 24 wait: over the bound, within 2 s of work
-    # The 17th row of this window is past what the capacity serves in one: the bound is back at
-    # once (a predicted-wait bound of the SLO, 24 / 16.7 = 1.4 s, would admit the request).
-    assert "wait to be planned" in _message(core, 1.5, 24)
+    assert _offer(core, 1.0, 8, 16) == {}  # 24 wait: past the bucket, within 2 s of work
+    # The 17th row of this window is past what the capacity serves in one: the gate is back at
+    # once, its bucket spent on the burst (a predicted-wait bound of the SLO, 24 / 16.7 = 1.4 s,
+    # would admit the request).
+    assert "offered past its capacity" in _message(core, 1.0, 24)
     # A window that ends under the capacity (17 rows in 2 s) lifts it again.
     assert _offer(core, 3.0, 25, 1) == {}
 
@@ -97,31 +104,78 @@ def _message(core: FrontendCore, now: float, request_id: int) -> str:
     return message
 
 
-def test_deadline_answers_lower_the_bound_and_outputs_raise_it() -> None:
-    # At a 1.5 s SLO the last of b* = 8 queued rows has no l(b*) to spare: the bound starts at
-    # one batch, 8 rows, and may fall to 1.
-    core = _core(slo_ms=1500.0)
-    model = core.models["m"]
-    start = model.queue_limit(0.0, 0, 1)
-    assert start == 8.0
-    assert _offer(core, 0.0, 0, 9) == {8: "OVERLOADED"}
-    outbox: Outbox = []
+def _offer_at_rate(core: FrontendCore, start: float, end: float, rate: float,
+                   first_id: int) -> None:
+    """Requests every 1 / ``rate`` s from ``start`` until before ``end``."""
+    count = round((end - start) * rate)
+    for i in range(count):
+        _offer(core, start + i / rate, first_id + i, 1)
+
+
+def _answer_all(core: FrontendCore, now: float, missed: int) -> int:
+    """Answer every pending request, the first ``missed`` by the scheduler's drop and the others
+    with outputs; how many were answered."""
     rids = list(core.pending)
-    # Outputs raise the bound (and the fetched rows count toward it no more)...
-    core.on_fetch(0.1, "backend-0", InputFetch(1, rids[:4]), outbox)
-    core.on_outputs(0.6, BatchOutputs(1, rids[:4], [{} for _ in range(4)], 0.1, 0.58), outbox)
-    raised = model.queue_limit(0.6, 0, 1)
-    assert raised == pytest.approx(start * (1 + QUEUE_LIMIT_GROW) ** 4) and raised > start
-    # ...and each DEADLINE answer (here the scheduler's drops) cuts it.
-    core.on_drop(0.7, DropNotice(rids[4:], "DEADLINE", "late"), outbox)
-    cut = model.queue_limit(0.7, 0, 1)
-    assert cut == pytest.approx(raised * (1 - QUEUE_LIMIT_CUT) ** 4)
-    assert model.queued == 0 and model.pending == 0
-    # 6.5 rows may wait now, not 8.
-    assert _offer(core, 0.8, 100, 8) == {107: "OVERLOADED"}
-    for _ in range(200):
-        model.note_answer(deadline_missed=True)
-    assert model.queue_limit(0.9, 0, 1) == 1.0
+    outbox: Outbox = []
+    core.on_drop(now, DropNotice(rids[:missed], "DEADLINE", "late"), outbox)
+    served = rids[missed:]
+    core.on_fetch(now, "backend-0", InputFetch(1, served), outbox)
+    core.on_outputs(now, BatchOutputs(1, served, [{} for _ in served], now, now), outbox)
+    return len(rids)
+
+
+def test_the_admitted_rate_follows_the_deadline_misses() -> None:
+    core = _core(max_queue=4096)
+    gate = core.models["m"].gate(1)
+    assert gate is not None and gate.rate_rps == pytest.approx(CAPACITY_RPS)
+    # Twice the capacity for a second: one bucket and a second of the capacity get in.
+    _offer_at_rate(core, 0.0, RATE_WINDOW_S, 2 * CAPACITY_RPS, 0)
+    answered = _answer_all(core, 0.99, missed=3)
+    assert answered == BUCKET_ROWS + round(CAPACITY_RPS) - 1
+    # The window ends: the rate falls by the excess of its misses over the target.
+    _offer_at_rate(core, RATE_WINDOW_S, 2 * RATE_WINDOW_S, 2 * CAPACITY_RPS, 1000)
+    cut = CAPACITY_RPS * (1.0 - (3 / answered - GATE_MISS_TARGET))
+    assert gate.rate_rps == pytest.approx(cut)
+    # Fewer than GATE_MIN_ANSWERS answers (one second at the lowered rate): no change yet...
+    _answer_all(core, 1.99, missed=0)
+    _offer_at_rate(core, 2 * RATE_WINDOW_S, 3 * RATE_WINDOW_S, 2 * CAPACITY_RPS, 2000)
+    assert gate.rate_rps == pytest.approx(cut)
+    # ...until two windows add up to enough, none missed while the gate refused: up it probes.
+    _answer_all(core, 2.99, missed=0)
+    _offer(core, 3 * RATE_WINDOW_S, 3000, 1)
+    assert gate.rate_rps == pytest.approx(cut * (1.0 + GATE_PROBE_UP))
+
+
+def test_the_admitted_rate_stays_between_its_floor_and_ceiling() -> None:
+    core = _core(max_queue=4096)
+    gate = core.models["m"].gate(1)
+    assert gate is not None
+    for window in range(30):  # every answer a miss: at most GATE_MAX_CUT per window
+        now = window * RATE_WINDOW_S
+        _offer_at_rate(core, now, now + RATE_WINDOW_S, 3 * CAPACITY_RPS, window * 1000)
+        _answer_all(core, now + 0.99, missed=len(core.pending))
+    assert gate.rate_rps == pytest.approx(GATE_FLOOR_FRACTION * CAPACITY_RPS)
+    window = 30
+    while gate.rate_rps < GATE_CEILING_FRACTION * CAPACITY_RPS and window < 2000:
+        now = window * RATE_WINDOW_S  # never a miss: the rate probes up to its ceiling
+        _offer_at_rate(core, now, now + RATE_WINDOW_S, 3 * CAPACITY_RPS, window * 1000)
+        _answer_all(core, now + 0.99, missed=0)
+        window += 1
+    _offer_at_rate(core, window, window + 5 * RATE_WINDOW_S, 3 * CAPACITY_RPS, window * 1000)
+    assert gate.rate_rps == pytest.approx(GATE_CEILING_FRACTION * CAPACITY_RPS)
+
+
+def test_outputs_past_the_deadline_count_as_misses() -> None:
+    core = _core(max_queue=4096)
+    _offer_at_rate(core, 0.0, RATE_WINDOW_S, 2 * CAPACITY_RPS, 0)
+    rids = list(core.pending)
+    outbox: Outbox = []
+    core.on_fetch(1.0, "backend-0", InputFetch(1, rids), outbox)
+    core.on_outputs(2.5, BatchOutputs(1, rids, [{} for _ in rids], 1.0, 2.4), outbox)  # late
+    _offer(core, 2.5, 1000, 1)
+    gate = core.models["m"].gate(1)
+    assert gate is not None
+    assert gate.rate_rps == pytest.approx(CAPACITY_RPS * (1.0 - GATE_MAX_CUT))
 
 
 def test_the_bound_can_be_switched_off_and_the_predicted_wait_bound_set_per_model() -> None:
@@ -137,9 +191,9 @@ def test_the_bound_can_be_switched_off_and_the_predicted_wait_bound_set_per_mode
 def test_a_slow_models_burst_that_one_batch_serves_is_not_past_its_capacity() -> None:
     """l(b) = 3 s, SLO 4.5 s, one GPU: a capacity of 1/3 r/s (b* = 1), yet up to 8 requests at
     once fit one batch (3.008 s). Before any rate is measured (taken as past the capacity) the
-    bound starts at the batch one idle GPU finishes within the SLO (8 rows), not at b* = 1: the
-    pair is admitted, the ninth waiting row is refused. Afterwards a rate window spans two of
-    b*'s runs (6 s), so a pair in it is not read as 2 r/s past the capacity."""
+    bucket holds the batch one idle GPU finishes within the SLO (8 rows), not b* = 1: the pair is
+    admitted, the ninth row of the burst is refused. Afterwards a rate window spans two of b*'s
+    runs (6 s), so a pair in it is not read as 2 r/s past the capacity."""
     cluster = parse_config({
         "backends": {"count": 1, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 3000.0,

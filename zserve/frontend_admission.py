@@ -1,9 +1,9 @@
 """What the frontend core knows per model: admission bounds and request shapes.
 
 ``ModelAdmission`` holds one model's admission state (queued count, the predicted-wait bound from
-its ``zserve.profiles.LatencyProfile``, the signature its backends registered); ``RequestSpec``
-is the one exact input form a signature may fix, checked in a few comparisons before the full
-validation.
+its ``zserve.profiles.LatencyProfile``, its ``CapacityGate`` past the capacity, the signature its
+backends registered); ``RequestSpec`` is the one exact input form a signature may fix, checked in
+a few comparisons before the full validation.
 """
 
 from __future__ import annotations
@@ -24,14 +24,133 @@ RATE_WINDOW_S = 1.0
 # ... and at least this many run times of the model's capacity batch: for a slow model, a burst
 # that one batch absorbs (two requests to a 3 s model) is not a rate past its capacity.
 RATE_WINDOW_BATCHES = 2
-# Past the capacity, the bound on queued rows adapts between its floor and ``max_wait_ms`` x the
-# capacity: each DEADLINE answer of the model cuts it by QUEUE_LIMIT_CUT, each answer with outputs
-# raises it by QUEUE_LIMIT_GROW, so it settles where about GROW / CUT (0.1%) of admitted requests
-# miss their deadline.
-QUEUE_LIMIT_CUT = 0.05
-QUEUE_LIMIT_GROW = 0.00005
+# Past the capacity, this frontend admits the model's rows at a rate (a token bucket) that starts
+# at its share of the capacity and follows the model's answers once per rate window, additive
+# increase and multiplicative decrease as TCP's congestion window: a window whose answers missed
+# their deadline more often than GATE_MISS_TARGET cuts it by the excess, at least GATE_MIN_CUT and
+# at most GATE_MAX_CUT; a window that stayed under the target while the gate refused raises it by
+# GATE_PROBE_UP. It stays within GATE_FLOOR_FRACTION and GATE_CEILING_FRACTION of the share. A
+# rate, unlike a bound on the rows waiting to be planned, does not depend on how long the
+# scheduler holds rows back for their batch: deferral holds them on purpose. The misses show a
+# window after the rate that caused them, so the probe is small and the cut deep: the rate saws
+# between the rate at which misses start and GATE_MIN_CUT below it, missing in about one window
+# of every six (docs/runtime.md, "Admission").
+GATE_MISS_TARGET = 0.002
+GATE_MIN_ANSWERS = 20  # fewer: the miss fraction is noise; windows add up until there are as many
+GATE_MIN_CUT = 0.05
+GATE_MAX_CUT = 0.25
+GATE_PROBE_UP = 0.01
+GATE_FLOOR_FRACTION = 0.25
+GATE_CEILING_FRACTION = 2.0
 
 RequestSpec = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+
+
+class CapacityGate:
+    """One model's admission past its capacity, at one frontend: whether the offered rate is past
+    ``capacity_rps`` (over the last rate window, or already within the current one), and then a
+    token bucket of ``burst_rows`` rows refilled at an adaptive rate that starts at
+    ``capacity_rps`` and follows the model's answers (``note_answer``): see GATE_MISS_TARGET.
+    Pure and O(1) per request: the clock is the one it is called with."""
+
+    __slots__ = (
+        "_answers",
+        "_burst_rows",
+        "_ceiling_rps",
+        "_floor_rps",
+        "_last_refill",
+        "_misses",
+        "_refused",
+        "_tokens",
+        "_window_capacity_rows",
+        "_window_rows",
+        "_window_s",
+        "_window_start",
+        "capacity_rps",
+        "overloaded",
+        "rate_rps",
+    )
+
+    def __init__(self, capacity_rps: float, burst_rows: float, window_s: float) -> None:
+        self.capacity_rps = capacity_rps
+        self.rate_rps = capacity_rps
+        self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
+        self._ceiling_rps = GATE_CEILING_FRACTION * capacity_rps
+        self._burst_rows = burst_rows
+        self._tokens = burst_rows
+        self._last_refill = -math.inf
+        self._window_s = window_s
+        self._window_capacity_rows = capacity_rps * window_s
+        # Offered rows since ``_window_start`` (None: no window yet); answers, misses and
+        # refusals in it. ``overloaded``: the last window's offered rate exceeded the capacity
+        # (True until one has been measured: the safe start).
+        self._window_start: float | None = None
+        self._window_rows = 0
+        self._answers = 0
+        self._misses = 0
+        self._refused = 0
+        self.overloaded = True
+
+    def rescale(self, capacity_rps: float) -> None:
+        """The model's GPUs changed: the rate keeps its place relative to the capacity."""
+        if capacity_rps == self.capacity_rps:
+            return
+        scale = capacity_rps / self.capacity_rps if self.capacity_rps > 0 else 1.0
+        self.capacity_rps = capacity_rps
+        self.rate_rps *= scale
+        self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
+        self._ceiling_rps = GATE_CEILING_FRACTION * capacity_rps
+        self._window_capacity_rows = capacity_rps * self._window_s
+
+    def admit(self, now: float, rows: int) -> bool:
+        """Whether a request of ``rows`` rows offered at ``now`` may be admitted."""
+        start = self._window_start
+        if start is None:
+            self._window_start = now
+        elif now - start >= self._window_s:
+            self._end_window(now, start)
+        self._window_rows += rows
+        if self._window_rows > self._window_capacity_rows:  # past it before the window ends
+            self.overloaded = True
+        tokens = min(self._burst_rows,
+                     self._tokens + max(0.0, now - self._last_refill) * self.rate_rps)
+        self._last_refill = now
+        needed = min(float(rows), self._burst_rows)  # a request larger than the bucket fits empty
+        if not self.overloaded:
+            # The bucket follows what is admitted meanwhile: a burst that brings the overload
+            # has spent it already.
+            self._tokens = max(0.0, tokens - needed)
+            return True
+        if tokens < needed:
+            self._tokens = tokens
+            self._refused += 1
+            return False
+        self._tokens = tokens - needed
+        return True
+
+    def note_answer(self, deadline_missed: bool) -> None:
+        """An admitted request was answered: ``DEADLINE`` (``deadline_missed``) or with outputs."""
+        self._answers += 1
+        self._misses += deadline_missed
+
+    def _end_window(self, now: float, start: float) -> None:
+        was_overloaded = self.overloaded
+        self.overloaded = self._window_rows > self.capacity_rps * (now - start)
+        self._window_start = now
+        self._window_rows = 0
+        if not was_overloaded:
+            self._answers = self._misses = self._refused = 0
+            return
+        if self._answers < GATE_MIN_ANSWERS:
+            return  # a slow model: its answers add up over several windows
+        missed = self._misses / self._answers
+        if missed > GATE_MISS_TARGET:
+            self.rate_rps *= 1.0 - min(GATE_MAX_CUT,
+                                       max(GATE_MIN_CUT, missed - GATE_MISS_TARGET))
+        elif self._refused:
+            self.rate_rps *= 1.0 + GATE_PROBE_UP
+        self.rate_rps = min(max(self.rate_rps, self._floor_rps), self._ceiling_rps)
+        self._answers = self._misses = self._refused = 0
 
 
 class ModelAdmission:
@@ -39,19 +158,13 @@ class ModelAdmission:
     ``pending`` and ``max_queue`` count rows (a request of n rows is n of them)."""
 
     __slots__ = (
-        "_bounds_gpus",
         "_capacity",
-        "_ceiling",
-        "_floor",
-        "_limit",
+        "_gate",
+        "_gate_gpus",
         "_profile",
-        "_window_capacity_rows",
-        "_window_rows",
-        "_window_s",
-        "_window_start",
         "config",
+        "frontend_share",
         "max_queue",
-        "overloaded",
         "pending",
         "predicted_wait_bound_s",
         "queued",
@@ -61,15 +174,13 @@ class ModelAdmission:
         "signature",
         "signature_wire",
         "slo_s",
-        "wait_bound_s",
     )
 
     def __init__(self, config: ModelConfig, shard: int, profile: LatencyProfile | None,
-                 reply_allowance_s: float = 0.0) -> None:
+                 reply_allowance_s: float = 0.0, frontend_share: float = 1.0) -> None:
         self.config = config
         self.shard = shard
         self.max_queue = config.max_queue
-        self.wait_bound_s = config.wait_bound_ms / 1e3  # the waiting rows' ceiling, as wait
         # The predicted-wait bound on every pending row: only where max_wait_ms is set.
         self.predicted_wait_bound_s = (math.inf if config.max_wait_ms is None
                                        else config.max_wait_ms / 1e3)
@@ -77,18 +188,12 @@ class ModelAdmission:
         self.pending = 0
         self.queued = 0  # rows admitted whose inputs no backend has fetched: not yet planned
         self.reply_allowance_s = reply_allowance_s
-        # The queued-rows bound for ``_bounds_gpus`` GPUs (set on first use).
-        self._bounds_gpus = -1
-        self._floor = math.inf
-        self._ceiling = math.inf
-        self._limit = 0.0  # raised to the floor on first use
-        # Offered rows since ``_window_start`` (None: no window yet); ``overloaded``: the last
-        # window's offered rate exceeded the capacity (True until one has been measured).
-        self._window_start: float | None = None
-        self._window_rows = 0
-        self._window_capacity_rows = math.inf  # what the capacity serves in one window
-        self._window_s = RATE_WINDOW_S
-        self.overloaded = True
+        # This frontend's share of the model's offered load (1 / the frontends): the capacity
+        # its gate admits past the capacity is that share of the model's.
+        self.frontend_share = frontend_share
+        # The gate past the capacity, for ``_gate_gpus`` GPUs (made on first use; None: off).
+        self._gate: CapacityGate | None = None
+        self._gate_gpus = -1
         # None until a backend of the model registered one: then the backend validates.
         self.signature: ModelSignature | None = None
         self.signature_wire: dict[str, Any] | None = None
@@ -105,7 +210,7 @@ class ModelAdmission:
     def profile(self, value: LatencyProfile | None) -> None:
         self._profile = value
         self._capacity.clear()
-        self._bounds_gpus = -1
+        self._gate_gpus = -1
 
     def set_signature(self, wire: dict[str, Any], max_request_bytes: int) -> None:
         """Validate requests against the signature of wire form ``wire`` from now on (a
@@ -147,7 +252,7 @@ class ModelAdmission:
 
     def overload(self, now: float, rows: int, gpus: int) -> str | None:
         """Why a request of ``rows`` rows that arrives at ``now`` is refused ``OVERLOADED`` (the
-        queue bound, the predicted wait, the rows waiting to be planned), or None to admit it;
+        queue bound, the predicted wait, the rate past the capacity), or None to admit it;
         ``gpus``: the GPUs that serve the model."""
         if self.pending + rows > self.max_queue:
             return f"model {self.config.name!r}: {self.pending} rows queued (limit " \
@@ -156,69 +261,38 @@ class ModelAdmission:
         if predicted_wait_s > self.predicted_wait_bound_s:
             return f"model {self.config.name!r}: predicted wait {predicted_wait_s * 1e3:.1f} " \
                    f"ms exceeds {self.predicted_wait_bound_s * 1e3:.1f} ms"
-        limit = self.queue_limit(now, rows, gpus)
-        if self.queued >= limit:
-            return f"model {self.config.name!r}: offered past its capacity, and " \
-                   f"{self.queued} rows wait to be planned (limit {limit:.0f})"
+        gate = self.gate(gpus)
+        if gate is not None and not gate.admit(now, rows):
+            return f"model {self.config.name!r}: offered past its capacity; admitting " \
+                   f"{gate.rate_rps:.1f} rows/s here"
         return None
 
-    def queue_limit(self, now: float, rows: int, gpus: int) -> float:
-        """How many rows may wait to be planned when a request of ``rows`` rows arrives at
-        ``now``: unbounded while the model's offered rate is within its capacity at ``gpus``
-        GPUs; past it (over the last rate window, or already in this one), the
-        adaptive limit of ``note_answer``: it starts where the last of them still finishes within
-        the SLO at capacity, and stays within 1 row and ``max_wait_ms`` x capacity."""
-        if gpus != self._bounds_gpus:
-            self._set_floor(gpus)
-        start = self._window_start
-        if start is None:
-            self._window_start = now
-        elif now - start >= self._window_s:
-            self.overloaded = self._window_rows > self.capacity_rps(gpus) * (now - start)
-            self._window_start = now
-            self._window_rows = 0
-        self._window_rows += rows
-        if self._window_rows > self._window_capacity_rows:  # past it before the window ends
-            self.overloaded = True
-        return self._limit if self.overloaded else math.inf
+    def gate(self, gpus: int) -> CapacityGate | None:
+        """The gate past the model's capacity at ``gpus`` GPUs; None where there is none
+        (``shed_past_capacity = false``, no profile, no capacity)."""
+        if gpus == self._gate_gpus:
+            return self._gate
+        self._gate_gpus = gpus
+        capacity = self.capacity_rps(gpus) * self.frontend_share
+        if not (self.config.shed_past_capacity and self._profile is not None
+                and 0 < capacity < math.inf):
+            self._gate = None
+            return None
+        if self._gate is not None:
+            self._gate.rescale(capacity)
+            return self._gate
+        # b*: the capacity batch (see capacity_rps). A burst that one idle GPU serves within the
+        # SLO fits the bucket, and so does one b*; a rate window spans two of b*'s runs at least.
+        batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
+        one_batch = self._profile.largest_batch_within(self.slo_s - self.reply_allowance_s)
+        window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
+        self._gate = CapacityGate(capacity, float(max(batch, one_batch, 1)), window_s)
+        return self._gate
 
     def note_answer(self, deadline_missed: bool) -> None:
         """An admitted request was answered: DEADLINE (``deadline_missed``) or with outputs."""
-        if deadline_missed:
-            self._limit = max(self._floor, self._limit * (1.0 - QUEUE_LIMIT_CUT))
-        else:
-            self._limit = min(self._ceiling, self._limit * (1.0 + QUEUE_LIMIT_GROW))
-
-    def _set_floor(self, gpus: int) -> None:
-        capacity = self.capacity_rps(gpus)
-        floor = ceiling = math.inf  # no profile: no bound
-        self._window_s = RATE_WINDOW_S
-        if self._profile is not None:  # the capacity batch b*: see capacity_rps
-            batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
-            self._window_s = max(RATE_WINDOW_S,
-                                 RATE_WINDOW_BATCHES * self._profile.latency(batch))
-        if self.config.shed_past_capacity and self._profile is not None and capacity < math.inf:
-            # b*: the capacity batch. With ``start`` rows waiting, the last starts within
-            # start / C + l(b*) / N (at capacity a GPU frees every l(b*) / N) and finishes l(b*)
-            # later: within the SLO less the reply allowance, with one more l(b*) / N of margin
-            # for the hosts' timing. The bound starts there, or at the largest batch that one
-            # idle GPU finishes within the SLO if that is more (a burst one batch serves is
-            # admitted), and may fall to 1 row.
-            run_s = self._profile.latency(batch) * (1.0 + 2.0 / gpus)
-            start = capacity * (self.slo_s - self.reply_allowance_s - run_s)
-            floor = max(1.0, start)
-            one_batch = self._profile.largest_batch_within(self.slo_s - self.reply_allowance_s)
-            start = max(float(batch), float(one_batch), start)
-            ceiling = max(start, capacity * self.wait_bound_s)
-        else:
-            start = floor
-        self._bounds_gpus = gpus
-        self._window_capacity_rows = capacity * self._window_s
-        self._floor = floor
-        self._ceiling = ceiling
-        if self._limit == 0.0:
-            self._limit = start
-        self._limit = min(max(self._limit, floor), ceiling)
+        if self._gate is not None:
+            self._gate.note_answer(deadline_missed)
 
     def capacity_rps(self, gpus: int) -> float:
         """The analytic throughput of ``gpus`` coordinated GPUs at this model's SLO (DESIGN

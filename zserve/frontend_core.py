@@ -153,8 +153,9 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
         shards, reply_s = cluster.scheduler.shards, self.reply_allowance_s
+        share = 1.0 / cluster.frontends.count  # of each model's load, with clients spread
         self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(
-            m.name), reply_s) for m in cluster.models}
+            m.name), reply_s, share) for m in cluster.models}
         nshards = cluster.scheduler_processes
         self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
@@ -470,7 +471,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
                         outbox: Outbox) -> None:
         client = p.client
         self._finish(p)
-        self.models[p.model].note_answer(deadline_missed=False)
+        self.models[p.model].note_answer(deadline_missed=now > p.answer_by)
         self.counters["replied"] += 1
         self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
         if client is None:
