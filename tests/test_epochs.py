@@ -149,6 +149,7 @@ def test_a_new_epoch_gets_the_requests_still_queued_and_late_ones_are_answered()
 
 def test_preflight_refuses_a_standby_with_shards() -> None:
     config = parse_config({"scheduler": {"shards": 2, "standby": True},
+                           "backends": {"device": "emulated"},
                            "models": [{"name": "m", "emulated": {"alpha_ms": 1.0,
                                                                  "beta_ms": 2.0}}]})
     problems = check_cluster(config)

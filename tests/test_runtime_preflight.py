@@ -1,10 +1,13 @@
 """Bad configuration is caught before anything starts: every checkable problem of a cluster.toml
-(model files that do not exist or do not parse, unknown built-in names, profile files, bind
-addresses in use, too long or duplicated) is one line ``zserve up: <key path>: <problem>`` and
-exit code 2, and no process is spawned. Real files, real sockets; ports are taken at port 0."""
+(model files that do not exist or do not parse, unknown built-in names, profile files, a model
+its backends' device cannot run, bind addresses in use, too long or duplicated, ZeroMQ, HTTP,
+gRPC and metrics alike) is one line ``zserve up: <key path>: <problem>`` and exit code 2, and no
+process is spawned. A port taken after the check fails the start in one line too. Real files,
+real sockets and processes; ports are taken at port 0."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -20,7 +23,7 @@ import zserve
 from zserve.backends.builtin import ensure_builtin
 from zserve.config import parse_config
 from zserve.preflight import PreflightError, check_cluster
-from zserve.supervisor import Cluster
+from zserve.supervisor import Cluster, StartupError, Supervisor
 
 ZSERVE_UP = [sys.executable, "-m", "zserve", "up"]
 # The bad cases exit from the preflight; a generous bound for a loaded 2-core machine, far below
@@ -37,8 +40,12 @@ def occupied_port() -> Iterator[int]:
         yield int(holder.getsockname()[1])
 
 
-def _write_cluster(path: Path, body: str) -> Path:
-    path.write_text('[cluster]\nname = "preflight"\n[backends]\ncount = 1\n' + body)
+EMULATED_MODEL = '[[models]]\nname = "m"\nemulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n'
+
+
+def _write_cluster(path: Path, body: str, *, device: str = "cpu") -> Path:
+    path.write_text(f'[cluster]\nname = "preflight"\n[backends]\ncount = 1\ndevice = "{device}"\n'
+                    + body)
     return path
 
 
@@ -112,6 +119,12 @@ def _one_model(**keys: Any) -> dict[str, Any]:
     return {"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 1.0}, **keys}
 
 
+def _emulated(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` on emulated backends, the device its emulated models run on."""
+    backends = {"device": "emulated", **document.get("backends", {})}
+    return {**document, "backends": backends}
+
+
 def _problems(document: dict[str, Any], ipc_base: Path) -> list[str]:
     """The problems the Cluster API's start raises for ``document``; asserts nothing was made
     under ``ipc_base`` (the run folder is the first thing a starting supervisor creates)."""
@@ -125,8 +138,8 @@ def test_cli_names_where_the_run_folder_came_from(tmp_path: Path) -> None:
     """The run folder's parent is ``cluster.ipc_dir`` unless ``--ipc-dir`` overrides it."""
     missing = tmp_path / "missing"
     config = tmp_path / "c.toml"
-    config.write_text(f'[cluster]\nipc_dir = "{missing}"\n[[models]]\nname = "m"\n'
-                      'emulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
+    config.write_text(f'[cluster]\nipc_dir = "{missing}"\n[backends]\ndevice = "emulated"\n'
+                      + EMULATED_MODEL)
     result, _ = _zserve_up(config, missing)
     assert (result.returncode, result.stderr.splitlines()) == (
         2, [f"zserve up: --ipc-dir: no such folder: {missing}"])
@@ -149,7 +162,7 @@ def test_profile_files_are_checked(tmp_path: Path) -> None:
         _one_model(name="c", profile=str(other)),
     ]}
     (tmp_path / "run").mkdir()
-    problems = _problems(document, tmp_path / "run")
+    problems = _problems(_emulated(document), tmp_path / "run")
     assert problems[0] == f"models[0].profile: no such file: {absent}"
     assert problems[1].startswith(f"models[1].profile: {broken}: ")
     assert problems[2] == (f"models[2].profile: profile file {other} has no entry for 'c' "
@@ -203,7 +216,7 @@ def test_duplicate_and_unusable_addresses(tmp_path: Path) -> None:
         "models": [_one_model()],
     }
     (tmp_path / "run").mkdir()
-    assert _problems(document, tmp_path / "run") == [
+    assert _problems(_emulated(document), tmp_path / "run") == [
         f"scheduler.rank_address: ipc path is {len(long_path)} bytes, over the 107-byte limit: "
         f"{long_path}",
         f"frontends.data_addresses[0]: same address as frontends.addresses[0]: "
@@ -219,7 +232,7 @@ def test_tcp_hosts_are_probed(tmp_path: Path) -> None:
     document = {"cluster": {"transport": "tcp", "host": foreign_host}, "models": [_one_model()],
                 "security": {"insecure": True}}  # the probe alone (tests/test_security_keys.py)
     (tmp_path / "run").mkdir()
-    assert _problems(document, tmp_path / "run") == [
+    assert _problems(_emulated(document), tmp_path / "run") == [
         f"cluster.host: cannot bind tcp://{foreign_host}:0: Cannot assign requested address",
     ]
 
@@ -229,12 +242,12 @@ def test_the_run_folder_is_checked(tmp_path: Path) -> None:
     the cluster would make under it must fit."""
     absent = tmp_path / "absent"
     with pytest.raises(PreflightError) as raised:
-        Cluster(parse_config({"models": [_one_model()]}), ipc_base=absent).start()
+        Cluster(parse_config(_emulated({"models": [_one_model()]})), ipc_base=absent).start()
     assert [str(p) for p in raised.value.problems] == [f"ipc_base: no such folder: {absent}"]
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     with pytest.raises(PreflightError) as raised:
-        Cluster(parse_config({"models": [_one_model()]}), ipc_base=deep).start()
+        Cluster(parse_config(_emulated({"models": [_one_model()]})), ipc_base=deep).start()
     (problem,) = raised.value.problems
     assert problem.key == "ipc_base"
     assert problem.problem.startswith(f"ipc paths under {deep} would be up to ")
@@ -285,3 +298,133 @@ def test_demo_reports_problems_like_up(tmp_path: Path) -> None:
     assert result.stderr.splitlines() == [
         "zserve demo: models[0].builtin: unknown built-in model 'cnm' (built-in: cnn, mlp)",
     ]
+
+
+@pytest.mark.parametrize("key", ["http_addresses", "grpc_addresses", "metrics_addresses"])
+def test_cli_reports_an_http_port_in_use(tmp_path: Path, occupied_port: int, key: str) -> None:
+    """The frontends' OIP HTTP, OIP gRPC and Prometheus ports are probed like the ZeroMQ ones:
+    one line naming the key, exit 2, nothing spawned."""
+    config = _write_cluster(tmp_path / "bad.toml",
+                            f'[frontends]\n{key} = ["127.0.0.1:{occupied_port}"]\n'
+                            + EMULATED_MODEL, device="emulated")
+    ipc_base = tmp_path / "run"
+    ipc_base.mkdir()
+    result, elapsed_s = _zserve_up(config, ipc_base)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        f"zserve up: frontends.{key}[0]: cannot bind 127.0.0.1:{occupied_port}: "
+        "Address already in use",
+    ])
+    assert list(ipc_base.iterdir()) == []
+    print(f"{key} in use: exit 2 after {elapsed_s:.2f} s")
+
+
+def test_cli_reports_one_port_for_http_and_grpc(tmp_path: Path) -> None:
+    port = _free_port()
+    config = _write_cluster(tmp_path / "bad.toml", f"""
+[frontends]
+http_addresses = ["127.0.0.1:{port}"]
+grpc_addresses = ["127.0.0.1:{port}"]
+""" + EMULATED_MODEL, device="emulated")
+    ipc_base = tmp_path / "run"
+    ipc_base.mkdir()
+    result, elapsed_s = _zserve_up(config, ipc_base)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        f"zserve up: frontends.grpc_addresses[0]: same address as frontends.http_addresses[0]: "
+        f"127.0.0.1:{port}",
+    ])
+    assert list(ipc_base.iterdir()) == []
+    print(f"one port for HTTP and gRPC: exit 2 after {elapsed_s:.2f} s")
+
+
+def test_one_port_under_two_keys_of_any_kind(tmp_path: Path) -> None:
+    """A ZeroMQ address and an HTTP one on the same host and port; a wildcard and a loopback
+    host on one port (they collide when bound together)."""
+    same, wildcard = _free_port(), _free_port()
+    document = _emulated({
+        "frontends": {"addresses": [f"tcp://127.0.0.1:{same}"],
+                      "data_addresses": [f"tcp://0.0.0.0:{wildcard}"],
+                      "metrics_addresses": [f"127.0.0.1:{same}"],
+                      "http_addresses": [f"127.0.0.1:{wildcard}"]},
+        "models": [_one_model()],
+        "security": {"insecure": True},  # the wildcard data address alone (test_security_keys)
+    })
+    (tmp_path / "run").mkdir()
+    assert _problems(document, tmp_path / "run") == [
+        f"frontends.metrics_addresses[0]: same address as frontends.addresses[0]: "
+        f"127.0.0.1:{same}",
+        f"frontends.http_addresses[0]: same port as frontends.data_addresses[0] "
+        f"(tcp://0.0.0.0:{wildcard}): 127.0.0.1:{wildcard}",
+    ]
+
+
+def test_cli_reports_an_emulated_model_on_a_cpu(tmp_path: Path) -> None:
+    config = _write_cluster(tmp_path / "bad.toml", EMULATED_MODEL)
+    ipc_base = tmp_path / "run"
+    ipc_base.mkdir()
+    result, elapsed_s = _zserve_up(config, ipc_base)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        "zserve up: models[0].emulated: model 'm' is emulated, which only a backend with "
+        'device = "emulated" runs, but backends.device is "cpu" (ONNX Runtime, for onnx and '
+        "builtin models)",
+    ])
+    assert list(ipc_base.iterdir()) == []
+    print(f"emulated model on a cpu: exit 2 after {elapsed_s:.2f} s")
+
+
+def test_each_model_against_each_device(tmp_path: Path) -> None:
+    """Every backend loads every model: an emulated model needs every device emulated, and an
+    emulated device needs every model's l(b) (emulated, or a profile file)."""
+    document = {"backends": {"devices": ["cpu", "emulated"]},
+                "models": [_one_model(name="e"), {"name": "b", "builtin": "mlp"}]}
+    (tmp_path / "run").mkdir()
+    assert _problems(document, tmp_path / "run") == [
+        "models[0].emulated: model 'e' is emulated, which only a backend with device = "
+        '"emulated" runs, but backends.devices[0] is "cpu" (ONNX Runtime, for onnx and builtin '
+        "models)",
+        "models[1].builtin: model 'b' has no l(b) for the emulated device of "
+        "backends.devices[1]: give it a profile file (models[].profile), or a cpu or cuda device",
+    ]
+
+
+@pytest.mark.parametrize("key", ["addresses", "http_addresses", "grpc_addresses",
+                                 "metrics_addresses"])
+def test_a_port_taken_after_the_preflight_fails_the_start_in_one_line(
+        tmp_path: Path, key: str) -> None:
+    """Another program takes the port between the preflight (in ``Supervisor()``) and the
+    frontend's bind (in ``start``): the frontend exits 2 with one line, and the start fails
+    with that line, naming the key."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}" if key == "addresses" else f"127.0.0.1:{port}"
+    config = parse_config(_emulated({"frontends": {key: [address]}, "models": [_one_model()]}))
+    supervisor = Supervisor(config, ipc_base=tmp_path)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            with pytest.raises(StartupError) as raised:
+                supervisor.start()
+    finally:
+        supervisor.shutdown(0.0)
+    (line,) = str(raised.value).splitlines()
+    assert line.startswith(f"frontend-0 (frontend) died: exit code 2: frontends.{key}[0]: "
+                           "frontend-0"), line
+    assert address in line
+
+
+def test_a_child_still_starting_is_killed_at_once(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A child that has not said Ready when the cluster stops (a start that failed while it
+    loaded its models) has nothing to drain: SIGKILL at once, not SIGTERM, 3 s, SIGTERM again and
+    2 s. Here the backend has sent Ready and waits for its peer map, but the supervisor, spawning
+    it alone and not polling, has not read the Ready yet: to the supervisor it is starting."""
+    supervisor = Supervisor(parse_config(_emulated({"models": [_one_model()]})),
+                            ipc_base=tmp_path)
+    try:
+        supervisor._spawn(supervisor.children["backend-0"])
+        assert supervisor.control.poll(int(CLI_EXIT_TIMEOUT_S * 1e3)), "backend-0 sent no Ready"
+    finally:
+        with caplog.at_level(logging.INFO, logger="zserve.supervisor"):
+            supervisor.shutdown(0.0)
+    messages = [record.getMessage() for record in caplog.records]
+    assert "backend-0 was still starting; SIGKILL" in messages
+    assert [message for message in messages if "did not exit" in message] == []

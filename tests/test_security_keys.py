@@ -43,6 +43,7 @@ def _mode(path: Path) -> int:
 def _document(**security: Any) -> dict[str, Any]:
     return {
         "frontends": {"addresses": ["tcp://0.0.0.0:0"]},
+        "backends": {"device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 1.0}}],
         "security": security,
     }

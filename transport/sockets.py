@@ -80,6 +80,13 @@ TCP_SCHEME = "tcp://"
 
 _SocketT = TypeVar("_SocketT", bound="zmq.Socket[Any]")
 
+
+class BindError(zmq.ZMQError):
+    """A role cannot bind one of its addresses (a port another program took, a host that is not
+    this machine's): the operator's to fix, so the role exits with one line (``role_runner``).
+    ``make_router`` raises it; the frontend's HTTP, gRPC and metrics servers too."""
+
+
 # ctx.underlying -> (the context it was installed on, its security). Keyed by the C context, so
 # a zmq.asyncio shadow of the context finds it too; the weak reference tells a live context from
 # a terminated one whose address a new context may reuse.
@@ -203,7 +210,9 @@ def make_router(
         try:
             sock.bind(bind)
         except zmq.ZMQError as exc:
-            raise zmq.ZMQError(exc.errno, f"{name}: cannot bind {bind!r}: {exc.strerror}") from exc
+            # os.strerror: pyzmq's own text repeats the address.
+            reason = os.strerror(exc.errno) if exc.errno else exc.strerror
+            raise BindError(exc.errno, f"{name}: cannot bind {bind}: {reason}") from exc
         return sock, advertised_endpoint(bound_endpoint(sock), advertise_host)
     except BaseException:
         sock.close(linger=0)

@@ -45,7 +45,7 @@ from zserve.frontend_stats import FrontendStats, StatsGathering
 from zserve.hosting import Destination, Outbox
 from zserve.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.oip_bridge import OIP_CLIENT, OipBridge
-from zserve.oip_server import OipServers
+from zserve.oip_server import OipBindError, OipServers
 from zserve.profiles import LatencyProfile, configured_profile
 from zserve.request_ids import new_incarnation
 from zserve.rolecli import role_config_from_args, role_parser
@@ -70,6 +70,7 @@ from zserve.transport.messages import (
 )
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import (
+    BindError,
     make_dealer,
     make_router,
     monitor_server,
@@ -531,7 +532,10 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
                      max_request_bytes=frontend.cluster.frontends.max_request_bytes)
     try:
         endpoints = frontend.bind()
-        endpoints.update(await oip.start())
+        try:
+            endpoints.update(await oip.start())
+        except OipBindError as exc:  # a port taken since the preflight: one line, exit 2
+            raise BindError(msg=f"{frontend.name}: {exc}") from None
         log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
         metrics_server = _start_metrics(config, frontend, loop)
         peers = await control.ready(endpoints)
@@ -573,9 +577,14 @@ def _start_metrics(config: RoleConfig, frontend: FrontendHost,
     addresses = frontend.cluster.frontends.metrics_addresses
     if config.index >= len(addresses):
         return None
-    server = serve_frontend_metrics(addresses[config.index], frontend.name,
-                                    [m.name for m in frontend.cluster.models],
-                                    in_process_stats_reader(loop, frontend.cluster_stats))
+    address = addresses[config.index]
+    try:
+        server = serve_frontend_metrics(address, frontend.name,
+                                        [m.name for m in frontend.cluster.models],
+                                        in_process_stats_reader(loop, frontend.cluster_stats))
+    except OSError as exc:  # a port taken since the preflight: one line, exit 2
+        raise BindError(exc.errno, f"{frontend.name} metrics: cannot bind {address}: "
+                        f"{exc.strerror or exc}") from None
     frontend.metrics_url = server.url
     return server
 

@@ -3,11 +3,13 @@
 Schema problems stop ``load_config``; what it cannot see needs the file system and the network:
 model files that are missing, do not parse or cannot be batched (the backend's signature
 reader: ``onnx`` without ONNX Runtime and without external data), unknown built-in names,
-profile files that are missing, do not parse or lack the model, bind addresses that cannot be
-bound right now (each tcp address cluster.toml names is bound and closed; port 0 is not
-probed), ipc paths over the socket path limit or in a missing folder, an address named
-twice, a tcp bind on a non-loopback host without CURVE keys (unless ``security.insecure``), and
-key files that are missing, malformed or readable by other users (docs/security.md).
+profile files that are missing, do not parse or lack the model, a model the backends' device
+cannot run (an emulated model on an ONNX Runtime device, a model without l(b) on an emulated
+one), bind addresses that cannot be bound right now (every tcp address cluster.toml names,
+ZeroMQ, HTTP, gRPC and metrics alike, is bound and closed), ipc paths over the socket path
+limit or in a missing folder, an address or port named twice across keys, a tcp bind on a
+non-loopback host without CURVE keys (unless ``security.insecure``), and key files that are
+missing, malformed or readable by other users (docs/security.md).
 ``check_cluster`` returns them all, each naming its key path; ``preflight`` raises
 ``PreflightError`` with them. The supervisor runs it first thing, so a bad file costs one line
 per problem instead of tracebacks from processes that already started.
@@ -15,8 +17,11 @@ per problem instead of tracebacks from processes that already started.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import ipaddress
 import os
+import socket
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,6 +44,10 @@ REASON_MAX_CHARS = 400
 IPC_SCHEME = "ipc://"
 TCP_SCHEME = "tcp://"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+EMULATED_DEVICE = "emulated"
+# The frontends' HTTP/gRPC endpoints (host:port, not ZeroMQ addresses), by their key in
+# [frontends]: the Open Inference Protocol servers and the Prometheus endpoint.
+HTTP_ADDRESS_KEYS = ("http_addresses", "grpc_addresses", "metrics_addresses")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,7 @@ def check_cluster(
     problems: list[Problem] = []
     for index, model in enumerate(config.models):
         problems += check_model(f"models[{index}]", model)
+    problems += check_devices(config)
     problems += _check_explicit_binds(config)
     if config.scheduler.standby and config.scheduler.shards > 0:
         # The standby replaces the one embedded scheduler process; a pair per shard plus one
@@ -152,19 +162,70 @@ def _onnx_problem(name: str, path: str) -> str | None:
     return None
 
 
+def check_devices(config: ClusterConfig) -> list[Problem]:
+    """Each model against the devices of the backends (every backend loads every model): an
+    emulated model runs only on an emulated device (ONNX Runtime runs ``onnx`` and ``builtin``
+    models on ``cpu`` and ``cuda:N``), and an emulated device needs each model's l(b) (its
+    emulated alpha/beta or a profile file; backends/process.py ``build_executor``)."""
+    backends = config.backends
+    devices = ([(f"backends.devices[{i}]", device) for i, device in enumerate(backends.devices)]
+               if backends.devices else [("backends.device", backends.device)])
+    onnx_runtime = ", ".join(f'{key} is "{device}"' for key, device in devices
+                             if device != EMULATED_DEVICE)
+    emulated = ", ".join(key for key, device in devices if device == EMULATED_DEVICE)
+    problems: list[Problem] = []
+    for index, model in enumerate(config.models):
+        key = f"models[{index}].{model.kind}"
+        if model.kind == "emulated" and onnx_runtime:
+            problems.append(Problem(key, (
+                f"model {model.name!r} is emulated, which only a backend with device = "
+                f'"{EMULATED_DEVICE}" runs, but {onnx_runtime} (ONNX Runtime, for onnx and '
+                "builtin models)")))
+        elif model.kind != "emulated" and emulated and model.profile is None:
+            problems.append(Problem(key, (
+                f"model {model.name!r} has no l(b) for the emulated device of {emulated}: "
+                "give it a profile file (models[].profile), or a cpu or cuda device")))
+    return problems
+
+
+def bound_addresses(config: ClusterConfig) -> list[tuple[str, str]]:
+    """``(key path, address)`` of every address cluster.toml names that a process binds: the
+    ZeroMQ ones (``ClusterConfig.explicit_bind_keys``), then each frontend's HTTP, gRPC and
+    metrics ``host:port``."""
+    frontends = config.frontends
+    http = [(f"frontends.{name}[{i}]", address)
+            for name in HTTP_ADDRESS_KEYS
+            for i, address in enumerate(getattr(frontends, name)[:frontends.count])]
+    return config.explicit_bind_keys() + http
+
+
+def _endpoint(address: str) -> tuple[str, ...]:
+    """What two addresses must differ in: ``("tcp", host, port)`` for ``tcp://host:port`` and
+    ``host:port`` alike, else the scheme and the path."""
+    scheme, separator, rest = address.partition("://")
+    if not separator:  # host:port
+        scheme, rest = "tcp", address
+    if scheme != "tcp":
+        return (scheme, rest)
+    host, _, port = rest.rpartition(":")
+    return ("tcp", host.removeprefix("[").removesuffix("]"), port)
+
+
 def _check_explicit_binds(config: ClusterConfig) -> list[Problem]:
     """Duplicates, then each ipc path's length and folder, then a bind probe of each tcp one."""
     problems: list[Problem] = []
-    first_key: dict[str, str] = {}
+    first_key: dict[tuple[str, ...], str] = {}
     to_probe: list[tuple[str, str]] = []
-    for key, address in config.explicit_bind_keys():
-        if address in first_key:
-            problems.append(Problem(key, f"same address as {first_key[address]}: {address}"))
+    for key, address in bound_addresses(config):
+        endpoint = _endpoint(address)
+        if endpoint in first_key:
+            problems.append(Problem(key, f"same address as {first_key[endpoint]}: {address}"))
             continue
-        first_key[address] = key
+        if endpoint[0] != "tcp" or endpoint[2] != "0":  # port 0: a new port each time
+            first_key[endpoint] = key
         if address.startswith(IPC_SCHEME):
             problems += _check_ipc_path(key, address[len(IPC_SCHEME):])
-        elif address.startswith(TCP_SCHEME) and not address.endswith(":0"):
+        elif endpoint[0] == "tcp":
             to_probe.append((key, address))
     return problems + _probe_tcp_binds(to_probe)
 
@@ -281,24 +342,98 @@ def _generated_tcp_hosts(config: ClusterConfig) -> list[tuple[str, str]]:
 
 
 def _probe_tcp_binds(targets: list[tuple[str, str]]) -> list[Problem]:
-    """Bind each address with ZeroMQ, as the roles will, then close them all. The sockets stay
-    bound until every probe is done, so two names of one port (a wildcard and a host) collide
-    here as they would in the cluster; destroying the context releases the ports before the
-    supervisor spawns anything."""
-    if not targets:
-        return []
+    """Bind each address as its process will (ZeroMQ for ``tcp://``, a listening socket for a
+    ``host:port``), alone, and release it: one another program holds cannot be bound. Then
+    bind those that share a port all at once: two keys naming one port under different names
+    (a wildcard and a host, ``localhost`` and ``127.0.0.1``) collide there as in the cluster.
+    Every probe is released before the supervisor spawns anything."""
     problems: list[Problem] = []
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        for key, address in targets:
-            probe = context.socket(zmq.ROUTER)
+    free: list[tuple[str, str]] = []
+    for key, address in targets:
+        with _BindProbes() as probes:
+            reason = probes.bind(address)
+        if reason is None:
+            free.append((key, address))
+        else:
+            problems.append(Problem(key, f"cannot bind {address}: {reason}"))
+    ports = [_endpoint(address)[2] for _, address in free]
+    shared = [(key, address) for key, address in free
+              if _endpoint(address)[2] != "0" and ports.count(_endpoint(address)[2]) > 1]
+    held: list[tuple[str, str]] = []
+    with _BindProbes() as probes:
+        for key, address in shared:
+            if probes.bind(address) is None:
+                held.append((key, address))
+                continue
+            other_key, other = next((k, a) for k, a in held
+                                    if _endpoint(a)[2] == _endpoint(address)[2])
+            problems.append(Problem(key, f"same port as {other_key} ({other}): {address}"))
+    return problems
+
+
+class _BindProbes:
+    """Sockets bound to probe addresses, all released on exit (destroying the ZeroMQ context
+    waits for its I/O thread to close the listeners)."""
+
+    def __init__(self) -> None:
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._probes: list[zmq.Socket[bytes]] = []
+        self._sockets: list[socket.socket] = []
+
+    def __enter__(self) -> _BindProbes:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sock in self._sockets:
+            sock.close()
+        for probe in self._probes:
+            probe.close(linger=0)
+        if self._context is not None:
+            self._context.destroy(linger=0)
+
+    def bind(self, address: str) -> str | None:
+        """Bind and keep ``address``; why it cannot be bound, or None."""
+        if address.startswith(TCP_SCHEME):
+            if self._context is None:
+                self._context = zmq.Context()
+            probe = self._context.socket(zmq.ROUTER)
+            self._probes.append(probe)
             probe.setsockopt(zmq.LINGER, 0)
             try:
                 probe.bind(address)
             except zmq.ZMQError as exc:
                 # os.strerror: pyzmq's own text repeats the address.
-                reason = os.strerror(exc.errno) if exc.errno else str(exc)
-                problems.append(Problem(key, f"cannot bind {address}: {reason}"))
-    finally:
-        context.destroy(linger=0)
-    return problems
+                return os.strerror(exc.errno) if exc.errno else str(exc)
+            return None
+        return self._bind_listener(address)
+
+    def _bind_listener(self, address: str) -> str | None:
+        """A listening socket on each address ``host`` resolves to, with SO_REUSEADDR as
+        aiohttp, gRPC and the metrics server set it (a port in TIME_WAIT is free to them). A
+        port in use on any of them is a problem; an address family this host lacks (``::1``
+        for ``localhost`` without IPv6) only when no address binds at all."""
+        host, _, port = address.rpartition(":")
+        try:
+            resolved = socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), int(port),
+                                          type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            return f"cannot resolve {host}: {exc.strerror}"
+        unbound: str | None = None
+        bound = False
+        for family, kind, protocol, _, sockaddr in dict.fromkeys(resolved):
+            listener = socket.socket(family, kind, protocol)
+            self._sockets.append(listener)
+            with contextlib.suppress(OSError):
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                listener.bind(sockaddr)
+                listener.listen()
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return exc.strerror or str(exc)
+                unbound = exc.strerror or str(exc)
+            else:
+                bound = True
+        return None if bound else unbound

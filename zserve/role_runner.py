@@ -24,7 +24,8 @@ A role's entry point ``run_<role>(config, control_address)`` goes through four s
 - ``run_role(coro, name=...) -> int``: configure logging for a child process, install uvloop,
   watch garbage collection (``zserve.gc_watch``), pay numpy's first-call costs, and run ``coro``
   to completion; returns its exit code (1 with the traceback logged on an exception; 2 with one
-  line for a key file it refuses, ``zserve.keys.KeyFileError``).
+  line for a key file it refuses, ``zserve.keys.KeyFileError``, or an address it cannot bind,
+  ``zserve.transport.sockets.BindError``).
 - ``await sync_cluster_clock(ctx, peers, name=..., drain=link.drain, clock=clock)``: the
   ``ClockSync`` that keeps ``clock`` (a ``zserve.clock.ClusterClock``) on the rank's clock,
   started once its first estimate is in; a process that is not the rank calls it after
@@ -53,6 +54,7 @@ from zserve.clock import ClockSync, ClusterClock
 from zserve.control_link import DrainRequest
 from zserve.keys import KeyFileError
 from zserve.peer_map import rank_address
+from zserve.transport.sockets import BindError
 
 __all__ = (
     "ERROR_FILE_ENV",
@@ -151,7 +153,7 @@ def run_role(coro: Coroutine[Any, Any, int], *, name: str = "") -> int:
         log.info("%s: garbage collection while running: %s", name or os.getpid(),
                  json.dumps(gc_watch.gc_stats()))
         return code
-    except KeyFileError as exc:  # the operator's to fix, not a bug: one line, no traceback
+    except (KeyFileError, BindError) as exc:  # the operator's to fix: one line, no traceback
         logging.getLogger(name or __name__).error("%s refuses to start: %s", name, exc)
         _write_error_file(f"{exc}\n")
         return 2

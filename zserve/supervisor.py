@@ -31,7 +31,8 @@ addresses (peers never need new addresses); one that stops heartbeating for
 Drain (SIGINT/SIGTERM, ``zserve down``, ``Cluster.stop``): frontends get ``Shutdown(drain_s)``
 (stop admitting, finish in flight for up to drain_s, answer the rest ``SHUTTING_DOWN``); once
 they have exited, the scheduler processes and backends get ``Shutdown``; stragglers get SIGTERM,
-then SIGKILL. Then the ipc folder and state files are removed. A second signal skips the grace.
+then SIGKILL. A child still starting (no ``Ready`` yet: nothing to drain) gets SIGKILL at once.
+Then the ipc folder and state files are removed. A second signal skips the grace.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import queue
+import re
 import shutil
 import signal
 import tempfile
@@ -60,7 +62,7 @@ from zserve.config import STANDBY_NAME, ClusterConfig, load_config, role_config
 from zserve.errors import ProtocolError
 from zserve.idle_poll import IdlePollers
 from zserve.keys import release_role_context, secure_role_context
-from zserve.preflight import preflight
+from zserve.preflight import bound_addresses, preflight
 from zserve.supervised_child import SupervisedChild, child_main
 from zserve.transport import codec
 from zserve.transport.messages import (
@@ -89,6 +91,9 @@ POLL_MAX_MS = 100
 # Cluster API calls run on the supervisor's thread; it answers within one poll.
 COMMAND_TIMEOUT_S = 30.0
 ERROR_TAIL_CHARS = 4000
+# A role's exit code for what the operator must fix (an address it cannot bind, a key file it
+# refuses): its error file holds one line, not a traceback (zserve.role_runner.run_role).
+REFUSED_EXIT_CODE = 2
 
 
 class StartupError(RuntimeError):
@@ -197,7 +202,23 @@ class Supervisor:
         text = ""
         with contextlib.suppress(OSError):
             text = Path(self._error_file(child)).read_text()[-ERROR_TAIL_CHARS:]
+        if code == REFUSED_EXIT_CODE and text.strip() and "\n" not in text.strip():
+            # One line (no traceback), with the key of the address it names, if it names one.
+            key = self._key_named_in(child, text)
+            return f"{child.name} ({child.role}) died: {reason}: " + (
+                f"{key}: " if key else "") + text.strip()
         return f"{child.name} ({child.role}) died: {reason}" + (f"\n{text}" if text else "")
+
+    def _key_named_in(self, child: SupervisedChild, text: str) -> str | None:
+        """The cluster.toml key of the address of ``child``'s that ``text`` names (the
+        longest, so that port 80 is not found in port 8000), or None."""
+        own = set(child.config.bind.values())
+        metrics = self.config.frontends.metrics_addresses
+        if child.role == "frontend" and child.index < len(metrics):
+            own.add(metrics[child.index])
+        named = [(len(address), key) for key, address in bound_addresses(self.config)
+                 if address in own and re.search(re.escape(address) + r"(?!\d)", text)]
+        return max(named)[1] if named else None
 
     def _send(self, child: SupervisedChild, msg: Any) -> None:
         frames: list[Any] = codec.encode(msg)
@@ -469,8 +490,11 @@ class Supervisor:
                 if child.ready:
                     self._send(child, Shutdown(reason="cluster shutdown", drain_s=drain_s))
                 else:
+                    # Not ready: nothing to drain, and a SIGTERM would wait for a model load
+                    # to return and then for a peer map that never comes (5 s, then SIGKILL).
+                    log.info("%s was still starting; SIGKILL", child.name)
                     assert child.process is not None
-                    child.process.terminate()
+                    child.process.kill()
         end = time.monotonic() + drain_s + EXIT_GRACE_S
         self._wait_exit(tier, end)
         for child in tier:
