@@ -41,6 +41,12 @@ DEFAULT_D_DATA_MS = 0.05
 DEFAULT_REPLY_ALLOWANCE_MS = 3.0
 DEFAULT_JITTER_MS = 1.0
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+# Limits of the frontend's OIP servers (docs/security.md, "Request limits" says why these).
+DEFAULT_HTTP_HEADER_TIMEOUT_S = 10.0
+DEFAULT_HTTP_BODY_TIMEOUT_S = 60.0
+DEFAULT_HTTP_IDLE_TIMEOUT_S = 75.0
+DEFAULT_HTTP_MAX_CONNECTIONS = 1024
+DEFAULT_GRPC_MAX_CONCURRENT_RPCS = 1024
 DEFAULT_DRAIN_S = 5.0
 DEFAULT_START_TIMEOUT_S = 120.0
 # A standby scheduler takes over after this long without a ping from the active one (10 pings).
@@ -258,9 +264,24 @@ class FrontendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_request_bytes: Count = DEFAULT_MAX_REQUEST_BYTES
     # Prometheus endpoints (HOST:PORT, port 0: any free one), one per frontend; none: off.
     metrics_addresses: tuple[str, ...] = ()
+    # Request limits of the OIP servers (zserve.oip_http, zserve.oip_server). The body and
+    # message bounds default to what the served models accept (None: derived).
+    http_max_body_bytes: Count | None = None
+    http_header_timeout_s: float = DEFAULT_HTTP_HEADER_TIMEOUT_S
+    http_body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S
+    http_idle_timeout_s: float = DEFAULT_HTTP_IDLE_TIMEOUT_S
+    http_max_connections: Count = DEFAULT_HTTP_MAX_CONNECTIONS
+    grpc_max_message_bytes: Count | None = None
+    grpc_max_concurrent_rpcs: Count = DEFAULT_GRPC_MAX_CONCURRENT_RPCS
 
     def __post_init__(self) -> None:
         check_finite("reply_allowance_ms", self.reply_allowance_ms)
+        for key in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
+            check_finite(key, getattr(self, key), positive=True)
+        if self.http_header_timeout_s > self.http_idle_timeout_s:
+            # A connection waiting for a request's head is closed at the idle timeout.
+            raise FieldError("http_header_timeout_s", f"must be <= http_idle_timeout_s "
+                             f"({self.http_idle_timeout_s:g}), got {self.http_header_timeout_s:g}")
         _check_addresses("addresses", self.addresses, self.count, "frontends.count")
         _check_addresses("data_addresses", self.data_addresses, self.count, "frontends.count")
         _check_host_ports("http_addresses", self.http_addresses, self.count)

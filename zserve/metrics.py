@@ -61,6 +61,12 @@ BATCH_ROW_BOUNDS = tuple(2 ** i for i in range(11))  # 1 .. 1024
 # (a person with curl between two Prometheus scrapes) does not shrink it to a blip.
 BUSY_WINDOW_S = 10.0
 
+# What the frontend's HTTP server refuses before a request reaches its core (zserve.oip_http):
+# a head or body slower than its timeout (408), a body over the model's bound (413), a
+# connection past the cap (503). Counted in the frontend's stats as ``http_refused/<reason>``.
+HTTP_REFUSAL_REASONS = ("timeout", "too_large", "connections")
+HTTP_REFUSED_COUNTER = "http_refused/{}"
+
 StatsReader = Callable[[], dict[str, Any] | None]
 # Run on the frontend's loop: its ClusterStatsRequest(reset=False) answer (None: not serving).
 StatsAsker = Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
@@ -131,7 +137,12 @@ def frontend_families(name: str, stats: Mapping[str, Any],
             by_model.add_metric([name, model, outcome],
                                 counters.get(f"outcome/{model}/{outcome}", 0))
         in_flight.add_metric([name, model], stats.get("models", {}).get(model, 0))
-    out: list[Metric] = [total, received, by_model, in_flight]
+    refused = CounterMetricFamily("zserve_http_refused", "HTTP connections and requests the "
+                                  "frontend's OIP server refused before admission, by reason",
+                                  labels=["frontend", "reason"])
+    for reason in HTTP_REFUSAL_REASONS:
+        refused.add_metric([name, reason], counters.get(HTTP_REFUSED_COUNTER.format(reason), 0))
+    out: list[Metric] = [total, received, by_model, in_flight, refused]
     for metric, key, doc in (
             ("zserve_request_latency_seconds", "latency", "Admission to answer, per request"),
             ("zserve_queue_wait_seconds", "queueing", "Admission to its batch's start"),
@@ -336,5 +347,6 @@ def serve_frontend_metrics(address: str, frontend: str, models: Iterable[str],
     return server
 
 
-__all__ = ["BusyWindows", "ClusterCollector", "MetricsServer", "cluster_families",
-           "histogram_buckets", "in_process_stats_reader", "serve_frontend_metrics"]
+__all__ = ["HTTP_REFUSAL_REASONS", "HTTP_REFUSED_COUNTER", "BusyWindows", "ClusterCollector",
+           "MetricsServer", "cluster_families", "histogram_buckets", "in_process_stats_reader",
+           "serve_frontend_metrics"]
