@@ -268,11 +268,12 @@ class AsyncClient:
         # leave the client taking a live frontend for a dead one). Its endpoint is named after
         # the identity: pyzmq's default names it after the file descriptor, which a replacement
         # socket may reuse while the old endpoint lingers.
-        sock, self._monitor = make_monitored_dealer(
+        made: tuple[zmq.Socket[Any], zmq.Socket[Any]] = make_monitored_dealer(
             self._ctx, self.address, identity=identity, curve=self._curve,
             monitor_events=_CONNECTION_UP | _DISCONNECTED,
             monitor_addr=f"inproc://zserve-client-monitor-{identity.decode()}",
         )
+        sock, self._monitor = made
         # First on the connection (a DEALER keeps order): the answer forms this client decodes.
         # A fresh socket's queue is empty, so this cannot meet the HWM.
         socket_io.send_frames_nowait(sock, list(_HELLO))

@@ -137,6 +137,16 @@ class _Rejected(Exception):
         self.message = message
 
 
+def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | None]
+                ) -> dict[str, ModelAdmission]:
+    """Each model's admission state; a frontend's share of a model's load is 1 / the
+    frontends (clients spread over them)."""
+    shards, share = cluster.scheduler.shards, 1.0 / cluster.frontends.count
+    reply_s = cluster.frontends.reply_allowance_ms / 1e3
+    return {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(m.name),
+                                   reply_s, share) for m in cluster.models}
+
+
 class FrontendCore(FrontendCancellation, FrontendBackends):
     """The frontend's state and decisions; see the module docstring for the hosting contract."""
 
@@ -152,10 +162,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
-        shards, reply_s = cluster.scheduler.shards, self.reply_allowance_s
-        share = 1.0 / cluster.frontends.count  # of each model's load, with clients spread
-        self.models = {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(
-            m.name), reply_s, share) for m in cluster.models}
+        self.models = _admissions(cluster, profiles)
         nshards = cluster.scheduler_processes
         self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
