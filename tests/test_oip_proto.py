@@ -1,5 +1,7 @@
 """The shipped gRPC messages: generated from zserve/oip_inference.proto as it stands, and
-wire-compatible with what tritonclient sends and expects (same names, numbers and types)."""
+wire-compatible with what tritonclient sends and expects (same names, numbers and types); and
+how a ModelInferRequest decodes: typed contents checked like JSON values, names once each,
+bytes that are no message a BadRequestError."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import tritonclient.grpc.model_config_pb2 as triton_config
 import tritonclient.grpc.service_pb2 as triton_service
 from google.protobuf import descriptor_pb2
+
+from zserve import oip_inference_pb2 as pb
+from zserve.errors import BadRequestError
+from zserve.oip_grpc import decode_message, decode_request
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO = "zserve/oip_inference.proto"
@@ -69,3 +77,60 @@ def _compare(message: descriptor_pb2.DescriptorProto, theirs: object) -> int:
     for inner in message.nested_type:
         count += _compare(inner, nested[inner.name])
     return count
+
+
+def _request(*tensors: tuple[str, str, list[int]]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m")
+    for name, datatype, shape in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+    return request
+
+
+def test_typed_contents_are_checked_against_the_datatype() -> None:
+    """int_contents carry INT8 and INT16 as int32, uint_contents UINT8 and UINT16 as uint32 and
+    fp32_contents FP16: a value beyond the datatype's range is a BadRequestError (numpy would
+    raise OverflowError, or turn a float32 of 1e6 into FP16 infinity)."""
+    for datatype, field, good, bad in [("INT8", "int_contents", -128, 1000),
+                                       ("UINT16", "uint_contents", 65535, 65536),
+                                       ("FP16", "fp32_contents", 65504.0, 1e6),
+                                       ("FP32", "fp32_contents", 1.5, float("inf"))]:
+        request = _request(("x", datatype, [1, 1]))
+        getattr(request.inputs[0].contents, field).append(good)
+        assert decode_request(request).inputs["x"].tolist() == [[good]]
+        getattr(request.inputs[0].contents, field)[0] = bad
+        with pytest.raises(BadRequestError, match=f"input 'x': data is not {datatype}"):
+            decode_request(request)
+
+
+def test_shapes_names_and_raw_contents() -> None:
+    """A 65-dimension shape, a negative dimension, an input or requested output named twice:
+    each a BadRequestError naming it."""
+    deep = _request(("x", "FP32", [1] * 65))
+    deep.raw_input_contents.append(b"\0" * 4)
+    with pytest.raises(BadRequestError, match="shape of 65 dimensions"):
+        decode_request(deep)
+    negative = _request(("x", "FP32", [-1, 1]))
+    negative.raw_input_contents.append(b"")
+    with pytest.raises(BadRequestError, match="dimension < 0"):
+        decode_request(negative)
+    twice = _request(("x", "FP32", [1]), ("x", "FP32", [1]))
+    twice.raw_input_contents.extend([np.float32(1).tobytes(), np.float32(2).tobytes()])
+    with pytest.raises(BadRequestError, match="input 'x' appears more than once"):
+        decode_request(twice)
+    outputs = _request(("x", "FP32", [1]))
+    outputs.raw_input_contents.append(np.float32(1).tobytes())
+    outputs.outputs.add(name="y")
+    assert decode_request(outputs).outputs == [("y", True)]
+    outputs.outputs.add(name="y")
+    with pytest.raises(BadRequestError, match="output 'y' appears more than once"):
+        decode_request(outputs)
+
+
+def test_bytes_that_are_no_message() -> None:
+    """``decode_message`` parses a message or raises BadRequestError: the gRPC server hands
+    the error to the method in the request's place, so it is answered INVALID_ARGUMENT."""
+    request = _request(("x", "FP32", [1]))
+    assert decode_message(pb.ModelInferRequest, request.SerializeToString()) == request
+    for garbage in (b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x02\xc3\x28"):
+        with pytest.raises(BadRequestError, match="undecodable ModelInferRequest"):
+            decode_message(pb.ModelInferRequest, garbage)

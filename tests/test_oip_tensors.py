@@ -10,14 +10,16 @@ import pytest
 
 from zserve import readiness
 from zserve.config import ConfigError, parse_config
-from zserve.errors import BadRequestError
+from zserve.errors import MAX_ERROR_MESSAGE_BYTES, BadRequestError, bounded_message
 from zserve.oip_tensors import (
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSOR_RANK,
     decode_http_body,
     encode_http_response,
     model_metadata,
     requested_slo_ms,
 )
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.signature import MAX_NAMED_ITEMS, ModelSignature, TensorSpec
 
 
 def _binary_body(array: np.ndarray, **parameters: object) -> tuple[bytes, int]:
@@ -54,6 +56,141 @@ def test_json_input_and_bad_bodies() -> None:
         decode_http_body(body.replace(b"INT64", b"BYTES"), None)
     with pytest.raises(BadRequestError, match="bad inference request"):
         decode_http_body(b"{not json", None)
+
+
+def _json_body(datatype: str, shape: object, data: object, **extra: object) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
+                                   "data": data}], **extra}).encode()
+
+
+# Each datatype's JSON values: in range (decoded as given) and out of it or of the wrong kind.
+IN_RANGE: dict[str, list[object]] = {
+    "BOOL": [True, False], "UINT8": [0, 255], "UINT16": [0, 65535], "UINT32": [0, 2**32 - 1],
+    "UINT64": [0, 2**64 - 1], "INT8": [-128, 127], "INT16": [-(2**15), 2**15 - 1],
+    "INT32": [-(2**31), 2**31 - 1], "INT64": [-(2**63), 2**63 - 1],
+    # FP16's largest is 65504; anything under 65520 rounds to it.
+    "FP16": [-65519.0, 65519], "FP32": [-3.4e38, 3.4028235e38], "FP64": [-1.7e308, 5],
+}
+OUT_OF_RANGE: dict[str, list[object]] = {
+    "BOOL": [0, 1, 2, 1.0, "true", None, {}],
+    "UINT8": [256, -1, 1.0, True, "1", None], "UINT16": [65536, -1], "UINT32": [2**32, -1],
+    "UINT64": [2**64, -1, 1.5], "INT8": [1000, -129, 0.5, False, {"a": 1}],
+    "INT16": [2**15, -(2**15) - 1], "INT32": [2**31, -(2**31) - 1, 1e10],
+    "INT64": [2**63, -(2**63) - 1, 10**30],
+    "FP16": [65520, -1e6, True, "1.5", None], "FP32": [3.5e38, -1e300, False, {}],
+    "FP64": ["nan", None, True],
+}
+
+
+@pytest.mark.parametrize("datatype", sorted(IN_RANGE))
+def test_each_datatype_takes_its_values_and_refuses_others(datatype: str) -> None:
+    """Every datatype decodes its own JSON values and answers any other value (out of range,
+    another JSON type, a bool for a number or a number for a bool) BadRequestError naming the
+    input and the datatype, never OverflowError or a silent conversion (numpy would turn 1000
+    into an INT8, ``"1.5"`` into an FP32 and ``1e6`` into FP16 infinity)."""
+    decoded = decode_http_body(_json_body(datatype, [2], IN_RANGE[datatype]), None).inputs["x"]
+    assert decoded.shape == (2,)
+    expected = np.array(IN_RANGE[datatype], dtype=decoded.dtype)
+    np.testing.assert_array_equal(decoded, expected)
+    assert np.isfinite(decoded.astype(np.float64)).all()
+    for value in OUT_OF_RANGE[datatype]:
+        with pytest.raises(BadRequestError, match=f"input 'x': .*{datatype}"):
+            decode_http_body(_json_body(datatype, [1], [value]), None)
+
+
+def test_json_beyond_float_range_is_refused() -> None:
+    """A number no double holds (1e999) is refused while the body is parsed."""
+    body = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP64", "data": [1e999]}]}'
+    with pytest.raises(BadRequestError, match="out of range"):
+        decode_http_body(body, None)
+
+
+def test_data_flat_or_nested_as_the_shape() -> None:
+    """Data is one flat array or arrays nested exactly as the shape; any other nesting, ragged
+    arrays, a bare value for a shaped tensor or no data at all is a BadRequestError."""
+    nested = decode_http_body(_json_body("INT32", [2, 2], [[1, 2], [3, 4]]), None).inputs["x"]
+    assert nested.tolist() == [[1, 2], [3, 4]]
+    flat = decode_http_body(_json_body("INT32", [2, 2], [1, 2, 3, 4]), None).inputs["x"]
+    assert flat.tolist() == [[1, 2], [3, 4]]
+    scalar = decode_http_body(_json_body("FP32", [], 5), None).inputs["x"]
+    assert scalar.shape == () and scalar == 5
+    refused = {
+        "nested 2 deep": ([2], [[1], [2]]), "nested as shape": ([2, 2], [[1, 2, 3]]),
+        "different lengths": ([2, 2], [[1, 2, 3], [4]]), "single value": ([1], 7),
+        "3 values": ([2], [1, 2, 3]), "neither data": ([1], None),
+        "not INT32": ([1], ["abc"]),
+    }
+    for message, (shape, data) in refused.items():
+        with pytest.raises(BadRequestError, match=message):
+            decode_http_body(_json_body("INT32", shape, data), None)
+
+
+def test_shapes_are_bounded() -> None:
+    """A shape of more than MAX_TENSOR_RANK dimensions (numpy stops at 64), a negative, huge or
+    non-integer dimension, or dimensions whose product passes MAX_TENSOR_ELEMENTS (zeros left
+    out: an empty tensor's other dimensions are bounded too) is a BadRequestError, in both the
+    JSON and the binary form."""
+    bad_shapes = {
+        "65 dimensions": [1] * 65, f"{MAX_TENSOR_RANK + 1} dimensions": [1] * (MAX_TENSOR_RANK + 1),
+        "dimension < 0": [-1], "dimension > ": [10**30],
+        "describes over": [0, 2**40, 2**40],
+    }
+    for message, shape in bad_shapes.items():
+        with pytest.raises(BadRequestError, match=message):
+            decode_http_body(_json_body("FP32", shape, [1.0]), None)
+        header = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                         "parameters": {"binary_data_size": 4}}]}).encode()
+        with pytest.raises(BadRequestError, match=message):
+            decode_http_body(header + b"\0" * 4, len(header))
+    deepest = decode_http_body(_json_body("FP32", [1] * MAX_TENSOR_RANK, [1.0]), None)
+    assert deepest.inputs["x"].ndim == MAX_TENSOR_RANK
+    with pytest.raises(BadRequestError, match="Expected `int`, got `float`"):
+        decode_http_body(_json_body("FP32", [1.5], [1.0]), None)
+    assert MAX_TENSOR_ELEMENTS * 8 < 2**63  # numpy's byte count of the largest shape fits
+
+
+def test_duplicate_names_and_bad_parameters() -> None:
+    """An input or a requested output named twice is refused (the last one no longer silently
+    wins), and so is a parameter of the wrong type or out of range."""
+    twice = json.dumps({"inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]},
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [2.0]}]}).encode()
+    with pytest.raises(BadRequestError, match="input 'x' appears more than once"):
+        decode_http_body(twice, None)
+    outputs = [{"name": "y"}, {"name": "y"}]
+    with pytest.raises(BadRequestError, match="output 'y' appears more than once"):
+        decode_http_body(_json_body("FP32", [1], [1.0], outputs=outputs), None)
+    bad_parameters = [({"binary_data_output": "yes"}, "binary_data_output"),
+                      ({"binary_data_output": 1}, "binary_data_output"),
+                      ({"timeout": 10**400}, "timeout"), ({"slo_ms": 10**400}, "slo_ms"),
+                      ({"slo_ms": [1] * 1000}, "a list of 1000")]
+    for parameters, message in bad_parameters:
+        with pytest.raises(BadRequestError, match=message):
+            decode_http_body(_json_body("FP32", [1], [1.0], parameters=parameters), None)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(BadRequestError, match="bad inference request"):
+        decode_http_body(b'{"inputs": [], "parameters": {"p": ' + deep + b"}}", None)
+
+
+def test_error_messages_are_bounded() -> None:
+    """A request of 10,000 unexpected inputs, or of a megabyte-long name, gets a message of a
+    few hundred bytes: names are cut, lists name their first few and count the rest, and
+    ``bounded_message`` cuts what a frontend sends to MAX_ERROR_MESSAGE_BYTES of valid UTF-8."""
+    signature = ModelSignature("m", (TensorSpec("x", "float32", (4,)),), ())
+    inputs = {f"unexpected-{i}": np.zeros((1, 4), np.float32) for i in range(10_000)}
+    with pytest.raises(BadRequestError) as raised:
+        signature.validate_request(inputs)
+    message = raised.value.message
+    assert len(message) < 500 and f"and {10_000 - MAX_NAMED_ITEMS} more" in message, message
+    long_name = json.dumps({"inputs": [{"name": "n" * 1_000_000, "shape": [1],
+                                        "datatype": "FP32", "data": [1, 2]}]}).encode()
+    with pytest.raises(BadRequestError) as raised:
+        decode_http_body(long_name, None)
+    assert len(raised.value.message) < 200 and "nnn..." in raised.value.message
+    for text in ("é" * 5000, "x" * 5000, "\ud800" * 3000):
+        cut = bounded_message(text)
+        assert len(cut.encode()) <= MAX_ERROR_MESSAGE_BYTES and cut.endswith("more bytes)")
+    assert bounded_message("short") == "short"
 
 
 def test_slo_parameters() -> None:

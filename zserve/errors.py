@@ -165,3 +165,23 @@ def error_from_wire(kind: str, message: str) -> ZServeError:
     except ValueError:
         return InternalError(f"unknown error kind {kind!r}: {message}")
     return cls(message)
+
+
+# The most bytes of an error message a frontend sends: a message naming what a request got wrong
+# must not outgrow what a client accepts (gRPC puts it in a trailer, which tritonclient bounds
+# at 16 KiB).
+MAX_ERROR_MESSAGE_BYTES = 1024
+_CUT_MARK_ROOM_BYTES = 32  # room for " ... (N more bytes)" within the bound
+
+
+def bounded_message(message: str) -> str:
+    """``message`` as a frontend sends it: valid UTF-8 of at most ``MAX_ERROR_MESSAGE_BYTES``,
+    cut with `` ... (N more bytes)`` where longer."""
+    if len(message) <= MAX_ERROR_MESSAGE_BYTES and message.isascii():
+        return message
+    data = message.encode("utf-8", "backslashreplace")  # a lone surrogate is no UTF-8
+    if len(data) <= MAX_ERROR_MESSAGE_BYTES:
+        return data.decode("utf-8")
+    keep = MAX_ERROR_MESSAGE_BYTES - _CUT_MARK_ROOM_BYTES
+    # "ignore": a character cut in two is dropped whole.
+    return f"{data[:keep].decode('utf-8', 'ignore')} ... ({len(data) - keep} more bytes)"

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zserve.config import ClusterConfig, shard_for_model
-from zserve.errors import ErrorKind, ZServeError
+from zserve.errors import ErrorKind, ZServeError, bounded_message
 from zserve.frontend_admission import ModelAdmission
 from zserve.frontend_backends import FrontendBackends
 from zserve.frontend_cancel import FrontendCancellation
@@ -35,6 +35,7 @@ from zserve.frontend_requests import FETCHED, QUEUED, Answers, Pending, RequestT
 from zserve.hosting import Destination, Outbox
 from zserve.profiles import LatencyProfile
 from zserve.request_ids import RequestIds, incarnation_of
+from zserve.signature import quoted
 from zserve.stats import Stats
 from zserve.timers import LazyTimerHeap
 from zserve.transport.messages import (
@@ -285,7 +286,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
         model = self.models.get(req.model)
         if model is None:
-            raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {req.model!r}")
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {quoted(req.model)}")
         if self.draining:
             raise _Rejected(ErrorKind.SHUTTING_DOWN, f"frontend {self.name} is shutting down")
         if self.requests.in_flight(client, req.request_id):
@@ -296,7 +297,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         except ZServeError as exc:
             raise _Rejected(exc.kind, exc.message) from None
         except Exception as exc:  # an input that is no array
-            raise _Rejected(ErrorKind.BAD_REQUEST, str(exc)) from None
+            raise _Rejected(ErrorKind.BAD_REQUEST, bounded_message(str(exc))) from None
         if not 0.0 <= req.slo_ms < math.inf:  # negative, infinite or NaN
             raise _Rejected(ErrorKind.BAD_REQUEST, f"slo_ms must be >= 0, got {req.slo_ms}")
         if not self.shard_reachable[model.shard]:

@@ -30,7 +30,7 @@ from zserve.errors import (
     error_from_wire,
 )
 from zserve.frontend_core import FrontendCore
-from zserve.signature import ModelSignature
+from zserve.signature import ModelSignature, quoted
 from zserve.transport.messages import InferAnswers, InferError, InferReply, InferRequest, Message
 
 # The client identity of every OIP request inside the core. ZeroMQ's own routing ids are five
@@ -82,7 +82,7 @@ class OipBridge:
                 raise ShuttingDownError(self._closed_because)
             raise UnavailableError(f"frontend {self.core.name} is not serving yet")
         if model not in self.core.models:
-            raise BadRequestError(f"unknown model {model!r}")
+            raise BadRequestError(f"unknown model {quoted(model)}")
         rid = self._next_id
         self._next_id += 1
         future: asyncio.Future[Outputs] = loop.create_future()
@@ -155,17 +155,18 @@ class OipBridge:
 
     def check_model(self, model: str, version: str = "") -> None:
         if model not in self.core.models:
-            raise BadRequestError(f"unknown model {model!r}")
+            raise BadRequestError(f"unknown model {quoted(model)}")
         if version not in MODEL_VERSIONS:
-            raise BadRequestError(f"model {model!r} has version 1 only, not {version!r}")
+            raise BadRequestError(f"model {quoted(model)} has version 1 only, not "
+                                  f"{quoted(version)}")
 
     def signature(self, model: str, version: str = "") -> ModelSignature:
         """The signature ``model``'s backends registered (UNAVAILABLE before one did)."""
         self.check_model(model, version)
         signature = self.core.models[model].signature
         if signature is None:
-            raise UnavailableError(f"model {model!r}: no backend has registered it yet, so its "
-                                   "inputs and outputs are not known")
+            raise UnavailableError(f"model {quoted(model)}: no backend has registered it yet, so "
+                                   "its inputs and outputs are not known")
         return signature
 
     def max_batch(self, model: str) -> int:

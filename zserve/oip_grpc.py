@@ -5,8 +5,10 @@ The service's messages are ``zserve/oip_inference.proto`` (``zserve.oip_inferenc
 methods are registered by name with grpcio's generic handlers, so no generated servicer is
 needed. Inputs come as ``raw_input_contents`` (what tritonclient sends) or typed ``contents``;
 outputs go back as ``raw_output_contents``. Errors abort the call with the code of their kind
-(``CODE_OF``), the message, and trailing metadata ``zserve-error-kind``,
-``zserve-may-have-run`` and, where a retry may succeed, ``retry-after`` (seconds).
+(``CODE_OF``), the message (cut to ``MAX_ERROR_MESSAGE_BYTES``: it travels in the trailers,
+which clients cap), and trailing metadata ``zserve-error-kind``, ``zserve-may-have-run`` and,
+where a retry may succeed, ``retry-after`` (seconds). A request message that fails to decode is
+answered ``INVALID_ARGUMENT`` like any other bad request.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import numpy as np
 from google.protobuf.message import Message as ProtoMessage
 
 from zserve import oip_inference_pb2 as pb
-from zserve.errors import BadRequestError, ErrorKind, ZServeError
+from zserve.errors import BadRequestError, ErrorKind, ZServeError, bounded_message
 from zserve.oip_bridge import EXTENSIONS, SERVER_NAME, OipBridge
 from zserve.oip_tensors import (
     OipRequest,
     array_from_bytes,
     array_from_values,
+    check_unique,
     datatype_of,
     model_config,
     model_metadata,
@@ -68,7 +71,37 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: ZServeError
     ]
     if code in _RETRYABLE_CODES:
         trailers.append(("retry-after", str(RETRY_AFTER_S)))
-    await context.abort(code, error.message, tuple(trailers))
+    await context.abort(code, bounded_message(error.message), tuple(trailers))
+
+
+class _Undecodable:
+    """A request message that failed to decode, handed to the method in its place: grpcio
+    answers a deserializer's exception UNKNOWN, and the client's bytes are a bad request."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BadRequestError) -> None:
+        self.error = error
+
+
+def decode_message(message_type: type[Req], data: bytes) -> Req:
+    """``data`` as a ``message_type``; ``BadRequestError`` when it is none."""
+    try:
+        return message_type.FromString(data)
+    except Exception as exc:  # whatever the parser raises, the bytes are the client's
+        raise BadRequestError(f"undecodable {message_type.DESCRIPTOR.name}: {exc}") from None
+
+
+def _lenient(message_type: type[ProtoMessage]) -> Callable[[bytes], Any]:
+    """``decode_message`` as a deserializer: an ``_Undecodable`` for bytes that are no message."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return decode_message(message_type, data)
+        except BadRequestError as error:
+            return _Undecodable(error)
+
+    return deserialize
 
 
 def _typed(method: Method) -> Method:
@@ -76,6 +109,8 @@ def _typed(method: Method) -> Method:
 
     async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> ProtoMessage:
         try:
+            if type(request) is _Undecodable:
+                raise request.error
             return await method(request, context)
         except ZServeError as error:
             await _abort(context, error)
@@ -98,16 +133,20 @@ def decode_request(request: pb.ModelInferRequest) -> OipRequest:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise BadRequestError(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+    check_unique("input", [tensor.name for tensor in request.inputs])
     inputs: dict[str, np.ndarray[Any, Any]] = {}
     for index, tensor in enumerate(request.inputs):
         if raw:
             array = array_from_bytes(tensor.name, tensor.datatype, tensor.shape, raw[index])
         else:
             field = _CONTENTS_FIELD.get(tensor.datatype, "")
-            values = getattr(tensor.contents, field) if field else []
+            values = list(getattr(tensor.contents, field)) if field else []
             array = array_from_values(tensor.name, tensor.datatype, tensor.shape, values)
         inputs[tensor.name] = array
-    outputs = [(o.name, True) for o in request.outputs] if request.outputs else None
+    outputs = None
+    if request.outputs:
+        outputs = [(o.name, True) for o in request.outputs]
+        check_unique("output", [name for name, _ in outputs])
     return OipRequest(inputs, outputs, request.id or None,
                       requested_slo_ms(_parameters(request.parameters)), True)
 
@@ -142,7 +181,7 @@ class OipGrpc:
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                _typed(method), request_deserializer=request_type.FromString,
+                _typed(method), request_deserializer=_lenient(request_type),
                 response_serializer=response_type.SerializeToString)
             for name, (method, request_type, response_type) in methods.items()
         }

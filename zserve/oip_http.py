@@ -36,7 +36,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from zserve.config import FrontendsConfig
-from zserve.errors import BadRequestError, ErrorKind, TooLargeError, ZServeError
+from zserve.errors import BadRequestError, ErrorKind, TooLargeError, ZServeError, bounded_message
 from zserve.frontend_admission import ModelAdmission
 from zserve.metrics import HTTP_REFUSAL_REASONS, HTTP_REFUSED_COUNTER
 from zserve.oip_bridge import EXTENSIONS, SERVER_NAME, OipBridge
@@ -319,7 +319,8 @@ class LimitedConnection(RequestHandler):
 
 def error_response(error: ZServeError) -> web.Response:
     status = STATUS_OF.get(error.kind, 500)
-    body = {"error": error.message, "kind": error.kind.value, "may_have_run": error.may_have_run}
+    body = {"error": bounded_message(error.message), "kind": error.kind.value,
+            "may_have_run": error.may_have_run}
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRYABLE_STATUSES else None
     return web.Response(status=status, body=encode_json(body), content_type=JSON_CONTENT_TYPE,
                         headers=headers)

@@ -8,20 +8,26 @@ tritonclient sends it, and ``slo_ms``), and the HTTP/REST body in both forms: JS
 and Triton's binary tensor data extension (a JSON header of ``Inference-Header-Content-Length``
 bytes followed by each binary tensor's bytes, in order). A binary input becomes a numpy view over
 the request body: no copy on the way to the frontend core. Every problem with a request raises
-``BadRequestError`` with one line naming it.
+``BadRequestError`` with one line naming it, never another exception: JSON values and typed gRPC
+contents are checked against their datatype (``BOOL`` takes ``true``/``false`` only, integers take
+integers within the type's range, floats take numbers that round to a finite value of the type:
+``1e6`` is no ``FP16``; NaN and infinities travel as binary data only), shapes are bounded
+(``MAX_TENSOR_RANK``, ``MAX_TENSOR_ELEMENTS``), and a name may appear once among the inputs and
+once among the requested outputs. Error messages are cut to ``MAX_ERROR_MESSAGE_BYTES`` where a
+frontend sends them (``zserve.errors.bounded_message``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from zserve.errors import BadRequestError
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.signature import ModelSignature, TensorSpec, quoted
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_CONTENT_TYPE = "application/octet-stream"
@@ -37,6 +43,51 @@ _DTYPES: dict[str, np.dtype[Any]] = {
 _DATATYPES = {dtype: name for name, dtype in _DTYPES.items()}
 # Triton's model configuration names of the same types (``TYPE_FP32``).
 CONFIG_TYPE_PREFIX = "TYPE_"
+# The most dimensions a tensor's shape may have: far above any model input's, and within every
+# numpy's limit (32 before numpy 2, 64 since).
+MAX_TENSOR_RANK = 32
+# The most elements a shape may describe, its zero dimensions left out (numpy's size arithmetic
+# must fit 63 bits even for an empty tensor): 8 TiB of FP64, far above any request's bound.
+MAX_TENSOR_ELEMENTS = 1 << 40
+# The longest error message a frontend sends, in UTF-8 bytes: gRPC carries it in trailing
+# metadata (percent-encoded, up to 3 bytes a byte), which clients cap at 8-16 KiB in all.
+# The largest number a parameter zserve reads may hold (Triton's parameters are int64; a JSON
+# integer may be longer, and no float holds one of 400 digits).
+_MAX_PARAMETER = (1 << 63) - 1
+
+
+def _json_element_type(dtype: np.dtype[Any]) -> Any:
+    """The msgspec type of one JSON value of ``dtype``: ``bool`` alone for BOOL, an integer in
+    range for the integer types, a number that rounds to a finite value for the float types."""
+    if dtype.kind == "b":
+        return bool
+    if dtype.kind in "iu":
+        ints = np.iinfo(dtype)
+        if ints.max > np.iinfo(np.int64).max:  # msgspec bounds fit int64: numpy checks UINT64's
+            return Annotated[int, msgspec.Meta(ge=0)]
+        return Annotated[int, msgspec.Meta(ge=int(ints.min), le=int(ints.max))]
+    floats = np.finfo(dtype)
+    largest = float(floats.max)
+    if dtype.itemsize == 8:  # every finite double is one
+        return Annotated[float, msgspec.Meta(ge=-largest, le=largest)]
+    # A number half a unit in the last place above the largest rounds to infinity.
+    overflow = largest + 2.0 ** (floats.maxexp - floats.nmant - 2)
+    return Annotated[float, msgspec.Meta(gt=-overflow, lt=overflow)]
+
+
+_ELEMENT_TYPES = {name: _json_element_type(dtype) for name, dtype in _DTYPES.items()}
+# (datatype, nesting depth) -> the msgspec type of values nested that deep.
+_VALUE_TYPES: dict[tuple[str, int], Any] = {}
+
+
+def _values_type(datatype: str, depth: int) -> Any:
+    found = _VALUE_TYPES.get((datatype, depth))
+    if found is None:
+        found = _ELEMENT_TYPES[datatype]
+        for _ in range(depth):
+            found = list[found]  # type: ignore[valid-type]
+        _VALUE_TYPES[(datatype, depth)] = found
+    return found
 
 
 def datatype_of(dtype: np.dtype[Any] | str) -> str:
@@ -50,7 +101,7 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
 def dtype_of(datatype: str) -> np.dtype[Any]:
     dtype = _DTYPES.get(datatype)
     if dtype is None:
-        raise BadRequestError(f"unsupported datatype {datatype!r} (zserve takes "
+        raise BadRequestError(f"unsupported datatype {quoted(datatype)} (zserve takes "
                               f"{', '.join(_DTYPES)})")
     return dtype
 
@@ -93,14 +144,14 @@ def requested_slo_ms(parameters: Mapping[str, Any]) -> float:
     slo_ms = math.inf
     timeout_us = parameters.get("timeout")
     if timeout_us is not None:
-        if type(timeout_us) is not int or timeout_us <= 0:
+        if type(timeout_us) is not int or not 0 < timeout_us <= _MAX_PARAMETER:
             raise BadRequestError(f"parameter timeout must be a positive integer of "
-                                  f"microseconds, got {timeout_us!r}")
+                                  f"microseconds, got {quoted(timeout_us)}")
         slo_ms = timeout_us / 1e3
     asked = parameters.get("slo_ms")
     if asked is not None:
-        if type(asked) not in (int, float) or not 0 < asked < math.inf:
-            raise BadRequestError(f"parameter slo_ms must be a number > 0, got {asked!r}")
+        if type(asked) not in (int, float) or not 0 < asked <= _MAX_PARAMETER:
+            raise BadRequestError(f"parameter slo_ms must be a number > 0, got {quoted(asked)}")
         slo_ms = min(slo_ms, float(asked))
     return 0.0 if slo_ms == math.inf else slo_ms
 
@@ -114,29 +165,89 @@ def array_from_bytes(name: str, datatype: str, shape: Sequence[int], data: Any, 
     count = math.prod(dims)
     available = (len(data) - offset) if nbytes < 0 else nbytes
     if available != count * dtype.itemsize:
-        raise BadRequestError(f"input {name!r}: {available} bytes of data for shape "
+        raise BadRequestError(f"input {quoted(name)}: {available} bytes of data for shape "
                               f"{list(dims)} of {datatype} ({count * dtype.itemsize} bytes)")
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(dims)
 
 
 def array_from_values(name: str, datatype: str, shape: Sequence[int],
                       values: Any) -> np.ndarray[Any, Any]:
-    """An array of ``shape`` from JSON values (flat or nested, in row-major order)."""
+    """An array of ``shape`` from Python values (typed gRPC contents, decoded JSON): a flat list
+    in row-major order, or lists nested as the shape, each value of the datatype's kind and
+    within its range (``_json_element_type``)."""
     dtype = dtype_of(datatype)
     dims = _checked_shape(name, shape)
+    depth = 0
+    inner = values
+    while type(inner) in (list, tuple) and depth <= MAX_TENSOR_RANK:
+        depth += 1
+        inner = inner[0] if inner else None
+    value_type = _values_type(datatype, _checked_depth(name, depth, dims))
     try:
-        array = np.asarray(values, dtype=dtype)
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(f"input {name!r}: data is not {datatype}: {exc}") from None
-    if array.size != math.prod(dims):
-        raise BadRequestError(f"input {name!r}: {array.size} values for shape {list(dims)}")
-    return array.reshape(dims)
+        checked = msgspec.convert(values, value_type)
+    except msgspec.ValidationError as exc:
+        raise _not_of(name, datatype, exc) from None
+    return _shaped(name, dtype, dims, checked, depth)
+
+
+def _checked_depth(name: str, depth: int, dims: tuple[int, ...]) -> int:
+    """``depth`` if values nested that deep may describe a tensor of ``dims``: a flat list, lists
+    nested as the shape, or a lone value for a shape of no dimensions."""
+    if depth == 1 or depth == len(dims):
+        return depth
+    got = "a single value" if depth == 0 else f"arrays nested {depth} deep"
+    raise BadRequestError(f"input {quoted(name)}: data is {got} for shape {list(dims)} (send "
+                          f"one flat array, or arrays nested {len(dims)} deep as the shape)")
+
+
+def _not_of(name: str, datatype: str, exc: Exception) -> BadRequestError:
+    where = str(exc).replace("`$", "`data")  # msgspec's path, from the data's root
+    return BadRequestError(f"input {quoted(name)}: data is not {datatype}: {where}")
+
+
+def _shaped(name: str, dtype: np.dtype[Any], dims: tuple[int, ...], values: Any,
+            depth: int) -> np.ndarray[Any, Any]:
+    """The array of ``dims`` from checked ``values`` nested ``depth`` deep."""
+    try:
+        array = np.array(values, dtype=dtype)
+    except OverflowError:  # a UINT64 value over 2**64 - 1
+        raise BadRequestError(f"input {quoted(name)}: a value out of {_DATATYPES[dtype]}'s "
+                              "range") from None
+    except ValueError:  # lists of different lengths side by side
+        raise BadRequestError(f"input {quoted(name)}: nested arrays of different lengths "
+                              f"for shape {list(dims)}") from None
+    if depth <= 1:
+        if array.size != math.prod(dims):
+            raise BadRequestError(f"input {quoted(name)}: {array.size} values for shape "
+                                  f"{list(dims)}")
+        return array.reshape(dims)
+    if array.shape != dims:
+        raise BadRequestError(f"input {quoted(name)}: data nested as shape {list(array.shape)} "
+                              f"for shape {list(dims)}")
+    return array
 
 
 def _checked_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
-    dims = tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise BadRequestError(f"input {name!r}: negative dimension in shape {list(dims)}")
+    """``shape`` as a tuple, if it is at most ``MAX_TENSOR_RANK`` integers >= 0 that describe at
+    most ``MAX_TENSOR_ELEMENTS`` elements."""
+    if len(shape) > MAX_TENSOR_RANK:
+        raise BadRequestError(f"input {quoted(name)}: shape of {len(shape)} dimensions (at most "
+                              f"{MAX_TENSOR_RANK})")
+    dims = tuple(shape)
+    elements = 1
+    for dim in dims:
+        # A dimension's value is named only once it is known to be small (a huge one would fill
+        # the message; one of over 4300 digits is not even printable).
+        if type(dim) is not int:
+            raise BadRequestError(f"input {quoted(name)}: shape holds a {type(dim).__name__}, "
+                                  "not an integer")
+        if not 0 <= dim <= MAX_TENSOR_ELEMENTS:
+            raise BadRequestError(f"input {quoted(name)}: shape has a dimension "
+                                  f"{'< 0' if dim < 0 else f'> {MAX_TENSOR_ELEMENTS}'}")
+        elements *= dim or 1
+    if elements > MAX_TENSOR_ELEMENTS:
+        raise BadRequestError(f"input {quoted(name)}: shape {list(dims)} describes over "
+                              f"{MAX_TENSOR_ELEMENTS} elements")
     return dims
 
 
@@ -189,32 +300,53 @@ def decode_http_body(body: bytes, header_length: int | None) -> OipRequest:
                               f"{len(body)} bytes")
     try:
         parsed = _BODY_DECODER.decode(memoryview(body)[:header_length])
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise BadRequestError(f"bad inference request: {exc}") from None
     inputs = _http_inputs(parsed.inputs, body, header_length)
-    binary_default = bool(parsed.parameters.get("binary_data_output", False))
+    binary_default = flag_parameter(parsed.parameters, "binary_data_output", False)
     outputs = None
     if parsed.outputs is not None:
-        outputs = [(o.name, bool(o.parameters.get("binary_data", binary_default)))
+        outputs = [(o.name, flag_parameter(o.parameters, "binary_data", binary_default))
                    for o in parsed.outputs]
+        check_unique("output", [name for name, _ in outputs])
     return OipRequest(inputs, outputs, parsed.id, requested_slo_ms(parsed.parameters),
                       binary_default)
 
 
+def flag_parameter(parameters: Mapping[str, Any], key: str, default: bool) -> bool:
+    """The boolean parameter ``key`` (``default`` when absent)."""
+    value = parameters.get(key, default)
+    if type(value) is not bool:
+        raise BadRequestError(f"parameter {key} must be true or false, got {quoted(value)}")
+    return value
+
+
+def check_unique(kind: str, names: Sequence[str]) -> None:
+    """Refuse a request that names one input (or requested output) twice: which one would be
+    meant is not for zserve to guess."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise BadRequestError(f"{kind} {quoted(name)} appears more than once in the "
+                                  "request")
+        seen.add(name)
+
+
 def _http_inputs(inputs: list[HttpInput], body: bytes,
                  offset: int) -> dict[str, np.ndarray[Any, Any]]:
+    check_unique("input", [tensor.name for tensor in inputs])
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for tensor in inputs:
         size = tensor.parameters.get("binary_data_size")
         if size is not None:
             if type(size) is not int or size < 0 or offset + size > len(body):
-                raise BadRequestError(f"input {tensor.name!r}: binary_data_size {size!r} "
-                                      "does not fit the body")
+                raise BadRequestError(f"input {quoted(tensor.name)}: binary_data_size "
+                                      f"{quoted(size)} does not fit the body")
             arrays[tensor.name] = array_from_bytes(tensor.name, tensor.datatype, tensor.shape,
                                                    body, offset=offset, nbytes=size)
             offset += size
         elif tensor.data is None:
-            raise BadRequestError(f"input {tensor.name!r} has neither data nor "
+            raise BadRequestError(f"input {quoted(tensor.name)} has neither data nor "
                                   "binary_data_size")
         else:
             arrays[tensor.name] = array_from_values(tensor.name, tensor.datatype, tensor.shape,
@@ -233,7 +365,7 @@ def selected_outputs(request: OipRequest,
     for name, binary in request.outputs:
         array = outputs.get(name)
         if array is None:
-            raise BadRequestError(f"unknown output {name!r} (the model returns "
+            raise BadRequestError(f"unknown output {quoted(name)} (the model returns "
                                   f"{', '.join(map(repr, outputs))})")
         chosen.append((name, array, binary))
     return chosen

@@ -9,7 +9,7 @@ them, without ONNX Runtime or any model file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,31 @@ from zserve.errors import BadRequestError, TooLargeError
 
 # The wire form of a signature (``ModelSignature.to_dict``), as it travels in registrations.
 SignatureWire = dict[str, Any]
+# An error message names at most this many of the items a request chose (its unexpected input
+# names, say), and at most this many characters of each: a request of 10,000 inputs, or one of a
+# megabyte-long name, still gets a one-line answer that fits a client's limits.
+MAX_NAMED_ITEMS = 5
+MAX_NAME_CHARS = 64
+
+
+def quoted(name: object) -> str:
+    """``repr(name)`` for an error message, cut to ``MAX_NAME_CHARS`` (``...`` marks a cut);
+    a container or a huge integer (a request's parameter, say) by its type and size alone: its
+    repr could be of any length or depth."""
+    if isinstance(name, list | tuple | dict | set | frozenset):
+        return f"a {type(name).__name__} of {len(name)}"
+    if isinstance(name, int) and name.bit_length() > 64:
+        return f"an integer of {name.bit_length()} bits"
+    # A long string's repr is cut from its head alone (the rest would be cut anyway).
+    text = repr(name[:MAX_NAME_CHARS + 1] if isinstance(name, str) else name)
+    return text if len(text) <= MAX_NAME_CHARS else text[:MAX_NAME_CHARS - 3] + "..."
+
+
+def named_list(names: Sequence[object]) -> str:
+    """The first ``MAX_NAMED_ITEMS`` of ``names``, quoted, then how many more there are."""
+    shown = ", ".join(quoted(name) for name in names[:MAX_NAMED_ITEMS])
+    more = len(names) - MAX_NAMED_ITEMS
+    return f"{shown} and {more} more" if more > 0 else shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +155,9 @@ class ModelSignature:
             unexpected = sorted(set(inputs) - set(expected), key=str)
             parts = []
             if missing:
-                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+                parts.append(f"missing input(s) {named_list(missing)}")
             if unexpected:
-                parts.append(f"unexpected input(s) {', '.join(map(repr, unexpected))}")
+                parts.append(f"unexpected input(s) {named_list(unexpected)}")
             raise BadRequestError(
                 f"model {self.model!r}{where}: {'; '.join(parts)} "
                 f"(the model takes {self._describe_inputs()})"
