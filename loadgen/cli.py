@@ -1,8 +1,10 @@
-"""``zserve bench``: open-loop load on a live cluster, goodput search, and the generator's ceiling.
+"""``zserve bench``: open-loop load on a live cluster, goodput search, closed-loop clients, and the
+generator's ceiling.
 
 ::
 
-    zserve bench CLUSTER.toml|ADDRESS WORKLOAD.toml [--rate R | --search goodput [--repeat N]]
+    zserve bench CLUSTER.toml|ADDRESS WORKLOAD.toml [--rate R | --search goodput [--repeat N]
+                 | --closed-loop N]
                  [--steps 10:2000,10:4000 | --trace RATES.txt] [--workers N|auto]
                  [--json OUT] [--plots DIR] [--records OUT.npz] [--max-lateness-ms 5]
                  [--protocol native|http-json|http-binary|grpc]
@@ -26,6 +28,9 @@ a probe certain to fail stops early (``BailRule``), and a probe the generator co
 keep up with is retried once, then ends the search (exit 3). ``--repeat N`` runs N searches on
 the same cluster and reports the median one, with every search's goodput under ``repeats``: on
 a shared host one search can differ from the next by a third, so one search is an anecdote.
+``--closed-loop N`` runs N clients instead, each sending its next request once its last one is
+answered, for the workload's warm-up and measure windows (``zserve.loadgen.closed_loop``): the
+report has answers and good answers per second, latency percentiles and errors, per model.
 
 Statistics come over the wire, never from guesses in the client: every backend is asked
 ``StatsRequest(reset=True)`` once a second (batch sizes and run times of its batches: the batch
@@ -58,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import breakdown, schedules
+from zserve.loadgen.closed_loop import run_closed_loop
 from zserve.loadgen.live_report import bound_rps
 from zserve.loadgen.live_run import (
     AUTO_WORKER_RATE_RPS,
@@ -90,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=float, help="total offered rate (r/s)")
     mode.add_argument("--search", choices=["goodput"], help="binary-search the goodput")
+    mode.add_argument("--closed-loop", type=int, metavar="N",
+                      help="N clients, each sending its next request once its last is answered "
+                      "(throughput and latency; the workload's warm-up and measure windows)")
     mode.add_argument(
         "--max-rate-check", action="store_true",
         help="find the highest rate the generator itself sustains (echo server, no cluster)",
@@ -223,7 +232,17 @@ def _check_max_rate(args: argparse.Namespace, workers: int, say: Callable[[str],
     return EXIT_OK
 
 
+def _print_closed_loop(report: dict[str, Any]) -> None:
+    latency = report["latency_ms"]
+    print(f"closed loop, {report['clients']} clients: {report['answers_per_s']:.1f} answers/s, "
+          f"{report['good_rps']:.1f} good/s; latency p50 {latency['p50']} ms, p90 "
+          f"{latency['p90']} ms, p99 {latency['p99']} ms; errors {report['errors'] or 0}")
+
+
 def _print_summary(report: dict[str, Any]) -> None:
+    if report.get("mode") == "closed-loop":
+        _print_closed_loop(report)
+        return
     print(summary_text(report))
     repeats = report.get("repeats")
     if repeats:
@@ -288,14 +307,14 @@ def _drive(args: argparse.Namespace, workers: int, say: Callable[[str], None]) -
     except (OSError, ValueError, GeneratorError) as exc:
         return _usage_error(str(exc))
     _write_json(args.json_out, report)
-    if args.plots:
+    if args.plots and report.get("mode") != "closed-loop":
         from zserve.loadgen import plots
 
         written = plots.write_all(report, args.plots)
         say(f"plots: {', '.join(str(p) for p in written)}")
     if not args.quiet:
         _print_summary(report)
-    if args.compare:
+    if args.compare and report.get("mode") != "closed-loop":
         _print_compared(args.compare, report)
     return EXIT_OK
 
@@ -335,6 +354,10 @@ def _bench(
     args: argparse.Namespace, workload: Workload, target: Target, options: BenchOptions,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
+    if args.closed_loop is not None:
+        return run_closed_loop(target, workload, clients=args.closed_loop,
+                               warmup_s=workload.warmup_s, measure_s=workload.measure_s,
+                               seed=workload.seed)
     if not args.search:
         report: dict[str, Any] = run_once(
             workload, target, None if options.schedule else workload.rate, options)

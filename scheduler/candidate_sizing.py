@@ -43,6 +43,7 @@ from zserve.scheduler.policy import (
     DEFER_MISS_WIDEN_S,
     DEFER_STAGGER_MIN_GPUS,
     RESCUE_SHARED_FLOOR,
+    DeferralYield,
     RpsMeter,
 )
 
@@ -91,6 +92,10 @@ class CandidateSizing:
     # deferred: this model's estimate of how often a deferred candidate loses its window
     defer_loss: float
     defer_backoff: int  # divides DEFER_LOSS_DECAY: doubles with each loss soon after the last
+    # deferred: whether waiting pays; the candidate head that deferred and when it could start
+    deferral_yield: DeferralYield
+    _defer_head: int
+    _defer_from: float
     # the candidate as last computed
     cand_bs: int  # in rows
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
@@ -403,11 +408,20 @@ class CandidateSizing:
         # batch reaches beta*lambda - 1, where waiting no longer pays in throughput, a shared
         # model from RESCUE_SHARED_FLOOR of that (policy.py). A shared model's deferring
         # candidate is the one whose window may be lost.
-        waits = self._rescue and exec_at > earliest
+        waits = self._rescue and exec_at > earliest and self._deferring_from(head, earliest)
         self._cand_early_ok = waits and bs >= self._rescue_from
         self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
+
+    def _deferring_from(self, head: int, earliest: float) -> bool:
+        """The candidate headed at ``head`` defers: the first time, note when it could have
+        started instead (what its joiners are counted from: ``DeferralYield``). True."""
+        rid = self._rid[head]
+        if rid != self._defer_head:
+            self._defer_head = rid
+            self._defer_from = earliest
+        return True
 
     def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,
                     grow: int) -> float:
@@ -417,7 +431,8 @@ class CandidateSizing:
         (light load: nothing would join). Contention is the rank's: a deferring candidate is
         published ``early_ok`` (set in ``_aim``) and the rank starts it early while the
         cluster is short of GPUs (``RankThread``, rescue)."""
-        if bs >= self._defer_below:
+        if bs >= self._defer_below or not self.deferral_yield.pays:
+            # past the stagger, or deferral has not been paying (closed-loop clients)
             return earliest
         if self._defer_shared and self.defer_loss > DEFER_LOSS_MAX:
             # its deferred windows are being lost (to other models' batches): waiting costs

@@ -74,6 +74,7 @@ from zserve.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
     DEFER_MISS_RELAX_S,
+    DeferralYield,
     RpsMeter,
     target_batch_size,
 )
@@ -198,6 +199,11 @@ class ModelThread(CandidateSizing):
         self.miss_margin_s = 0.0
         self.defer_loss = 0.0
         self.defer_backoff = 1
+        # deferred: whether waiting pays (its joiners), and when the candidate headed by
+        # request ``_defer_head`` first deferred: the moment it could have started instead
+        self.deferral_yield = DeferralYield()
+        self._defer_head = -1
+        self._defer_from = math.inf
 
     # ------------------------------------------------------------------ attributes
 
@@ -461,6 +467,8 @@ class ModelThread(CandidateSizing):
         self._update(now, grant.free_at, outbox)
         self._start_now = False
         bs = self.cand_bs
+        if self._rescue and bs:
+            self._note_yield(now)
         if bs == 0:
             outbox.append(
                 (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
@@ -502,6 +510,29 @@ class ModelThread(CandidateSizing):
         outbox.append((TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, True, finish_at)))
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def _note_yield(self, now: float) -> None:
+        """``deferred``: what the candidate granted at ``now`` gained by deferring (the rows that
+        arrived after it could have started: joiners the wait bought) against what its rate
+        promised for the wait, or that it did not defer (``DeferralYield``). The wait ends at the
+        grant, which fixes the batch whatever its exec time."""
+        head = self._head
+        since = self._defer_from
+        if self._rid[head] != self._defer_head or not now > since:
+            self.deferral_yield.note_at_once()
+            return
+        self._defer_head = -1
+        rate = self._defer_rate
+        if rate == math.inf:  # no rate sample yet: nothing was promised
+            return
+        count = self.cand_bs if self._rows is None else self.cand_count
+        arrivals = self._arr[head:head + count]
+        if self._rows is None:
+            joined = float(sum(1 for at in arrivals if at > since))
+        else:
+            rows = self._rows[head:head + count]
+            joined = float(sum(n for at, n in zip(arrivals, rows, strict=True) if at > since))
+        self.deferral_yield.note_deferred(joined, rate * (now - since))
 
     # ------------------------------------------------------------------ core
 

@@ -139,10 +139,17 @@ __all__ = [
     "DEFER_MISS_RELAX_S",
     "DEFER_MISS_WIDEN_S",
     "DEFER_STAGGER_MIN_GPUS",
+    "DEFER_YIELD_BACKOFF_MAX",
+    "DEFER_YIELD_DECAY",
+    "DEFER_YIELD_KEPT_RESET",
+    "DEFER_YIELD_MIN",
+    "DEFER_YIELD_MIN_EXPECTED",
+    "DEFER_YIELD_RETRY_BATCHES",
     "RESCUE_CONTENTION",
     "RESCUE_CONTENTION_EWMA",
     "RESCUE_SHARED_FLOOR",
     "RESCUE_SPACING_S_PER_CANDIDATE",
+    "DeferralYield",
     "RpsMeter",
     "largest_batch_at_rate",
     "target_batch_size",
@@ -250,6 +257,76 @@ seconds, and one core no longer kept up at a third of the cluster's capacity. Fi
 times the cost bounds the rescue to a fifth to a tenth of the rank's core at any rate, and
 delays a decision by at most 5 us for 2 models, 0.32 ms for 128 (twice the spacing changed
 nothing measurable at 128 models: the rest of the cost is per request)."""
+
+
+DEFER_YIELD_MIN = 0.25
+"""``deferred``: a model defers only while the rows that joined its deferred candidates after they
+could have started are at least this fraction of what its metered rate promised for those waits
+(``DeferralYield``). Under open-loop (Poisson) load the two agree (the yield is about 1); under
+closed-loop clients, who send a request only once their last one is answered, nothing can join a
+batch the scheduler holds back, and the yield is about 0: the whole wait is latency and GPU time
+lost (the demo's CNN, SLO 200 ms: a sync client waited 191 ms a request against eager's 5)."""
+
+DEFER_YIELD_DECAY = 0.05
+"""The weight each deferred candidate's rows carry in a model's yield (decayed sums of joined and
+expected rows over about its last 20 deferred candidates)."""
+
+DEFER_YIELD_MIN_EXPECTED = 3.0
+"""Expected rows the yield must have seen before it may stop deferral: below that, a Poisson
+stream's joiners are too few to judge (three expected rows bring none 5% of the time)."""
+
+DEFER_YIELD_RETRY_BATCHES = 200
+"""``deferred``: a model that stopped deferring for want of joiners defers again after this many
+batches started at once, times its backoff; a retry that finds no joiners either doubles the
+backoff, up to DEFER_YIELD_BACKOFF_MAX (a retry costs one batch held to its aim)."""
+
+DEFER_YIELD_BACKOFF_MAX = 128
+
+DEFER_YIELD_KEPT_RESET = 50
+"""Deferred candidates in a row that keep the yield up reset the backoff to 1."""
+
+
+class DeferralYield:
+    """Whether deferral pays for one model, measured rather than assumed (``deferred``): what its
+    deferred candidates gained by waiting (rows that arrived after the moment the candidate could
+    have started, and joined it) against what the metered rate promised for the wait. Deferral
+    stops while the gain falls short (DEFER_YIELD_MIN) and is retried with exponential backoff,
+    as the window-loss estimate does for shared GPUs. Pure; O(1) per batch."""
+
+    __slots__ = ("_kept", "backoff", "expected", "joined", "paused_for")
+
+    def __init__(self) -> None:
+        self.joined = 0.0  # decayed sums of rows (DEFER_YIELD_DECAY)
+        self.expected = 0.0
+        self.paused_for = 0  # batches still to start at once before deferring again
+        self.backoff = 1
+        self._kept = 0
+
+    @property
+    def pays(self) -> bool:
+        return self.paused_for == 0
+
+    def note_deferred(self, joined_rows: float, expected_rows: float) -> None:
+        """A candidate that deferred was granted: ``joined_rows`` arrived after it could have
+        started, ``expected_rows`` were promised for its wait (rate x wait)."""
+        keep = 1.0 - DEFER_YIELD_DECAY
+        self.joined = keep * self.joined + joined_rows
+        self.expected = keep * self.expected + expected_rows
+        if (self.expected >= DEFER_YIELD_MIN_EXPECTED
+                and self.joined < DEFER_YIELD_MIN * self.expected):
+            self.paused_for = DEFER_YIELD_RETRY_BATCHES * self.backoff
+            self.backoff = min(2 * self.backoff, DEFER_YIELD_BACKOFF_MAX)
+            self.joined = self.expected = 0.0  # the retry judges afresh
+            self._kept = 0
+            return
+        self._kept += 1
+        if self._kept >= DEFER_YIELD_KEPT_RESET:
+            self.backoff = 1
+
+    def note_at_once(self) -> None:
+        """A batch started without deferring."""
+        if self.paused_for:
+            self.paused_for -= 1
 
 
 class RpsMeter:

@@ -7,6 +7,7 @@ import math
 import zlib
 from typing import Any
 
+import numpy as np
 import pytest
 
 from zserve.hosting import TO_RANK, Outbox
@@ -23,6 +24,9 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_YIELD_KEPT_RESET,
+    DEFER_YIELD_RETRY_BATCHES,
+    DeferralYield,
     RpsMeter,
 )
 from zserve.transport.messages import (
@@ -660,3 +664,53 @@ def test_replanned_requests_keep_their_rows_and_are_not_counted_again() -> None:
     mt.on_grant(0.0, GrantGpu("m", 0, 1, 0.0), outbox)
     plan = next(m for _, m in outbox if isinstance(m, BatchPlan))
     assert plan.request_ids == [1, 2] and plan.rows == [3, 1]
+
+
+# --------------------------------------------------------------------------- deferral's yield
+
+
+def test_deferral_yield_stops_deferring_where_nothing_joins_and_retries_with_backoff() -> None:
+    closed = DeferralYield()
+    closed.note_deferred(joined_rows=0.0, expected_rows=15.0)  # a closed loop: none joins
+    assert not closed.pays and closed.paused_for == DEFER_YIELD_RETRY_BATCHES
+    for _ in range(DEFER_YIELD_RETRY_BATCHES):
+        closed.note_at_once()
+    assert closed.pays  # the retry
+    closed.note_deferred(joined_rows=1.0, expected_rows=15.0)
+    assert closed.paused_for == 2 * DEFER_YIELD_RETRY_BATCHES  # found none again: backs off
+    for _ in range(2 * DEFER_YIELD_RETRY_BATCHES):
+        closed.note_at_once()
+    for _ in range(DEFER_YIELD_KEPT_RESET):  # joiners now come as promised: backoff resets
+        closed.note_deferred(joined_rows=2.0, expected_rows=2.0)
+    assert closed.pays and closed.backoff == 1
+
+
+def test_deferral_yield_keeps_deferring_under_poisson_joiners() -> None:
+    """Poisson joiners: as many as the rate promises, on average. Thousands of candidates that
+    each expect 0.7 joiners (the joiner rule's bar) never stop deferral."""
+    rng = np.random.default_rng(1)
+    poisson = DeferralYield()
+    for _ in range(5000):
+        poisson.note_deferred(float(rng.poisson(0.7)), 0.7)
+        assert poisson.pays
+    # Too little seen to judge: a few unlucky candidates do not stop it either.
+    early = DeferralYield()
+    for _ in range(4):
+        early.note_deferred(0.0, 0.7)
+    assert early.pays
+
+
+def test_a_model_whose_deferred_batches_get_no_joiners_starts_at_once() -> None:
+    """Closed-loop clients: each request comes only after the last answer, so a deferred batch
+    waits to its aim with nobody joining. After one such batch the model starts at once (the
+    demo's sync client: 190 ms a request before, l(1) plus the allowances after)."""
+    now = TAUGHT_UNTIL_S
+    mt = _mt30()
+    mt.meter = _taught_meter(10)  # 1000 r/s: 23 joiners promised before the aim
+    (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
+    assert cand.exec_at > now + 20 * MS  # defers to its aim
+    granted_at = cand.exec_at
+    mt.on_grant(granted_at, GrantGpu("m", 0, 1, free_at=granted_at), [])
+    assert not mt.deferral_yield.pays
+    (cand,) = _cands(_arrive(mt, granted_at + MS, [2], slo=30 * MS))
+    assert cand.exec_at == pytest.approx(granted_at + MS)  # at once
