@@ -225,7 +225,8 @@ class Simulator:
         for follower in followers:
             for m in w.models:
                 follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
-        return models, RankThread(list(range(w.gpus)), 0.0), followers
+        rank = RankThread(list(range(w.gpus)), 0.0, deadline_order=self.policy.deadline_order)
+        return models, rank, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:
         """The request indexes of the cores' request ids ``rids``."""

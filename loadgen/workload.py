@@ -14,7 +14,8 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     warmup_s = 2.0             # not counted
     measure_s = 10.0           # counted: bad rate, latency, goodput
     cooldown_s = 1.0           # load keeps flowing, not counted
-    policy = "deferred"        # deferred | frontrun | latest | eager | eager-edf | timeout:F
+    policy = "deferred"        # deferred | frontrun | latest | eager | eager-edf | eager-lsf
+                               # | timeout:F
     drop = "window"            # window | suffix | alone | fcfs
     d_ctrl_ms = 0.0            # plan delivery allowance before a batch can start
     d_data_ms = 0.0            # per-request input-fetch allowance

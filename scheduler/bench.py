@@ -106,7 +106,8 @@ class _Probe:
             for i in range(self.m)
         ]
         self.index = {mt.model: i for i, mt in enumerate(self.models)}
-        self.rank = RankThread(list(range(args.gpus)), 0.0)
+        self.rank = RankThread(list(range(args.gpus)), 0.0,
+                               deadline_order=policy.deadline_order)
         self.rng = np.random.default_rng(args.seed)
         self.per_model_rate = rate / self.m
         capacity = int(rate * (args.duration + 1) * 1.2 + 1000)

@@ -89,11 +89,16 @@ runs through the same ModelThread/RankThread code paths:
     Work-conserving: ``exec = max(now + delay(bs), gpu_free_at)`` (Clockwork/Shepherd default),
     with the window drop's target batch size.
 ``eager-edf``
-    The paper's Clockwork baseline: eager, under the ``alone`` drop (no target batch size: only
+    The papers' Clockwork baseline: eager, under the ``alone`` drop (no target batch size: only
     what cannot finish even alone is dropped, and the batch is the largest feasible prefix), and a
-    freed GPU goes to the waiting candidate whose latest start is earliest (the rank's order for
-    every policy; Clockwork's "earliest latest executable moment", earliest-deadline-first on
-    start deadlines across models). An explicit ``drop`` other than ``window`` overrides.
+    freed GPU goes to the waiting candidate whose head has the earliest deadline, across models
+    (earliest deadline first, work-conserving; ``RankThread`` with ``deadline_order``). An
+    explicit ``drop`` other than ``window`` overrides.
+``eager-lsf``
+    ``eager-edf`` with the rank's order of every other policy: a freed GPU goes to the waiting
+    candidate whose latest start (deadline less its batch's run time) is earliest, least slack
+    first (Clockwork's "earliest latest executable moment"). It favours long batches, which the
+    deadline order makes wait behind short ones.
 ``timeout:F``
     TF-Serving/Triton style: ``exec = max(earliest, a + F * SLO)`` with ``a`` the earliest
     arrival in the batch, F a fraction of the SLO (``timeout:0.3``).

@@ -76,6 +76,7 @@ from zserve.config import RoleConfig
 from zserve.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
 from zserve.errors import ZServeError
 from zserve.hosting import DEST_MODEL, Outbox
+from zserve.policies import SchedulePolicy
 from zserve.role_runner import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S, RankBackends, _Backend
@@ -134,12 +135,13 @@ class RankHost(RankBackends):
         backend_timeout_s: float = BACKEND_TIMEOUT_S,
         local: tuple[str, Callable[[Message], None]] | None = None,
         watch: SchedulerWatch | None = None,
+        deadline_order: bool = False,
     ) -> None:
         self.name = name
         self.sock = sock
         self.reactor = reactor
         self.loop = asyncio.get_running_loop()
-        self.rank = RankThread([], time.monotonic())
+        self.rank = RankThread([], time.monotonic(), deadline_order=deadline_order)
         self.timer = WakeTimer(self.loop, self.rank, self._on_timer)
         self.backend_timeout_s = backend_timeout_s
         self._local_identity = local[0].encode() if local else None
@@ -526,8 +528,11 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         )
         sock, endpoint = make_router(ctx, config.bind["rank"], name=f"{name} rank",
                                      advertise_host=config.advertise_host)
+        sched = config.cluster.scheduler
         host = RankHost(name=name, sock=sock, reactor=reactor,
-                        backend_timeout_s=config.backend_timeout_s or BACKEND_TIMEOUT_S)
+                        backend_timeout_s=config.backend_timeout_s or BACKEND_TIMEOUT_S,
+                        deadline_order=SchedulePolicy.parse(sched.policy,
+                                                            sched.drop).deadline_order)
         holder.append(host)
         host.start()
         log.info("%s: %s", name, host.clock.describe())

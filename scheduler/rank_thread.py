@@ -30,7 +30,8 @@ Matching (Symphony Appendix D, with the design's consolidation rule):
   *schedulable* (pending).
 - GPU timer at ``min free_at - max pending delay``: purge pending candidates with
   ``latest < free_at`` (safe for every later GPU, which frees no earlier), then grant the GPU to the
-  pending candidate with the smallest ``latest``.
+  pending candidate with the smallest ``latest`` (least slack first), or with ``deadline_order``
+  (``eager-edf``) the earliest deadline, ``latest`` plus its batch's duration.
 - A grant marks the GPU as granted (free at +inf) and discards the model's candidate; the model's
   further candidates are ignored until its GrantAnswer arrives.
 
@@ -69,8 +70,12 @@ _GRANTED = 2  # granted, waiting for the model's answer; in no heap
 class RankThread:
     """Global GPU state and per-model candidates; see the module docstring."""
 
-    def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0) -> None:
+    def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
+                 deadline_order: bool = False) -> None:
+        """``deadline_order``: a freed GPU goes to the waiting candidate with the earliest
+        deadline (``eager-edf``) instead of the earliest latest start."""
         self.wake_at = _INF
+        self.deadline_order = deadline_order
         self.epoch = 0  # the scheduler epoch its grants carry (zserve.epochs); the host sets it
         self._free_at: dict[int, float] = {}
         self._state: dict[int, int] = {}
@@ -94,6 +99,7 @@ class RankThread:
         self._grant_seq = 0
         self._model_timers: list[tuple[float, int, str]] = []  # (fire_at, version, model)
         self._pending: dict[str, int] = {}  # model -> version (schedulable, waiting for a GPU)
+        # (order key, version, model): the latest start, or the deadline (deadline_order)
         self._pending_latest: list[tuple[float, int, str]] = []
         self._pending_delay: list[tuple[float, int, str]] = []  # (-delay, version, model)
         # counters
@@ -305,7 +311,9 @@ class RankThread:
         if shared:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._pending[model] = version
-        heapq.heappush(self._pending_latest, (latest, version, model))
+        # a candidate's deadline is its latest start plus its batch's duration
+        key = latest + self._cand_run[model][0] if self.deadline_order else latest
+        heapq.heappush(self._pending_latest, (key, version, model))
         heapq.heappush(self._pending_delay, (-delay, version, model))
 
     def _max_pending_delay(self) -> float:
@@ -322,10 +330,11 @@ class RankThread:
         heap = self._pending_latest
         pending = self._pending
         while heap:
-            latest, version, model = heap[0]
+            _, version, model = heap[0]
             if pending.get(model) != version:
                 heapq.heappop(heap)
                 continue
+            latest = self._cand[model][2]
             if latest < free_at:
                 heapq.heappop(heap)
                 del pending[model]

@@ -193,10 +193,11 @@ def test_zoo_quick(tmp_path: Path) -> None:
     points = result["points"]
     deferred = points["deferred"]["goodput_rps"]
     assert deferred > 0.5 * points["deferred"]["bound_rps"]
-    for policy in ("frontrun", "eager", "timeout:0.3"):
+    for policy in ("frontrun", "eager", "eager-edf", "timeout:0.3"):
         assert 0 < points[policy]["goodput_rps"] / deferred <= 1.5, policy
     (table,) = result["tables"]
-    assert [row[0] for row in table["rows"]] == ["deferred", "frontrun", "eager", "timeout:0.3"]
+    assert [row[0] for row in table["rows"]] == ["deferred", "frontrun", "eager", "eager-edf",
+                                                 "timeout:0.3"]
 
 
 def test_flattop_quick(tmp_path: Path) -> None:

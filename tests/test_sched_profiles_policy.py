@@ -95,6 +95,11 @@ def test_policy_names() -> None:
     edf = SchedulePolicy.parse("eager-edf")
     assert (edf.kind, edf.drop_name) == (SchedulePolicy.parse("eager").kind, "alone")
     assert SchedulePolicy.parse("eager-edf", "fcfs").drop_name == "fcfs"
+    # earliest deadline first across models; least slack first under its own name
+    lsf = SchedulePolicy.parse("eager-lsf")
+    assert edf.deadline_order and not lsf.deadline_order and lsf.drop_name == "alone"
+    assert not any(SchedulePolicy.parse(name).deadline_order
+                   for name in ("deferred", "frontrun", "eager", "timeout:0.3"))
     for bad in ("fast", "timeout", "timeout:2", "eager:1"):
         with pytest.raises(ValueError):
             SchedulePolicy.parse(bad)

@@ -78,6 +78,25 @@ def test_no_gpu_by_exec_makes_candidate_schedulable_then_gpu_timer_grants_smalle
     assert rank.n_purged == 1
 
 
+@pytest.mark.parametrize(("deadline_order", "first"), [(False, "long"), (True, "short")])
+def test_a_freed_gpu_goes_to_least_slack_or_to_the_earliest_deadline(
+    deadline_order: bool, first: str
+) -> None:
+    """"long" (a 2 s batch) has the earlier latest start, "short" (0.1 s) the earlier deadline:
+    least slack first (eager-lsf, every other policy) grants "long", earliest deadline first
+    (eager-edf, the paper's Clockwork baseline) grants "short"."""
+    rank = RankThread([0], 0.0, deadline_order=deadline_order)
+    _busy(rank, 0.0, 0, until=5.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, CandidateUpdate("long", 8, 1.0, 6.0, 0.1, duration=2.0), out)
+    rank.on_candidate(0.0, CandidateUpdate("short", 1, 1.0, 6.5, 0.1, duration=0.1), out)
+    rank.on_timer(0.9, out)
+    assert _grants(out) == [] and rank.pending_models() == ["long", "short"]
+    rank.on_timer(rank.wake_at, out)
+    (grant,) = _grants(out)
+    assert grant.model == first
+
+
 def test_stale_candidate_is_not_granted() -> None:
     rank = RankThread([0], 0.0)
     out: Outbox = []

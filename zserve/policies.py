@@ -17,7 +17,7 @@ raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 
 (InceptionResNetV2), and the Gamma(0.3) ResNet50 goodput from 4688 to 4875 r/s."""
 
 SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "eager-edf",
-                     "timeout")
+                     "eager-lsf", "timeout")
 DROP_POLICIES = ("window", "suffix", "alone", "fcfs")
 
 # Schedule kinds as small ints: compared on the hot path.
@@ -33,11 +33,15 @@ _KIND_BY_NAME = {
     "latest": KIND_LATEST,
     "eager": KIND_EAGER,
     "eager-edf": KIND_EAGER,
+    "eager-lsf": KIND_EAGER,
     "timeout": KIND_TIMEOUT,
 }
-# eager-edf is eager under the alone drop (Clockwork: no target batch size; see
-# zserve.scheduler.policy): its drop unless another than the default window is named.
-_DEFAULT_DROP_BY_NAME = {"eager-edf": "alone"}
+# eager-edf and eager-lsf are eager under the alone drop (Clockwork: no target batch size; see
+# zserve.scheduler.policy): their drop unless another than the default window is named.
+_DEFAULT_DROP_BY_NAME = {"eager-edf": "alone", "eager-lsf": "alone"}
+# Policies whose rank gives a freed GPU to the waiting candidate with the earliest deadline; the
+# others give it to the one with the earliest latest start (least slack).
+_DEADLINE_ORDER = frozenset({"eager-edf"})
 DROP_WINDOW = 0
 DROP_ALONE = 1
 DROP_FCFS = 2
@@ -58,7 +62,9 @@ class PolicyError(ValueError):
 class SchedulePolicy:
     """A parsed policy name. ``timeout_fraction`` is only meaningful for ``timeout``;
     ``rank_rescue``: the rank may start the policy's deferring candidates early (``deferred``;
-    ``deferred-bl`` runs the same kind without it, zserve.scheduler.policy)."""
+    ``deferred-bl`` runs the same kind without it, zserve.scheduler.policy);
+    ``deadline_order``: the rank orders waiting candidates by deadline (``eager-edf``), not by
+    latest start."""
 
     name: str
     kind: int
@@ -66,6 +72,7 @@ class SchedulePolicy:
     drop: int = DROP_WINDOW
     drop_name: str = "window"
     rank_rescue: bool = False
+    deadline_order: bool = False
 
     @property
     def keeps_target(self) -> bool:
@@ -75,8 +82,9 @@ class SchedulePolicy:
     @classmethod
     def parse(cls, spec: str, drop: str = "window") -> SchedulePolicy:
         """``deferred`` | ``deferred-bl`` | ``frontrun`` | ``latest`` | ``eager`` |
-        ``eager-edf`` | ``timeout:F``; ``drop`` is ``window`` | ``suffix`` | ``alone`` | ``fcfs``
-        (``window``, the default, means ``alone`` for ``eager-edf``). Raises PolicyError (a
+        ``eager-edf`` | ``eager-lsf`` | ``timeout:F``; ``drop`` is ``window`` | ``suffix`` |
+        ``alone`` | ``fcfs`` (``window``, the default, means ``alone`` for ``eager-edf`` and
+        ``eager-lsf``). Raises PolicyError (a
         ValueError) naming the choices and, in ``key``, which of the two names is at fault."""
         base, _, arg = spec.strip().partition(":")
         if base not in _KIND_BY_NAME:
@@ -89,7 +97,8 @@ class SchedulePolicy:
         if drop == "window":
             drop = _DEFAULT_DROP_BY_NAME.get(base, drop)
         return cls(spec.strip(), _KIND_BY_NAME[base], _timeout_fraction(base, arg, spec),
-                   _DROP_BY_NAME[drop], drop, rank_rescue=base == "deferred")
+                   _DROP_BY_NAME[drop], drop, rank_rescue=base == "deferred",
+                   deadline_order=base in _DEADLINE_ORDER)
 
 
 def _timeout_fraction(base: str, arg: str, spec: str) -> float:
