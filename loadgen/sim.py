@@ -225,7 +225,7 @@ class Simulator:
         for follower in followers:
             for m in w.models:
                 follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
-        rank = RankThread(list(range(w.gpus)), 0.0, deadline_order=self.policy.deadline_order)
+        rank = RankThread(list(range(w.gpus)), 0.0, grant_order=self.policy.grant_order)
         return models, rank, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:

@@ -107,7 +107,7 @@ class _Probe:
         ]
         self.index = {mt.model: i for i, mt in enumerate(self.models)}
         self.rank = RankThread(list(range(args.gpus)), 0.0,
-                               deadline_order=policy.deadline_order)
+                               grant_order=policy.grant_order)
         self.rng = np.random.default_rng(args.seed)
         self.per_model_rate = rate / self.m
         capacity = int(rate * (args.duration + 1) * 1.2 + 1000)

@@ -76,7 +76,7 @@ from zserve.config import RoleConfig
 from zserve.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
 from zserve.errors import ZServeError
 from zserve.hosting import DEST_MODEL, Outbox
-from zserve.policies import SchedulePolicy
+from zserve.policies import GRANT_FIRST_DUE, SchedulePolicy
 from zserve.role_runner import cancel_all, spawn
 from zserve.rolecli import role_config_from_args, role_parser
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S, RankBackends, _Backend
@@ -135,13 +135,13 @@ class RankHost(RankBackends):
         backend_timeout_s: float = BACKEND_TIMEOUT_S,
         local: tuple[str, Callable[[Message], None]] | None = None,
         watch: SchedulerWatch | None = None,
-        deadline_order: bool = False,
+        grant_order: str = GRANT_FIRST_DUE,
     ) -> None:
         self.name = name
         self.sock = sock
         self.reactor = reactor
         self.loop = asyncio.get_running_loop()
-        self.rank = RankThread([], time.monotonic(), deadline_order=deadline_order)
+        self.rank = RankThread([], time.monotonic(), grant_order=grant_order)
         self.timer = WakeTimer(self.loop, self.rank, self._on_timer)
         self.backend_timeout_s = backend_timeout_s
         self._local_identity = local[0].encode() if local else None
@@ -531,8 +531,7 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         sched = config.cluster.scheduler
         host = RankHost(name=name, sock=sock, reactor=reactor,
                         backend_timeout_s=config.backend_timeout_s or BACKEND_TIMEOUT_S,
-                        deadline_order=SchedulePolicy.parse(sched.policy,
-                                                            sched.drop).deadline_order)
+                        grant_order=SchedulePolicy.parse(sched.policy, sched.drop).grant_order)
         holder.append(host)
         host.start()
         log.info("%s: %s", name, host.clock.describe())

@@ -30,8 +30,11 @@ Matching (Symphony Appendix D, with the design's consolidation rule):
   *schedulable* (pending).
 - GPU timer at ``min free_at - max pending delay``: purge pending candidates with
   ``latest < free_at`` (safe for every later GPU, which frees no earlier), then grant the GPU to the
-  pending candidate with the smallest ``latest`` (least slack first), or with ``deadline_order``
-  (``eager-edf``) the earliest deadline, ``latest`` plus its batch's duration.
+  pending candidate with the smallest ``latest`` (least slack first), or under
+  ``GRANT_EARLIEST_DEADLINE`` (``eager-edf``) the earliest deadline, ``latest`` plus its batch's
+  duration. Under the two ordered grants (``eager-edf``, ``eager-lsf``) a model timer takes only
+  a GPU idle now, so every GPU that frees goes to the most urgent waiting candidate rather than
+  to the first whose timer fires.
 - A grant marks the GPU as granted (free at +inf) and discards the model's candidate; the model's
   further candidates are ignored until its GrantAnswer arrives.
 
@@ -52,6 +55,7 @@ import heapq
 import math
 
 from zserve.hosting import DEST_MODEL, Outbox
+from zserve.policies import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
 from zserve.scheduler.policy import (
     RESCUE_CONTENTION,
     RESCUE_CONTENTION_EWMA,
@@ -71,11 +75,19 @@ class RankThread:
     """Global GPU state and per-model candidates; see the module docstring."""
 
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
-                 deadline_order: bool = False) -> None:
-        """``deadline_order``: a freed GPU goes to the waiting candidate with the earliest
-        deadline (``eager-edf``) instead of the earliest latest start."""
+                 grant_order: str = GRANT_FIRST_DUE) -> None:
+        """``grant_order`` (``zserve.policies``): ``GRANT_FIRST_DUE``, a candidate takes the GPU
+        that is free by its exec time when its timer comes, and a freed GPU goes to the waiting
+        candidate with the earliest latest start; ``GRANT_LEAST_SLACK`` and
+        ``GRANT_EARLIEST_DEADLINE``, a candidate takes only a GPU idle at its timer, and a GPU
+        that frees goes to the waiting candidate with the earliest latest start, or deadline:
+        the most urgent, whichever timer came first (the eager baselines)."""
+        if grant_order not in (GRANT_FIRST_DUE, GRANT_LEAST_SLACK, GRANT_EARLIEST_DEADLINE):
+            raise ValueError(f"unknown grant order {grant_order!r}")
         self.wake_at = _INF
-        self.deadline_order = deadline_order
+        self.grant_order = grant_order
+        self._by_deadline = grant_order == GRANT_EARLIEST_DEADLINE
+        self._free_only = grant_order != GRANT_FIRST_DUE
         self.epoch = 0  # the scheduler epoch its grants carry (zserve.epochs); the host sets it
         self._free_at: dict[int, float] = {}
         self._state: dict[int, int] = {}
@@ -302,7 +314,7 @@ class RankThread:
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
         shared = self._cand_run[model][2]  # set with _cand[model], in on_candidate
-        if found is not None and found[1] <= exec_at:
+        if found is not None and found[1] <= (now if self._free_only else exec_at):
             if shared:
                 self.contention -= RESCUE_CONTENTION_EWMA * self.contention
             self.n_model_matches += 1
@@ -312,9 +324,22 @@ class RankThread:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._pending[model] = version
         # a candidate's deadline is its latest start plus its batch's duration
-        key = latest + self._cand_run[model][0] if self.deadline_order else latest
+        key = latest + self._cand_run[model][0] if self._by_deadline else latest
         heapq.heappush(self._pending_latest, (key, version, model))
         heapq.heappush(self._pending_delay, (-delay, version, model))
+
+    def _enlist_due_by(self, now: float, free_at: float) -> None:
+        """Ordered grants: every candidate whose exec time comes by ``free_at`` and that a grant
+        now still serves in time joins the waiting ones, whether or not its own timer came: the
+        GPU goes to the most urgent of them all."""
+        pending = self._pending
+        for model, (_, exec_at, latest, delay) in self._cand.items():
+            if model not in pending and exec_at <= free_at and now + delay <= latest:
+                version = self._version[model]
+                pending[model] = version
+                key = latest + self._cand_run[model][0] if self._by_deadline else latest
+                heapq.heappush(self._pending_latest, (key, version, model))
+                heapq.heappush(self._pending_delay, (-delay, version, model))
 
     def _max_pending_delay(self) -> float:
         heap = self._pending_delay
@@ -327,6 +352,8 @@ class RankThread:
         return -_INF
 
     def _on_gpu_timer(self, now: float, gpu_id: int, free_at: float, outbox: Outbox) -> None:
+        if self._free_only:
+            self._enlist_due_by(now, free_at)
         heap = self._pending_latest
         pending = self._pending
         while heap:

@@ -107,7 +107,7 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
         timeout_s = config.backend_timeout_s or BACKEND_TIMEOUT_S
         proc.rank = RankHost(name=name, sock=rank_sock, reactor=proc.reactor,
                              backend_timeout_s=timeout_s, local=(name, host.deliver_from_rank),
-                             watch=_watch(config), deadline_order=host.policy.deadline_order)
+                             watch=_watch(config), grant_order=host.policy.grant_order)
         proc.rank.on_superseded = lambda: _step_down(proc)
         host.active = proc.rank.active
         host.embed_rank(proc.rank)

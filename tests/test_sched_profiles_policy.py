@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from zserve.config import ModelConfig, parse_config
-from zserve.policies import SchedulePolicy
+from zserve.policies import (
+    GRANT_EARLIEST_DEADLINE,
+    GRANT_FIRST_DUE,
+    GRANT_LEAST_SLACK,
+    SchedulePolicy,
+)
 from zserve.profiles import (
     LatencyProfile,
     configured_profile,
@@ -97,9 +102,10 @@ def test_policy_names() -> None:
     assert SchedulePolicy.parse("eager-edf", "fcfs").drop_name == "fcfs"
     # earliest deadline first across models; least slack first under its own name
     lsf = SchedulePolicy.parse("eager-lsf")
-    assert edf.deadline_order and not lsf.deadline_order and lsf.drop_name == "alone"
-    assert not any(SchedulePolicy.parse(name).deadline_order
-                   for name in ("deferred", "frontrun", "eager", "timeout:0.3"))
+    assert (edf.grant_order, lsf.grant_order) == (GRANT_EARLIEST_DEADLINE, GRANT_LEAST_SLACK)
+    assert lsf.drop_name == "alone"
+    assert all(SchedulePolicy.parse(name).grant_order == GRANT_FIRST_DUE
+               for name in ("deferred", "frontrun", "eager", "timeout:0.3"))
     for bad in ("fast", "timeout", "timeout:2", "eager:1"):
         with pytest.raises(ValueError):
             SchedulePolicy.parse(bad)

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from zserve.hosting import Outbox
+from zserve.policies import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
 from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_SPACING_S_PER_CANDIDATE
 from zserve.scheduler.rank_thread import _IDLE as IDLE
 from zserve.scheduler.rank_thread import RankThread
@@ -78,14 +79,16 @@ def test_no_gpu_by_exec_makes_candidate_schedulable_then_gpu_timer_grants_smalle
     assert rank.n_purged == 1
 
 
-@pytest.mark.parametrize(("deadline_order", "first"), [(False, "long"), (True, "short")])
+@pytest.mark.parametrize(("order", "first"), [(GRANT_FIRST_DUE, "long"),
+                                              (GRANT_LEAST_SLACK, "long"),
+                                              (GRANT_EARLIEST_DEADLINE, "short")])
 def test_a_freed_gpu_goes_to_least_slack_or_to_the_earliest_deadline(
-    deadline_order: bool, first: str
+    order: str, first: str
 ) -> None:
     """"long" (a 2 s batch) has the earlier latest start, "short" (0.1 s) the earlier deadline:
-    least slack first (eager-lsf, every other policy) grants "long", earliest deadline first
-    (eager-edf, the paper's Clockwork baseline) grants "short"."""
-    rank = RankThread([0], 0.0, deadline_order=deadline_order)
+    least slack first (eager-lsf, every other policy's pending order) grants "long", earliest
+    deadline first (eager-edf, the paper's Clockwork baseline) grants "short"."""
+    rank = RankThread([0], 0.0, grant_order=order)
     _busy(rank, 0.0, 0, until=5.0)
     out: Outbox = []
     rank.on_candidate(0.0, CandidateUpdate("long", 8, 1.0, 6.0, 0.1, duration=2.0), out)
@@ -326,3 +329,23 @@ def test_one_model_alone_is_rescued_too() -> None:
     rank.on_timer(2.0, out)
     (grant,) = _grants(out)
     assert grant.model == "m" and grant.early and rank.n_rescues == 1
+
+
+@pytest.mark.parametrize(("order", "first"), [(GRANT_FIRST_DUE, "late"),
+                                              (GRANT_EARLIEST_DEADLINE, "urgent")])
+def test_under_an_ordered_grant_a_busy_gpu_waits_for_the_most_urgent_candidate(
+    order: str, first: str
+) -> None:
+    """Two eager candidates aim at the GPU's free time; "late"'s timer fires first (smaller
+    delay comes later: exec - delay), "urgent" has the earlier deadline. First-due hands the GPU
+    to the first timer; the ordered grant waits for the GPU to free and hands it to the most
+    urgent."""
+    rank = RankThread([0], 0.0, grant_order=order)
+    _busy(rank, 0.0, 0, until=1.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, CandidateUpdate("late", 4, 1.0, 3.0, 0.3, duration=0.5), out)
+    rank.on_candidate(0.0, CandidateUpdate("urgent", 4, 1.0, 1.2, 0.1, duration=0.5), out)
+    while not _grants(out) and rank.wake_at < 5.0:
+        rank.on_timer(rank.wake_at, out)
+    (grant,) = _grants(out)
+    assert grant.model == first and grant.free_at == pytest.approx(1.0)

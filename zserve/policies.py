@@ -39,9 +39,13 @@ _KIND_BY_NAME = {
 # eager-edf and eager-lsf are eager under the alone drop (Clockwork: no target batch size; see
 # zserve.scheduler.policy): their drop unless another than the default window is named.
 _DEFAULT_DROP_BY_NAME = {"eager-edf": "alone", "eager-lsf": "alone"}
-# Policies whose rank gives a freed GPU to the waiting candidate with the earliest deadline; the
-# others give it to the one with the earliest latest start (least slack).
-_DEADLINE_ORDER = frozenset({"eager-edf"})
+# How the rank hands out a GPU: to the first candidate whose exec time comes (every policy but
+# two), or, for the two eager baselines, to the most urgent of the candidates waiting when it
+# frees: by deadline (eager-edf) or by latest start, least slack first (eager-lsf).
+GRANT_FIRST_DUE = "first-due"
+GRANT_LEAST_SLACK = "least-slack"
+GRANT_EARLIEST_DEADLINE = "earliest-deadline"
+_GRANT_ORDER_BY_NAME = {"eager-edf": GRANT_EARLIEST_DEADLINE, "eager-lsf": GRANT_LEAST_SLACK}
 DROP_WINDOW = 0
 DROP_ALONE = 1
 DROP_FCFS = 2
@@ -63,8 +67,7 @@ class SchedulePolicy:
     """A parsed policy name. ``timeout_fraction`` is only meaningful for ``timeout``;
     ``rank_rescue``: the rank may start the policy's deferring candidates early (``deferred``;
     ``deferred-bl`` runs the same kind without it, zserve.scheduler.policy);
-    ``deadline_order``: the rank orders waiting candidates by deadline (``eager-edf``), not by
-    latest start."""
+    ``grant_order``: how the rank hands out a GPU (``GRANT_FIRST_DUE`` and the others)."""
 
     name: str
     kind: int
@@ -72,7 +75,7 @@ class SchedulePolicy:
     drop: int = DROP_WINDOW
     drop_name: str = "window"
     rank_rescue: bool = False
-    deadline_order: bool = False
+    grant_order: str = GRANT_FIRST_DUE
 
     @property
     def keeps_target(self) -> bool:
@@ -98,7 +101,7 @@ class SchedulePolicy:
             drop = _DEFAULT_DROP_BY_NAME.get(base, drop)
         return cls(spec.strip(), _KIND_BY_NAME[base], _timeout_fraction(base, arg, spec),
                    _DROP_BY_NAME[drop], drop, rank_rescue=base == "deferred",
-                   deadline_order=base in _DEADLINE_ORDER)
+                   grant_order=_GRANT_ORDER_BY_NAME.get(base, GRANT_FIRST_DUE))
 
 
 def _timeout_fraction(base: str, arg: str, spec: str) -> float:
