@@ -68,6 +68,7 @@ from zserve.groups import group_by_frontend
 from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.policies import (
     DEFAULT_KEEP_TOLERANCE,
+    GRANT_EARLIEST_DEADLINE,
     SchedulePolicy,
 )
 from zserve.profiles import LatencyProfile
@@ -142,6 +143,7 @@ class ModelThread(CandidateSizing):
         self._keeps_target = self._policy.keeps_target
         self._kind = self._policy.kind
         self._rescue = self._policy.rank_rescue  # the rank may start it early
+        self._by_deadline = self._policy.grant_order == GRANT_EARLIEST_DEADLINE
         self._start_now = False  # set while an early (rescue) grant is planned
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
@@ -247,6 +249,7 @@ class ModelThread(CandidateSizing):
         self._kind = policy.kind
         # deferred: the joiner rule and the rank's rescue (policy.py)
         self._rescue = policy.rank_rescue
+        self._by_deadline = policy.grant_order == GRANT_EARLIEST_DEADLINE
         if hasattr(self, "_meter"):
             self._refresh_defer_below()
 
@@ -647,8 +650,10 @@ class ModelThread(CandidateSizing):
               and sent[3] == early_ok):
             return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
-        # the duration feeds only deferred's projection: no work for the other policies
-        duration = self._expected_duration(now, bs) if self._rescue else 0.0
+        # the duration feeds deferred's projection, and eager-edf's deadline order (latest +
+        # l(bs) is the head's deadline): no work for the other policies
+        duration = (self._expected_duration(now, bs) if self._rescue
+                    else self._table[bs] if self._by_deadline else 0.0)
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
                                                 duration, early_ok,
                                                 self._rescue and self._defer_shared)))

@@ -714,3 +714,13 @@ def test_a_model_whose_deferred_batches_get_no_joiners_starts_at_once() -> None:
     assert not mt.deferral_yield.pays
     (cand,) = _cands(_arrive(mt, granted_at + MS, [2], slo=30 * MS))
     assert cand.exec_at == pytest.approx(granted_at + MS)  # at once
+
+
+def test_eager_edf_candidates_carry_their_deadline_to_the_rank() -> None:
+    """The rank orders eager-edf's waiting candidates by deadline: latest + duration, which the
+    candidate must make its head's deadline (the other policies send no duration)."""
+    for policy, carries in (("eager-edf", True), ("eager-lsf", False), ("eager", False)):
+        mt = ModelThread("m", PROFILE, 30 * MS, SchedulePolicy.parse(policy))
+        (cand,) = _cands(_arrive(mt, 1.0, [1, 2], slo=30 * MS))
+        deadline = 1.0 + 30 * MS
+        assert (cand.latest + cand.duration == pytest.approx(deadline)) is carries, policy
