@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,80 @@ import zmq
 import zmq.asyncio
 
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT, IpcDir, make_dealer, make_router
+
+# --------------------------------------------------------------------------- busy host
+
+BUSY_HOST_OPTION = "--busy-host"
+BUSY_HOST_ENV = "ZSERVE_BUSY_HOST"
+BUSY_HOST_NICE = 19
+# A spinner checks every ~20-50 ms of spinning that the pytest process that started it is still
+# its parent, and exits when it is not: a session killed with SIGKILL leaves nothing spinning.
+BUSY_HOST_SPINNER = f"""
+import os, sys
+os.nice({BUSY_HOST_NICE})
+sys.stdout.write("spinning\\n")
+sys.stdout.close()
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(500_000):
+        pass
+"""
+BUSY_HOST_MARK = "zserve-busy-host"  # the spinners' last argument: how ps and tests tell them
+BUSY_HOST_STOP_WAIT_S = 10.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        BUSY_HOST_OPTION, action="store_true",
+        help=f"keep the host busy for the whole session: one spinning process per core at nice "
+             f"{BUSY_HOST_NICE}, started and stopped by the session (also {BUSY_HOST_ENV}=1)")
+
+
+def busy_host_requested(config: pytest.Config) -> bool:
+    return bool(config.getoption(BUSY_HOST_OPTION)) or os.environ.get(BUSY_HOST_ENV) == "1"
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not busy_host_requested(config):
+        return None
+    return f"busy host: {os.cpu_count()} spinning processes at nice {BUSY_HOST_NICE}"
+
+
+def start_spinners(count: int) -> list[subprocess.Popen[bytes]]:
+    """``count`` processes that spin at nice 19 until stopped, or until this process is gone."""
+    command = [sys.executable, "-c", BUSY_HOST_SPINNER, str(os.getpid()), BUSY_HOST_MARK]
+    spinners = [subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+                for _ in range(count)]
+    try:
+        for spinner in spinners:  # each says so once it runs at nice 19: no test starts before
+            assert spinner.stdout is not None
+            with spinner.stdout:
+                assert spinner.stdout.readline() == b"spinning\n", "a spinner did not start"
+    except BaseException:
+        stop_spinners(spinners)
+        raise
+    return spinners
+
+
+def stop_spinners(spinners: list[subprocess.Popen[bytes]]) -> None:
+    for spinner in spinners:
+        spinner.kill()
+    for spinner in spinners:
+        spinner.wait(BUSY_HOST_STOP_WAIT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_host(request: pytest.FixtureRequest) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """With ``--busy-host`` (or ZSERVE_BUSY_HOST=1): the session's spinners, one per core, from
+    before the first test to after the last (stopped also when the session is interrupted);
+    otherwise none. The cores are never idle, so every wake-up of the cluster's processes must
+    first take a core back from a spinner."""
+    spinners = start_spinners(os.cpu_count() or 1) if busy_host_requested(request.config) else []
+    try:
+        yield spinners
+    finally:
+        stop_spinners(spinners)
+
 
 # --------------------------------------------------------------------------- backends
 

@@ -124,6 +124,7 @@ class Ledger:
         self.answered_at: dict[int, float] = {}
         self.unmatched_replies = 0
         self.problems: list[str] = []
+        self.first_message: dict[str, str] = {}  # error kind -> its first message: why it came
         self._owner: dict[bytes, int] = {}
 
     def expected(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -149,8 +150,10 @@ class Ledger:
 
     def record_error(self, index: int, error: BaseException, at: float) -> str:
         if isinstance(error, ConnectionLostError):
+            self.first_message.setdefault(CONNECTION_LOST, str(error))
             return self._record(index, CONNECTION_LOST, at)
         if isinstance(error, zserve.ZServeError):
+            self.first_message.setdefault(error.kind.value, str(error))
             return self._record(index, error.kind.value, at)
         self.problems.append(f"request {index} raised {error!r}")
         return self._record(index, UNTYPED, at)

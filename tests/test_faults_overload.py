@@ -32,6 +32,22 @@ REQUESTS = 450  # ~9 s of load: ~150 admitted, so one stalled miss is under 1%
 HOP_ALLOWANCE_S = 0.05
 
 
+def _cluster_view(cluster: Cluster) -> dict[str, object]:
+    """What the cluster itself saw of the run: answer times at the frontend, drops at the shard,
+    requests the backend could not run or started late."""
+    frontend, shard, backend = (cluster.stats(name)
+                                for name in ("frontend-0", "shard-0", "backend-0"))
+    return {
+        "frontend admit_to_answer ms": {k: frontend["latency"]["admit_to_answer"].get(k)
+                                        for k in ("count", "p99_ms", "max_ms")},
+        "frontend deadline_timer": frontend["counters"]["deadline_timer"],
+        "shard dropped": shard["counters"]["dropped"],
+        "backend": {k: backend["counters"][k]
+                    for k in ("requests_unavailable", "requests_shed_late", "late_plans")},
+        "backend lateness max ms": backend["latency"]["lateness"].get("max_ms"),
+    }
+
+
 def test_overload_at_three_times_capacity_keeps_admitted_requests_within_slo(
         tmp_path: Path) -> None:
     config = fault_cluster(backends=1, alpha_ms=40.0, beta_ms=160.0, slo_ms=SLO_S * 1e3,
@@ -42,6 +58,7 @@ def test_overload_at_three_times_capacity_keeps_admitted_requests_within_slo(
         wait_served(cluster.client_address, ledger, first_index=REQUESTS, count=1)
         run = asyncio.run(drive(cluster.client_address, ledger,
                                 Load(rate_rps=OVERLOAD * CAPACITY_RPS, count=REQUESTS, seed=7)))
+        seen = _cluster_view(cluster)
     latency = {i: ledger.answered_at[i] - sent for i, sent in ledger.sent.items()}
     kinds = {i: outcome[0] for i, outcome in ledger.outcomes.items() if i < REQUESTS}
     counts = Counter(kinds.values())  # the load's (the readiness probe's come before it)
@@ -54,9 +71,11 @@ def test_overload_at_three_times_capacity_keeps_admitted_requests_within_slo(
           f"{len(admitted)}, within the SLO {attainment:.4f}; goodput {goodput:.1f} r/s of "
           f"{CAPACITY_RPS:.1f}; OVERLOADED answered in "
           f"{statistics.median(refused) * 1e3:.1f} ms median, "
-          f"{refused[int(0.99 * (len(refused) - 1))] * 1e3:.1f} ms p99")
+          f"{refused[int(0.99 * (len(refused) - 1))] * 1e3:.1f} ms p99; the cluster saw {seen}")
     assert set(counts) <= {OK, "OVERLOADED", "DEADLINE"}, counts
     assert len(kinds) == REQUESTS, counts
     assert len(refused) >= REQUESTS // 2, counts  # two thirds are past capacity
-    assert attainment >= 0.99, (attainment, counts)
+    # A miss says where it came from: the frontend's own admission-to-answer times (the SLO's
+    # span, without the hops to this process), the shard's drops, the backend's late starts.
+    assert attainment >= 0.99, (attainment, counts, seen)
     assert statistics.median(refused) < 0.05 * SLO_S

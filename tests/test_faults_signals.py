@@ -89,11 +89,23 @@ def _run_fault(cluster: Cluster, fault_name: str, role: str) -> Run:
     # frontend itself is paused; a loaded machine's stalls get a generous margin.
     slowest_s = max(ledger.answer_latencies())
     paused_s = STOPPED_S if (fault_name, role) == ("SIGSTOP", "frontend") else 0.0
-    assert slowest_s < SLO_S + paused_s + LATENESS_MARGIN_S, (slowest_s, counts)
+    bound_s = SLO_S + paused_s + LATENESS_MARGIN_S
+    assert slowest_s < bound_s, (slowest_s, counts, _late_answers(ledger, run.fault_at, bound_s),
+                                 _what_each_role_knew(cluster))
     print(f"{fault_name} {role}: load {run.counts}, all {counts}; disturbed for "
           f"{ledger.latest_failure_after(run.fault_at):.2f} s after the fault; slowest answer "
           f"{slowest_s:.2f} s; served again {recovery_s:.2f} s after the load")
     return run
+
+
+def _late_answers(ledger: Ledger, fault_at: float, bound_s: float) -> list[str]:
+    """Each request answered later than ``bound_s``: when it was sent (from the fault), what it
+    got and when. An answer at the client's own timeout (CLIENT_TIMEOUT_S) is one the cluster
+    never gave; the frontend then counts it ``disconnect_cancelled`` once the client leaves."""
+    return [f"request {i} sent {at - fault_at:+.3f} s from the fault: "
+            f"{ledger.outcomes[i][0]} after {ledger.answered_at[i] - at:.2f} s"
+            for i, at in sorted(ledger.sent.items())
+            if i in ledger.answered_at and ledger.answered_at[i] - at >= bound_s]
 
 
 def _what_each_role_knew(cluster: Cluster) -> str:

@@ -42,11 +42,16 @@ def _rss(cluster: Cluster) -> dict[str, int]:
     return {name: rss_bytes(pids[name] or 0) for name in ROLES}
 
 
-def _chunk(cluster: Cluster, first_index: int) -> dict[str, int]:
-    """One client connection's worth of load; the ledger checks every answer."""
+def _chunk(cluster: Cluster, first_index: int,
+           messages: dict[str, str]) -> dict[str, int]:
+    """One client connection's worth of load; the ledger checks every answer. ``messages``
+    gathers the first message of each error kind (what a failed attainment is explained by)."""
     ledger = Ledger(cluster.config)
     load = Load(rate_rps=RATE_RPS, count=CHUNK, seed=first_index, first_index=first_index)
-    return asyncio.run(drive(cluster.client_address, ledger, load)).counts
+    counts = asyncio.run(drive(cluster.client_address, ledger, load)).counts
+    for kind, message in ledger.first_message.items():
+        messages.setdefault(kind, f"{message} (first in the chunk from request {first_index})")
+    return counts
 
 
 def test_no_role_grows_with_the_requests_served(tmp_path: Path) -> None:
@@ -55,11 +60,12 @@ def test_no_role_grows_with_the_requests_served(tmp_path: Path) -> None:
     config = fault_cluster(alpha_ms=0.1, beta_ms=1.0, slo_ms=500.0, max_batch=32,
                            max_queue=4096)
     totals: dict[str, int] = {}
+    messages: dict[str, str] = {}
     with Cluster(config, ipc_base=tmp_path) as cluster:
         pids = cluster.pids()
         sent = 0
         while sent < WARMUP_REQUESTS:
-            for kind, n in _chunk(cluster, sent).items():
+            for kind, n in _chunk(cluster, sent, messages).items():
                 totals[kind] = totals.get(kind, 0) + n
             sent += CHUNK
         before = _rss(cluster)
@@ -67,7 +73,7 @@ def test_no_role_grows_with_the_requests_served(tmp_path: Path) -> None:
         measured = 0
         while (measured < SOAK_REQUESTS if not SOAK_MINUTES
                else time.monotonic() - started < SOAK_MINUTES * 60):
-            for kind, n in _chunk(cluster, sent + measured).items():
+            for kind, n in _chunk(cluster, sent + measured, messages).items():
                 totals[kind] = totals.get(kind, 0) + n
             measured += CHUNK
         after = _rss(cluster)
@@ -76,7 +82,7 @@ def test_no_role_grows_with_the_requests_served(tmp_path: Path) -> None:
     print(f"soak: {measured} requests in {time.monotonic() - started:.0f} s after a warm-up of "
           f"{sent}; outcomes {totals}; RSS growth per 100,000 requests (MiB): "
           + ", ".join(f"{name} {g / 2**20:+.2f} (at {after[name] / 2**20:.0f})"
-                      for name, g in growth.items()))
-    assert totals.get(OK, 0) >= 0.99 * (sent + measured), totals
+                      for name, g in growth.items()) + f"; errors {messages or 'none'}")
+    assert totals.get(OK, 0) >= 0.99 * (sent + measured), (totals, messages)
     for name, bytes_per_100k in growth.items():
         assert bytes_per_100k < MAX_GROWTH_PER_100K_BYTES, (name, growth)
