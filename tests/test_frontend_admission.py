@@ -3,10 +3,10 @@
 The model: one GPU, l(b) = 40 b + 160 ms up to b = 8, SLO 2 s, reply allowance 50 ms. Its
 capacity at the SLO is 8 / 480 ms = 16.7 r/s, so a predicted-wait bound of the SLO (pending /
 capacity <= max_wait_ms = 2 s, set explicitly) admits 34 requests at once. Past the capacity the
-frontend admits rows at a rate (a token bucket of one batch, 8 rows, refilled at the capacity to
-start with) that follows the model's answers once per rate window: down by the excess of its
-deadline misses over GATE_MISS_TARGET, up by GATE_PROBE_UP while it refuses and misses stay
-under the target."""
+frontend admits rows at a rate (a token bucket of max(b*, one batch, C (SLO - reply - l(b*)
+(1 + 2/N))) = 16.7 x 0.51 = 8.5 rows, refilled at the capacity to start with) that follows the
+model's answers once per rate window: down by the excess of its deadline misses over
+GATE_MISS_TARGET, up by GATE_PROBE_UP while it refuses and misses stay under the target."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from zserve.transport.messages import (
 
 CLIENT = b"client-1"
 CAPACITY_RPS = 8 / 0.480
-BUCKET_ROWS = 8  # one batch: b* = 8, which one idle GPU also finishes within the SLO
+BUCKET_ROWS = 8  # of the bucket's 8.5 rows: those that still finish in time waiting at capacity
 PREDICTED_WAIT_ROWS = 34  # admitted while pending / capacity <= 2 s: 33 / 16.7 = 1.98 s
 INPUTS = {"x": np.zeros((1, 4), np.float32)}
 

@@ -281,12 +281,16 @@ class ModelAdmission:
         if self._gate is not None:
             self._gate.rescale(capacity)
             return self._gate
-        # b*: the capacity batch (see capacity_rps). A burst that one idle GPU serves within the
-        # SLO fits the bucket, and so does one b*; a rate window spans two of b*'s runs at least.
+        # b*: the capacity batch (see capacity_rps). The bucket holds the burst the model's
+        # share serves in time from idle: the rows that, waiting at capacity, still finish within
+        # the SLO with one l(b*)/N to spare, and at least one b* and the largest batch one idle
+        # GPU finishes within the SLO. A rate window spans two of b*'s runs at least.
         batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
-        one_batch = self._profile.largest_batch_within(self.slo_s - self.reply_allowance_s)
+        budget_s = self.slo_s - self.reply_allowance_s
+        one_batch = self._profile.largest_batch_within(budget_s)
+        waiting = capacity * (budget_s - self._profile.latency(batch) * (1.0 + 2.0 / gpus))
         window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
-        self._gate = CapacityGate(capacity, float(max(batch, one_batch, 1)), window_s)
+        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s)
         return self._gate
 
     def note_answer(self, deadline_missed: bool) -> None:
