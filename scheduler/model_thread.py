@@ -206,6 +206,7 @@ class ModelThread(CandidateSizing):
         self.deferral_yield = DeferralYield()
         self._defer_head = -1
         self._defer_from = math.inf
+        self._defer_rows = 0  # the candidate's rows then
 
     # ------------------------------------------------------------------ attributes
 
@@ -515,27 +516,37 @@ class ModelThread(CandidateSizing):
         self._publish(now, outbox)
 
     def _note_yield(self, now: float) -> None:
-        """``deferred``: what the candidate granted at ``now`` gained by deferring (the rows that
-        arrived after it could have started: joiners the wait bought) against what its rate
-        promised for the wait, or that it did not defer (``DeferralYield``). The wait ends at the
-        grant, which fixes the batch whatever its exec time."""
+        """``deferred``: what the candidate granted at ``now`` gained by deferring (the rows
+        that arrived after it could have started and before its wait ended: joiners the wait
+        bought) against what its rate promised for the wait, up to the room its batch had, or
+        that it did not defer (``DeferralYield``). The wait by choice ends at the aim (the exec
+        time) or at the grant, whichever came first: waiting for a busy GPU past the aim is not
+        deferral. A batch with requests queued behind it, or no room to grow, promised nothing:
+        joiners could not have joined it."""
         head = self._head
         since = self._defer_from
-        if self._rid[head] != self._defer_head or not now > since:
+        end = now if now < self.cand_exec else self.cand_exec
+        if self._rid[head] != self._defer_head or not end > since:
             self.deferral_yield.note_at_once()
             return
         self._defer_head = -1
         rate = self._defer_rate
-        if rate == math.inf:  # no rate sample yet: nothing was promised
-            return
         count = self.cand_bs if self._rows is None else self.cand_count
-        arrivals = self._arr[head:head + count]
+        stop = head + count
+        if rate == math.inf or stop < len(self._rid):  # no rate yet, or a full batch
+            return
+        room = self._profile.largest_batch_within(self._dl[head] - self.cand_exec)
+        promised = min(rate * (end - since), float(room - self._defer_rows))
+        if promised <= 0.0:
+            return
+        arrivals = self._arr[head:stop]
         if self._rows is None:
-            joined = float(sum(1 for at in arrivals if at > since))
+            joined = float(sum(1 for at in arrivals if since < at <= end))
         else:
-            rows = self._rows[head:head + count]
-            joined = float(sum(n for at, n in zip(arrivals, rows, strict=True) if at > since))
-        self.deferral_yield.note_deferred(joined, rate * (now - since))
+            rows = self._rows[head:stop]
+            joined = float(sum(n for at, n in zip(arrivals, rows, strict=True)
+                               if since < at <= end))
+        self.deferral_yield.note_deferred(joined, promised)
 
     # ------------------------------------------------------------------ core
 

@@ -24,7 +24,9 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_YIELD_DECAY,
     DEFER_YIELD_KEPT_RESET,
+    DEFER_YIELD_MIN_EXPECTED,
     DEFER_YIELD_RETRY_BATCHES,
     DeferralYield,
     RpsMeter,
@@ -702,18 +704,30 @@ def test_deferral_yield_keeps_deferring_under_poisson_joiners() -> None:
 
 def test_a_model_whose_deferred_batches_get_no_joiners_starts_at_once() -> None:
     """Closed-loop clients: each request comes only after the last answer, so a deferred batch
-    waits to its aim with nobody joining. After one such batch the model starts at once (the
-    demo's sync client: 190 ms a request before, l(1) plus the allowances after)."""
+    waits to its aim with nobody joining. Each such batch had room for one more row (the frontrun
+    aim is the last moment one more could join): after DEFER_YIELD_MIN_EXPECTED of them the
+    model starts at once (the demo's sync client: 190 ms a request before, l(1) plus the
+    allowances after)."""
     now = TAUGHT_UNTIL_S
     mt = _mt30()
     mt.meter = _taught_meter(10)  # 1000 r/s: 23 joiners promised before the aim
-    (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
-    assert cand.exec_at > now + 20 * MS  # defers to its aim
-    granted_at = cand.exec_at
-    mt.on_grant(granted_at, GrantGpu("m", 0, 1, free_at=granted_at), [])
+    deferred = 0
+    for rid in range(1, 10):
+        (cand,) = _cands(_arrive(mt, now, [rid], slo=30 * MS))
+        if cand.exec_at == pytest.approx(now):
+            break
+        assert cand.exec_at > now + 20 * MS  # defers to its aim
+        deferred += 1
+        now = cand.exec_at
+        mt.on_grant(now, GrantGpu("m", 0, rid, free_at=now), [])
+        now += MS
     assert not mt.deferral_yield.pays
-    (cand,) = _cands(_arrive(mt, granted_at + MS, [2], slo=30 * MS))
-    assert cand.exec_at == pytest.approx(granted_at + MS)  # at once
+    # one promised row each, in decayed sums: the first count that adds up to the minimum
+    needed, promised = 0, 0.0
+    while promised < DEFER_YIELD_MIN_EXPECTED:
+        promised = (1.0 - DEFER_YIELD_DECAY) * promised + 1.0
+        needed += 1
+    assert deferred == needed
 
 
 def test_eager_edf_candidates_carry_their_deadline_to_the_rank() -> None:
