@@ -20,8 +20,10 @@ from zserve.frontend_admission import (
     GATE_CEILING_FRACTION,
     GATE_FLOOR_FRACTION,
     GATE_MAX_CUT,
+    GATE_MIN_CUT,
     GATE_MISS_TARGET,
     GATE_PROBE_UP,
+    GATE_RECOVER,
     RATE_WINDOW_S,
     ModelAdmission,
 )
@@ -82,13 +84,14 @@ def test_within_capacity_the_waiting_rows_are_not_bounded() -> None:
     # One second offered at 8 r/s (under 16.7) lifts the gate.
     for i in range(8):
         assert _offer(core, i * 0.125, i, 1) == {}
-    assert _offer(core, 1.0, 8, 16) == {}  # 24 wait: past the bucket, within 2 s of work
-    # The 17th row of this window is past what the capacity serves in one: the gate is back at
-    # once, its bucket spent on the burst (a predicted-wait bound of the SLO, 24 / 16.7 = 1.4 s,
-    # would admit the request).
-    assert "offered past its capacity" in _message(core, 1.0, 24)
-    # A window that ends under the capacity (17 rows in 2 s) lifts it again.
-    assert _offer(core, 3.0, 25, 1) == {}
+    # A burst of 24 at once: more than the bucket, but what idle GPUs start within the SLO less
+    # one l(b*) (16.7 r/s x 1.47 s = 24.5 rows): no surge past the capacity.
+    assert _offer(core, 1.0, 8, 24) == {}  # 32 wait, within 2 s of work
+    # The 25th row at that instant is: the gate is back at once, its bucket spent on the burst
+    # (a predicted-wait bound of the SLO, 32 / 16.7 = 1.9 s, would admit the request).
+    assert "offered past its capacity" in _message(core, 1.0, 32)
+    # A window that ends under the capacity (25 rows in 2 s) lifts it again.
+    assert _offer(core, 3.0, 33, 1) == {}
 
 
 def model_queued(core: FrontendCore) -> int:
@@ -134,28 +137,41 @@ def test_the_admitted_rate_follows_the_deadline_misses() -> None:
     assert answered == BUCKET_ROWS + round(CAPACITY_RPS) - 1
     # The window ends: the rate falls by the excess of its misses over the target.
     _offer_at_rate(core, RATE_WINDOW_S, 2 * RATE_WINDOW_S, 2 * CAPACITY_RPS, 1000)
-    cut = CAPACITY_RPS * (1.0 - (3 / answered - GATE_MISS_TARGET))
+    excess = 3 / answered - GATE_MISS_TARGET
+    cut = CAPACITY_RPS * (1.0 - min(GATE_MAX_CUT, max(GATE_MIN_CUT, excess)))
     assert gate.rate_rps == pytest.approx(cut)
     # Fewer than GATE_MIN_ANSWERS answers (one second at the lowered rate): no change yet...
     _answer_all(core, 1.99, missed=0)
     _offer_at_rate(core, 2 * RATE_WINDOW_S, 3 * RATE_WINDOW_S, 2 * CAPACITY_RPS, 2000)
     assert gate.rate_rps == pytest.approx(cut)
-    # ...until two windows add up to enough, none missed while the gate refused: up it probes.
+    # ...until two windows add up to enough, none missed while the gate refused: below the
+    # capacity it closes GATE_RECOVER of the gap (a cut may have answered a passing stall)...
     _answer_all(core, 2.99, missed=0)
-    _offer(core, 3 * RATE_WINDOW_S, 3000, 1)
-    assert gate.rate_rps == pytest.approx(cut * (1.0 + GATE_PROBE_UP))
+    _offer_at_rate(core, 3 * RATE_WINDOW_S, 4 * RATE_WINDOW_S, 2 * CAPACITY_RPS, 3000)
+    recovered = cut + GATE_RECOVER * (CAPACITY_RPS - cut)
+    assert gate.rate_rps == pytest.approx(recovered)
+    # ...and above it probes by GATE_PROBE_UP.
+    gate.rate_rps = CAPACITY_RPS
+    for window in range(4, 7):
+        _answer_all(core, window * RATE_WINDOW_S - 0.01, missed=0)
+        _offer_at_rate(core, window * RATE_WINDOW_S, (window + 1) * RATE_WINDOW_S,
+                       2 * CAPACITY_RPS, window * 1000)
+    assert gate.rate_rps == pytest.approx(CAPACITY_RPS * (1.0 + GATE_PROBE_UP))
 
 
 def test_the_admitted_rate_stays_between_its_floor_and_ceiling() -> None:
     core = _core(max_queue=4096)
     gate = core.models["m"].gate(1)
     assert gate is not None
-    for window in range(30):  # every answer a miss: at most GATE_MAX_CUT per window
-        now = window * RATE_WINDOW_S
+    window = 0
+    while gate.rate_rps > GATE_FLOOR_FRACTION * CAPACITY_RPS and window < 500:
+        now = window * RATE_WINDOW_S  # every answer a miss: at most GATE_MAX_CUT per window
+        before = gate.rate_rps
         _offer_at_rate(core, now, now + RATE_WINDOW_S, 3 * CAPACITY_RPS, window * 1000)
+        assert gate.rate_rps >= before * (1.0 - GATE_MAX_CUT) - 1e-9
         _answer_all(core, now + 0.99, missed=len(core.pending))
+        window += 1
     assert gate.rate_rps == pytest.approx(GATE_FLOOR_FRACTION * CAPACITY_RPS)
-    window = 30
     while gate.rate_rps < GATE_CEILING_FRACTION * CAPACITY_RPS and window < 2000:
         now = window * RATE_WINDOW_S  # never a miss: the rate probes up to its ceiling
         _offer_at_rate(core, now, now + RATE_WINDOW_S, 3 * CAPACITY_RPS, window * 1000)

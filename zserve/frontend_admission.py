@@ -25,22 +25,27 @@ RATE_WINDOW_S = 1.0
 # that one batch absorbs (two requests to a 3 s model) is not a rate past its capacity.
 RATE_WINDOW_BATCHES = 2
 # Past the capacity, this frontend admits the model's rows at a rate (a token bucket) that starts
-# at its share of the capacity and follows the model's answers once per rate window, additive
-# increase and multiplicative decrease as TCP's congestion window: a window whose answers missed
-# their deadline more often than GATE_MISS_TARGET cuts it by the excess, at least GATE_MIN_CUT and
-# at most GATE_MAX_CUT; a window that stayed under the target while the gate refused raises it by
-# GATE_PROBE_UP. It stays within GATE_FLOOR_FRACTION and GATE_CEILING_FRACTION of the share. A
-# rate, unlike a bound on the rows waiting to be planned, does not depend on how long the
-# scheduler holds rows back for their batch: deferral holds them on purpose. The misses show a
-# window after the rate that caused them, so the probe is small and the cut deep: the rate saws
-# between the rate at which misses start and GATE_MIN_CUT below it, missing in about one window
-# of every six (docs/runtime.md, "Admission").
+# at its share of the capacity and follows the model's answers once per rate window: a window
+# whose answers missed their deadline more often than GATE_MISS_TARGET cuts it by the excess, at
+# least GATE_MIN_CUT and at most GATE_MAX_CUT; a window that stayed under the target while the
+# gate refused raises it, by GATE_RECOVER of the gap below the capacity, by GATE_PROBE_UP above.
+# It stays within GATE_FLOOR_FRACTION and GATE_CEILING_FRACTION of the share. A rate, unlike a
+# bound on the rows waiting to be planned, does not depend on how long the scheduler holds rows
+# back for their batch: deferral holds them on purpose. The misses show a window after the rate
+# that caused them, so above the capacity the probe is small and the cut deep: the rate saws
+# between the rate at which misses start and GATE_MIN_CUT below it (docs/runtime.md,
+# "Admission").
 GATE_MISS_TARGET = 0.002
 GATE_MIN_ANSWERS = 20  # fewer: the miss fraction is noise; windows add up until there are as many
 GATE_MIN_CUT = 0.05
-GATE_MAX_CUT = 0.25
+GATE_MAX_CUT = 0.10
 GATE_PROBE_UP = 0.01
+# Below the capacity, a clean window in which the gate refused closes this fraction of the gap
+# to it: one window of misses (a host's stall: 114 of 323 answers in one second, live) cut the
+# rate by GATE_MAX_CUT, and 1% a window took half a minute to give it back.
+GATE_RECOVER = 0.25
 GATE_FLOOR_FRACTION = 0.25
+SURGE_DEVIATIONS = 3.0
 GATE_CEILING_FRACTION = 2.0
 
 RequestSpec = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
@@ -61,8 +66,9 @@ class CapacityGate:
         "_last_refill",
         "_misses",
         "_refused",
+        "_served_in_time_s",
+        "_surge_rows",
         "_tokens",
-        "_window_capacity_rows",
         "_window_rows",
         "_window_s",
         "_window_start",
@@ -71,7 +77,11 @@ class CapacityGate:
         "rate_rps",
     )
 
-    def __init__(self, capacity_rps: float, burst_rows: float, window_s: float) -> None:
+    def __init__(self, capacity_rps: float, burst_rows: float, window_s: float,
+                 served_in_time_s: float = 0.0) -> None:
+        """``served_in_time_s``: the time idle GPUs have to start rows that still finish within
+        the SLO (SLO less the reply allowance and one l(b*)): a burst the capacity starts in it
+        is no surge past the capacity."""
         self.capacity_rps = capacity_rps
         self.rate_rps = capacity_rps
         self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
@@ -80,7 +90,9 @@ class CapacityGate:
         self._tokens = burst_rows
         self._last_refill = -math.inf
         self._window_s = window_s
-        self._window_capacity_rows = capacity_rps * window_s
+        self._served_in_time_s = served_in_time_s
+        self._surge_rows = _surge_rows(capacity_rps, burst_rows, window_s,
+                                       capacity_rps * served_in_time_s)
         # Offered rows since ``_window_start`` (None: no window yet); answers, misses and
         # refusals in it. ``overloaded``: the last window's offered rate exceeded the capacity
         # (True until one has been measured: the safe start).
@@ -100,17 +112,22 @@ class CapacityGate:
         self.rate_rps *= scale
         self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
         self._ceiling_rps = GATE_CEILING_FRACTION * capacity_rps
-        self._window_capacity_rows = capacity_rps * self._window_s
+        self._surge_rows = _surge_rows(capacity_rps, self._burst_rows, self._window_s,
+                                       capacity_rps * self._served_in_time_s)
 
     def admit(self, now: float, rows: int) -> bool:
         """Whether a request of ``rows`` rows offered at ``now`` may be admitted."""
         start = self._window_start
         if start is None:
-            self._window_start = now
+            start = self._window_start = now
         elif now - start >= self._window_s:
             self._end_window(now, start)
+            start = now
         self._window_rows += rows
-        if self._window_rows > self._window_capacity_rows:  # past it before the window ends
+        # Past it already within the window: more rows than the capacity serves since it began,
+        # by more than a Poisson stream's surge (a step up in load is caught in a fraction of
+        # the window, before it has filled the scheduler with what it cannot serve in time).
+        if self._window_rows > self.capacity_rps * (now - start) + self._surge_rows:
             self.overloaded = True
         tokens = min(self._burst_rows,
                      self._tokens + max(0.0, now - self._last_refill) * self.rate_rps)
@@ -148,9 +165,21 @@ class CapacityGate:
             self.rate_rps *= 1.0 - min(GATE_MAX_CUT,
                                        max(GATE_MIN_CUT, missed - GATE_MISS_TARGET))
         elif self._refused:
-            self.rate_rps *= 1.0 + GATE_PROBE_UP
+            # back towards the capacity quickly (a cut may have answered a passing stall), and
+            # past it by small probes
+            self.rate_rps += max(GATE_RECOVER * (self.capacity_rps - self.rate_rps),
+                                 GATE_PROBE_UP * self.rate_rps)
         self.rate_rps = min(max(self.rate_rps, self._floor_rps), self._ceiling_rps)
         self._answers = self._misses = self._refused = 0
+
+
+def _surge_rows(capacity_rps: float, burst_rows: float, window_s: float,
+                served_in_time_rows: float) -> float:
+    """How far a window's offered rows may run ahead of the capacity before the window is read as
+    past it: three standard deviations of a Poisson stream at the capacity over the window, the
+    rows idle GPUs serve within the SLO (``served_in_time_rows``), and at least the bucket."""
+    return max(burst_rows, served_in_time_rows,
+               SURGE_DEVIATIONS * math.sqrt(capacity_rps * window_s))
 
 
 class ModelAdmission:
@@ -290,7 +319,8 @@ class ModelAdmission:
         one_batch = self._profile.largest_batch_within(budget_s)
         waiting = capacity * (budget_s - self._profile.latency(batch) * (1.0 + 2.0 / gpus))
         window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
-        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s)
+        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s,
+                                  budget_s - self._profile.latency(batch))
         return self._gate
 
     def note_answer(self, deadline_missed: bool) -> None:
