@@ -32,6 +32,13 @@ the full runs and says how to read them.
     ratios, median batch, GPU busy; the check: default >= max(frontrun, eager) - 1% everywhere),
     and light load (busy fraction and p50 from 0.05x to 1x of the goodput). ``--only TEXT`` runs
     the cells whose name contains TEXT.
+``random-family``
+    The default against frontrun and eager on 30 workloads drawn by seed from the A100 and GTX
+    1080 Ti zoo profiles (2-16 models, 1 GPU per model down to a quarter of that, equal to
+    one-dominant popularity, SLOs of 2-10x l(1), Poisson and bursty arrivals, with and without
+    allowances), each judged by bad-rate curves at rates common to every policy rather than by
+    one search (the check: default >= max(frontrun, eager) - 1% on every member). ``--only
+    TEXT`` runs the members whose name contains TEXT.
 ``scale``
     ``zserve bench-scheduler`` over a models x GPUs sweep (ResNet50's profile, 80% of the
     staggered bound): the scheduler's CPU per simulated second and whether one core keeps up.

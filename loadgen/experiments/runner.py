@@ -26,6 +26,7 @@ from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
+from zserve.loadgen.experiments.random_family import run_random_family
 from zserve.loadgen.experiments.scale import run_scale
 from zserve.loadgen.experiments.zoo import run_zoo
 
@@ -36,6 +37,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "eager-floor": (run_eager_floor, "deferred/eager over a grid of small cases"),
     "policy-grid": (run_policy_grid, "the default vs frontrun, eager, eager-edf, timeout over "
                     "single models, mixes, the zoo; light load"),
+    "random-family": (run_random_family, "the default vs frontrun and eager on 30 random "
+                      "zoo workloads, judged on common rates"),
     "protocols": (run_protocols, "goodput and CPU per request through the native client, OIP "
                   "HTTP/JSON, HTTP/binary and gRPC (live)"),
     "scale": (run_scale, "scheduler CPU vs models x GPUs (bench-scheduler); --live: the "
@@ -100,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(DEFAULT_OUT_DIR),
                    help=f"results go to OUT/NAME/ (default {DEFAULT_OUT_DIR})")
     p.add_argument("--only", metavar="TEXT",
-                   help="policy-grid: run only the cells whose name contains TEXT")
+                   help="policy-grid, random-family: run only the cells (members) whose name "
+                   "contains TEXT")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
