@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from zserve import demo
 from zserve.config import parse_config
+from zserve.errors import DeadlineError
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim import workload_bound_rps
 from zserve.supervisor import Cluster
@@ -72,6 +74,14 @@ def _burst(lone: dict[str, int], burst: dict[str, int]) -> Any:
         tally.ok, tally.wrong = counts.pop("ok", 0), counts.pop("wrong", 0)
         tally.errors.update(counts)
     return result
+
+
+def test_the_verdict_quotes_the_first_error_of_each_kind() -> None:
+    result = _burst({"ok": 3}, {"ok": 400})
+    error = DeadlineError("cnn: cannot finish within its deadline")
+    result.lone.record(0, time.monotonic(), error, [])
+    assert "1 DEADLINE: cnn: cannot finish within its deadline (after " in result.verdict()
+
 
 
 @pytest.mark.parametrize(("lone", "burst", "verdict"), [

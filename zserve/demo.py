@@ -134,15 +134,17 @@ class Tally:
         self.close = close
         self.latencies_s: list[float] = []
         self.errors: collections.Counter[str] = collections.Counter()
+        self.first_message: dict[str, str] = {}  # of each error kind: what the verdict quotes
         self.wrong = 0
         self.ok = 0
 
     def record(self, index: int, started: float, outcome: Any, expected: list[Any]) -> None:
-        if isinstance(outcome, ZServeError):
-            self.errors[outcome.kind.value] += 1
-            return
         if isinstance(outcome, BaseException):
-            self.errors[type(outcome).__name__] += 1
+            kind = (outcome.kind.value if isinstance(outcome, ZServeError)
+                    else type(outcome).__name__)
+            self.errors[kind] += 1
+            self.first_message.setdefault(kind, f"{str(outcome)[:200]} (after "
+                                                f"{(time.monotonic() - started) * 1e3:.0f} ms)")
             return
         self.latencies_s.append(time.monotonic() - started)
         if _matches(outcome, expected[index % len(expected)], self.close):
@@ -489,7 +491,9 @@ class _Burst:
 
 
 def _outcomes(tally: Tally) -> str:
-    errors = ", ".join(f"{count} {kind}" for kind, count in sorted(tally.errors.items()))
+    errors = ", ".join(f"{count} {kind}" + (f": {tally.first_message[kind]}"
+                                             if kind in tally.first_message else "")
+                       for kind, count in sorted(tally.errors.items()))
     return f"{tally.wrong} wrong" + (f", {errors}" if errors else "")
 
 
