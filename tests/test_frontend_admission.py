@@ -84,14 +84,14 @@ def test_within_capacity_the_waiting_rows_are_not_bounded() -> None:
     # One second offered at 8 r/s (under 16.7) lifts the gate.
     for i in range(8):
         assert _offer(core, i * 0.125, i, 1) == {}
-    # A burst of 24 at once: more than the bucket, but what idle GPUs start within the SLO less
-    # one l(b*) (16.7 r/s x 1.47 s = 24.5 rows): no surge past the capacity.
-    assert _offer(core, 1.0, 8, 24) == {}  # 32 wait, within 2 s of work
-    # The 25th row at that instant is: the gate is back at once, its bucket spent on the burst
-    # (a predicted-wait bound of the SLO, 32 / 16.7 = 1.9 s, would admit the request).
-    assert "offered past its capacity" in _message(core, 1.0, 32)
-    # A window that ends under the capacity (25 rows in 2 s) lifts it again.
-    assert _offer(core, 3.0, 33, 1) == {}
+    # A burst of 12 at once: more than the bucket, within a Poisson stream's surge at the
+    # capacity (3 x sqrt(16.7 r/s x 1 s) = 12.2 rows): no rate past the capacity.
+    assert _offer(core, 1.0, 8, 12) == {}  # 20 wait, within 2 s of work
+    # The 13th row at that instant is: the gate is back at once, its bucket spent on the burst
+    # (a predicted-wait bound of the SLO, 20 / 16.7 = 1.2 s, would admit the request).
+    assert "offered past its capacity" in _message(core, 1.0, 20)
+    # A window that ends under the capacity (13 rows in 2 s) lifts it again.
+    assert _offer(core, 3.0, 21, 1) == {}
 
 
 def model_queued(core: FrontendCore) -> int:

@@ -66,7 +66,6 @@ class CapacityGate:
         "_last_refill",
         "_misses",
         "_refused",
-        "_served_in_time_s",
         "_surge_rows",
         "_tokens",
         "_window_rows",
@@ -77,11 +76,7 @@ class CapacityGate:
         "rate_rps",
     )
 
-    def __init__(self, capacity_rps: float, burst_rows: float, window_s: float,
-                 served_in_time_s: float = 0.0) -> None:
-        """``served_in_time_s``: the time idle GPUs have to start rows that still finish within
-        the SLO (SLO less the reply allowance and one l(b*)): a burst the capacity starts in it
-        is no surge past the capacity."""
+    def __init__(self, capacity_rps: float, burst_rows: float, window_s: float) -> None:
         self.capacity_rps = capacity_rps
         self.rate_rps = capacity_rps
         self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
@@ -90,9 +85,7 @@ class CapacityGate:
         self._tokens = burst_rows
         self._last_refill = -math.inf
         self._window_s = window_s
-        self._served_in_time_s = served_in_time_s
-        self._surge_rows = _surge_rows(capacity_rps, burst_rows, window_s,
-                                       capacity_rps * served_in_time_s)
+        self._surge_rows = _surge_rows(capacity_rps, burst_rows, window_s)
         # Offered rows since ``_window_start`` (None: no window yet); answers, misses and
         # refusals in it. ``overloaded``: the last window's offered rate exceeded the capacity
         # (True until one has been measured: the safe start).
@@ -112,8 +105,7 @@ class CapacityGate:
         self.rate_rps *= scale
         self._floor_rps = GATE_FLOOR_FRACTION * capacity_rps
         self._ceiling_rps = GATE_CEILING_FRACTION * capacity_rps
-        self._surge_rows = _surge_rows(capacity_rps, self._burst_rows, self._window_s,
-                                       capacity_rps * self._served_in_time_s)
+        self._surge_rows = _surge_rows(capacity_rps, self._burst_rows, self._window_s)
 
     def admit(self, now: float, rows: int) -> bool:
         """Whether a request of ``rows`` rows offered at ``now`` may be admitted."""
@@ -173,13 +165,11 @@ class CapacityGate:
         self._answers = self._misses = self._refused = 0
 
 
-def _surge_rows(capacity_rps: float, burst_rows: float, window_s: float,
-                served_in_time_rows: float) -> float:
+def _surge_rows(capacity_rps: float, burst_rows: float, window_s: float) -> float:
     """How far a window's offered rows may run ahead of the capacity before the window is read as
-    past it: three standard deviations of a Poisson stream at the capacity over the window, the
-    rows idle GPUs serve within the SLO (``served_in_time_rows``), and at least the bucket."""
-    return max(burst_rows, served_in_time_rows,
-               SURGE_DEVIATIONS * math.sqrt(capacity_rps * window_s))
+    past it: three standard deviations of a Poisson stream at the capacity over the window, and
+    at least the bucket (the burst served in time)."""
+    return max(burst_rows, SURGE_DEVIATIONS * math.sqrt(capacity_rps * window_s))
 
 
 class ModelAdmission:
@@ -319,8 +309,7 @@ class ModelAdmission:
         one_batch = self._profile.largest_batch_within(budget_s)
         waiting = capacity * (budget_s - self._profile.latency(batch) * (1.0 + 2.0 / gpus))
         window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
-        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s,
-                                  budget_s - self._profile.latency(batch))
+        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s)
         return self._gate
 
     def note_answer(self, deadline_missed: bool) -> None:
