@@ -277,21 +277,13 @@ def test_random_family_is_drawn_by_seed_within_its_ranges() -> None:
 
 
 def test_random_family_quick(tmp_path: Path) -> None:
-    # The quick run's own check is left to the full run: on quick member r01 (A100, 3 models on
-    # 3 GPUs, Zipf 0.58, Poisson) the default reads 0.983 of eager (0.988 with the full run's
-    # windows). What must hold here is that the table is the judge's reading of its curves.
-    name = "random-family"
-    opts = common.Options(quick=True, live=False, out_dir=tmp_path / name, plots=True,
-                          say=lambda _line: None)
-    result = runner.run_experiment(name, opts, f"zserve experiment {name} --quick")
-    assert json.loads((tmp_path / name / "result.json").read_text()) == json.loads(
-        json.dumps(result))
+    result = _quick("random-family", tmp_path)  # its check passes: the default holds the bar
     rows = result["points"]["members"]
     assert [r["member"] for r in rows] == ["r00", "r01", "r02", "r03"]
     members, worst = result["tables"]
     assert [row[0] for row in members["rows"]] == ["r00", "r01", "r02", "r03"]
-    assert all(len(row) == len(members["columns"]) for row in members["rows"])
     assert len(worst["rows"]) == 3
+    # each goodput is the judge's reading of its curve at the common rates
     for r in rows:
         assert len(r["member_spec"]["models"]) <= random_family.QUICK_MAX_MODELS
         goodput = r["goodput"]
@@ -308,9 +300,8 @@ def test_random_family_quick(tmp_path: Path) -> None:
                 assert not passing and goodput[policy] <= r["rates"][0]
     (check,) = result["checks"]
     assert check["passed"] == all(r["passes"] for r in rows)
-    assert check["passed"] == all(r["ratio"] >= 0.99 for r in rows)
-    (plot,) = result["plots"]
-    assert Path(plot).read_bytes().startswith(PNG_MAGIC)
+    assert all(r["ratio"] >= 0.99 for r in rows)
+    assert len(result["plots"]) == 1
 
 
 # --------------------------------------------------------------------------- live
