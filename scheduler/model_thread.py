@@ -138,12 +138,8 @@ class ModelThread(CandidateSizing):
         self._table: list[float] = profile.table_s
         self._max_batch = profile.max_batch
         self.slo_s = slo_s
-        self._policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
-        self._drop = self._policy.drop
-        self._keeps_target = self._policy.keeps_target
-        self._kind = self._policy.kind
-        self._rescue = self._policy.rank_rescue  # the rank may start it early
-        self._by_deadline = self._policy.grant_order == GRANT_EARLIEST_DEADLINE
+        # the policy and its hot-path caches (the setter; the rescue: the rank may start early)
+        self.policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
         self._start_now = False  # set while an early (rescue) grant is planned
         self.d_ctrl_s = d_ctrl_s
         self.d_data_s = d_data_s
@@ -459,9 +455,7 @@ class ModelThread(CandidateSizing):
         self._sent = None
         gpu_id = grant.gpu_id
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
-            outbox.append(
-                (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
-            )
+            self._decline(grant, outbox)
             self._update(now, _NEG_INF, outbox)
             self._publish(now, outbox)
             return
@@ -474,9 +468,7 @@ class ModelThread(CandidateSizing):
         if self._rescue and bs:
             self._note_yield(now)
         if bs == 0:
-            outbox.append(
-                (TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, False, grant.free_at))
-            )
+            self._decline(grant, outbox)
             self._publish(now, outbox)
             return
         if self.miss_margin_s:
@@ -514,6 +506,11 @@ class ModelThread(CandidateSizing):
         outbox.append((TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, True, finish_at)))
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def _decline(self, grant: GrantGpu, outbox: Outbox) -> None:
+        """Give ``grant``'s GPU back untouched: nothing runs on it."""
+        outbox.append((TO_RANK, GrantAnswer(self.model, grant.gpu_id, grant.grant_id, False,
+                                            grant.free_at)))
 
     def _note_yield(self, now: float) -> None:
         """``deferred``: what the candidate granted at ``now`` gained by deferring (the rows
