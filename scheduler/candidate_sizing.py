@@ -96,7 +96,6 @@ class CandidateSizing:
     deferral_yield: DeferralYield
     _defer_head: int
     _defer_from: float
-    _defer_rows: int
     # the candidate as last computed
     cand_bs: int  # in rows
     cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
@@ -409,21 +408,19 @@ class CandidateSizing:
         # batch reaches beta*lambda - 1, where waiting no longer pays in throughput, a shared
         # model from RESCUE_SHARED_FLOOR of that (policy.py). A shared model's deferring
         # candidate is the one whose window may be lost.
-        waits = self._rescue and exec_at > earliest and self._deferring_from(head, bs, earliest)
+        waits = self._rescue and exec_at > earliest and self._deferring_from(head, earliest)
         self._cand_early_ok = waits and bs >= self._rescue_from
         self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         self.wake_at = wake if wake > now else now + TIMER_SLACK_S
 
-    def _deferring_from(self, head: int, bs: int, earliest: float) -> bool:
-        """The candidate headed at ``head`` (``bs`` rows) defers: the first time, note when it
-        could have started instead, and its rows then (what its joiners are counted from:
-        ``DeferralYield``). True."""
+    def _deferring_from(self, head: int, earliest: float) -> bool:
+        """The candidate headed at ``head`` defers: the first time, note when it could have
+        started instead (where its wait is measured from: ``DeferralYield``). True."""
         rid = self._rid[head]
         if rid != self._defer_head:
             self._defer_head = rid
             self._defer_from = earliest
-            self._defer_rows = bs
         return True
 
     def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,

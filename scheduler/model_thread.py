@@ -202,7 +202,6 @@ class ModelThread(CandidateSizing):
         self.deferral_yield = DeferralYield()
         self._defer_head = -1
         self._defer_from = math.inf
-        self._defer_rows = 0  # the candidate's rows then
 
     # ------------------------------------------------------------------ attributes
 
@@ -513,13 +512,15 @@ class ModelThread(CandidateSizing):
                                             grant.free_at)))
 
     def _note_yield(self, now: float) -> None:
-        """``deferred``: what the candidate granted at ``now`` gained by deferring (the rows
-        that arrived after it could have started and before its wait ended: joiners the wait
-        bought) against what its rate promised for the wait, up to the room its batch had, or
-        that it did not defer (``DeferralYield``). The wait by choice ends at the aim (the exec
-        time) or at the grant, whichever came first: waiting for a busy GPU past the aim is not
-        deferral. A batch with requests queued behind it, or no room to grow, promised nothing:
-        joiners could not have joined it."""
+        """``deferred``: what the candidate granted at ``now`` gained in the second half of its
+        wait (the rows that arrived then and joined it) against what its rate promised for that
+        half, up to the room its batch had, or that it did not defer (``DeferralYield``). The
+        wait runs from the moment the candidate could have started to its aim (exec time) or the
+        grant, whichever came first: waiting for a busy GPU past the aim is not deferral. Only
+        its second half counts: closed-loop clients whose answers all came together send their
+        next requests in one burst just after the candidate starts waiting, and nothing after;
+        a Poisson stream brings as many in the second half as the rate says. A batch with
+        requests queued behind it, or no room to grow, promised nothing."""
         head = self._head
         since = self._defer_from
         end = now if now < self.cand_exec else self.cand_exec
@@ -532,18 +533,15 @@ class ModelThread(CandidateSizing):
         stop = head + count
         if rate == math.inf or stop < len(self._rid):  # no rate yet, or a full batch
             return
-        room = self._profile.largest_batch_within(self._dl[head] - self.cand_exec)
-        promised = min(rate * (end - since), float(room - self._defer_rows))
-        if promised <= 0.0:
-            return
+        mid = 0.5 * (since + end)
+        rows = [1] * count if self._rows is None else self._rows[head:stop]
         arrivals = self._arr[head:stop]
-        if self._rows is None:
-            joined = float(sum(1 for at in arrivals if since < at <= end))
-        else:
-            rows = self._rows[head:stop]
-            joined = float(sum(n for at, n in zip(arrivals, rows, strict=True)
-                               if since < at <= end))
-        self.deferral_yield.note_deferred(joined, promised)
+        joined = sum(n for at, n in zip(arrivals, rows, strict=True) if mid < at <= end)
+        by_mid = sum(rows) - joined
+        room = self._profile.largest_batch_within(self._dl[head] - self.cand_exec)
+        promised = min(rate * (end - mid), float(room - by_mid))
+        if promised > 0.0:
+            self.deferral_yield.note_deferred(float(joined), promised)
 
     # ------------------------------------------------------------------ core
 
