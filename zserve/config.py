@@ -130,10 +130,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     slo_ms: float = DEFAULT_SLO_MS
     max_batch: Count = DEFAULT_MAX_BATCH
     max_queue: Count = DEFAULT_MAX_QUEUE
-    # Admission: refuse past this predicted wait (None: no such bound); the ceiling, as wait at
-    # capacity, of the bound on rows waiting to be planned (None: slo_ms). docs/runtime.md.
+    # Admission: refuse past this predicted wait (None: no such bound). docs/runtime.md.
     max_wait_ms: float | None = None
-    # Past the model's capacity, bound the rows that wait to be planned (docs/runtime.md).
+    # Past the model's capacity, admit at a rate that follows the answers (docs/runtime.md).
     shed_past_capacity: bool = True
     # ONNX Runtime models: the batch sizes that get a session of their own (empty: on a GPU
     # 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ...; on a CPU one session). backends/onnx_executor.py.
