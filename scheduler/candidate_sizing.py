@@ -439,9 +439,6 @@ class CandidateSizing:
             # more heads than it buys joiners, so it starts at once while the estimate is high
             return earliest
         aim = deadline - self.jitter_s - self._table[bs + grow]
-        if self._defer_rate == math.inf:  # no rate sample yet: wait no later than the first
-            first = self._meter.first_sample_at()
-            return first if first < aim else aim
         if self._defer_shared and (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
             return earliest
         return aim

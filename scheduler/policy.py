@@ -18,11 +18,12 @@ runs through the same ModelThread/RankThread code paths:
       are expected before its aim (lambda * (aim - now)): waiting would buy nothing but latency
       (light load: a lone request runs in l(1) plus the allowances, on a GPU that is idle
       anyway). Before its rate meter's first sample (50 ms after its first arrival) a model
-      defers as frontrun does, but no later than that first sample: starting at once there,
-      Symphony's section 3.3 example (3 GPUs, l(b) = b + 5 ms, a request every 0.75 ms) dropped
-      37 of 200 requests where frontrun drops none; waiting to its last moment, a cold model's
-      first lone request took a loaded host's stall there as a DEADLINE (the demo's first run,
-      perf_analyzer's first request). A staggered model keeps its aim: a batch started below
+      defers as frontrun does: starting at once there, Symphony's section 3.3 example (3 GPUs,
+      l(b) = b + 5 ms, a request every 0.75 ms) dropped 37 of 200 requests where frontrun
+      drops none. The cost: a cold model's first lone request waits to its last moment, where a
+      loaded host's stall can make it a DEADLINE (the demo's first run, perf_analyzer's first
+      request); capping that wait at the first sample moved the simulated eager-floor cells
+      below their bar, so it stays. A staggered model keeps its aim: a batch started below
       its stagger costs the stagger (InceptionResNetV2 x8 under Gamma(0.3) bursts: 736 against
       frontrun's 753 r/s when the rule applied to it too);
     - a model that shares its GPUs with others defers, and its candidate is ``early_ok`` from
@@ -381,10 +382,6 @@ class RpsMeter:
             self._filled = self.window
             self._bucket_end = now + self._bucket_s
         return True
-
-    def first_sample_at(self) -> float:
-        """When the first sample will be sealed (``math.inf``: no arrival yet, or sealed)."""
-        return self._bucket_end if self._filled == 0 else math.inf
 
     def rate(self) -> float | None:
         """Mean rate (requests/s) over the sealed buckets, or None before the first one."""

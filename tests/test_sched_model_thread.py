@@ -738,18 +738,3 @@ def test_eager_edf_candidates_carry_their_deadline_to_the_rank() -> None:
         (cand,) = _cands(_arrive(mt, 1.0, [1, 2], slo=30 * MS))
         deadline = 1.0 + 30 * MS
         assert (cand.latest + cand.duration == pytest.approx(deadline)) is carries, policy
-
-
-def test_a_cold_models_first_request_waits_no_later_than_the_rate_meters_first_sample() -> None:
-    """Before its rate meter's first sample a model defers as frontrun does (a cold burst batches
-    there), but no later than that sample: a lone first request with a 200 ms SLO starts 50 ms
-    after it arrived, not at its last moment, where a loaded host's stall made it a DEADLINE."""
-    mt = ModelThread("m", PROFILE, 200 * MS, SchedulePolicy.parse("deferred"),
-                     publish_lead_s=None)
-    (cand,) = _cands(_arrive(mt, 1.0, [1], slo=200 * MS))
-    assert cand.exec_at == pytest.approx(1.0 + 0.05)  # the meter's bucket: its first sample
-    # A model with a short SLO keeps the frontrun aim, which comes first.
-    short = ModelThread("s", PROFILE, 30 * MS, SchedulePolicy.parse("deferred"),
-                        publish_lead_s=None)
-    (cand,) = _cands(_arrive(short, 1.0, [1], slo=30 * MS))
-    assert cand.exec_at == pytest.approx(1.0 + 30 * MS - PROFILE.latency(2))
