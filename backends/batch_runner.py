@@ -4,7 +4,7 @@
 at start-up) and the device's ``BusyMeter``. ``run`` stacks the batch's inputs with one copy per
 input (none for a batch of one), awaits ``Executor.run_async`` (ONNX Runtime in the executor's
 worker thread, an emulated batch by timer) and returns the outputs, or the error that failed this
-batch only. The process host (``zserve.backends.process``) sends what it returns.
+batch only. The process host (``zserve.backends.host``) sends what it returns.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import RunBatch
-from zserve.clock import ClusterClock
-from zserve.stats import Stats
+from zserve.core.stats import Stats
+from zserve.runtime.clock import ClusterClock
 
 
 @dataclass(slots=True)

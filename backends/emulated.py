@@ -3,7 +3,8 @@
 A batch of b requests of model m "runs" for ``l(b) = alpha*b + beta`` milliseconds (or the
 model's measured table ``latency_ms[b-1]``, e.g. from a profile file). ``run_async`` computes the
 outputs, then sleeps on the event loop until ``start + l(b)``: a precise timer
-(``zserve.timers``), not a busy loop, so one small machine hosts many emulated GPUs. ``start`` is
+(``zserve.runtime.timers``), not a busy loop, so one small machine hosts many emulated GPUs.
+``start`` is
 when the batch got the (emulated) device: ``time.monotonic()`` at the call, or when the previous
 batch on this executor finishes if that is later, because one device runs one batch at a time.
 A batch never completes before ``start + l(b)`` by ``time.monotonic()`` (the clock of every
@@ -40,10 +41,10 @@ from zserve.backends.executor import (
     split_rows,
 )
 from zserve.backends.profiler import LatencyMeasurement
-from zserve.errors import BadRequestError
-from zserve.profiles import PROFILE_FORMAT
-from zserve.signature import ModelSignature, TensorSpec
-from zserve.timers import sleep_until
+from zserve.config.profiles import PROFILE_FORMAT
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.errors import BadRequestError
+from zserve.runtime.timers import sleep_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,8 @@ class EmulatedExecutor(Executor):
         finish = start + self.latency_s(model, batch_size)
         self._busy_until = finish
         outputs = self.compute(model, inputs, request_rows)
-        # A precise timer (zserve.timers): uvloop's own timers tick in whole milliseconds, and a
+        # A precise timer (zserve.runtime.timers): uvloop's own timers tick in whole milliseconds,
+        # and a
         # batch that sleeps in whole ticks finishes up to ~2 ms late, which a deferred batch
         # (planned to end alpha before its deadline) cannot afford.
         await sleep_until(finish)

@@ -51,8 +51,8 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 from zserve.backends.profiler import LatencyMeasurement, measure_latency
-from zserve.errors import BadRequestError, InternalError
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.errors import BadRequestError, InternalError
 
 _T = TypeVar("_T")
 

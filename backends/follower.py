@@ -1,6 +1,7 @@
 """PlanFollower: one device's plans from arrival to the device freeing again (pure logic).
 
-The backend process (``zserve.backends.process``) and the simulator (``zserve.loadgen.sim``) host
+The backend process (``zserve.backends.host``) and the simulator (``zserve.loadgen.sim.simulator``)
+host
 the same follower, so live and simulated runs share input waiting, the start decision, late
 shedding and the device-free projection (the rank's drift correction). Hosting contract as in
 ``zserve.scheduler.common``: every method takes ``now`` (cluster-clock seconds) and an outbox, does
@@ -60,10 +61,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zserve.errors import ErrorKind
-from zserve.groups import group_by_frontend
-from zserve.hosting import DEST_FRONTEND, TO_RANK, Outbox
-from zserve.stats import Stats
+from zserve.core.errors import ErrorKind
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import DEST_FRONTEND, TO_RANK, Outbox
+from zserve.core.stats import Stats
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,

@@ -73,8 +73,8 @@ from zserve.backends.onnx_session import (
     parse_device,
     preload_cuda_libraries,
 )
-from zserve.errors import BackendFailedError, BadRequestError
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.errors import BackendFailedError, BadRequestError
 
 # ONNX Runtime's tensor type names -> numpy dtype names.
 _ORT_DTYPES: dict[str, str] = {

@@ -16,7 +16,7 @@ CPU profiles use ONE intra-op thread by default (``--threads``): a backend is on
 CPU "device" one thread per backend is what keeps backends from fighting over cores; it also
 makes l(b) reproducible on a shared machine.
 
-Profile file (the one format of ``zserve.profiles``, read by its ``load_profiles``)::
+Profile file (the one format of ``zserve.config.profiles``, read by its ``load_profiles``)::
 
     {"format": "zserve-profile/1",
      "device": "cpu",
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.profiles import (
+from zserve.config.profiles import (
     PROFILE_FORMAT,
     LatencyProfile,
     ProfileEntry,
@@ -65,7 +65,7 @@ __all__ = [
 class LatencyMeasurement:
     """What profiling one model on one device measured: the spread of l(b) per batch size and
     the line fitted to it. Index i of each list is batch size ``batch_sizes[i]``. The scheduler's
-    l(b) is :meth:`to_profile` (``zserve.profiles.LatencyProfile``)."""
+    l(b) is :meth:`to_profile` (``zserve.config.profiles.LatencyProfile``)."""
 
     model: str
     device: str

@@ -18,8 +18,9 @@ table) when it started the cluster itself, so that every process's statistics ar
   (input-fetch round trip), ``lateness``, ``assemble``, ``run`` (execution) and ``push``
   (sending the outputs).
 
-Every process's figures are read from the one ``zserve.stats`` schema: ``stats["latency"][metric]``
-summaries (p50_ms, p99_ms, p1_ms, count), and ``zserve.stats.merge_snapshots`` pools backends.
+Every process's figures are read from the one ``zserve.core.stats`` schema:
+``stats["latency"][metric]``
+summaries (p50_ms, p99_ms, p1_ms, count), and ``zserve.core.stats.merge_snapshots`` pools backends.
 
 Different processes share CLOCK_MONOTONIC on one host, so the cross-process hops (meta delay,
 lateness, finish -> answer) are direct differences of timestamps. The client <-> frontend row is
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.stats import merge_snapshots
+from zserve.core.stats import merge_snapshots
 
 # Backend per-batch histograms (``zserve.backends.follower.BACKEND_HISTOGRAMS``), by hop row.
 BACKEND_METRICS = (
@@ -70,7 +71,7 @@ class HopRow:
 
 
 def _latency(stats: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """A latency summary of the ``zserve.stats`` schema (any role), if it has samples."""
+    """A latency summary of the ``zserve.core.stats`` schema (any role), if it has samples."""
     summary = stats.get("latency", {}).get(name)
     return summary if isinstance(summary, dict) and summary.get("count") else None
 

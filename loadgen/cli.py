@@ -45,7 +45,7 @@ Workload models are matched to the cluster's by name (exactly, else case-insensi
 ``zserve.loadgen.report``, the same keys as ``zserve sim`` on the same workload file, plus a
 ``generator`` section (its lateness, workers), a ``timeline`` of per-second figures and
 ``latency_cdf_ms`` per model. ``--max-rate-check`` finds the highest rate this machine's generator
-sustains within the lateness bound against a zero-delay echo server (``zserve.loadgen.echo``).
+sustains within the lateness bound against a zero-delay echo server (``zserve.loadgen.bench.echo``).
 
 Exit status: 0 on success; 2 on a usage, workload or config error; 3 when the generator fell
 behind its schedule (the run is refused: the figure would describe the generator).
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import breakdown, schedules
+from zserve.loadgen.bench.max_rate import MAX_RATE_CHECK_S, max_rate_check
 from zserve.loadgen.closed_loop import run_closed_loop
 from zserve.loadgen.live_report import bound_rps
 from zserve.loadgen.live_run import (
@@ -77,7 +78,6 @@ from zserve.loadgen.load_plan import (
     GeneratorBehindError,
     GeneratorError,
 )
-from zserve.loadgen.max_rate import MAX_RATE_CHECK_S, max_rate_check
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sender import PROTOCOLS

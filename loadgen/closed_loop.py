@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from zserve.client import AsyncClient
-from zserve.errors import ZServeError
+from zserve.client.async_client import AsyncClient
+from zserve.core.errors import ZServeError
 from zserve.loadgen.target import Target
 from zserve.loadgen.workload import Workload
 

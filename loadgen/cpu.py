@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from zserve.idle_poll import IdlePollers
+from zserve.transport.idle_poll import IdlePollers
 
 __all__ = (
     "LOADGEN_PROCESS",

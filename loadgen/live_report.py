@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.frontend_core import QUEUEING_OF_MODEL
+from zserve.frontend.core import QUEUEING_OF_MODEL
 from zserve.loadgen import breakdown
 from zserve.loadgen.cpu import cpu_per_request
 from zserve.loadgen.load_plan import LoadPlan, Outcome, RunResult
@@ -338,7 +338,7 @@ def _add_control_stats(
 
 def bound_rps(workload: Workload, gpus: int) -> float | None:
     try:
-        from zserve.loadgen.sim import workload_bound_rps
+        from zserve.loadgen.sim.simulator import workload_bound_rps
 
         bound = workload_bound_rps(workload.with_overrides(gpus=gpus))
     except Exception:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.errors import ErrorKind
+from zserve.core.errors import ErrorKind
 from zserve.loadgen import arrivals, schedules
 from zserve.loadgen.schedules import RateSchedule
 from zserve.loadgen.workload import ArrivalSpec, Workload, draw_request_rows

@@ -30,7 +30,14 @@ import grpc
 import httptools
 import numpy as np
 
-from zserve import oip_inference_pb2 as pb
+from zserve.frontend.oip import oip_inference_pb2 as pb
+from zserve.frontend.oip.servers import split_address
+from zserve.frontend.oip.tensors import (
+    BINARY_CONTENT_TYPE,
+    HEADER_LENGTH,
+    JSON_CONTENT_TYPE,
+    datatype_of,
+)
 from zserve.loadgen.load_plan import ERROR_INDEX, NO_ERROR, SENT
 from zserve.loadgen.sender import (
     PROTOCOLS,
@@ -40,8 +47,6 @@ from zserve.loadgen.sender import (
     WorkerSpec,
     _Sender,
 )
-from zserve.oip_server import split_address
-from zserve.oip_tensors import BINARY_CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE, datatype_of
 from zserve.transport.messages import TensorMap
 
 _BAD_REPLY = ERROR_INDEX["BAD_REPLY"]

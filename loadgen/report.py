@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.errors import ErrorKind
+from zserve.core.errors import ErrorKind
 
 REPORT_SCHEMA = "zserve-report/1"
 Floats = np.ndarray[Any, np.dtype[np.float64]]

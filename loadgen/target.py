@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 
-from zserve.config import ModelConfig
+from zserve.client.cluster_stats import FRONTEND_AT_ADDRESS, frontend_stats_reader
+from zserve.config.cluster import ModelConfig
+from zserve.config.policy_names import DEFAULT_KEEP_TOLERANCE
+from zserve.config.signature import ModelSignature
 from zserve.loadgen.stats_poller import STATS_REPLY_TIMEOUT_S
 from zserve.loadgen.workload import Workload
-from zserve.policies import DEFAULT_KEEP_TOLERANCE
-from zserve.signature import ModelSignature
-from zserve.transport import codec
-from zserve.transport.messages import ClusterStatsRequest, StatsReply, TensorMap
-from zserve.transport.sockets import make_dealer
+from zserve.transport.messages import TensorMap
 
 log = logging.getLogger(__name__)
 
@@ -164,61 +160,6 @@ def target_from_config(
     )
 
 
-# The frontend at the address a bench drives, as a name in Target.frontends (its stats come
-# from its client socket, with those of its peers: see frontend_stats_reader).
-FRONTEND_AT_ADDRESS = "frontend"
-# How long a frontend may take to gather its peers' stats (its own bound, 0.5 s, plus slack).
-CLUSTER_STATS_TIMEOUT_S = 1.0
-# Names asked of one frontend within this long share its answer (the names of one mark).
-CLUSTER_STATS_REUSE_S = 0.2
-
-
-def frontend_stats_reader(address: str) -> Callable[[str], dict[str, Any]]:
-    """``control_stats`` for a cluster at an address: asks its frontend's client socket
-    ``ClusterStatsRequest(reset=False)``; the frontend answers with its own stats and those of
-    the shards, rank and backends it talks to. ``FRONTEND_AT_ADDRESS`` names the frontend
-    itself; ``"rank"`` falls back to ``"shard-0"`` (a scheduler embedding the rank). One answer
-    serves the names asked within CLUSTER_STATS_REUSE_S (one mark); a server that did not answer
-    once (not a zserve frontend) is not asked again."""
-    counter = iter(range(1 << 30))
-    last: list[tuple[float, dict[str, Any]]] = []
-    silent = False
-
-    def ask() -> dict[str, Any]:
-        nonlocal silent
-        if silent:
-            raise TimeoutError(f"the server at {address} does not answer ClusterStatsRequest")
-        if last and time.monotonic() - last[0][0] < CLUSTER_STATS_REUSE_S:
-            return last[0][1]
-        ctx: zmq.Context[Any] = zmq.Context.instance()
-        identity = f"loadgen-cstats-{os.getpid()}-{next(counter)}".encode()
-        sock = make_dealer(ctx, address, identity=identity)
-        try:
-            sock.send_multipart(codec.encode(ClusterStatsRequest(reset=False)), copy=False)
-            if not sock.poll(int(CLUSTER_STATS_TIMEOUT_S * 1e3)):
-                silent = True
-                raise TimeoutError(f"no StatsReply from the frontend at {address}")
-            msg = codec.decode(sock.recv_multipart(copy=False))
-        finally:
-            sock.close(linger=0)
-        if not isinstance(msg, StatsReply):
-            raise TypeError(f"{type(msg).__name__} instead of a StatsReply from {address}")
-        last[:] = [(time.monotonic(), dict(msg.stats))]
-        return last[0][1]
-
-    def read(name: str) -> dict[str, Any]:
-        stats = ask()
-        if name == FRONTEND_AT_ADDRESS:
-            return stats
-        cluster = stats.get("cluster") or {}
-        for candidate in (name, "shard-0") if name == "rank" else (name,):
-            if isinstance(cluster.get(candidate), dict):
-                return dict(cluster[candidate])
-        raise KeyError(f"the frontend at {address} has no stats of {name!r}")
-
-    return read
-
-
 def at_address(target: Target) -> Target:
     """A cluster at an address: its rank counters and queueing delay come from its frontend."""
     target.control_stats = frontend_stats_reader(target.client_address)
@@ -240,7 +181,7 @@ def recorded_oip_addresses(client_address: str, config: Any) -> dict[str, list[s
     """Where the running cluster with a frontend at ``client_address`` serves the Open Inference
     Protocol: as its state file records them (`zserve up` writes the ports the kernel picked for
     a configured port 0), else as ``config`` names them where it names a port."""
-    from zserve.supervisor_cli import recorded_state
+    from zserve.cluster.cli import recorded_state
 
     recorded = recorded_state(client_address).get("oip_addresses")
     if isinstance(recorded, dict):
@@ -256,7 +197,7 @@ def open_target(
     spec: str, workload: Workload, *, cluster_config: str | None, model_map: dict[str, str]
 ) -> Iterator[Target]:
     """A running cluster to drive: started here from a cluster.toml, or one at an address."""
-    from zserve.config import load_config
+    from zserve.config.cluster import load_config
 
     if "://" in spec:
         if cluster_config is None:
@@ -275,7 +216,7 @@ def open_target(
         yield at_address(target)
         return
     config = load_config(spec)
-    from zserve import supervisor
+    from zserve.cluster import supervisor
 
     with supervisor.Cluster(config) as cluster:
         yield target_for_cluster(cluster, config, workload, model_map)
@@ -284,7 +225,8 @@ def open_target(
 def target_for_cluster(
     cluster: Any, config: Any, workload: Workload, model_map: dict[str, str]
 ) -> Target:
-    """The target of a cluster running in this process (a ``zserve.supervisor.Cluster`` started
+    """The target of a cluster running in this process (a ``zserve.cluster.supervisor.Cluster``
+    started
     from ``config``): every frontend, stats over the supervisor's control link, and the
     processes' ids for CPU accounting."""
     peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}

@@ -56,11 +56,11 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from zserve.config.decode import FieldError, SchemaError, check_finite, decode
+from zserve.config.policy_names import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
+from zserve.config.profiles import LatencyProfile, load_profiles
 from zserve.loadgen.arrivals import popularity_shares
 from zserve.loadgen.zoo import load_zoo_csv
-from zserve.policies import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
-from zserve.profiles import LatencyProfile, load_profiles
-from zserve.schema import FieldError, SchemaError, check_finite, decode
 
 
 class WorkloadError(ValueError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from zserve.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile
 from zserve.scheduler.policy import largest_batch_at_rate
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
-from zserve.policies import (
+from zserve.config.policy_names import (
     DROP_FCFS,
     DROP_SUFFIX,
     KIND_DEFERRED,
@@ -30,7 +30,7 @@ from zserve.policies import (
     KIND_TIMEOUT,
     SchedulePolicy,
 )
-from zserve.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
     DEFER_BACKOFF_MAX,

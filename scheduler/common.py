@@ -1,5 +1,6 @@
 """What the scheduler's pure objects (ModelThread, RankThread) and their hosts share beyond the
-hosting contract of ``zserve.hosting``: timer slack, the feasibility tolerance, and the cut of a
+hosting contract of ``zserve.core.hosting``: timer slack, the feasibility tolerance, and the cut of
+a
 RequestMetaBatch into the per-model chunks every host feeds the ModelThreads.
 """
 

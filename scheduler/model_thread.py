@@ -1,6 +1,6 @@
 """ModelThread: one model's deadline-ordered queue and its one batch candidate (pure logic).
 
-See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
+See ``zserve.core.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> ModelThread):
 
@@ -63,15 +63,15 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
-from zserve.errors import ErrorKind
-from zserve.groups import group_by_frontend
-from zserve.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
-from zserve.policies import (
+from zserve.config.policy_names import (
     DEFAULT_KEEP_TOLERANCE,
     GRANT_EARLIEST_DEADLINE,
     SchedulePolicy,
 )
-from zserve.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.policy import (
     DEFER_MISS_RELAX_S,
@@ -171,7 +171,7 @@ class ModelThread(CandidateSizing):
         self.n_dropped = 0
         self.n_cancelled = 0
         self.n_replanned = self.n_planned = self.n_batches = 0  # replanned: by on_replan
-        # The scheduler epoch its plans carry (zserve.epochs); the host sets it.
+        # The scheduler epoch its plans carry (zserve.core.epochs); the host sets it.
         self.epoch = 0
 
     def _clear_queue(self) -> None:

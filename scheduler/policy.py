@@ -1,6 +1,6 @@
 """What the scheduler does under each batch policy, the rate meter, and the rate-driven target
 batch size. The policy names and their parse (``SchedulePolicy``) are the runtime kit's
-(``zserve.policies``), which configuration validates with.
+(``zserve.config.policy_names``), which configuration validates with.
 
 Schedule policies decide *when* a candidate becomes schedulable (its ``exec`` time); every policy
 runs through the same ModelThread/RankThread code paths:
@@ -134,7 +134,7 @@ from __future__ import annotations
 
 import math
 
-from zserve.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile
 
 __all__ = [
     "DEFER_BACKOFF_MAX",

@@ -1,6 +1,6 @@
 """The rank's backend table: registration, GPU ids, suspicion and revival, liveness.
 
-``RankBackends`` is the part of ``zserve.scheduler.rank_process.RankHost`` that keeps the table of
+``RankBackends`` is the part of ``zserve.scheduler.rank_host.RankHost`` that keeps the table of
 backends (one ``_Backend`` per GPU id) and tells the RankThread which GPUs it may grant:
 
 - ``BackendRegister`` adds a backend (or gives a known name its GPU back); a backend's GPU id is
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from zserve import control_link
-from zserve.hosting import Outbox
+from zserve.core.hosting import Outbox
+from zserve.core.liveness import HEARTBEAT_INTERVAL_S
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BackendRegister,
@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 BACKEND_ROLE = "backend"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
-BACKEND_TIMEOUT_S = 4 * control_link.HEARTBEAT_INTERVAL_S
+BACKEND_TIMEOUT_S = 4 * HEARTBEAT_INTERVAL_S
 
 
 def configured_backend_index(name: str) -> int | None:
-    """``n`` for the backend named ``backend-<n>`` (``zserve.config.process_name``), else None."""
+    """``n`` for the backend named ``backend-<n>`` (``zserve.config.cluster.process_name``), else
+    None."""
     role, _, index = name.rpartition("-")
     return int(index) if role == BACKEND_ROLE and index.isdigit() else None
 
@@ -139,7 +140,8 @@ class RankBackends:
 
     def _new_gpu_id(self, msg: BackendRegister) -> int:
         """The id of a backend this rank has not seen: its index in the cluster config (the
-        ``<n>`` of its name ``backend-<n>``, ``zserve.config.process_name``), so a restarted rank
+        ``<n>`` of its name ``backend-<n>``, ``zserve.config.cluster.process_name``), so a
+        restarted rank
         gives every backend the id the shards' plans and tables already use, whatever order they
         register in; the lowest free id when its name has none or another backend holds it."""
         taken = set(self.gpu_by_name.values())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zserve.control_link import HEARTBEAT_INTERVAL_S
+from zserve.core.liveness import HEARTBEAT_INTERVAL_S
 from zserve.transport.messages import BackendTable
 
 # Every live backend heartbeats within HEARTBEAT_INTERVAL_S and then registers: four intervals

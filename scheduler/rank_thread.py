@@ -1,6 +1,6 @@
 """RankThread: GPU free times, one candidate per model, and model-GPU matchmaking (pure logic).
 
-See ``zserve.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
+See ``zserve.core.hosting`` for the hosting contract (``now``, outbox, ``wake_at``).
 
 Inputs (host -> RankThread):
 
@@ -54,8 +54,8 @@ from __future__ import annotations
 import heapq
 import math
 
-from zserve.hosting import DEST_MODEL, Outbox
-from zserve.policies import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
+from zserve.config.policy_names import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
+from zserve.core.hosting import DEST_MODEL, Outbox
 from zserve.scheduler.policy import (
     RESCUE_CONTENTION,
     RESCUE_CONTENTION_EWMA,
@@ -76,7 +76,8 @@ class RankThread:
 
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
                  grant_order: str = GRANT_FIRST_DUE) -> None:
-        """``grant_order`` (``zserve.policies``): ``GRANT_FIRST_DUE``, a candidate takes the GPU
+        """``grant_order`` (``zserve.config.policy_names``): ``GRANT_FIRST_DUE``, a candidate takes
+        the GPU
         that is free by its exec time when its timer comes, and a freed GPU goes to the waiting
         candidate with the earliest latest start; ``GRANT_LEAST_SLACK`` and
         ``GRANT_EARLIEST_DEADLINE``, a candidate takes only a GPU idle at its timer, and a GPU
@@ -88,7 +89,8 @@ class RankThread:
         self.grant_order = grant_order
         self._by_deadline = grant_order == GRANT_EARLIEST_DEADLINE
         self._free_only = grant_order != GRANT_FIRST_DUE
-        self.epoch = 0  # the scheduler epoch its grants carry (zserve.epochs); the host sets it
+        # The scheduler epoch its grants carry (zserve.core.epochs); the host sets it.
+        self.epoch = 0
         self._free_at: dict[int, float] = {}
         self._state: dict[int, int] = {}
         self._n_idle = 0  # GPUs in state _IDLE (_set_state keeps it)

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from zserve.groups import group_by_frontend
+from zserve.core.groups import group_by_frontend
 from zserve.transport.messages import BatchPlan
 
 # How long past its delivery allowance (d_ctrl) a plan may go unacknowledged before its backend

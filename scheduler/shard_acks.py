@@ -1,6 +1,6 @@
 """A shard's sent plans: acknowledgements, suspicion, and what happens to a lost backend's plans.
 
-``ShardPlanAcks`` is the part of ``zserve.scheduler.shard.ShardHost`` that follows the plans it
+``ShardPlanAcks`` is the part of ``zserve.scheduler.shard_host.ShardHost`` that follows the plans it
 sent (``SentPlans``): each is remembered with the time its ``PlanAck`` is due (d_ctrl +
 ``PLAN_ACK_MARGIN_S``); the backends' acknowledgements come in on the plan DEALERs; a plan not
 acknowledged in time makes the shard suspect its backend (``BackendSuspect`` to the rank, the GPU
@@ -20,14 +20,14 @@ from typing import Any
 
 import zmq
 
-from zserve.clock import ClusterClock
-from zserve.config import ModelConfig
-from zserve.errors import ErrorKind
-from zserve.groups import group_by_frontend
-from zserve.hosting import TO_RANK, Outbox
+from zserve.config.cluster import ModelConfig
+from zserve.core.errors import ErrorKind
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import TO_RANK, Outbox
+from zserve.runtime.clock import ClusterClock
+from zserve.runtime.timers import WakeTimer
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.sent_plans import SentPlans
-from zserve.timers import WakeTimer
 from zserve.transport.messages import BackendSuspect, BatchPlan, Hello, PlanAck
 from zserve.transport.reactor import Chunk, SocketReactor
 

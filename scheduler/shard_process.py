@@ -1,7 +1,7 @@
 """The scheduler shard's process: ``zserve scheduler`` and the supervisor's ``shard`` role.
 
 ``run_shard(config, control_address)`` opens the shard's sockets and control link, hosts a
-``ShardHost`` (``zserve.scheduler.shard``; with ``config.embedded_rank`` also the
+``ShardHost`` (``zserve.scheduler.shard_host``; with ``config.embedded_rank`` also the
 ``RankHost`` on its own ROUTER), syncs the cluster clock when the rank runs elsewhere, serves until
 the control link asks it to drain, drains, and closes everything in reverse order.
 """
@@ -18,15 +18,15 @@ from typing import Any
 
 import zmq
 
-from zserve import control_link, keys, peer_map, role_runner
-from zserve.clock import ClockSync, ClusterClock
-from zserve.config import STANDBY_NAME, RoleConfig
-from zserve.epochs import SchedulerWatch, next_epoch, now_ms
-from zserve.rolecli import role_config_from_args, role_parser
+from zserve.config.cluster import STANDBY_NAME, RoleConfig
+from zserve.core.epochs import SchedulerWatch, next_epoch, now_ms
+from zserve.runtime import control_link, keys, peer_map, runner
+from zserve.runtime.args import role_config_from_args, role_parser
+from zserve.runtime.clock import ClockSync, ClusterClock
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
-from zserve.scheduler.rank_process import RankHost
+from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
-from zserve.scheduler.shard import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
+from zserve.scheduler.shard_host import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
 from zserve.scheduler.standby import PairLink
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
@@ -46,7 +46,7 @@ class _ShardProcess:
     rank: RankHost | None = None
     clock_sync: ClockSync | None = None
     pair: PairLink | None = None
-    # Set when a newer scheduler epoch superseded this process (zserve.epochs).
+    # Set when a newer scheduler epoch superseded this process (zserve.core.epochs).
     superseded: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
@@ -118,7 +118,7 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
     if proc.rank is not None:
         _start_pair(proc, config)
     if not embedded:
-        proc.clock_sync = await role_runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
+        proc.clock_sync = await runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
                                                             drain=link.drain, clock=clock)
         if proc.clock_sync is None:
             return 0 if link.drain.requested else 2
@@ -182,7 +182,7 @@ def _step_down(proc: _ShardProcess) -> None:
 
 def run_shard(config: RoleConfig, control_address: str | None) -> int:
     """Run one scheduler shard (with the rank embedded when ``config.embedded_rank``)."""
-    return role_runner.run_role(_main(config, control_address), name=config.name)
+    return runner.run_role(_main(config, control_address), name=config.name)
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,9 @@
 """The watch link of an active/standby scheduler pair (``[scheduler] standby = true``).
 
-Each of the two scheduler processes (``shard-0`` and ``zserve.config.STANDBY_NAME``, each with
+Each of the two scheduler processes (``shard-0`` and ``zserve.config.cluster.STANDBY_NAME``, each
+with
 its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
-``SchedulerPing(name, epoch, active)`` every ``zserve.epochs.PING_INTERVAL_S``; the other's
+``SchedulerPing(name, epoch, active)`` every ``zserve.core.epochs.PING_INTERVAL_S``; the other's
 ``RankHost`` answers each at once with its own, from its event loop, so an answer proves the loop
 that dispatches is running (a hung or SIGSTOPped process stops answering even though its sockets
 stay open). Each process judges its partner by the answers on the connection it made itself: a
@@ -10,7 +11,7 @@ restarted standby's fresh connection works at once, whereas the partner's own DE
 be in ZeroMQ's reconnect backoff (up to seconds) and its pings late. A crash is seen sooner:
 the dead process's end of the connection closes, the DEALER's monitor reports it, and a standby
 whose partner was active takes over at once. The decisions are the pure
-``zserve.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
+``zserve.core.epochs.SchedulerWatch`` held by the process's ``RankHost``: a standby whose active
 partner has been silent for ``takeover_timeout_ms`` takes over here (``RankHost.activate`` with
 the next epoch); an active one that hears a newer epoch steps down (``RankHost.on_superseded``).
 
@@ -30,9 +31,9 @@ from typing import Any
 
 import zmq
 
-from zserve.epochs import PING_INTERVAL_S, SchedulerWatch, now_ms
-from zserve.scheduler.rank_process import RankHost
-from zserve.scheduler.shard import ShardHost
+from zserve.core.epochs import PING_INTERVAL_S, SchedulerWatch, now_ms
+from zserve.scheduler.rank_host import RankHost
+from zserve.scheduler.shard_host import ShardHost
 from zserve.transport.messages import SchedulerPing
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer

@@ -9,7 +9,7 @@ The ledger is the suite's one judge. Each request ``i`` carries its own input (e
   reaches the client as an unmatched reply, which ``check`` refuses too);
 - an output is the request's own: another request's outputs are ``FOREIGN``, anything else
   ``WRONG``, both failures;
-- an error is typed: a ``zserve.errors.ZServeError`` (``kind``), or the client's
+- an error is typed: a ``zserve.core.errors.ZServeError`` (``kind``), or the client's
   ``ConnectionLostError`` (``CONNECTION_LOST``: the frontend's connection broke, the request may
   have run); any other exception is ``UNTYPED``, a failure;
 - ``counts`` gives the outcomes by kind, for the assertions of each case and for the docs.
@@ -42,10 +42,10 @@ import numpy as np
 
 import zserve
 from zserve.backends.emulated import EmulatedExecutor
-from zserve.backends.process import build_executor
-from zserve.client import ConnectionLostError
-from zserve.config import ClusterConfig, parse_config
-from zserve.supervisor import Cluster
+from zserve.backends.host import build_executor
+from zserve.client.async_client import ConnectionLostError
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
 
 # The role a fault targets -> the child it hits (shards >= 1: shard and rank are processes).
 ROLE_CHILD = {"frontend": "frontend-0", "shard": "shard-0", "rank": "rank",

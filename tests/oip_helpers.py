@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from zserve.config import ClusterConfig, parse_config
+from zserve.config.cluster import ClusterConfig, parse_config
 
 LOOPBACK_ANY = "127.0.0.1:0"
 JITTER_MS = 50.0
@@ -79,7 +79,7 @@ def grpc_trailers(address: str, model: str, array: np.ndarray[Any, Any],
                   **parameters: int) -> tuple[grpc.StatusCode, dict[str, str]]:
     """Call ModelInfer with a plain grpc channel: the status code and the trailing metadata
     (tritonclient keeps only the code and message)."""
-    from zserve import oip_inference_pb2 as pb
+    from zserve.frontend.oip import oip_inference_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=model, raw_input_contents=[array.tobytes()])
     request.inputs.add(name="x", datatype="FP32", shape=array.shape)

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
-from zserve.clock import reply_to_probe
-from zserve.config import ClusterConfig, RoleConfig, parse_config, role_config
+from zserve.config.cluster import ClusterConfig, RoleConfig, parse_config, role_config
+from zserve.runtime.clock import reply_to_probe
 from zserve.transport import socket_io
 from zserve.transport.messages import BatchPlan, ClockProbe, Message, PlanAck, Ready
 from zserve.transport.sockets import make_dealer, make_router
@@ -36,15 +36,15 @@ REAP_S = 10.0
 M = TypeVar("M", bound=Message)
 
 _ENTRY = {
-    "backend": "zserve.backends.process:run_backend",
+    "backend": "zserve.backends.host:run_backend",
     "shard": "zserve.scheduler.shard_process:run_shard",
-    "rank": "zserve.scheduler.rank_process:run_rank",
+    "rank": "zserve.scheduler.rank_host:run_rank",
 }
 
 _RUNNER = """
 import importlib, sys
 import msgspec
-from zserve.config import RoleConfig
+from zserve.config.cluster import RoleConfig
 module, _, func = sys.argv[1].partition(":")
 config = msgspec.json.decode(sys.argv[2], type=RoleConfig)
 control = sys.argv[3] or None

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from zserve.clock import reply_to_probe
-from zserve.config import ClusterConfig, parse_config, role_config
+from zserve.config.cluster import ClusterConfig, parse_config, role_config
+from zserve.runtime.clock import reply_to_probe
 from zserve.transport import socket_io
 from zserve.transport.messages import (
     BackendTable,
@@ -104,7 +104,7 @@ class FrontendHarness:
     """A real frontend process; the test owns its supervisor, shard, rank and backend sockets."""
 
     def __init__(self, tmp: str, cluster: ClusterConfig) -> None:
-        from zserve.frontend import run_frontend
+        from zserve.frontend.host import run_frontend
 
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.control, control_ep = make_router(self.ctx, f"ipc://{tmp}/control")

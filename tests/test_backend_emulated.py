@@ -23,7 +23,7 @@ import uvloop
 
 from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 from zserve.backends.profiler import LatencyMeasurement, write_profile_file
-from zserve.errors import BadRequestError, InternalError
+from zserve.core.errors import BadRequestError, InternalError
 
 LATENESS_BOUND_S = 0.5
 

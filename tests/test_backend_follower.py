@@ -21,9 +21,9 @@ from zserve.backends.follower import (
     latest_start_keeping_some,
     shed_late_rows,
 )
-from zserve.errors import ErrorKind
-from zserve.hosting import TO_RANK, Outbox
-from zserve.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
+from zserve.core.hosting import TO_RANK, Outbox
 from zserve.transport.messages import (
     BatchFailed,
     BatchPlan,

@@ -99,7 +99,7 @@ def test_cupy_inputs_stay_on_device(
 
 @pytest.mark.gpu
 def test_cupy_input_on_cpu_executor_is_bad_request(cupy: Any, cpu_executor: OnnxExecutor) -> None:
-    from zserve.errors import BadRequestError
+    from zserve.core.errors import BadRequestError
 
     request = {"features": cupy.zeros((1, 64), cupy.float32)}
     with pytest.raises(BadRequestError, match="CuPy array but this executor runs on cpu"):

@@ -17,7 +17,7 @@ from zserve.backends.builtin import ModelSpec, ensure_builtin
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import OnnxExecutor, read_signature
 from zserve.backends.onnx_session import SessionConfig, cuda_output_error, default_cuda_batch_sizes
-from zserve.errors import BadRequestError, InternalError
+from zserve.core.errors import BadRequestError, InternalError
 
 MAX_BATCH = 8
 # Batched and one-by-one runs take different kernels (GEMM vs GEMV blocking), so float32 sums are

@@ -11,7 +11,7 @@ import pytest
 from zserve.backends import builtin, profiler
 from zserve.backends.onnx_executor import OnnxExecutor
 from zserve.backends.profiler import LatencyMeasurement, fit_linear, write_profile_file
-from zserve.profiles import load_profiles
+from zserve.config.profiles import load_profiles
 
 
 def test_fit_linear_recovers_exact_line() -> None:

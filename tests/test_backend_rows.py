@@ -18,11 +18,11 @@ from zserve.backends.follower import (
     RunBatch,
     shed_late_rows,
 )
-from zserve.clock import ClusterClock
-from zserve.errors import ErrorKind
-from zserve.hosting import TO_RANK, Outbox
-from zserve.profiles import LatencyProfile
-from zserve.stats import Stats
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
+from zserve.core.hosting import TO_RANK, Outbox
+from zserve.core.stats import Stats
+from zserve.runtime.clock import ClusterClock
 from zserve.transport.messages import BatchFailed, BatchPlan, BatchStats, InputReply
 
 PROFILE = LatencyProfile.linear(1.0, 10.0, 8)  # l(b) = b + 10 ms, b <= 8 rows

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from zserve.errors import BadRequestError, ErrorKind, TooLargeError
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.errors import BadRequestError, ErrorKind, TooLargeError
 
 
 @pytest.fixture

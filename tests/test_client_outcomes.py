@@ -17,8 +17,8 @@ import zmq
 from runtime_helpers import FrontendHarness, emulated_cluster, meta_ids, sample
 
 import zserve
-from zserve.client import CONNECTION_DOWN_BOUND_S, AsyncClient, ConnectionLostError
-from zserve.sync_client import Client
+from zserve.client.async_client import CONNECTION_DOWN_BOUND_S, AsyncClient, ConnectionLostError
+from zserve.client.sync_client import Client
 from zserve.transport import socket_io
 from zserve.transport.messages import InferReply, InferRequest
 from zserve.transport.sockets import MAX_FRAME_BYTES, make_router
@@ -150,7 +150,7 @@ def test_invalid_address_fails_at_construction(
 
 
 def test_request_after_close_fails_clearly(tmp_path: Any) -> None:
-    from zserve.client import ClientClosedError
+    from zserve.client.async_client import ClientClosedError
 
     address = f"ipc://{tmp_path}/nobody"
     client = Client(address)
@@ -178,7 +178,7 @@ def test_request_after_close_fails_clearly(tmp_path: Any) -> None:
 def test_close_ends_a_call_waiting_to_retry(tmp_path: Any) -> None:
     """A call that close() answers UNAVAILABLE goes to retry after a backoff: it must end with
     ClientClosedError, not hang behind the I/O thread's stopped loop."""
-    from zserve.client import ClientClosedError
+    from zserve.client.async_client import ClientClosedError
 
     client = Client(f"ipc://{tmp_path}/nobody", max_retries=5, backoff_s=0.05, backoff_max_s=0.05)
     client.submit("m", sample(0))  # starts the I/O thread

@@ -1,4 +1,5 @@
-"""The pure fencing logic of scheduler epochs (zserve.epochs): the fence and the pair's watch."""
+"""The pure fencing logic of scheduler epochs (zserve.core.epochs): the fence and the pair's
+watch."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import math
 
 import numpy as np
 
-from zserve.config import parse_config
-from zserve.epochs import EpochFence, SchedulerWatch, next_epoch
-from zserve.frontend_core import FrontendCore
-from zserve.hosting import Outbox
-from zserve.preflight import check_cluster
+from zserve.cluster.preflight import check_cluster
+from zserve.config.cluster import parse_config
+from zserve.core.epochs import EpochFence, SchedulerWatch, next_epoch
+from zserve.core.hosting import Outbox
+from zserve.frontend.core import FrontendCore
 from zserve.transport.messages import InferError, InferRequest, InputFetch, RequestMetaBatch
 
 TIMEOUT_S = 1.0

@@ -11,7 +11,7 @@ import pytest
 from fault_harness import Ledger, Load, fault_cluster
 
 import zserve
-from zserve.client import ConnectionLostError
+from zserve.client.async_client import ConnectionLostError
 
 
 def _ledger(count: int = 3) -> Ledger:

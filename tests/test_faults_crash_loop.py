@@ -11,8 +11,8 @@ from pathlib import Path
 
 from fault_harness import OK, Ledger, Load, drive, fault_cluster, wait_served
 
-from zserve.profiles import LatencyProfile, save_profiles
-from zserve.supervisor import RESTART_BACKOFF_S, Cluster
+from zserve.cluster.supervisor import RESTART_BACKOFF_S, Cluster
+from zserve.config.profiles import LatencyProfile, save_profiles
 
 CRASHES = 4  # restarts watched: backoffs 0.2, 0.4, 0.8 and 1.6 s
 # The supervisor respawns within one poll of its loop (POLL_MAX_MS) after the backoff; a loaded

@@ -18,7 +18,7 @@ import pytest
 import zmq
 from fault_harness import Ledger, Load, drive, fault_cluster
 
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
 from zserve.transport import codec
 from zserve.transport.messages import CancelRequest, Heartbeat
 from zserve.transport.sockets import MAX_FRAME_BYTES, make_dealer

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fault_harness import OK, Ledger, Load, drive, fault_cluster, wait_served
 
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
 
 # Slow enough that a loaded 2-core machine's stalls (100-200 ms) are small against the SLO.
 SLO_S = 2.0

@@ -25,7 +25,7 @@ from fault_harness import OK, Ledger, Load, drive, wait_served
 from runtime_helpers import ask_frontend_stats
 from test_runtime_multihost import Role
 
-from zserve.config import load_config
+from zserve.config.cluster import load_config
 from zserve.transport.messages import StatsRequest
 
 CUT_S = 3.0

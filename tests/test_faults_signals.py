@@ -28,7 +28,7 @@ from fault_harness import (
     wait_served,
 )
 
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
 
 # ~2 s of load at a fifth of capacity; the fault when a third of it has been sent.
 LOAD = Load(rate_rps=120.0, count=240)

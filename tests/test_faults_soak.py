@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from fault_harness import OK, Ledger, Load, drive, fault_cluster, rss_bytes
 
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
 
 RATE_RPS = 1500.0
 CHUNK = 7_500  # requests per client connection (5 s at the rate)

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zserve.config import parse_config
-from zserve.frontend_admission import (
+from zserve.config.cluster import parse_config
+from zserve.config.profiles import LatencyProfile
+from zserve.core.hosting import Outbox
+from zserve.frontend.admission import (
     GATE_CEILING_FRACTION,
     GATE_FLOOR_FRACTION,
     GATE_MAX_CUT,
@@ -27,9 +29,7 @@ from zserve.frontend_admission import (
     RATE_WINDOW_S,
     ModelAdmission,
 )
-from zserve.frontend_core import FrontendCore
-from zserve.hosting import Outbox
-from zserve.profiles import LatencyProfile
+from zserve.frontend.core import FrontendCore
 from zserve.transport.messages import (
     BatchOutputs,
     DropNotice,

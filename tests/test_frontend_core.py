@@ -11,8 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import (
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.hosting import Outbox
+from zserve.core.stats import merge_snapshots
+from zserve.frontend.core import (
     FRONTEND_COUNTERS,
     FRONTEND_HISTOGRAMS,
     TIMER_COALESCE_S,
@@ -22,9 +25,6 @@ from zserve.frontend_core import (
     TO_SHARD,
     FrontendCore,
 )
-from zserve.hosting import Outbox
-from zserve.signature import ModelSignature, TensorSpec
-from zserve.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,
@@ -345,7 +345,7 @@ def test_the_deadline_heap_stays_proportional_to_the_pending_requests() -> None:
 
 
 def test_stats_are_the_one_schema_and_frontends_merge() -> None:
-    """Counters and hop histograms in the ``zserve.stats`` schema; two frontends' snapshots add
+    """Counters and hop histograms in the ``zserve.core.stats`` schema; two frontends' snapshots add
     up; a reset starts a new window."""
     cores = [FrontendCore(name=f"frontend-{i}", cluster=_cluster(), index=i,
                           data_address=f"ipc://data-{i}", profiles={}) for i in range(2)]

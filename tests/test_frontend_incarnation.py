@@ -13,11 +13,11 @@ import numpy as np
 
 import zserve
 from zserve.backends.emulated import EmulatedModel
-from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import FrontendCore
-from zserve.hosting import Outbox
-from zserve.request_ids import INCARNATIONS, RequestIds, incarnation_of, new_incarnation
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.core.hosting import Outbox
+from zserve.core.request_ids import INCARNATIONS, RequestIds, incarnation_of, new_incarnation
+from zserve.frontend.core import FrontendCore
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,

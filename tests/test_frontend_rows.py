@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import TO_SHARD, FrontendCore
-from zserve.hosting import Outbox
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.hosting import Outbox
+from zserve.frontend.core import TO_SHARD, FrontendCore
 from zserve.transport.messages import (
     BackendTable,
     BatchOutputs,

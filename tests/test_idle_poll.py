@@ -1,5 +1,5 @@
-"""Idle pollers (zserve.idle_poll): SCHED_IDLE spinners that keep the CPUs awake; and the
-wake-up and stall probes that measure what they are for (zserve.loadgen.wakeup)."""
+"""Idle pollers (zserve.transport.idle_poll): SCHED_IDLE spinners that keep the CPUs awake; and the
+wake-up and stall probes that measure what they are for (zserve.loadgen.bench.wakeup)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from zserve.config import ConfigError, parse_config
-from zserve.idle_poll import IdlePollers, available_cpus
-from zserve.loadgen.wakeup import ping_pong_rtts_us, spin_gaps, stall_probe
+from zserve.config.cluster import ConfigError, parse_config
+from zserve.loadgen.bench.wakeup import ping_pong_rtts_us, spin_gaps, stall_probe
+from zserve.transport.idle_poll import IdlePollers, available_cpus
 
 pytestmark = pytest.mark.skipif(not IdlePollers.supported(), reason="needs Linux SCHED_IDLE")
 
@@ -64,7 +64,7 @@ def test_pollers_die_with_their_parent() -> None:
     """PR_SET_PDEATHSIG: a SIGKILLed supervisor leaves no spinning processes behind."""
     script = textwrap.dedent("""
         import signal
-        from zserve.idle_poll import IdlePollers
+        from zserve.transport.idle_poll import IdlePollers
         pollers = IdlePollers(1).start()
         print(pollers.processes[0].pid, flush=True)
         signal.pause()  # until the test kills this process
@@ -118,7 +118,7 @@ def test_spin_gaps_reports_every_gap_above_the_threshold_in_order() -> None:
 
 
 def test_stall_probe_prints_one_row_per_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from zserve.loadgen.wakeup import main
+    from zserve.loadgen.bench.wakeup import main
 
     table = stall_probe(0.05, cpus=2)
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]

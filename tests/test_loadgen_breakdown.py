@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from zserve.backends.follower import BACKEND_HISTOGRAMS
+from zserve.core.stats import Stats
 from zserve.loadgen import breakdown
-from zserve.stats import Stats
 
 
 def _frontend(**hops: tuple[float, float, int]) -> dict[str, object]:
@@ -16,7 +16,7 @@ def _frontend(**hops: tuple[float, float, int]) -> dict[str, object]:
 
 
 def _backend(**values_s: list[float]) -> dict[str, object]:
-    """A backend's StatsReply payload (its ``zserve.stats`` snapshot) after these batches."""
+    """A backend's StatsReply payload (its ``zserve.core.stats`` snapshot) after these batches."""
     stats = Stats(histograms=BACKEND_HISTOGRAMS)
     for metric, values in values_s.items():
         for value in values:

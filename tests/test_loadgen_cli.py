@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from zserve.loadgen import cli
-from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.bench.echo import EchoConfig, EchoServer
 from zserve.loadgen.live_run import BenchOptions
 from zserve.loadgen.report import summary_text
-from zserve.loadgen.sim import simulate
+from zserve.loadgen.sim.simulator import simulate
 from zserve.loadgen.stats_poller import StatsSample, stats_window
 from zserve.loadgen.target import match_models
 from zserve.loadgen.workload import load_workload

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from zserve import demo
-from zserve.config import parse_config
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
 from zserve.loadgen.closed_loop import run_closed_loop
 from zserve.loadgen.target import target_for_cluster
 from zserve.loadgen.workload import load_workload
-from zserve.supervisor import Cluster
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from zserve.loadgen import cli
-from zserve.loadgen.sim import simulate
+from zserve.loadgen.sim.simulator import simulate
 from zserve.loadgen.workload import load_workload
 
 CLUSTER = """

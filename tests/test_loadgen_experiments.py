@@ -23,7 +23,7 @@ from zserve.loadgen.experiments import (
     scale,
     simulated,
 )
-from zserve.loadgen.sim import Simulator
+from zserve.loadgen.sim.simulator import Simulator
 from zserve.loadgen.workload import Workload
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,6 @@
 """The open-loop generator against a real ZeroMQ echo/delay server in a spawned process.
 
-The echo server (zserve.loadgen.echo) speaks the real wire protocol, so these tests run the
+The echo server (zserve.loadgen.bench.echo) speaks the real wire protocol, so these tests run the
 generator's whole path: codec, DEALER socket, reply matching, outcome rules, workers, lateness.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from zserve.loadgen import schedules
-from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.bench.echo import EchoConfig, EchoServer
 from zserve.loadgen.generator import run_load
 from zserve.loadgen.load_plan import BailRule, GeneratorBehindError, LoadPlan, Outcome, build_plan
 from zserve.loadgen.sender import WorkerSpec, peek_answers, send_loop

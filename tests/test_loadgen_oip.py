@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from oip_helpers import oip_cluster
 
+from zserve.cluster.supervisor import Cluster
 from zserve.loadgen.generator import run_load
 from zserve.loadgen.load_plan import ERROR_INDEX, LoadPlan, Outcome, plan_for_workload
 from zserve.loadgen.sender import PROTOCOLS
 from zserve.loadgen.workload import parse_workload
-from zserve.supervisor import Cluster
 
 INPUTS = {"x": np.zeros((1, 4), dtype=np.float32)}
 

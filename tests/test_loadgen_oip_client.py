@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from zserve.frontend.oip.tensors import HEADER_LENGTH, decode_http_body
 from zserve.loadgen.load_plan import ERROR_INDEX, NO_ERROR
 from zserve.loadgen.oip_sender import HttpChannel, encode_http_request, peak_in_flight
-from zserve.oip_tensors import HEADER_LENGTH, decode_http_body
 
 INPUTS = {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -13,7 +13,7 @@ import pytest
 
 from zserve.loadgen import cli
 from zserve.loadgen.load_plan import plan_for_workload
-from zserve.loadgen.sim import SimConfig, Simulator
+from zserve.loadgen.sim.simulator import SimConfig, Simulator
 from zserve.loadgen.workload import WorkloadError, parse_workload
 
 MODEL = {"name": "m", "slo_ms": 100.0, "alpha_ms": 1.0, "beta_ms": 2.0, "max_batch": 16}

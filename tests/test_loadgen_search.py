@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zserve.loadgen import cli
-from zserve.loadgen.echo import EchoConfig, EchoServer
+from zserve.loadgen.bench.echo import EchoConfig, EchoServer
 from zserve.loadgen.search import search_goodput
 
 

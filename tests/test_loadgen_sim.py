@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from zserve.backends.follower import RunBatch
-from zserve.errors import ErrorKind
-from zserve.loadgen import sim_cli
+from zserve.config.profiles import LatencyProfile, save_profiles
+from zserve.core.errors import ErrorKind
 from zserve.loadgen.arrivals import arrival_times, model_rng, popularity_shares
 from zserve.loadgen.report import summary_text
 from zserve.loadgen.search import search_goodput
-from zserve.loadgen.sim import InvariantError, SimConfig, Simulator, simulate
-from zserve.loadgen.sim_report import workload_bound_rps
+from zserve.loadgen.sim import cli
+from zserve.loadgen.sim.report import workload_bound_rps
+from zserve.loadgen.sim.simulator import InvariantError, SimConfig, Simulator, simulate
 from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
-from zserve.profiles import LatencyProfile, save_profiles
-from zserve.scheduler import bench
+from zserve.scheduler.bench import throughput
 from zserve.transport.messages import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -355,16 +355,16 @@ def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
         '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n'
     )
     out = tmp_path / "r.json"
-    assert sim_cli.main([str(path), "--policy", "eager", "--json", str(out)]) == 0
+    assert cli.main([str(path), "--policy", "eager", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["policy"] == "eager" and report["seed"] == 1
     assert "offered" in capsys.readouterr().out
     searched = tmp_path / "s.json"
-    assert sim_cli.main([str(path), "--search", "goodput", "--precision", "0.1", "--quiet",
+    assert cli.main([str(path), "--search", "goodput", "--precision", "0.1", "--quiet",
                          "--json", str(searched)]) == 0
     report = json.loads(searched.read_text())
     assert report["goodput_rps"] > 300 and report["fraction_of_bound"] is not None
-    assert sim_cli.main([str(path), "--policy", "nope"]) == 2
+    assert cli.main([str(path), "--policy", "nope"]) == 2
 
 
 def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
@@ -376,9 +376,9 @@ def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
         '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n'
     )
     plain, twin = tmp_path / "plain.json", tmp_path / "twin.json"
-    assert sim_cli.main([str(path), "--quiet", "--json", str(plain)]) == 0
+    assert cli.main([str(path), "--quiet", "--json", str(plain)]) == 0
     cluster = ROOT / "examples" / "clusters" / "emulated-8gpu-resnet50.toml"
-    assert sim_cli.main([str(path), "--allowances-from", str(cluster), "--quiet",
+    assert cli.main([str(path), "--allowances-from", str(cluster), "--quiet",
                          "--json", str(twin)]) == 0
     plain_report, twin_report = (json.loads(f.read_text()) for f in (plain, twin))
     assert plain_report["allowances_ms"] == {"d_ctrl": 0.0, "d_data": 0.0, "reply": 0.0,
@@ -387,26 +387,26 @@ def test_sim_cli_takes_the_allowances_of_a_cluster_file(tmp_path: Path) -> None:
                                             "jitter": 3.0}
     assert twin_report["bound_rps"] < plain_report["bound_rps"]
     # --jitter-ms still wins; a missing cluster file is a usage error
-    assert sim_cli.main([str(path), "--allowances-from", str(cluster), "--jitter-ms", "2",
+    assert cli.main([str(path), "--allowances-from", str(cluster), "--jitter-ms", "2",
                          "--quiet", "--json", str(twin)]) == 0
     assert json.loads(twin.read_text())["allowances_ms"]["jitter"] == 2.0
-    assert sim_cli.main([str(path), "--allowances-from", str(tmp_path / "none.toml")]) == 2
+    assert cli.main([str(path), "--allowances-from", str(tmp_path / "none.toml")]) == 2
 
 
 def test_the_allowances_of_a_cluster_file_carry_each_models_own_data_allowance() -> None:
-    from zserve.config import parse_config
+    from zserve.config.cluster import parse_config
 
     cluster = parse_config({"models": [
         {"name": "a", "emulated": {"alpha_ms": 1.0, "beta_ms": 5.0}, "d_data_ms": 0.7},
         {"name": "c", "emulated": {"alpha_ms": 1.0, "beta_ms": 5.0}, "d_data_ms": 0.9}]})
     w = parse_workload(_small())
-    a, b = sim_cli.cluster_model_allowances(cluster, w.models)
+    a, b = cli.cluster_model_allowances(cluster, w.models)
     assert (a.d_data_ms, b.d_data_ms) == (0.7, None)  # b: not in the cluster, the workload's
 
 
 def test_bench_scheduler_cli_smoke(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    rc = bench.main(["--models", "3", "--gpus", "50", "--rate", "20000", "--duration", "0.3",
+    rc = throughput.main(["--models", "3", "--gpus", "50", "--rate", "20000", "--duration", "0.3",
                      "--max-lag-ms", "1000", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a live cluster (zserve.metrics, docs/metrics.md): a scrape with a real
+"""Prometheus metrics of a live cluster (zserve.frontend.metrics, docs/metrics.md): a scrape with a
+real
 HTTP client after a known load, parsed by prometheus_client's own parser, matches the client's
 ledger (requests sent = the sum over outcomes; histogram counts = requests answered), a request
 naming an unknown model creates no label, the busy fraction is the busy seconds' increase over the
@@ -19,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import ask_frontend_stats, wait_until
 
 import zserve
-from zserve.config import parse_config
-from zserve.errors import ZServeError
-from zserve.metrics import BusyWindows, cluster_families
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
+from zserve.core.errors import ZServeError
+from zserve.frontend.metrics import BusyWindows, cluster_families
 from zserve.transport.messages import StatsRequest
 
 OK_REQUESTS = 12

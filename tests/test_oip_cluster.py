@@ -30,8 +30,8 @@ from oip_helpers import (
 )
 from tritonclient.utils import InferenceServerException
 
-from zserve.backends.process import build_executor
-from zserve.supervisor import Cluster
+from zserve.backends.host import build_executor
+from zserve.cluster.supervisor import Cluster
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
@@ -247,7 +247,7 @@ def test_ports_are_read_back(cluster: Cluster) -> None:
 
 
 def test_off_unless_configured(tmp_path: Path) -> None:
-    from zserve.config import parse_config
+    from zserve.config.cluster import parse_config
 
     config = parse_config({"models": [{"name": "m", "emulated": {"alpha_ms": 1.0,
                                                                    "beta_ms": 1.0}}]})

@@ -31,10 +31,10 @@ from oip_helpers import (
 )
 from runtime_helpers import wait_until
 
-from zserve.backends.process import build_executor
-from zserve.config import load_config
+from zserve.backends.host import build_executor
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import load_config
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
-from zserve.supervisor import Cluster
 
 REPO = Path(__file__).resolve().parent.parent
 X = np.arange(4, dtype=np.float32).reshape(1, 4)

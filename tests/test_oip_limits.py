@@ -1,7 +1,8 @@
 """Request limits of the frontend's OIP servers (docs/security.md, "Request limits").
 
 A real ``FrontendCore`` and ``OipBridge`` behind the real HTTP and gRPC servers
-(``zserve.oip_server.OipServers``) on kernel-chosen loopback ports, spoken to over raw sockets
+(``zserve.frontend.oip.servers.OipServers``) on kernel-chosen loopback ports, spoken to over raw
+sockets
 (HTTP) and a grpcio channel. The bridge admits into a list (``Served.admitted``): these tests are
 about what the servers refuse before admission, so nothing past it runs.
 """
@@ -23,14 +24,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from zserve import oip_inference_pb2 as pb
-from zserve.config import ConfigError, parse_config
-from zserve.frontend_core import FrontendCore
-from zserve.metrics import ClusterCollector
-from zserve.oip_bridge import OipBridge
-from zserve.oip_http import BODY_SLACK_BYTES, http_body_bound
-from zserve.oip_server import OipServers, grpc_message_bound
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.cluster import ConfigError, parse_config
+from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.frontend.core import FrontendCore
+from zserve.frontend.metrics import ClusterCollector
+from zserve.frontend.oip import oip_inference_pb2 as pb
+from zserve.frontend.oip.bridge import OipBridge
+from zserve.frontend.oip.http_server import BODY_SLACK_BYTES, http_body_bound
+from zserve.frontend.oip.servers import OipServers, grpc_message_bound
 from zserve.transport.messages import InferRequest
 
 # Generous bounds for a loaded 2-core host: how long a test waits for the server's answer.

@@ -1,7 +1,7 @@
-"""The shipped gRPC messages: generated from zserve/oip_inference.proto as it stands, and
-wire-compatible with what tritonclient sends and expects (same names, numbers and types); and
-how a ModelInferRequest decodes: typed contents checked like JSON values, names once each,
-bytes that are no message a BadRequestError."""
+"""The shipped gRPC messages: generated from zserve/frontend/oip/oip_inference.proto as it
+stands, and wire-compatible with what tritonclient sends and expects (same names, numbers and
+types); and how a ModelInferRequest decodes: typed contents checked like JSON values, names once
+each, bytes that are no message a BadRequestError."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import tritonclient.grpc.model_config_pb2 as triton_config
 import tritonclient.grpc.service_pb2 as triton_service
 from google.protobuf import descriptor_pb2
 
-from zserve import oip_inference_pb2 as pb
-from zserve.errors import BadRequestError
-from zserve.oip_grpc import decode_message, decode_request
+from zserve.core.errors import BadRequestError
+from zserve.frontend.oip import oip_inference_pb2 as pb
+from zserve.frontend.oip.grpc_server import decode_message, decode_request
 
 REPO = Path(__file__).resolve().parent.parent
-PROTO = "zserve/oip_inference.proto"
+GENERATED = Path("zserve/frontend/oip")
+PROTO = str(GENERATED / "oip_inference.proto")
 POOL_EDIT = ("_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()")
 
 
@@ -34,12 +35,13 @@ def _generate(out: Path) -> None:
 
 def test_shipped_modules_are_generated_from_the_proto(tmp_path: Path) -> None:
     _generate(tmp_path)
-    fresh = (tmp_path / "zserve" / "oip_inference_pb2.py").read_text()
-    shipped = (REPO / "zserve" / "oip_inference_pb2.py").read_text()
-    assert shipped == fresh.replace(*POOL_EDIT), "regenerate: see zserve/oip_inference.proto"
-    fresh_stub = (tmp_path / "zserve" / "oip_inference_pb2.pyi").read_text()
-    assert (REPO / "zserve" / "oip_inference_pb2.pyi").read_text() == fresh_stub
-    assert importlib.resources.files("zserve").joinpath("oip_inference.proto").is_file()
+    fresh = (tmp_path / GENERATED / "oip_inference_pb2.py").read_text()
+    shipped = (REPO / GENERATED / "oip_inference_pb2.py").read_text()
+    assert shipped == fresh.replace(*POOL_EDIT), f"regenerate: see {PROTO}"
+    fresh_stub = (tmp_path / GENERATED / "oip_inference_pb2.pyi").read_text()
+    assert (REPO / GENERATED / "oip_inference_pb2.pyi").read_text() == fresh_stub
+    shipped_proto = importlib.resources.files("zserve.frontend.oip").joinpath("oip_inference.proto")
+    assert shipped_proto.is_file()
 
 
 def test_every_field_matches_tritonclients(tmp_path: Path) -> None:

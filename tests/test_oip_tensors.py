@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from zserve import readiness
-from zserve.config import ConfigError, parse_config
-from zserve.errors import MAX_ERROR_MESSAGE_BYTES, BadRequestError, bounded_message
-from zserve.oip_tensors import (
+from zserve.config.cluster import ConfigError, parse_config
+from zserve.config.signature import MAX_NAMED_ITEMS, ModelSignature, TensorSpec
+from zserve.core.errors import MAX_ERROR_MESSAGE_BYTES, BadRequestError, bounded_message
+from zserve.frontend import readiness
+from zserve.frontend.oip.tensors import (
     MAX_TENSOR_ELEMENTS,
     MAX_TENSOR_RANK,
     decode_http_body,
@@ -19,7 +20,6 @@ from zserve.oip_tensors import (
     model_metadata,
     requested_slo_ms,
 )
-from zserve.signature import MAX_NAMED_ITEMS, ModelSignature, TensorSpec
 
 
 def _binary_body(array: np.ndarray, **parameters: object) -> tuple[bytes, int]:

@@ -33,17 +33,17 @@ from hypothesis import strategies as st
 from oip_helpers import grpc_input, http_input, oip_cluster
 from tritonclient.utils import InferenceServerException
 
-from zserve import oip_inference_pb2 as pb
-from zserve.errors import MAX_ERROR_MESSAGE_BYTES, ErrorKind, ZServeError, bounded_message
-from zserve.oip_grpc import decode_message, decode_request
-from zserve.oip_tensors import (
+from zserve.cluster.supervisor import Cluster
+from zserve.config.signature import MAX_NAMED_ITEMS, ModelSignature, TensorSpec
+from zserve.core.errors import MAX_ERROR_MESSAGE_BYTES, ErrorKind, ZServeError, bounded_message
+from zserve.frontend.oip import oip_inference_pb2 as pb
+from zserve.frontend.oip.grpc_server import decode_message, decode_request
+from zserve.frontend.oip.tensors import (
     HEADER_LENGTH,
     OipRequest,
     datatype_of,
     decode_http_body,
 )
-from zserve.signature import MAX_NAMED_ITEMS, ModelSignature, TensorSpec
-from zserve.supervisor import Cluster
 
 # --------------------------------------------------------------------------- properties
 

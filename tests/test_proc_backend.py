@@ -13,9 +13,9 @@ import pytest
 from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
 
 from zserve.backends.follower import BACKEND_HISTOGRAMS
-from zserve.backends.process import BusyMeter
-from zserve.errors import ErrorKind
-from zserve.stats import merge_snapshots
+from zserve.backends.host import BusyMeter
+from zserve.core.errors import ErrorKind
+from zserve.core.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendRegister,
     BatchFailed,
@@ -166,7 +166,7 @@ def test_proc_backend_reports_busy_time_per_stats_window(rig: BackendRig) -> Non
     _, reply = rig.shard.expect(StatsReply)
     busy = reply.stats["samples"]["busy_s"]
     assert (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3 <= busy <= stats.finished_at - stats.started_at
-    # The batch's timings, one sample each, in the zserve.stats schema.
+    # The batch's timings, one sample each, in the zserve.core.stats schema.
     first = reply.stats
     for metric in BACKEND_HISTOGRAMS:
         assert first["latency"][metric]["count"] == 1, metric

@@ -11,7 +11,7 @@ import numpy as np
 from proc_harness import Harness, cluster_config, role_config_for
 from test_proc_backend import FRONTEND, MAX_BATCH, MODEL, BackendRig
 
-from zserve.backends.backend_liveness import WEDGED_MIN_S
+from zserve.backends.liveness import WEDGED_MIN_S
 from zserve.transport.messages import (
     BackendRegister,
     BatchOutputs,

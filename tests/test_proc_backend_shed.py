@@ -15,9 +15,9 @@ import pytest
 from proc_harness import Harness
 from test_proc_backend import ALPHA_MS, BETA_MS, MODEL, BackendRig, start_backend
 
-from zserve.backends.process import shed_late_rows
-from zserve.errors import ErrorKind
-from zserve.profiles import LatencyProfile
+from zserve.backends.host import shed_late_rows
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,

@@ -1,6 +1,6 @@
 """The epoch fence in real processes, one role at a time against the test's own sockets: a
 backend never runs a plan of an older scheduler epoch once it has seen a newer one, and a
-scheduler that hears a newer epoch steps down and exits (zserve.epochs)."""
+scheduler that hears a newer epoch steps down and exits (zserve.core.epochs)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from proc_harness import Harness, Peer
 from test_proc_scheduler import MAX_BATCH, MODELS, WAIT_S, SchedulerRig, _profile_ms
 
-from zserve.errors import ErrorKind
+from zserve.core.errors import ErrorKind
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.transport.messages import (
     BackendRegister,

@@ -12,7 +12,7 @@ import pytest
 from proc_harness import Harness
 from test_proc_scheduler import WAIT_S, SchedulerRig
 
-from zserve.errors import ErrorKind
+from zserve.core.errors import ErrorKind
 from zserve.transport.messages import (
     BatchPlan,
     BatchStats,

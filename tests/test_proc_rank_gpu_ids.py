@@ -12,7 +12,7 @@ from pathlib import Path
 
 from proc_harness import Harness, cluster_config, role_config_for
 
-from zserve.config import process_name
+from zserve.config.cluster import process_name
 from zserve.scheduler.rank_backends import configured_backend_index
 from zserve.transport.messages import BackendRegister, BackendTable, Hello
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from proc_harness import Harness, Peer, cluster_config, role_config_for
 
-from zserve.config import shard_for_model
-from zserve.errors import ErrorKind
-from zserve.scheduler.shard import MAX_SHARDS
-from zserve.stats import merge_snapshots
+from zserve.config.cluster import shard_for_model
+from zserve.core.errors import ErrorKind
+from zserve.core.stats import merge_snapshots
+from zserve.scheduler.shard_host import MAX_SHARDS
 from zserve.transport.messages import (
     BackendGone,
     BackendRegister,
@@ -130,7 +130,7 @@ class SchedulerRig:
 
 
 def _check_stats_schema(rig: SchedulerRig) -> None:
-    """Every shard reports zserve.stats' schema: counters, latency summaries, histograms; the
+    """Every shard reports zserve.core.stats' schema: counters, latency summaries, histograms; the
     meta_delay histograms of all shards merge into one holding every metadata batch."""
     replies = []
     for peer in rig.to_shard:

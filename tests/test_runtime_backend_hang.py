@@ -29,9 +29,9 @@ from typing import Any
 
 import zserve
 from zserve.backends.emulated import EmulatedExecutor
-from zserve.backends.process import build_executor
-from zserve.config import ClusterConfig, parse_config
-from zserve.supervisor import Cluster
+from zserve.backends.host import build_executor
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
 
 MODEL = "m"
 MAX_BATCH = 8

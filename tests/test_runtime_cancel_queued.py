@@ -15,8 +15,8 @@ import numpy as np
 import zmq
 from runtime_helpers import ask_frontend_stats
 
-from zserve.config import parse_config
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
 from zserve.transport import socket_io
 from zserve.transport.messages import ClusterStatsRequest, InferRequest
 from zserve.transport.sockets import make_dealer

@@ -127,7 +127,7 @@ def test_torch_tensors_are_accepted(frontend: FrontendHarness) -> None:
 
 def test_import_creates_no_threads_or_sockets() -> None:
     code = (
-        "import threading, zserve, zserve.client\n"
+        "import threading, zserve, zserve.client.async_client\n"
         "c = zserve.Client('ipc:///nonexistent/socket')\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "c.close()\n"

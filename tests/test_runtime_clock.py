@@ -1,4 +1,5 @@
-"""The cluster clock (``zserve.clock``): the estimator fed synthetic samples (pure), the refresh
+"""The cluster clock (``zserve.runtime.clock``): the estimator fed synthetic samples (pure), the
+refresh
 rule, and ``ClockSync`` against a stand-in rank over real sockets whose clock is shifted."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import zmq.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zserve.clock import (
+from zserve.runtime.clock import (
     SLEW_MAX_S,
     ClockSample,
     ClockSync,

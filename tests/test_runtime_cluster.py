@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 import zserve
-from zserve.backends.process import build_executor
-from zserve.config import ClusterConfig, load_config, parse_config, shard_for_model
-from zserve.supervisor import Cluster, StartupError
+from zserve.backends.host import build_executor
+from zserve.cluster.supervisor import Cluster, StartupError
+from zserve.config.cluster import ClusterConfig, load_config, parse_config, shard_for_model
 from zserve.transport.sockets import make_dealer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -374,7 +374,8 @@ def test_up_detach_and_down_on_the_demo_cluster(tmp_path: Path) -> None:
 
 def test_startup_failure_reports_the_child_error(tmp_path: Path) -> None:
     """A backend that cannot load its model fails the start at once, with its own error, and
-    nothing is left running. The file parses and has a batch dimension (zserve.preflight passes
+    nothing is left running. The file parses and has a batch dimension (zserve.cluster.preflight
+    passes
     it); only ONNX Runtime refuses its unknown operator."""
     import onnx
     from onnx import TensorProto, helper

@@ -11,9 +11,9 @@ import numpy as np
 from runtime_helpers import ask_frontend_stats
 
 import zserve
-from zserve.config import parse_config
-from zserve.loadgen.target import FRONTEND_AT_ADDRESS, frontend_stats_reader
-from zserve.supervisor import Cluster
+from zserve.client.cluster_stats import FRONTEND_AT_ADDRESS, frontend_stats_reader
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
 from zserve.transport.messages import ClusterStatsRequest
 
 

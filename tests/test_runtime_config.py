@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from zserve.config import (
+from zserve.config.cluster import (
     DEFAULT_JITTER_MS,
     ClusterConfig,
     ConfigError,
@@ -21,8 +21,8 @@ from zserve.config import (
     role_config,
     shard_for_model,
 )
-from zserve.peer_map import endpoints_of
-from zserve.scheduler.shard import ShardHost
+from zserve.runtime.peer_map import endpoints_of
+from zserve.scheduler.shard_host import ShardHost
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from zserve import demo
-from zserve.config import parse_config
-from zserve.errors import DeadlineError
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
+from zserve.core.errors import DeadlineError
 from zserve.loadgen.search import search_goodput
-from zserve.loadgen.sim import workload_bound_rps
-from zserve.supervisor import Cluster
+from zserve.loadgen.sim.simulator import workload_bound_rps
 
 pytestmark = pytest.mark.slow
 

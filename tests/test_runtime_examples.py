@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zserve.config import load_config, parse_config
+from zserve.config.cluster import load_config, parse_config
 from zserve.demo import DEMO_CONFIG
 from zserve.loadgen.workload import load_workload
 

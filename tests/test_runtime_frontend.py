@@ -24,7 +24,7 @@ from runtime_helpers import (
 )
 
 import zserve
-from zserve.signature import ModelSignature, TensorSpec
+from zserve.config.signature import ModelSignature, TensorSpec
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     BackendGone,

@@ -1,10 +1,10 @@
-"""zserve.groups: one grouping of request ids by frontend."""
+"""zserve.core.groups: one grouping of request ids by frontend."""
 
 from __future__ import annotations
 
 import pytest
 
-from zserve.groups import group_by_frontend
+from zserve.core.groups import group_by_frontend
 
 
 def test_group_by_frontend_keeps_order_and_takes_the_single_frontend_shortcut() -> None:

@@ -32,8 +32,8 @@ import pytest
 from runtime_helpers import ask_frontend_stats
 
 import zserve
-from zserve.backends.process import build_executor
-from zserve.config import load_config
+from zserve.backends.host import build_executor
+from zserve.config.cluster import load_config
 from zserve.loadgen.cpu import child_pids
 from zserve.transport.messages import ClusterStatsRequest, StatsRequest
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT

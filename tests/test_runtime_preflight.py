@@ -21,9 +21,9 @@ import pytest
 
 import zserve
 from zserve.backends.builtin import ensure_builtin
-from zserve.config import parse_config
-from zserve.preflight import PreflightError, check_cluster
-from zserve.supervisor import Cluster, StartupError, Supervisor
+from zserve.cluster.preflight import PreflightError, check_cluster
+from zserve.cluster.supervisor import Cluster, StartupError, Supervisor
+from zserve.config.cluster import parse_config
 
 ZSERVE_UP = [sys.executable, "-m", "zserve", "up"]
 # The bad cases exit from the preflight; a generous bound for a loaded 2-core machine, far below
@@ -423,7 +423,7 @@ def test_a_child_still_starting_is_killed_at_once(tmp_path: Path,
         supervisor._spawn(supervisor.children["backend-0"])
         assert supervisor.control.poll(int(CLI_EXIT_TIMEOUT_S * 1e3)), "backend-0 sent no Ready"
     finally:
-        with caplog.at_level(logging.INFO, logger="zserve.supervisor"):
+        with caplog.at_level(logging.INFO, logger="zserve.cluster.supervisor"):
             supervisor.shutdown(0.0)
     messages = [record.getMessage() for record in caplog.records]
     assert "backend-0 was still starting; SIGKILL" in messages

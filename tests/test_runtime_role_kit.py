@@ -8,10 +8,10 @@ import gc
 import json
 from pathlib import Path
 
-from zserve import gc_watch
-from zserve.control_link import DrainRequest
 from zserve.loadgen import cli
-from zserve.peer_map import endpoints_of, peer_key, rank_address
+from zserve.runtime import gc_watch
+from zserve.runtime.control_link import DrainRequest
+from zserve.runtime.peer_map import endpoints_of, peer_key, rank_address
 
 PEERS = {
     "shard-1/shard": "ipc:///run/shard-1",

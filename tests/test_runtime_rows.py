@@ -14,9 +14,9 @@ import pytest
 import zserve
 from zserve.backends.emulated import EmulatedExecutor
 from zserve.backends.executor import Executor
-from zserve.backends.process import build_executor
-from zserve.config import ClusterConfig, parse_config
-from zserve.supervisor import Cluster
+from zserve.backends.host import build_executor
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
 
 SIZES = (1, 3, 8)
 MAX_BATCH = 16
@@ -77,11 +77,12 @@ def test_emulated_cluster_answers_each_request_with_its_own_rows(tmp_path: Path)
         lone = executor.synthetic_batch("m", 8, seed=99)
         outputs = client.infer("m", lone)
         np.testing.assert_allclose(outputs["y"], executor.expected_outputs("m", lone)["y"])
-        with pytest.raises(zserve.errors.TooLargeError, match="17 rows exceeds the model's max"):
+        too_large = zserve.core.errors.TooLargeError
+        with pytest.raises(too_large, match="17 rows exceeds the model's max"):
             client.infer("m", executor.synthetic_batch("m", MAX_BATCH + 1))
         mixed = {"x": np.zeros((3, 4), np.float32)}
         assert executor.signature("m").input_names == ["x"]
-        with pytest.raises(zserve.errors.BadRequestError, match="expected"):
+        with pytest.raises(zserve.core.errors.BadRequestError, match="expected"):
             client.infer("m", {"x": np.zeros((3, 5), np.float32)})
         outputs = client.infer("m", mixed)
         assert outputs["y"].shape[0] == 3

@@ -1,7 +1,7 @@
 """The hot-spare scheduler in a whole cluster of real processes (``[scheduler] standby = true``):
 the active scheduler SIGKILLed or SIGSTOPped under open-loop load from the public client. The
 standby takes over; every request sent gets exactly one answer, its own outputs or a typed error;
-a resumed old scheduler dispatches nothing and steps down (zserve.epochs, docs/runtime.md)."""
+a resumed old scheduler dispatches nothing and steps down (zserve.core.epochs, docs/runtime.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from runtime_helpers import wait_until
 
 import zserve
 from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
-from zserve.config import STANDBY_NAME, ClusterConfig, parse_config
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import STANDBY_NAME, ClusterConfig, parse_config
 
 RATE_RPS = 40.0
 REQUESTS = 200  # 5 s of load

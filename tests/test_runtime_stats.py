@@ -1,4 +1,5 @@
-"""zserve.stats: one schema for counters and latency histograms, mergeable, exact at the ends."""
+"""zserve.core.stats: one schema for counters and latency histograms, mergeable, exact at the
+ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from zserve.stats import BOUNDS, Histogram, Stats, merge_snapshots
+from zserve.core.stats import BOUNDS, Histogram, Stats, merge_snapshots
 
 
 def _relative_error(estimate: float, exact: float) -> float:

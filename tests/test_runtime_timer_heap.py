@@ -1,10 +1,10 @@
-"""zserve.timers.LazyTimerHeap: deadline order, lazy deletion, compaction."""
+"""zserve.runtime.timers.LazyTimerHeap: deadline order, lazy deletion, compaction."""
 
 from __future__ import annotations
 
 import math
 
-from zserve.timers import LazyTimerHeap
+from zserve.core.timer_heap import LazyTimerHeap
 
 
 def test_due_items_come_in_deadline_then_push_order_and_stale_ones_are_skipped() -> None:

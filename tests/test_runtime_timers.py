@@ -1,4 +1,5 @@
-"""Precise timers (zserve.timers): never early, in deadline order, cancellable; timerfd and the
+"""Precise timers (zserve.runtime.timers): never early, in deadline order, cancellable; timerfd and
+the
 polling fallback alike. Lateness is not asserted (a shared machine); earliness is, exactly."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 import pytest
 import uvloop
 
-from zserve.timers import PreciseTimers, sleep_until, timers_for
+from zserve.runtime.timers import PreciseTimers, sleep_until, timers_for
 
 
 async def _fire_all(timers: PreciseTimers, offsets_s: list[float]) -> list[tuple[int, float]]:

@@ -4,9 +4,9 @@ defect 2): a ModelThread driven through 200,000 requests in steady state, every 
 
 from __future__ import annotations
 
-from zserve.hosting import Outbox
-from zserve.policies import SchedulePolicy
-from zserve.profiles import LatencyProfile
+from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile
+from zserve.core.hosting import Outbox
 from zserve.scheduler.candidate_sizing import COMPACT_AT
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.sent_plans import SentPlans

@@ -3,9 +3,9 @@ candidate, and no batch planned afterwards holds them."""
 
 from __future__ import annotations
 
-from zserve.hosting import TO_RANK, Outbox
-from zserve.policies import SchedulePolicy
-from zserve.profiles import LatencyProfile
+from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile
+from zserve.core.hosting import TO_RANK, Outbox
 from zserve.scheduler.model_thread import ModelThread
 from zserve.transport.messages import BatchPlan, CandidateUpdate, GrantGpu
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from zserve.hosting import Outbox
+from zserve.core.hosting import Outbox
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from zserve.errors import ErrorKind
-from zserve.hosting import Outbox
-from zserve.policies import SchedulePolicy
-from zserve.profiles import LatencyProfile
+from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
+from zserve.core.hosting import Outbox
 from zserve.scheduler.common import extend_chunk, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.transport.messages import (

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zserve.hosting import TO_RANK, Outbox
-from zserve.policies import SchedulePolicy
-from zserve.profiles import LatencyProfile
+from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile
+from zserve.core.hosting import TO_RANK, Outbox
 from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zserve.loadgen.sim import SimConfig, Simulator
+from zserve.loadgen.sim.simulator import SimConfig, Simulator
 from zserve.loadgen.workload import parse_workload
 
 GAP_S = 0.00075

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from zserve.config import ModelConfig, parse_config
-from zserve.policies import (
+from zserve.config.cluster import ModelConfig, parse_config
+from zserve.config.policy_names import (
     GRANT_EARLIEST_DEADLINE,
     GRANT_FIRST_DUE,
     GRANT_LEAST_SLACK,
     SchedulePolicy,
 )
-from zserve.profiles import (
+from zserve.config.profiles import (
     LatencyProfile,
     configured_profile,
     load_profiles,

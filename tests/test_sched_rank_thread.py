@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from zserve.hosting import Outbox
-from zserve.policies import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
+from zserve.config.policy_names import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
+from zserve.core.hosting import Outbox
 from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_SPACING_S_PER_CANDIDATE
 from zserve.scheduler.rank_thread import _IDLE as IDLE
 from zserve.scheduler.rank_thread import RankThread

@@ -21,11 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import wait_until
 
 import zserve
-from zserve.backends.process import build_executor
-from zserve.client import CONNECTION_DOWN_BOUND_S
-from zserve.config import ClusterConfig, parse_config
-from zserve.keys import init_keys
-from zserve.supervisor import Cluster
+from zserve.backends.host import build_executor
+from zserve.client.async_client import CONNECTION_DOWN_BOUND_S
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.runtime.keys import init_keys
 from zserve.transport import codec
 from zserve.transport.messages import Hello
 from zserve.transport.sockets import make_dealer
@@ -56,7 +56,7 @@ def _config(keys_dir: Path, shards: int) -> ClusterConfig:
 
 def _refused_within_bound(client: zserve.Client, inputs: dict[str, Any]) -> float:
     started = time.monotonic()
-    with pytest.raises(zserve.errors.UnavailableError):
+    with pytest.raises(zserve.core.errors.UnavailableError):
         client.infer("m", inputs)
     elapsed_s = time.monotonic() - started
     assert elapsed_s < REFUSED_CALL_BOUND_S

@@ -15,8 +15,9 @@ import pytest
 import zmq.auth
 
 import zserve
-from zserve.config import ConfigError, parse_config
-from zserve.keys import (
+from zserve.cluster.preflight import check_cluster
+from zserve.config.cluster import ConfigError, parse_config
+from zserve.runtime.keys import (
     CLIENT_KEY_NAME,
     ROLE_KEY_NAMES,
     KeyFileError,
@@ -24,7 +25,6 @@ from zserve.keys import (
     init_keys,
     load_identity,
 )
-from zserve.preflight import check_cluster
 from zserve.transport.curve import CLIENTS_DOMAIN, CLUSTER_DOMAIN
 
 ZSERVE = [sys.executable, "-m", "zserve"]

@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zserve.config import ClusterConfig, parse_config
-from zserve.frontend_core import TIMER_COALESCE_S
-from zserve.loadgen import sim_cli
-from zserve.loadgen.sim import InvariantError, SimConfig, Simulator
-from zserve.loadgen.sim_frontend import DROPPED, GOOD, PENDING
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.core.request_ids import MAX_FRONTENDS
+from zserve.frontend.core import TIMER_COALESCE_S
+from zserve.loadgen.sim import cli
+from zserve.loadgen.sim.frontends import DROPPED, GOOD, PENDING
+from zserve.loadgen.sim.simulator import InvariantError, SimConfig, Simulator
 from zserve.loadgen.workload import parse_workload
-from zserve.request_ids import MAX_FRONTENDS
 
 SLO_A_S = 0.025
 
@@ -126,7 +126,7 @@ def test_sim_cli_takes_the_frontend_settings_of_a_cluster_file(tmp_path: Path) -
         '[[models]]\nname = "A"\nmax_queue = 4\n[models.emulated]\nalpha_ms = 1.0\n'
         "beta_ms = 5.0\n")
     out = tmp_path / "r.json"
-    assert sim_cli.main([str(workload), "--allowances-from", str(cluster), "--quiet",
+    assert cli.main([str(workload), "--allowances-from", str(cluster), "--quiet",
                          "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["frontends"]["count"] == 2
@@ -134,6 +134,6 @@ def test_sim_cli_takes_the_frontend_settings_of_a_cluster_file(tmp_path: Path) -
     assert report["per_model"]["a"]["error_kinds"]["OVERLOADED"] > 0
     assert report["allowances_ms"]["reply"] == 1.0
     plain = tmp_path / "plain.json"
-    assert sim_cli.main([str(workload), "--quiet", "--json", str(plain)]) == 0
+    assert cli.main([str(workload), "--quiet", "--json", str(plain)]) == 0
     assert json.loads(plain.read_text())["frontends"]["max_queue"] == {"a": None}
 

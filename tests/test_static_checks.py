@@ -145,6 +145,6 @@ def test_mypy_paths_map_back_to_the_repository(installed_layout: Path) -> None:
     )
     assert _repository_path(str(package / "cli.py"), installed_layout) == "zserve/cli.py"
     assert _repository_path("tests/conftest.py", installed_layout) == "tests/conftest.py"
-    output = f"{package / 'loadgen' / 'echo.py'}:7: error: Bad  [misc]\n"
-    assert _mypy_errors(output, installed_layout) == ["loadgen/echo.py: Bad  [misc]"]
-    assert _readable(output, installed_layout) == "loadgen/echo.py:7: error: Bad  [misc]"
+    output = f"{package / 'loadgen' / 'bench' / 'echo.py'}:7: error: Bad  [misc]\n"
+    assert _mypy_errors(output, installed_layout) == ["loadgen/bench/echo.py: Bad  [misc]"]
+    assert _readable(output, installed_layout) == "loadgen/bench/echo.py:7: error: Bad  [misc]"

@@ -17,8 +17,8 @@ from typing import Any
 
 from runtime_helpers import wait_until
 
-from zserve.config import parse_config
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
 
 ZSERVE = [sys.executable, "-m", "zserve"]
 COMMAND_TIMEOUT_S = 120.0

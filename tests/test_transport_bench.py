@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from zserve.transport import bench
-from zserve.transport.bench_results import SpacedResult
+from zserve.transport.bench import throughput
+from zserve.transport.bench.results import SpacedResult
 from zserve.transport.sockets import LOOPBACK_TCP_ANY_PORT
 
 
 def test_quick_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "transport.json"
-    assert bench.main(["--quick", "--json", str(out)]) == 0
+    assert throughput.main(["--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["quick"] is True
     assert report["idle_poll"] is False
@@ -32,11 +32,11 @@ def test_quick_run_measures_every_phase(tmp_path: Path, capsys: pytest.CaptureFi
     # Spaced messages run on the ipc sync pair only, one row per gap, each run counting every
     # message it was told to send.
     spaced = pairs[("ipc", "sync")]["spaced"]
-    assert [row["gap_s"] for row in spaced] == list(bench.SPACED_GAPS_S)
+    assert [row["gap_s"] for row in spaced] == list(throughput.SPACED_GAPS_S)
     for pair in ("ipc", "asyncio"), ("tcp", "sync"), ("tcp", "asyncio"):
         assert pairs[pair]["spaced"] == []
     for row in spaced:
-        assert row["messages"] == bench.SPACED_MESSAGES[True]
+        assert row["messages"] == throughput.SPACED_MESSAGES[True]
         assert row["sender_cpu_us"] > 0 and row["sleep_cpu_us"] > 0 and row["receiver_cpu_us"] > 0
         expected = max(0.0, row["sender_cpu_us"] - row["sleep_cpu_us"]) + row["receiver_cpu_us"]
         assert row["message_cpu_us"] == pytest.approx(expected)
@@ -64,10 +64,10 @@ def test_the_curve_pair_runs_over_curve(io: str) -> None:
     """``--curve``'s tcp pair: the peer is a CURVE client, so it is served only if the
     measuring side's router really is a CURVE server that accepts its key."""
     if io == "sync":
-        pair = bench._run_pair_sync(bench.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True,
+        pair = throughput._run_pair_sync(throughput.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True,
                                     arrays=False)
     else:
-        pair = bench._run_pair_async(bench.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True)
-    assert (pair.transport, pair.io) == (bench.CURVE_TRANSPORT, io)
+        pair = throughput._run_pair_async(throughput.CURVE_TRANSPORT, LOOPBACK_TCP_ANY_PORT, True)
+    assert (pair.transport, pair.io) == (throughput.CURVE_TRANSPORT, io)
     assert pair.small_codec_msgs_per_s > 0 and pair.small_codec_sender_cpu_us > 0
     assert pair.rtt_p50_codec_us > 0

@@ -16,7 +16,7 @@ from transport_helpers import (
     wait_readable,
 )
 
-from zserve.errors import ProtocolError
+from zserve.core.errors import ProtocolError
 from zserve.transport import codec, socket_io
 from zserve.transport.arrays import ALLOWED_DTYPE_NAMES, INLINE_BUDGET_BYTES, INLINE_MAX_BYTES
 from zserve.transport.messages import (

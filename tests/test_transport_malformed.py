@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_within, wait_readable
 
-from zserve.errors import ProtocolError, TooLargeError
+from zserve.core.errors import ProtocolError, TooLargeError
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import WIRE_PROTOCOL_VERSION, CancelRequest
 from zserve.transport.sockets import make_dealer, make_router

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, recv_within
 
-from zserve.errors import ProtocolError
+from zserve.core.errors import ProtocolError
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import BatchPlan, BatchStats, CancelRequest, Message
 

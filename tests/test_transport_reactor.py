@@ -18,7 +18,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from zserve.errors import ProtocolError, ZServeError
+from zserve.core.errors import ProtocolError, ZServeError
 from zserve.transport import socket_io
 from zserve.transport.messages import CancelRequest, Heartbeat
 from zserve.transport.reactor import Chunk, SocketReactor

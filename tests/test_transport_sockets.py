@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from transport_helpers import SAMPLE_MESSAGES, assert_messages_equal, buffer_owner, recv_within
 
-from zserve.errors import ErrorKind, ProtocolError, UnroutableError
+from zserve.core.errors import ErrorKind, ProtocolError, UnroutableError
 from zserve.transport import socket_io, sockets
 from zserve.transport.messages import CancelRequest, Heartbeat, InferReply, Message
 from zserve.transport.sockets import (

@@ -15,11 +15,12 @@ import pytest
 import zmq
 
 import zserve
-from zserve.config import ClusterConfig, parse_config
-from zserve.errors import ProtocolError, WireVersionError
-from zserve.frontend_core import FrontendCore
-from zserve.supervisor import Cluster
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import ClusterConfig, parse_config
+from zserve.core.errors import ProtocolError, WireVersionError
+from zserve.frontend.core import FrontendCore
 from zserve.transport import codec, socket_io
+from zserve.transport.field_types import wire_fields
 from zserve.transport.messages import (
     HANDSHAKES,
     WIRE_PROTOCOL_VERSION,
@@ -30,7 +31,6 @@ from zserve.transport.messages import (
     InferRequest,
     Ready,
 )
-from zserve.transport.schema import wire_fields
 from zserve.transport.sockets import make_dealer, make_router
 
 OTHER_VERSION = WIRE_PROTOCOL_VERSION + 98

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from zserve.errors import ProtocolError
+from zserve.core.errors import ProtocolError
 
 # The dtypes allowed on the wire, keyed by their native-byte-order ``dtype.str`` ('<f4', '|b1').
 # Object, string, datetime, structured and complex dtypes are refused: a model tensor never

@@ -15,7 +15,7 @@ checked after it: the arity of classes with defaulted fields, parallel lists
 (``Message.SAME_LENGTH``), msgpack-native values under ``Any``, and that every frame is used.
 Decoding trusts nothing; every failure is a ``ProtocolError`` (``MessageTooLargeError`` for size
 limits, which is both a ``ProtocolError`` and a ``TooLargeError``), so a receive loop needs one
-``except``. A failed decode is explained by ``schema.first_problem``, which names the first bad
+``except``. A failed decode is explained by ``field_types.first_problem``, which names the first bad
 field.
 
 Decoded arrays are read-only views over the received frames or the header's inline bytes (no
@@ -35,11 +35,11 @@ import msgspec
 import numpy as np
 import zmq
 
-from zserve.errors import ProtocolError, TooLargeError, WireVersionError
-from zserve.transport import schema
+from zserve.core.errors import ProtocolError, TooLargeError, WireVersionError
+from zserve.transport import field_types
 from zserve.transport.arrays import EncodedFrames, decode_array
+from zserve.transport.field_types import ArrayFieldEncoder, array_field_encoders, wire_fields
 from zserve.transport.messages import ALL_MESSAGES, HANDSHAKES, Message, protocol_mismatch
-from zserve.transport.schema import ArrayFieldEncoder, array_field_encoders, wire_fields
 
 Frames = list[bytes | memoryview]
 FrameLike = zmq.Frame | bytes | bytearray | memoryview
@@ -334,7 +334,8 @@ def _explain(
 ) -> ProtocolError:
     """The error of a header that failed to decode or a check after it (the slow path)."""
     items = bounded_parse(header, limits)
-    error: ProtocolError = _version_problem(items) or schema.first_problem(items, buffers, cause)
+    error: ProtocolError = (_version_problem(items)
+                            or field_types.first_problem(items, buffers, cause))
     return error
 
 
@@ -392,7 +393,7 @@ def _after_decode_check(cls: type[Message]) -> Callable[[Any, Any], bool] | None
     fields = wire_fields(cls)
     arity = len(fields) + 1 if any(f.required is False for f in fields) else 0
     groups = cls.SAME_LENGTH
-    native = tuple(f.name for f in fields if schema.has_native_values(f.type))
+    native = tuple(f.name for f in fields if field_types.has_native_values(f.type))
     if not (arity or groups or native):
         return None
 
@@ -403,7 +404,7 @@ def _after_decode_check(cls: type[Message]) -> Callable[[Any, Any], bool] | None
             lengths = {len(getattr(message, name)) for name in group}
             if len(lengths) > 1:
                 return False
-        return all(schema.is_native(getattr(message, name)) for name in native)
+        return all(field_types.is_native(getattr(message, name)) for name in native)
 
     return check
 

@@ -8,19 +8,20 @@ declaration order, with each array replaced by a descriptor naming its dtype, sh
 bytes (small arrays, inline) or the index of the frame that carries them (see
 ``zserve.transport.arrays`` and ``codec``). Decoding validates the kind, the arity, every field's
 type and the lengths of parallel lists (``SAME_LENGTH``), and rejects anything else with
-``zserve.errors.ProtocolError``. A changed copy of a message is ``msgspec.structs.replace``.
+``zserve.core.errors.ProtocolError``. A changed copy of a message is ``msgspec.structs.replace``.
 
 Conventions:
 - Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the *cluster clock*: the rank
   process's CLOCK_MONOTONIC. Every other process reads it as ``time.monotonic()`` plus its
-  estimated offset (``zserve.clock``; exactly 0 on the rank's host). Durations carry their unit
+  estimated offset (``zserve.runtime.clock``; exactly 0 on the rank's host). Durations carry their
+  unit
   in the name (``slo_ms``). Exceptions, named for it: ``ClockProbe``/``ClockReply`` (how the
   offset is measured) and the ``Heartbeat`` on the supervisor's control link (host-local).
 - ``request_id`` between client and frontend is the client's own id, unique per connection. From
   the frontend on, ``request_id`` is the frontend's global id, unique within that frontend and
   across its restarts (the high bits are the frontend process's incarnation:
-  ``zserve.request_ids``); ``(frontend, request_id)`` is unique in the cluster.
-- Error kinds travel as ``zserve.errors.ErrorKind`` values (strings).
+  ``zserve.core.request_ids``); ``(frontend, request_id)`` is unique in the cluster.
+- Error kinds travel as ``zserve.core.errors.ErrorKind`` values (strings).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ WIRE_PROTOCOL_VERSION = 3  # 3: CandidateUpdate.shared
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
 (``protocol_mismatch``): the receiving host when the handshake decodes, else the codec
-(``zserve.errors.WireVersionError``: a later version's handshake with other fields, whose
+(``zserve.core.errors.WireVersionError``: a later version's handshake with other fields, whose
 ``protocol`` still sits where this version has it). A peer from before the field sends one field
 fewer and is refused as malformed by the arity check. Version 2: the rescue's fields of
 ``CandidateUpdate`` and ``GrantGpu``."""
@@ -199,7 +200,7 @@ class GrantGpu(Message, frozen=True, tag="grant"):
     gpu_id: int
     grant_id: int
     free_at: float
-    # The scheduler epoch of the rank that granted (``zserve.epochs``).
+    # The scheduler epoch of the rank that granted (``zserve.core.epochs``).
     epoch: int = 0
     # Granted before the candidate's exec time (a rescue): the batch starts as soon as it can.
     early: bool = False
@@ -227,10 +228,10 @@ class BackendTable(Message, frozen=True, tag="btable"):
     # Per backend, what it registered: ``profiles_ms[i][model][b-1]`` is l(b) in ms on backend i.
     profiles_ms: list[dict[str, list[float]]] = msgspec.field(default_factory=list)
     # Per backend, the signatures it registered: ``signatures[i][model]`` is the wire form of the
-    # model's ``zserve.signature.ModelSignature`` (frontends validate requests against it).
+    # model's ``zserve.config.signature.ModelSignature`` (frontends validate requests against it).
     signatures: list[dict[str, dict[str, Any]]] = msgspec.field(default_factory=list)
     # The scheduler epoch of the rank that sent it: a frontend ignores a table of an older
-    # epoch than the newest it has seen (``zserve.epochs``).
+    # epoch than the newest it has seen (``zserve.core.epochs``).
     epoch: int = 0
 
 
@@ -258,7 +259,7 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     # at most the model's max batch; its l(b) and late shedding count rows.
     rows: list[int] = msgspec.field(default_factory=list)
     # The scheduler epoch that made the plan: a backend that has seen a newer epoch refuses it
-    # (``zserve.epochs``: a superseded scheduler never dispatches).
+    # (``zserve.core.epochs``: a superseded scheduler never dispatches).
     epoch: int = 0
 
 
@@ -325,7 +326,8 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     plan_address: str
     models: list[str]
     profiles_ms: dict[str, list[float]]
-    # model -> the wire form of its ``zserve.signature.ModelSignature`` (``to_dict``), for the
+    # model -> the wire form of its ``zserve.config.signature.ModelSignature`` (``to_dict``), for
+    # the
     # frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     protocol: int = WIRE_PROTOCOL_VERSION
@@ -361,7 +363,7 @@ class BatchStats(Message, frozen=True, tag="bstats"):
 class Hello(Message, frozen=True, tag="hello"):
     """Any process -> its peer on connect. ``epoch``: from a scheduler process, the epoch in
     which it is active (0: a standby); from any other process, the newest scheduler epoch it has
-    seen (``zserve.epochs``)."""
+    seen (``zserve.core.epochs``)."""
 
     role: str
     name: str
@@ -396,7 +398,7 @@ class Heartbeat(Message, frozen=True, tag="hb"):
     seq: int
     sent_at: float
     # To a scheduler: the newest scheduler epoch the sender has seen (a superseded scheduler
-    # that hears a newer one steps down; ``zserve.epochs``).
+    # that hears a newer one steps down; ``zserve.core.epochs``).
     epoch: int = 0
 
 
@@ -410,7 +412,8 @@ class ClockProbe(Message, frozen=True, tag="clkprobe"):
 class ClockReply(Message, frozen=True, tag="clkreply"):
     """Rank -> the prober: ``rank_time`` is the rank's CLOCK_MONOTONIC (the cluster clock) read
     while answering probe ``seq``; ``rank_host`` identifies the rank's clock (boot id and time
-    namespace, ``zserve.clock.host_identity``): a prober with the same one shares the clock."""
+    namespace, ``zserve.runtime.clock.host_identity``): a prober with the same one shares the
+    clock."""
 
     seq: int
     rank_time: float
@@ -475,11 +478,11 @@ class BackendSuspect(Message, frozen=True, tag="bsuspect"):
 
 class SchedulerPing(Message, frozen=True, tag="sping"):
     """Scheduler process -> the other scheduler process of an active/standby pair (to its
-    ``rank`` ROUTER), every ``zserve.epochs.PING_INTERVAL_S``: ``name`` is alive and, when
+    ``rank`` ROUTER), every ``zserve.core.epochs.PING_INTERVAL_S``: ``name`` is alive and, when
     ``active``, dispatches in ``epoch``. The receiver answers each on the same connection with
     its own (``reply`` True; a reply is not answered), so each process hears its partner over
     the connection it made itself. A standby takes over once the active one stops answering,
-    and an active one that hears a newer epoch steps down (``zserve.epochs``)."""
+    and an active one that hears a newer epoch steps down (``zserve.core.epochs``)."""
 
     name: str
     epoch: int

@@ -18,7 +18,8 @@ socket's state may have changed, and any operation on the socket (a receive, a s
   receive that finds none consumes the edge as well), asks ``zmq_poll`` with timeout 0 once
   whether more is queued, and if so receives until EAGAIN, up to ``max_chunk`` messages (a drain
   not started by the FD polls first). That strategy won ``python -m
-  zserve.transport.reactor_bench`` (CPU per message, against asking ``getsockopt(EVENTS)`` before
+  zserve.transport.bench.reactor_drain`` (CPU per message, against asking ``getsockopt(EVENTS)``
+  before
   every receive, polling before every receive, and receiving until EAGAIN): the cheapest for
   messages that come one at a time (one poll, no failing receive, which raises) and within 10%
   of the cheapest in a flood (one failing receive per chunk, no poll per message). A socket that
@@ -53,7 +54,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zserve.errors import ZServeError
+from zserve.core.errors import ZServeError
 from zserve.transport.codec import DEFAULT_LIMITS, DecodeLimits, encode
 from zserve.transport.messages import Message
 from zserve.transport.socket_io import recv_nowait, send_frames_nowait

@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zserve.errors import ProtocolError
+from zserve.core.errors import ProtocolError
 from zserve.transport.codec import DEFAULT_LIMITS, DecodeLimits, decode, encode
 from zserve.transport.messages import Message
 from zserve.transport.sockets import typed_send_error

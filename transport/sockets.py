@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from zserve.errors import UnroutableError
+from zserve.core.errors import UnroutableError
 from zserve.transport.curve import (
     CLIENTS_DOMAIN,
     CLUSTER_DOMAIN,

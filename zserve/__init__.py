@@ -1,6 +1,7 @@
 """zserve: Symphony-style deferred batch scheduling for DNN inference serving.
 
-``zserve.Client`` / ``zserve.AsyncClient`` (see ``zserve.client``) talk to a running cluster;
+``zserve.Client`` / ``zserve.AsyncClient`` (see ``zserve.client.async_client``) talk to a running
+cluster;
 the typed errors they raise are exported here too. The client classes are imported on first
 access, so ``import zserve`` stays light and creates no sockets or threads.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from zserve.errors import (
+from zserve.core.errors import (
     BackendFailedError,
     BadRequestError,
     CancelledError,
@@ -29,8 +30,8 @@ from zserve.errors import (
 __version__ = metadata.version("zserve")
 
 if TYPE_CHECKING:
-    from zserve.client import AsyncClient, ClientClosedError, ConnectionLostError
-    from zserve.sync_client import Client
+    from zserve.client.async_client import AsyncClient, ClientClosedError, ConnectionLostError
+    from zserve.client.sync_client import Client
 
 __all__ = [
     "AsyncClient",
@@ -52,16 +53,12 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY = {"AsyncClient", "ClientClosedError", "ConnectionLostError"}
+_LAZY = {"AsyncClient", "Client", "ClientClosedError", "ConnectionLostError"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Client":
-        from zserve import sync_client
-
-        return sync_client.Client
     if name in _LAZY:
-        from zserve import client
+        import zserve.client
 
-        return getattr(client, name)
+        return getattr(zserve.client, name)
     raise AttributeError(f"module 'zserve' has no attribute {name!r}")

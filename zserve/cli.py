@@ -14,23 +14,25 @@ from collections.abc import Callable, Sequence
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("zserve.demo", "main", "start the built-in local cluster and measure its goodput"),
-    "up": ("zserve.supervisor_cli", "main_up", "start a cluster from cluster.toml"),
-    "down": ("zserve.supervisor_cli", "main_down", "stop a cluster started with `up --detach`"),
-    "status": ("zserve.status", "main",
+    "up": ("zserve.cluster.cli", "main_up", "start a cluster from cluster.toml"),
+    "down": ("zserve.cluster.cli", "main_down", "stop a cluster started with `up --detach`"),
+    "status": ("zserve.cluster.status", "main",
                "a running cluster's roles, models, backends, readiness and rates"),
-    "frontend": ("zserve.frontend", "main", "run one frontend process"),
+    "frontend": ("zserve.frontend.host", "main", "run one frontend process"),
     "scheduler": ("zserve.scheduler.shard_process", "main", "run one scheduler shard process"),
-    "rank": ("zserve.scheduler.rank_process", "main", "run the rank process"),
-    "backend": ("zserve.backends.process", "main", "run one backend process"),
-    "sim": ("zserve.loadgen.sim_cli", "main", "run a workload in the discrete-event simulator"),
+    "rank": ("zserve.scheduler.rank_host", "main", "run the rank process"),
+    "backend": ("zserve.backends.host", "main", "run one backend process"),
+    "sim": ("zserve.loadgen.sim.cli", "main", "run a workload in the discrete-event simulator"),
     "bench-scheduler": (
-        "zserve.scheduler.bench",
+        "zserve.scheduler.bench.throughput",
         "main",
         "scheduler-only throughput benchmark (no sockets)",
     ),
-    "bench-transport": ("zserve.transport.bench", "main", "transport throughput benchmark"),
+    "bench-transport": (
+        "zserve.transport.bench.throughput", "main", "transport throughput benchmark",
+    ),
     "bench-wakeup": (
-        "zserve.loadgen.wakeup",
+        "zserve.loadgen.bench.wakeup",
         "main",
         "process wake-up latency with and without idle pollers; --stalls: host stalls",
     ),
@@ -42,7 +44,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "profile": ("zserve.backends.profiler", "main", "measure l(b) of an ONNX model"),
     "models": ("zserve.backends.builtin", "main", "build (or list) the built-in ONNX models"),
-    "keys": ("zserve.keys", "main", "`keys init [DIR]`: write CURVE key pairs (docs/security.md)"),
+    "keys": (
+        "zserve.runtime.keys", "main",
+        "`keys init [DIR]`: write CURVE key pairs (docs/security.md)",
+    ),
 }
 
 

@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from zserve.client import AsyncClient
-from zserve.config import ClusterConfig, ConfigError, ModelConfig, load_config, parse_config
-from zserve.errors import ZServeError
-from zserve.preflight import check_cluster
-from zserve.profiles import LatencyProfile
+from zserve.client.async_client import AsyncClient
+from zserve.cluster.preflight import check_cluster
+from zserve.config.cluster import ClusterConfig, ConfigError, ModelConfig, load_config, parse_config
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ZServeError
 
 DEMO_TOML = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "demo.toml"
 # The same cluster as examples/clusters/demo.toml, for installs without the examples folder.
@@ -81,7 +81,7 @@ class Reference:
     """The model run in this process, to check the cluster's answers."""
 
     def __init__(self, cluster: ClusterConfig, model: ModelConfig) -> None:
-        from zserve.backends.process import build_executor
+        from zserve.backends.host import build_executor
 
         device = "emulated" if model.kind == "emulated" else "cpu"
         self.model = model.name
@@ -247,7 +247,7 @@ def _print_stats(cluster: Any) -> None:
         except Exception as exc:
             print(f"  {name}: no stats ({exc})")
             continue
-        # Every role's counters and latency summaries (the zserve.stats schema); a shard with
+        # Every role's counters and latency summaries (the zserve.core.stats schema); a shard with
         # the rank embedded carries the rank's under "rank".
         for source in (stats, stats.get("rank") or {}):
             if "counters" in source:
@@ -302,7 +302,7 @@ def demo_workload(config: ClusterConfig, model: ModelConfig, rate: float,
 
 
 def _analytic_bound_rps(workload: Any) -> float | None:
-    from zserve.loadgen.sim import workload_bound_rps
+    from zserve.loadgen.sim.simulator import workload_bound_rps
 
     bound = workload_bound_rps(workload)
     return round(bound, 1) if 0 < bound < math.inf else None
@@ -508,7 +508,7 @@ def _expected_outputs(config: ClusterConfig, model: ModelConfig,
 
 def main(argv: list[str]) -> int:
     """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
-    from zserve.supervisor import Cluster
+    from zserve.cluster.supervisor import Cluster
 
     args = _parser().parse_args(argv)
     try:

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 import zserve
-from zserve.config import STANDBY_NAME, ClusterConfig, parse_config
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import STANDBY_NAME, ClusterConfig, parse_config
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table
-from zserve.supervisor import Cluster
 
 RATE_RPS = 100.0
 LOAD_S = 6.0

@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from zserve.config import parse_config
+from zserve.config.cluster import parse_config
 from zserve.loadgen.experiments.common import (
     ZOO_CSV,
     Check,

@@ -67,7 +67,7 @@ def emulated_cluster_toml(
     lines = [
         "# written by zserve experiment (loadgen/experiments/live.py)",
         # idle pollers keep the 2 vCPUs awake: a halted vCPU takes milliseconds to wake
-        # (zserve/idle_poll.py), which the live runs would measure instead of the scheduler
+        # (transport/idle_poll.py), which the live runs would measure instead of the scheduler
         "[cluster]", f'name = "{name}"', "idle_poll = true", "",
         "[scheduler]", "shards = 0", f'policy = "{policy}"', 'drop = "window"',
         f"d_ctrl_ms = {LIVE_D_CTRL_MS}", f"d_data_ms = {LIVE_D_DATA_MS}",

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zserve.config.profiles import LatencyProfile
 from zserve.loadgen.experiments.common import Options, Outcome, Say, Table, pyplot, save_figure
 from zserve.loadgen.experiments.live import (
     LIVE_PRECISION,
@@ -22,7 +23,6 @@ from zserve.loadgen.experiments.live import (
 )
 from zserve.loadgen.experiments.simulated import QUICK_PRECISION, with_windows
 from zserve.loadgen.workload import parse_workload
-from zserve.profiles import LatencyProfile
 from zserve.scheduler.bounds import staggered_bound_rps
 
 SCALE_MODELS = (1, 8, 32, 128)
@@ -168,7 +168,7 @@ def _bench_probe(
     models: int, gpus: int, *, rate: float, duration: float, max_batch: int
 ) -> dict[str, Any]:
     """One ``zserve bench-scheduler --rate`` probe (its CLI, quietly); returns the probe dict."""
-    from zserve.scheduler import bench
+    from zserve.scheduler.bench import throughput
 
     alpha, beta, slo = SCALE_PROFILE_MS
     with tempfile.TemporaryDirectory(prefix="zserve-exp-") as tmp:
@@ -178,7 +178,7 @@ def _bench_probe(
                 "--slo-ms", str(slo), "--max-batch", str(max_batch), "--jitter-ms", "1.0",
                 "--json", str(out)]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            code = bench.main(argv)
+            code = throughput.main(argv)
         if code != 0:
             raise RuntimeError(f"zserve bench-scheduler {' '.join(argv)} exited {code}")
         probe: dict[str, Any] = json.loads(out.read_text())["probes"][0]

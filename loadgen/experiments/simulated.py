@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zserve.config import ClusterConfig
+from zserve.config.cluster import ClusterConfig
 from zserve.loadgen.experiments.common import Say
 from zserve.loadgen.search import search_goodput
-from zserve.loadgen.sim import SimConfig, simulate, workload_bound_rps
+from zserve.loadgen.sim.simulator import SimConfig, simulate, workload_bound_rps
 from zserve.loadgen.workload import Workload
 
 MAX_BAD_RATE = 0.01

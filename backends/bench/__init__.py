@@ -1,0 +1,1 @@
+"""Benchmarks of the backend process: the latency of each hop."""

@@ -1,0 +1,614 @@
+"""The backend process: a thin host around one device's PlanFollower.
+
+``run_backend(config, control_address)`` (``zserve backend``) serves one device (``cpu``,
+``cuda:N`` or ``emulated``). The decisions -- holding plans, fetching inputs, the start decision,
+late shedding, the device-free projection -- are the pure ``PlanFollower``
+(``zserve.backends.follower``; the simulator hosts the same one), and the executor side is the
+``BatchRunner`` (``zserve.backends.batch_runner``). This host owns the rest:
+
+1. Start-up: binds its ``plan`` ROUTER, loads and warms every model at every batch size, fixes
+   each model's profile (the configured file, the emulated alpha/beta, or measured here), and
+   only then sends ``Ready``. Then it registers with the rank (``BackendRegister``; with a hot
+   spare, with both scheduler processes, and again with one that announces a newer epoch, with
+   when its device frees) and opens a
+   DEALER to every frontend ``data`` address of the peer map at once (its ``Hello`` carries the
+   pid, so a frontend knows when a backend of this name restarted); a frontend a plan names
+   first is connected when that plan arrives, before the follower fetches from it.
+   The epoch fence (``zserve.core.epochs.EpochFence``): a plan of an older scheduler epoch than the
+   newest seen is refused, counted (``stale_epoch``) and never run.
+2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock), delivers
+   its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
+   frontend, then ``on_batch_done``), and arms one precise timer (``zserve.runtime.timers``) at
+   ``follower.wake_at``: a plan starts tens of microseconds after its exec_at, never before.
+   Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop.
+   Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
+   ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
+   batch in the executor's worker thread, so the loop itself keeps running and must say so.
+3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
+   and new plans are answered SHUTTING_DOWN; the rest run; exit 0.
+
+The heartbeats, the wedged rule and the drain are ``zserve.backends.liveness``, mixed
+into ``Backend``.
+
+Sends never block: a message ZeroMQ cannot queue is dropped, counted and logged (a lost
+InputFetch is reported to the follower, which runs without those inputs); the frontends'
+deadline timers answer whatever a lost message leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from zserve.backends.batch_runner import BatchRunner, BusyMeter
+from zserve.backends.executor import Executor, TensorMap
+from zserve.backends.follower import (
+    DEST_DEVICE,
+    INPUT_WAIT_S,
+    SHED_GRACE_FRACTION,
+    PlanFollower,
+    RunBatch,
+    shed_late_rows,
+)
+from zserve.backends.liveness import BackendLiveness
+from zserve.config.cluster import (
+    DEFAULT_REPLY_ALLOWANCE_MS,
+    ModelConfig,
+    RoleConfig,
+)
+from zserve.config.profiles import LatencyProfile, configured_profile
+from zserve.core.epochs import EpochFence
+from zserve.core.errors import ErrorKind, ZServeError
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import DEST_FRONTEND, Outbox
+from zserve.core.stats import Stats
+from zserve.runtime import control_link, keys, peer_map, runner, timers
+from zserve.runtime.args import role_config_from_args, role_parser
+from zserve.runtime.clock import ClockSync, ClusterClock
+from zserve.transport.messages import (
+    BackendRegister,
+    BatchFailed,
+    BatchOutputs,
+    BatchPlan,
+    CancelFetched,
+    Heartbeat,
+    Hello,
+    InputFetch,
+    InputReply,
+    Message,
+    PlanAck,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.reactor import Chunk, SocketReactor
+from zserve.transport.sockets import make_dealer, make_router
+
+log = logging.getLogger(__name__)
+
+ROLE = "backend"
+# Repeats per batch size when a profile has to be measured at start-up.
+PROFILE_REPEATS = 3
+SOCKET_CLOSE_LINGER_MS = 200
+# stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
+# refused (zserve.core.epochs)
+HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
+
+
+# --------------------------------------------------------------------------- executors
+
+
+def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
+    """The executor for ``device``: emulated for ``emulated`` (every model then needs a profile:
+    emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
+    for the ``builtin`` and ``onnx`` models."""
+    if device == "emulated":
+        from zserve.backends.emulated import EmulatedExecutor
+
+        return EmulatedExecutor([_emulated_model(m) for m in models])
+    from zserve.backends.builtin import ModelSpec, ensure_builtin
+    from zserve.backends.onnx_executor import OnnxExecutor
+
+    specs: list[ModelSpec] = []
+    for m in models:
+        if m.kind == "builtin" and m.builtin:
+            specs.append(ModelSpec(m.name, ensure_builtin(m.builtin)))
+        elif m.kind == "onnx" and m.onnx:
+            specs.append(ModelSpec(m.name, Path(m.onnx)))
+        else:
+            raise ValueError(f"model {m.name!r} ({m.kind}) needs device 'emulated', not {device!r}")
+    return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models},
+                        session_batch_sizes={m.name: m.session_batch_sizes for m in models
+                                             if m.session_batch_sizes})
+
+
+def _emulated_model(model: ModelConfig) -> Any:
+    from zserve.backends.emulated import EmulatedModel
+
+    profile = configured_profile(model)
+    if profile is None:
+        raise ValueError(f"model {model.name!r} on an emulated device needs emulated alpha_ms/"
+                         "beta_ms or a profile file")
+    return EmulatedModel(model.name, profile.alpha_s * 1e3, profile.beta_s * 1e3,
+                         max_batch=profile.max_batch,
+                         latency_ms=tuple(profile.latency_ms_list()),
+                         input_shape=tuple(model.input_shape), input_dtype=model.input_dtype,
+                         output_shape=tuple(model.output_shape))
+
+
+# --------------------------------------------------------------------------- the host
+
+
+class Backend(BackendLiveness):
+    """The process host of one device's PlanFollower: sockets, executor, timer, heartbeats.
+    Created and run by ``_main``; every method runs on the event loop."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        device: str,
+        executor: Executor,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        plan_sock: zmq.Socket[Any],
+        plan_address: str,
+        reactor: SocketReactor,
+        clock: ClusterClock | None = None,
+        shed_grace_s: float = 0.0,
+    ) -> None:
+        self.name = name
+        # Set before the backend starts (its offset is estimated after Ready, before it serves).
+        self.clock = clock if clock is not None else ClusterClock()
+        self.identity = name.encode()
+        self.device = device
+        self.executor = executor
+        self.ctx = ctx
+        self.plan_sock = plan_sock
+        self.plan_address = plan_address
+        self.loop = asyncio.get_running_loop()
+        self.reactor = reactor
+        self.follower = PlanFollower(name, shed_grace_s=shed_grace_s)
+        # Every scheduler process that hosts a rank (an active/standby pair: two), by name; the
+        # fence says which one is active (zserve.core.epochs).
+        self.rank_socks: dict[str, zmq.Socket[Any]] = {}
+        self.fence = EpochFence()
+        self._stale_logged: set[int] = set()
+        self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
+        self.data_socks: dict[str, zmq.Socket[Any]] = {}
+        self.profiles: dict[str, LatencyProfile] = {}
+        self.models = list(executor.models)
+        self.warmed: dict[str, list[int]] = {}
+        self.warm_s = 0.0
+        self.warm_finished_at = 0.0
+        self._precise = timers.timers_for(self.loop)
+        self._timer: timers.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stuck = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._hb_seq = 0
+        self._wedged_logged = False
+        self._host_stats = Stats(HOST_COUNTER_NAMES)
+        self.counters = self._host_stats.counters
+        self.runner = BatchRunner(executor, self.clock, self.follower.stats)
+        self._counted_before_reset: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ start-up
+
+    def load_and_warm(self, models: Sequence[ModelConfig]) -> None:
+        """Load every model, warm it at every batch size, allocate the batch buffers and fix the
+        profiles. Blocking: runs before the process reports Ready."""
+        started = time.monotonic()
+        self.executor.load()
+        self.executor.warm()
+        for model in self.models:
+            self.warmed[model] = list(range(1, self.executor.max_batch(model) + 1))
+            self.runner.allocate(model)
+        by_name = {m.name: m for m in models}
+        for model in self.models:
+            profile = configured_profile(by_name[model]) if model in by_name else None
+            if profile is None:
+                measured = self.executor.profile(model, repeats=PROFILE_REPEATS, warmup=0)
+                profile = LatencyProfile.from_table_ms(measured.table_ms())
+            self.profiles[model] = profile
+            self.follower.add_model(model, profile.table_s, self.executor.max_batch(model))
+        self.warm_finished_at = time.monotonic()
+        self.warm_s = self.warm_finished_at - started
+        log.info("%s: %d model(s) loaded and warmed in %.2f s", self.name, len(self.models),
+                 self.warm_s)
+
+    def start(self, rank_addresses: dict[str, str],
+              frontend_addresses: Sequence[str] = ()) -> None:
+        """Serve: watch the plan socket, connect the frontends known now, register with every
+        scheduler's rank (a standby ignores it until it takes over) and start heartbeating."""
+        self.reactor.watch(self.plan_sock, router=True, on_chunk=self._on_plan_chunk,
+                           on_bad=self._on_bad)
+        for address in frontend_addresses:
+            self._connect_frontend(address)
+        for scheduler, address in rank_addresses.items():
+            sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
+            self.rank_socks[scheduler] = sock
+            self.reactor.watch(sock, router=False, on_bad=self._on_bad,
+                               on_chunk=functools.partial(self._on_rank_chunk, scheduler))
+            self._register(sock)
+        self._spawn(self._rank_heartbeat_loop())
+
+    @property
+    def rank_sock(self) -> zmq.Socket[Any] | None:
+        """The active scheduler's rank (before any announced an epoch: the first, which starts
+        active)."""
+        sock = self.rank_socks.get(self.fence.active)
+        if sock is None and self.rank_socks:
+            sock = next(iter(self.rank_socks.values()))
+        return sock
+
+    def _register(self, sock: zmq.Socket[Any]) -> None:
+        profiles_ms = {m: p.latency_ms_list() for m, p in self.profiles.items()}
+        running = self.follower.running
+        now = self.clock.now()
+        free_at = max(now, running.started_at + running.planned_s) if running else now
+        self._send(
+            sock,
+            BackendRegister(
+                name=self.name,
+                device=self.device,
+                plan_address=self.plan_address,
+                models=list(self.models),
+                profiles_ms=profiles_ms,
+                signatures={m: self.executor.signature(m).to_dict() for m in self.models},
+                device_free_at=self.follower.device_free_at(free_at),
+            ),
+        )
+
+    def _connect_frontend(self, address: str) -> None:
+        """A DEALER to a frontend's ``data`` ROUTER, opened once, when the host learns the
+        address. The pid in its Hello tells the frontend when a backend of this name restarted
+        (it then fails the requests the old process had fetched)."""
+        if address in self.data_socks:
+            return
+        sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="frontend")
+        self.data_socks[address] = sock
+        self.reactor.watch(sock, router=False, on_bad=self._on_bad,
+                           on_chunk=functools.partial(self._on_data_chunk, address))
+        self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)  # a strong reference until it is done (one task per batch)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ I/O
+
+    def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
+        """Non-blocking send; False (counted, logged) when ZeroMQ cannot take the message."""
+        error = self.reactor.send_nowait(sock, msg, identity)
+        if error is None:
+            return True
+        self.counters["send_dropped"] += 1
+        log.warning("%s: dropped %s (%s)", self.name, type(msg).__name__, error)
+        return False
+
+    def _on_bad(self, exc: ZServeError) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("%s: bad message: %s", self.name, exc)
+
+    def _deliver(self, outbox: Outbox) -> None:
+        """Send the follower's outbox, start what it runs, then re-arm its timer."""
+        while outbox:
+            lost: list[tuple[int, str]] = []
+            for (kind, where), msg in outbox:
+                if kind == DEST_DEVICE:
+                    assert isinstance(msg, RunBatch)
+                    self._spawn(self._execute(msg))
+                elif kind == DEST_FRONTEND:
+                    address = str(where)  # connected when the host learned it
+                    if not self._send(self.data_socks[address], msg) and isinstance(
+                            msg, InputFetch):
+                        lost.append((msg.plan_id, address))
+                elif self.rank_sock is not None:
+                    self._send(self.rank_sock, msg)
+            outbox.clear()
+            for plan_id, address in lost:  # nothing will come: run without them
+                self.follower.on_fetch_lost(self.clock.now(), plan_id, address, outbox)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        wake_at = self.follower.wake_at
+        if self.follower.idle:
+            self._idle.set()
+        else:
+            self._idle.clear()
+        if self._timer is not None:
+            if self._timer_at == wake_at:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if wake_at < float("inf"):
+            self._timer_at = wake_at
+            self._timer = self._precise.call_at(self.clock.to_local(wake_at), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        outbox: Outbox = []
+        self.follower.on_timer(self.clock.now(), outbox)
+        self._deliver(outbox)
+
+    # ------------------------------------------------------------------ messages in
+
+    def _on_plan_chunk(self, messages: Chunk) -> None:
+        outbox: Outbox = []
+        now = self.clock.now()
+        # Each plan is acknowledged to its shard at once, before its inputs are fetched, unless
+        # the running batch is wedged: then, as with a stopped process, no acknowledgement comes
+        # and the shard plans the requests elsewhere (this loop starts the batches, so an
+        # acknowledgement from it says that they can start).
+        acks: dict[bytes, list[int]] | None = None if self.wedged(now) else {}
+        for identity, msg in messages:
+            if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
+                continue
+            if isinstance(msg, BatchPlan):
+                for address in msg.frontends:  # learned here, before the follower fetches
+                    self._connect_frontend(address)
+                self.follower.on_plan(now, msg, outbox)
+                if acks is not None and identity is not None:
+                    acks.setdefault(identity, []).append(msg.plan_id)
+            elif isinstance(msg, StatsRequest):
+                assert identity is not None
+                self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
+            elif not isinstance(msg, Hello | Heartbeat):
+                log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
+        for identity, plan_ids in (acks or {}).items():
+            self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
+        self._deliver(outbox)
+
+    def _admit_plan(self, plan: BatchPlan) -> bool:
+        """The epoch fence: a plan of an older scheduler epoch than the newest seen never runs
+        (its requests are the new epoch's to plan; nothing is answered for them here)."""
+        if self.fence.admits(plan.epoch):
+            self.fence.note(plan.epoch)
+            self.plans_by_epoch[plan.epoch] = self.plans_by_epoch.get(plan.epoch, 0) + 1
+            return True
+        self.counters["stale_epoch"] += 1
+        if plan.epoch not in self._stale_logged:
+            self._stale_logged.add(plan.epoch)
+            log.warning("%s: refused plan %d of scheduler epoch %d (the newest is %d)",
+                        self.name, plan.plan_id, plan.epoch, self.fence.highest)
+        return False
+
+    def _on_rank_chunk(self, scheduler: str, messages: Chunk) -> None:
+        sock = self.rank_socks[scheduler]
+        for _, msg in messages:
+            if not isinstance(msg, Hello):
+                if not isinstance(msg, Heartbeat):
+                    log.debug("%s: ignoring %s from rank", self.name, type(msg).__name__)
+            elif msg.epoch == 0 or self.fence.observe(scheduler, msg.epoch):
+                # A restarted scheduler asks who we are, or one announces a newer epoch (it
+                # took over): register there, with when the device frees.
+                if msg.epoch:
+                    log.info("%s: scheduler %s is active in epoch %d", self.name, scheduler,
+                             msg.epoch)
+                self._register(sock)
+            elif msg.epoch < self.fence.highest:
+                self.counters["stale_epoch"] += 1
+
+    def _on_data_chunk(self, address: str, messages: Chunk) -> None:
+        outbox: Outbox = []
+        for _, msg in messages:
+            if isinstance(msg, InputReply):
+                self.follower.on_input_reply(self.clock.now(), address, msg, outbox)
+            elif isinstance(msg, CancelFetched):
+                self.follower.on_cancel_fetched(self.clock.now(), address, msg, outbox)
+            elif isinstance(msg, StatsRequest):  # a frontend collecting its cluster's stats
+                self._send(self.data_socks[address], StatsReply(self.name, self.stats(msg.reset)))
+            else:
+                log.warning("%s: unexpected %s on a data socket", self.name, type(msg).__name__)
+        self._deliver(outbox)
+
+    # ------------------------------------------------------------------ the device
+
+    async def _execute(self, run: RunBatch) -> None:
+        """Run one batch, send its outputs (or fail it), and free the device."""
+        result = await self.runner.run(run)
+        if result.error:
+            log.error("%s: batch %d of %s (%d requests) failed: %s", self.name,
+                      run.plan.plan_id, run.plan.model, len(run.rows), result.error)
+        outbox: Outbox = []
+        try:
+            self._answer(run, result.outputs, result.error, result.finished_at)
+            self.follower.histograms["push"].observe(self.clock.now() - result.finished_at)
+        finally:
+            self.follower.on_batch_done(self.clock.now(), ok=not result.error,
+                                        finished_at=result.finished_at, outbox=outbox)
+            self._deliver(outbox)
+
+    def _answer(self, run: RunBatch, outputs: list[TensorMap], error: str,
+                finished_at: float) -> None:
+        """One BatchOutputs per frontend of the batch, or one BatchFailed when it failed."""
+        plan = run.plan
+        rows = run.rows
+        positions_by_frontend = group_by_frontend(
+            range(len(rows)), [plan.request_frontend[row] for row in rows])
+        why = f"backend {self.name}: {error}"
+        for index, positions in positions_by_frontend.items():
+            sock = self.data_socks[plan.frontends[index]]
+            ids = [plan.request_ids[rows[position]] for position in positions]
+            if error:
+                self._send(sock, BatchFailed(plan.plan_id, ids, ErrorKind.BACKEND_FAILED.value,
+                                             why))
+            else:
+                outs = [outputs[position] for position in positions]
+                self._send(sock, BatchOutputs(plan.plan_id, ids, outs, run.started_at,
+                                              finished_at))
+
+    # ------------------------------------------------------------------ close
+
+    async def close(self) -> None:
+        # A batch still running now holds the executor's worker thread (it cannot be cancelled).
+        self._stuck = self.follower.running is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        socks = [self.plan_sock, *self.data_socks.values(), *self.rank_socks.values()]
+        for sock in socks:
+            self.reactor.unwatch(sock)
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        if not self._stuck:
+            self.executor.close()
+
+    @property
+    def stuck(self) -> bool:
+        """True when a batch still ran at close: the executor's worker thread cannot be joined,
+        so the process must exit without waiting for it."""
+        return self._stuck
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """The backend's state, ``batch_sizes`` and ``samples`` (the batches' sizes and models,
+        the device's ``busy_s``) and the ``zserve.core.stats`` snapshot (``counters``: the
+        follower's and this host's; ``latency``/``histograms``: ``BACKEND_HISTOGRAMS``);
+        ``reset`` starts a new window (``counters_total`` runs on)."""
+        batches = self.follower.batches
+        counters = self._counters()
+        out: dict[str, Any] = {
+            "role": ROLE,
+            "name": self.name,
+            "device": self.device,
+            "models": list(self.models),
+            "warmed": {m: list(b) for m, b in self.warmed.items()},
+            "profiles_ms": {m: p.latency_ms_list() for m, p in self.profiles.items()},
+            "warm_s": self.warm_s,
+            "warm_finished_at": self.warm_finished_at,
+            "held_plans": self.follower.held_plans,
+            # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
+            # heartbeats to the rank and no plan acknowledgements while it lasts
+            "wedged": self.wedged(self.clock.now()),
+            "scheduler": {"active": self.fence.active, "epoch": self.fence.highest,
+                          "plans_by_epoch": {str(e): n for e, n in self.plans_by_epoch.items()}},
+            "counters_total": self.counter_totals(),
+            "samples": {**batches.samples(),
+                        "busy_s": self.runner.busy.take(self.clock.now(), reset)},
+            "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
+            "busy_total_s": self.runner.busy.total(self.clock.now()),
+            "clock": self.clock.stats(),
+            **self.follower.stats.snapshot(reset),
+            "counters": counters,
+        }
+        if reset:
+            batches.clear()
+            for key, value in counters.items():
+                self._counted_before_reset[key] = self._counted_before_reset.get(key, 0) + value
+            self._host_stats.reset()
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        return {**self.follower.counters, **self.counters}
+
+    def counter_totals(self) -> dict[str, int]:
+        """The counters since the process started (``stats(reset=True)`` zeroes the live ones)."""
+        return {key: self._counted_before_reset.get(key, 0) + value
+                for key, value in self._counters().items()}
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+async def _main(config: RoleConfig, control_address: str | None) -> int:
+    name = config.name
+    cluster = config.cluster
+    models = list(config.models)
+    device = config.device
+    drain_s = cluster.drain_s
+    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reactor = SocketReactor(asyncio.get_running_loop())
+    backend: Backend | None = None
+    link = None
+    clock_sync: ClockSync | None = None
+    try:
+        backend_ref: list[Backend] = []
+        keys.secure_role_context(ctx, config.cluster, "backend")
+        link = await control_link.ControlLink.open(
+            ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
+            stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
+        )
+        plan_sock, plan_address = make_router(ctx, config.bind["plan"], name=f"{name} plan",
+                                              advertise_host=config.advertise_host)
+        reply_allowance_ms = (cluster.frontends.reply_allowance_ms if cluster is not None
+                              else DEFAULT_REPLY_ALLOWANCE_MS)
+        backend = Backend(name=name, device=device, executor=build_executor(device, models),
+                          ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
+                          reactor=reactor,
+                          shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_ms / 1e3)
+        backend_ref.append(backend)
+        # Loading blocks the loop on purpose: nothing else may happen before Ready.
+        backend.load_and_warm(models)
+        peers = {**config.peers, **await link.ready({"plan": plan_address})}
+        if link.drain.requested:
+            return 0
+        # The plan timer and every timestamp use the cluster clock: estimate it before serving.
+        clock_sync = await runner.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
+                                                       clock=backend.clock)
+        if clock_sync is None:
+            return 0 if link.drain.requested else 2
+        ranks = peer_map.endpoints_of(peers, "rank")
+        assert ranks, "no rank in the peer map"
+        backend.start(ranks, list(peer_map.endpoints_of(peers, "data").values()))
+        await link.drain.wait()
+        await backend.drain(link.drain.drain_s)
+        return 0
+    finally:
+        if clock_sync is not None:
+            await clock_sync.close()
+        if backend is not None:
+            await backend.close()
+        reactor.close()
+        if link is not None:
+            await link.close()
+        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
+        if backend is not None and backend.stuck:
+            # A wedged batch holds the executor's worker thread, which the interpreter would
+            # join at exit forever: leave now (sockets are closed; the frontends' deadline timers
+            # answer the batch's requests).
+            log.error("%s: a batch is still running after the drain; exiting without it", name)
+            logging.shutdown()
+            os._exit(1)
+
+
+def run_backend(config: RoleConfig, control_address: str | None) -> int:
+    """Run one backend process until it is told to stop; returns the exit code."""
+    return runner.run_role(_main(config, control_address), name=config.name)
+
+
+def main(argv: list[str]) -> int:
+    """``zserve backend``: run backend ``--index`` of a cluster.toml on its own."""
+    parser = role_parser("zserve backend", main.__doc__)
+    parser.add_argument("--bind", default=None, help="plan socket bind address")
+    args = parser.parse_args(argv)
+    config = role_config_from_args(args, ROLE)
+    if args.bind:
+        config.bind["plan"] = args.bind
+    return run_backend(config, args.control)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+__all__ = ["INPUT_WAIT_S", "Backend", "BusyMeter", "build_executor", "configured_profile", "main",
+           "run_backend", "shed_late_rows"]

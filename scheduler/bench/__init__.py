@@ -1,0 +1,1 @@
+"""``zserve bench-scheduler``: scheduler-only throughput."""

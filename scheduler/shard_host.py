@@ -1,0 +1,603 @@
+"""A scheduler shard: ``ShardHost`` hosts the ModelThreads of the models hashed to it.
+
+Its process (``zserve.scheduler.shard_process.run_shard``, ``zserve scheduler``) binds the
+``shard`` ROUTER, to which frontends connect (DEALER identity = frontend name). Model ``m`` lives
+on shard ``zserve.config.cluster.shard_for_model(m, shards)``; frontends send its requests' metadata
+straight there.
+
+- Frontend -> shard: ``RequestMetaBatch`` (one per frontend per loop tick). The shard drains every
+  queued message, then feeds each (model, frontend) chunk to its ModelThread in one call. The
+  frontend's ``data`` address -- where backends fetch inputs -- is ``RequestMetaBatch.frontend``
+  (a bare frontend name is looked up in the peer map as ``<frontend>/data``); it is the key under
+  which the ModelThread knows the frontend, so a BatchPlan names data addresses, and drops go back
+  to the DEALER identity that sent the metadata.
+- Shard <-> rank: ``CandidateUpdate``, ``GrantAnswer`` out, ``GrantGpu``, ``BackendTable`` in, over
+  a DEALER (identity = shard name); nothing waits for an answer. A restarted rank's first tables
+  lack backends not yet registered again: ``scheduler.rank_rejoin`` keeps those for a grace.
+- Shard -> backends: ``BatchPlan`` over a DEALER per backend ``plan`` address from the table
+  (connected when a backend appears, closed when it leaves).
+- Frontend -> shard: ``CancelQueued`` (one per frontend per tick, after its RequestMetaBatch):
+  cancelled requests leave their ModelThread's queue before a batch takes them (``cancelled``).
+- Shard -> frontends: ``DropNotice`` (``DEADLINE`` from the ModelThread; ``UNAVAILABLE`` for a model
+  no live backend serves; ``SHUTTING_DOWN`` while draining; ``BACKEND_FAILED`` for the requests of
+  the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
+  requests a backend had fetched, but only the shard knows those planned onto it and not yet
+  fetched, e.g. plans queued for a backend that died).
+- Backends -> shard: ``PlanAck`` over the same DEALERs, sent by each backend's batch loop on
+  receipt of a plan. A plan not acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the shard
+  suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which stops
+  granting the GPU and broadcasts the table without it), takes the GPU out of its ModelThreads,
+  and puts the requests of every plan the backend never acknowledged back into their queue
+  (``replanned``; ``UNAVAILABLE`` when no live backend serves the model any more). Only those of
+  plans it acknowledged (it holds their inputs) are answered ``BACKEND_FAILED``; the same split
+  applies when a backend leaves the table. (That bookkeeping is
+  ``zserve.scheduler.shard_acks.ShardPlanAcks``, mixed into ``ShardHost``.)
+
+Time: every time this process handles (arrivals, deadlines, ``exec_at``, ``now``) is on the cluster
+clock (``zserve.runtime.clock``: the rank's CLOCK_MONOTONIC); a shard apart from the rank estimates
+its
+offset before it takes requests, and arms ModelThread timers at the local time of each ``wake_at``.
+
+Latency profiles: a ModelThread uses the model's configured profile (profile file or emulated
+alpha/beta) until backends register, then the slowest registered profile of those serving the
+model (element-wise maximum of l(b), up to the smallest max batch), as the authors merge them.
+
+With ``embedded_rank`` (``shards = 0``) the process also binds ``rank`` and hosts the RankThread
+(``rank_process.RankHost``); ModelThread <-> RankThread messages are then handed over in-process
+(shard -> rank synchronously after each flush, rank -> shard through a queue drained on the next
+loop iteration, so neither side re-enters the other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from zserve.config.cluster import ClusterConfig, ModelConfig
+from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile, configured_profile
+from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
+from zserve.core.stats import Stats
+from zserve.runtime import control_link
+from zserve.runtime.clock import ClusterClock
+from zserve.runtime.runner import cancel_all, spawn
+from zserve.runtime.timers import WakeTimer
+from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
+from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.rank_host import RankHost
+from zserve.scheduler.rank_rejoin import RankRejoin
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
+from zserve.scheduler.shard_acks import ShardPlanAcks
+from zserve.transport.messages import (
+    BackendTable,
+    BatchPlan,
+    CancelQueued,
+    DropNotice,
+    GrantGpu,
+    Heartbeat,
+    Hello,
+    Message,
+    RequestMetaBatch,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.reactor import Chunk, SocketReactor
+from zserve.transport.sockets import make_dealer
+
+log = logging.getLogger(__name__)
+
+ROLE = "shard"
+SOCKET_CLOSE_LINGER_MS = 200
+# While draining, how often the shard checks whether its queues are empty.
+DRAIN_POLL_S = 0.01
+SHARD_COUNTERS = (
+    "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
+    "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
+    "cancelled", "replanned", "suspects", "plan_acks", "gpus_kept",
+    # a standby's: metadata it ignored (the frontends re-send it to the active scheduler);
+    # a superseded one's: plans it made but never sent (zserve.core.epochs)
+    "standby_ignored", "fenced_plans",
+    # metadata of an older scheduler epoch than this one's: its frontend re-sends what is
+    # still queued once it hears this epoch (zserve.core.epochs)
+    "stale_epoch",
+)
+# meta_delay: request admitted -> its metadata handled here (frontend tick + hop); grant_slack:
+# what was left of the candidate's grant window when the grant came (negative: too late).
+SHARD_HISTOGRAMS = {"meta_delay": "signed", "grant_slack": "signed"}
+# A ModelThread holds a candidate back until this long before the rank needs it (its model
+# timer at exec - delay(bs)): well above the shard -> rank hop (0.1 ms p50, ~0.3 ms p99 idle;
+# see docs/performance.md, "Hops one message at a time"), and the rank counts candidates that
+# still come late (``late_candidates``).
+PUBLISH_LEAD_S = 0.002
+# Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
+MAX_SHARDS = 1024
+
+
+def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfile | None:
+    """The slowest of several l(b) tables, element-wise, up to the smallest max batch."""
+    if not tables_ms:
+        return None
+    size = min([len(t) for t in tables_ms] + [max_batch])
+    if size < 1:
+        return None
+    return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
+
+
+class ShardHost(ShardPlanAcks):
+    """The ModelThreads of one shard on their sockets; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        sock: zmq.Socket[Any],
+        reactor: SocketReactor,
+        cluster: ClusterConfig,
+        models: list[ModelConfig],
+        peers: dict[str, str],
+        index: int = 0,
+        clock: ClusterClock | None = None,
+        plan_ack_margin_s: float = PLAN_ACK_MARGIN_S,
+    ) -> None:
+        self.name = name
+        self.plan_ack_margin_s = plan_ack_margin_s
+        self.clock = clock if clock is not None else ClusterClock()
+        self.identity = name.encode()
+        self.ctx = ctx
+        self.sock = sock
+        self.reactor = reactor
+        self.loop = asyncio.get_running_loop()
+        self.peers = peers
+        self._read_scheduling(cluster)
+        self.models = {m.name: m for m in models}
+        self.threads: dict[str, ModelThread] = {}
+        self.timers: dict[str, WakeTimer] = {}
+        self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
+        self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
+        # Plans out, PlanAcks in (backends send their outputs to the frontends, not here).
+        self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
+        # so that a backend leaving the table fails the requests planned onto it, and one that
+        # does not acknowledge a plan in time is suspected (its timer: the earliest ack due)
+        self._sent_plans = SentPlans()
+        self._ack_timer = WakeTimer(self.loop, self._sent_plans, self._on_ack_timer, self.clock)
+        self.rank_sock: zmq.Socket[Any] | None = None
+        self.rank_local: RankHost | None = None
+        self.index = index
+        # One plan-id counter for all of this shard's ModelThreads: seq * MAX_SHARDS + index
+        # (seq = 1, 2, ...), unique in the cluster (see ModelThread, "Plan ids").
+        self._plan_ids = itertools.count(MAX_SHARDS + index, MAX_SHARDS)
+        self._from_rank: deque[Message] = deque()
+        self._pump_scheduled = False
+        self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
+        self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False
+        # active: False while the standby of a pair; fenced: superseded, it sends no plan
+        # again (zserve.core.epochs); first_plan_at: its first plan (a takeover's end).
+        self.active, self.fenced, self.first_plan_at = True, False, 0.0
+        self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
+        self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self._rejoin = RankRejoin(self.counters)  # a restarted rank's first tables lack backends
+        self._meta_delay = self._stats.histograms["meta_delay"]
+        self._grant_slack = self._stats.histograms["grant_slack"]
+        now = self.clock.now()
+        for model in models:
+            profile = configured_profile(model)
+            if profile is not None:
+                self._make_thread(model, profile, now)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _read_scheduling(self, cluster: ClusterConfig) -> None:
+        """The cluster's scheduling settings every ModelThread of this shard gets (seconds)."""
+        sched = cluster.scheduler
+        self.policy = SchedulePolicy.parse(sched.policy, sched.drop)
+        self.d_ctrl_s = sched.d_ctrl_ms / 1e3
+        self.jitter_s = sched.jitter_ms / 1e3
+        # A plan's acknowledgement is due this long after the shard sent it: its delivery
+        # allowance (the ModelThreads plan with it) and the margin of sent_plans.
+        self.ack_allowance_s = self.d_ctrl_s + self.plan_ack_margin_s
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self.cluster = cluster
+
+    def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
+        slo_s = model.slo_ms / 1e3
+        thread = ModelThread(
+            model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
+            d_data_s=self.cluster.d_data_ms_of(model) / 1e3,
+            jitter_s=self.jitter_s,
+            budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
+            plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
+        )
+        self.threads[model.name] = thread
+        self.timers[model.name] = WakeTimer(
+            self.loop, thread, functools.partial(self._on_timer, model.name), self.clock
+        )
+        outbox: Outbox = []
+        thread.set_gpus(now, self.served.get(model.name, []), outbox)
+        self._dirty.add(model.name)
+        self._flush(outbox)
+
+    def connect_rank(self, address: str) -> None:
+        self.rank_sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
+        self.reactor.watch(self.rank_sock, router=False, on_chunk=self._on_rank_chunk,
+                           on_bad=self._on_bad)
+        self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+        spawn(self._tasks, self._rank_heartbeat_loop())
+
+    async def _rank_heartbeat_loop(self) -> None:
+        """Heartbeats let a restarted rank discover this shard (it answers an unknown peer's
+        heartbeat with Hello)."""
+        seq = 0
+        while self.rank_sock is not None:
+            seq += 1
+            self._send(self.rank_sock, Heartbeat(self.name, seq, self.clock.now()))
+            await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
+
+    def embed_rank(self, host: RankHost) -> None:
+        self.rank_local = host
+
+    def deliver_from_rank(self, msg: Message) -> None:
+        """The embedded RankHost's way in: queue, handle on the next loop iteration."""
+        self._from_rank.append(msg)
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self.loop.call_soon(self._pump_from_rank)
+
+    def _pump_from_rank(self) -> None:
+        self._pump_scheduled = False
+        messages = list(self._from_rank)
+        self._from_rank.clear()
+        self._on_rank_chunk([(None, m) for m in messages])
+
+    def start(self) -> None:
+        self.reactor.watch(self.sock, router=True, on_chunk=self._on_frontend_chunk,
+                           on_bad=self._on_bad)
+
+    async def close(self) -> None:
+        """Stop receiving and the timers; close the DEALERs (the caller closes ``sock``)."""
+        for timer in self.timers.values():
+            timer.cancel()
+        self._ack_timer.cancel()
+        self.reactor.unwatch(self.sock)
+        await cancel_all(self._tasks)
+        for _, sock in self.backend_socks.values():
+            self.reactor.unwatch(sock)
+            sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        self.backend_socks.clear()
+        if self.rank_sock is not None:
+            self.reactor.unwatch(self.rank_sock)
+            self.rank_sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+            self.rank_sock = None
+
+    # ------------------------------------------------------------------ frontends
+
+    def _on_bad(self, exc: ZServeError) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("%s: bad message: %s", self.name, exc)
+
+    def _on_frontend_chunk(self, chunk: Chunk) -> None:
+        now = self.clock.now()
+        outbox: Outbox = []
+        # (model, data address) -> (ids, arrivals, deadlines, rows), merged over the whole chunk
+        arrivals: dict[tuple[str, str], MetaChunk] = {}
+        # (model, data address) -> cancelled ids, applied after the arrivals (a request may be
+        # admitted and cancelled in one frontend tick: its metadata comes first)
+        cancels: dict[tuple[str, str], list[int]] = {}
+        for identity, msg in chunk:
+            assert identity is not None
+            if self._ignored(msg):
+                continue
+            if type(msg) is RequestMetaBatch:
+                self._take_meta(now, identity, msg, arrivals)
+            elif type(msg) is CancelQueued:
+                assert isinstance(msg, CancelQueued)
+                for rid, model in zip(msg.request_ids, msg.models, strict=True):
+                    cancels.setdefault((model, msg.frontend), []).append(rid)
+            elif type(msg) is StatsRequest:
+                assert isinstance(msg, StatsRequest)
+                self._send(self.sock, StatsReply(self.name, self.stats(msg.reset)), identity)
+            elif type(msg) not in (Hello, Heartbeat):
+                log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
+        for (model, address), (ids, arr, dls, rows) in arrivals.items():
+            thread = self.threads.get(model)
+            refusal = self._refusal(model, thread)
+            if refusal is not None:
+                kind, why = refusal
+                self._drop_now(address, ids, kind, why)
+                continue
+            assert thread is not None
+            thread.on_arrivals(now, address, ids, arr, dls, outbox, rows=rows)
+            self._dirty.add(model)
+        self._cancel_queued(now, cancels, outbox)
+        self._flush(outbox)
+
+    def _take_meta(self, now: float, identity: bytes, msg: RequestMetaBatch,
+                   arrivals: dict[tuple[str, str], MetaChunk]) -> None:
+        """Merge a frontend's RequestMetaBatch into this chunk's ``arrivals``."""
+        if msg.rows and len(msg.rows) != len(msg.request_ids):
+            self._on_bad(ProtocolError(f"RequestMetaBatch: {len(msg.rows)} rows for "
+                                       f"{len(msg.request_ids)} requests"))
+            return
+        self.counters["meta_batches"] += 1
+        self.counters["requests"] += len(msg.request_ids)
+        address = msg.frontend
+        if msg.arrivals:  # admission of the tick's last request -> here
+            self._meta_delay.observe(now - max(msg.arrivals))
+        self.frontends[address] = identity
+        for model, part in split_meta_by_model(msg).items():
+            entry = arrivals.get((model, address))
+            if entry is None:
+                arrivals[(model, address)] = part
+            else:
+                extend_chunk(entry, part)
+
+    def _cancel_queued(self, now: float, cancels: dict[tuple[str, str], list[int]],
+                       outbox: Outbox) -> None:
+        """Take the cancelled requests out of their ModelThreads' queues; one already planned
+        is the frontend's to handle (its backend finds no inputs, or gets CancelFetched)."""
+        for (model, address), ids in cancels.items():
+            thread = self.threads.get(model)
+            if thread is None:
+                continue
+            self.counters["cancelled"] += thread.on_cancel(now, address, ids, outbox)
+            self._dirty.add(model)
+
+    def _refusal(self, model: str, thread: ModelThread | None) -> tuple[ErrorKind, str] | None:
+        if self.draining:
+            self.counters["shutting_down"] += 1
+            return ErrorKind.SHUTTING_DOWN, f"scheduler {self.name} is shutting down"
+        if model not in self.models:
+            self.counters["unknown_model"] += 1
+            return ErrorKind.BAD_REQUEST, f"model {model!r} is not scheduled by {self.name}"
+        if thread is None or not self.served.get(model):
+            self.counters["unavailable"] += 1
+            return ErrorKind.UNAVAILABLE, f"no backend serves {model!r}"
+        return None
+
+    def _drop_now(self, address: str, ids: list[int], kind: ErrorKind, why: str) -> None:
+        identity = self.frontends.get(address)
+        if identity is not None:
+            self._send(self.sock, DropNotice(ids, kind.value, why), identity)
+
+    # ------------------------------------------------------------------ rank
+
+    def _on_rank_chunk(self, chunk: Chunk) -> None:
+        now = self.clock.now()
+        outbox: Outbox = []
+        for _, msg in chunk:
+            if type(msg) is GrantGpu:
+                assert isinstance(msg, GrantGpu)
+                thread = self.threads.get(msg.model)
+                if thread is None:
+                    log.error("%s: grant for model %r, which it does not host", self.name,
+                              msg.model)
+                    continue
+                # How much of the candidate's grant window was left when the grant came
+                # (negative: too late for this batch; the ModelThread shrinks or drops it).
+                window_left = thread.grant_window_left(now)
+                if window_left is not None:
+                    self._grant_slack.observe(window_left)
+                thread.epoch = msg.epoch  # its plan carries the granting rank's epoch
+                thread.on_grant(now, msg, outbox)
+                self._dirty.add(msg.model)
+            elif type(msg) is BackendTable:
+                assert isinstance(msg, BackendTable)
+                self._on_backend_table(now, self._rejoin.on_table(now, msg), outbox)
+            elif type(msg) is Hello and self.rank_sock is not None:
+                # A restarted rank asks who we are; our candidates reach it on their next change.
+                spawn(self._tasks, self._rejoin_grace(self._rejoin.on_rank_hello(now) - now))
+                self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+            elif type(msg) is not Heartbeat:
+                log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
+        self._flush(outbox)
+
+    def _ignored(self, msg: Message) -> bool:
+        """Requests a standby ignores, and metadata of an older epoch than this embedded
+        scheduler's (sent to a process that died or was superseded): either way the frontend
+        re-sends what is still queued once it hears the active epoch. (Epoch 0: a frontend that
+        has heard of none yet. Shards of their own keep their queues across a rank restart:
+        nothing is re-sent to them.)"""
+        if type(msg) in (RequestMetaBatch, CancelQueued) and not self.active:
+            self.counters["standby_ignored"] += 1
+            return True
+        if type(msg) is RequestMetaBatch and self.rank_local is not None and (
+                0 < msg.epoch < self.rank_local.epoch):
+            self.counters["stale_epoch"] += 1
+            return True
+        return False
+
+    @property
+    def epoch(self) -> int:
+        """The scheduler epoch this shard plans in (its rank's)."""
+        return self.rank_local.epoch if self.rank_local is not None else self._table_epoch
+
+    async def _rejoin_grace(self, grace_s: float) -> None:
+        """Then the restarted rank's latest table applies as it is (``rank_rejoin``)."""
+        await asyncio.sleep(grace_s)
+        if (table := self._rejoin.on_grace_over(self.clock.now())) is not None:
+            outbox: Outbox = []
+            self._on_backend_table(self.clock.now(), table, outbox)
+            self._flush(outbox)
+
+    def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        self._table_epoch = max(self._table_epoch, table.epoch)
+        live = dict(zip(table.gpu_ids, table.addresses, strict=True))
+        departed: list[tuple[int, str]] = []
+        for gpu_id in list(self.backend_socks):
+            address, sock = self.backend_socks[gpu_id]
+            if live.get(gpu_id) != address:
+                self.reactor.unwatch(sock)
+                sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+                del self.backend_socks[gpu_id]
+                departed.append((gpu_id, address))
+        for gpu_id, address in live.items():
+            if gpu_id not in self.backend_socks:
+                sock = make_dealer(self.ctx, address, identity=self.identity,
+                                   peer_role="backend")
+                self.backend_socks[gpu_id] = (address, sock)
+                self.reactor.watch(sock, router=False, on_bad=self._on_bad,
+                                   on_chunk=functools.partial(self._on_backend_chunk, gpu_id))
+        self._serve_table(now, table, outbox)
+        # After the ModelThreads know the GPUs that are left: a plan put back is not granted to
+        # a departed GPU again, and a model nobody serves any more answers UNAVAILABLE.
+        for gpu_id, address in departed:
+            self._release_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster",
+                                outbox)
+
+    def _serve_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
+        """The GPUs serving each model and their merged profiles, from the table."""
+        served: dict[str, list[int]] = {}
+        tables: dict[str, list[list[float]]] = {}
+        for i, (gpu_id, models) in enumerate(zip(table.gpu_ids, table.models, strict=True)):
+            profiles = table.profiles_ms[i] if i < len(table.profiles_ms) else {}
+            for model in models:
+                served.setdefault(model, []).append(gpu_id)
+                if model in profiles:
+                    tables.setdefault(model, []).append(profiles[model])
+        self.served = served
+        for name, config in self.models.items():
+            profile = merge_profiles(tables.get(name, []), config.max_batch)
+            thread = self.threads.get(name)
+            if thread is None:
+                profile = profile or configured_profile(config)
+                if profile is not None:
+                    self._make_thread(config, profile, now)
+                continue
+            if profile is not None and profile.table_s != thread.profile.table_s:
+                thread.set_profile(profile)
+            thread.set_gpus(now, served.get(name, []), outbox)
+            self._dirty.add(name)
+
+    # ------------------------------------------------------------------ timers and output
+
+    def _on_timer(self, model: str) -> None:
+        outbox: Outbox = []
+        self.threads[model].on_timer(self.clock.now(), outbox)
+        self._dirty.add(model)
+        self._flush(outbox)
+
+    def _flush(self, outbox: Outbox) -> None:
+        to_rank: list[Message] = []
+        for (kind, key), msg in outbox:
+            if (kind, key) == TO_RANK:
+                to_rank.append(msg)
+            elif kind == DEST_BACKEND:
+                assert isinstance(msg, BatchPlan)
+                self._send_plan(int(key), msg)
+            elif kind == DEST_FRONTEND:
+                self._send_to_frontend(str(key), msg)
+            else:
+                log.error("%s: message for unknown destination %r", self.name, (kind, key))
+        if to_rank:
+            if self.rank_local is not None:
+                self.rank_local.on_local(to_rank)
+            elif self.rank_sock is not None:
+                for msg in to_rank:
+                    self._send(self.rank_sock, msg)
+        for model in self._dirty:
+            self.timers[model].sync()
+        self._dirty.clear()
+
+    def _send_to_frontend(self, address: str, msg: Message) -> None:
+        if isinstance(msg, DropNotice):
+            self.counters["dropped"] += len(msg.request_ids)
+        identity = self.frontends.get(address)
+        if identity is None:
+            log.error("%s: no route to frontend %r", self.name, address)
+        else:
+            self._send(self.sock, msg, identity)
+
+    def _send_plan(self, gpu_id: int, plan: BatchPlan) -> None:
+        if self.fenced:  # superseded: the backends would refuse it anyway
+            self.counters["fenced_plans"] += 1
+            return
+        entry = self.backend_socks.get(gpu_id)
+        if entry is not None and self._send(entry[1], plan):
+            if not self.first_plan_at:
+                self.first_plan_at = self.clock.now()
+            self.counters["plans"] += 1
+            self.counters["planned_requests"] += len(plan.request_ids)
+            self._remember_sent(gpu_id, plan)
+            return
+        # The backend left (or cannot take it): its requests will not run.
+        for f, ids in group_by_frontend(plan.request_ids, plan.request_frontend).items():
+            self._drop_now(plan.frontends[f], ids, ErrorKind.UNAVAILABLE,
+                           f"GPU {gpu_id} is gone; the batch was not sent")
+
+    def _send(self, sock: zmq.Socket[Any], msg: Message, identity: bytes | None = None) -> bool:
+        error = self.reactor.send_nowait(sock, msg, identity)
+        if error is None:
+            return True
+        self.counters["send_dropped"] += 1
+        log.warning("%s: dropped %s to %r: %s", self.name, type(msg).__name__, identity, error)
+        return False
+
+    # ------------------------------------------------------------------ drain and stats
+
+    def queued(self) -> int:
+        return sum(t.queue_length for t in self.threads.values())
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests; keep scheduling the queued ones for up to ``drain_s``; answer
+        what is still queued then ``SHUTTING_DOWN``."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        while self.queued() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        outbox: Outbox = []
+        for thread in self.threads.values():
+            self._shed_queue(thread, outbox)
+            self._dirty.add(thread.model)
+        self._flush(outbox)
+
+    def _shed_queue(self, thread: ModelThread, outbox: Outbox) -> None:
+        for address, ids in thread.take_queued(self.clock.now(), outbox).items():
+            self.counters["shutting_down"] += len(ids)
+            self._drop_now(address, ids, ErrorKind.SHUTTING_DOWN,
+                           f"scheduler {self.name} is shutting down")
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": ROLE,
+            "name": self.name,
+            "clock": self.clock.stats(),
+            "active": self.active and not self.fenced,
+            "epoch": self.epoch,
+            "first_plan_at": self.first_plan_at,
+            "sent_plans_held": len(self._sent_plans),
+            "models": {
+                name: {
+                    "queued": t.queue_length,
+                    "arrived": t.n_arrived,
+                    "dropped": t.n_dropped,
+                    "cancelled": t.n_cancelled,
+                    "replanned": t.n_replanned,
+                    "planned": t.n_planned,
+                    "batches": t.n_batches,
+                    "window_misses": t.n_window_misses,
+                    "miss_margin_ms": t.miss_margin_s * 1e3,
+                    "defer_loss": round(t.defer_loss, 4),
+                    "target": t.target,
+                    "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
+                    "max_batch": t.profile.max_batch,
+                    "gpus": list(self.served.get(name, [])),
+                }
+                for name, t in self.threads.items()
+            },
+        }
+        if self.rank_local is not None:
+            out["rank"] = self.rank_local.stats(reset)
+        out.update(self._stats.snapshot(reset))
+        return out

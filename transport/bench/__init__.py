@@ -1,0 +1,1 @@
+"""``zserve bench-transport`` and the transport's other benchmarks."""

@@ -1,0 +1,590 @@
+"""FrontendCore: the frontend's logic with no sockets, no loop and no clock.
+
+It holds the request table and input store, admits requests (model, size, signature, queue and
+predicted-wait bounds), answers deadlines, cancellations and backend failures, and coalesces what
+a tick produced. Hosting contract (that of ``zserve.scheduler.common``): every method takes
+``now`` (seconds on the cluster clock) and an ``outbox`` it appends ``(destination, message)``
+to; ``wake_at`` is read back after every call (``on_timer`` is due at it); ``end_tick`` appends
+what is sent once per tick: one ``RequestMetaBatch`` and one ``CancelQueued`` per shard, one
+``CancelFetched`` per backend and one ``InferAnswers`` per client that accepts them.
+Destinations: ``("client", identity)``, ``("shard", index)``, ``("backend", name)``. A host
+that cannot deliver a message says so with ``on_send_failed``. Hosted by ``zserve.frontend.host``
+(the process) and drivable by a simulator.
+
+Cancellations and client disconnects are ``zserve.frontend.cancel.FrontendCancellation``, the
+backends (their table, hellos, deaths and the requests that fail with them)
+``zserve.frontend.backend_view.FrontendBackends``; both are mixed into ``FrontendCore``.
+
+Statistics are one ``zserve.core.stats.Stats`` (``FRONTEND_COUNTERS``, ``FRONTEND_HISTOGRAMS`` and
+``queueing/<model>`` per model); ``stats(reset)`` is its snapshot plus the request table's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from zserve.config.cluster import ClusterConfig, shard_for_model
+from zserve.config.profiles import LatencyProfile
+from zserve.config.signature import quoted
+from zserve.core.errors import ErrorKind, ZServeError, bounded_message
+from zserve.core.hosting import Destination, Outbox
+from zserve.core.request_ids import RequestIds, incarnation_of
+from zserve.core.stats import Stats
+from zserve.core.timer_heap import LazyTimerHeap
+from zserve.frontend.admission import ModelAdmission
+from zserve.frontend.backend_view import FrontendBackends
+from zserve.frontend.cancel import FrontendCancellation
+from zserve.frontend.requests import FETCHED, QUEUED, Answers, Pending, RequestTable
+from zserve.transport.messages import (
+    BatchFailed,
+    BatchOutputs,
+    CancelFetched,
+    CancelQueued,
+    CancelRequest,
+    ClientHello,
+    DropNotice,
+    InferAnswers,
+    InferError,
+    InferReply,
+    InferRequest,
+    InputFetch,
+    InputReply,
+    Message,
+    RequestMetaBatch,
+    protocol_mismatch,
+)
+
+log = logging.getLogger("zserve.frontend")
+
+TO_CLIENT = "client"
+TO_SHARD = "shard"
+TO_BACKEND = "backend"
+
+# The deadline timer fires this long after the earliest pending deadline, so deadlines that fall
+# due within it share one wake-up (a wake-up costs tens of us; under overload many requests miss
+# together). It only ever delays a DEADLINE answer: a request is never answered DEADLINE before
+# its deadline, while a batch could still answer it.
+TIMER_COALESCE_S = 0.0005
+# The deadline heap is rebuilt from the pending requests once it holds more than this many
+# entries and more than this many times the pending requests (most are answered early).
+TIMER_COMPACT_MIN = 1024
+TIMER_COMPACT_FACTOR = 4
+# Built once, because Enum lookups and ``.value`` run Python code.
+_WIRE_ERRORS = {kind: kind.value for kind in ErrorKind}
+_ERROR_COUNTERS = {kind: f"error_{kind.value}" for kind in ErrorKind}
+_REJECTED_COUNTERS = {kind: f"rejected_{kind.value}" for kind in ErrorKind}
+_ERROR_KINDS = {kind.value: kind for kind in ErrorKind}
+
+FRONTEND_COUNTERS = (
+    "received", "admitted", "replied", "cancelled", "cancelled_fetched", "client_disconnects",
+    "disconnect_cancelled", "disconnect_cancelled_fetched", "fetches", "fetch_missing",
+    "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
+    # refused: what came back for requests of another incarnation (zserve.core.request_ids)
+    "stale_outputs", "stale_drops", "stale_failures", "stale_fetched",
+    # queued requests re-sent to a scheduler of a new epoch (zserve.core.epochs)
+    "requeued",
+    # delivery failures the host reported (on_send_failed)
+    "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
+    "reply_unroutable",
+    *_REJECTED_COUNTERS.values(), *_ERROR_COUNTERS.values(),
+)
+"""The core's counters: requests received and admitted, answers (``replied`` with outputs,
+``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
+messages sent, and the delivery failures its host reported."""
+FRONTEND_HISTOGRAMS = {
+    "admit_to_fetch": "delay",  # admission -> a backend fetched the inputs
+    "fetch_to_outputs": "delay",  # the fetch -> the outputs reached this frontend
+    "admit_to_answer": "delay",  # admission -> answered (outputs or an error)
+    # From the backends' BatchOutputs: batch start - admission (queueing, deferral included),
+    # batch start -> finish (execution), batch finish -> outputs handled here (cross-process:
+    # may be negative by the clock error) and, per request, answer - admission - execution
+    # (issue 7's "overhead").
+    "queueing": "delay",
+    "execution": "delay",
+    "finish_to_answer": "signed",
+    "overhead": "signed",
+}
+"""The core's latency histograms (seconds), by bounds scheme; plus, per configured model,
+``queueing/<model>`` (the ``queueing`` hop of one model), ``execution/<model>`` (one value per
+batch) and ``latency/<model>`` (admission -> answer), and the counters ``outcome/<model>/<o>``
+(``o``: ``ok`` or an ``ErrorKind`` value; answers after admission and rejections of a configured
+model) that ``zserve.frontend.metrics`` exports. ``admit_to_answer`` and ``queueing`` are the sums
+of
+``latency/<model>`` and ``queueing/<model>``, summed when a snapshot is taken."""
+QUEUEING_OF_MODEL = "queueing/{}"
+EXECUTION_OF_MODEL = "execution/{}"
+LATENCY_OF_MODEL = "latency/{}"
+OUTCOME_OF_MODEL = "outcome/{}/{}"
+OUTCOME_OK = "ok"
+
+
+def _outcome_names(models: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``outcome/<model>/<outcome>`` counter names by model and outcome (``ok`` or an error
+    kind)."""
+    outcomes = (OUTCOME_OK, *_WIRE_ERRORS.values())
+    return {name: {o: OUTCOME_OF_MODEL.format(name, o) for o in outcomes} for name in models}
+
+
+def error_kind(value: str) -> ErrorKind:
+    return _ERROR_KINDS.get(value, ErrorKind.INTERNAL)
+
+
+class _Rejected(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | None]
+                ) -> dict[str, ModelAdmission]:
+    """Each model's admission state; a frontend's share of a model's load is 1 / the
+    frontends (clients spread over them)."""
+    shards, share = cluster.scheduler.shards, 1.0 / cluster.frontends.count
+    reply_s = cluster.frontends.reply_allowance_ms / 1e3
+    return {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(m.name),
+                                   reply_s, share) for m in cluster.models}
+
+
+class FrontendCore(FrontendCancellation, FrontendBackends):
+    """The frontend's state and decisions; see the module docstring for the hosting contract."""
+
+    def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
+                 profiles: dict[str, LatencyProfile | None],
+                 host_counters: Iterable[str] = (), incarnation: int = 0) -> None:
+        """``profiles``: each model's configured profile (None: learn the one its backends
+        measured); ``host_counters``: counters the host bumps in ``counters`` (its own);
+        ``incarnation``: this process start's ``new_incarnation()`` (0: a host that never
+        restarts), carried in the high bits of every request id."""
+        self.name = name
+        self.cluster = cluster
+        self.data_address = data_address  # where backends fetch this frontend's inputs
+        self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        self.max_request_bytes = cluster.frontends.max_request_bytes
+        self.models = _admissions(cluster, profiles)
+        nshards = cluster.scheduler_processes
+        self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
+        self.requests = RequestTable()
+        self.backend_pids: dict[str, int] = {}
+        self.backend_models: dict[str, list[str]] | None = None  # from rank's BackendTable
+        self.gpus_for_model: dict[str, int] = {}
+        # Unique across the cluster's frontends and across this frontend's restarts.
+        self.ids = RequestIds(index, incarnation)
+        self._stale_logged: set[tuple[str, int]] = set()
+        self.epoch, self.draining = 0, False  # epoch: the newest heard of (zserve.core.epochs)
+        # counter name of (model, outcome), built once: the answer path only looks it up
+        self._outcome_names = _outcome_names(self.models)
+        self._stats = Stats(
+            (*FRONTEND_COUNTERS, *host_counters,
+             *(n for names in self._outcome_names.values() for n in names.values())),
+            {**FRONTEND_HISTOGRAMS,
+             **{pattern.format(name): "delay" for name in self.models
+                for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)}})
+        self.counters = self._stats.counters
+        hist = self._stats.histograms
+        # Bound once: the per-request path observes into these directly.
+        self._admit_to_fetch = hist["admit_to_fetch"]
+        self._fetch_to_outputs = hist["fetch_to_outputs"]
+        self._admit_to_answer = hist["admit_to_answer"]
+        self._queueing = hist["queueing"]
+        self._execution = hist["execution"]
+        self._finish_to_answer = hist["finish_to_answer"]
+        self._overhead = hist["overhead"]
+        self._queueing_of, self._execution_of, self._latency_of = (
+            {name: hist[pattern.format(name)] for name in self.models}
+            for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL))
+        self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
+        self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
+        self._answers: dict[bytes, Answers] = {}
+        self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
+        # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
+        self._queued_cancels: list[tuple[list[int], list[str]]] = [
+            ([], []) for _ in range(nshards)]
+        # per shard: (ids, models, arrivals, deadlines, rows: empty while each holds one row)
+        self._meta: list[tuple[list[int], list[str], list[float], list[float], list[int]]] = [
+            ([], [], [], [], []) for _ in range(nshards)]
+        # (answer_by, rid) of every pending request; an entry is live while its request is
+        # pending with that deadline (most are answered first: lazily deleted).
+        self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
+        self.wake_at = math.inf
+
+    @property
+    def pending(self) -> dict[int, Pending]:
+        return self.requests.pending
+
+    # ------------------------------------------------------------------ clients
+
+    def on_client_message(self, now: float, client: bytes, msg: Message,
+                          outbox: Outbox) -> bool:
+        """Handle a client's InferRequest, CancelRequest or ClientHello; False for any other."""
+        if type(msg) is InferRequest:
+            self.on_infer(now, client, msg, outbox)
+        elif type(msg) is CancelRequest:
+            self.on_cancel(now, client, msg.request_id, outbox)
+        elif type(msg) is ClientHello:
+            self._check_client_protocol(client, msg.protocol)
+            if InferAnswers.KIND in msg.accepts:
+                self.batched_clients.add(client)
+            else:
+                self.batched_clients.discard(client)
+        else:
+            return False
+        return True
+
+    def _check_client_protocol(self, client: bytes, protocol: int) -> None:
+        """A client of another wire protocol has each of its requests refused BAD_REQUEST with
+        the one line naming both versions (it cannot be answered before it sends one)."""
+        refusal = protocol_mismatch(f"client {client.hex()}", protocol)
+        if refusal is None:
+            self.refused_clients.pop(client, None)
+        else:
+            log.warning("%s: refusing %s", self.name, refusal)
+            self.refused_clients[client] = refusal
+
+    def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
+        self.counters["received"] += 1
+        try:
+            model, rows = self._admit(now, client, req)
+        except _Rejected as rejected:
+            self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
+            names = self._outcome_names.get(req.model)  # a configured model's rejection only
+            if names is not None:
+                self.counters[names[_WIRE_ERRORS[rejected.kind]]] += 1
+            self._send_error(client, req.request_id, rejected.kind, rejected.message, outbox)
+            return
+        slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
+        answer_by = now + slo_s
+        rid = self.ids.take()
+        self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
+                                  answer_by, rows))
+        model.pending += rows
+        model.queued += rows
+        self.counters["admitted"] += 1
+        self._timers.push(answer_by, rid)
+        self.wake_at = min(self.wake_at, answer_by + TIMER_COALESCE_S)
+        self._queue_meta(model.shard, rid, req.model, now, answer_by - self.reply_allowance_s,
+                         rows=rows)
+
+    def _queue_meta(self, shard: int, rid: int, model: str, arrival: float, deadline: float,
+                    *, rows: int) -> None:
+        """Add one request to the metadata its shard gets at the end of this tick."""
+        ids, models, arrivals, deadlines, meta_rows = self._meta[shard]
+        if rows != 1 or meta_rows:  # one entry per request once one holds several rows
+            meta_rows.extend([1] * (len(ids) - len(meta_rows)))
+            meta_rows.append(rows)
+        ids.append(rid)
+        models.append(model)
+        arrivals.append(arrival)
+        deadlines.append(deadline)
+
+    def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
+        """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
+        otherwise."""
+        if self.refused_clients and client in self.refused_clients:
+            raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
+        model = self.models.get(req.model)
+        if model is None:
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"unknown model {quoted(req.model)}")
+        if self.draining:
+            raise _Rejected(ErrorKind.SHUTTING_DOWN, f"frontend {self.name} is shutting down")
+        if self.requests.in_flight(client, req.request_id):
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"request id {req.request_id} is already "
+                            "in flight on this connection")
+        try:
+            rows = model.request_rows(req.inputs, self.max_request_bytes)
+        except ZServeError as exc:
+            raise _Rejected(exc.kind, exc.message) from None
+        except Exception as exc:  # an input that is no array
+            raise _Rejected(ErrorKind.BAD_REQUEST, bounded_message(str(exc))) from None
+        if not 0.0 <= req.slo_ms < math.inf:  # negative, infinite or NaN
+            raise _Rejected(ErrorKind.BAD_REQUEST, f"slo_ms must be >= 0, got {req.slo_ms}")
+        if not self.shard_reachable[model.shard]:
+            raise _Rejected(ErrorKind.UNAVAILABLE,
+                            f"scheduler shard {model.shard} is not reachable")
+        gpus = self.gpus_for_model.get(req.model, -1)
+        if gpus == 0:
+            raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
+        if gpus < 0:
+            gpus = self.cluster.backends.total
+        refusal = model.overload(now, rows, gpus)
+        if refusal is not None:
+            raise _Rejected(ErrorKind.OVERLOADED, refusal)
+        return model, rows
+
+    # ------------------------------------------------------------------ backends
+
+    def on_fetch(self, now: float, backend: str, msg: InputFetch, outbox: Outbox) -> None:
+        """A backend fetches a plan's inputs: hand them over (the ones still queued)."""
+        ids: list[int] = []
+        inputs: list[dict[str, Any]] = []
+        missing: list[int] = []
+        observe = self._admit_to_fetch.observe
+        for rid in msg.request_ids:
+            taken = self.requests.take_inputs(rid, backend, msg.plan_id, now)
+            if taken is None:
+                missing.append(rid)
+                self._refuse_if_stale(rid, "stale_fetched", "an input fetch")
+                continue
+            p, request_inputs = taken
+            self.models[p.model].queued -= p.rows
+            ids.append(rid)
+            inputs.append(request_inputs)
+            observe(now - p.arrival)
+        outbox.append(((TO_BACKEND, backend), InputReply(msg.plan_id, ids, inputs, missing)))
+        self.counters["fetches"] += 1
+        self.counters["fetch_missing"] += len(missing)
+
+    def on_outputs(self, now: float, msg: BatchOutputs, outbox: Outbox) -> None:
+        started_at = msg.started_at
+        timed = started_at > 0.0 and msg.finished_at >= started_at
+        execution = msg.finished_at - started_at if timed else 0.0
+        if timed:
+            self._execution.observe(execution)
+            self._finish_to_answer.observe(now - msg.finished_at)
+        fetch_to_outputs = self._fetch_to_outputs.observe
+        batch_model: str | None = None
+        for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
+            p = self.requests.pending.get(rid)
+            if p is None:  # answered already (cancelled, deadline): the outputs are discarded
+                if not self._refuse_if_stale(rid, "stale_outputs", "outputs"):
+                    self.counters["late_outputs"] += 1
+                continue
+            batch_model = p.model
+            if p.fetched_at:
+                fetch_to_outputs(now - p.fetched_at)
+            if started_at > 0.0:
+                self._note_queueing(p, started_at - p.arrival)
+                if timed:
+                    self._overhead.observe(now - p.arrival - execution)
+            self._answer_outputs(now, p, outputs, outbox)
+        if timed and batch_model is not None:  # a batch runs one model
+            self._execution_of[batch_model].observe(execution)
+
+    def _note_queueing(self, p: Pending, delay: float) -> None:
+        self._queueing_of[p.model].observe(delay)  # queueing: stats()
+
+    def on_batch_failed(self, now: float, msg: BatchFailed, outbox: Outbox) -> None:
+        kind = error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self._answer_error(now, p, kind, msg.message, outbox)
+            else:
+                self._refuse_if_stale(rid, "stale_failures", "a batch failure")
+
+    def on_drop(self, now: float, msg: DropNotice, outbox: Outbox) -> None:
+        """The scheduler dropped requests (it could not serve them in time)."""
+        kind = error_kind(msg.error)
+        for rid in msg.request_ids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self.counters["dropped_by_scheduler"] += 1
+                self._answer_error(now, p, kind, msg.message, outbox)
+            else:
+                self._refuse_if_stale(rid, "stale_drops", "a scheduler drop")
+
+    def _refuse_if_stale(self, rid: int, counter: str, what: str) -> bool:
+        """Count (and log once per incarnation and kind) a message for a request of another
+        incarnation of this frontend; False if ``rid`` is this incarnation's. Such a request is
+        never pending here (its id has another incarnation): this only accounts for it."""
+        if not self.ids.is_foreign(rid):
+            return False
+        incarnation = incarnation_of(rid)
+        self.counters[counter] += 1
+        if (counter, incarnation) not in self._stale_logged:
+            self._stale_logged.add((counter, incarnation))
+            log.warning("%s: refused %s for request %d of incarnation %d (this is incarnation "
+                        "%d): a previous process's request", self.name, what, rid, incarnation,
+                        self.ids.incarnation)
+        return True
+
+    def _answer_ids(self, now: float, rids: list[int], kind: ErrorKind, message: str,
+                    outbox: Outbox) -> None:
+        for rid in rids:
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self._answer_error(now, p, kind, message, outbox)
+
+    # ------------------------------------------------------------------ delivery failures
+
+    def on_send_failed(self, now: float, destination: Destination, msg: Message,
+                       full: bool, outbox: Outbox) -> None:
+        """The host could not deliver ``msg`` (``full``: the peer's queue is full; else the peer
+        is gone): answer what it carried, or forget the client it was for."""
+        kind, target = destination
+        if type(msg) is InputReply:
+            self.counters["fetch_reply_failed"] += 1
+            self._answer_ids(now, msg.request_ids, ErrorKind.BACKEND_FAILED,
+                             f"cannot send inputs to {target!s}", outbox)
+        elif type(msg) is RequestMetaBatch:
+            self.counters["meta_send_failed"] += 1
+            if self.cluster.scheduler.standby:  # the next active scheduler gets them (requeue)
+                return
+            self._answer_ids(now, msg.request_ids, ErrorKind.UNAVAILABLE,
+                             f"scheduler shard {target!s} is not accepting", outbox)
+        elif type(msg) is CancelFetched:  # the backend is gone: nothing of it will run
+            self.counters["cancel_notice_failed"] += 1
+        elif kind == TO_CLIENT and isinstance(target, bytes):
+            answers = (len(msg.request_ids) + len(msg.error_ids) if isinstance(msg, InferAnswers)
+                       else 1)
+            if full:
+                self.counters["reply_dropped_hwm"] += answers
+            else:
+                self.counters["reply_unroutable"] += answers
+                self.client_gone(target)
+
+    # ------------------------------------------------------------------ answers
+
+    def _send_error(self, client: bytes, request_id: int, kind: ErrorKind, message: str,
+                    outbox: Outbox) -> None:
+        """Answer ``request_id`` of ``client`` with an error: in this tick's InferAnswers for a
+        client that accepts it, else in an InferError of its own."""
+        if client in self.batched_clients:
+            answers = self._answers_to(client)
+            answers.error_ids.append(request_id)
+            answers.errors.append(_WIRE_ERRORS[kind])
+            answers.messages.append(message)
+        else:
+            outbox.append(((TO_CLIENT, client),
+                           InferError(request_id, _WIRE_ERRORS[kind], message)))
+
+    def _answers_to(self, client: bytes) -> Answers:
+        answers = self._answers.get(client)
+        if answers is None:
+            answers = self._answers[client] = Answers()
+        return answers
+
+    def _finish(self, p: Pending) -> None:
+        model = self.models[p.model]
+        model.pending -= p.rows
+        if p.state == QUEUED:
+            model.queued -= p.rows
+        self.requests.remove(p)
+
+    def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
+                      outbox: Outbox) -> None:
+        client = p.client
+        self._finish(p)
+        if kind is ErrorKind.DEADLINE:
+            self.models[p.model].note_answer(deadline_missed=True)
+        self.counters[_ERROR_COUNTERS[kind]] += 1
+        self.counters[self._outcome_names[p.model][_WIRE_ERRORS[kind]]] += 1
+        if client is not None:
+            self._send_error(client, p.client_rid, kind, message, outbox)
+            self._latency_of[p.model].observe(now - p.arrival)  # admit_to_answer: stats()
+
+    def _answer_outputs(self, now: float, p: Pending, outputs: dict[str, Any],
+                        outbox: Outbox) -> None:
+        client = p.client
+        self._finish(p)
+        self.models[p.model].note_answer(deadline_missed=now > p.answer_by)
+        self.counters["replied"] += 1
+        self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
+        if client is None:
+            return
+        if client in self.batched_clients:
+            answers = self._answers_to(client)
+            answers.request_ids.append(p.client_rid)
+            answers.outputs.append(outputs)
+        else:
+            outbox.append(((TO_CLIENT, client), InferReply(p.client_rid, outputs)))
+        self._latency_of[p.model].observe(now - p.arrival)  # admit_to_answer: stats()
+
+    def answer_all(self, now: float, kind: ErrorKind, message: str, outbox: Outbox) -> None:
+        for p in list(self.requests.pending.values()):
+            self._answer_error(now, p, kind, message, outbox)
+
+    def end_tick(self, outbox: Outbox) -> None:
+        """Append what this tick produced to be sent once: the admitted requests' metadata (one
+        message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
+        (one CancelFetched per backend), answers (one per client)."""
+        for shard, (ids, models, arrivals, deadlines, rows) in enumerate(self._meta):
+            if ids:
+                self._meta[shard] = ([], [], [], [], [])
+                if rows:
+                    rows.extend([1] * (len(ids) - len(rows)))
+                outbox.append(((TO_SHARD, shard), RequestMetaBatch(
+                    self.data_address, ids, models, arrivals, deadlines, rows,
+                    epoch=self.epoch)))
+                self.counters["meta_batches"] += 1
+        for shard, (ids, models) in enumerate(self._queued_cancels):
+            if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
+                self._queued_cancels[shard] = ([], [])
+                outbox.append(((TO_SHARD, shard), CancelQueued(self.data_address, ids, models)))
+        notes, self._cancel_notes = self._cancel_notes, {}
+        for backend, (plans, rids) in notes.items():
+            outbox.append(((TO_BACKEND, backend), CancelFetched(plans, rids)))
+            self.counters["cancel_notices"] += 1
+        answers, self._answers = self._answers, {}
+        for client, batch in answers.items():
+            outbox.append(((TO_CLIENT, client), InferAnswers(
+                batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
+                batch.messages)))
+
+    def requeue_queued(self, now: float, outbox: Outbox) -> None:
+        """A scheduler of a new epoch took over: its queues start empty, so the metadata of
+        every request still queued here goes to it again (with this tick's); one whose
+        scheduler deadline has passed is answered ``DEADLINE`` now."""
+        for p in list(self.requests.pending.values()):
+            if p.state != QUEUED or p.client is None:
+                continue
+            deadline = p.answer_by - self.reply_allowance_s
+            if deadline <= now:
+                self._answer_error(now, p, ErrorKind.DEADLINE, "its deadline passed while the "
+                                   "scheduler was being replaced", outbox)
+                continue
+            self.counters["requeued"] += 1
+            self._queue_meta(self.models[p.model].shard, p.rid, p.model, p.arrival, deadline,
+                             rows=p.rows)
+
+    # ------------------------------------------------------------------ deadlines
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        """Answer ``DEADLINE`` to every request whose SLO has passed by ``now``; the next
+        wake-up is ``TIMER_COALESCE_S`` after the earliest deadline still pending."""
+        timers = self._timers
+        pending = self.requests.pending
+        while (rid := timers.pop_due(now)) is not None:
+            p = pending[rid]
+            self.counters["deadline_timer"] += 1
+            where = "running on " + p.backend if p.state == FETCHED else "queued"
+            self._answer_error(now, p, ErrorKind.DEADLINE,
+                               f"no answer within the SLO (request was {where})", outbox)
+        # Lazy deletion keeps the heap proportional to the pending requests this way.
+        timers.compact_if(len(pending), factor=TIMER_COMPACT_FACTOR, minimum=TIMER_COMPACT_MIN)
+        self.wake_at = timers.next_at() + TIMER_COALESCE_S
+
+    def _deadline_is_live(self, answer_by: float, rid: int) -> bool:
+        p = self.requests.pending.get(rid)
+        return p is not None and p.answer_by == answer_by
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """The request table's state and the ``zserve.core.stats`` snapshot (``counters``,
+        ``latency``, ``histograms``); ``reset`` starts a new window."""
+        self._sum_per_model()
+        return {
+            "name": self.name,
+            "incarnation": self.ids.incarnation,
+            "pending": len(self.requests.pending),
+            "draining": self.draining,
+            "clients": len(self.requests.by_client),
+            "backends": sorted(self.backend_models or {}),
+            "fetched_by": self.requests.fetched_counts(),
+            "models": {name: m.pending for name, m in self.models.items()},
+            **self._stats.snapshot(reset),
+        }
+
+    def _sum_per_model(self) -> None:
+        """``admit_to_answer`` and ``queueing`` are the sums of their per-model histograms
+        (every pending request's model is configured), so the answer path observes each value
+        once; they are summed here, when a snapshot is taken, not per request."""
+        for total, parts in ((self._admit_to_answer, self._latency_of),
+                             (self._queueing, self._queueing_of)):
+            total.reset()
+            for part in parts.values():
+                total.merge(part)

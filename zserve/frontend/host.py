@@ -1,0 +1,616 @@
+"""The frontend process: the host of a ``FrontendCore`` on sockets, and the clients' entry point.
+
+Sockets (docs/runtime.md): a ``client`` ROUTER (clients' DEALERs connect), a ``data`` ROUTER
+(backends connect to fetch inputs and push outputs), a DEALER to every scheduler shard (request
+metadata out, ``DropNotice`` in), a DEALER to rank (``BackendTable`` in; heartbeats out) and
+the control DEALER. With a hot spare, a shard and a rank DEALER to each scheduler process: the
+one that announced the newest epoch (``Hello.epoch``, ``zserve.core.epochs``) gets the metadata, and
+on a new one the requests still queued here are sent to it again; what a superseded scheduler
+sends is refused (``stale_epoch``). All of them are received through one ``SocketReactor``.
+
+The logic lives in ``zserve.frontend.core.FrontendCore`` (admission, the request table and input
+store, deadlines, cancellation, backend failures, coalescing of what a tick sends). This host
+feeds it what arrives, stamped on the cluster clock (``zserve.runtime.clock``: the rank's
+CLOCK_MONOTONIC, estimated before the frontend connects to the scheduler), delivers its outbox
+(telling it what could not be delivered), arms one loop timer at its ``wake_at``, matches client
+disconnects (socket monitor events) to connections by file descriptor, and gathers the cluster's
+stats for clients that ask (``ClusterStatsRequest``; ``zserve.frontend.cluster_stats``). What one
+socket's chunk of messages produced is sent when the chunk is handled: one ``RequestMetaBatch``
+per shard, one ``InferAnswers`` per client that announced it decodes them (``ClientHello``;
+other clients get one ``InferReply`` / ``InferError`` per request, every array as a frame of its
+own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import os
+from typing import Any
+
+import zmq
+import zmq.asyncio
+import zmq.utils.monitor
+
+from zserve.config.cluster import ModelConfig, RoleConfig
+from zserve.config.profiles import LatencyProfile, configured_profile
+from zserve.core.epochs import EpochFence
+from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
+from zserve.core.hosting import Destination, Outbox
+from zserve.core.request_ids import new_incarnation
+from zserve.frontend import readiness
+from zserve.frontend.cluster_stats import FrontendStats, StatsGathering
+from zserve.frontend.core import TO_BACKEND, TO_CLIENT, FrontendCore
+from zserve.frontend.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
+from zserve.frontend.oip.bridge import OIP_CLIENT, OipBridge
+from zserve.frontend.oip.servers import OipBindError, OipServers
+from zserve.runtime import control_link, keys, peer_map, runner
+from zserve.runtime.args import role_config_from_args, role_parser
+from zserve.runtime.clock import ClockSync, ClusterClock
+from zserve.transport import codec, socket_io
+from zserve.transport.messages import (
+    BackendGone,
+    BackendTable,
+    BatchFailed,
+    BatchOutputs,
+    ClientHello,
+    ClusterStatsRequest,
+    DropNotice,
+    Heartbeat,
+    Hello,
+    InferAnswers,
+    InferError,
+    InferRequest,
+    InputFetch,
+    Message,
+    StatsReply,
+    StatsRequest,
+)
+from zserve.transport.reactor import Chunk, SocketReactor
+from zserve.transport.sockets import (
+    BindError,
+    make_dealer,
+    make_router,
+    monitor_server,
+    note_monitor_event,
+)
+
+log = logging.getLogger("zserve.frontend")
+
+# Malformed messages: log the first few in full, then one line per this many.
+MALFORMED_LOG_FIRST = 10
+MALFORMED_LOG_EVERY = 1000
+_SRCFD = int(zmq.SRCFD)
+# The host's own counters, next to the core's (``FrontendCore.counters``).
+# stale_epoch: messages of a superseded scheduler, refused; epoch_switches: new active schedulers
+# heard of (zserve.core.epochs).
+HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats", "stale_epoch",
+                 "epoch_switches")
+
+
+def _load_profile(config: ModelConfig) -> LatencyProfile | None:
+    """The configured profile (``zserve.config.profiles.configured_profile``), or None when it
+    cannot be
+    read: the frontend then admits without a predicted wait until the backends' table brings one."""
+    try:
+        return configured_profile(config)
+    except (OSError, ValueError) as exc:
+        log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
+        return None
+
+
+class FrontendHost(FrontendStats):
+    """A ``FrontendCore`` on its sockets. ``_serve`` drives it."""
+
+    def __init__(self, config: RoleConfig, ctx: zmq.Context[Any]) -> None:
+        self.name = config.name
+        self.cluster = config.cluster
+        self.ctx = ctx
+        self.bind_addresses = config.bind
+        self.advertise_host = config.advertise_host
+        # Offset 0 until _serve has estimated it (the rank's clock is the cluster clock).
+        self.clock = ClusterClock()
+        self.core = FrontendCore(
+            name=self.name, cluster=self.cluster, index=config.index,
+            data_address="",  # bind() sets it
+            profiles={m.name: _load_profile(m) for m in self.cluster.models},
+            host_counters=HOST_COUNTERS, incarnation=new_incarnation(),
+        )
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._gathering: StatsGathering | None = None
+        self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
+        self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
+        self._closed = False
+        self._timer_handle: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        # Client connections: fd -> identities seen on it, identity -> fd.
+        self._fd_clients: dict[int, set[bytes]] = {}
+        self._client_fd: dict[bytes, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reactor: SocketReactor | None = None
+        self.client_sock: zmq.Socket[Any] | None = None
+        self.data_sock: zmq.Socket[Any] | None = None
+        self.monitor_sock: zmq.Socket[Any] | None = None
+        self.shard_socks: list[zmq.Socket[Any] | None] = [None] * self.cluster.scheduler_processes
+        self.rank_sock: zmq.Socket[Any] | None = None
+        # Every scheduler process by name (an active/standby pair: two of each); the fence says
+        # which one is active (zserve.core.epochs), and shard_socks[0] / rank_sock are its sockets.
+        self.shard_by_name: dict[str, zmq.Socket[Any]] = {}
+        self.rank_socks: dict[str, zmq.Socket[Any]] = {}
+        self.fence = EpochFence()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self.endpoints: dict[str, str] = {}
+        # The Open Inference Protocol servers' way in (zserve.frontend.oip.bridge).
+        self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.core.counters
+
+    # ------------------------------------------------------------------ set-up
+
+    def bind(self) -> dict[str, str]:
+        self.client_sock, client_ep = make_router(
+            self.ctx, self.bind_addresses["client"], name=f"{self.name} client",
+            advertise_host=self.advertise_host, clients=True,
+        )
+        self.data_sock, data_ep = make_router(
+            self.ctx, self.bind_addresses["data"], name=f"{self.name} data",
+            advertise_host=self.advertise_host,
+        )
+        self.monitor_sock = monitor_server(
+            self.client_sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
+        self.endpoints = {"client": client_ep, "data": data_ep}
+        self.core.data_address = data_ep
+        return self.endpoints
+
+    def connect(self, peers: dict[str, str]) -> None:
+        """Connect to the shards and rank named in the peer map."""
+        identity = self.name.encode()
+        hello = Hello(role="frontend", name=self.name, pid=os.getpid())
+        for name, address in peer_map.endpoints_of(peers, "shard").items():
+            self.shard_by_name[name] = make_dealer(self.ctx, address, identity=identity,
+                                                   peer_role="shard")
+            socket_io.sync_send(self.shard_by_name[name], hello)
+        for index in range(len(self.shard_socks)):
+            sock = self.shard_by_name.get(f"shard-{index}")
+            if sock is None:
+                log.error("%s: no address for shard-%d: its models are unavailable",
+                          self.name, index)
+                self.core.shard_reachable[index] = False
+            self.shard_socks[index] = sock
+        for name, address in peer_map.endpoints_of(peers, "rank").items():
+            self.rank_socks[name] = make_dealer(self.ctx, address, identity=identity,
+                                                peer_role="rank")
+            socket_io.sync_send(self.rank_socks[name], hello)
+        # shards = 0: shard-0 hosts the rank (also when a flag named its address "rank/rank").
+        self._rank_embedded = self.cluster.scheduler.shards == 0
+        self.rank_sock = self.rank_socks.get("rank") or self.rank_socks.get("shard-0") or next(
+            iter(self.rank_socks.values()), None)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        reactor = self._reactor = SocketReactor(loop)
+        assert self.monitor_sock is not None and self.data_sock is not None
+        assert self.client_sock is not None
+        reactor.watch_frames(self.monitor_sock, on_frames=self._on_monitor_events)
+        reactor.watch(self.data_sock, router=True, on_chunk=self._on_data,
+                      on_bad=lambda exc: self._malformed("data", exc))
+        for name, sock in [*self.shard_by_name.items(), *self.rank_socks.items()]:
+            reactor.watch(sock, router=False, on_chunk=functools.partial(self._on_scheduler, name),
+                          on_bad=lambda exc: self._malformed("scheduler", exc))
+        reactor.watch_frames(self.client_sock, on_frames=self._on_client)
+        # OIP requests are answered like a client that takes one InferAnswers per tick.
+        outbox: Outbox = []
+        self.core.on_client_message(self.clock.now(), OIP_CLIENT,
+                                    ClientHello(accepts=[InferAnswers.KIND]), outbox)
+        self._after(outbox)
+        self.oip.open(loop)
+        self._heartbeat = loop.create_task(self._heartbeat_loop(), name="scheduler-heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeat every scheduler: a restarted one asks who this frontend is (so it hears the
+        new epoch), and a superseded one hears the newest epoch and steps down."""
+        seq = 0
+        while True:
+            seq += 1
+            beat = Heartbeat(self.name, seq, self.clock.now(), self.fence.highest)
+            assert self._reactor is not None
+            for sock in self.rank_socks.values():
+                self._reactor.send_nowait(sock, beat)
+            await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
+
+    def _sockets(self) -> list[zmq.Socket[Any]]:
+        socks = [self.monitor_sock, self.data_sock, *self.shard_by_name.values(),
+                 *self.rank_socks.values(), self.client_sock]
+        return [s for s in socks if s is not None]
+
+    def close(self) -> None:
+        if not self._closed:
+            outbox: Outbox = []
+            self._stats_gathered(outbox)  # an open stats round answers with what came
+            self._after(outbox)  # answers of this tick (answer_all's at shutdown) go out first
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        if self._reactor is not None:
+            self._reactor.close()
+        if self.client_sock is not None and self.monitor_sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.client_sock.disable_monitor()
+        for sock in self._sockets():
+            sock.close(linger=control_link.CLOSE_LINGER_MS)
+
+    # ------------------------------------------------------------------ the core's outbox
+
+    def _after(self, outbox: Outbox) -> None:
+        """End of a callback: send what the core produced (telling it what failed), rearm the
+        deadline timer at its ``wake_at`` and track idleness (the drain waits on it)."""
+        core = self.core
+        while True:
+            core.end_tick(outbox)
+            if not outbox:
+                break
+            self._deliver(outbox)
+        self._rearm_timer()
+        if core.pending:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def _deliver(self, outbox: Outbox) -> None:
+        """Send every message of ``outbox`` (emptied); failures go back to the core, whose
+        answers to them are appended and sent too."""
+        index = 0
+        while index < len(outbox):
+            destination, msg = outbox[index]
+            index += 1
+            error = self._send_to(destination, msg)
+            if error is not None:
+                self.core.on_send_failed(self.clock.now(), destination, msg,
+                                             isinstance(error, zmq.Again), outbox)
+        outbox.clear()
+
+    def _send_to(self, destination: Destination, msg: Message) -> BaseException | None:
+        kind, target = destination
+        assert self._reactor is not None
+        if kind == TO_CLIENT and target == OIP_CLIENT:
+            self.oip.deliver(msg)
+            return None
+        if kind == TO_CLIENT:
+            assert isinstance(target, bytes) and self.client_sock is not None
+            try:
+                frames: list[Any] = codec.encode(msg)
+            except ZServeError:  # one answer that cannot be encoded must not stop the rest
+                self.counters["handler_errors"] += 1
+                log.exception("%s: cannot encode %s", self.name, type(msg).__name__)
+                return None
+            frames.insert(0, target)
+            error: BaseException | None = self._reactor.send_frames(self.client_sock, frames)
+        elif kind == TO_BACKEND:
+            assert isinstance(target, str) and self.data_sock is not None
+            error = self._reactor.send_nowait(self.data_sock, msg, target.encode())
+        else:
+            assert isinstance(target, int)
+            sock = self.shard_socks[target]
+            if sock is None:
+                return zmq.ZMQError(zmq.EHOSTUNREACH)
+            error = self._reactor.send_nowait(sock, msg)
+        return error
+
+    def _rearm_timer(self) -> None:
+        wake_at = self.core.wake_at
+        if wake_at == self._timer_at or self._closed or self._loop is None:
+            return
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+            self._timer_handle = None
+        self._timer_at = wake_at
+        if wake_at < math.inf:
+            # A relative delay on the loop's (local) clock: the cluster time needs no conversion.
+            self._timer_handle = self._loop.call_later(max(0.0, wake_at - self.clock.now()),
+                                                       self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer_handle = None
+        self._timer_at = math.inf
+        if self._closed:
+            return
+        outbox: Outbox = []
+        self.core.on_timer(self.clock.now(), outbox)
+        self._after(outbox)
+
+    def _malformed(self, where: str, exc: Exception) -> None:
+        self.counters["malformed"] += 1
+        count = self.counters["malformed"]
+        if count <= MALFORMED_LOG_FIRST or count % MALFORMED_LOG_EVERY == 0:
+            log.warning("%s: malformed message on %s (%d so far): %s", self.name, where, count, exc)
+
+    # ------------------------------------------------------------------ clients
+
+    def _on_client(self, messages: list[list[zmq.Frame]]) -> None:
+        outbox: Outbox = []
+        for frames in messages:
+            try:
+                self._on_client_message(frames, outbox)
+            except Exception:
+                self.counters["handler_errors"] += 1
+                log.exception("%s: handler failed", self.name)
+        self._after(outbox)
+
+    def _on_client_message(self, frames: list[zmq.Frame], outbox: Outbox) -> None:
+        if len(frames) < 2:
+            self._malformed("client", ProtocolError("no header frame"))
+            return
+        identity = frames[0].bytes
+        self._note_connection(identity, frames[1])
+        try:
+            msg = codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._malformed("client", exc)
+            request_id = codec.recover_request_id(frames[1])
+            if request_id is not None:
+                kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
+                    ErrorKind.BAD_REQUEST
+                )
+                outbox.append(((TO_CLIENT, identity), InferError(request_id, kind.value,
+                                                                 str(exc))))
+            return
+        if self.core.on_client_message(self.clock.now(), identity, msg, outbox):
+            return
+        if type(msg) is StatsRequest:  # counters for a frontend started without supervisor
+            outbox.append(((TO_CLIENT, identity), StatsReply(self.name, self.stats(msg.reset))))
+        elif type(msg) is ClusterStatsRequest:  # and those of its peers (`zserve bench ADDR`)
+            self._gather_stats(identity, msg.reset, outbox)
+        elif type(msg) is not Hello:
+            self._malformed("client", ProtocolError(f"unexpected {type(msg).__name__}"))
+
+    def _note_connection(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Remember the connection (file descriptor) ``identity`` speaks on, to match
+        disconnect events to clients."""
+        try:
+            fd = int(frame.get(_SRCFD))
+        except (zmq.ZMQError, TypeError, ValueError):
+            fd = -1
+        if self._client_fd.get(identity) != fd:
+            self._client_fd[identity] = fd
+            self._fd_clients.setdefault(fd, set()).add(identity)
+
+    def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
+        for frames in messages:
+            event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])
+            if self.client_sock is not None:  # a refused CURVE handshake: auth_failed
+                note_monitor_event(self.client_sock, event["event"])
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = event["value"]
+            for identity in self._fd_clients.pop(fd, ()):
+                if self._client_fd.get(identity) == fd:
+                    del self._client_fd[identity]
+                    self.core.client_gone(identity)
+        self._after([])
+
+    def _admit_oip(self, requests: list[InferRequest]) -> None:
+        if self._closed:
+            return
+        outbox: Outbox = []
+        now = self.clock.now()
+        for request in requests:
+            self.core.on_infer(now, OIP_CLIENT, request, outbox)
+        self._after(outbox)
+
+    def _cancel_oip(self, request_id: int) -> None:
+        if not self._closed:
+            outbox: Outbox = []
+            self.core.on_cancel(self.clock.now(), OIP_CLIENT, request_id, outbox)
+            self._after(outbox)
+
+    # ------------------------------------------------------------------ scheduler and backends
+
+    def _on_scheduler(self, scheduler: str, chunk: Chunk) -> None:
+        """Messages from a shard or the rank (process ``scheduler``)."""
+        outbox: Outbox = []
+        core = self.core
+        fence = self.fence
+        for _, msg in chunk:
+            now = self.clock.now()
+            if type(msg) is Hello:
+                self._on_scheduler_hello(now, scheduler, msg, outbox)
+            elif type(msg) is StatsReply:  # a standby's too (cluster stats list both)
+                self._on_peer_stats(msg, outbox)
+            elif (scheduler in fence.epoch_of and not fence.is_current(scheduler)) or (
+                    type(msg) is BackendTable and not fence.admits(msg.epoch)):
+                self.counters["stale_epoch"] += 1  # a superseded scheduler's
+            elif type(msg) is DropNotice:
+                core.on_drop(now, msg, outbox)
+            elif type(msg) is BackendTable:
+                core.on_backend_table(now, msg, outbox)
+            else:
+                self.counters["ignored"] += 1
+        self._after(outbox)
+
+    def _on_data(self, chunk: Chunk) -> None:
+        """Messages from backends."""
+        outbox: Outbox = []
+        core = self.core
+        for identity, msg in chunk:
+            now = self.clock.now()
+            if type(msg) is InputFetch:
+                assert identity is not None
+                core.on_fetch(now, identity.decode(errors="replace"), msg, outbox)
+            elif type(msg) is BatchOutputs:
+                core.on_outputs(now, msg, outbox)
+            elif type(msg) is BatchFailed:
+                core.on_batch_failed(now, msg, outbox)
+            elif type(msg) is Hello:
+                core.on_backend_hello(now, msg, outbox)
+            elif type(msg) is StatsReply:
+                self._on_peer_stats(msg, outbox)
+            else:
+                self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
+        self._after(outbox)
+
+    def _on_scheduler_hello(self, now: float, scheduler: str, msg: Hello,
+                            outbox: Outbox) -> None:
+        """Epoch 0: a (re)started scheduler asks who this is. Else it announces the epoch in
+        which it is active: a newer one than any heard of is the scheduler from now on, and
+        the requests still queued here are sent to it."""
+        fence = self.fence
+        if msg.epoch == 0:
+            sock = self.rank_socks.get(scheduler)
+            if sock is not None and self._reactor is not None:
+                self._reactor.send_nowait(sock, Hello(role="frontend", name=self.name,
+                                                      pid=os.getpid(), epoch=fence.highest))
+        elif fence.observe(scheduler, msg.epoch):
+            self.counters["epoch_switches"] += 1
+            self.core.epoch = msg.epoch
+            if self.cluster.scheduler.shards == 0 and scheduler in self.shard_by_name:
+                self.shard_socks[0] = self.shard_by_name[scheduler]
+                self.rank_sock = self.rank_socks.get(scheduler, self.rank_sock)
+                self.core.requeue_queued(now, outbox)
+            log.info("%s: scheduler %s is active in epoch %d", self.name, scheduler, msg.epoch)
+        elif msg.epoch < fence.highest:
+            self.counters["stale_epoch"] += 1
+
+    def on_control_message(self, msg: Message) -> None:
+        """The supervisor says a backend's process died (``BackendGone``)."""
+        if type(msg) is BackendGone and not self._closed:
+            outbox: Outbox = []
+            self.core.on_backend_gone(self.clock.now(), msg, outbox)
+            self._after(outbox)
+
+    # ------------------------------------------------------------------ drain and stats
+
+    def answer_all(self, kind: ErrorKind, message: str) -> None:
+        outbox: Outbox = []
+        self.core.answer_all(self.clock.now(), kind, message, outbox)
+        self._after(outbox)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out = self.core.stats(reset)
+        out["clock"] = self.clock.stats()
+        out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
+        out["metrics_url"] = self.metrics_url
+        out["pid"] = os.getpid()
+        out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`
+        keys.count_auth_failed(self.ctx, out["counters"], reset)
+        # What the health endpoints answer (zserve.frontend.readiness), for status and metrics
+        # readers.
+        out["ready"] = self.oip.ready()
+        out["unready_models"] = readiness.unready_models(self.core.models,
+                                                         self.core.backend_models)
+        return out
+
+
+# --------------------------------------------------------------------------- process entry
+
+
+async def _serve(config: RoleConfig, control_address: str | None) -> int:
+    loop = asyncio.get_running_loop()
+    ctx: zmq.Context[Any] = zmq.Context()
+    actx = zmq.asyncio.Context.shadow(ctx)
+    keys.secure_role_context(ctx, config.cluster, "frontend")
+    frontend = FrontendHost(config, ctx)
+    control = await control_link.ControlLink.open(
+        actx,
+        control_address,
+        role="frontend",
+        name=frontend.name,
+        stats=frontend.stats,
+        drain_s=frontend.cluster.drain_s,
+        peers=config.peers,
+        on_message=frontend.on_control_message,
+    )
+    clock_sync: ClockSync | None = None
+    metrics_server: MetricsServer | None = None
+    oip = OipServers(frontend.oip, http=config.bind.get("http"),
+                     grpc_address=config.bind.get("grpc"),
+                     max_request_bytes=frontend.cluster.frontends.max_request_bytes)
+    try:
+        endpoints = frontend.bind()
+        try:
+            endpoints.update(await oip.start())
+        except OipBindError as exc:  # a port taken since the preflight: one line, exit 2
+            raise BindError(msg=f"{frontend.name}: {exc}") from None
+        log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
+        metrics_server = _start_metrics(config, frontend, loop)
+        peers = await control.ready(endpoints)
+        # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
+        clock_sync = await runner.sync_cluster_clock(actx, peers, name=frontend.name,
+                                                       drain=control.drain, clock=frontend.clock)
+        if clock_sync is None:
+            return 0 if control.drain.requested else 2
+        frontend.connect(peers)
+        frontend.start(loop)
+        await control.drain.wait()
+        frontend.core.draining = True
+        drain_s = control.drain.drain_s
+        log.info("%s: draining (%s), %d in flight, up to %.1f s", frontend.name,
+                 control.drain.reason, len(frontend.core.pending), drain_s)
+        await control.drain.grace(frontend.idle)
+        frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
+        frontend.oip.close(f"frontend {frontend.name} shut down")
+        await oip.stop()
+        log.info("%s: stopped; counters %s", frontend.name,
+                 {key: value for key, value in frontend.counters.items() if value})
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+        if clock_sync is not None:
+            await clock_sync.close()
+        await oip.stop()
+        frontend.close()
+        await control.close()
+        keys.release_role_context(ctx)
+        ctx.term()
+    return 0
+
+
+def _start_metrics(config: RoleConfig, frontend: FrontendHost,
+                   loop: asyncio.AbstractEventLoop) -> MetricsServer | None:
+    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
+    scrape asks the frontend on its loop (``FrontendHost.cluster_stats``)."""
+    addresses = frontend.cluster.frontends.metrics_addresses
+    if config.index >= len(addresses):
+        return None
+    address = addresses[config.index]
+    try:
+        server = serve_frontend_metrics(address, frontend.name,
+                                        [m.name for m in frontend.cluster.models],
+                                        in_process_stats_reader(loop, frontend.cluster_stats))
+    except OSError as exc:  # a port taken since the preflight: one line, exit 2
+        raise BindError(exc.errno, f"{frontend.name} metrics: cannot bind {address}: "
+                        f"{exc.strerror or exc}") from None
+    frontend.metrics_url = server.url
+    return server
+
+
+def run_frontend(config: RoleConfig, control_address: str | None) -> int:
+    """Process entry point (docs/runtime.md)."""
+    return runner.run_role(_serve(config, control_address), name=config.name)
+
+
+def main(argv: list[str]) -> int:
+    """``zserve frontend --config CLUSTER.toml --index N``: run one frontend on its own; its
+    peers' addresses come from the file, overridden by the flags."""
+    parser = role_parser("zserve frontend", main.__doc__)
+    parser.add_argument("--client", help="bind the client socket here")
+    parser.add_argument("--data", help="bind the data socket here")
+    parser.add_argument("--shard", action="append", default=[],
+                        help="a scheduler shard's address, in shard order (repeat)")
+    args = parser.parse_args(argv)
+    config = role_config_from_args(args, "frontend")
+    if args.client:
+        config.bind["client"] = args.client
+    if args.data:
+        config.bind["data"] = args.data
+    for index, address in enumerate(args.shard):
+        config.peers[peer_map.peer_key(f"shard-{index}", "shard")] = address
+    return run_frontend(config, args.control)

@@ -1,0 +1,174 @@
+"""The bridge between the Open Inference Protocol servers and the frontend's core.
+
+An OIP request (HTTP or gRPC) becomes the same admission call a native client's ``InferRequest``
+becomes: ``FrontendCore.on_infer`` under one reserved client identity (``OIP_CLIENT``), with a
+request id of the bridge's own. The answer comes back through the frontend host: when the core's
+outbox answers ``OIP_CLIENT`` (one ``InferAnswers`` per tick), the host hands it to ``deliver``,
+which resolves that request's asyncio future with its outputs or its typed ``zserve.core.errors``
+error. Requests submitted during one loop iteration are admitted together (one call of the
+host's ``admit``), so the shards get one ``RequestMetaBatch`` for them, as they do for one socket
+chunk of native requests.
+
+The bridge also answers what the health and metadata endpoints ask (``zserve.frontend.readiness``),
+from
+the core's state: whether it admits, the rank's backend table, the signatures the backends
+registered. It runs on the frontend's loop and is never touched from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+from zserve.config.signature import ModelSignature, quoted
+from zserve.core.errors import (
+    BadRequestError,
+    ShuttingDownError,
+    UnavailableError,
+    ZServeError,
+    error_from_wire,
+)
+from zserve.frontend import readiness
+from zserve.frontend.core import FrontendCore
+from zserve.transport.messages import InferAnswers, InferError, InferReply, InferRequest, Message
+
+# The client identity of every OIP request inside the core. ZeroMQ's own routing ids are five
+# bytes starting with a zero byte, and an identity a peer sets may not start with one: no
+# ZeroMQ client can take this one.
+OIP_CLIENT = b"\x00zserve-oip"
+SERVER_NAME = "zserve"
+# The OIP extensions served (Triton's names): binary tensor data over HTTP, model configuration.
+EXTENSIONS = ("binary_tensor_data", "model_configuration")
+MODEL_VERSIONS = ("", "1")
+
+Outputs = dict[str, Any]
+
+
+class OipBridge:
+    """Submits OIP requests to a ``FrontendCore`` and resolves their futures from its answers.
+
+    ``admit(requests)``: the host admits them under ``OIP_CLIENT`` (one tick); ``cancel(rid)``:
+    the host cancels one (its caller went away)."""
+
+    def __init__(self, core: FrontendCore, admit: Callable[[list[InferRequest]], None],
+                 cancel: Callable[[int], None]) -> None:
+        self.core = core
+        self._admit = admit
+        self._cancel = cancel
+        self._futures: dict[int, asyncio.Future[Outputs]] = {}
+        self._queued: list[InferRequest] = []
+        self._next_id = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_scheduled = False
+        self._closed_because: str | None = None
+        self.version = metadata.version("zserve")
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start admitting (the host is connected to the scheduler and backends)."""
+        self._loop = loop
+
+    @property
+    def admitting(self) -> bool:
+        return self._loop is not None and not self.core.draining
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, model: str, inputs: dict[str, Any], slo_ms: float) -> asyncio.Future[Outputs]:
+        """Submit one request; its future ends with the outputs or a ``ZServeError``."""
+        loop = self._loop
+        if loop is None:
+            if self._closed_because is not None:
+                raise ShuttingDownError(self._closed_because)
+            raise UnavailableError(f"frontend {self.core.name} is not serving yet")
+        if model not in self.core.models:
+            raise BadRequestError(f"unknown model {quoted(model)}")
+        rid = self._next_id
+        self._next_id += 1
+        future: asyncio.Future[Outputs] = loop.create_future()
+        self._futures[rid] = future
+        self._queued.append(InferRequest(rid, model, inputs, slo_ms))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        queued, self._queued = self._queued, []
+        if queued:
+            self._admit(queued)
+
+    def forget(self, future: asyncio.Future[Outputs]) -> None:
+        """The caller stopped waiting for ``future`` (its connection closed): cancel the
+        request if it has not started."""
+        for rid, pending in self._futures.items():
+            if pending is future:
+                del self._futures[rid]
+                if any(req.request_id == rid for req in self._queued):
+                    self._queued = [req for req in self._queued if req.request_id != rid]
+                else:
+                    self._cancel(rid)
+                return
+
+    def deliver(self, msg: Message) -> None:
+        """An answer the core sent to ``OIP_CLIENT``."""
+        futures = self._futures
+        if type(msg) is InferAnswers:
+            for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
+                future = futures.pop(rid, None)
+                if future is not None and not future.done():
+                    future.set_result(outputs)
+            for rid, kind, message in zip(msg.error_ids, msg.errors, msg.messages, strict=False):
+                self._fail(rid, error_from_wire(kind, message))
+        elif type(msg) is InferReply:
+            future = futures.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg.outputs)
+        elif type(msg) is InferError:
+            self._fail(msg.request_id, error_from_wire(msg.error, msg.message))
+
+    def _fail(self, rid: int, error: ZServeError) -> None:
+        future = self._futures.pop(rid, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+    def close(self, message: str) -> None:
+        """Answer every request still waiting (the core has answered all it admitted)."""
+        self._queued.clear()
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(ShuttingDownError(message))
+        self._loop = None
+        self._closed_because = message
+
+    # ------------------------------------------------------------------ health and metadata
+
+    def ready(self) -> bool:
+        return readiness.frontend_ready(self.admitting, self.core.models,
+                                        self.core.backend_models)
+
+    def model_ready(self, model: str, version: str = "") -> bool:
+        self.check_model(model, version)
+        return self.admitting and readiness.model_ready(model, self.core.backend_models)
+
+    def check_model(self, model: str, version: str = "") -> None:
+        if model not in self.core.models:
+            raise BadRequestError(f"unknown model {quoted(model)}")
+        if version not in MODEL_VERSIONS:
+            raise BadRequestError(f"model {quoted(model)} has version 1 only, not "
+                                  f"{quoted(version)}")
+
+    def signature(self, model: str, version: str = "") -> ModelSignature:
+        """The signature ``model``'s backends registered (UNAVAILABLE before one did)."""
+        self.check_model(model, version)
+        signature = self.core.models[model].signature
+        if signature is None:
+            raise UnavailableError(f"model {quoted(model)}: no backend has registered it yet, so "
+                                   "its inputs and outputs are not known")
+        return signature
+
+    def max_batch(self, model: str) -> int:
+        return self.core.models[model].config.max_batch
