@@ -20,7 +20,7 @@ from zserve.loadgen.workload import load_workload
 
 pytestmark = pytest.mark.slow
 
-WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "cnn-cpu.toml"
+WORKLOAD = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "cnn-cpu.toml"
 SLO_S = 0.2
 
 

@@ -20,7 +20,7 @@ from zserve.core.errors import BadRequestError
 from zserve.frontend.oip import oip_inference_pb2 as pb
 from zserve.frontend.oip.grpc_server import decode_message, decode_request
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GENERATED = Path("zserve/frontend/oip")
 PROTO = str(GENERATED / "oip_inference.proto")
 POOL_EDIT = ("_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import wait_until
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST = Path(__file__).parents[1] / "conftest.py"
 SESSION_TIMEOUT_S = 60.0
 # What the nested session's one test records: the children of its pytest process that run the
 # spinner, with their nice values; then it either returns or waits to be interrupted.
@@ -57,7 +57,7 @@ def _nested_session(tmp_path: Path, *args: str, hold: bool = False,
     if busy_env:
         env["ZSERVE_BUSY_HOST"] = "1"
     # The suite's own directory first: the conftest imports zserve, and this checkout's is meant.
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]),
                                          env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio",
                "--rootdir", str(tmp_path), "-o", "timeout=0", *args,

@@ -25,7 +25,7 @@ from zserve.cluster.supervisor import Cluster, StartupError
 from zserve.config.cluster import ClusterConfig, load_config, parse_config, shard_for_model
 from zserve.transport.sockets import make_dealer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "clusters"
 ZSERVE = [sys.executable, "-m", "zserve"]
 START_TIMEOUT_S = 120.0

@@ -8,7 +8,7 @@ The CI run sends ``SOAK_REQUESTS`` requests after the warm-up (about 45 s on a 2
 machine). A 30-minute soak is the same test, made longer:
 
     ZSERVE_SOAK_MINUTES=30 .venv/bin/python -m pytest -p no:cacheprovider -s \
-        tests/test_faults_soak.py
+        tests/faults/test_faults_soak.py
 """
 
 from __future__ import annotations

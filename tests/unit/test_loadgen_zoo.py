@@ -8,7 +8,7 @@ import pytest
 
 from zserve.loadgen.zoo import load_zoo_csv
 
-ZOO = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "model_zoo_a100.csv"
+ZOO = Path(__file__).resolve().parents[2] / "examples" / "profiles" / "model_zoo_a100.csv"
 
 
 def test_zoo_csv_rows() -> None:

@@ -11,7 +11,7 @@ from zserve.config.cluster import load_config, parse_config
 from zserve.demo import DEMO_CONFIG
 from zserve.loadgen.workload import load_workload
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # (cluster, workload, whether the workload's allowances are the cluster's)
 PAIRS = [

@@ -23,7 +23,7 @@ from zserve.loadgen.workload import WorkloadError, load_workload, parse_workload
 from zserve.scheduler.bench import throughput
 from zserve.transport.messages import BatchPlan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "examples" / "workloads"
 
 

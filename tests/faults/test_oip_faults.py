@@ -36,7 +36,7 @@ from zserve.cluster.supervisor import Cluster
 from zserve.config.cluster import load_config
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 # The rank's liveness loop looks every BACKEND_TIMEOUT_S / 4; the table then reaches the frontend.
 UNREADY_WITHIN_S = BACKEND_TIMEOUT_S * 1.25 + 1.0

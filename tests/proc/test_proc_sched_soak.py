@@ -5,7 +5,7 @@ every one of them planned (or dropped) before the next chunk. After a warm-up it
 process's RSS across ``SOAK_REQUESTS`` more requests.
 
 A 30-minute soak: ``ZSERVE_SOAK_MINUTES=30 .venv/bin/python -m pytest -p no:cacheprovider
-tests/test_proc_sched_soak.py`` runs the same loop for that long instead (same bound, scaled).
+tests/proc/test_proc_sched_soak.py`` runs the same loop for that long instead (same bound, scaled).
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def test_tcp_hosts_are_probed(tmp_path: Path) -> None:
     kernel-chosen ports every socket binds."""
     foreign_host = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never assigned to a local interface
     document = {"cluster": {"transport": "tcp", "host": foreign_host}, "models": [_one_model()],
-                "security": {"insecure": True}}  # the probe alone (tests/test_security_keys.py)
+                "security": {"insecure": True}}  # the probe alone (tests/cluster/test_security_keys.py)
     (tmp_path / "run").mkdir()
     assert _problems(_emulated(document), tmp_path / "run") == [
         f"cluster.host: cannot bind tcp://{foreign_host}:0: Cannot assign requested address",
