@@ -61,7 +61,8 @@ TCP_KEEPALIVE_IDLE_S = 30
 # cap is also how long after a peer binds (a role started late, or restarted) a connection that
 # has been retrying comes up, and with it the messages queued on it: a backend started seconds
 # before its frontend fetches the first inputs that late. At 5 s that was past a 2 s SLO
-# (tests/proc/test_transport_reconnect.py); one attempt per half second to a missing peer costs nothing.
+# (tests/proc/test_transport_reconnect.py); one attempt per half second to a missing peer costs
+# nothing.
 RECONNECT_INTERVAL_MS = 100
 RECONNECT_INTERVAL_MAX_MS = 500
 

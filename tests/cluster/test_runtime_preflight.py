@@ -229,8 +229,9 @@ def test_tcp_hosts_are_probed(tmp_path: Path) -> None:
     """transport tcp: a cluster.host that is no address of this machine cannot take the
     kernel-chosen ports every socket binds."""
     foreign_host = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never assigned to a local interface
+    # The probe alone; keys are tests/cluster/test_security_keys.py's.
     document = {"cluster": {"transport": "tcp", "host": foreign_host}, "models": [_one_model()],
-                "security": {"insecure": True}}  # the probe alone (tests/cluster/test_security_keys.py)
+                "security": {"insecure": True}}
     (tmp_path / "run").mkdir()
     assert _problems(_emulated(document), tmp_path / "run") == [
         f"cluster.host: cannot bind tcp://{foreign_host}:0: Cannot assign requested address",

@@ -10,7 +10,8 @@ acknowledged ahead of it) may have run, and only those are answered ``BACKEND_FA
 SIGCONT the backend heartbeats again, comes back into use, and every request still has exactly
 one answer, its own.
 
-Run as a script for the figures (``python tests/faults/test_runtime_backend_hang.py [RUNS]``): the median
+Run as a script for the figures (``python tests/faults/test_runtime_backend_hang.py [RUNS]``): the
+median
 over RUNS runs of the requests that failed and of the time from SIGSTOP to the GPU leaving the
 rank's table.
 """

@@ -2,7 +2,8 @@
 the GPU goes back as it was and the model's candidates count again. Before, the RankThread
 ignored every later candidate of the model while it awaited the lost answer, and the GPU stayed
 granted: a shard SIGKILLed between GrantGpu and GrantAnswer left its models unserved for good
-(tests/faults/test_faults_signals.py found it: every request DEADLINE for 60 s after the restart)."""
+(tests/faults/test_faults_signals.py found it: every request DEADLINE for 60 s after the
+restart)."""
 
 from __future__ import annotations
 
