@@ -144,6 +144,14 @@ class ControlLink:
         self._parent_pid = os.getppid()
         self._seq = 0
 
+    def set_stats(self, stats: StatsFn) -> None:
+        """Answer StatsRequest with ``stats(reset)`` from now on (a host built after the link)."""
+        self._stats = stats
+
+    def set_on_message(self, handler: Callable[[Any], None]) -> None:
+        """Hand every control message other than Shutdown and StatsRequest to ``handler``."""
+        self._on_message = handler
+
     @property
     def attached(self) -> bool:
         """True when a supervisor started this process."""
