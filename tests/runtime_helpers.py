@@ -3,10 +3,11 @@ which plays its supervisor, scheduler shard, rank and backends over real sockets
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -171,29 +172,53 @@ def stats(h: FrontendHarness) -> dict[str, Any]:
 def wait_stats(
     h: FrontendHarness, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
 ) -> dict[str, Any]:
-    """Ask the frontend for its stats until ``predicate`` holds (each ask is a round trip, so
-    this waits on the frontend's own answers, not on a clock)."""
-    end = time.monotonic() + timeout
-    while True:
-        current = stats(h)
-        if predicate(current):
-            return current
-        assert time.monotonic() < end, f"condition not reached; stats {current}"
+    """Ask the frontend for its stats until ``predicate`` holds, and return them (bounded by
+    ``timeout``; the failure names the last stats seen)."""
+    last: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        last.clear()
+        last.update(stats(h))
+        return dict(last) if predicate(last) else None
+
+    return wait_until(reached, lambda: f"a stats condition; last stats {last}", timeout_s=timeout)
 
 
-def wait_until(predicate: Callable[[], T | None], what: str, *, timeout_s: float = WAIT_BOUND_S,
-               interval_s: float = POLL_INTERVAL_S) -> T:
+def _describe(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def wait_until(predicate: Callable[[], T | None], what: str | Callable[[], str], *,
+               timeout_s: float = WAIT_BOUND_S, interval_s: float = POLL_INTERVAL_S) -> T:
     """Call ``predicate`` every ``interval_s`` until it returns a true value, and return that
-    value; fail the test naming ``what`` after ``timeout_s``. A bounded poll of a real condition
-    (a stats value of another process, a health endpoint, a counter another thread bumps) that
-    has no event to wait on; never a sleep standing in for one."""
+    value; fail the test naming ``what`` after ``timeout_s`` (a callable ``what`` is called only
+    then, so the message can show the state at the failure: a role's log, the last stats). A
+    bounded poll of a real condition (a stats value of another process, a health endpoint, a
+    counter another thread bumps) that has no event to wait on; never a sleep standing in for
+    one."""
     end = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < end, f"timed out after {timeout_s:g} s waiting for {what}"
+        assert time.monotonic() < end, (
+            f"timed out after {timeout_s:g} s waiting for {_describe(what)}")
         time.sleep(interval_s)
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[T | None]],
+                           what: str | Callable[[], str], *, timeout_s: float = WAIT_BOUND_S,
+                           interval_s: float = POLL_INTERVAL_S) -> T:
+    """``wait_until`` for a test on an event loop: ``predicate`` is awaited, and the loop runs
+    the test's other tasks (its load, the code under test) between two calls."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < end, (
+            f"timed out after {timeout_s:g} s waiting for {_describe(what)}")
+        await asyncio.sleep(interval_s)
 
 
 def meta_ids(h: FrontendHarness, count: int) -> list[int]:

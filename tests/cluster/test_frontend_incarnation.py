@@ -5,11 +5,11 @@ gives is the request's own (a real cluster)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from runtime_helpers import wait_until
 
 import zserve
 from zserve.backends.emulated import EmulatedModel
@@ -115,6 +115,7 @@ def test_request_ids_wrap_within_the_incarnation() -> None:
 BATCH_S = 1.2
 CONSTANT = EmulatedModel("m", 0.0, 0.0).model_constant  # what y adds to 2 * sum(x)
 REQUESTS = 40
+BATCH_START_BOUND_S = 10.0  # the first batch of the REQUESTS starts within this
 
 
 def _input(i: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -138,9 +139,8 @@ def test_restarted_frontend_answers_only_with_its_own_requests_outputs(tmp_path:
         with zserve.Client(cluster.client_address, timeout=30, max_retries=0) as client:
             for i in range(REQUESTS):
                 client.submit("m", _input(i))  # its answers die with the frontend
-            end = time.monotonic() + 10.0
-            while not cluster.stats("frontend-0")["fetched_by"]:  # batches are running
-                assert time.monotonic() < end, "no batch started"
+            wait_until(lambda: cluster.stats("frontend-0")["fetched_by"], "a batch running",
+                       timeout_s=BATCH_START_BOUND_S)
             old_incarnation = cluster.stats("frontend-0")["incarnation"]
             cluster.kill("frontend-0")
         cluster.wait_ready("frontend-0", incarnation=2)

@@ -56,8 +56,8 @@ def _quick(name: str, tmp_path: Path) -> dict[str, Any]:
 
 
 def _check(result: dict[str, Any], prefix: str) -> dict[str, Any]:
-    (check,) = [c for c in result["checks"] if c["name"].startswith(prefix)]
-    assert isinstance(check, dict)
+    checks: list[dict[str, Any]] = result["checks"]
+    (check,) = [c for c in checks if c["name"].startswith(prefix)]
     return check
 
 

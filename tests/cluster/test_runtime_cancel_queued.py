@@ -6,14 +6,13 @@ counters of the frontend, the shard and the backend add up exactly."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
-from runtime_helpers import ask_frontend_stats
+from runtime_helpers import ask_frontend_stats, wait_until
 
 from zserve.cluster.supervisor import Cluster
 from zserve.config.cluster import parse_config
@@ -39,13 +38,15 @@ def _cluster_stats(address: str) -> dict[str, Any]:
 
 
 def _wait(address: str, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Ask for the cluster's stats until ``predicate`` holds (each ask is a round trip)."""
-    end = time.monotonic() + WAIT_S
-    while True:
-        stats = _cluster_stats(address)
-        if predicate(stats):
-            return stats
-        assert time.monotonic() < end, f"condition not reached; stats {stats}"
+    """Ask for the cluster's stats until ``predicate`` holds, and return them."""
+    last: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        last.clear()
+        last.update(_cluster_stats(address))
+        return dict(last) if predicate(last) else None
+
+    return wait_until(reached, lambda: f"a stats condition; last stats {last}", timeout_s=WAIT_S)
 
 
 def _settled(stats: dict[str, Any]) -> bool:

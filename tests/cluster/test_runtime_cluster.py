@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import selectors
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from runtime_helpers import wait_until
 
 import zserve
 from zserve.backends.host import build_executor
@@ -81,6 +83,16 @@ class Expect:
         assert outputs.keys() == expected.keys()
         for name in expected:
             np.testing.assert_allclose(outputs[name], expected[name], rtol=1e-4, atol=1e-4)
+
+
+def _served(expect: Expect, client: zserve.Client, index: int) -> bool:
+    """Whether request ``index`` of model "m" was served (checked); False where the cluster
+    answers UNAVAILABLE, i.e. "not yet" (no backend registered for the model)."""
+    try:
+        expect.check("m", index, client.infer("m", expect.inputs["m"][index]))
+    except zserve.UnavailableError:
+        return False
+    return True
 
 
 def process_gone(pid: int) -> bool:
@@ -215,11 +227,9 @@ def test_backend_killed_mid_batch(tmp_path: Path) -> None:
     ) as client:
         futures = [client.submit("m", expect.inputs["m"][i]) for i in range(4)]
         sent = time.monotonic()
-        end = sent + slo_s
-        fetched: dict[str, int] = {}
-        while not fetched:  # wait until a backend has fetched its batch (it runs 1.5 s)
-            assert time.monotonic() < end, "no batch started"
-            fetched = cluster.stats("frontend-0")["fetched_by"]
+        # until a backend has fetched its batch (it runs 1.5 s)
+        fetched: dict[str, int] = wait_until(lambda: cluster.stats("frontend-0")["fetched_by"],
+                                             "a batch started", timeout_s=slo_s)
         victim = sorted(fetched)[0]
         cluster.kill(victim)
         answers: dict[str, int] = {}
@@ -257,9 +267,8 @@ def test_backend_killed_before_fetching_its_plans(tmp_path: Path) -> None:
         os.kill(pid, signal.SIGSTOP)  # alive, but it cannot fetch the plans it is sent
         try:
             futures = [client.submit("m", expect.inputs["m"][i]) for i in range(1, 4)]
-            end = time.monotonic() + slo_s / 2
-            while cluster.stats("shard-0")["counters"]["planned_requests"] < planned + 3:
-                assert time.monotonic() < end, "the requests were never planned"
+            wait_until(lambda: cluster.stats("shard-0")["counters"]["planned_requests"]
+                       >= planned + 3, "the requests planned", timeout_s=slo_s / 2)
             assert cluster.stats("frontend-0")["fetched_by"] == {}
             killed_at = time.monotonic()
             cluster.kill("backend-0")
@@ -272,13 +281,8 @@ def test_backend_killed_before_fetching_its_plans(tmp_path: Path) -> None:
         assert time.monotonic() - killed_at < slo_s / 4
         cluster.wait_ready("backend-0", incarnation=2)
         # Served again once the restarted backend has registered (UNAVAILABLE until then).
-        end = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                expect.check("m", 1, client.infer("m", expect.inputs["m"][1]))
-                break
-            except zserve.UnavailableError:
-                assert time.monotonic() < end, "the restarted backend never served"
+        wait_until(lambda: _served(expect, client, 1), "the restarted backend serving",
+                   timeout_s=START_TIMEOUT_S)
 
 
 def test_up_on_resnet50_8gpu_drains_on_sigterm_under_load(tmp_path: Path) -> None:
@@ -337,7 +341,7 @@ def test_up_detach_and_down_on_the_demo_cluster(tmp_path: Path) -> None:
     # demo.toml with its OIP servers on ports the kernel picks: tests never take fixed ports.
     toml = tmp_path / "demo.toml"
     toml.write_text((EXAMPLES / "demo.toml").read_text().replace(":8000", ":0")
-                    .replace(":8001", ":0"))
+                    .replace(":8001", ":0").replace(":8002", ":0"))
     expect = Expect(load_config(toml), 12, seed=7)
     state_dir = tmp_path / "state"
     up = subprocess.run(
@@ -414,14 +418,9 @@ def test_roles_started_alone_form_a_cluster(tmp_path: Path) -> None:
     try:
         expect = Expect(load_config(toml), 4)
         with zserve.Client(f"ipc://{tmp_path}/frontend-0.client", timeout=30) as client:
-            for i in range(4):
-                end = time.monotonic() + START_TIMEOUT_S
-                while True:  # until the backend has registered: UNAVAILABLE says "not yet"
-                    try:
-                        expect.check("m", i, client.infer("m", expect.inputs["m"][i]))
-                        break
-                    except zserve.UnavailableError:
-                        assert time.monotonic() < end, "the standalone cluster never served"
+            for i in range(4):  # each once the backend has registered
+                wait_until(functools.partial(_served, expect, client, i),
+                           "the standalone cluster serving", timeout_s=START_TIMEOUT_S)
         for process in reversed(processes):
             process.send_signal(signal.SIGTERM)
         assert [p.wait(30) for p in processes] == [0, 0, 0, 0]

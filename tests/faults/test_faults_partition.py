@@ -6,7 +6,8 @@ deadline timer answers what the cut swallowed); after the healing the cluster se
 no request is answered twice, nor with another's outputs (the ledger, tests/fault_harness.py).
 Results that cross the healed link for requests already answered are refused by the frontend.
 
-Needs root and ``ip netns`` (iproute2); skipped with the reason where either is missing."""
+Needs root and ``ip netns`` (iproute2); skipped where either is missing, naming what is missing
+or the ``ip`` command that failed."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fault_harness import OK, Ledger, Load, drive, wait_served
-from runtime_helpers import ask_frontend_stats
+from runtime_helpers import ask_frontend_stats, wait_until
 from test_runtime_multihost import Role
 
 from zserve.config.cluster import load_config
@@ -103,12 +103,16 @@ class Veth:
 
 @pytest.fixture
 def veth() -> Iterator[Veth]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's `ip`")
+    if os.geteuid() != 0:
+        pytest.skip(f"network namespaces need root (CAP_NET_ADMIN, CAP_SYS_ADMIN); euid is "
+                    f"{os.geteuid()}")
+    if shutil.which("ip") is None:
+        pytest.skip("`ip` (iproute2) is not on PATH")
     try:
         pair = Veth()
     except subprocess.CalledProcessError as exc:
-        pytest.skip(f"`ip netns` / veth not permitted here: {exc.stderr!r}")
+        error = exc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [str(exc)]
+        pytest.skip(f"`{' '.join(exc.cmd)}` failed: {error[0]}")
     try:
         yield pair
     finally:
@@ -135,10 +139,11 @@ def _start(toml: Path, veth: Veth, roles: list[Role]) -> str:
                                    "--data", f"tcp://{veth.here_ip}:0"])
     roles.append(frontend)
     client_address: str = frontend.wait_ready()["client"]
-    end = time.monotonic() + START_TIMEOUT_S
-    while "backend-0" not in ask_frontend_stats(client_address, StatsRequest(reset=False),
-                                                b"partition-test")["backends"]:
-        assert time.monotonic() < end, "\n\n".join(f"{r.name}:\n{r.log()}" for r in roles)
+    wait_until(lambda: "backend-0" in ask_frontend_stats(
+                   client_address, StatsRequest(reset=False), b"partition-test")["backends"],
+               lambda: "backend-0 in the frontend's table; logs:\n\n" + "\n\n".join(
+                   f"{r.name}:\n{r.log()}" for r in roles),
+               timeout_s=START_TIMEOUT_S)
     return client_address
 
 

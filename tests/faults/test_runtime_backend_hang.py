@@ -130,6 +130,9 @@ class Scenario:
             self.figures["unmatched_replies"] = client.unmatched_replies
 
     async def _hang_and_resume(self) -> None:
+        # Imported here: run as a script (the figures), tests/ joins sys.path only in __main__.
+        from runtime_helpers import wait_until_async
+
         victim = (await self.rank_gpu())["name"]
         pid = self.cluster.pids()[victim]
         assert pid is not None
@@ -145,17 +148,25 @@ class Scenario:
         finally:
             os.kill(pid, signal.SIGCONT)
         resumed_at = time.monotonic()
+
+        async def batches_ok() -> int:
+            return int((await self.stats(victim))["counters_total"]["batches_ok"])
+
+        async def back_in_use() -> bool:
+            return bool((await self.rank_gpu())["alive"]) and await batches_ok() > before + 1
+
         # Back into use: alive in the rank's table and running batches again.
-        while not (await self.rank_gpu())["alive"] or (
-                (await self.stats(victim))["counters_total"]["batches_ok"] <= before + 1):
-            assert time.monotonic() - resumed_at < BACK_TIMEOUT_S, "the backend never came back"
-            await asyncio.sleep(POLL_S)
+        await wait_until_async(back_in_use, "the backend back in use", timeout_s=BACK_TIMEOUT_S,
+                               interval_s=POLL_S)
         self.figures["back_s"] = time.monotonic() - resumed_at
         # some load on the revived backend: a few more batches of its own, not a guessed time
-        back = (await self.stats(victim))["counters_total"]["batches_ok"]
-        while (await self.stats(victim))["counters_total"]["batches_ok"] < back + REVIVED_BATCHES:
-            assert time.monotonic() - resumed_at < BACK_TIMEOUT_S, "the backend ran nothing more"
-            await asyncio.sleep(POLL_S)
+        back = await batches_ok()
+
+        async def ran_more() -> bool:
+            return await batches_ok() >= back + REVIVED_BATCHES
+
+        await wait_until_async(ran_more, f"{REVIVED_BATCHES} more batches on the revived backend",
+                               timeout_s=BACK_TIMEOUT_S, interval_s=POLL_S)
         self.figures["victim"] = (await self.stats(victim))["counters_total"]
         self.figures["frontend"] = (await self.stats("frontend-0"))["counters"]
         shard = await self.stats("shard-0")
@@ -223,6 +234,7 @@ def test_backend_hang_under_load(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: runtime_helpers
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     results = []
     for _ in range(runs):

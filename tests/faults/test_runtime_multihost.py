@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
-from runtime_helpers import ask_frontend_stats
+from runtime_helpers import ask_frontend_stats, wait_until
 
 import zserve
 from zserve.backends.host import build_executor
@@ -80,12 +80,12 @@ max_batch = 8
 
 
 @functools.cache
-def _unshare_prefix() -> tuple[str, ...] | None:
+def _unshare_prefix() -> tuple[tuple[str, ...] | None, str]:
     """The command prefix that runs a command in a new time namespace (``{shift}`` to be
-    filled in), or None where this machine cannot: probed once, by running a Python that
-    reports its clock."""
+    filled in), or None and why not (the missing tool, or the last command tried and its
+    error): probed once, by running a Python that reports its clock."""
     if shutil.which("unshare") is None:
-        return None
+        return None, "`unshare` (util-linux) is not on PATH"
     base = ("--time", "--monotonic", "{shift}")
     candidates = [
         ("unshare", *base, "--kill-child=SIGTERM"),  # root
@@ -94,26 +94,33 @@ def _unshare_prefix() -> tuple[str, ...] | None:
         ("unshare", "--user", "--map-root-user", *base, "--fork"),
     ]
     probe = [sys.executable, "-c", "import time; print(time.monotonic())"]
+    failure = ""
     for prefix in candidates:
         command = [part.format(shift=100) for part in prefix] + probe
+        shown = " ".join(command[:len(prefix)])
         try:
             before = time.monotonic()
             done = subprocess.run(command, capture_output=True, text=True, timeout=30,
                                   check=False)
-            shifted = float(done.stdout.strip()) if done.returncode == 0 else 0.0
-        except (OSError, ValueError, subprocess.TimeoutExpired):
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failure = f"`{shown}`: {exc}"
             continue
-        if shifted - before >= 99.0:
-            return prefix
-    return None
+        error = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        try:
+            if done.returncode == 0 and float(done.stdout) - before >= 99.0:
+                return prefix, ""
+            failure = f"`{shown}` gave no shifted clock: {error[0]}"
+        except ValueError:
+            failure = f"`{shown}` printed no clock: {error[0]}"
+    return None, ("a time namespace needs CAP_SYS_ADMIN (root) or unprivileged user "
+                  f"namespaces, and Linux >= 5.6; {failure}")
 
 
 @pytest.fixture
 def unshare_prefix() -> tuple[str, ...]:
-    prefix = _unshare_prefix()
+    prefix, reason = _unshare_prefix()
     if prefix is None:
-        pytest.skip("`unshare --time` is unavailable here (needs Linux >= 5.6 time namespaces "
-                    "and root or unprivileged user namespaces)")
+        pytest.skip(reason)
     return prefix
 
 
@@ -205,10 +212,11 @@ def _start_roles(toml: Path, unshare_prefix: tuple[str, ...], roles: list[Role])
                     prefix=_in_namespace(unshare_prefix, FRONTEND_SHIFT_S))
     roles.append(frontend)
     client_address: str = frontend.wait_ready()["client"]
-    # Serving once the frontend has the backend in its table (each ask is a round trip).
-    end = time.monotonic() + START_TIMEOUT_S
-    while "backend-0" not in _ask(client_address, StatsRequest(reset=False))["backends"]:
-        assert time.monotonic() < end, "\n\n".join(f"{r.name}:\n{r.log()}" for r in roles)
+    # Serving once the frontend has the backend in its table.
+    wait_until(lambda: "backend-0" in _ask(client_address, StatsRequest(reset=False))["backends"],
+               lambda: "backend-0 in the frontend's table; logs:\n\n" + "\n\n".join(
+                   f"{r.name}:\n{r.log()}" for r in roles),
+               timeout_s=START_TIMEOUT_S)
     return client_address
 
 
@@ -243,9 +251,16 @@ def _serve_within_slo(client_address: str, toml: Path) -> int:
 def _check_cluster_clocks(client_address: str, requests_sent: int) -> None:
     """Every peer's clock offset is the shift of its namespace, and cross-process times agree."""
     # Every peer's stats (the frontend waits 0.5 s for them: ask again if one was slower).
-    end = time.monotonic() + START_TIMEOUT_S
-    while (stats := _ask(client_address, ClusterStatsRequest(reset=False)))["cluster_silent"]:
-        assert time.monotonic() < end, stats["cluster_silent"]
+    last: dict[str, Any] = {}
+
+    def every_peer_answered() -> dict[str, Any] | None:
+        last.clear()
+        last.update(_ask(client_address, ClusterStatsRequest(reset=False)))
+        return None if last["cluster_silent"] else dict(last)
+
+    stats = wait_until(every_peer_answered,
+                       lambda: f"every peer's stats; silent: {last.get('cluster_silent')}",
+                       timeout_s=START_TIMEOUT_S)
     cluster = stats["cluster"]
     offsets = {
         "frontend-0": (stats["clock"], -FRONTEND_SHIFT_S),

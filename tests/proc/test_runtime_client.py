@@ -125,14 +125,42 @@ def test_torch_tensors_are_accepted(frontend: FrontendHarness) -> None:
         assert future.result(10)["y"][0, 0] == pytest.approx(24.0)
 
 
+# Run in a fresh interpreter: what importing zserve and building a Client leave behind, as
+# the process's own threads (/proc/self/task: zmq's I/O threads are native, which
+# threading.active_count() does not see) and open descriptors (/proc/self/fd: a zmq context
+# holds eventfds and an epoll, a socket adds its own), compared with a baseline taken after
+# numpy (a dependency whose BLAS may start threads of its own at import).
+IMPORT_PROBE = """
+import os, threading
+import numpy
+
+def snapshot():
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the descriptor listdir itself had open
+            pass
+    return set(os.listdir("/proc/self/task")), fds
+
+tasks, fds = snapshot()
+import zserve, zserve.client.async_client
+client = zserve.Client("ipc:///nonexistent/socket")
+tasks_now, fds_now = snapshot()
+assert threading.active_count() == 1, threading.enumerate()
+assert tasks_now == tasks, f"new threads: {sorted(tasks_now - tasks)}"
+opened = {fd: target for fd, target in fds_now.items() if fds.get(fd) != target}
+assert not opened, f"new descriptors: {opened}"
+client.close()
+"""
+
+
 def test_import_creates_no_threads_or_sockets() -> None:
-    code = (
-        "import threading, zserve, zserve.client.async_client\n"
-        "c = zserve.Client('ipc:///nonexistent/socket')\n"
-        "assert threading.active_count() == 1, threading.enumerate()\n"
-        "c.close()\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    """Neither importing zserve nor constructing a Client starts a thread (Python or native) or
+    opens a descriptor (a zmq context or socket): both wait for the first request."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_client_announces_and_decodes_answers_in_one_message(tmp_path: Any) -> None:

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
+from runtime_helpers import wait_until_async
 
 from zserve.runtime.clock import (
     SLEW_MAX_S,
@@ -169,8 +170,10 @@ async def test_clock_sync_estimates_a_shifted_rank(clock_ctx: zmq.asyncio.Contex
         assert abs(clock.offset_s - 1234.5) <= clock.error_s + 1e-6
         assert clock.error_s < 0.1  # loopback: even a starved process answers well within that
         # Refreshes keep it there (the same clocks: nothing to step).
-        while clock.estimates < 3:
-            await asyncio.sleep(0.01)
+        async def refreshed() -> bool:
+            return clock.estimates >= 3
+
+        await wait_until_async(refreshed, "two refreshes of the estimate")
         assert abs(clock.offset_s - 1234.5) <= clock.error_s + 1e-6 and clock.steps == 0
     finally:
         await sync.close()
