@@ -5,8 +5,10 @@ scheduler that hears a newer epoch steps down and exits (zserve.core.epochs)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from proc_harness import Harness, cluster_config, role_config_for
@@ -46,7 +48,7 @@ def _plan(rig: BackendRig, plan_id: int, rid: int, epoch: int) -> BatchPlan:
     return plan
 
 
-def _backend_stats(rig: BackendRig) -> dict[str, object]:
+def _backend_stats(rig: BackendRig) -> dict[str, Any]:
     rig.shard.send(StatsRequest(reset=False))
     _, reply = rig.shard.expect(StatsReply)
     return reply.stats
@@ -58,18 +60,19 @@ def test_backend_refuses_plans_of_an_older_epoch_and_registers_with_the_newer(
     rig.serve_fetch()
     identity = rig.register.name.encode()  # its DEALER identity at the rank
     # A standby took over: it announces its epoch; the backend registers with it again.
+    hello_at = time.monotonic()
     rig.rank.send(Hello(role="shard", name="rank", pid=os.getpid(), epoch=NEW_EPOCH), identity)
     _, register = rig.rank.expect(BackendRegister)
-    assert register.device_free_at >= 0.0
+    # When its device is free, on the cluster clock (this host's: the test plays the rank): not
+    # before it was asked, and no later than plan 1's planned run (30 ms) after the answer.
+    assert hello_at <= register.device_free_at <= time.monotonic() + 0.03, register
     # The old scheduler resumes and dispatches: refused, never fetched, never answered.
     _plan(rig, 2, 12, OLD_EPOCH)
     _plan(rig, 3, 13, NEW_EPOCH)
     _, fetch = rig.frontend.expect(InputFetch)
     assert fetch.plan_id == 3 and fetch.request_ids == [13]
     stats = _backend_stats(rig)
-    counters = stats["counters"]
-    assert isinstance(counters, dict)
-    assert counters["stale_epoch"] == 1
+    assert stats["counters"]["stale_epoch"] == 1
     assert stats["scheduler"] == {"active": "rank", "epoch": NEW_EPOCH,
                                   "plans_by_epoch": {str(OLD_EPOCH): 1, str(NEW_EPOCH): 1}}
     # Its heartbeats tell every scheduler the newest epoch (a superseded one steps down).
