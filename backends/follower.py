@@ -9,17 +9,21 @@ no I/O and reads no clock; ``wake_at`` (``math.inf``: no timer) is read back aft
 ``on_timer`` is called at the first moment ``now >= wake_at``.
 
 Inputs (host -> follower): ``on_plan``, ``on_input_reply``, ``on_cancel_fetched``,
-``on_fetch_lost`` (an InputFetch the host could not send), ``on_batch_done`` (the device is free
+``on_fetch_lost`` (an InputFetch the host could not send), ``on_batch_finished`` (the batch ran
+or failed: answer its frontends), ``on_batch_done`` (the answer went out: the device is free
 again), ``on_timer``, ``drain``.
 
 Outputs (appended to the outbox):
 
-- ``(("frontend", address), InputFetch | BatchFailed)``: one fetch per frontend of a plan at once;
-  requests answered here (UNAVAILABLE inputs, DEADLINE shed, SHUTTING_DOWN, refused plans).
+- ``(("frontend", address), InputFetch | BatchOutputs | BatchFailed)``: one fetch per frontend
+  of a plan at once; a finished batch's answer, one message per frontend of its rows
+  (``on_batch_finished``); requests answered here (UNAVAILABLE inputs, DEADLINE shed,
+  SHUTTING_DOWN, refused plans, BACKEND_FAILED batches).
 - ``(TO_RANK, BatchStats)``: a plan refused, skipped or finished; a skipped or finished one carries
   ``device_free_at`` (:meth:`PlanFollower.device_free_at`).
-- ``(("device", gpu_id), RunBatch)``: run these rows now. The host runs them, sends their outputs
-  (or BACKEND_FAILED) and calls ``on_batch_done`` once the device is free. Never two at once.
+- ``(("device", gpu_id), RunBatch)``: run these rows now. The host runs them, then calls
+  ``on_batch_finished`` with what they gave, delivers that answer and calls ``on_batch_done``
+  (the device is free only after the answer went out). Never two at once.
 
 Start decision: the held plan with the earliest ``exec_at`` (the head) starts at its exec_at (at
 once when it is already late; lateness is recorded) once every frontend answered its fetch, or,
@@ -67,6 +71,7 @@ from zserve.core.hosting import DEST_FRONTEND, TO_RANK, Outbox
 from zserve.core.stats import Stats
 from zserve.transport.messages import (
     BatchFailed,
+    BatchOutputs,
     BatchPlan,
     BatchStats,
     CancelFetched,
@@ -211,11 +216,11 @@ class HeldPlan:
     cancelled: set[tuple[int, int]] = field(default_factory=set)
     inputs_at: float = 0.0  # when the last InputReply came (0: not yet)
     # The latest starts at which late shedding keeps every row / some row (inf: no finish_by);
-    # computed when an input wait first needs them (PlanFollower._start_bys).
-    start_bys: tuple[float, float] | None = None
+    # computed when an input wait first needs them (PlanFollower._latest_starts).
+    latest_starts: tuple[float, float] | None = None
     started_at: float = 0.0
-    rows: int = 0  # the batch size it ran with, in rows
-    requests: int = 0  # the requests it ran (fewer than rows when a request holds several)
+    batch_size: int = 0  # the batch it ran, in rows
+    requests_run: int = 0  # its requests (fewer than batch_size when a request holds several)
 
     @property
     def planned_s(self) -> float:
@@ -256,7 +261,15 @@ class BatchSizes:
 
 class PlanFollower:
     """The plans of one device: holds them, collects their inputs, starts each at its exec_at,
-    sheds late rows and projects when the device frees (see the module docstring)."""
+    sheds late rows, answers each batch's frontends and projects when the device frees (see the
+    module docstring).
+
+    Its state: ``_plans``, the plans held by plan id (from arrival until the device is free after
+    them); ``_by_exec_at``, a heap of ``(exec_at, arrival number, plan id)`` over those not
+    started (the arrival number breaks ties in arrival order); ``_running``, the plan whose
+    batch holds the device; ``_fetch_times``, the recent fetch times the fetch floor is taken
+    from. ``latency_s[model][b]`` is l(b) in seconds.
+    """
 
     def __init__(self, name: str, *, shed_grace_s: float = 0.0,
                  input_wait_s: float = INPUT_WAIT_S) -> None:
@@ -273,8 +286,8 @@ class PlanFollower:
         self.batches = BatchSizes()
         self.draining = False
         self._plans: dict[int, HeldPlan] = {}
-        self._heap: list[tuple[float, int, int]] = []  # (exec_at, seq, plan_id)
-        self._seq = 0
+        self._by_exec_at: list[tuple[float, int, int]] = []  # (exec_at, arrival number, plan id)
+        self._arrivals = 0
         self._running: HeldPlan | None = None
         self._fetch_times: deque[float] = deque(maxlen=FETCH_WINDOW)  # seconds, most recent
         self._fetch_floor_s: float | None = None  # computed from _fetch_times when needed
@@ -308,7 +321,7 @@ class PlanFollower:
         (``expected_finish_at - exec_at``), in exec_at order. A plan that starts on time ends at
         its own ``expected_finish_at`` exactly (no float drift), so an on-time device projects
         exactly what the rank planned."""
-        for exec_at, _, plan_id in sorted(self._heap):
+        for exec_at, _, plan_id in sorted(self._by_exec_at):
             plan = self._plans[plan_id].plan
             if free_at <= exec_at:
                 free_at = max(exec_at, plan.expected_finish_at)
@@ -333,8 +346,8 @@ class PlanFollower:
         self.histograms["slack"].observe(plan.exec_at - now)
         held = HeldPlan(plan, now, set(range(len(plan.frontends))))
         self._plans[plan.plan_id] = held
-        self._seq += 1
-        heapq.heappush(self._heap, (plan.exec_at, self._seq, plan.plan_id))
+        self._arrivals += 1
+        heapq.heappush(self._by_exec_at, (plan.exec_at, self._arrivals, plan.plan_id))
         ids_by_frontend = group_by_frontend(plan.request_ids, plan.request_frontend)
         for index, address in enumerate(plan.frontends):  # every frontend of the plan answers
             ids = ids_by_frontend.get(index, [])
@@ -382,9 +395,9 @@ class PlanFollower:
         held = self._plans.get(reply.plan_id)
         if held is not None and not held.started_at and address in held.plan.frontends:
             index = held.plan.frontends.index(address)
-            for rid, tensors in zip(reply.request_ids, reply.inputs, strict=False):
-                held.inputs[(index, rid)] = tensors
-            held.missing.update((index, rid) for rid in reply.missing)
+            for request_id, tensors in zip(reply.request_ids, reply.inputs, strict=False):
+                held.inputs[(index, request_id)] = tensors
+            held.missing.update((index, request_id) for request_id in reply.missing)
             self._frontend_answered(now, held, index)
         self._advance(now, outbox)
 
@@ -397,14 +410,14 @@ class PlanFollower:
                           outbox: Outbox) -> None:
         """Leave cancelled requests out of their plans if those have not started (a started
         batch runs; its frontend discards the outputs)."""
-        for plan_id, rid in zip(msg.plan_ids, msg.request_ids, strict=False):
+        for plan_id, request_id in zip(msg.plan_ids, msg.request_ids, strict=False):
             held = self._plans.get(plan_id)
             if held is None or held.started_at:
                 self.counters["cancels_too_late"] += 1
                 continue
             if address not in held.plan.frontends:
                 continue
-            key = (held.plan.frontends.index(address), rid)
+            key = (held.plan.frontends.index(address), request_id)
             if held.inputs.pop(key, None) is not None:
                 held.cancelled.add(key)
                 self.counters["requests_cancelled"] += 1
@@ -415,21 +428,46 @@ class PlanFollower:
     def on_timer(self, now: float, outbox: Outbox) -> None:
         self._advance(now, outbox)
 
+    def on_batch_finished(self, now: float, run: RunBatch, outputs: Sequence[TensorMap],
+                          error: str, *, finished_at: float, outbox: Outbox) -> None:
+        """The backend's answer to the running batch ``run``, which stopped executing at
+        ``finished_at``: one BatchOutputs per frontend of its rows (``outputs[i]`` is row
+        ``run.rows[i]``'s), or, when ``error`` says why it failed, one BatchFailed
+        (BACKEND_FAILED) per frontend. The device stays held until ``on_batch_done``."""
+        plan = run.plan
+        assert self._running is not None and self._running.plan is plan, (
+            "on_batch_finished for a batch that is not running")
+        rows = run.rows
+        positions_by_frontend = group_by_frontend(
+            range(len(rows)), [plan.request_frontend[row] for row in rows])
+        why = f"backend {self.name}: {error}"
+        for index, positions in positions_by_frontend.items():
+            request_ids = [plan.request_ids[rows[position]] for position in positions]
+            if error:
+                answer: BatchFailed | BatchOutputs = BatchFailed(
+                    plan.plan_id, request_ids, ErrorKind.BACKEND_FAILED.value, why)
+            else:
+                answer = BatchOutputs(plan.plan_id, request_ids,
+                                      [outputs[position] for position in positions],
+                                      run.started_at, finished_at)
+            outbox.append(((DEST_FRONTEND, plan.frontends[index]), answer))
+
     def on_batch_done(self, now: float, *, ok: bool, finished_at: float, outbox: Outbox) -> None:
-        """The running batch finished executing at ``finished_at`` (``ok``: its outputs went
-        out; else it failed) and the device is free again at ``now`` (after the push: the
-        next plan can start only now, so the projection starts here)."""
+        """The running batch finished executing at ``finished_at`` (``ok``: it ran; else it
+        failed), its answer (``on_batch_finished``) went out, and the device is free again at
+        ``now`` (after the push: the next plan can start only now, so the projection starts
+        here)."""
         held = self._running
         assert held is not None, "on_batch_done without a running batch"
         plan = held.plan
         prefix = "batches_ok" if ok else "batches_failed"
         self.counters[prefix] += 1
-        self.counters["requests_ok" if ok else "requests_failed"] += held.requests
-        self.batches.add_batch(plan.model, held.rows)
+        self.counters["requests_ok" if ok else "requests_failed"] += held.requests_run
+        self.batches.add_batch(plan.model, held.batch_size)
         self._running = None
         del self._plans[plan.plan_id]
-        outbox.append((TO_RANK, self._stats(plan, held.rows, held.started_at, finished_at, ok=ok,
-                                            cancelled=len(held.cancelled),
+        outbox.append((TO_RANK, self._stats(plan, held.batch_size, held.started_at, finished_at,
+                                            ok=ok, cancelled=len(held.cancelled),
                                             device_free_at=self.device_free_at(now))))
         self._advance(now, outbox)
 
@@ -439,8 +477,8 @@ class PlanFollower:
         self.wake_at = math.inf
         if self._running is not None:
             return  # on_batch_done advances
-        while self._heap:
-            exec_at, _, plan_id = self._heap[0]
+        while self._by_exec_at:
+            exec_at, _, plan_id = self._by_exec_at[0]
             held = self._plans[plan_id]
             if now < exec_at:
                 self.wake_at = exec_at
@@ -450,7 +488,7 @@ class PlanFollower:
                 if now < give_up_at:
                     self.wake_at = give_up_at  # or the InputReply comes first
                     return
-            heapq.heappop(self._heap)
+            heapq.heappop(self._by_exec_at)
             if self._start(now, held, outbox):
                 return
 
@@ -460,7 +498,7 @@ class PlanFollower:
         plan = held.plan
         if not plan.finish_by:  # no deadlines to derive a bound from: the fixed one
             return max(plan.exec_at, held.received_at) + self.input_wait_s
-        own = self._start_bys(held)[1]
+        own = self._latest_starts(held)[1]
         if held.inputs:  # never wait so long that a request whose inputs are here is shed
             keys = list(zip(plan.request_frontend, plan.request_ids, strict=True))
             here = [i for i, key in enumerate(keys) if key in held.inputs]
@@ -474,25 +512,25 @@ class PlanFollower:
         """The latest start of ``head`` at which every plan held behind it, run in exec_at order
         for its planned duration, still starts by the latest start that keeps all its rows."""
         limit = math.inf  # the latest start of the plan after the one being looked at
-        for _, _, plan_id in sorted(self._heap, reverse=True):
+        for _, _, plan_id in sorted(self._by_exec_at, reverse=True):
             held = self._plans[plan_id]
             if held is head:
                 break
-            start_by = (self._start_bys(held)[0] if held.plan.finish_by
+            start_by = (self._latest_starts(held)[0] if held.plan.finish_by
                         else held.plan.exec_at + self.input_wait_s)
             limit = min(start_by, limit - held.planned_s)
         return limit - head.planned_s
 
-    def _start_bys(self, held: HeldPlan) -> tuple[float, float]:
+    def _latest_starts(self, held: HeldPlan) -> tuple[float, float]:
         """``held``'s latest starts keeping every row and some row (only the rare input-wait
         path needs them, so they are computed then, once)."""
-        if held.start_bys is None:
+        if held.latest_starts is None:
             plan = held.plan
             every = list(range(len(plan.request_ids)))
             args = (every, plan.finish_by, self.latency_s[plan.model], self.shed_grace_s)
-            held.start_bys = (latest_start_keeping_all(*args, sizes=plan.rows),
-                              latest_start_keeping_some(*args, sizes=plan.rows))
-        return held.start_bys
+            held.latest_starts = (latest_start_keeping_all(*args, sizes=plan.rows),
+                                  latest_start_keeping_some(*args, sizes=plan.rows))
+        return held.latest_starts
 
     def _fetch_floor(self) -> float:
         """How long after its arrival a plan waits for its inputs at least (module docstring)."""
@@ -538,8 +576,8 @@ class PlanFollower:
         if lateness > LATE_TOLERANCE_S:
             self.counters["late_plans"] += 1
         self.histograms["fetch"].observe((held.inputs_at or now) - held.received_at)
-        held.rows = sum(plan.rows[i] for i in rows) if plan.rows else len(rows)
-        held.requests = len(rows)
+        held.batch_size = sum(plan.rows[i] for i in rows) if plan.rows else len(rows)
+        held.requests_run = len(rows)
         self._running = held
         keys = [(plan.request_frontend[i], plan.request_ids[i]) for i in rows]
         outbox.append(((DEST_DEVICE, plan.gpu_id),
@@ -575,7 +613,7 @@ class PlanFollower:
         started and whose exec_at is after ``deadline`` (``-inf``: all of them)."""
         self.draining = True
         keep: list[tuple[float, int, int]] = []
-        for entry in self._heap:
+        for entry in self._by_exec_at:
             if entry[0] > deadline:
                 plan = self._plans.pop(entry[2]).plan
                 self._fail_rows(plan, list(range(len(plan.request_ids))),
@@ -585,7 +623,7 @@ class PlanFollower:
             else:
                 keep.append(entry)
         heapq.heapify(keep)
-        self._heap = keep
+        self._by_exec_at = keep
         self._advance(now, outbox)
 
     # ------------------------------------------------------------------ messages out

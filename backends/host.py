@@ -16,19 +16,24 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
    first is connected when that plan arrives, before the follower fetches from it.
    The epoch fence (``zserve.core.epochs.EpochFence``): a plan of an older scheduler epoch than the
    newest seen is refused, counted (``stale_epoch``) and never run.
-2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock), delivers
-   its outbox (a ``RunBatch`` is run, answered with ``BatchOutputs`` or ``BatchFailed`` per
-   frontend, then ``on_batch_done``), and arms one precise timer (``zserve.runtime.timers``) at
-   ``follower.wake_at``: a plan starts tens of microseconds after its exec_at, never before.
+2. Serving: feeds the follower every message with ``clock.now()`` (the cluster clock) through
+   one ``zserve.runtime.driver.CoreDriver``, which delivers its outbox and keeps one precise
+   timer at ``follower.wake_at``: a plan starts tens of microseconds after its exec_at, never
+   before. A ``RunBatch`` is run by the ``BatchRunner``; the follower answers what it gave
+   (``on_batch_finished``: ``BatchOutputs`` or ``BatchFailed`` per frontend), the host sends
+   that, then ``on_batch_done`` frees the device.
    Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop.
    Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
    ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
    batch in the executor's worker thread, so the loop itself keeps running and must say so.
 3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
-   and new plans are answered SHUTTING_DOWN; the rest run; exit 0.
+   and new plans are answered SHUTTING_DOWN; the rest run; exit 0. A batch still running after
+   the drain holds the executor's worker thread for good: the process then leaves with
+   ``os._exit(1)`` once everything else is closed.
 
-The heartbeats, the wedged rule and the drain are ``zserve.backends.liveness``, mixed
-into ``Backend``.
+The heartbeats, the wedged rule and the drain are a part, ``zserve.backends.liveness``'s
+``BackendLiveness``; the start-up order and the cleanup are ``zserve.runtime.session``'s
+``RoleSession``.
 
 Sends never block: a message ZeroMQ cannot queue is dropped, counted and logged (a lost
 InputFetch is reported to the follower, which runs without those inputs); the frontends'
@@ -51,7 +56,7 @@ from typing import Any
 import zmq
 
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
-from zserve.backends.executor import Executor, TensorMap
+from zserve.backends.executor import Executor
 from zserve.backends.follower import (
     DEST_DEVICE,
     INPUT_WAIT_S,
@@ -61,24 +66,19 @@ from zserve.backends.follower import (
     shed_late_rows,
 )
 from zserve.backends.liveness import BackendLiveness
-from zserve.config.cluster import (
-    DEFAULT_REPLY_ALLOWANCE_MS,
-    ModelConfig,
-    RoleConfig,
-)
+from zserve.config.cluster import ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
-from zserve.core.errors import ErrorKind, ZServeError
-from zserve.core.groups import group_by_frontend
+from zserve.core.errors import ZServeError
 from zserve.core.hosting import DEST_FRONTEND, Outbox
 from zserve.core.stats import Stats
-from zserve.runtime import control_link, keys, peer_map, runner, timers
+from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
-from zserve.runtime.clock import ClockSync, ClusterClock
+from zserve.runtime.clock import ClusterClock
+from zserve.runtime.driver import CoreDriver, Event
+from zserve.runtime.session import EXIT_DRAINED, SOCKET_CLOSE_LINGER_MS, RoleSession
 from zserve.transport.messages import (
     BackendRegister,
-    BatchFailed,
-    BatchOutputs,
     BatchPlan,
     CancelFetched,
     Heartbeat,
@@ -98,7 +98,6 @@ log = logging.getLogger(__name__)
 ROLE = "backend"
 # Repeats per batch size when a profile has to be measured at start-up.
 PROFILE_REPEATS = 3
-SOCKET_CLOSE_LINGER_MS = 200
 # stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
 # refused (zserve.core.epochs)
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
@@ -148,9 +147,17 @@ def _emulated_model(model: ModelConfig) -> Any:
 # --------------------------------------------------------------------------- the host
 
 
-class Backend(BackendLiveness):
-    """The process host of one device's PlanFollower: sockets, executor, timer, heartbeats.
-    Created and run by ``_main``; every method runs on the event loop."""
+class BackendHost:
+    """The process host of one device's PlanFollower: sockets, executor, driver, liveness.
+    Created and run by ``_serve``; every method runs on the event loop.
+
+    Its parts: ``follower`` (the decisions), ``driver`` (delivers the follower's outbox and keeps
+    its timer), ``liveness`` (heartbeats, the wedged rule, the drain), ``runner`` (runs a
+    batch), ``fence`` (the scheduler epoch whose plans run). Its sockets: ``plan_sock`` (the
+    ``plan`` ROUTER the shards send to), ``rank_socks`` (a DEALER to every scheduler process
+    that hosts a rank, by scheduler name) and ``frontend_socks`` (a DEALER to every frontend's
+    ``data`` ROUTER, by address).
+    """
 
     def __init__(
         self,
@@ -177,31 +184,30 @@ class Backend(BackendLiveness):
         self.loop = asyncio.get_running_loop()
         self.reactor = reactor
         self.follower = PlanFollower(name, shed_grace_s=shed_grace_s)
-        # Every scheduler process that hosts a rank (an active/standby pair: two), by name; the
-        # fence says which one is active (zserve.core.epochs).
+        # An active/standby pair of schedulers: two; the fence says which one is active
+        # (zserve.core.epochs).
         self.rank_socks: dict[str, zmq.Socket[Any]] = {}
         self.fence = EpochFence()
-        self._stale_logged: set[int] = set()
+        self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
-        self.data_socks: dict[str, zmq.Socket[Any]] = {}
+        self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
         self.warmed: dict[str, list[int]] = {}
         self.warm_s = 0.0
         self.warm_finished_at = 0.0
-        self._precise = timers.timers_for(self.loop)
-        self._timer: timers.TimerHandle | None = None
-        self._timer_at = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._stuck = False
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._hb_seq = 0
-        self._wedged_logged = False
         self._host_stats = Stats(HOST_COUNTER_NAMES)
         self.counters = self._host_stats.counters
         self.runner = BatchRunner(executor, self.clock, self.follower.stats)
         self._counted_before_reset: dict[str, int] = {}
+        # The liveness first: the driver tells it after every delivery whether the follower is
+        # idle, and its drain runs follower events through the driver (_run_event).
+        self.liveness = BackendLiveness(name, self.follower, self.clock, self.fence,
+                                        run=self._run_event, send_beat=self._send_heartbeat)
+        self.driver = CoreDriver(self.follower, loop=self.loop, clock=self.clock,
+                                 deliver=self._deliver, after=self.liveness.note_delivered)
 
     # ------------------------------------------------------------------ start-up
 
@@ -241,7 +247,7 @@ class Backend(BackendLiveness):
             self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                                on_chunk=functools.partial(self._on_rank_chunk, scheduler))
             self._register(sock)
-        self._spawn(self._rank_heartbeat_loop())
+        self._spawn(self.liveness.heartbeat_loop())
 
     @property
     def rank_sock(self) -> zmq.Socket[Any] | None:
@@ -274,10 +280,10 @@ class Backend(BackendLiveness):
         """A DEALER to a frontend's ``data`` ROUTER, opened once, when the host learns the
         address. The pid in its Hello tells the frontend when a backend of this name restarted
         (it then fails the requests the old process had fetched)."""
-        if address in self.data_socks:
+        if address in self.frontend_socks:
             return
         sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="frontend")
-        self.data_socks[address] = sock
+        self.frontend_socks[address] = sock
         self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                            on_chunk=functools.partial(self._on_data_chunk, address))
         self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
@@ -298,50 +304,38 @@ class Backend(BackendLiveness):
         log.warning("%s: dropped %s (%s)", self.name, type(msg).__name__, error)
         return False
 
+    def _send_heartbeat(self, beat: Heartbeat) -> None:
+        """To every scheduler: a standby learns this backend, and a superseded one hears the
+        newest epoch and steps down."""
+        for sock in self.rank_socks.values():
+            self._send(sock, beat)
+
+    def _run_event(self, event: Event) -> None:
+        self.driver.run(event)
+
     def _on_bad(self, exc: ZServeError) -> None:
         self.counters["bad_messages"] += 1
         log.warning("%s: bad message: %s", self.name, exc)
 
     def _deliver(self, outbox: Outbox) -> None:
-        """Send the follower's outbox, start what it runs, then re-arm its timer."""
-        while outbox:
-            lost: list[tuple[int, str]] = []
-            for (kind, where), msg in outbox:
-                if kind == DEST_DEVICE:
-                    assert isinstance(msg, RunBatch)
-                    self._spawn(self._execute(msg))
-                elif kind == DEST_FRONTEND:
-                    address = str(where)  # connected when the host learned it
-                    if not self._send(self.data_socks[address], msg) and isinstance(
-                            msg, InputFetch):
-                        lost.append((msg.plan_id, address))
-                elif self.rank_sock is not None:
-                    self._send(self.rank_sock, msg)
-            outbox.clear()
-            for plan_id, address in lost:  # nothing will come: run without them
-                self.follower.on_fetch_lost(self.clock.now(), plan_id, address, outbox)
-        self._rearm()
-
-    def _rearm(self) -> None:
-        wake_at = self.follower.wake_at
-        if self.follower.idle:
-            self._idle.set()
-        else:
-            self._idle.clear()
-        if self._timer is not None:
-            if self._timer_at == wake_at:
-                return
-            self._timer.cancel()
-            self._timer = None
-        if wake_at < float("inf"):
-            self._timer_at = wake_at
-            self._timer = self._precise.call_at(self.clock.to_local(wake_at), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        outbox: Outbox = []
-        self.follower.on_timer(self.clock.now(), outbox)
-        self._deliver(outbox)
+        """The driver's way out for the follower's outbox: start what it runs, send the rest,
+        then empty it. An InputFetch ZeroMQ could not take is reported back to the follower
+        (what that appends is delivered next)."""
+        lost: list[tuple[int, str]] = []
+        for (kind, where), msg in outbox:
+            if kind == DEST_DEVICE:
+                assert isinstance(msg, RunBatch)
+                self._spawn(self._execute(msg))
+            elif kind == DEST_FRONTEND:
+                address = str(where)  # connected when the host learned it
+                if not self._send(self.frontend_socks[address], msg) and isinstance(
+                        msg, InputFetch):
+                    lost.append((msg.plan_id, address))
+            elif self.rank_sock is not None:
+                self._send(self.rank_sock, msg)
+        outbox.clear()
+        for plan_id, address in lost:  # nothing will come: run without them
+            self.follower.on_fetch_lost(self.clock.now(), plan_id, address, outbox)
 
     # ------------------------------------------------------------------ messages in
 
@@ -352,7 +346,7 @@ class Backend(BackendLiveness):
         # the running batch is wedged: then, as with a stopped process, no acknowledgement comes
         # and the shard plans the requests elsewhere (this loop starts the batches, so an
         # acknowledgement from it says that they can start).
-        acks: dict[bytes, list[int]] | None = None if self.wedged(now) else {}
+        acks: dict[bytes, list[int]] | None = None if self.liveness.wedged(now) else {}
         for identity, msg in messages:
             if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
                 continue
@@ -369,7 +363,7 @@ class Backend(BackendLiveness):
                 log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
         for identity, plan_ids in (acks or {}).items():
             self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
-        self._deliver(outbox)
+        self.driver.flush(outbox)
 
     def _admit_plan(self, plan: BatchPlan) -> bool:
         """The epoch fence: a plan of an older scheduler epoch than the newest seen never runs
@@ -379,8 +373,8 @@ class Backend(BackendLiveness):
             self.plans_by_epoch[plan.epoch] = self.plans_by_epoch.get(plan.epoch, 0) + 1
             return True
         self.counters["stale_epoch"] += 1
-        if plan.epoch not in self._stale_logged:
-            self._stale_logged.add(plan.epoch)
+        if plan.epoch not in self._stale_epochs_logged:
+            self._stale_epochs_logged.add(plan.epoch)
             log.warning("%s: refused plan %d of scheduler epoch %d (the newest is %d)",
                         self.name, plan.plan_id, plan.epoch, self.fence.highest)
         return False
@@ -409,64 +403,55 @@ class Backend(BackendLiveness):
             elif isinstance(msg, CancelFetched):
                 self.follower.on_cancel_fetched(self.clock.now(), address, msg, outbox)
             elif isinstance(msg, StatsRequest):  # a frontend collecting its cluster's stats
-                self._send(self.data_socks[address], StatsReply(self.name, self.stats(msg.reset)))
+                self._send(self.frontend_socks[address],
+                           StatsReply(self.name, self.stats(msg.reset)))
             else:
                 log.warning("%s: unexpected %s on a data socket", self.name, type(msg).__name__)
-        self._deliver(outbox)
+        self.driver.flush(outbox)
 
     # ------------------------------------------------------------------ the device
 
     async def _execute(self, run: RunBatch) -> None:
-        """Run one batch, send its outputs (or fail it), and free the device."""
+        """Run one batch, send the follower's answer to it (its outputs, or BACKEND_FAILED),
+        and free the device."""
         result = await self.runner.run(run)
         if result.error:
             log.error("%s: batch %d of %s (%d requests) failed: %s", self.name,
                       run.plan.plan_id, run.plan.model, len(run.rows), result.error)
-        outbox: Outbox = []
+        follower = self.follower
         try:
-            self._answer(run, result.outputs, result.error, result.finished_at)
-            self.follower.histograms["push"].observe(self.clock.now() - result.finished_at)
+            self.driver.run(lambda now, outbox: follower.on_batch_finished(
+                now, run, result.outputs, result.error, finished_at=result.finished_at,
+                outbox=outbox))
+            follower.histograms["push"].observe(self.clock.now() - result.finished_at)
         finally:
-            self.follower.on_batch_done(self.clock.now(), ok=not result.error,
-                                        finished_at=result.finished_at, outbox=outbox)
-            self._deliver(outbox)
+            self.driver.run(lambda now, outbox: follower.on_batch_done(
+                now, ok=not result.error, finished_at=result.finished_at, outbox=outbox))
 
-    def _answer(self, run: RunBatch, outputs: list[TensorMap], error: str,
-                finished_at: float) -> None:
-        """One BatchOutputs per frontend of the batch, or one BatchFailed when it failed."""
-        plan = run.plan
-        rows = run.rows
-        positions_by_frontend = group_by_frontend(
-            range(len(rows)), [plan.request_frontend[row] for row in rows])
-        why = f"backend {self.name}: {error}"
-        for index, positions in positions_by_frontend.items():
-            sock = self.data_socks[plan.frontends[index]]
-            ids = [plan.request_ids[rows[position]] for position in positions]
-            if error:
-                self._send(sock, BatchFailed(plan.plan_id, ids, ErrorKind.BACKEND_FAILED.value,
-                                             why))
-            else:
-                outs = [outputs[position] for position in positions]
-                self._send(sock, BatchOutputs(plan.plan_id, ids, outs, run.started_at,
-                                              finished_at))
+    # ------------------------------------------------------------------ drain and close
 
-    # ------------------------------------------------------------------ close
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new plans, run what can start within ``drain_s``, wait (bounded) for the
+        running batch (``BackendLiveness.drain``)."""
+        await self.liveness.drain(drain_s)
+        log.info("%s: drained; counters since start %s", self.name, self.counter_totals())
 
     async def close(self) -> None:
         # A batch still running now holds the executor's worker thread (it cannot be cancelled).
         self._stuck = self.follower.running is not None
-        if self._timer is not None:
-            self._timer.cancel()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        socks = [self.plan_sock, *self.data_socks.values(), *self.rank_socks.values()]
+        socks = [self.plan_sock, *self.frontend_socks.values(), *self.rank_socks.values()]
         for sock in socks:
             self.reactor.unwatch(sock)
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
+        # Last: until the sockets close, what the follower answers (a plan refused after the
+        # drain) still goes out. After a drain it holds nothing, so its timer is not armed.
+        self.driver.close()
         if not self._stuck:
             self.executor.close()
 
@@ -497,7 +482,7 @@ class Backend(BackendLiveness):
             "held_plans": self.follower.held_plans,
             # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
             # heartbeats to the rank and no plan acknowledgements while it lasts
-            "wedged": self.wedged(self.clock.now()),
+            "wedged": self.liveness.wedged(self.clock.now()),
             "scheduler": {"active": self.fence.active, "epoch": self.fence.highest,
                           "plans_by_epoch": {str(e): n for e, n in self.plans_by_epoch.items()}},
             "counters_total": self.counter_totals(),
@@ -529,65 +514,59 @@ class Backend(BackendLiveness):
 
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:
-    name = config.name
-    cluster = config.cluster
-    models = list(config.models)
-    device = config.device
-    drain_s = cluster.drain_s
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reactor = SocketReactor(asyncio.get_running_loop())
-    backend: Backend | None = None
-    link = None
-    clock_sync: ClockSync | None = None
+    """Serve (``_serve``); then, if a batch still held the executor's worker thread when the
+    host closed, leave at once (``_exit_stuck``), everything else being closed by then."""
+    built: list[BackendHost] = []  # the host, once _serve built it
     try:
-        backend_ref: list[Backend] = []
-        keys.secure_role_context(ctx, config.cluster, "backend")
-        link = await control_link.ControlLink.open(
-            ctx, control_address, role=ROLE, name=name, drain_s=drain_s,
-            stats=lambda reset: backend_ref[0].stats(reset) if backend_ref else {},
-        )
-        plan_sock, plan_address = make_router(ctx, config.bind["plan"], name=f"{name} plan",
+        return await _serve(config, control_address, built)
+    finally:
+        if built and built[0].stuck:
+            _exit_stuck(config.name)
+
+
+async def _serve(config: RoleConfig, control_address: str | None,
+                 built: list[BackendHost]) -> int:
+    """The backend's steps in ``RoleSession``'s order: bind, build and warm, Ready, clock,
+    serve, drain. The host it builds is appended to ``built``."""
+    name = config.name
+    async with RoleSession.open(config, control_address, role=ROLE) as session:
+        # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+        reactor = SocketReactor(asyncio.get_running_loop())
+        session.closing(reactor.close)
+        plan_sock, plan_address = make_router(session.ctx, config.bind["plan"],
+                                              name=f"{name} plan",
                                               advertise_host=config.advertise_host)
-        reply_allowance_ms = (cluster.frontends.reply_allowance_ms if cluster is not None
-                              else DEFAULT_REPLY_ALLOWANCE_MS)
-        backend = Backend(name=name, device=device, executor=build_executor(device, models),
-                          ctx=ctx, plan_sock=plan_sock, plan_address=plan_address,
-                          reactor=reactor,
-                          shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_ms / 1e3)
-        backend_ref.append(backend)
+        reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
+        host = BackendHost(name=name, device=config.device,
+                           executor=build_executor(config.device, config.models),
+                           ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
+                           reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s)
+        built.append(host)
+        session.closing(host.close)
+        session.serve_stats(host.stats)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
-        backend.load_and_warm(models)
-        peers = {**config.peers, **await link.ready({"plan": plan_address})}
-        if link.drain.requested:
-            return 0
+        host.load_and_warm(config.models)
+        peers = {**config.peers, **await session.ready({"plan": plan_address})}
+        if session.drain.requested:
+            return EXIT_DRAINED
         # The plan timer and every timestamp use the cluster clock: estimate it before serving.
-        clock_sync = await runner.sync_cluster_clock(ctx, peers, name=name, drain=link.drain,
-                                                       clock=backend.clock)
-        if clock_sync is None:
-            return 0 if link.drain.requested else 2
+        if not await session.sync_clock(host.clock, peers):
+            return session.exit_code
         ranks = peer_map.endpoints_of(peers, "rank")
         assert ranks, "no rank in the peer map"
-        backend.start(ranks, list(peer_map.endpoints_of(peers, "data").values()))
-        await link.drain.wait()
-        await backend.drain(link.drain.drain_s)
+        host.start(ranks, list(peer_map.endpoints_of(peers, "data").values()))
+        drain = await session.drained()
+        await host.drain(drain.drain_s)
         return 0
-    finally:
-        if clock_sync is not None:
-            await clock_sync.close()
-        if backend is not None:
-            await backend.close()
-        reactor.close()
-        if link is not None:
-            await link.close()
-        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
-        if backend is not None and backend.stuck:
-            # A wedged batch holds the executor's worker thread, which the interpreter would
-            # join at exit forever: leave now (sockets are closed; the frontends' deadline timers
-            # answer the batch's requests).
-            log.error("%s: a batch is still running after the drain; exiting without it", name)
-            logging.shutdown()
-            os._exit(1)
+
+
+def _exit_stuck(name: str) -> None:
+    """A wedged batch holds the executor's worker thread, which the interpreter would join at
+    exit forever: leave now (sockets are closed; the frontends' deadline timers answer the
+    batch's requests)."""
+    log.error("%s: a batch is still running after the drain; exiting without it", name)
+    logging.shutdown()
+    os._exit(1)
 
 
 def run_backend(config: RoleConfig, control_address: str | None) -> int:
@@ -610,5 +589,5 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["INPUT_WAIT_S", "Backend", "BusyMeter", "build_executor", "configured_profile", "main",
-           "run_backend", "shed_late_rows"]
+__all__ = ["INPUT_WAIT_S", "BackendHost", "BusyMeter", "build_executor", "configured_profile",
+           "main", "run_backend", "shed_late_rows"]

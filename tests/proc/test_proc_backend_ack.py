@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from proc_harness import Harness, cluster_config, role_config_for
+from runtime_helpers import wait_until
 from test_proc_backend import FRONTEND, MAX_BATCH, MODEL, BackendRig
 
 from zserve.backends.liveness import WEDGED_MIN_S
@@ -27,12 +28,16 @@ from zserve.transport.messages import (
 # WEDGED_MIN_S into it the backend counts it wedged (WEDGED_FACTOR x 22 ms is far less).
 STUCK_S = WEDGED_MIN_S + 1.5
 QUIET_S = 0.6  # longer than a heartbeat interval (0.5 s)
+# The drain of the stuck-exit test: over well before the batch (its wait for the running batch
+# adds WEDGED_MIN_S past the plan's finish, still 1.5 s short of STUCK_S).
+SHORT_DRAIN_S = 0.2
 
 
-def _start(h: Harness) -> BackendRig:
+def _start(h: Harness, drain_s: float = 5.0) -> BackendRig:
     cluster = cluster_config(
         [{"name": MODEL, "max_batch": MAX_BATCH,
           "emulated": {"alpha_ms": 0.0, "beta_ms": STUCK_S * 1e3}}],
+        cluster={"drain_s": drain_s},
         backends={"device": "emulated"},
     )
     rank = h.router("rank")
@@ -86,5 +91,33 @@ def test_proc_backend_acks_plans_unless_its_batch_is_wedged(tmp_path: Path) -> N
         _send_plan(rig, 3, time.monotonic() + 10.0)
         _, ack = rig.shard.expect(PlanAck, where=lambda a: 3 in a.plan_ids)
         rig.rank.expect(Heartbeat)
+    finally:
+        h.close()
+
+
+def test_proc_backend_whose_batch_outlasts_the_drain_exits_1_without_it(tmp_path: Path) -> None:
+    """A batch still running once the drain gave up on it holds the executor (ONNX Runtime's
+    worker thread, which the interpreter would join forever): the backend closes everything
+    else and leaves with exit code 1 before the batch ends."""
+    h = Harness(tmp_path)
+    try:
+        rig = _start(h, drain_s=SHORT_DRAIN_S)
+        _send_plan(rig, 1, time.monotonic())
+        rig.shard.expect(PlanAck)
+        _serve_fetch(rig)
+
+        def busy_s() -> float:
+            rig.shard.send(StatsRequest(reset=False))
+            busy: float = rig.shard.expect(StatsReply)[1].stats["busy_total_s"]
+            return busy
+
+        # Until the batch holds the device (it then runs for STUCK_S).
+        wait_until(busy_s, "the batch to start", timeout_s=STUCK_S)
+        rig.child.terminate()
+        # Exit code 1: the batch still ran when the host closed, and the process did not wait
+        # for it (its outputs never came).
+        assert rig.child.wait(timeout=STUCK_S + 5.0) == 1, rig.child.log()
+        assert "a batch is still running after the drain; exiting without it" in rig.child.log()
+        assert rig.frontend.drain_kind(BatchOutputs) == []
     finally:
         h.close()

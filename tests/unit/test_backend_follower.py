@@ -1,5 +1,6 @@
 """PlanFollower, the backend's pure plan logic, driven with no sockets: the test is its host (it
-passes ``now`` and an outbox, reads ``wake_at`` back, and answers RunBatch with on_batch_done)."""
+passes ``now`` and an outbox, reads ``wake_at`` back, and answers RunBatch with
+on_batch_finished and on_batch_done)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from zserve.core.errors import ErrorKind
 from zserve.core.hosting import TO_RANK, Outbox
 from zserve.transport.messages import (
     BatchFailed,
+    BatchOutputs,
     BatchPlan,
     BatchStats,
     CancelFetched,
@@ -144,6 +146,58 @@ def test_never_two_batches_at_once_on_one_device() -> None:
     assert lateness.max == pytest.approx(0.007)
     (stats,) = of_type(done, BatchStats)
     assert (stats.plan_id, stats.batch_size, stats.ok) == (1, 2, True)
+
+
+def test_a_finished_batch_is_answered_per_frontend_with_its_own_rows_outputs() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.010, [5, 6, 7, 8], frontend_of=[0, 1, 0, 1]), outbox)
+    follower.on_input_reply(0.001, FRONTEND, inputs_for([5, 7], 1), outbox)
+    follower.on_input_reply(0.001, OTHER_FRONTEND, inputs_for([6, 8], 1), outbox)
+    follower.on_cancel_fetched(0.002, OTHER_FRONTEND, CancelFetched([1], [6]), outbox)
+    follower.on_timer(0.010, outbox)
+    (run,) = runs(outbox)
+    assert run.rows == [0, 2, 3]  # request 6 was cancelled: not in the batch, not answered
+    outputs = [{"y": np.full((1, 1), float(run.plan.request_ids[row]))} for row in run.rows]
+    answer: Outbox = []
+    follower.on_batch_finished(0.021, run, outputs, "", finished_at=0.020, outbox=answer)
+    assert [dest for dest, _ in answer] == [("frontend", FRONTEND), ("frontend", OTHER_FRONTEND)]
+    sent = of_type(answer, BatchOutputs)
+    assert [(m.plan_id, m.request_ids, m.started_at, m.finished_at) for m in sent] == [
+        (1, [5, 7], 0.010, 0.020), (1, [8], 0.010, 0.020)]
+    assert [[float(t["y"][0, 0]) for t in m.outputs] for m in sent] == [[5.0, 7.0], [8.0]]
+    assert follower.running is not None  # the device is held until on_batch_done
+    assert follower.wake_at == math.inf
+
+
+def test_a_failed_batch_is_answered_backend_failed_per_frontend() -> None:
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, make_plan(1, 0.0, [5, 6, 7], frontend_of=[0, 1, 0]), outbox)
+    follower.on_input_reply(0.0, FRONTEND, inputs_for([5, 7], 1), outbox)
+    follower.on_input_reply(0.0, OTHER_FRONTEND, inputs_for([6], 1), outbox)
+    (run,) = runs(outbox)
+    assert run.rows == [0, 1, 2]
+    answer: Outbox = []
+    follower.on_batch_finished(0.005, run, [], "ValueError: bad input", finished_at=0.004,
+                               outbox=answer)
+    failed = of_type(answer, BatchFailed)
+    assert [(dest, m.request_ids) for (dest, _), m in zip(answer, failed, strict=True)] == [
+        (("frontend", FRONTEND), [5, 7]), (("frontend", OTHER_FRONTEND), [6])]
+    assert {(m.error, m.message) for m in failed} == {
+        (ErrorKind.BACKEND_FAILED.value, "backend backend-0: ValueError: bad input")}
+    done: Outbox = []
+    follower.on_batch_done(0.006, ok=False, finished_at=0.004, outbox=done)
+    assert follower.counters["batches_failed"] == 1 and follower.counters["requests_failed"] == 3
+    assert follower.idle
+
+
+def test_only_the_running_batch_can_be_answered() -> None:
+    follower = make_follower()
+    (run,) = runs(hold(follower, 0.0, make_plan(1, 0.0, [1])))
+    follower.on_batch_done(0.012, ok=True, finished_at=0.011, outbox=[])
+    with pytest.raises(AssertionError, match="not running"):
+        follower.on_batch_finished(0.013, run, [{}], "", finished_at=0.011, outbox=[])
 
 
 def test_rows_that_would_finish_past_their_deadline_are_shed() -> None:
