@@ -72,9 +72,9 @@ def test_a_backend_hello_of_another_wire_protocol_is_ignored() -> None:
     core = FrontendCore(name="frontend-0", cluster=_config(), index=0, data_address="ipc://x",
                         profiles={"m": None})
     core.on_backend_hello(0.0, Hello("backend", "backend-0", 100, protocol=OTHER_VERSION), [])
-    assert core.backend_pids == {}
+    assert core.backends.pids == {}
     core.on_backend_hello(0.0, Hello("backend", "backend-0", 100), [])
-    assert core.backend_pids == {"backend-0": 100}
+    assert core.backends.pids == {"backend-0": 100}
 
 
 def _later_version(cls: type[Any], extra: list[Any]) -> bytes:

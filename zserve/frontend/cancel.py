@@ -1,108 +1,100 @@
-"""The frontend core's cancellations: a client's cancel, and a client connection that closed.
+"""The frontend core's cancellation notices: what its shards and backends must hear of requests
+taken out before they were answered.
 
-``FrontendCancellation`` is the part of ``zserve.frontend.core.FrontendCore`` that takes a
-request out before it is answered: one the client cancels (``CancelRequest``; answered
-``CANCELLED``), or every request of a connection that closed (forgotten, unanswered). A request
-still queued at its shard is noted for that shard's ``CancelQueued``; one a backend fetched is
-noted for that backend's ``CancelFetched`` (it drops the request if its batch has not started;
-if it has, the outputs come back for a request already answered and are discarded). Both
-notices go out at the tick's end (``FrontendCore.end_tick``).
-
-The core owns the request table and the answers (``_answer_error``, ``_finish``); this mixin
-declares what it uses of them. Pure, like the core: no sockets, no loop, no clock.
+``FrontendCancellation`` is a part of ``zserve.frontend.core.FrontendCore``. The core takes a
+request out when its client cancels it (``CancelRequest``) or its client's connection closes,
+and tells this part (``cancelled`` / ``abandoned``), which counts it and notes whom to tell: a
+request still queued at its model's shard goes into that shard's ``CancelQueued`` (the shard
+takes it off its queue); one a backend fetched goes into that backend's ``CancelFetched`` (it
+drops the request if its batch has not started; if it has, the outputs come back for a request
+already answered and are discarded). At the tick's end the core takes the notes
+(``take_queued``, ``take_fetched``) and sends one message per shard and per backend, after the
+tick's metadata. Pure, like the core: no sockets, no loop, no clock.
 """
 
 from __future__ import annotations
 
-from zserve.core.errors import ErrorKind
-from zserve.core.hosting import Outbox
-from zserve.frontend.admission import ModelAdmission
-from zserve.frontend.requests import QUEUED, Answers, Pending, RequestTable
+from typing import NamedTuple
+
+from zserve.frontend.requests import QUEUED, Pending
+
+CANCEL_COUNTERS = ("cancelled", "cancelled_fetched", "disconnect_cancelled",
+                   "disconnect_cancelled_fetched")
+"""The counters this part bumps: requests cancelled by their client while queued / fetched, and
+the same for requests of a connection that closed."""
+
+
+class QueuedCancels(NamedTuple):
+    """One shard's ``CancelQueued``: requests taken out while queued there, with their models."""
+
+    shard: int
+    request_ids: list[int]
+    models: list[str]
+
+
+class FetchedCancels(NamedTuple):
+    """One backend's ``CancelFetched``: requests taken out after it fetched them, with the plans
+    whose fetches took them."""
+
+    backend: str
+    plan_ids: list[int]
+    request_ids: list[int]
 
 
 class FrontendCancellation:
-    """The cancellations of a ``FrontendCore`` (mixed into it; see the module docstring)."""
+    """The cancellation notices one frontend owes, until the tick's end (module docstring)."""
 
-    # Set by FrontendCore.__init__.
-    counters: dict[str, int]
-    requests: RequestTable
-    models: dict[str, ModelAdmission]
-    batched_clients: set[bytes]
-    refused_clients: dict[bytes, str]
-    _answers: dict[bytes, Answers]
-    _cancel_notes: dict[str, tuple[list[int], list[int]]]
-    _queued_cancels: list[tuple[list[int], list[str]]]
+    __slots__ = ("_counters", "_fetched", "_queued", "_shard_of")
 
-    # Provided by FrontendCore.
-    def _finish(self, p: Pending) -> None:
-        raise NotImplementedError
+    def __init__(self, *, shard_of: dict[str, int], shards: int,
+                 counters: dict[str, int]) -> None:
+        """``shard_of``: each configured model's shard (of ``shards``); ``counters``: where
+        ``CANCEL_COUNTERS`` are counted (the core's)."""
+        self._shard_of = shard_of
+        self._counters = counters
+        # per shard: (request ids, their models) taken out while still queued there
+        self._queued: list[tuple[list[int], list[str]]] = [([], []) for _ in range(shards)]
+        # per backend: (plan ids, request ids) taken out after it fetched them
+        self._fetched: dict[str, tuple[list[int], list[int]]] = {}
 
-    def _answer_error(self, now: float, p: Pending, kind: ErrorKind, message: str,
-                      outbox: Outbox) -> None:
-        raise NotImplementedError
-
-    def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
-        """Cancel one request of ``client`` (``client_rid`` < 0: all of them, unanswered)."""
-        client_reqs = self.requests.by_client.get(client)
-        if not client_reqs:
-            return
-        if client_rid < 0:  # cancel everything this connection has in flight (client close)
-            for rid in list(client_reqs.values()):
-                self._cancel(now, rid, False, outbox)
-            return
-        target = client_reqs.get(client_rid)
-        if target is not None:
-            self._cancel(now, target, True, outbox)
-
-    def _cancel(self, now: float, rid: int, answer: bool, outbox: Outbox) -> None:
-        """Cancel a request that has not started; one that has runs on and is answered."""
-        p = self.requests.pending.get(rid)
-        if p is None:
-            return
-        if p.state == QUEUED:
-            self.counters["cancelled"] += 1
-            self._note_queued_cancel(p)
+    def cancelled(self, request: Pending) -> None:
+        """Its client cancelled ``request`` (a ``CancelRequest``, or all of a connection's)."""
+        if request.state == QUEUED:
+            self._counters["cancelled"] += 1
+            self._note_queued(request)
         else:
-            # Fetched: the backend drops it if its batch has not started; if it has, the
-            # outputs come back for a request already answered and are discarded.
-            self.counters["cancelled_fetched"] += 1
-            self._note_cancel(p)
-        if answer:
-            self._answer_error(now, p, ErrorKind.CANCELLED, "cancelled by the client", outbox)
+            self._counters["cancelled_fetched"] += 1
+            self._note_fetched(request)
+
+    def abandoned(self, request: Pending) -> None:
+        """``request``'s client connection closed."""
+        if request.state == QUEUED:
+            self._counters["disconnect_cancelled"] += 1
+            self._note_queued(request)
         else:
-            p.client = None
-            self._finish(p)
+            self._counters["disconnect_cancelled_fetched"] += 1
+            self._note_fetched(request)
 
-    def client_gone(self, client: bytes) -> None:
-        """``client``'s connection closed: forget its requests, unanswered."""
-        self.batched_clients.discard(client)
-        self.refused_clients.pop(client, None)
-        self._answers.pop(client, None)
-        client_reqs = self.requests.by_client.get(client)
-        if not client_reqs:
-            return
-        self.counters["client_disconnects"] += 1
-        for rid in list(client_reqs.values()):
-            p = self.requests.pending.get(rid)
-            if p is None:
-                continue
-            if p.state == QUEUED:
-                self.counters["disconnect_cancelled"] += 1
-                self._note_queued_cancel(p)
-            else:
-                self.counters["disconnect_cancelled_fetched"] += 1
-                self._note_cancel(p)
-            p.client = None
-            self._finish(p)
-        self.requests.by_client.pop(client, None)
+    def take_queued(self) -> list[QueuedCancels]:
+        """The queued requests taken out since the last call, per shard in shard order."""
+        taken = []
+        for shard, (ids, models) in enumerate(self._queued):
+            if ids:
+                self._queued[shard] = ([], [])
+                taken.append(QueuedCancels(shard, ids, models))
+        return taken
 
-    def _note_queued_cancel(self, p: Pending) -> None:
-        """Tell the owning shard, at the tick's end, to take ``p`` out of its queue."""
-        ids, models = self._queued_cancels[self.models[p.model].shard]
-        ids.append(p.rid)
-        models.append(p.model)
+    def take_fetched(self) -> list[FetchedCancels]:
+        """The fetched requests taken out since the last call, per backend."""
+        notes, self._fetched = self._fetched, {}
+        return [FetchedCancels(backend, plans, ids) for backend, (plans, ids) in notes.items()]
 
-    def _note_cancel(self, p: Pending) -> None:
-        plans, rids = self._cancel_notes.setdefault(p.backend, ([], []))
-        plans.append(p.plan_id)
-        rids.append(p.rid)
+    def _note_queued(self, request: Pending) -> None:
+        ids, models = self._queued[self._shard_of[request.model]]
+        ids.append(request.rid)
+        models.append(request.model)
+
+    def _note_fetched(self, request: Pending) -> None:
+        plans, ids = self._fetched.setdefault(request.backend, ([], []))
+        plans.append(request.plan_id)
+        ids.append(request.rid)

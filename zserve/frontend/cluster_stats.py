@@ -1,27 +1,24 @@
 """The frontend host's cluster stats: one round of ``StatsRequest`` to every peer, for the
-clients (``ClusterStatsRequest``) and the metrics endpoint (``cluster_stats``) waiting on it.
+clients (``ClusterStatsRequest``) and the metrics endpoint (``ask``) waiting on it.
 
-``FrontendStats`` is the part of ``zserve.frontend.host.FrontendHost`` that asks every shard, the
-rank and every backend it knows for their stats, collects the ``StatsReply``s, and answers each
-waiter with the frontend's own stats plus ``cluster`` (the replies) and ``cluster_silent`` (the
-peers that did not answer within ``PEER_STATS_TIMEOUT_S``). A request that comes while a round
-is open joins it.
-
-The host owns the sockets and the output (``_after``, ``stats``); this mixin declares what it
-uses of them.
+``ClusterStatsRounds`` is a part of ``zserve.frontend.host.FrontendHost``. A round asks every
+shard, the rank and every backend the frontend knows for their stats (``ask_peers``, the host's
+sockets), collects the ``StatsReply``s, and answers each waiter with the frontend's own stats
+(``own_stats``) plus ``cluster`` (the replies) and ``cluster_silent`` (the peers that did not
+answer within ``PEER_STATS_TIMEOUT_S``). A request that comes while a round is open joins it.
+Answers to clients go into the outbox it is handed; what it sends on its own (a round that
+timed out) goes out through ``flush``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from zserve.core.hosting import Outbox
-from zserve.frontend.core import TO_CLIENT, FrontendCore
-from zserve.transport.messages import StatsReply, StatsRequest
-from zserve.transport.reactor import SocketReactor
+from zserve.frontend.core import TO_CLIENT
+from zserve.transport.messages import StatsReply
 
 # A client's ClusterStatsRequest is answered once every peer has, or after this long
 # with what came (the ones that did not are listed under "cluster_silent").
@@ -40,98 +37,86 @@ class StatsGathering:
         self.waiting = waiting  # peer process names not yet answered
         self.replies: dict[str, Any] = {}
         self.waiters: list[tuple[StatsWaiter, dict[str, Any]]] = []  # (who, frontend's own)
-        self.handle: asyncio.TimerHandle | None = None
+        self.handle: asyncio.TimerHandle | None = None  # the round's timeout
 
 
-class FrontendStats:
-    """The cluster stats rounds of a ``FrontendHost`` (mixed into it; see the module docstring)."""
+class ClusterStatsRounds:
+    """The cluster stats rounds of one frontend host (see the module docstring)."""
 
-    # Set by FrontendHost.__init__ (and its start/bind/connect).
-    name: str
-    core: FrontendCore
-    _gathering: StatsGathering | None
-    _rank_embedded: bool
-    _closed: bool
-    _loop: asyncio.AbstractEventLoop | None
-    _reactor: SocketReactor | None
-    data_sock: zmq.Socket[Any] | None
-    rank_sock: zmq.Socket[Any] | None
-    shard_by_name: dict[str, zmq.Socket[Any]]
+    __slots__ = ("_ask_peers", "_counters", "_flush", "_loop", "_name", "_own_stats", "_round",
+                 "_serving")
 
-    # Provided by FrontendHost.
-    @property
-    def counters(self) -> dict[str, int]:
-        raise NotImplementedError
+    def __init__(self, *, name: str, loop: asyncio.AbstractEventLoop,
+                 own_stats: Callable[[bool], dict[str, Any]],
+                 ask_peers: Callable[[bool], set[str]], flush: Callable[[Outbox], None],
+                 counters: dict[str, int]) -> None:
+        """``own_stats(reset)``: the frontend's stats; ``ask_peers(reset)``: send every peer a
+        ``StatsRequest``, the names of those it reached; ``flush``: send an outbox (the host's
+        driver); ``counters``: where ``late_peer_stats`` is counted."""
+        self._name = name
+        self._loop = loop
+        self._own_stats = own_stats
+        self._ask_peers = ask_peers
+        self._flush = flush
+        self._counters = counters
+        self._round: StatsGathering | None = None
+        self._serving = False
 
-    def stats(self, reset: bool = False) -> dict[str, Any]:
-        raise NotImplementedError
+    def open(self) -> None:
+        """The frontend serves: rounds may start."""
+        self._serving = True
 
-    def _after(self, outbox: Outbox) -> None:
-        raise NotImplementedError
+    def close(self, outbox: Outbox) -> None:
+        """The frontend stops: an open round answers with what came; no round starts again."""
+        self._answer(outbox)
+        self._serving = False
 
-    async def cluster_stats(self) -> dict[str, Any] | None:
+    async def ask(self) -> dict[str, Any] | None:
         """What ``ClusterStatsRequest(reset=False)`` answers, asked in-process (the metrics
         endpoint): the same round, resolved as a future. None while the frontend is not serving."""
-        if self._loop is None or self._closed:
+        if not self._serving:
             return None
         answer: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
         outbox: Outbox = []
-        self._gather_stats(answer, False, outbox)
-        self._after(outbox)
+        self.gather(answer, False, outbox)
+        self._flush(outbox)
         return await answer
 
-    def _gather_stats(self, client: StatsWaiter, reset: bool, outbox: Outbox) -> None:
-        """Answer ``client`` with this frontend's stats and, under ``cluster``, those of every
+    def gather(self, waiter: StatsWaiter, reset: bool, outbox: Outbox) -> None:
+        """Answer ``waiter`` with this frontend's stats and, under ``cluster``, those of every
         shard, the rank and every backend it knows, asked now (with ``reset``). A request that
         comes while a round is open joins it (that round's peers reset once, if the first
         asked to)."""
-        own = self.stats(reset)
-        gathering = self._gathering
+        own = self._own_stats(reset)
+        gathering = self._round
         if gathering is None:
-            gathering = self._gathering = StatsGathering(self._ask_peers(reset))
-            assert self._loop is not None
-            gathering.handle = self._loop.call_later(PEER_STATS_TIMEOUT_S,
-                                                     self._stats_timed_out)
-        gathering.waiters.append((client, own))
+            gathering = self._round = StatsGathering(self._ask_peers(reset))
+            gathering.handle = self._loop.call_later(PEER_STATS_TIMEOUT_S, self._timed_out)
+        gathering.waiters.append((waiter, own))
         if not gathering.waiting:
-            self._stats_gathered(outbox)
+            self._answer(outbox)
 
-    def _ask_peers(self, reset: bool) -> set[str]:
-        """Send StatsRequest to every peer; the names of those it reached."""
-        assert self._reactor is not None and self.data_sock is not None
-        request = StatsRequest(reset=reset)
-        asked: set[str] = set()
-        for name, sock in self.shard_by_name.items():
-            if self._reactor.send_nowait(sock, request) is None:
-                asked.add(name)
-        if self.rank_sock is not None and not self._rank_embedded and (
-                self._reactor.send_nowait(self.rank_sock, request) is None):
-            asked.add("rank")
-        for name in sorted(self.core.backend_names()):
-            # Fails for a backend that never connected, or whose queue is full.
-            if self._reactor.send_nowait(self.data_sock, request, name.encode()) is None:
-                asked.add(name)
-        return asked
-
-    def _on_peer_stats(self, msg: StatsReply, outbox: Outbox) -> None:
-        gathering = self._gathering
+    def on_reply(self, msg: StatsReply, outbox: Outbox) -> None:
+        """A peer's ``StatsReply``: the round answers once the last peer has."""
+        gathering = self._round
         if gathering is None or msg.name not in gathering.waiting:
-            self.counters["late_peer_stats"] += 1
+            self._counters["late_peer_stats"] += 1
             return
         gathering.waiting.discard(msg.name)
         gathering.replies[msg.name] = msg.stats
         if not gathering.waiting:
-            self._stats_gathered(outbox)
+            self._answer(outbox)
 
-    def _stats_timed_out(self) -> None:
-        if self._closed:
+    def _timed_out(self) -> None:
+        if not self._serving:
             return
         outbox: Outbox = []
-        self._stats_gathered(outbox)
-        self._after(outbox)
+        self._answer(outbox)
+        self._flush(outbox)
 
-    def _stats_gathered(self, outbox: Outbox) -> None:
-        gathering, self._gathering = self._gathering, None
+    def _answer(self, outbox: Outbox) -> None:
+        """Close the open round (if any): every waiter gets what came."""
+        gathering, self._round = self._round, None
         if gathering is None:
             return
         if gathering.handle is not None:
@@ -140,6 +125,6 @@ class FrontendStats:
         for waiter, own in gathering.waiters:
             stats = {**own, "cluster": gathering.replies, "cluster_silent": silent}
             if isinstance(waiter, bytes):
-                outbox.append(((TO_CLIENT, waiter), StatsReply(self.name, stats)))
+                outbox.append(((TO_CLIENT, waiter), StatsReply(self._name, stats)))
             elif not waiter.done():  # a scrape that gave up has cancelled it
                 waiter.set_result(stats)

@@ -11,9 +11,11 @@ Destinations: ``("client", identity)``, ``("shard", index)``, ``("backend", name
 that cannot deliver a message says so with ``on_send_failed``. Hosted by ``zserve.frontend.host``
 (the process) and drivable by a simulator.
 
-Cancellations and client disconnects are ``zserve.frontend.cancel.FrontendCancellation``, the
-backends (their table, hellos, deaths and the requests that fail with them)
-``zserve.frontend.backend_view.FrontendBackends``; both are mixed into ``FrontendCore``.
+Two parts, built by the core and each testable alone:
+``zserve.frontend.cancel.FrontendCancellation`` notes what shards and backends must hear of
+cancelled and abandoned requests, and ``zserve.frontend.backend_view.FrontendBackends`` follows
+the backends (their table, hellos and deaths) and says which lost the requests they fetched; the
+core answers those.
 
 Statistics are one ``zserve.core.stats.Stats`` (``FRONTEND_COUNTERS``, ``FRONTEND_HISTOGRAMS`` and
 ``queueing/<model>`` per model); ``stats(reset)`` is its snapshot plus the request table's state.
@@ -35,10 +37,12 @@ from zserve.core.request_ids import RequestIds, incarnation_of
 from zserve.core.stats import Stats
 from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
-from zserve.frontend.backend_view import FrontendBackends
-from zserve.frontend.cancel import FrontendCancellation
+from zserve.frontend.backend_view import FrontendBackends, LostBackends
+from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
 from zserve.frontend.requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.transport.messages import (
+    BackendGone,
+    BackendTable,
     BatchFailed,
     BatchOutputs,
     CancelFetched,
@@ -46,6 +50,7 @@ from zserve.transport.messages import (
     CancelRequest,
     ClientHello,
     DropNotice,
+    Hello,
     InferAnswers,
     InferError,
     InferReply,
@@ -79,8 +84,8 @@ _REJECTED_COUNTERS = {kind: f"rejected_{kind.value}" for kind in ErrorKind}
 _ERROR_KINDS = {kind.value: kind for kind in ErrorKind}
 
 FRONTEND_COUNTERS = (
-    "received", "admitted", "replied", "cancelled", "cancelled_fetched", "client_disconnects",
-    "disconnect_cancelled", "disconnect_cancelled_fetched", "fetches", "fetch_missing",
+    "received", "admitted", "replied", "client_disconnects", *CANCEL_COUNTERS,
+    "fetches", "fetch_missing",
     "late_outputs", "dropped_by_scheduler", "deadline_timer", "meta_batches", "cancel_notices",
     # refused: what came back for requests of another incarnation (zserve.core.request_ids)
     "stale_outputs", "stale_drops", "stale_failures", "stale_fetched",
@@ -93,7 +98,7 @@ FRONTEND_COUNTERS = (
 )
 """The core's counters: requests received and admitted, answers (``replied`` with outputs,
 ``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
-messages sent, and the delivery failures its host reported."""
+messages sent (``cancel_notices``: CancelFetched), and the delivery failures its host reported."""
 FRONTEND_HISTOGRAMS = {
     "admit_to_fetch": "delay",  # admission -> a backend fetched the inputs
     "fetch_to_outputs": "delay",  # the fetch -> the outputs reached this frontend
@@ -149,8 +154,28 @@ def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | Non
                                    reply_s, share) for m in cluster.models}
 
 
-class FrontendCore(FrontendCancellation, FrontendBackends):
-    """The frontend's state and decisions; see the module docstring for the hosting contract."""
+class _ShardMeta:
+    """The metadata one shard gets at the end of this tick (one ``RequestMetaBatch``)."""
+
+    __slots__ = ("arrivals", "deadlines", "ids", "models", "rows")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.models: list[str] = []
+        self.arrivals: list[float] = []
+        self.deadlines: list[float] = []  # the scheduler's: answer_by - the reply allowance
+        self.rows: list[int] = []  # empty while every request holds one row
+
+
+class FrontendCore:
+    """The frontend's state and decisions; see the module docstring for the hosting contract.
+
+    Names on the hot path: ``p`` is a ``Pending`` request; ``rid`` its id here (unique across the
+    cluster's frontends and this frontend's restarts, ``zserve.core.request_ids``), the one the
+    scheduler and the backends know; ``client_rid`` the id its client gave it (unique per
+    connection); ``answer_by`` the moment its SLO ends; ``rows`` its batch dimension (what
+    admission counts).
+    """
 
     def __init__(self, *, name: str, cluster: ClusterConfig, index: int, data_address: str,
                  profiles: dict[str, LatencyProfile | None],
@@ -165,16 +190,30 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
         self.models = _admissions(cluster, profiles)
-        nshards = cluster.scheduler_processes
-        self.shard_reachable = [True] * nshards  # the host clears the ones it cannot reach
+        shards = cluster.scheduler_processes
+        self.shard_reachable = [True] * shards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
-        self.backend_pids: dict[str, int] = {}
-        self.backend_models: dict[str, list[str]] | None = None  # from rank's BackendTable
-        self.gpus_for_model: dict[str, int] = {}
         # Unique across the cluster's frontends and across this frontend's restarts.
         self.ids = RequestIds(index, incarnation)
         self._stale_logged: set[tuple[str, int]] = set()
         self.epoch, self.draining = 0, False  # epoch: the newest heard of (zserve.core.epochs)
+        self._init_stats(host_counters)
+        self.backends = FrontendBackends(name=name, models=self.models,
+                                         max_request_bytes=self.max_request_bytes)
+        self.cancels = FrontendCancellation(
+            shard_of={model: state.shard for model, state in self.models.items()},
+            shards=shards, counters=self.counters)
+        self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
+        self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
+        self._answers: dict[bytes, Answers] = {}  # this tick's, per batched client
+        self._meta_by_shard = [_ShardMeta() for _ in range(shards)]
+        # (answer_by, rid) of every pending request; an entry is live while its request is
+        # pending with that deadline (most are answered first: lazily deleted).
+        self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
+        self.wake_at = math.inf
+
+    def _init_stats(self, host_counters: Iterable[str]) -> None:
+        """The counters and histograms, the per-request ones bound to attributes once."""
         # counter name of (model, outcome), built once: the answer path only looks it up
         self._outcome_names = _outcome_names(self.models)
         self._stats = Stats(
@@ -185,7 +224,6 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
                 for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)}})
         self.counters = self._stats.counters
         hist = self._stats.histograms
-        # Bound once: the per-request path observes into these directly.
         self._admit_to_fetch = hist["admit_to_fetch"]
         self._fetch_to_outputs = hist["fetch_to_outputs"]
         self._admit_to_answer = hist["admit_to_answer"]
@@ -196,24 +234,15 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         self._queueing_of, self._execution_of, self._latency_of = (
             {name: hist[pattern.format(name)] for name in self.models}
             for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL))
-        self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
-        self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
-        self._answers: dict[bytes, Answers] = {}
-        self._cancel_notes: dict[str, tuple[list[int], list[int]]] = {}
-        # per shard: (request ids, models) cancelled while still queued there (CancelQueued)
-        self._queued_cancels: list[tuple[list[int], list[str]]] = [
-            ([], []) for _ in range(nshards)]
-        # per shard: (ids, models, arrivals, deadlines, rows: empty while each holds one row)
-        self._meta: list[tuple[list[int], list[str], list[float], list[float], list[int]]] = [
-            ([], [], [], [], []) for _ in range(nshards)]
-        # (answer_by, rid) of every pending request; an entry is live while its request is
-        # pending with that deadline (most are answered first: lazily deleted).
-        self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
-        self.wake_at = math.inf
 
     @property
     def pending(self) -> dict[int, Pending]:
         return self.requests.pending
+
+    @property
+    def backend_models(self) -> dict[str, list[str]] | None:
+        """Each backend's models, from the rank's latest ``BackendTable`` (None before one)."""
+        return self.backends.table
 
     # ------------------------------------------------------------------ clients
 
@@ -271,14 +300,14 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
     def _queue_meta(self, shard: int, rid: int, model: str, arrival: float, deadline: float,
                     *, rows: int) -> None:
         """Add one request to the metadata its shard gets at the end of this tick."""
-        ids, models, arrivals, deadlines, meta_rows = self._meta[shard]
-        if rows != 1 or meta_rows:  # one entry per request once one holds several rows
-            meta_rows.extend([1] * (len(ids) - len(meta_rows)))
-            meta_rows.append(rows)
-        ids.append(rid)
-        models.append(model)
-        arrivals.append(arrival)
-        deadlines.append(deadline)
+        meta = self._meta_by_shard[shard]
+        if rows != 1 or meta.rows:  # one entry per request once one holds several rows
+            meta.rows.extend([1] * (len(meta.ids) - len(meta.rows)))
+            meta.rows.append(rows)
+        meta.ids.append(rid)
+        meta.models.append(model)
+        meta.arrivals.append(arrival)
+        meta.deadlines.append(deadline)
 
     def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
         """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
@@ -304,7 +333,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         if not self.shard_reachable[model.shard]:
             raise _Rejected(ErrorKind.UNAVAILABLE,
                             f"scheduler shard {model.shard} is not reachable")
-        gpus = self.gpus_for_model.get(req.model, -1)
+        gpus = self.backends.gpus_for_model.get(req.model, -1)
         if gpus == 0:
             raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
         if gpus < 0:
@@ -408,6 +437,67 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             if p is not None:
                 self._answer_error(now, p, kind, message, outbox)
 
+    # ------------------------------------------------------------------ cancellations
+
+    def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
+        """Cancel one request of ``client`` (answered ``CANCELLED``), or with ``client_rid`` < 0
+        every request it has in flight, unanswered (a client closing its connection)."""
+        client_reqs = self.requests.by_client.get(client)
+        if not client_reqs:
+            return
+        if client_rid < 0:
+            for rid in list(client_reqs.values()):
+                p = self.requests.pending.get(rid)
+                if p is not None:
+                    self.cancels.cancelled(p)
+                    p.client = None
+                    self._finish(p)
+            return
+        target = client_reqs.get(client_rid)
+        p = None if target is None else self.requests.pending.get(target)
+        if p is not None:
+            self.cancels.cancelled(p)
+            self._answer_error(now, p, ErrorKind.CANCELLED, "cancelled by the client", outbox)
+
+    def client_gone(self, client: bytes) -> None:
+        """``client``'s connection closed: forget it and its requests, unanswered."""
+        self.batched_clients.discard(client)
+        self.refused_clients.pop(client, None)
+        self._answers.pop(client, None)
+        client_reqs = self.requests.by_client.get(client)
+        if not client_reqs:
+            return
+        self.counters["client_disconnects"] += 1
+        for rid in list(client_reqs.values()):
+            p = self.requests.pending.get(rid)
+            if p is not None:
+                self.cancels.abandoned(p)
+                p.client = None
+                self._finish(p)
+        self.requests.by_client.pop(client, None)
+
+    # ------------------------------------------------------------------ backends come and go
+
+    def on_backend_hello(self, now: float, msg: Hello, outbox: Outbox) -> None:
+        """A backend's Hello: a restarted one (a new pid) lost the requests it fetched."""
+        self._backends_lost(now, self.backends.on_hello(msg), outbox)
+
+    def on_backend_gone(self, now: float, msg: BackendGone, outbox: Outbox) -> None:
+        """The supervisor says a backend's process died: its fetched requests fail now."""
+        self._backends_lost(now, self.backends.on_gone(msg), outbox)
+
+    def on_backend_table(self, now: float, msg: BackendTable, outbox: Outbox) -> None:
+        """The rank's table of backends; the fetched requests of one that left it fail now."""
+        self._backends_lost(now, self.backends.on_table(msg), outbox)
+
+    def _backends_lost(self, now: float, lost: LostBackends, outbox: Outbox) -> None:
+        """Answer ``BACKEND_FAILED`` now, not at their deadline, every request a lost backend
+        had fetched."""
+        for backend, why in lost:
+            for p in self.requests.fetched_requests(backend):
+                self._answer_error(now, p, ErrorKind.BACKEND_FAILED, f"{backend}: {why}",
+                                   outbox)
+
     # ------------------------------------------------------------------ delivery failures
 
     def on_send_failed(self, now: float, destination: Destination, msg: Message,
@@ -501,22 +591,22 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
         """Append what this tick produced to be sent once: the admitted requests' metadata (one
         message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
         (one CancelFetched per backend), answers (one per client)."""
-        for shard, (ids, models, arrivals, deadlines, rows) in enumerate(self._meta):
-            if ids:
-                self._meta[shard] = ([], [], [], [], [])
-                if rows:
-                    rows.extend([1] * (len(ids) - len(rows)))
+        for shard, meta in enumerate(self._meta_by_shard):
+            if meta.ids:
+                self._meta_by_shard[shard] = _ShardMeta()
+                if meta.rows:
+                    meta.rows.extend([1] * (len(meta.ids) - len(meta.rows)))
                 outbox.append(((TO_SHARD, shard), RequestMetaBatch(
-                    self.data_address, ids, models, arrivals, deadlines, rows,
-                    epoch=self.epoch)))
+                    self.data_address, meta.ids, meta.models, meta.arrivals, meta.deadlines,
+                    meta.rows, epoch=self.epoch)))
                 self.counters["meta_batches"] += 1
-        for shard, (ids, models) in enumerate(self._queued_cancels):
-            if ids:  # after the shard's RequestMetaBatch: a request admitted this tick is known
-                self._queued_cancels[shard] = ([], [])
-                outbox.append(((TO_SHARD, shard), CancelQueued(self.data_address, ids, models)))
-        notes, self._cancel_notes = self._cancel_notes, {}
-        for backend, (plans, rids) in notes.items():
-            outbox.append(((TO_BACKEND, backend), CancelFetched(plans, rids)))
+        # After the shard's RequestMetaBatch: a request admitted this tick is known there.
+        for queued in self.cancels.take_queued():
+            outbox.append(((TO_SHARD, queued.shard), CancelQueued(
+                self.data_address, queued.request_ids, queued.models)))
+        for fetched in self.cancels.take_fetched():
+            outbox.append(((TO_BACKEND, fetched.backend),
+                           CancelFetched(fetched.plan_ids, fetched.request_ids)))
             self.counters["cancel_notices"] += 1
         answers, self._answers = self._answers, {}
         for client, batch in answers.items():
@@ -573,7 +663,7 @@ class FrontendCore(FrontendCancellation, FrontendBackends):
             "pending": len(self.requests.pending),
             "draining": self.draining,
             "clients": len(self.requests.by_client),
-            "backends": sorted(self.backend_models or {}),
+            "backends": sorted(self.backends.table or {}),
             "fetched_by": self.requests.fetched_counts(),
             "models": {name: m.pending for name, m in self.models.items()},
             **self._stats.snapshot(reset),

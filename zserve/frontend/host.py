@@ -12,13 +12,15 @@ The logic lives in ``zserve.frontend.core.FrontendCore`` (admission, the request
 store, deadlines, cancellation, backend failures, coalescing of what a tick sends). This host
 feeds it what arrives, stamped on the cluster clock (``zserve.runtime.clock``: the rank's
 CLOCK_MONOTONIC, estimated before the frontend connects to the scheduler), delivers its outbox
-(telling it what could not be delivered), arms one loop timer at its ``wake_at``, matches client
-disconnects (socket monitor events) to connections by file descriptor, and gathers the cluster's
-stats for clients that ask (``ClusterStatsRequest``; ``zserve.frontend.cluster_stats``). What one
+(telling it what could not be delivered) and keeps its deadline timer at its ``wake_at`` (both
+through ``zserve.runtime.driver.CoreDriver``), matches client disconnects (socket monitor events)
+to connections by file descriptor, and gathers the cluster's stats for clients that ask
+(``ClusterStatsRequest``; ``zserve.frontend.cluster_stats.ClusterStatsRounds``). What one
 socket's chunk of messages produced is sent when the chunk is handled: one ``RequestMetaBatch``
 per shard, one ``InferAnswers`` per client that announced it decodes them (``ClientHello``;
 other clients get one ``InferReply`` / ``InferError`` per request, every array as a frame of its
-own).
+own). ``_serve`` starts and stops it in the order every role follows
+(``zserve.runtime.session.RoleSession``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 from typing import Any
 
 import zmq
-import zmq.asyncio
 import zmq.utils.monitor
 
 from zserve.config.cluster import ModelConfig, RoleConfig
@@ -42,14 +42,17 @@ from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.core.hosting import Destination, Outbox
 from zserve.core.request_ids import new_incarnation
 from zserve.frontend import readiness
-from zserve.frontend.cluster_stats import FrontendStats, StatsGathering
+from zserve.frontend.cluster_stats import ClusterStatsRounds
 from zserve.frontend.core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.frontend.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.frontend.oip.bridge import OIP_CLIENT, OipBridge
 from zserve.frontend.oip.servers import OipBindError, OipServers
 from zserve.runtime import control_link, keys, peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
-from zserve.runtime.clock import ClockSync, ClusterClock
+from zserve.runtime.clock import ClusterClock
+from zserve.runtime.control_link import DrainRequest
+from zserve.runtime.driver import CoreDriver
+from zserve.runtime.session import RoleSession
 from zserve.transport import codec, socket_io
 from zserve.transport.messages import (
     BackendGone,
@@ -83,7 +86,8 @@ log = logging.getLogger("zserve.frontend")
 # Malformed messages: log the first few in full, then one line per this many.
 MALFORMED_LOG_FIRST = 10
 MALFORMED_LOG_EVERY = 1000
-_SRCFD = int(zmq.SRCFD)
+# The frame property that holds the file descriptor of the connection a message came on.
+_FRAME_SOURCE_FD = int(zmq.SRCFD)
 # The host's own counters, next to the core's (``FrontendCore.counters``).
 # stale_epoch: messages of a superseded scheduler, refused; epoch_switches: new active schedulers
 # heard of (zserve.core.epochs).
@@ -93,8 +97,8 @@ HOST_COUNTERS = ("malformed", "handler_errors", "ignored", "late_peer_stats", "s
 
 def _load_profile(config: ModelConfig) -> LatencyProfile | None:
     """The configured profile (``zserve.config.profiles.configured_profile``), or None when it
-    cannot be
-    read: the frontend then admits without a predicted wait until the backends' table brings one."""
+    cannot be read: the frontend then admits without a predicted wait until the backends' table
+    brings one."""
     try:
         return configured_profile(config)
     except (OSError, ValueError) as exc:
@@ -102,13 +106,19 @@ def _load_profile(config: ModelConfig) -> LatencyProfile | None:
         return None
 
 
-class FrontendHost(FrontendStats):
-    """A ``FrontendCore`` on its sockets. ``_serve`` drives it."""
+class FrontendHost:
+    """A ``FrontendCore`` on its sockets. ``_serve`` drives it.
 
-    def __init__(self, config: RoleConfig, ctx: zmq.Context[Any]) -> None:
+    Client connections are matched to disconnects by file descriptor: ``_clients_on_fd`` holds
+    the identities seen on each connection, ``_fd_of_client`` the connection of each identity.
+    """
+
+    def __init__(self, config: RoleConfig, ctx: zmq.Context[Any],
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.name = config.name
         self.cluster = config.cluster
         self.ctx = ctx
+        self.loop = loop
         self.bind_addresses = config.bind
         self.advertise_host = config.advertise_host
         # Offset 0 until _serve has estimated it (the rank's clock is the cluster clock).
@@ -119,19 +129,20 @@ class FrontendHost(FrontendStats):
             profiles={m.name: _load_profile(m) for m in self.cluster.models},
             host_counters=HOST_COUNTERS, incarnation=new_incarnation(),
         )
-        self.idle = asyncio.Event()
+        self.idle = asyncio.Event()  # set while nothing is pending (the drain waits on it)
         self.idle.set()
-        self._gathering: StatsGathering | None = None
+        self._reactor = SocketReactor(loop)
+        # Deadlines tolerate the loop's millisecond ticks (coalesced anyway): its timer will do.
+        self.driver = CoreDriver(self.core, loop=loop, clock=self.clock, deliver=self._deliver,
+                                 after=self._end_tick, precise=False)
+        self.cluster_stats = ClusterStatsRounds(
+            name=self.name, loop=loop, own_stats=self.stats, ask_peers=self._ask_peers,
+            flush=self.driver.flush, counters=self.counters)
         self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
         self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         self._closed = False
-        self._timer_handle: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
-        # Client connections: fd -> identities seen on it, identity -> fd.
-        self._fd_clients: dict[int, set[bytes]] = {}
-        self._client_fd: dict[bytes, int] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reactor: SocketReactor | None = None
+        self._clients_on_fd: dict[int, set[bytes]] = {}
+        self._fd_of_client: dict[bytes, int] = {}
         self.client_sock: zmq.Socket[Any] | None = None
         self.data_sock: zmq.Socket[Any] | None = None
         self.monitor_sock: zmq.Socket[Any] | None = None
@@ -193,9 +204,9 @@ class FrontendHost(FrontendStats):
         self.rank_sock = self.rank_socks.get("rank") or self.rank_socks.get("shard-0") or next(
             iter(self.rank_socks.values()), None)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        reactor = self._reactor = SocketReactor(loop)
+    def start(self) -> None:
+        """Serve: watch every socket, open the OIP bridge, heartbeat the schedulers."""
+        reactor = self._reactor
         assert self.monitor_sock is not None and self.data_sock is not None
         assert self.client_sock is not None
         reactor.watch_frames(self.monitor_sock, on_frames=self._on_monitor_events)
@@ -209,9 +220,11 @@ class FrontendHost(FrontendStats):
         outbox: Outbox = []
         self.core.on_client_message(self.clock.now(), OIP_CLIENT,
                                     ClientHello(accepts=[InferAnswers.KIND]), outbox)
-        self._after(outbox)
-        self.oip.open(loop)
-        self._heartbeat = loop.create_task(self._heartbeat_loop(), name="scheduler-heartbeat")
+        self.driver.flush(outbox)
+        self.oip.open(self.loop)
+        self.cluster_stats.open()
+        self._heartbeat = self.loop.create_task(self._heartbeat_loop(),
+                                                name="scheduler-heartbeat")
 
     async def _heartbeat_loop(self) -> None:
         """Heartbeat every scheduler: a restarted one asks who this frontend is (so it hears the
@@ -220,7 +233,6 @@ class FrontendHost(FrontendStats):
         while True:
             seq += 1
             beat = Heartbeat(self.name, seq, self.clock.now(), self.fence.highest)
-            assert self._reactor is not None
             for sock in self.rank_socks.values():
                 self._reactor.send_nowait(sock, beat)
             await asyncio.sleep(control_link.HEARTBEAT_INTERVAL_S)
@@ -233,15 +245,13 @@ class FrontendHost(FrontendStats):
     def close(self) -> None:
         if not self._closed:
             outbox: Outbox = []
-            self._stats_gathered(outbox)  # an open stats round answers with what came
-            self._after(outbox)  # answers of this tick (answer_all's at shutdown) go out first
+            self.cluster_stats.close(outbox)  # an open stats round answers with what came
+            self.driver.flush(outbox)  # answers of this tick (answer_all's at shutdown) go first
+            self.driver.close()
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        if self._timer_handle is not None:
-            self._timer_handle.cancel()
-        if self._reactor is not None:
-            self._reactor.close()
+        self._reactor.close()
         if self.client_sock is not None and self.monitor_sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.client_sock.disable_monitor()
@@ -250,16 +260,11 @@ class FrontendHost(FrontendStats):
 
     # ------------------------------------------------------------------ the core's outbox
 
-    def _after(self, outbox: Outbox) -> None:
-        """End of a callback: send what the core produced (telling it what failed), rearm the
-        deadline timer at its ``wake_at`` and track idleness (the drain waits on it)."""
+    def _end_tick(self, outbox: Outbox) -> None:
+        """The driver's ``after``: what the core sends once per tick, then whether anything is
+        pending (the drain waits for ``idle``)."""
         core = self.core
-        while True:
-            core.end_tick(outbox)
-            if not outbox:
-                break
-            self._deliver(outbox)
-        self._rearm_timer()
+        core.end_tick(outbox)
         if core.pending:
             self.idle.clear()
         else:
@@ -275,12 +280,11 @@ class FrontendHost(FrontendStats):
             error = self._send_to(destination, msg)
             if error is not None:
                 self.core.on_send_failed(self.clock.now(), destination, msg,
-                                             isinstance(error, zmq.Again), outbox)
+                                         isinstance(error, zmq.Again), outbox)
         outbox.clear()
 
     def _send_to(self, destination: Destination, msg: Message) -> BaseException | None:
         kind, target = destination
-        assert self._reactor is not None
         if kind == TO_CLIENT and target == OIP_CLIENT:
             self.oip.deliver(msg)
             return None
@@ -305,28 +309,6 @@ class FrontendHost(FrontendStats):
             error = self._reactor.send_nowait(sock, msg)
         return error
 
-    def _rearm_timer(self) -> None:
-        wake_at = self.core.wake_at
-        if wake_at == self._timer_at or self._closed or self._loop is None:
-            return
-        if self._timer_handle is not None:
-            self._timer_handle.cancel()
-            self._timer_handle = None
-        self._timer_at = wake_at
-        if wake_at < math.inf:
-            # A relative delay on the loop's (local) clock: the cluster time needs no conversion.
-            self._timer_handle = self._loop.call_later(max(0.0, wake_at - self.clock.now()),
-                                                       self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer_handle = None
-        self._timer_at = math.inf
-        if self._closed:
-            return
-        outbox: Outbox = []
-        self.core.on_timer(self.clock.now(), outbox)
-        self._after(outbox)
-
     def _malformed(self, where: str, exc: Exception) -> None:
         self.counters["malformed"] += 1
         count = self.counters["malformed"]
@@ -343,7 +325,7 @@ class FrontendHost(FrontendStats):
             except Exception:
                 self.counters["handler_errors"] += 1
                 log.exception("%s: handler failed", self.name)
-        self._after(outbox)
+        self.driver.flush(outbox)
 
     def _on_client_message(self, frames: list[zmq.Frame], outbox: Outbox) -> None:
         if len(frames) < 2:
@@ -368,7 +350,7 @@ class FrontendHost(FrontendStats):
         if type(msg) is StatsRequest:  # counters for a frontend started without supervisor
             outbox.append(((TO_CLIENT, identity), StatsReply(self.name, self.stats(msg.reset))))
         elif type(msg) is ClusterStatsRequest:  # and those of its peers (`zserve bench ADDR`)
-            self._gather_stats(identity, msg.reset, outbox)
+            self.cluster_stats.gather(identity, msg.reset, outbox)
         elif type(msg) is not Hello:
             self._malformed("client", ProtocolError(f"unexpected {type(msg).__name__}"))
 
@@ -376,12 +358,12 @@ class FrontendHost(FrontendStats):
         """Remember the connection (file descriptor) ``identity`` speaks on, to match
         disconnect events to clients."""
         try:
-            fd = int(frame.get(_SRCFD))
+            fd = int(frame.get(_FRAME_SOURCE_FD))
         except (zmq.ZMQError, TypeError, ValueError):
             fd = -1
-        if self._client_fd.get(identity) != fd:
-            self._client_fd[identity] = fd
-            self._fd_clients.setdefault(fd, set()).add(identity)
+        if self._fd_of_client.get(identity) != fd:
+            self._fd_of_client[identity] = fd
+            self._clients_on_fd.setdefault(fd, set()).add(identity)
 
     def _on_monitor_events(self, messages: list[list[zmq.Frame]]) -> None:
         for frames in messages:
@@ -391,11 +373,11 @@ class FrontendHost(FrontendStats):
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
-            for identity in self._fd_clients.pop(fd, ()):
-                if self._client_fd.get(identity) == fd:
-                    del self._client_fd[identity]
+            for identity in self._clients_on_fd.pop(fd, ()):
+                if self._fd_of_client.get(identity) == fd:
+                    del self._fd_of_client[identity]
                     self.core.client_gone(identity)
-        self._after([])
+        self.driver.flush([])
 
     def _admit_oip(self, requests: list[InferRequest]) -> None:
         if self._closed:
@@ -404,13 +386,12 @@ class FrontendHost(FrontendStats):
         now = self.clock.now()
         for request in requests:
             self.core.on_infer(now, OIP_CLIENT, request, outbox)
-        self._after(outbox)
+        self.driver.flush(outbox)
 
     def _cancel_oip(self, request_id: int) -> None:
         if not self._closed:
-            outbox: Outbox = []
-            self.core.on_cancel(self.clock.now(), OIP_CLIENT, request_id, outbox)
-            self._after(outbox)
+            self.driver.run(lambda now, outbox: self.core.on_cancel(now, OIP_CLIENT, request_id,
+                                                                    outbox))
 
     # ------------------------------------------------------------------ scheduler and backends
 
@@ -424,7 +405,7 @@ class FrontendHost(FrontendStats):
             if type(msg) is Hello:
                 self._on_scheduler_hello(now, scheduler, msg, outbox)
             elif type(msg) is StatsReply:  # a standby's too (cluster stats list both)
-                self._on_peer_stats(msg, outbox)
+                self.cluster_stats.on_reply(msg, outbox)
             elif (scheduler in fence.epoch_of and not fence.is_current(scheduler)) or (
                     type(msg) is BackendTable and not fence.admits(msg.epoch)):
                 self.counters["stale_epoch"] += 1  # a superseded scheduler's
@@ -434,7 +415,7 @@ class FrontendHost(FrontendStats):
                 core.on_backend_table(now, msg, outbox)
             else:
                 self.counters["ignored"] += 1
-        self._after(outbox)
+        self.driver.flush(outbox)
 
     def _on_data(self, chunk: Chunk) -> None:
         """Messages from backends."""
@@ -452,10 +433,10 @@ class FrontendHost(FrontendStats):
             elif type(msg) is Hello:
                 core.on_backend_hello(now, msg, outbox)
             elif type(msg) is StatsReply:
-                self._on_peer_stats(msg, outbox)
+                self.cluster_stats.on_reply(msg, outbox)
             else:
                 self._malformed("data", ProtocolError(f"unexpected {type(msg).__name__}"))
-        self._after(outbox)
+        self.driver.flush(outbox)
 
     def _on_scheduler_hello(self, now: float, scheduler: str, msg: Hello,
                             outbox: Outbox) -> None:
@@ -465,7 +446,7 @@ class FrontendHost(FrontendStats):
         fence = self.fence
         if msg.epoch == 0:
             sock = self.rank_socks.get(scheduler)
-            if sock is not None and self._reactor is not None:
+            if sock is not None:
                 self._reactor.send_nowait(sock, Hello(role="frontend", name=self.name,
                                                       pid=os.getpid(), epoch=fence.highest))
         elif fence.observe(scheduler, msg.epoch):
@@ -482,16 +463,30 @@ class FrontendHost(FrontendStats):
     def on_control_message(self, msg: Message) -> None:
         """The supervisor says a backend's process died (``BackendGone``)."""
         if type(msg) is BackendGone and not self._closed:
-            outbox: Outbox = []
-            self.core.on_backend_gone(self.clock.now(), msg, outbox)
-            self._after(outbox)
+            self.driver.run(lambda now, outbox: self.core.on_backend_gone(now, msg, outbox))
 
     # ------------------------------------------------------------------ drain and stats
 
     def answer_all(self, kind: ErrorKind, message: str) -> None:
-        outbox: Outbox = []
-        self.core.answer_all(self.clock.now(), kind, message, outbox)
-        self._after(outbox)
+        self.driver.run(lambda now, outbox: self.core.answer_all(now, kind, message, outbox))
+
+    def _ask_peers(self, reset: bool) -> set[str]:
+        """A cluster stats round's question: ``StatsRequest`` to every shard, the rank and every
+        backend this frontend knows; the names of those it reached."""
+        assert self.data_sock is not None
+        request = StatsRequest(reset=reset)
+        asked: set[str] = set()
+        for name, sock in self.shard_by_name.items():
+            if self._reactor.send_nowait(sock, request) is None:
+                asked.add(name)
+        if self.rank_sock is not None and not self._rank_embedded and (
+                self._reactor.send_nowait(self.rank_sock, request) is None):
+            asked.add("rank")
+        for name in sorted(self.core.backends.names()):
+            # Fails for a backend that never connected, or whose queue is full.
+            if self._reactor.send_nowait(self.data_sock, request, name.encode()) is None:
+                asked.add(name)
+        return asked
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = self.core.stats(reset)
@@ -513,70 +508,58 @@ class FrontendHost(FrontendStats):
 
 
 async def _serve(config: RoleConfig, control_address: str | None) -> int:
-    loop = asyncio.get_running_loop()
-    ctx: zmq.Context[Any] = zmq.Context()
-    actx = zmq.asyncio.Context.shadow(ctx)
-    keys.secure_role_context(ctx, config.cluster, "frontend")
-    frontend = FrontendHost(config, ctx)
-    control = await control_link.ControlLink.open(
-        actx,
-        control_address,
-        role="frontend",
-        name=frontend.name,
-        stats=frontend.stats,
-        drain_s=frontend.cluster.drain_s,
-        peers=config.peers,
-        on_message=frontend.on_control_message,
-    )
-    clock_sync: ClockSync | None = None
-    metrics_server: MetricsServer | None = None
-    oip = OipServers(frontend.oip, http=config.bind.get("http"),
-                     grpc_address=config.bind.get("grpc"),
-                     max_request_bytes=frontend.cluster.frontends.max_request_bytes)
-    try:
-        endpoints = frontend.bind()
-        try:
-            endpoints.update(await oip.start())
-        except OipBindError as exc:  # a port taken since the preflight: one line, exit 2
-            raise BindError(msg=f"{frontend.name}: {exc}") from None
-        log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
-        metrics_server = _start_metrics(config, frontend, loop)
-        peers = await control.ready(endpoints)
+    async with RoleSession.open(config, control_address, role="frontend") as session:
+        frontend = FrontendHost(config, session.ctx, asyncio.get_running_loop())
+        session.closing(frontend.close)
+        session.serve_stats(frontend.stats)
+        session.on_control(frontend.on_control_message)
+        oip = OipServers(frontend.oip, http=config.bind.get("http"),
+                         grpc_address=config.bind.get("grpc"),
+                         max_request_bytes=frontend.cluster.frontends.max_request_bytes)
+        session.closing(oip.stop)
+        endpoints = await _bind(frontend, oip)
+        metrics_server = _start_metrics(config, frontend)
+        if metrics_server is not None:  # reported as bound, for `zserve up` and `zserve status`
+            session.closing(metrics_server.close)
+            endpoints["metrics"] = metrics_server.url
+        peers = await session.ready(endpoints)
         # Arrivals and deadlines are stamped on the cluster clock: estimate it before admitting.
-        clock_sync = await runner.sync_cluster_clock(actx, peers, name=frontend.name,
-                                                       drain=control.drain, clock=frontend.clock)
-        if clock_sync is None:
-            return 0 if control.drain.requested else 2
+        if not await session.sync_clock(frontend.clock, peers):
+            return session.exit_code
         frontend.connect(peers)
-        frontend.start(loop)
-        await control.drain.wait()
-        frontend.core.draining = True
-        drain_s = control.drain.drain_s
-        log.info("%s: draining (%s), %d in flight, up to %.1f s", frontend.name,
-                 control.drain.reason, len(frontend.core.pending), drain_s)
-        await control.drain.grace(frontend.idle)
-        frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
-        frontend.oip.close(f"frontend {frontend.name} shut down")
-        await oip.stop()
-        log.info("%s: stopped; counters %s", frontend.name,
-                 {key: value for key, value in frontend.counters.items() if value})
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
-        if clock_sync is not None:
-            await clock_sync.close()
-        await oip.stop()
-        frontend.close()
-        await control.close()
-        keys.release_role_context(ctx)
-        ctx.term()
+        frontend.start()
+        await _drain(frontend, oip, await session.drained())
     return 0
 
 
-def _start_metrics(config: RoleConfig, frontend: FrontendHost,
-                   loop: asyncio.AbstractEventLoop) -> MetricsServer | None:
+async def _bind(frontend: FrontendHost, oip: OipServers) -> dict[str, str]:
+    """Bind the frontend's sockets and the OIP servers; every endpoint as bound."""
+    endpoints = frontend.bind()
+    try:
+        endpoints.update(await oip.start())
+    except OipBindError as exc:  # a port taken since the preflight: one line, exit 2
+        raise BindError(msg=f"{frontend.name}: {exc}") from None
+    log.info("%s: clients connect to %s", frontend.name, endpoints["client"])
+    return endpoints
+
+
+async def _drain(frontend: FrontendHost, oip: OipServers, drain: DrainRequest) -> None:
+    """Admit nothing new, give the requests in flight the drain's grace, answer the rest
+    ``SHUTTING_DOWN`` and stop the OIP servers."""
+    frontend.core.draining = True
+    log.info("%s: draining (%s), %d in flight, up to %.1f s", frontend.name, drain.reason,
+             len(frontend.core.pending), drain.drain_s)
+    await drain.grace(frontend.idle)
+    frontend.answer_all(ErrorKind.SHUTTING_DOWN, f"frontend {frontend.name} shut down")
+    frontend.oip.close(f"frontend {frontend.name} shut down")
+    await oip.stop()
+    log.info("%s: stopped; counters %s", frontend.name,
+             {key: value for key, value in frontend.counters.items() if value})
+
+
+def _start_metrics(config: RoleConfig, frontend: FrontendHost) -> MetricsServer | None:
     """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
-    scrape asks the frontend on its loop (``FrontendHost.cluster_stats``)."""
+    scrape asks the frontend on its loop (``ClusterStatsRounds.ask``)."""
     addresses = frontend.cluster.frontends.metrics_addresses
     if config.index >= len(addresses):
         return None
@@ -584,7 +567,8 @@ def _start_metrics(config: RoleConfig, frontend: FrontendHost,
     try:
         server = serve_frontend_metrics(address, frontend.name,
                                         [m.name for m in frontend.cluster.models],
-                                        in_process_stats_reader(loop, frontend.cluster_stats))
+                                        in_process_stats_reader(frontend.loop,
+                                                                frontend.cluster_stats.ask))
     except OSError as exc:  # a port taken since the preflight: one line, exit 2
         raise BindError(exc.errno, f"{frontend.name} metrics: cannot bind {address}: "
                         f"{exc.strerror or exc}") from None

@@ -14,7 +14,16 @@ FETCHED = 1  # a backend holds the inputs; the request may be running
 
 
 class Pending:
-    """One admitted request, from admission to its terminal answer."""
+    """One admitted request, from admission to its terminal answer.
+
+    ``rid``: its id at this frontend, the one the scheduler and the backends know (unique across
+    the cluster's frontends and this frontend's restarts, ``zserve.core.request_ids``);
+    ``client_rid``: the id its client gave it (unique per connection); ``owner``: the client
+    connection's identity it was admitted on, ``client`` the same until the client is gone (then
+    None: it is answered to nobody); ``answer_by``: the moment its SLO ends; ``rows``: its batch
+    dimension; ``state``: ``QUEUED`` or ``FETCHED``, with ``backend``, ``fetched_at`` and
+    ``plan_id`` once fetched.
+    """
 
     __slots__ = ("answer_by", "arrival", "backend", "client", "client_rid", "fetched_at",
                  "inputs", "model", "owner", "plan_id", "rid", "rows", "state")
@@ -23,18 +32,18 @@ class Pending:
                  inputs: dict[str, Any] | None, arrival: float, answer_by: float,
                  rows: int = 1) -> None:
         self.rid = rid
-        self.owner = client  # the client connection's identity (index key)
-        self.client: bytes | None = client  # None once the client is gone: answer nobody
+        self.owner = client
+        self.client: bytes | None = client
         self.client_rid = client_rid
         self.model = model
         self.inputs = inputs
         self.arrival = arrival
         self.answer_by = answer_by
-        self.rows = rows  # the leading dimension of its inputs (admission counts rows)
+        self.rows = rows
         self.state = QUEUED
         self.backend = ""
         self.fetched_at = 0.0
-        self.plan_id = 0  # the plan whose fetch took the inputs (to cancel it on the backend)
+        self.plan_id = 0  # the plan whose fetch took the inputs (CancelFetched names it)
 
 
 class Answers:
@@ -55,8 +64,8 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.pending: dict[int, Pending] = {}
-        self.by_client: dict[bytes, dict[int, int]] = {}  # client -> its request id -> rid
-        self.fetched_by: dict[str, set[int]] = {}
+        self.by_client: dict[bytes, dict[int, int]] = {}  # client -> its client_rid -> rid
+        self.fetched_by: dict[str, set[int]] = {}  # backend -> rids it fetched and holds
 
     def add(self, p: Pending) -> None:
         self.pending[p.rid] = p
