@@ -57,7 +57,8 @@ DEMO_CONFIG: dict[str, Any] = {
     "scheduler": {"shards": 0, "policy": "deferred", "jitter_ms": 1.0, "d_ctrl_ms": 2.0,
                   "d_data_ms": 0.15},
     "frontends": {"count": 1, "reply_allowance_ms": 10.0,
-                  "http_addresses": ["127.0.0.1:8000"], "grpc_addresses": ["127.0.0.1:8001"]},
+                  "http_addresses": ["127.0.0.1:8000"], "grpc_addresses": ["127.0.0.1:8001"],
+                  "metrics_addresses": ["127.0.0.1:8002"]},
     "backends": {"count": 2, "device": "cpu"},
     "models": [{"name": "cnn", "builtin": "cnn", "slo_ms": 200.0, "max_batch": 16,
                 "max_queue": 256}],
@@ -508,6 +509,7 @@ def _expected_outputs(config: ClusterConfig, model: ModelConfig,
 
 def main(argv: list[str]) -> int:
     """Start a local cluster, check lone requests and a burst, measure goodput, stop."""
+    from zserve.cluster.cli import endpoint_lines
     from zserve.cluster.supervisor import Cluster
 
     args = _parser().parse_args(argv)
@@ -531,7 +533,8 @@ def main(argv: list[str]) -> int:
     burst = _Burst(args, model.name, inputs, expected, output_check(config))
     with Cluster(config) as cluster:
         print(f"zserve demo: up in {time.monotonic() - started:.1f} s; clients connect to "
-              f"{cluster.client_address}", flush=True)
+              f"{cluster.client_address}; it serves at:", flush=True)
+        print("\n".join(endpoint_lines(cluster.endpoints())), flush=True)
         pids = cluster.pids()
         cpu_before = {**_cpu_seconds(pids), "demo client": time.process_time()}
         asyncio.run(burst.drive(cluster.client_address))

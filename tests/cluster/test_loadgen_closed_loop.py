@@ -25,7 +25,8 @@ SLO_S = 0.2
 
 
 def test_closed_loop_clients_are_not_held_for_the_slo() -> None:
-    data = tomllib.loads(demo.DEMO_TOML.read_text().replace(":8000", ":0").replace(":8001", ":0"))
+    data = tomllib.loads(demo.DEMO_TOML.read_text().replace(":8000", ":0").replace(":8001", ":0")
+                         .replace(":8002", ":0"))
     config = parse_config(data)
     assert config.scheduler.policy == "deferred" and config.models[0].slo_ms == SLO_S * 1e3
     workload = load_workload(WORKLOAD)

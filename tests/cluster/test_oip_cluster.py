@@ -2,7 +2,9 @@
 ``tritonclient.http`` / ``.http.aio`` / ``.grpc`` / ``.grpc.aio`` against the frontend's HTTP and
 gRPC servers. Health and metadata, inference with JSON and binary data and over gRPC, requested
 outputs, request ids, the timeout parameter, and every error kind made to happen for real, with
-its HTTP status and gRPC code. Emulated backends (outputs checked against the model run here)."""
+its HTTP status and gRPC code; unknown models (404 / NOT_FOUND), Triton's endpoints zserve does
+not serve (501 / UNIMPLEMENTED) and unknown paths, each with a message tritonclient reads.
+Emulated backends (outputs checked against the model run here)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -77,7 +80,7 @@ def test_health_and_metadata_over_http(http: httpclient.InferenceServerClient) -
     config = http.get_model_config("m")
     assert config["max_batch_size"] == 16
     assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}]
-    assert http_status(lambda: http.get_model_metadata("nope")) == 400
+    assert http_status(lambda: http.get_model_metadata("nope")) == 404
 
 
 def test_health_and_metadata_over_grpc(grpc_client: grpcclient.InferenceServerClient) -> None:
@@ -88,7 +91,7 @@ def test_health_and_metadata_over_grpc(grpc_client: grpcclient.InferenceServerCl
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     config = grpc_client.get_model_config("m").config
     assert config.max_batch_size == 16 and list(config.input[0].dims) == [4]
-    assert grpc_code(lambda: grpc_client.get_model_metadata("nope")) == "INVALID_ARGUMENT"
+    assert grpc_code(lambda: grpc_client.get_model_metadata("nope")) == "NOT_FOUND"
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
@@ -129,9 +132,10 @@ async def test_asyncio_clients(cluster: Cluster, expected: Any) -> None:
 
 def test_bad_requests(http: httpclient.InferenceServerClient,
                       grpc_client: grpcclient.InferenceServerClient) -> None:
-    """400 / INVALID_ARGUMENT: unknown model, wrong shape, wrong datatype, unknown output."""
+    """400 / INVALID_ARGUMENT: wrong shape, wrong datatype, unknown output; an unknown model
+    is 404 / NOT_FOUND."""
     wrong_shape = X.reshape(4, 1)
-    assert http_status(lambda: http.infer("nope", [http_input("x", X)])) == 400
+    assert http_status(lambda: http.infer("nope", [http_input("x", X)])) == 404
     assert http_status(lambda: http.infer("m", [http_input("x", wrong_shape)])) == 400
     as_int = X.astype(np.int32)
     assert http_status(lambda: http.infer("m", [http_input("x", as_int, datatype="INT32")])) \
@@ -140,7 +144,7 @@ def test_bad_requests(http: httpclient.InferenceServerClient,
     assert http_status(lambda: http.infer("m", [http_input("x", X)],
                                           outputs=unknown_output)) == 400
     assert grpc_code(lambda: grpc_client.infer("nope", [grpc_input("x", X)])) \
-        == "INVALID_ARGUMENT"
+        == "NOT_FOUND"
     assert grpc_code(lambda: grpc_client.infer("m", [grpc_input("x", wrong_shape)])) \
         == "INVALID_ARGUMENT"
 
@@ -253,3 +257,126 @@ def test_off_unless_configured(tmp_path: Path) -> None:
                                                                    "beta_ms": 1.0}}]})
     assert "http" not in config.bind_addresses("frontend", 0, str(tmp_path))
     assert "grpc" not in config.bind_addresses("frontend", 0, str(tmp_path))
+
+
+def _refusal(call: Callable[[], Any]) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as raised:
+        call()
+    return raised.value
+
+
+def test_unknown_models_are_not_found(http: httpclient.InferenceServerClient,
+                                      grpc_client: grpcclient.InferenceServerClient) -> None:
+    """404 / NOT_FOUND (Triton's codes for a model it does not serve) for every endpoint that
+    names a model or a version, with a message naming it and the models served."""
+    for call in (lambda: http.infer("nope", [http_input("x", X)]),
+                 lambda: http.get_model_metadata("nope"), lambda: http.get_model_config("nope"),
+                 lambda: http.get_model_metadata("m", "2")):
+        error = _refusal(call)
+        assert error.status() == "404" and "'m'" in error.message(), error
+    assert not http.is_model_ready("nope")  # tritonclient reads any status but 200 as False
+    for call in (lambda: grpc_client.infer("nope", [grpc_input("x", X)]),
+                 lambda: grpc_client.get_model_metadata("nope"),
+                 lambda: grpc_client.is_model_ready("nope"),
+                 lambda: grpc_client.get_model_config("m", "2")):
+        error = _refusal(call)
+        assert error.status() == "StatusCode.NOT_FOUND" and "'m'" in error.message(), error
+
+
+def test_triton_endpoints_zserve_does_not_serve(
+        http: httpclient.InferenceServerClient,
+        grpc_client: grpcclient.InferenceServerClient) -> None:
+    """Model repository, statistics, trace, logging and shared memory: 501 / UNIMPLEMENTED,
+    as Triton answers what it does not support, with a message tritonclient reads naming the
+    extension (no "an exception occurred in the client while decoding the response")."""
+    calls = {
+        "model_repository": (http.get_model_repository_index,
+                             grpc_client.get_model_repository_index),
+        "statistics": (http.get_inference_statistics, grpc_client.get_inference_statistics),
+        "trace": (http.get_trace_settings, grpc_client.get_trace_settings),
+        "logging": (http.get_log_settings, grpc_client.get_log_settings),
+        "system_shared_memory": (http.get_system_shared_memory_status,
+                                 grpc_client.get_system_shared_memory_status),
+        "cuda_shared_memory": (http.get_cuda_shared_memory_status,
+                               grpc_client.get_cuda_shared_memory_status),
+    }
+    for extension, (over_http, over_grpc) in calls.items():
+        error = _refusal(over_http)
+        assert error.status() == "501" and f"Triton's {extension} extension" in error.message()
+        error = _refusal(over_grpc)
+        assert error.status() == "StatusCode.UNIMPLEMENTED", error
+        assert f"Triton's {extension} extension" in error.message(), error
+    error = _refusal(lambda: http.load_model("m"))
+    assert error.status() == "501" and "model_repository" in error.message()
+    # the model named in a statistics path does not make it a model's metadata
+    error = _refusal(lambda: http.get_inference_statistics("m"))
+    assert error.status() == "501" and "statistics" in error.message()
+
+
+def test_streaming_inference_is_unimplemented(cluster: Cluster) -> None:
+    """Triton's bidirectional ModelStreamInfer: UNIMPLEMENTED, naming what is not served."""
+    from zserve.frontend.oip import oip_inference_pb2 as pb
+
+    with grpc.insecure_channel(cluster.grpc_addresses[0]) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stream(iter([pb.ModelInferRequest(model_name="m")]), timeout=60))
+    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "streaming" in str(raised.value.details())
+
+
+def _http_error(cluster: Cluster, method: str, path: str,
+                body: bytes = b"{}") -> tuple[int, dict[str, Any], Any]:
+    """The status, JSON body and headers of a request answered with an error."""
+    request = urllib.request.Request(f"http://{cluster.http_addresses[0]}{path}", method=method,
+                                     data=body if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    with raised.value as error:
+        assert error.headers["Content-Type"].startswith("application/json")
+        return error.code, json.loads(error.read()), error.headers
+
+
+def test_unknown_paths_answer_json(cluster: Cluster) -> None:
+    """A path no endpoint serves is 404, one served under other methods 405 with ``Allow``:
+    each with the JSON error body (aiohttp's own would be plain text)."""
+    code, answer, _ = _http_error(cluster, "GET", "/v2/nothing/here")
+    assert code == 404 and "GET /v2/nothing/here" in answer["error"], answer
+    assert answer["kind"] == "BAD_REQUEST" and answer["may_have_run"] is False
+    code, answer, headers = _http_error(cluster, "POST", "/v2/health/ready")
+    assert code == 405 and headers["Allow"] == "GET, HEAD" and "GET" in answer["error"], answer
+    code, answer, headers = _http_error(cluster, "GET", "/v2/models/m/infer")
+    assert code == 405 and headers["Allow"] == "POST", answer
+
+
+def test_a_request_carries_a_batch_of_rows(http: httpclient.InferenceServerClient,
+                                           grpc_client: grpcclient.InferenceServerClient,
+                                           expected: Any) -> None:
+    """An OIP request of n rows (leading dimension n, up to max_batch) is answered with n rows,
+    row i answering row i (docs/runtime.md, "Rows")."""
+    rows = np.concatenate([X, X + 1.0, X])
+    for result in (http.infer("m", [http_input("x", rows)]),
+                   grpc_client.infer("m", [grpc_input("x", rows)])):
+        answer = result.as_numpy("y")
+        assert answer.shape == (3, 1)
+        np.testing.assert_array_equal(answer[[0, 2]], np.concatenate([expected, expected]))
+        assert answer[1, 0] != answer[0, 0]
+
+
+def test_a_shape_error_states_the_accepted_shape_with_its_batch_dimension(
+        cluster: Cluster, http: httpclient.InferenceServerClient,
+        grpc_client: grpcclient.InferenceServerClient) -> None:
+    wrong = np.zeros((3, 5), dtype=np.float32)
+    for call in (lambda: http.infer("m", [http_input("x", wrong)]),
+                 lambda: grpc_client.infer("m", [grpc_input("x", wrong)])):
+        message = _refusal(call).message()
+        assert "has shape (3, 5)" in message and "accepts (batch, 4) ([-1, 4]" in message, \
+            message
+    # the metadata's shape sent as it reads: the -1 is explained
+    body = json.dumps({"inputs": [{"name": "x", "shape": [-1, 4], "datatype": "FP32",
+                                   "data": [0, 1, 2, 3]}]}).encode()
+    code, answer, _ = _http_error(cluster, "POST", "/v2/models/m/infer", body)
+    assert code == 400 and "-1 in a model's metadata means any size" in answer["error"], answer

@@ -27,9 +27,9 @@ START_RPS = 100.0
 
 
 def test_demo_bound_comes_from_the_profile_measured_at_start_up() -> None:
-    # The demo's OIP servers on ports the kernel picks: tests never take fixed ports.
+    # The demo's OIP and metrics servers on ports the kernel picks: tests never take fixed ports.
     frontends = {**demo.DEMO_CONFIG["frontends"], "http_addresses": ["127.0.0.1:0"],
-                 "grpc_addresses": ["127.0.0.1:0"]}
+                 "grpc_addresses": ["127.0.0.1:0"], "metrics_addresses": ["127.0.0.1:0"]}
     config = parse_config({**demo.DEMO_CONFIG, "frontends": frontends})
     model = config.models[0]
     assert model.alpha_ms is None and model.profile is None  # nothing configured: measured
@@ -107,7 +107,8 @@ def test_demo_run_ends_with_its_verdict_line(tmp_path: Path) -> None:
     """The main job as a user runs it (the demo cluster, its OIP ports the kernel's): the last
     line says PASS and the exit status agrees."""
     config = tmp_path / "demo.toml"
-    config.write_text(demo.DEMO_TOML.read_text().replace(":8000", ":0").replace(":8001", ":0"))
+    config.write_text(demo.DEMO_TOML.read_text().replace(":8000", ":0").replace(":8001", ":0")
+                      .replace(":8002", ":0"))
     run = subprocess.run([sys.executable, "-m", "zserve", "demo", "--config", str(config),
                           "--requests", "100", "--goodput-s", "0"],
                          capture_output=True, text=True, timeout=300, check=False)

@@ -128,7 +128,8 @@ def test_demo_cnn_over_both_protocols(tmp_path: Path) -> None:
     equal the model run here."""
     demo = load_config(REPO / "examples" / "clusters" / "demo.toml")
     frontends = msgspec.structs.replace(demo.frontends, http_addresses=(LOOPBACK_ANY,),
-                                        grpc_addresses=(LOOPBACK_ANY,))
+                                        grpc_addresses=(LOOPBACK_ANY,),
+                                        metrics_addresses=(LOOPBACK_ANY,))
     scheduler = msgspec.structs.replace(demo.scheduler, jitter_ms=JITTER_MS)
     config = msgspec.structs.replace(demo, frontends=frontends, scheduler=scheduler)
     executor: Any = build_executor("cpu", list(config.models))

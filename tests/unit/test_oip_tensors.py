@@ -252,3 +252,12 @@ def test_config_keys() -> None:
         parse_config(frontends(grpc_addresses=["tcp://127.0.0.1:8001"]))
     with pytest.raises(ConfigError, match=r"frontends\.http_addresses: more addresses"):
         parse_config(frontends(http_addresses=["127.0.0.1:1", "127.0.0.1:2"]))
+
+
+def test_a_metadata_shape_sent_as_it_reads_is_explained() -> None:
+    """``[-1, 4]`` copied from a model's metadata: the error says what -1 stands for and that
+    the first dimension is the batch."""
+    with pytest.raises(BadRequestError) as raised:
+        decode_http_body(_json_body("FP32", [-1, 4], [0.0, 1.0, 2.0, 3.0]), None)
+    assert "-1 in a model's metadata means any size" in raised.value.message
+    assert "the first dimension is the batch" in raised.value.message

@@ -5,10 +5,14 @@ line
 naming its key, exit code 2, nothing started), then runs a ``Supervisor``
 (``zserve.cluster.supervisor``)
 in the foreground until SIGINT/SIGTERM, then drains it; ``--detach`` starts that in a new session
-and returns once the cluster is up, printing where clients connect. A running cluster leaves a
-pid file and a state file (JSON: client addresses, run folder, child pids and restart counts,
+and returns once the cluster is up. Either way it prints every frontend's addresses as bound
+(``endpoint_lines``: the native client's, OIP HTTP, OIP gRPC, metrics; the kernel's port where
+the file said 0); ``--detach`` prints the client addresses alone on stdout, one a line, for
+scripts, and the rest on stderr. A running cluster leaves a pid file and a state file (JSON:
+client addresses, every frontend's endpoints, run folder, child pids and restart counts,
 rewritten when a restarted child is ready) in the state folder, which ``zserve down`` reads to
-drain it and ``zserve status`` to name each role's pid and restarts.
+drain it and ``zserve status`` to name each role's pid and restarts and each frontend's
+endpoints.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ from zserve.runtime import runner
 DETACH_POLL_S = 0.05
 """How often ``zserve up --detach`` looks for the state file while its child starts (the
 child's exit wakes it at once through a pidfd)."""
+# How `zserve up` and `zserve status` name each of a frontend's addresses
+# (``zserve.cluster.supervisor.USER_ENDPOINTS``, in that order).
+ENDPOINT_LABELS = {"client": "client", "http": "OIP HTTP", "grpc": "OIP gRPC",
+                   "metrics": "metrics"}
+
+
+def endpoint_lines(endpoints: dict[str, dict[str, str]]) -> list[str]:
+    """One line per address of each frontend (``Supervisor.user_endpoints``, or the state
+    file's ``endpoints``): ``  frontend-0   OIP HTTP  127.0.0.1:8000``."""
+    return [f"  {frontend:<12} {label:<9} {served[socket]}"
+            for frontend, served in endpoints.items()
+            for socket, label in ENDPOINT_LABELS.items() if socket in served]
 
 
 def state_dir_for(arg: str | None) -> Path:
@@ -78,7 +94,8 @@ def _up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve up", description=main_up.__doc__)
     parser.add_argument("config", help="cluster.toml")
     parser.add_argument("--detach", action="store_true",
-                        help="run in the background; print the client address and return")
+                        help="run in the background; print the client addresses (stdout) and "
+                        "every frontend's endpoints (stderr), and return")
     parser.add_argument("--state-dir", help="where the pid and state files go "
                         "(default $XDG_RUNTIME_DIR/zserve or /tmp/zserve-$UID)")
     parser.add_argument("--ipc-dir", help="parent folder of the cluster's run folder "
@@ -147,8 +164,9 @@ def _report(problems: Iterable[Problem]) -> None:
 
 
 def _write_state(supervisor: Supervisor, config_path: str, state_path: Path) -> None:
-    """The state file (`zserve down` and `zserve status` read it): client addresses, run folder,
-    each child's pid and how many times the supervisor restarted it."""
+    """The state file (`zserve down` and `zserve status` read it): client addresses, every
+    frontend's endpoints as bound, run folder, each child's pid and how many times the
+    supervisor restarted it."""
     children = supervisor.children
     state = {
         "name": supervisor.config.name,
@@ -159,6 +177,7 @@ def _write_state(supervisor: Supervisor, config_path: str, state_path: Path) -> 
         # a configured port 0 (`zserve bench ADDRESS --protocol http-json` reads them).
         "oip_addresses": {server: supervisor.frontend_endpoints(server)
                           for server in ("http", "grpc")},
+        "endpoints": supervisor.user_endpoints(),
         "run_dir": supervisor.run_dir,
         "pids": {child_name: child.pid for child_name, child in children.items()},
         "restarts": {child_name: len(child.restart_history)
@@ -169,7 +188,7 @@ def _write_state(supervisor: Supervisor, config_path: str, state_path: Path) -> 
 
 def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_path: Path) -> None:
     """The cluster is up: write its state and pid files (the state file again whenever a
-    restarted child is ready), print where clients connect."""
+    restarted child is ready), print where clients connect and every frontend's endpoints."""
     name = supervisor.config.name
     _write_state(supervisor, config_path, state_path)
     supervisor.on_child_ready = lambda: _write_state(supervisor, config_path, state_path)
@@ -180,9 +199,8 @@ def _announce(supervisor: Supervisor, config_path: str, pid_path: Path, state_pa
         if security.curve and address.startswith("tcp://"):  # docs/security.md
             print(f"zserve: with CURVE: server_key={security.keys_dir}/frontend.key and a client "
                   f"key listed in {security.clients_dir}", flush=True)
-    for server in ("http", "grpc"):  # the frontends' Open Inference Protocol servers
-        for address in supervisor.frontend_endpoints(server):
-            print(f"zserve: cluster {name!r} serves OIP {server} at {address}", flush=True)
+    print(f"zserve: cluster {name!r} serves at:", flush=True)
+    print("\n".join(endpoint_lines(supervisor.user_endpoints())), flush=True)
     view = supervisor.scheduler_view
     if supervisor.config.scheduler.standby and view:
         print(f"zserve: scheduler {view.get('active')} is active in epoch {view.get('epoch')}; "
@@ -221,8 +239,11 @@ def _detach(args: argparse.Namespace, pid_path: Path, state_path: Path) -> int:
     finally:
         os.close(pidfd)
     state = json.loads(state_path.read_text())
-    for address in state["client_addresses"]:
-        print(address)
+    for address in state["client_addresses"]:  # stdout: what a script captures
+        print(address, flush=True)
+    print(f"zserve: cluster {state['name']!r} is up in the background (log: {log_path}; "
+          "`zserve down` stops it); it serves at:", file=sys.stderr)
+    print("\n".join(endpoint_lines(state["endpoints"])), file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``zserve status [ADDRESS]``: a running cluster's roles, models, backends, readiness and rates.
+"""``zserve status [ADDRESS]``: a running cluster's endpoints, roles, models, backends, readiness
+and rates.
 
 Asks the frontend at ADDRESS (default: the client address ``zserve up`` recorded for the one
 running cluster in its state folder) for ``ClusterStatsRequest(reset=False)`` twice,
@@ -10,6 +11,13 @@ warmed backend). Each role's pid and restart count come from the state file of t
 ``zserve up`` recorded with that client address, which its supervisor rewrites whenever a
 restarted role is ready (``-`` for a cluster started otherwise); a role's own stats give its
 pid where they carry one.
+
+Endpoints: every frontend's addresses as bound (client, OIP HTTP, OIP gRPC, metrics) come from
+that same state file, which holds what each frontend reported when it was ready, so they are
+right for port 0 and after a restart. A cluster ``zserve up`` did not start (one started in
+Python, or roles started alone, or one on another host) has no state file here: then the
+frontend at ADDRESS is the source, and its stats name its client address (the one asked) and
+its metrics URL only.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import time
 from typing import Any
 
 from zserve.client.cluster_stats import FRONTEND_AT_ADDRESS, frontend_stats_reader
-from zserve.cluster.cli import recorded_state, state_dir_for
+from zserve.cluster.cli import endpoint_lines, recorded_state, state_dir_for
 
 DEFAULT_INTERVAL_S = 1.0
 
@@ -56,6 +64,21 @@ def _print_roles(stats: dict[str, Any], state: dict[str, Any]) -> None:
               f"{recorded(name, peer.get('pid'))}")
     for name in stats.get("cluster_silent", []):
         print(f"  {name:<12} {'?':<9} silent  {recorded(name)}  (did not answer within 0.5 s)")
+
+
+def _print_endpoints(address: str, stats: dict[str, Any], state: dict[str, Any]) -> None:
+    """Every frontend's addresses from ``state`` (recorded by ``zserve up``), else what the
+    frontend at ``address`` says of itself."""
+    endpoints: dict[str, dict[str, str]] | None = state.get("endpoints")
+    if endpoints is None:
+        own = {"client": address}
+        if stats.get("metrics_url"):
+            own["metrics"] = stats["metrics_url"]
+        endpoints = {stats["name"]: own}
+    print("endpoints:")
+    print("\n".join(endpoint_lines(endpoints)))
+    if "endpoints" not in state:
+        print("  (OIP HTTP and gRPC addresses: recorded for a cluster `zserve up` started)")
 
 
 def _print_models(before: dict[str, Any], stats: dict[str, Any], interval_s: float) -> None:
@@ -112,7 +135,7 @@ def _print_requests(before: dict[str, Any], stats: dict[str, Any], interval_s: f
 
 def main(argv: list[str]) -> int:
     """``zserve status [ADDRESS] [--state-dir DIR] [--interval S]``: print a running cluster's
-    roles, models, backends, readiness and request rates."""
+    endpoints, roles, models, backends, readiness and request rates."""
     parser = argparse.ArgumentParser(prog="zserve status", description=main.__doc__)
     parser.add_argument("address", nargs="?", help="a frontend's client address "
                         "(default: the one `zserve up` recorded)")
@@ -130,7 +153,9 @@ def main(argv: list[str]) -> int:
         print(f"zserve status: {exc}", file=sys.stderr)
         return 1
     print(f"cluster at {address}: {'ready' if stats.get('ready') else 'NOT READY'}")
-    _print_roles(stats, recorded_state(address, args.state_dir))
+    state = recorded_state(address, args.state_dir)
+    _print_endpoints(address, stats, state)
+    _print_roles(stats, state)
     _print_models(before, stats, args.interval)
     _print_backends(before, stats, args.interval)
     _print_requests(before, stats, args.interval)

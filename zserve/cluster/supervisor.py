@@ -12,7 +12,7 @@ Python API (tests and the load generator start clusters in-process)::
 
 Command line (``zserve.cluster.cli``)::
 
-    zserve up CLUSTER.toml [--detach] [--state-dir DIR]   # prints where clients connect
+    zserve up CLUSTER.toml [--detach] [--state-dir DIR]   # prints every frontend's addresses
     zserve down [NAME] [--state-dir DIR]                   # drains a detached cluster
 
 Start-up: ``zserve.cluster.preflight`` first checks what the file names (model and profile files,
@@ -97,6 +97,11 @@ ERROR_TAIL_CHARS = 4000
 REFUSED_EXIT_CODE = 2
 
 
+# A frontend's addresses that users reach (its ``data`` socket is the backends'), in the order
+# `zserve up` and `zserve status` print them; ``metrics`` is the Prometheus endpoint's URL.
+USER_ENDPOINTS = ("client", "http", "grpc", "metrics")
+
+
 class StartupError(RuntimeError):
     """The cluster could not start: a child died or a step timed out (the message says which)."""
 
@@ -160,13 +165,23 @@ class Supervisor:
         return self.frontend_endpoints("client")
 
     def frontend_endpoints(self, socket: str) -> list[str]:
-        """Where each frontend serves ``socket`` (``client``, and ``http`` / ``grpc`` where its
-        Open Inference Protocol servers are on), in frontend order."""
+        """Where each frontend serves ``socket`` (``client``; ``http`` / ``grpc`` where its
+        Open Inference Protocol servers are on; ``metrics``, a URL, where it serves Prometheus),
+        in frontend order."""
         return [
             c.endpoints[socket]
             for c in self.children.values()
             if c.role == "frontend" and socket in c.endpoints
         ]
+
+    def user_endpoints(self) -> dict[str, dict[str, str]]:
+        """Each frontend's ``USER_ENDPOINTS`` as bound (the kernel's port where the file said
+        0), those it serves: ``{"frontend-0": {"client": ..., "http": ..., "metrics": ...}}``."""
+        return {
+            c.name: {socket: c.endpoints[socket] for socket in USER_ENDPOINTS
+                     if socket in c.endpoints}
+            for c in self.children.values() if c.role == "frontend"
+        }
 
     def _error_file(self, child: SupervisedChild) -> str:
         return os.path.join(self.run_dir, f"{child.name}.err")
@@ -621,6 +636,10 @@ class Cluster:
     def grpc_addresses(self) -> list[str]:
         """Each frontend's OIP gRPC ``host:port`` (those configured to serve it)."""
         return self._sup.frontend_endpoints("grpc")
+
+    def endpoints(self) -> dict[str, dict[str, str]]:
+        """Each frontend's addresses that users reach, as bound (``Supervisor.user_endpoints``)."""
+        return self._sup.call(self._sup.user_endpoints)
 
     @property
     def run_dir(self) -> str:

@@ -72,7 +72,8 @@ class TensorSpec:
         return cls(name, dtype, dims)
 
     def describe(self) -> str:
-        dims = ", ".join("?" if d is None else str(d) for d in (1, *self.shape))
+        """``x: float32[batch, 32]``: the batch dimension first, the request's number of rows."""
+        dims = ", ".join("?" if d is None else str(d) for d in ("batch", *self.shape))
         return f"{self.name}: {self.dtype}[{dims}]"
 
 
@@ -205,16 +206,26 @@ class ModelSignature:
         hint = ""
         leading: int | str = "n"
         if _shape_matches(got_shape, sample_shape):
-            hint = " (add a leading batch dimension: its size is the request's number of rows)"
+            hint = "; add a leading batch dimension"
         elif len(got_shape) == len(sample_shape) + 1:
             leading = got_shape[0]
         raise BadRequestError(
             f"model {self.model!r}{where}: input {name!r} has shape "
-            f"{got_shape}, expected {_format_shape((leading, *sample_shape))}{hint}"
+            f"{got_shape}, expected {_format_shape((leading, *sample_shape))}: "
+            f"{accepted_shape(sample_shape)}{hint}"
         )
 
     def _describe_inputs(self) -> str:
         return ", ".join(s.describe() for s in self.inputs)
+
+
+def accepted_shape(sample_shape: tuple[int | None, ...]) -> str:
+    """What an input of per-row ``sample_shape`` accepts, batch dimension first, in the
+    client's terms and the OIP metadata's: ``the model accepts (batch, 32) ([-1, 32] in its
+    metadata), batch being the request's number of rows (1 or more)``."""
+    oip = ", ".join(str(d) for d in (-1, *(-1 if d is None else d for d in sample_shape)))
+    return (f"the model accepts {_format_shape(('batch', *sample_shape))} ([{oip}] in its "
+            "metadata), batch being the request's number of rows (1 or more)")
 
 
 def _shape_matches(got: tuple[int, ...], expected: tuple[int | None, ...]) -> bool:

@@ -13,6 +13,13 @@ The bridge also answers what the health and metadata endpoints ask (``zserve.fro
 from
 the core's state: whether it admits, the rank's backend table, the signatures the backends
 registered. It runs on the frontend's loop and is never touched from another thread.
+
+Two refusals are the servers' own, with Triton's codes (its ``TRITONSERVER_ERROR_NOT_FOUND`` and
+``_UNSUPPORTED``): a model or version the cluster does not serve (``UnknownModelError``: HTTP 404,
+gRPC ``NOT_FOUND``), and an endpoint of Triton's that zserve does not serve
+(``UnsupportedEndpointError``, made by ``unsupported``: HTTP 501, gRPC ``UNIMPLEMENTED``). Both
+are ``BAD_REQUEST`` to zserve (the request never ran; a retry cannot succeed), so their JSON body
+is every error's: ``{"error", "kind", "may_have_run"}``, which tritonclient reads.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from zserve.config.signature import ModelSignature, quoted
+from zserve.config.signature import ModelSignature, named_list, quoted
 from zserve.core.errors import (
     BadRequestError,
     ShuttingDownError,
@@ -44,6 +51,23 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration")
 MODEL_VERSIONS = ("", "1")
 
 Outputs = dict[str, Any]
+
+
+class UnknownModelError(BadRequestError):
+    """A model (or a version of it) this cluster does not serve."""
+
+
+class UnsupportedEndpointError(BadRequestError):
+    """An endpoint of Triton's that zserve does not serve (its model repository, statistics,
+    trace, logging, shared memory, generate and streaming endpoints)."""
+
+
+def unsupported(extension: str, endpoint: str) -> UnsupportedEndpointError:
+    """The answer to ``endpoint`` (``POST /v2/repository/index``, ``RepositoryIndex``), one of
+    ``extension``'s."""
+    return UnsupportedEndpointError(
+        f"{endpoint}: zserve does not serve Triton's {extension} extension (it serves health, "
+        f"metadata and inference, and the extensions {', '.join(EXTENSIONS)})")
 
 
 class OipBridge:
@@ -83,7 +107,7 @@ class OipBridge:
                 raise ShuttingDownError(self._closed_because)
             raise UnavailableError(f"frontend {self.core.name} is not serving yet")
         if model not in self.core.models:
-            raise BadRequestError(f"unknown model {quoted(model)}")
+            raise UnknownModelError(f"unknown model {quoted(model)}")
         rid = self._next_id
         self._next_id += 1
         future: asyncio.Future[Outputs] = loop.create_future()
@@ -156,10 +180,11 @@ class OipBridge:
 
     def check_model(self, model: str, version: str = "") -> None:
         if model not in self.core.models:
-            raise BadRequestError(f"unknown model {quoted(model)}")
+            raise UnknownModelError(f"unknown model {quoted(model)} (this cluster serves "
+                                    f"{named_list(sorted(self.core.models))})")
         if version not in MODEL_VERSIONS:
-            raise BadRequestError(f"model {quoted(model)} has version 1 only, not "
-                                  f"{quoted(version)}")
+            raise UnknownModelError(f"model {quoted(model)} has version 1 only, not "
+                                    f"{quoted(version)}")
 
     def signature(self, model: str, version: str = "") -> ModelSignature:
         """The signature ``model``'s backends registered (UNAVAILABLE before one did)."""

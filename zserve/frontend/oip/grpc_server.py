@@ -9,7 +9,11 @@ outputs go back as ``raw_output_contents``. Errors abort the call with the code 
 (``CODE_OF``), the message (cut to ``MAX_ERROR_MESSAGE_BYTES``: it travels in the trailers,
 which clients cap), and trailing metadata ``zserve-error-kind``, ``zserve-may-have-run`` and,
 where a retry may succeed, ``retry-after`` (seconds). A request message that fails to decode is
-answered ``INVALID_ARGUMENT`` like any other bad request.
+answered ``INVALID_ARGUMENT`` like any other bad request. An unknown model or version is
+``NOT_FOUND``, and the methods of Triton's service that zserve does not serve
+(``UNSUPPORTED_METHODS``, ``ModelStreamInfer``) are registered to answer ``UNIMPLEMENTED`` with a
+message naming what is not served (grpcio's own answer to a method it does not know says only
+"Method not found!"), as Triton answers its ``NOT_FOUND`` and ``UNSUPPORTED`` errors.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from google.protobuf.message import Message as ProtoMessage
 
 from zserve.core.errors import BadRequestError, ErrorKind, ZServeError, bounded_message
 from zserve.frontend.oip import oip_inference_pb2 as pb
-from zserve.frontend.oip.bridge import EXTENSIONS, SERVER_NAME, OipBridge
+from zserve.frontend.oip.bridge import (
+    EXTENSIONS,
+    SERVER_NAME,
+    OipBridge,
+    UnknownModelError,
+    UnsupportedEndpointError,
+    unsupported,
+)
 from zserve.frontend.oip.tensors import (
     OipRequest,
     array_from_bytes,
@@ -49,6 +60,28 @@ CODE_OF = {
     ErrorKind.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+# Refusals of the server's own, by class before kind (both are BAD_REQUEST): Triton's codes.
+CODE_OF_REFUSAL: dict[type[ZServeError], grpc.StatusCode] = {
+    UnknownModelError: grpc.StatusCode.NOT_FOUND,
+    UnsupportedEndpointError: grpc.StatusCode.UNIMPLEMENTED,
+}
+# Triton's unary methods that zserve does not serve, each with its extension (Triton's name).
+UNSUPPORTED_METHODS = {
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model_repository",
+    "RepositoryModelLoad": "model_repository",
+    "RepositoryModelUnload": "model_repository",
+    "SystemSharedMemoryStatus": "system_shared_memory",
+    "SystemSharedMemoryRegister": "system_shared_memory",
+    "SystemSharedMemoryUnregister": "system_shared_memory",
+    "CudaSharedMemoryStatus": "cuda_shared_memory",
+    "CudaSharedMemoryRegister": "cuda_shared_memory",
+    "CudaSharedMemoryUnregister": "cuda_shared_memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+# Triton's bidirectional streaming inference (decoupled models): not served either.
+STREAM_METHOD = "ModelStreamInfer"
 RETRY_AFTER_S = 1
 _RETRYABLE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 # Where typed contents keep each datatype's values.
@@ -65,7 +98,7 @@ Method = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[ProtoMess
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: ZServeError) -> None:
-    code = CODE_OF.get(error.kind, grpc.StatusCode.INTERNAL)
+    code = CODE_OF_REFUSAL.get(type(error)) or CODE_OF.get(error.kind, grpc.StatusCode.INTERNAL)
     trailers: list[tuple[str, str]] = [
         ("zserve-error-kind", error.kind.value),
         ("zserve-may-have-run", "true" if error.may_have_run else "false"),
@@ -118,6 +151,25 @@ def _typed(method: Method) -> Method:
             raise AssertionError("unreachable: abort raises") from None
 
     return call
+
+
+def _refusal(extension: str, method: str) -> Callable[[Any, Any], Awaitable[None]]:
+    """A method of Triton's that zserve does not serve: its calls end ``UNIMPLEMENTED``
+    (the request, unary or a stream, is never read)."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await _abort(context, unsupported(extension, method))
+
+    return refuse
+
+
+def _refusals() -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        name: grpc.unary_unary_rpc_method_handler(_refusal(extension, name))
+        for name, extension in UNSUPPORTED_METHODS.items()}
+    handlers[STREAM_METHOD] = grpc.stream_stream_rpc_method_handler(
+        _refusal("streaming", STREAM_METHOD))
+    return handlers
 
 
 def _parameters(params: Any) -> dict[str, Any]:
@@ -186,7 +238,7 @@ class OipGrpc:
                 response_serializer=response_type.SerializeToString)
             for name, (method, request_type, response_type) in methods.items()
         }
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+        return grpc.method_handlers_generic_handler(SERVICE, {**handlers, **_refusals()})
 
     async def server_live(self, request: pb.ServerLiveRequest,
                           context: Any) -> pb.ServerLiveResponse:

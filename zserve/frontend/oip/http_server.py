@@ -7,7 +7,12 @@ Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2/models/<m>[/version
 binary tensor data extension (``zserve.frontend.oip.tensors``). Health answers 200 or 503 (not
 ready);
 errors answer the status of their kind (``STATUS_OF``) with a JSON body ``{"error": message,
-"kind": KIND, "may_have_run": bool}``, and ``Retry-After`` where a retry may succeed.
+"kind": KIND, "may_have_run": bool}``, and ``Retry-After`` where a retry may succeed. An unknown
+model or version answers 404, an endpoint of Triton's that zserve does not serve
+(``UNSUPPORTED_ROUTES``: model repository, statistics, trace, logging, shared memory, generate)
+501, as Triton answers its ``NOT_FOUND`` and ``UNSUPPORTED`` errors; any other path 404 (405
+with ``Allow`` for a path served under other methods), every one with that JSON body, so that
+tritonclient reads the message.
 
 Request limits (docs/security.md, "Request limits"), each answered and counted
 (``zserve.frontend.metrics.HTTP_REFUSED_COUNTER``) before a request reaches the core:
@@ -47,7 +52,14 @@ from zserve.core.errors import (
 )
 from zserve.frontend.admission import ModelAdmission
 from zserve.frontend.metrics import HTTP_REFUSAL_REASONS, HTTP_REFUSED_COUNTER
-from zserve.frontend.oip.bridge import EXTENSIONS, SERVER_NAME, OipBridge
+from zserve.frontend.oip.bridge import (
+    EXTENSIONS,
+    SERVER_NAME,
+    OipBridge,
+    UnknownModelError,
+    UnsupportedEndpointError,
+    unsupported,
+)
 from zserve.frontend.oip.tensors import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -72,6 +84,28 @@ STATUS_OF = {
     ErrorKind.SHUTTING_DOWN: 503,
     ErrorKind.DEADLINE: 504,
 }
+# Refusals of the servers' own, by class before kind (both are BAD_REQUEST): Triton's codes for
+# its NOT_FOUND and UNSUPPORTED errors.
+STATUS_OF_REFUSAL: dict[type[ZServeError], int] = {
+    UnknownModelError: 404,
+    UnsupportedEndpointError: 501,
+}
+NOT_FOUND_STATUS = 404
+METHOD_NOT_ALLOWED_STATUS = 405
+# Triton's routes that zserve does not serve: (path, extension), any method.
+UNSUPPORTED_ROUTES = (
+    ("/v2/repository/{tail:.*}", "model_repository"),
+    ("/v2/models/stats", "statistics"),
+    ("/v2/models/{model}/stats", "statistics"),
+    ("/v2/models/{model}/versions/{version}/stats", "statistics"),
+    ("/v2/trace/setting", "trace"),
+    ("/v2/models/{model}/trace/setting", "trace"),
+    ("/v2/logging", "logging"),
+    ("/v2/systemsharedmemory/{tail:.*}", "system_shared_memory"),
+    ("/v2/cudasharedmemory/{tail:.*}", "cuda_shared_memory"),
+    *((f"/v2/models/{{model}}{version}/{route}", "generate")
+      for version in ("", "/versions/{version}") for route in ("generate", "generate_stream")),
+)
 # Seconds a client should wait before retrying an answer that proves the request never ran
 # (the admission queue or a backend may have room by then).
 RETRY_AFTER_S = 1
@@ -324,11 +358,16 @@ class LimitedConnection(RequestHandler):
 
 # --------------------------------------------------------------------------- routes
 
-def error_response(error: ZServeError) -> web.Response:
-    status = STATUS_OF.get(error.kind, 500)
+def error_response(error: ZServeError, status: int | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """``error`` as its status (``STATUS_OF_REFUSAL``, else ``STATUS_OF``, unless ``status``
+    says) and its JSON body."""
+    if status is None:
+        status = STATUS_OF_REFUSAL.get(type(error)) or STATUS_OF.get(error.kind, 500)
     body = {"error": bounded_message(error.message), "kind": error.kind.value,
             "may_have_run": error.may_have_run}
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRYABLE_STATUSES else None
+    if status in RETRYABLE_STATUSES:
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, body=encode_json(body), content_type=JSON_CONTENT_TYPE,
                         headers=headers)
 
@@ -394,9 +433,14 @@ class OipHttp:
             *(web.post(p + "/infer", _typed_errors(self.infer)) for p in (model, versioned)),
             get("/v2/health/live", self.live), get("/v2/health/ready", self.ready),
             get("/v2", self.server_metadata),
+            # Before the model metadata: /v2/models/stats is no model's.
+            *(web.route("*", path, _unsupported_handler(extension))
+              for path, extension in UNSUPPORTED_ROUTES),
             *(get(p + "/ready", self.model_ready) for p in (model, versioned)),
             *(get(p, self.model_metadata) for p in (model, versioned)),
             *(get(p + "/config", self.model_config) for p in (model, versioned)),
+            # Last: aiohttp tries it only where no other route's path matches.
+            web.route("*", "/{path:.*}", _no_such_endpoint),
         ])
         return app
 
@@ -444,6 +488,29 @@ class OipHttp:
             return web.Response(body=parts[0], content_type=JSON_CONTENT_TYPE)
         return web.Response(body=b"".join(parts), content_type=BINARY_CONTENT_TYPE,
                             headers={HEADER_LENGTH: str(header_length)})
+
+
+def _unsupported_handler(extension: str) -> Handler:
+    async def refuse(request: web.Request) -> web.Response:
+        return error_response(unsupported(extension, f"{request.method} {request.path}"))
+
+    return refuse
+
+
+async def _no_such_endpoint(request: web.Request) -> web.Response:
+    """A path no route serves (404), or one served under other methods (405 naming them):
+    the JSON body tritonclient reads, where aiohttp would answer plain text."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            allowed |= (await resource.resolve(request))[1]
+    endpoint = f"{request.method} {request.path}"
+    if allowed:
+        return error_response(BadRequestError(f"{endpoint}: this path is served for "
+                                              f"{', '.join(sorted(allowed))} only"),
+                              METHOD_NOT_ALLOWED_STATUS, {"Allow": ", ".join(sorted(allowed))})
+    return error_response(BadRequestError(f"no endpoint {endpoint} (zserve serves the Open "
+                                          "Inference Protocol under /v2)"), NOT_FOUND_STATUS)
 
 
 def _model_of(request: web.Request) -> tuple[str, str]:

@@ -243,9 +243,14 @@ def _checked_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
         if type(dim) is not int:
             raise BadRequestError(f"input {quoted(name)}: shape holds a {type(dim).__name__}, "
                                   "not an integer")
-        if not 0 <= dim <= MAX_TENSOR_ELEMENTS:
+        if dim < 0:  # the model's metadata shape copied: its -1s stand for sizes to choose
+            raise BadRequestError(f"input {quoted(name)}: shape has a dimension < 0 (send each "
+                                  "dimension's size: -1 in a model's metadata means any size, "
+                                  "and the first dimension is the batch, the request's number "
+                                  "of rows)")
+        if dim > MAX_TENSOR_ELEMENTS:
             raise BadRequestError(f"input {quoted(name)}: shape has a dimension "
-                                  f"{'< 0' if dim < 0 else f'> {MAX_TENSOR_ELEMENTS}'}")
+                                  f"> {MAX_TENSOR_ELEMENTS}")
         elements *= dim or 1
     if elements > MAX_TENSOR_ELEMENTS:
         raise BadRequestError(f"input {quoted(name)}: shape {list(dims)} describes over "
