@@ -67,18 +67,16 @@ def _print_roles(stats: dict[str, Any], state: dict[str, Any]) -> None:
 
 
 def _print_endpoints(address: str, stats: dict[str, Any], state: dict[str, Any]) -> None:
-    """Every frontend's addresses from ``state`` (recorded by ``zserve up``), else what the
-    frontend at ``address`` says of itself."""
+    """Every frontend's addresses from ``state`` (recorded by ``zserve up``: every frontend),
+    else what the frontend at ``address`` says of itself (its own addresses as bound)."""
     endpoints: dict[str, dict[str, str]] | None = state.get("endpoints")
     if endpoints is None:
-        own = {"client": address}
+        own = {"client": address, **stats.get("endpoints", {})}
         if stats.get("metrics_url"):
-            own["metrics"] = stats["metrics_url"]
+            own.setdefault("metrics", stats["metrics_url"])
         endpoints = {stats["name"]: own}
     print("endpoints:")
     print("\n".join(endpoint_lines(endpoints)))
-    if "endpoints" not in state:
-        print("  (OIP HTTP and gRPC addresses: recorded for a cluster `zserve up` started)")
 
 
 def _print_models(before: dict[str, Any], stats: dict[str, Any], interval_s: float) -> None:

@@ -493,6 +493,7 @@ class FrontendHost:
         out["clock"] = self.clock.stats()
         out["scheduler"] = {"active": self.fence.active, "epoch": self.fence.highest}
         out["metrics_url"] = self.metrics_url
+        out["endpoints"] = dict(self.endpoints)  # as bound: `zserve status ADDRESS` prints them
         out["pid"] = os.getpid()
         out["slo_ms"] = {m.name: m.slo_ms for m in self.cluster.models}  # for `zserve status`
         keys.count_auth_failed(self.ctx, out["counters"], reset)
