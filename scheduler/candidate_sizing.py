@@ -1,28 +1,40 @@
-"""How a ModelThread sizes and aims its batch candidate: the arithmetic half of the ModelThread.
+"""How one model sizes and aims its batch candidate: the policy arithmetic a ModelThread asks.
 
-``CandidateSizing`` is the ModelThread's base class: it owns no state of its own and holds the
-computations over the ModelThread's deadline-ordered queue (parallel lists from ``_head`` on) that
-decide the candidate: the target batch size and ``keep_min``, the drop policies' new head and batch
-size (``_size_keeping_target``, ``_size_feasible``, ``_grow``), and the candidate's exec time and
-wake-up by the schedule policy (``_aim``; Symphony Appendix D, ``update_candidate``). The
-deferred policies' learned margin and window-loss estimate are updated here too
-(``_missed_window``). The event handling (arrivals, grants, timers) and what goes into the
-outbox stay in
-``zserve.scheduler.model_thread``. A base class rather than functions: these run on the shard's
-hot path, and reading the queue through ``self`` costs no argument passing.
+``CandidateSizing`` owns what decides a candidate besides the queue itself: the model's latency
+profile and schedule policy, its delays, SLO and planning budget, the rate meter and the target
+batch size and ``keep_min`` that follow from it, the deferred policies' rate bounds, and what they
+learn from their grants (the miss margin, the window-loss estimate and its back-off, the
+``DeferralYield``). The ModelThread (``zserve.scheduler.model_thread``) owns the queue and the
+candidate: it hands the part its deadline-ordered lists and head index, and stores what the part
+returns. The calls, in the order of a ModelThread's event:
 
-``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on the hot path), and
-``b if b < a else a`` for ``min(a, b)``.
+- ``note_arrivals(now, rows)``: a chunk's rows feed the meter (and the target, when it seals a
+  bucket; ``retarget`` for a caller that fed ``meter`` itself);
+- ``size_batch`` / ``size_rows``: the drop policies' new head and batch size over the queue
+  (``size_rows`` while requests hold several rows);
+- ``aim``: the candidate's exec time by the schedule policy (Symphony Appendix D,
+  ``update_candidate``), its latest start, its wake-up, and whether it defers;
+- ``on_grant`` (a grant came for the candidate), ``on_planned`` (its batch was planned) and
+  ``on_window_missed`` (a deferred candidate's grant window closed): the deferred policies'
+  learning; ``published_duration``: the duration a ``CandidateUpdate`` carries.
+
+The methods run on the shard's hot path: the queue comes in as the ModelThread's own lists (no
+copy), the profile's table and the policy's kind are cached in attributes, ``size_batch`` is the
+drop policy's own method (bound once: no dispatch per call), and ``b if b > a else a`` stands for
+``max(a, b)`` (the same value; no call), ``b if b < a else a`` for ``min(a, b)``.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Callable
 
 from zserve.config.policy_names import (
+    DEFAULT_KEEP_TOLERANCE,
     DROP_FCFS,
     DROP_SUFFIX,
+    GRANT_EARLIEST_DEADLINE,
     KIND_DEFERRED,
     KIND_EAGER,
     KIND_FRONTRUN,
@@ -40,75 +52,143 @@ from zserve.scheduler.policy import (
     DEFER_LOSS_WEIGHT,
     DEFER_MIN_JOINERS,
     DEFER_MISS_MAX_S,
+    DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
     DEFER_STAGGER_MIN_GPUS,
     RESCUE_SHARED_FLOOR,
     DeferralYield,
     RpsMeter,
+    target_batch_size,
 )
 
-COMPACT_AT = 4096
-"""Compact the queue's lists once this many popped entries precede the head (and they are at
-least half of them)."""
+DEFAULT_RATE_BUCKET_S = 0.05
+DEFAULT_RATE_WINDOW = 100
+
+Aim = tuple[float, float, float, bool, bool]
+"""What ``aim`` returns: ``(exec_at, latest, wake_at, deferred, early_ok)``."""
 
 
 class CandidateSizing:
-    """The candidate's size and aim over the ModelThread's queue; the ModelThread sets every
-    attribute below (see ``zserve.scheduler.model_thread.ModelThread``)."""
+    """One model's candidate arithmetic and the state it learns (see the module docstring).
 
-    # the queue: parallel lists sorted by deadline, live from _head on
-    _dl: list[float]
-    _rid: list[int]
-    _fe: list[int]
-    _arr: list[float]
-    # each request's rows, parallel to the lists above; None while every request holds one
-    # row (then the sizing below counts requests, which are rows, on its unchanged fast path)
-    _rows: list[int] | None
-    _head: int
-    # hot-path caches of the profile and policy
-    _profile: LatencyProfile
-    _table: list[float]
-    _max_batch: int
-    _policy: SchedulePolicy
-    _drop: int
-    _keeps_target: bool  # window or suffix drop (SchedulePolicy.keeps_target)
-    _kind: int
-    _meter: RpsMeter
-    slo_s: float
-    d_ctrl_s: float
-    d_data_s: float
-    jitter_s: float
-    keep_tolerance: float
-    target: int
-    keep_min: int
-    # the deferred policy's beta*lambda batch size, and whether the model shares its GPUs
-    _defer_below: float
-    _defer_shared: bool
-    _defer_rate: float
-    _rescue: bool
-    _rescue_from: float  # the batch from which a deferring candidate is early_ok (cached)
-    _start_now: bool
-    miss_margin_s: float
-    # deferred: this model's estimate of how often a deferred candidate loses its window
-    defer_loss: float
-    defer_backoff: int  # divides DEFER_LOSS_DECAY: doubles with each loss soon after the last
-    # deferred: whether waiting pays; the candidate head that deferred and when it could start
-    deferral_yield: DeferralYield
-    _defer_head: int
-    _defer_from: float
-    # the candidate as last computed
-    cand_bs: int  # in rows
-    cand_count: int  # requests, [head:head + cand_count] (equal to cand_bs without _rows)
-    cand_exec: float
-    cand_latest: float
-    n_arrived: int  # requests
-    n_extra_rows: int  # their rows beyond one each
-    _cand_deferred: bool
-    _cand_early_ok: bool
-    n_window_misses: int
-    wake_at: float
+    ``slo_s``: the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``): the time from
+    arrival to deadline the target batch size plans with. ``d_ctrl_s``/``d_data_s`` give
+    ``delay(bs) = d_ctrl + d_data*bs``. ``jitter_s``: the host's timer lateness allowance (the
+    frontrun and latest policies aim that much before their moment). The meter seals
+    ``rate_bucket_s`` buckets and averages the last ``rate_window``. ``keep_tolerance`` (window
+    drop): keep the head while a batch whose per-row cost l(b)/b is within this fraction of the
+    target's still fits (0: the authors' rule).
 
-    def _set_target(self, target: int) -> None:
+    Read by the ModelThread: ``table`` (l(b) in seconds, by batch rows), ``max_batch``,
+    ``rescue`` (the policy's rank rescue: ``deferred``), ``defer_shared`` (the model shares its
+    GPUs), the delays above, ``target``, ``keep_min``, and the learned ``miss_margin_s``,
+    ``defer_loss``, ``defer_backoff``, ``deferral_yield``.
+    """
+
+    __slots__ = (
+        "_defer_below",
+        "_defer_from",
+        "_defer_head_id",
+        "_defer_rate",
+        "_drop",
+        "_kind",
+        "_rescue_from",
+        "budget_s",
+        "by_deadline",
+        "d_ctrl_s",
+        "d_data_s",
+        "defer_backoff",
+        "defer_loss",
+        "defer_shared",
+        "deferral_yield",
+        "jitter_s",
+        "keep_min",
+        "keep_tolerance",
+        "keeps_target",
+        "max_batch",
+        "meter",
+        "miss_margin_s",
+        "policy",
+        "profile",
+        "rescue",
+        "size_batch",
+        "slo_s",
+        "table",
+        "target",
+        "timeout_s",
+    )
+
+    def __init__(self, profile: LatencyProfile, policy: SchedulePolicy, *, slo_s: float,
+                 d_ctrl_s: float = 0.0, d_data_s: float = 0.0, jitter_s: float = 0.0,
+                 budget_s: float | None = None, rate_bucket_s: float = DEFAULT_RATE_BUCKET_S,
+                 rate_window: int = DEFAULT_RATE_WINDOW,
+                 keep_tolerance: float = DEFAULT_KEEP_TOLERANCE) -> None:
+        self.profile = profile
+        self.table: list[float] = profile.table_s
+        self.max_batch = profile.max_batch
+        self.policy = policy
+        self._drop = policy.drop
+        self.keeps_target = policy.keeps_target  # window or suffix drop
+        # One row per request: the new head of the queue ``deadlines[head:]`` and the batch
+        # size, by the drop policy; called as ``size_batch(deadlines, head, start,
+        # gpu_free_at)`` with ``start`` = now + d_ctrl and ``gpu_free_at`` the granted GPU's
+        # free time (-inf when not granting).
+        self.size_batch: Callable[[list[float], int, float, float], tuple[int, int]] = (
+            self._size_keeping_target if policy.keeps_target else self._size_feasible)
+        self._kind = policy.kind
+        self.rescue = policy.rank_rescue  # deferred: the joiner rule and the rank's rescue
+        self.by_deadline = policy.grant_order == GRANT_EARLIEST_DEADLINE
+        self.slo_s = slo_s
+        self.timeout_s = policy.timeout_fraction * slo_s  # the timeout policy's wait
+        self.d_ctrl_s = d_ctrl_s
+        self.d_data_s = d_data_s
+        self.jitter_s = jitter_s
+        self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
+        self.keep_tolerance = keep_tolerance
+        self.meter = RpsMeter(rate_bucket_s, rate_window)
+        # the deferred policies' beta*lambda bounds (inf until the meter has a rate), whether
+        # the model shares its GPUs, and the metered rate the joiner rule reads (inf: none yet)
+        self._defer_below = self._rescue_from = self._defer_rate = math.inf
+        self.defer_shared = False
+        # deferred-bl: the margin learned after missed grant windows (DEFER_MISS_WIDEN_S);
+        # deferred: the estimate of lost windows and its back-off (policy.py)
+        self.miss_margin_s = 0.0
+        self.defer_loss = 0.0
+        self.defer_backoff = 1  # divides DEFER_LOSS_DECAY: doubles with each loss soon after
+        # deferred: whether waiting pays (its joiners), and when the candidate headed by request
+        # ``_defer_head_id`` first deferred: the moment it could have started instead
+        self.deferral_yield = DeferralYield()
+        self._defer_head_id = -1
+        self._defer_from = math.inf
+        self.target = self.keep_min = 1
+        self.set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
+
+    # ------------------------------------------------------------------ the target
+
+    def set_profile(self, profile: LatencyProfile) -> None:
+        """A new latency profile (the host merged a new backend set's), and the target batch
+        size that follows from it at the current rate."""
+        self.profile = profile
+        self.table = profile.table_s
+        self.max_batch = profile.max_batch
+        self.retarget()
+
+    def set_meter(self, meter: RpsMeter) -> None:
+        """Read the rate from ``meter`` from now on (the target stays until it seals a bucket)."""
+        self.meter = meter
+        self._refresh_defer_below()
+
+    def note_arrivals(self, now: float, rows: int) -> None:
+        """``rows`` arrived at ``now``: the meter counts them; a sealed bucket moves the target."""
+        if self.meter.add(now, rows):
+            self.retarget()
+
+    def retarget(self) -> None:
+        """The target batch size at the meter's current rate."""
+        self.set_target(target_batch_size(self.profile, self.budget_s, self.meter.rate(),
+                                          self.d_data_s))
+
+    def set_target(self, target: int) -> None:
         """The target batch size, and ``keep_min``: the smallest batch whose per-request cost
         l(b)/b is within ``keep_tolerance`` of the target's (equal to the target at tolerance 0,
         the authors' rule)."""
@@ -117,7 +197,7 @@ class CandidateSizing:
         if self.keep_tolerance <= 0:
             self.keep_min = target
             return
-        table = self._profile.table_s
+        table = self.table
         limit = (1 + self.keep_tolerance) * table[target] / target
         keep = target
         while keep > 1 and table[keep - 1] / (keep - 1) <= limit:
@@ -129,37 +209,37 @@ class CandidateSizing:
         the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
         size b (n = lambda*l(b)/b), and the rate the joiner rule reads. Cached: it changes only
         when the meter seals a bucket or the target or profile changes."""
-        rate = self._meter.rate()
-        self._defer_shared = False
+        rate = self.meter.rate()
+        self.defer_shared = False
         self._defer_rate = math.inf if rate is None else rate  # no rate yet: plain frontrun
         if rate is None:
             self._defer_below = self._rescue_from = math.inf
             return
-        beta_lambda = self._profile.beta_s * rate
+        beta_lambda = self.profile.beta_s * rate
         self._rescue_from = beta_lambda - 1.0
         target = self.target
-        if beta_lambda >= 1.0 and rate * self._table[target] / target >= DEFER_STAGGER_MIN_GPUS:
+        if beta_lambda >= 1.0 and rate * self.table[target] / target >= DEFER_STAGGER_MIN_GPUS:
             self._defer_below = max(beta_lambda, target)
         else:  # shares GPUs: deferred: rescued by the rank; deferred-bl: beta*lambda - 1
-            self._defer_below = math.inf if self._rescue else beta_lambda - 1.0
-            self._defer_shared = True
+            self._defer_below = math.inf if self.rescue else beta_lambda - 1.0
+            self.defer_shared = True
             self._rescue_from *= RESCUE_SHARED_FLOOR
 
-    def _size_keeping_target(self, start: float, gpu_free_at: float) -> tuple[int, int]:
-        """Window and suffix drops: the new head and batch size. Drop the head while keeping it
-        would force a batch smaller than the target (keep_min; suffix: or than the longest
-        feasible suffix, if shorter). While at least keep_min requests remain the
-        bar is one deadline threshold: bisect to it, then step through the short remainder.
-        ``start`` is now + d_ctrl."""
-        dl = self._dl
-        head = self._head
+    # ------------------------------------------------------------------ the batch
+
+    def _size_keeping_target(self, dl: list[float], head: int, start: float,
+                             gpu_free_at: float) -> tuple[int, int]:
+        """Window and suffix drops: drop the head while keeping it would force a batch smaller
+        than the target (keep_min; suffix: or than the longest feasible suffix, if shorter).
+        While at least keep_min requests remain the bar is one deadline threshold: bisect to it,
+        then step through the short remainder."""
         size = len(dl)
         avail = size - head
-        table = self._table
+        table = self.table
         d_data = self.d_data_s
         keep_min = self.keep_min
         if self._drop == DROP_SUFFIX:
-            suffix = self._longest_feasible_suffix(start, gpu_free_at)
+            suffix = self._longest_feasible_suffix(dl, head, start, gpu_free_at)
             if not suffix:  # not even the last request can finish alone: all are lost
                 return size, 0
             keep_min = suffix if suffix < keep_min else keep_min
@@ -179,23 +259,23 @@ class CandidateSizing:
             avail -= 1
         else:
             return head, 0
-        max_batch = self._max_batch
+        max_batch = self.max_batch
         cap = avail if avail < max_batch else max_batch
         if bs < cap:
             bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
         return head, bs
 
-    def _longest_feasible_suffix(self, start: float, gpu_free_at: float) -> int:
+    def _longest_feasible_suffix(self, dl: list[float], head: int, start: float,
+                                 gpu_free_at: float) -> int:
         """``suffix`` drop (nexuslb's batch_policy.cpp since 2022): the most requests at the
         queue's tail (latest deadlines) that could still run as one batch in time, at most
         max_batch. Feasibility is monotone along the queue (a later start index has a later
         deadline and a smaller batch), so it is a bisection."""
-        dl = self._dl
-        table = self._table
+        table = self.table
         d_data = self.d_data_s
         size = len(dl)
-        lo = size - self._max_batch
-        lo = self._head if self._head > lo else lo
+        lo = size - self.max_batch
+        lo = head if head > lo else lo
         hi = size
         while lo < hi:
             mid = (lo + hi) // 2
@@ -208,21 +288,20 @@ class CandidateSizing:
                 lo = mid + 1
         return size - lo
 
-    def _size_feasible(self, start: float, gpu_free_at: float) -> tuple[int, int]:
-        """FCFS and no-drop policies: drop only what cannot finish even alone; the new head and
-        batch size (up to the target under FCFS). ``start`` is now + d_ctrl."""
-        dl = self._dl
-        head = self._head
+    def _size_feasible(self, dl: list[float], head: int, start: float,
+                       gpu_free_at: float) -> tuple[int, int]:
+        """FCFS and no-drop policies: drop only what cannot finish even alone; the batch up to
+        the target under FCFS."""
         size = len(dl)
         earliest = start + self.d_data_s
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
-        threshold = earliest + self._table[1]
+        threshold = earliest + self.table[1]
         if dl[head] < threshold:
             head = bisect_left(dl, threshold, head, size)
         avail = size - head
         if not avail:
             return head, 0
-        max_batch = self._max_batch
+        max_batch = self.max_batch
         cap = avail if avail < max_batch else max_batch
         if self._drop == DROP_FCFS and self.target < cap:
             cap = self.target
@@ -231,38 +310,37 @@ class CandidateSizing:
             bs = self._grow(dl[head], bs, cap, start, gpu_free_at)
         return head, bs
 
-    def _size_rows(self, start: float, gpu_free_at: float) -> tuple[int, int, int]:
-        """Both drop policies when requests hold several rows (``_rows``): the new head, and
-        the batch ``[head:head + count]`` and its rows. A batch is a prefix of the queue in
-        deadline order and never splits a request: one that does not fit the rows left waits,
-        with everything behind it, for the next batch. The head stays while a batch of the
-        rows it must be able to go with is feasible: ``keep_min`` rows or all that is queued
-        if fewer (window drop; the one-row rule's ``min(keep_min, queued)``), 1 for the
-        others, and never fewer than the head's own rows, so a head of n rows goes whenever
-        n alone fits. Then the batch grows request by request up to ``max_batch`` rows (FCFS:
-        the target) while it still finishes by the head's deadline."""
-        dl = self._dl
-        sizes = self._rows
-        assert sizes is not None
-        head = self._head
+    def size_rows(self, deadlines: list[float], rows: list[int], head: int, start: float,
+                  gpu_free_at: float) -> tuple[int, int, int]:
+        """Both drop policies when requests hold several rows (``rows``, parallel to
+        ``deadlines``): the new head, and the batch ``[head:head + count]`` and its rows. A
+        batch is a prefix of the queue in deadline order and never splits a request: one that
+        does not fit the rows left waits, with everything behind it, for the next batch. The
+        head stays while a batch of the rows it must be able to go with is feasible:
+        ``keep_min`` rows or all that is queued if fewer (window drop; the one-row rule's
+        ``min(keep_min, queued)``), 1 for the others, and never fewer than the head's own rows,
+        so a head of n rows goes whenever n alone fits. Then the batch grows request by request
+        up to ``max_batch`` rows (FCFS: the target) while it still finishes by the head's
+        deadline."""
+        dl = deadlines
         size = len(dl)
-        table = self._table
+        table = self.table
         d_data = self.d_data_s
-        max_batch = self._max_batch
+        max_batch = self.max_batch
         earliest = start + d_data
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
         threshold = earliest + table[1]
         if dl[head] < threshold:  # what cannot finish even as one row: drop in bulk
             head = bisect_left(dl, threshold, head, size)
         # suffix: as window here (rows make the suffix rule's bisection a scan; not built)
-        floor = self.keep_min if self._keeps_target else 1
+        floor = self.keep_min if self.keeps_target else 1
         while head < size:
-            first = sizes[head]
+            first = rows[head]
             if first <= max_batch:
-                rows = self._rows_up_to(head, floor) if floor > first else first
-                earliest = start + d_data * rows
+                need = self._rows_up_to(rows, head, floor) if floor > first else first
+                earliest = start + d_data * need
                 earliest = gpu_free_at if gpu_free_at > earliest else earliest
-                if dl[head] >= earliest + table[rows]:
+                if dl[head] >= earliest + table[need]:
                     break
             head += 1
         else:
@@ -271,66 +349,48 @@ class CandidateSizing:
         if self._drop == DROP_FCFS:
             cap = self.target if self.target < cap else cap
             cap = first if first > cap else cap
-        return head, *self._grow_rows(head, 1, first, cap=cap, start=start,
+        return head, *self._grow_rows(dl, rows, head, first, cap=cap, start=start,
                                       gpu_free_at=gpu_free_at)
 
-    def _rows_up_to(self, head: int, need: int) -> int:
+    def _rows_up_to(self, rows: list[int], head: int, need: int) -> int:
         """``need`` rows (at most ``max_batch``), or fewer when the queue from ``head`` holds
         fewer: the batch size the window rule checks the head with, whatever the requests'
         sizes."""
-        sizes = self._rows
-        assert sizes is not None
-        need = self._max_batch if self._max_batch < need else need
-        rows = 0
+        need = self.max_batch if self.max_batch < need else need
+        total = 0
         stop = head
-        size = len(sizes)
-        while stop < size and rows < need:
-            rows += sizes[stop]
+        size = len(rows)
+        while stop < size and total < need:
+            total += rows[stop]
             stop += 1
-        return need if rows > need else rows
+        return need if total > need else total
 
-    def _next_rows(self, stop: int, rows: int) -> int:
-        """The rows the request after a batch ``[head:stop]`` of ``rows`` rows would add: the
-        queued one's, else the mean rows per request so far (at least 1); capped where l(b) is
-        infinite (``max_batch + 1``)."""
-        sizes = self._rows
-        assert sizes is not None
-        if stop < len(sizes):
-            grow = sizes[stop]
-        else:
-            arrived = self.n_arrived
-            grow = round((arrived + self.n_extra_rows) / arrived) if arrived else 1
-        limit = self._max_batch + 1 - rows
-        grow = limit if limit < grow else grow
-        return grow if grow > 1 else 1
-
-    def _grow_rows(self, head: int, count: int, rows: int, *, cap: int, start: float,
-                   gpu_free_at: float) -> tuple[int, int]:
-        """Add whole requests after ``[head:head + count]`` while the batch stays within
-        ``cap`` rows and finishes by the head's deadline (feasibility is monotone in rows)."""
-        sizes = self._rows
-        assert sizes is not None
-        deadline = self._dl[head]
-        table = self._table
+    def _grow_rows(self, dl: list[float], rows: list[int], head: int, batch_rows: int, *,
+                   cap: int, start: float, gpu_free_at: float) -> tuple[int, int]:
+        """Add whole requests after the head (``batch_rows`` rows) while the batch stays within
+        ``cap`` rows and finishes by the head's deadline (feasibility is monotone in rows); the
+        batch's requests and rows."""
+        deadline = dl[head]
+        table = self.table
         d_data = self.d_data_s
-        stop = head + count
-        size = len(sizes)
+        stop = head + 1
+        size = len(rows)
         while stop < size:
-            grown = rows + sizes[stop]
+            grown = batch_rows + rows[stop]
             if grown > cap:
                 break
             earliest = start + d_data * grown
             earliest = gpu_free_at if gpu_free_at > earliest else earliest
             if deadline < earliest + table[grown]:
                 break
-            rows = grown
+            batch_rows = grown
             stop += 1
-        return stop - head, rows
+        return stop - head, batch_rows
 
     def _grow(self, deadline: float, bs: int, cap: int, start: float, gpu_free_at: float) -> int:
         """The largest b in [bs, cap] whose batch still finishes by ``deadline`` (feasibility is
-        monotone in b). ``start`` is now + d_ctrl."""
-        table = self._table
+        monotone in b)."""
+        table = self.table
         d_data = self.d_data_s
         earliest = start + d_data * cap
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
@@ -347,47 +407,38 @@ class CandidateSizing:
                 hi = mid - 1
         return lo
 
-    def _advance_head(self, head: int) -> int:
-        """Move the queue's head to ``head`` (drops emitted or a batch planned); compact the
-        lists once the popped prefix is long and at least half of them. Returns the new head."""
-        self._head = head
-        if head >= COMPACT_AT and head * 2 >= len(self._dl):
-            del self._dl[:head]
-            del self._rid[:head]
-            del self._fe[:head]
-            del self._arr[:head]
-            if self._rows is not None:
-                del self._rows[:head]
-            self._head = head = 0
-        return head
+    # ------------------------------------------------------------------ the aim
 
-    def _aim(self, now: float, gpu_free_at: float, head: int, bs: int, grow: int = 1) -> None:
-        """Set the candidate ``[head:head + bs]``: its exec time by the policy's kind, clamped
-        into [earliest, latest], and the wake-up at its last grantable moment. ``grow``: the
-        rows the next request would add (frontrun: the last moment it could still join,
-        ``d - l(bs + grow)``; at most ``max_batch + 1 - bs``, where l is infinite)."""
-        deadline = self._dl[head]
-        table = self._table
+    def aim(self, now: float, gpu_free_at: float, bs: int, grow: int,  # noqa: PLR0917
+            deadline: float, arrival: float, head_id: int, start_now: bool) -> Aim:
+        """The candidate of ``bs`` rows headed by request ``head_id`` (its ``deadline`` and
+        ``arrival``): its exec time by the policy's kind, clamped into [earliest, latest], its
+        latest start, the wake-up at its last grantable moment, whether it is a deferring
+        candidate whose window may be lost, and whether the rank may start it early. ``grow``:
+        the rows the next request would add (frontrun: the last moment it could still join,
+        ``d - l(bs + grow)``; at most ``max_batch + 1 - bs``, where l is infinite).
+        ``start_now``: an early grant (the rank's rescue) is being planned: start at once."""
+        table = self.table
         delay = self.d_ctrl_s + self.d_data_s * bs
         earliest = now + delay
         earliest = gpu_free_at if gpu_free_at > earliest else earliest
         latest = deadline - table[bs]
         kind = self._kind
         deferred = False
-        if self._start_now:  # an early grant (the rank's rescue): start at once
+        if start_now:
             exec_at = earliest
-        elif self._rescue:
+        elif self.rescue:
             exec_at = self._aim_rescue(now, earliest, deadline, bs, grow)
         elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
             deferred = bs < self._defer_below
-            if self._defer_shared:  # sharing GPUs: aim earlier by the learned margin
+            if self.defer_shared:  # sharing GPUs: aim earlier by the learned margin
                 exec_at = deadline - self.jitter_s - self.miss_margin_s - table[bs + grow]
             else:  # staggered: the authors' aim
                 exec_at = deadline - self.jitter_s - table[bs + grow]
             if not deferred:
                 # waiting does not pay (policy.py, deferred): at its batch size
                 exec_at = earliest
-            elif not self._defer_shared:
+            elif not self.defer_shared:
                 deferred = False  # staggered: a missed window is the stagger at work
         elif kind == KIND_FRONTRUN:
             exec_at = deadline - self.jitter_s - table[bs + grow]
@@ -396,30 +447,26 @@ class CandidateSizing:
         elif kind == KIND_LATEST:
             exec_at = latest - self.jitter_s
         elif kind == KIND_TIMEOUT:
-            exec_at = self._arr[head] + self._policy.timeout_fraction * self.slo_s
+            exec_at = arrival + self.timeout_s
         else:  # pragma: no cover - parse() admits only the kinds above
             raise AssertionError(kind)
         exec_at = earliest if earliest > exec_at else exec_at
         exec_at = latest if latest < exec_at else exec_at
-        self.cand_bs = bs
-        self.cand_exec = exec_at
-        self.cand_latest = latest
         # deferred: the rank may start it early (its rescue); a staggered model only once its
         # batch reaches beta*lambda - 1, where waiting no longer pays in throughput, a shared
         # model from RESCUE_SHARED_FLOOR of that (policy.py). A shared model's deferring
         # candidate is the one whose window may be lost.
-        waits = self._rescue and exec_at > earliest and self._deferring_from(head, earliest)
-        self._cand_early_ok = waits and bs >= self._rescue_from
-        self._cand_deferred = (waits and self._defer_shared) if self._rescue else deferred
+        waits = self.rescue and exec_at > earliest and self._deferring_from(head_id, earliest)
+        early_ok = waits and bs >= self._rescue_from
+        deferred = (waits and self.defer_shared) if self.rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
-        self.wake_at = wake if wake > now else now + TIMER_SLACK_S
+        return exec_at, latest, wake if wake > now else now + TIMER_SLACK_S, deferred, early_ok
 
-    def _deferring_from(self, head: int, earliest: float) -> bool:
-        """The candidate headed at ``head`` defers: the first time, note when it could have
-        started instead (where its wait is measured from: ``DeferralYield``). True."""
-        rid = self._rid[head]
-        if rid != self._defer_head:
-            self._defer_head = rid
+    def _deferring_from(self, head_id: int, earliest: float) -> bool:
+        """The candidate headed by request ``head_id`` defers: the first time, note when it
+        could have started instead (where its wait is measured from: ``DeferralYield``). True."""
+        if head_id != self._defer_head_id:
+            self._defer_head_id = head_id
             self._defer_from = earliest
         return True
 
@@ -429,26 +476,44 @@ class CandidateSizing:
         Staggered models defer while below max(beta*lambda, b*) (as ``deferred-bl``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
         (light load: nothing would join). Contention is the rank's: a deferring candidate is
-        published ``early_ok`` (set in ``_aim``) and the rank starts it early while the
-        cluster is short of GPUs (``RankThread``, rescue)."""
+        published ``early_ok`` (``aim``) and the rank starts it early while the cluster is short
+        of GPUs (``RankThread``, rescue)."""
         if bs >= self._defer_below or not self.deferral_yield.pays:
             # past the stagger, or deferral has not been paying (closed-loop clients)
             return earliest
-        if self._defer_shared and self.defer_loss > DEFER_LOSS_MAX:
+        if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
             # its deferred windows are being lost (to other models' batches): waiting costs
             # more heads than it buys joiners, so it starts at once while the estimate is high
             return earliest
-        aim = deadline - self.jitter_s - self._table[bs + grow]
-        if self._defer_shared and (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
+        aim = deadline - self.jitter_s - self.table[bs + grow]
+        if self.defer_shared and (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
             return earliest
         return aim
 
-    def _granted_in_window(self) -> None:
-        """``deferred``: a grant came for the candidate: a deferred one kept its window (the
-        loss estimate falls by DEFER_LOSS_WEIGHT), one started at once lets the estimate decay
-        (DEFER_LOSS_DECAY), so a model that stopped deferring tries again (policy.py)."""
+    def published_duration(self, now: float, bs: int, exec_at: float) -> float:
+        """The duration a ``CandidateUpdate`` of ``bs`` rows at ``exec_at`` carries: deferred's
+        projection (l(b) of the batch expected at the exec time: bs plus the rows the metered
+        rate brings until then; a deferred batch grows while it waits), eager-edf's l(bs) (its
+        deadline order: latest + l(bs) is the head's deadline), else 0 (no work)."""
+        if not self.rescue:
+            return self.table[bs] if self.by_deadline else 0.0
+        grow = (exec_at - now) * self._defer_rate
+        if grow > 0.0 and grow != math.inf:
+            expected = bs + int(grow)
+            bs = expected if expected < self.max_batch else self.max_batch
+        return self.table[bs]
+
+    # ------------------------------------------------------------------ learning
+
+    def on_grant(self, deferred: bool) -> None:
+        """``deferred``: a grant came for the candidate (``deferred``: as ``aim`` returned it): a
+        deferred one kept its window (the loss estimate falls by DEFER_LOSS_WEIGHT), one started
+        at once lets the estimate decay (DEFER_LOSS_DECAY), so a model that stopped deferring
+        tries again (policy.py). Other policies learn nothing here."""
+        if not self.rescue:
+            return
         loss = self.defer_loss
-        if self._cand_deferred:
+        if deferred:
             loss -= DEFER_LOSS_WEIGHT * loss
             if loss < DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # the losses are behind it
                 self.defer_backoff = 1
@@ -456,12 +521,10 @@ class CandidateSizing:
             loss -= DEFER_LOSS_DECAY / self.defer_backoff * loss
         self.defer_loss = loss
 
-    def _missed_window(self, now: float) -> None:
-        """A deferred candidate lost its grant window (policy.py): count it; ``deferred`` raises
-        its estimate of lost windows, ``deferred-bl`` aims earlier, up to DEFER_MISS_MAX_S."""
-        self._cand_deferred = False  # counted once
-        self.n_window_misses += 1
-        if self._rescue:
+    def on_window_missed(self) -> None:
+        """A deferred candidate lost its grant window (policy.py): ``deferred`` raises its
+        estimate of lost windows, ``deferred-bl`` aims earlier, up to DEFER_MISS_MAX_S."""
+        if self.rescue:
             loss = self.defer_loss
             if loss > DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # soon after the last loss: back off
                 backoff = 2 * self.defer_backoff
@@ -471,4 +534,50 @@ class CandidateSizing:
         margin = self.miss_margin_s + DEFER_MISS_WIDEN_S
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
 
-__all__ = ["COMPACT_AT", "CandidateSizing"]
+    def on_planned(self, now: float, exec_at: float, *, deadlines: list[float], ids: list[int],
+                   arrivals: list[float], rows: list[int] | None, head: int, stop: int) -> None:
+        """The candidate granted at ``now`` became a plan at ``exec_at``: the batch
+        ``[head:stop]`` of the ModelThread's queue (its parallel lists; ``rows`` None: one row
+        each). ``deferred`` notes what its wait yielded (``_note_yield``); ``deferred-bl`` gives
+        back DEFER_MISS_RELAX_S of its margin."""
+        if self.rescue:
+            self._note_yield(now, exec_at, deadlines=deadlines, ids=ids, arrivals=arrivals,
+                             rows=rows, head=head, stop=stop)
+        if self.miss_margin_s:
+            margin = self.miss_margin_s - DEFER_MISS_RELAX_S
+            self.miss_margin_s = margin if margin > 0.0 else 0.0
+
+    def _note_yield(self, now: float, exec_at: float, *, deadlines: list[float], ids: list[int],
+                    arrivals: list[float], rows: list[int] | None, head: int,
+                    stop: int) -> None:
+        """What the batch granted at ``now`` gained in the second half of its wait (the rows
+        that arrived then and joined it) against what its rate promised for that half, up to
+        the room its batch had, or that it did not defer (``DeferralYield``). The wait runs from
+        the moment the candidate could have started to its aim (exec time) or the grant,
+        whichever came first: waiting for a busy GPU past the aim is not deferral. Only its
+        second half counts: closed-loop clients whose answers all came together send their next
+        requests in one burst just after the candidate starts waiting, and nothing after; a
+        Poisson stream brings as many in the second half as the rate says. A batch with
+        requests queued behind it, or no room to grow, promised nothing."""
+        since = self._defer_from
+        end = now if now < exec_at else exec_at
+        if ids[head] != self._defer_head_id or not end > since:
+            self.deferral_yield.note_at_once()
+            return
+        self._defer_head_id = -1
+        rate = self._defer_rate
+        if rate == math.inf or stop < len(ids):  # no rate yet, or a full batch
+            return
+        mid = 0.5 * (since + end)
+        count = stop - head
+        batch_rows = [1] * count if rows is None else rows[head:stop]
+        joined = sum(n for at, n in zip(arrivals[head:stop], batch_rows, strict=True)
+                     if mid < at <= end)
+        by_mid = sum(batch_rows) - joined
+        room = self.profile.largest_batch_within(deadlines[head] - exec_at)
+        promised = min(rate * (end - mid), float(room - by_mid))
+        if promised > 0.0:
+            self.deferral_yield.note_deferred(float(joined), promised)
+
+
+__all__ = ["DEFAULT_RATE_BUCKET_S", "DEFAULT_RATE_WINDOW", "Aim", "CandidateSizing"]

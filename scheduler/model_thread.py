@@ -33,8 +33,13 @@ last moment the candidate can still be granted, and re-evaluates (drops heads, s
 Rows: a request holds n >= 1 rows (its inputs' leading dimension). Batch sizes count rows: the
 candidate's ``batch_size``, l(b), delay(b), the target and ``keep_min``, the rate meter
 (rows/s) and ``max_batch``. A batch is ``[head:head + count]`` of the queue and never splits a
-request (``CandidateSizing._size_rows``). While every queued request holds one row the queue
+request (``CandidateSizing.size_rows``). While every queued request holds one row the queue
 keeps no rows list at all (``_rows`` is None) and every path below is the one-row path.
+
+The policy arithmetic (the batch size by the drop policy, the exec time by the schedule policy,
+the rate meter and the target batch size, what the deferred policies learn from their grants)
+is a part of its own, ``CandidateSizing`` (``zserve.scheduler.candidate_sizing``), held as
+``sizing``: the ModelThread hands it the queue's lists and stores the candidate it returns.
 
 The queue is a struct of arrays: parallel lists of deadlines, request ids, frontend indexes and
 arrival times (and rows, once a request of several arrived), sorted by deadline, with a moving
@@ -50,9 +55,8 @@ Hot path (the live shard feeds tens of thousands of chunks a second): the in-ord
 ``sorted(chunk) == chunk`` (C-speed sort of a sorted run plus an identity-first list compare,
 about 5x cheaper than a pairwise ``map(le, ...)``), request ids should arrive as a list (extending
 from a ``range`` makes an int object per request), and ``_update``/``_publish`` read the profile's
-table and the policy's kind from per-instance caches (``profile`` and ``policy`` are properties
-that refresh them on assignment). The arithmetic is the same expression for expression, so the
-decisions are bit-identical to the plain formulation.
+table and the policy's kind from the sizing part's cached attributes. The arithmetic is the same
+expression for expression, so the decisions are bit-identical to the plain formulation.
 """
 
 from __future__ import annotations
@@ -63,22 +67,17 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
-from zserve.config.policy_names import (
-    DEFAULT_KEEP_TOLERANCE,
-    GRANT_EARLIEST_DEADLINE,
-    SchedulePolicy,
-)
+from zserve.config.policy_names import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.errors import ErrorKind
 from zserve.core.groups import group_by_frontend
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
-from zserve.scheduler.candidate_sizing import CandidateSizing
-from zserve.scheduler.policy import (
-    DEFER_MISS_RELAX_S,
-    DeferralYield,
-    RpsMeter,
-    target_batch_size,
+from zserve.scheduler.candidate_sizing import (
+    DEFAULT_RATE_BUCKET_S,
+    DEFAULT_RATE_WINDOW,
+    CandidateSizing,
 )
+from zserve.scheduler.policy import RpsMeter
 from zserve.transport.messages import (
     BatchPlan,
     CandidateUpdate,
@@ -89,10 +88,22 @@ from zserve.transport.messages import (
 
 _NEG_INF = -math.inf
 DEFAULT_PUBLISH_LEAD_S = 0.002
+COMPACT_AT = 4096
+"""Compact the queue's lists once this many popped entries precede the head (and they are at
+least half of them)."""
 
 
-class ModelThread(CandidateSizing):
+class ModelThread:
     """One model's queue and candidate. Construct one per model; see the module docstring.
+
+    The queue, parallel lists sorted by deadline and live from ``_head`` on: ``_deadlines``,
+    ``_ids`` (request ids), ``_frontend_indexes`` (into ``_frontends``), ``_arrivals`` and
+    ``_rows`` (None while every request holds one row). The candidate as last computed:
+    ``cand_bs`` (its batch size in rows; ``bs`` in the code), ``cand_count`` (its requests,
+    ``[head:head + cand_count]``, equal to ``cand_bs`` without ``_rows``), ``cand_exec`` (its
+    exec time), ``cand_latest`` (its latest start, ``d - l(bs)``), ``_cand_deferred`` (a
+    deferring candidate whose window may be lost) and ``_cand_early_ok`` (the rank may start it
+    early); ``_sent`` is the candidate the rank holds.
 
     ``slo_s`` is the model's SLO; ``budget_s`` (default ``slo_s - d_ctrl_s``) is the time from
     arrival to deadline that the target batch size plans with (deadlines arrive precomputed by
@@ -127,34 +138,19 @@ class ModelThread(CandidateSizing):
         d_data_s: float = 0.0,
         jitter_s: float = 0.0,
         budget_s: float | None = None,
-        rate_bucket_s: float = 0.05,
-        rate_window: int = 100,
+        rate_bucket_s: float = DEFAULT_RATE_BUCKET_S,
+        rate_window: int = DEFAULT_RATE_WINDOW,
         keep_tolerance: float = DEFAULT_KEEP_TOLERANCE,
         plan_ids: Iterator[int] | None = None,
         publish_lead_s: float | None = DEFAULT_PUBLISH_LEAD_S,
     ) -> None:
         self.model = model
-        self._profile = profile
-        self._table: list[float] = profile.table_s
-        self._max_batch = profile.max_batch
-        self.slo_s = slo_s
-        # the policy and its hot-path caches (the setter; the rescue: the rank may start early)
-        self.policy = SchedulePolicy.parse(policy) if isinstance(policy, str) else policy
-        self._start_now = False  # set while an early (rescue) grant is planned
-        self.d_ctrl_s = d_ctrl_s
-        self.d_data_s = d_data_s
-        self.jitter_s = jitter_s
+        self.sizing = CandidateSizing(
+            profile, SchedulePolicy.parse(policy) if isinstance(policy, str) else policy,
+            slo_s=slo_s, d_ctrl_s=d_ctrl_s, d_data_s=d_data_s, jitter_s=jitter_s,
+            budget_s=budget_s, rate_bucket_s=rate_bucket_s, rate_window=rate_window,
+            keep_tolerance=keep_tolerance)
         self.publish_lead_s = publish_lead_s
-        self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
-        # the deferred policies' beta*lambda bounds (inf until the meter has a rate)
-        self._defer_below = self._rescue_from = math.inf
-        self._defer_shared = False  # set with _defer_below: the model shares its GPUs
-        self._defer_rate = math.inf  # the metered rate the joiner rule reads (inf: no rate yet)
-        self._meter = RpsMeter(rate_bucket_s, rate_window)
-        self.keep_tolerance = keep_tolerance
-        self.target = 1
-        self.keep_min = 1
-        self._set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
         self.wake_at = math.inf
         self.gpu_ids: set[int] | None = None  # None: accept grants for any GPU
         self._clear_queue()
@@ -163,7 +159,14 @@ class ModelThread(CandidateSizing):
         if plan_ids is None:
             plan_ids = itertools.count((zlib.crc32(model.encode()) << 32) + 1)
         self._plan_ids = plan_ids
-        self._clear_candidate()
+        # the candidate as last computed, and as last sent to the rank (None: rank has none)
+        self.cand_bs = 0
+        self.cand_count = 0
+        self.cand_exec = 0.0
+        self.cand_latest = 0.0
+        self._cand_deferred = False
+        self._cand_early_ok = False
+        self._sent: tuple[int, float, float, bool] | None = None
         # counters (for stats and tests)
         self.n_window_misses = 0
         self.n_arrived = 0
@@ -176,90 +179,64 @@ class ModelThread(CandidateSizing):
 
     def _clear_queue(self) -> None:
         """An empty queue: parallel lists sorted by deadline, live from ``_head`` on."""
-        self._dl: list[float] = []  # deadlines, sorted
-        self._rid: list[int] = []
-        self._fe: list[int] = []  # frontend index
-        self._arr: list[float] = []
+        self._deadlines: list[float] = []
+        self._ids: list[int] = []
+        self._frontend_indexes: list[int] = []
+        self._arrivals: list[float] = []
         self._rows: list[int] | None = None  # None: every queued request holds one row
         self._head = 0
 
-    def _clear_candidate(self) -> None:
-        # the candidate as last computed, and as last sent to the rank (None: rank has none)
-        self.cand_bs = 0
-        self.cand_count = 0
-        self.cand_exec = 0.0
-        self.cand_latest = 0.0
-        self._sent: tuple[int, float, float, bool] | None = None
-        # deferred: whether the candidate waits for its frontrun moment, and the margin this
-        # model has learned to aim earlier by after missed grant windows (DEFER_MISS_WIDEN_S)
-        self._cand_deferred = False
-        self._cand_early_ok = False  # deferring by choice: the rank may start it early
-        self.miss_margin_s = 0.0
-        self.defer_loss = 0.0
-        self.defer_backoff = 1
-        # deferred: whether waiting pays (its joiners), and when the candidate headed by
-        # request ``_defer_head`` first deferred: the moment it could have started instead
-        self.deferral_yield = DeferralYield()
-        self._defer_head = -1
-        self._defer_from = math.inf
-
-    # ------------------------------------------------------------------ attributes
+    # ------------------------------------------------------------------ what hosts read
+    # (the sizing part's own; a host's stats and the simulator read them here)
 
     @property
     def profile(self) -> LatencyProfile:
-        return self._profile
-
-    @profile.setter
-    def profile(self, profile: LatencyProfile) -> None:
-        # the shard swaps profiles at run time (backend set changes): refresh the hot-path caches
-        self._profile = profile
-        self._table = profile.table_s
-        self._max_batch = profile.max_batch
-        self._refresh_defer_below()
+        return self.sizing.profile
 
     def set_profile(self, profile: LatencyProfile) -> None:
         """A new latency profile (the host merged a new backend set's), and the target batch
         size that follows from it at the current rate."""
-        self.profile = profile
-        self._set_target(target_batch_size(profile, self.budget_s, self._meter.rate(),
-                                           self.d_data_s))
-
-    @property
-    def meter(self) -> RpsMeter:
-        return self._meter
-
-    @meter.setter
-    def meter(self, meter: RpsMeter) -> None:
-        self._meter = meter
-        self._refresh_defer_below()
+        self.sizing.set_profile(profile)
 
     @property
     def policy(self) -> SchedulePolicy:
-        return self._policy
+        return self.sizing.policy
 
-    @policy.setter
-    def policy(self, policy: SchedulePolicy) -> None:
-        self._policy = policy
-        self._drop = policy.drop
-        self._keeps_target = policy.keeps_target
-        self._kind = policy.kind
-        # deferred: the joiner rule and the rank's rescue (policy.py)
-        self._rescue = policy.rank_rescue
-        self._by_deadline = policy.grant_order == GRANT_EARLIEST_DEADLINE
-        if hasattr(self, "_meter"):
-            self._refresh_defer_below()
+    @property
+    def meter(self) -> RpsMeter:
+        return self.sizing.meter
+
+    @property
+    def slo_s(self) -> float:
+        return self.sizing.slo_s
+
+    @property
+    def d_data_s(self) -> float:
+        return self.sizing.d_data_s
+
+    @property
+    def target(self) -> int:
+        return self.sizing.target
+
+    @property
+    def miss_margin_s(self) -> float:
+        return self.sizing.miss_margin_s
+
+    @property
+    def defer_loss(self) -> float:
+        return self.sizing.defer_loss
 
     # ------------------------------------------------------------------ inputs
 
     @property
     def queue_length(self) -> int:
-        return len(self._dl) - self._head
+        return len(self._deadlines) - self._head
 
     @property
     def queued_rows(self) -> int:
         """The rows of the queued requests (``queue_length`` when each holds one)."""
         if self._rows is None:
-            return len(self._dl) - self._head
+            return len(self._deadlines) - self._head
         return sum(self._rows[self._head:])
 
     def take_queued(self, now: float, outbox: Outbox) -> dict[str, list[int]]:
@@ -267,7 +244,7 @@ class ModelThread(CandidateSizing):
         scheduling them, e.g. a draining shard answering them itself). The candidate goes with
         them: its withdrawal is in the outbox if the rank held it."""
         head = self._head
-        groups = group_by_frontend(self._rid[head:], self._fe[head:])
+        groups = group_by_frontend(self._ids[head:], self._frontend_indexes[head:])
         self._clear_queue()
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
@@ -284,16 +261,17 @@ class ModelThread(CandidateSizing):
             return 0
         gone = set(request_ids)
         head = self._head
-        rid = self._rid
-        fe = self._fe
-        keep = [i for i in range(head, len(rid)) if fe[i] != fidx or rid[i] not in gone]
-        removed = len(rid) - head - len(keep)
+        ids = self._ids
+        frontend_indexes = self._frontend_indexes
+        keep = [i for i in range(head, len(ids))
+                if frontend_indexes[i] != fidx or ids[i] not in gone]
+        removed = len(ids) - head - len(keep)
         if removed == 0:
             return 0
-        self._dl = [self._dl[i] for i in keep]
-        self._rid = [rid[i] for i in keep]
-        self._fe = [fe[i] for i in keep]
-        self._arr = [self._arr[i] for i in keep]
+        self._deadlines = [self._deadlines[i] for i in keep]
+        self._ids = [ids[i] for i in keep]
+        self._frontend_indexes = [frontend_indexes[i] for i in keep]
+        self._arrivals = [self._arrivals[i] for i in keep]
         if self._rows is not None:
             sizes = self._rows
             self._rows = [sizes[i] for i in keep]
@@ -310,7 +288,8 @@ class ModelThread(CandidateSizing):
         bs = self.cand_bs
         if not bs:
             return None
-        return self.cand_latest - (self.d_ctrl_s + self.d_data_s * bs) - now
+        sizing = self.sizing
+        return self.cand_latest - (sizing.d_ctrl_s + sizing.d_data_s * bs) - now
 
     def on_arrivals(  # noqa: PLR0917 (mirrors RequestMetaBatch's parallel lists)
         self,
@@ -332,10 +311,9 @@ class ModelThread(CandidateSizing):
             rows, arrived = self._note_rows(rows, count)
         self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
         self.n_arrived += count
-        meter = self._meter
-        if meter.add(now, arrived):
-            self._set_target(target_batch_size(self._profile, self.budget_s, meter.rate(),
-                                               self.d_data_s))
+        sizing = self.sizing
+        if sizing.meter.add(now, arrived):  # a sealed bucket: the rate moves the target
+            sizing.retarget()
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -354,7 +332,7 @@ class ModelThread(CandidateSizing):
             extra_rows = self.n_extra_rows
             rows, _ = self._note_rows(rows, count)
             self.n_extra_rows = extra_rows
-        lead = self.budget_s + self.d_ctrl_s
+        lead = self.sizing.budget_s + self.sizing.d_ctrl_s
         arrivals = [min(now, deadline - lead) for deadline in deadlines]
         self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
         self.n_replanned += count
@@ -373,30 +351,29 @@ class ModelThread(CandidateSizing):
             self._frontends.append(frontend)
         if type(deadlines) is not list:
             deadlines = list(deadlines)
-        dl = self._dl
+        dl = self._deadlines
         # in order: after the live tail, and nondecreasing (sorting a sorted run is one C pass)
         if (self._head == len(dl) or deadlines[0] >= dl[-1]) and (
             count == 1 or sorted(deadlines) == deadlines
         ):
             dl.extend(deadlines)
-            self._rid.extend(request_ids)
-            self._fe.extend([fidx] * count)
-            self._arr.extend(arrivals)
+            self._ids.extend(request_ids)
+            self._frontend_indexes.extend([fidx] * count)
+            self._arrivals.extend(arrivals)
             if self._rows is not None:
                 self._rows.extend(rows or [1] * count)
         elif self._rows is not None:
             self._merge_rows(fidx, request_ids, arrivals, deadlines, rows or [1] * count)
         else:  # several frontends or per-request SLOs: merge the live tail (timsort, two runs)
             head = self._head
-            merged = list(
-                zip(dl[head:], self._rid[head:], self._fe[head:], self._arr[head:], strict=True)
-            )
+            merged = list(zip(dl[head:], self._ids[head:], self._frontend_indexes[head:],
+                              self._arrivals[head:], strict=True))
             merged.extend(zip(deadlines, request_ids, repeat(fidx, count), arrivals, strict=True))
             merged.sort()
-            self._dl = [e[0] for e in merged]
-            self._rid = [e[1] for e in merged]
-            self._fe = [e[2] for e in merged]
-            self._arr = [e[3] for e in merged]
+            self._deadlines = [e[0] for e in merged]
+            self._ids = [e[1] for e in merged]
+            self._frontend_indexes = [e[2] for e in merged]
+            self._arrivals = [e[3] for e in merged]
             self._head = 0
 
     def _note_rows(self, rows: Sequence[int], count: int) -> tuple[Sequence[int], int]:
@@ -405,7 +382,7 @@ class ModelThread(CandidateSizing):
         if self._rows is None:
             if rows.count(1) == count:
                 return (), count
-            self._rows = [1] * len(self._dl)  # the first request of several rows
+            self._rows = [1] * len(self._deadlines)  # the first request of several rows
         arrived = sum(rows)
         self.n_extra_rows += arrived - count
         return rows, arrived
@@ -415,15 +392,16 @@ class ModelThread(CandidateSizing):
         """``on_arrivals``' merge of an out-of-order chunk, with the rows list."""
         head = self._head
         assert self._rows is not None
-        merged = list(zip(self._dl[head:], self._rid[head:], self._fe[head:], self._arr[head:],
-                          self._rows[head:], strict=True))
+        merged = list(zip(self._deadlines[head:], self._ids[head:],
+                          self._frontend_indexes[head:], self._arrivals[head:], self._rows[head:],
+                          strict=True))
         merged.extend(zip(deadlines, request_ids, repeat(fidx, len(request_ids)), arrivals, rows,
                           strict=True))
         merged.sort()
-        self._dl = [e[0] for e in merged]
-        self._rid = [e[1] for e in merged]
-        self._fe = [e[2] for e in merged]
-        self._arr = [e[3] for e in merged]
+        self._deadlines = [e[0] for e in merged]
+        self._ids = [e[1] for e in merged]
+        self._frontend_indexes = [e[2] for e in merged]
+        self._arrivals = [e[3] for e in merged]
         self._rows = [e[4] for e in merged]
         self._head = 0
 
@@ -431,16 +409,19 @@ class ModelThread(CandidateSizing):
         if now < self.wake_at:
             return
         bs = self.cand_bs
+        sizing = self.sizing
         if (
             bs
             and self._cand_deferred
-            and now + self.d_ctrl_s + self.d_data_s * bs > self.cand_latest
+            and now + sizing.d_ctrl_s + sizing.d_data_s * bs > self.cand_latest
         ):
             # A deferred candidate's grant window closed with no GPU granted (the rank calls it
             # stale by the same test): aim earlier from now on, up to DEFER_MISS_MAX_S. Live, a
             # grant still on its way when the window closes counts too: it came too late for the
             # batch as planned, and the cap bounds what such misses can cost.
-            self._missed_window(now)
+            self._cand_deferred = False  # counted once
+            self.n_window_misses += 1
+            sizing.on_window_missed()
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -458,34 +439,30 @@ class ModelThread(CandidateSizing):
             self._update(now, _NEG_INF, outbox)
             self._publish(now, outbox)
             return
-        if self._rescue:
-            self._granted_in_window()
-        self._start_now = grant.early  # a rescue: start at once, not at the aim
-        self._update(now, grant.free_at, outbox)
-        self._start_now = False
+        sizing = self.sizing
+        sizing.on_grant(self._cand_deferred)
+        # grant.early: the rank's rescue: start at once, not at the aim
+        self._update(now, grant.free_at, outbox, grant.early)
         bs = self.cand_bs
-        if self._rescue and bs:
-            self._note_yield(now)
         if bs == 0:
             self._decline(grant, outbox)
             self._publish(now, outbox)
             return
-        if self.miss_margin_s:
-            margin = self.miss_margin_s - DEFER_MISS_RELAX_S
-            self.miss_margin_s = margin if margin > 0.0 else 0.0
         head = self._head
         sizes = self._rows
         count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
         stop = head + count
-        request_ids = self._rid[head:stop]
-        fe = self._fe[head:stop]
-        finish_by = self._dl[head:stop]  # each request's deadline d (latest = d - l(bs))
+        exec_at = self.cand_exec
+        sizing.on_planned(now, exec_at, deadlines=self._deadlines, ids=self._ids,
+                          arrivals=self._arrivals, rows=sizes, head=head, stop=stop)
+        request_ids = self._ids[head:stop]
+        frontend_indexes = self._frontend_indexes[head:stop]
+        finish_by = self._deadlines[head:stop]  # each request's deadline d (latest = d - l(bs))
         plan_rows = [] if sizes is None else sizes[head:stop]
         # a grant pops the head like a drop does: compact here too, or the lists grow forever
         self._advance_head(stop)
-        exec_at = self.cand_exec
-        finish_at = exec_at + self._table[bs]
-        frontends, request_frontend = self._frontends_of(fe)
+        finish_at = exec_at + sizing.table[bs]
+        frontends, request_frontend = self._frontends_of(frontend_indexes)
         plan = BatchPlan(
             plan_id=next(self._plan_ids),
             model=self.model,
@@ -511,47 +488,16 @@ class ModelThread(CandidateSizing):
         outbox.append((TO_RANK, GrantAnswer(self.model, grant.gpu_id, grant.grant_id, False,
                                             grant.free_at)))
 
-    def _note_yield(self, now: float) -> None:
-        """``deferred``: what the candidate granted at ``now`` gained in the second half of its
-        wait (the rows that arrived then and joined it) against what its rate promised for that
-        half, up to the room its batch had, or that it did not defer (``DeferralYield``). The
-        wait runs from the moment the candidate could have started to its aim (exec time) or the
-        grant, whichever came first: waiting for a busy GPU past the aim is not deferral. Only
-        its second half counts: closed-loop clients whose answers all came together send their
-        next requests in one burst just after the candidate starts waiting, and nothing after;
-        a Poisson stream brings as many in the second half as the rate says. A batch with
-        requests queued behind it, or no room to grow, promised nothing."""
-        head = self._head
-        since = self._defer_from
-        end = now if now < self.cand_exec else self.cand_exec
-        if self._rid[head] != self._defer_head or not end > since:
-            self.deferral_yield.note_at_once()
-            return
-        self._defer_head = -1
-        rate = self._defer_rate
-        count = self.cand_bs if self._rows is None else self.cand_count
-        stop = head + count
-        if rate == math.inf or stop < len(self._rid):  # no rate yet, or a full batch
-            return
-        mid = 0.5 * (since + end)
-        rows = [1] * count if self._rows is None else self._rows[head:stop]
-        arrivals = self._arr[head:stop]
-        joined = sum(n for at, n in zip(arrivals, rows, strict=True) if mid < at <= end)
-        by_mid = sum(rows) - joined
-        room = self._profile.largest_batch_within(self._dl[head] - self.cand_exec)
-        promised = min(rate * (end - mid), float(room - by_mid))
-        if promised > 0.0:
-            self.deferral_yield.note_deferred(float(joined), promised)
-
     # ------------------------------------------------------------------ core
 
-    def _frontends_of(self, fe: list[int]) -> tuple[list[str], list[int]]:
+    def _frontends_of(self, frontend_indexes: list[int]) -> tuple[list[str], list[int]]:
+        """A plan's frontends, and each request's position among them."""
         if len(self._frontends) == 1:
-            return [self._frontends[0]], [0] * len(fe)
+            return [self._frontends[0]], [0] * len(frontend_indexes)
         local: dict[int, int] = {}
         names: list[str] = []
         request_frontend: list[int] = []
-        for fidx in fe:
+        for fidx in frontend_indexes:
             pos = local.get(fidx)
             if pos is None:
                 pos = local[fidx] = len(names)
@@ -559,24 +505,22 @@ class ModelThread(CandidateSizing):
             request_frontend.append(pos)
         return names, request_frontend
 
-    def _update(self, now: float, gpu_free_at: float, outbox: Outbox) -> None:
-        """Recompute the batch and the candidate at ``now``; drop what the policy drops.
-
-        ``b if b > a else a`` stands for ``max(a, b)`` (the same value; no call on this hot
-        path), and ``b if b < a else a`` for ``min(a, b)``."""
+    def _update(self, now: float, gpu_free_at: float, outbox: Outbox,
+                start_now: bool = False) -> None:
+        """Recompute the batch and the candidate at ``now`` (``gpu_free_at``: the granted GPU's
+        free time, -inf when not granting; ``start_now``: an early grant, start at once); drop
+        what the policy drops."""
         if self._rows is not None:
-            self._update_rows(now, gpu_free_at, outbox)
+            self._update_rows(now, gpu_free_at, outbox, start_now)
             return
         head0 = self._head
-        if len(self._dl) == head0:
+        deadlines = self._deadlines
+        if len(deadlines) == head0:
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        start = now + self.d_ctrl_s
-        if self._keeps_target:
-            head, bs = self._size_keeping_target(start, gpu_free_at)
-        else:
-            head, bs = self._size_feasible(start, gpu_free_at)
+        sizing = self.sizing
+        head, bs = sizing.size_batch(deadlines, head0, now + sizing.d_ctrl_s, gpu_free_at)
         if head != head0:
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
@@ -584,18 +528,26 @@ class ModelThread(CandidateSizing):
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        self._aim(now, gpu_free_at, head, bs)
+        # the candidate [head:head + bs] and the wake-up at its last grantable moment
+        self.cand_bs = bs
+        (self.cand_exec, self.cand_latest, self.wake_at, self._cand_deferred,
+         self._cand_early_ok) = sizing.aim(now, gpu_free_at, bs, 1, deadlines[head],
+                                           self._arrivals[head], self._ids[head], start_now)
 
-    def _update_rows(self, now: float, gpu_free_at: float, outbox: Outbox) -> None:
+    def _update_rows(self, now: float, gpu_free_at: float, outbox: Outbox,
+                     start_now: bool) -> None:
         """``_update`` while requests of several rows are queued: the batch in rows
-        (``_size_rows``), its request count in ``cand_count``."""
+        (``CandidateSizing.size_rows``), its request count in ``cand_count``."""
         head0 = self._head
-        if len(self._dl) == head0:
+        if len(self._deadlines) == head0:
             self.cand_bs = self.cand_count = 0
             self.wake_at = math.inf
             self._clear_queue()  # back to the one-row path until a multi-row arrival
             return
-        head, count, bs = self._size_rows(now + self.d_ctrl_s, gpu_free_at)
+        sizing = self.sizing
+        assert self._rows is not None
+        head, count, bs = sizing.size_rows(self._deadlines, self._rows, head0,
+                                           now + sizing.d_ctrl_s, gpu_free_at)
         if head != head0:
             self._emit_drops(head0, head, outbox)
             head = self._advance_head(head)
@@ -604,10 +556,44 @@ class ModelThread(CandidateSizing):
             self.cand_bs = 0
             self.wake_at = math.inf
             return
-        self._aim(now, gpu_free_at, head, bs, self._next_rows(head + count, bs))
+        self.cand_bs = bs
+        (self.cand_exec, self.cand_latest, self.wake_at, self._cand_deferred,
+         self._cand_early_ok) = sizing.aim(now, gpu_free_at, bs,
+                                           self._next_rows(head + count, bs),
+                                           self._deadlines[head], self._arrivals[head],
+                                           self._ids[head], start_now)
+
+    def _next_rows(self, stop: int, rows: int) -> int:
+        """The rows the request after a batch ``[head:stop]`` of ``rows`` rows would add: the
+        queued one's, else the mean rows per request so far (at least 1); capped where l(b) is
+        infinite (``max_batch + 1``)."""
+        sizes = self._rows
+        assert sizes is not None
+        if stop < len(sizes):
+            grow = sizes[stop]
+        else:
+            arrived = self.n_arrived
+            grow = round((arrived + self.n_extra_rows) / arrived) if arrived else 1
+        limit = self.sizing.max_batch + 1 - rows
+        grow = limit if limit < grow else grow
+        return grow if grow > 1 else 1
+
+    def _advance_head(self, head: int) -> int:
+        """Move the queue's head to ``head`` (drops emitted or a batch planned); compact the
+        lists once the popped prefix is long and at least half of them. Returns the new head."""
+        self._head = head
+        if head >= COMPACT_AT and head * 2 >= len(self._deadlines):
+            del self._deadlines[:head]
+            del self._ids[:head]
+            del self._frontend_indexes[:head]
+            del self._arrivals[:head]
+            if self._rows is not None:
+                del self._rows[:head]
+            self._head = head = 0
+        return head
 
     def _emit_drops(self, start: int, stop: int, outbox: Outbox) -> None:
-        ids = self._rid[start:stop]
+        ids = self._ids[start:stop]
         self.n_dropped += len(ids)
         message = f"{self.model}: cannot finish within its deadline"
         if len(self._frontends) == 1:
@@ -618,7 +604,7 @@ class ModelThread(CandidateSizing):
                 )
             )
             return
-        for fidx, group in group_by_frontend(ids, self._fe[start:stop]).items():
+        for fidx, group in group_by_frontend(ids, self._frontend_indexes[start:stop]).items():
             outbox.append(
                 (
                     (DEST_FRONTEND, self._frontends[fidx]),
@@ -643,7 +629,8 @@ class ModelThread(CandidateSizing):
             return
         early_ok = self._cand_early_ok
         lead = self.publish_lead_s
-        delay = self.d_ctrl_s + self.d_data_s * bs
+        sizing = self.sizing
+        delay = sizing.d_ctrl_s + sizing.d_data_s * bs
         exec_at = self.cand_exec
         if sent is None:
             # an early_ok candidate goes out at once: the rank's rescue needs to see it
@@ -656,19 +643,6 @@ class ModelThread(CandidateSizing):
               and sent[3] == early_ok):
             return
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
-        # the duration feeds deferred's projection, and eager-edf's deadline order (latest +
-        # l(bs) is the head's deadline): no work for the other policies
-        duration = (self._expected_duration(now, bs) if self._rescue
-                    else self._table[bs] if self._by_deadline else 0.0)
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
-                                                duration, early_ok,
-                                                self._rescue and self._defer_shared)))
-
-    def _expected_duration(self, now: float, bs: int) -> float:
-        """l(b) of the batch expected at the exec time: bs plus the requests the metered rate
-        brings until then (the rescue's projection; a deferred batch grows while it waits)."""
-        grow = (self.cand_exec - now) * self._defer_rate
-        if grow > 0.0 and grow != math.inf:
-            expected = bs + int(grow)
-            bs = expected if expected < self._max_batch else self._max_batch
-        return self._table[bs]
+                                                sizing.published_duration(now, bs, exec_at),
+                                                early_ok, sizing.rescue and sizing.defer_shared)))

@@ -1,27 +1,28 @@
-"""The rank's backend table: registration, GPU ids, suspicion and revival, liveness.
+"""The rank's backend table: registration, GPU ids, suspicion and revival, liveness (pure logic).
 
-``RankBackends`` is the part of ``zserve.scheduler.rank_host.RankHost`` that keeps the table of
-backends (one ``_Backend`` per GPU id) and tells the RankThread which GPUs it may grant:
+``RankBackends`` keeps one entry per GPU id and tells the RankThread which GPUs it may grant:
 
-- ``BackendRegister`` adds a backend (or gives a known name its GPU back); a backend's GPU id is
-  its index in the cluster config (``configured_backend_index``), so a restarted rank gives
-  every backend the id it had whatever order they register in;
-- ``BackendSuspect`` (a shard's plan went unacknowledged) takes a GPU out until the backend
-  heartbeats again after the suspicion (``_revive``);
-- the liveness loop removes a backend silent for ``backend_timeout_s``;
-- ``table()`` is the ``BackendTable`` every shard and frontend hears.
+- ``on_register`` (``BackendRegister``) adds a backend (or gives a known name its GPU back); a
+  backend's GPU id is its index in the cluster config (``configured_backend_index``), so a
+  restarted rank gives every backend the id it had whatever order they register in;
+- ``on_suspect`` (``BackendSuspect``: a shard's plan went unacknowledged) takes a GPU out until
+  the backend heartbeats again after the suspicion (``on_heartbeat``);
+- ``expire`` removes a backend silent for ``timeout_s``; ``on_gone`` one whose process died;
+- ``table(epoch)`` is the ``BackendTable`` every shard and frontend hears.
 
-The host owns the sockets, the epochs and the output (``_send``, ``_flush``,
-``_broadcast_table``, ``_end_rebuild``); this mixin declares what it uses of them.
+No I/O and no clock: each call takes ``now`` and the RankThread's outbox, and says whether the
+table changed. The host (``zserve.scheduler.rank_host.RankHost``) owns the sockets, the epochs,
+the timers and the loop that calls ``expire`` every ``check_interval_s``; it broadcasts the
+table when a call says it changed, before it delivers the outbox, so a shard knows a GPU's plan
+address before its first grant for it (one FIFO per peer).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
-import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,6 @@ from zserve.transport.messages import (
     BackendRegister,
     BackendSuspect,
     BackendTable,
-    Message,
     protocol_mismatch,
 )
 
@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 BACKEND_ROLE = "backend"
 # A backend silent for this long is removed: 4 missed heartbeats (HEARTBEAT_INTERVAL_S = 0.5 s).
 BACKEND_TIMEOUT_S = 4 * HEARTBEAT_INTERVAL_S
+# How many liveness checks per timeout: a silent backend goes within 1.25 timeouts.
+CHECKS_PER_TIMEOUT = 4
+BACKEND_COUNTERS = ("registrations", "removals", "suspects", "revivals", "deaths_announced",
+                    "bad_messages", "standby_ignored")
+"""What the table counts in the host's counters (``RANK_COUNTERS`` holds them)."""
 
 
 def configured_backend_index(name: str) -> int | None:
@@ -48,9 +53,6 @@ def configured_backend_index(name: str) -> int | None:
     None."""
     role, _, index = name.rpartition("-")
     return int(index) if role == BACKEND_ROLE and index.isdigit() else None
-
-
-# --------------------------------------------------------------------------- the rank host
 
 
 @dataclass(slots=True)
@@ -72,79 +74,75 @@ class _Backend:
 
 
 class RankBackends:
-    """The backend table of a ``RankHost`` (mixed into it; see the module docstring)."""
+    """The backend table of one rank (see the module docstring). ``rank``: the RankThread whose
+    GPU set it keeps; ``counters``: where to count (``BACKEND_COUNTERS``, the host's dict);
+    ``name``: the rank's name, in log lines."""
 
-    # Set by RankHost.__init__.
-    name: str
-    rank: RankThread
-    counters: dict[str, int]
-    backends: dict[int, _Backend]
-    gpu_by_name: dict[str, int]
-    backend_ids: set[bytes]
-    backend_timeout_s: float
-    epoch: int
-    _rebuilding: set[str] | None
-    _rebuild_handle: asyncio.TimerHandle | None
+    def __init__(self, rank: RankThread, counters: MutableMapping[str, int], *, name: str,
+                 timeout_s: float = BACKEND_TIMEOUT_S) -> None:
+        self.rank = rank
+        self.counters = counters
+        for key in BACKEND_COUNTERS:
+            counters.setdefault(key, 0)
+        self.name = name
+        self.timeout_s = timeout_s
+        self._by_gpu: dict[int, _Backend] = {}
+        self._gpu_by_name: dict[str, int] = {}
+        # the DEALER identities that introduced themselves as backends (Hello or registration)
+        self.identities: set[bytes] = set()
 
-    # Provided by RankHost.
     @property
-    def active(self) -> bool:
-        raise NotImplementedError
+    def check_interval_s(self) -> float:
+        """How often the host should call ``expire``."""
+        return self.timeout_s / CHECKS_PER_TIMEOUT
 
-    def _send(self, msg: Message, identity: bytes) -> bool:
-        raise NotImplementedError
+    def alive_names(self) -> set[str]:
+        return {b.name for b in self._by_gpu.values() if b.alive}
 
-    def _flush(self, outbox: Outbox) -> None:
-        raise NotImplementedError
+    # ------------------------------------------------------------------ membership
 
-    def _broadcast_table(self) -> None:
-        raise NotImplementedError
+    def on_hello(self, identity: bytes) -> None:
+        """``identity`` said Hello as a backend (it registers on hearing the active epoch)."""
+        self.identities.add(identity)
 
-    def _end_rebuild(self) -> None:
-        raise NotImplementedError
-
-    def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
-                     outbox: Outbox) -> None:
+    def on_register(self, now: float, identity: bytes, msg: BackendRegister, outbox: Outbox, *,
+                    active: bool) -> bool:
+        """A backend registers; True when it is in the table now (the table changed). A standby
+        (``active`` False) only notes who it is; a backend of another wire protocol is refused
+        (its plans and table entries could not be trusted to decode)."""
         refusal = protocol_mismatch(f"backend {msg.name}", msg.protocol)
-        if refusal is not None:  # its plans and table entries could not be trusted to decode
+        if refusal is not None:
             self.counters["bad_messages"] += 1
             log.error("%s: refusing %s", self.name, refusal)
-            return
-        self.backend_ids.add(identity)
-        if not self.active:
+            return False
+        self.identities.add(identity)
+        if not active:
             self.counters["standby_ignored"] += 1
-            return
+            return False
         self.counters["registrations"] += 1
-        gpu_id = self.gpu_by_name.get(msg.name)
+        gpu_id = self._gpu_by_name.get(msg.name)
         if gpu_id is None:
             gpu_id = self._new_gpu_id(msg)
-            self.gpu_by_name[msg.name] = gpu_id
-        previous = self.backends.get(gpu_id)
-        backend = _Backend(gpu_id, msg.name, identity, msg.device, msg.plan_address,
-                           list(msg.models), dict(msg.profiles_ms), now,
-                           signatures=dict(msg.signatures), registered_at=now)
-        self.backends[gpu_id] = backend
-        # The table goes out before the GPU can be granted: a shard knows a GPU's plan address
-        # before its first plan for it (one FIFO per peer).
-        self._broadcast_table()
+            self._gpu_by_name[msg.name] = gpu_id
+        previous = self._by_gpu.get(gpu_id)
+        self._by_gpu[gpu_id] = _Backend(
+            gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
+            dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now)
         if previous is None or not previous.alive:
             self.rank.add_gpu(now, gpu_id, outbox)
         if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
             self.rank.on_device_free_at(now, gpu_id, msg.device_free_at, outbox)
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
-        if self._rebuilding:
-            self._rebuilding.discard(msg.name)
-            if not self._rebuilding and self._rebuild_handle is not None:
-                self._end_rebuild()
+        return True
 
     def _new_gpu_id(self, msg: BackendRegister) -> int:
         """The id of a backend this rank has not seen: its index in the cluster config (the
         ``<n>`` of its name ``backend-<n>``, ``zserve.config.cluster.process_name``), so a
-        restarted rank
-        gives every backend the id the shards' plans and tables already use, whatever order they
-        register in; the lowest free id when its name has none or another backend holds it."""
-        taken = set(self.gpu_by_name.values())
+        restarted rank gives every backend the id the shards' plans and tables already use,
+        whatever order they register in; the lowest free id when its name has none or another
+        backend holds it."""
+        taken = set(self._gpu_by_name.values())
         index = configured_backend_index(msg.name)
         if index is not None and index not in taken:
             return index
@@ -153,49 +151,82 @@ class RankBackends:
                         msg.name, index)
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
-    def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
-                    outbox: Outbox) -> None:
-        """A shard's plan went unacknowledged: stop granting that GPU now, and tell every shard
-        and frontend (they release its plans and the requests it fetched). A suspicion that
-        changes nothing (the backend is out already, or registered again since that plan was
-        sent) is answered with the table, which the shard then serves from again."""
-        backend = self.backends.get(msg.gpu_id)
-        if backend is None or not backend.alive or backend.registered_at > msg.sent_at:
-            self._send(self.table(), identity)
-            return
-        self.counters["suspects"] += 1
-        log.warning("%s: backend %s (GPU %d) is suspect: %s", self.name, backend.name,
-                    backend.gpu_id, msg.message)
-        backend.suspect_since = now
-        self._take_out(now, backend, outbox)
-        self._broadcast_table()
+    def _entry_of(self, identity: bytes) -> _Backend | None:
+        """The table's entry (in use or not) of the backend connected as ``identity`` (its
+        name), if that connection still holds it."""
+        gpu_id = self._gpu_by_name.get(identity.decode(errors="replace"))
+        backend = self._by_gpu.get(gpu_id) if gpu_id is not None else None
+        return backend if backend is not None and backend.identity == identity else None
 
-    def _revive(self, now: float, backend: _Backend, outbox: Outbox) -> None:
+    # ------------------------------------------------------------------ liveness
+
+    def on_heartbeat(self, now: float, identity: bytes, sent_at: float,
+                     outbox: Outbox) -> bool | None:
+        """A heartbeat from ``identity``: None when no backend of the table holds it; else
+        whether the backend came back (the table changed): one out, and if suspect, from a
+        heartbeat sent after the suspicion."""
+        backend = self._entry_of(identity)
+        if backend is None:
+            return None
+        backend.last_seen = now
+        if backend.alive or sent_at <= backend.suspect_since:
+            return False
         if backend.suspect_since > -math.inf:
             self.counters["revivals"] += 1
             log.info("%s: backend %s (GPU %d) answers again: back in use", self.name,
                      backend.name, backend.gpu_id)
             backend.suspect_since = -math.inf
         backend.alive = True
-        self._broadcast_table()
         self.rank.add_gpu(now, backend.gpu_id, outbox)
+        return True
 
-    async def _liveness_loop(self) -> None:
-        interval = self.backend_timeout_s / 4
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            outbox: Outbox = []
-            changed = False
-            for backend in self.backends.values():
-                if backend.alive and now - backend.last_seen > self.backend_timeout_s:
-                    log.warning("%s: backend %s (GPU %d) silent for %.1f s: removed", self.name,
-                                backend.name, backend.gpu_id, now - backend.last_seen)
-                    self._remove(now, backend, outbox)
-                    changed = True
-            if changed:
-                self._broadcast_table()
-            self._flush(outbox)
+    def on_suspect(self, now: float, msg: BackendSuspect, outbox: Outbox) -> bool:
+        """A shard's plan went unacknowledged: stop granting that GPU now; True when that
+        changed the table (the host tells every shard and frontend: they release its plans and
+        the requests it fetched). False: the suspicion changes nothing (the backend is out
+        already, or registered again since that plan was sent), and the host answers the shard
+        with the table, which it then serves from again."""
+        backend = self._by_gpu.get(msg.gpu_id)
+        if backend is None or not backend.alive or backend.registered_at > msg.sent_at:
+            return False
+        self.counters["suspects"] += 1
+        log.warning("%s: backend %s (GPU %d) is suspect: %s", self.name, backend.name,
+                    backend.gpu_id, msg.message)
+        backend.suspect_since = now
+        self._take_out(now, backend, outbox)
+        return True
+
+    def on_gone(self, now: float, name: str, outbox: Outbox) -> bool:
+        """The supervisor says backend ``name``'s process died: remove it now rather than after
+        ``timeout_s`` of silence. True when it was in the table."""
+        gpu_id = self._gpu_by_name.get(name)
+        backend = self._by_gpu.get(gpu_id) if gpu_id is not None else None
+        if backend is None or not backend.alive:
+            return False
+        self.counters["deaths_announced"] += 1
+        log.warning("%s: backend %s (GPU %d) died: removed", self.name, backend.name,
+                    backend.gpu_id)
+        self._remove(now, backend, outbox)
+        return True
+
+    def expire(self, now: float, outbox: Outbox) -> bool:
+        """Remove every backend silent for more than ``timeout_s``; True when any was."""
+        changed = False
+        for backend in self._by_gpu.values():
+            if backend.alive and now - backend.last_seen > self.timeout_s:
+                log.warning("%s: backend %s (GPU %d) silent for %.1f s: removed", self.name,
+                            backend.name, backend.gpu_id, now - backend.last_seen)
+                self._remove(now, backend, outbox)
+                changed = True
+        return changed
+
+    def on_device_free_at(self, now: float, identity: bytes, gpu_id: int, free_at: float,
+                          outbox: Outbox) -> None:
+        """Drift correction (``BatchStats.device_free_at``): the device frees later than the
+        grants planned. Only from the live backend that holds this GPU."""
+        backend = self._by_gpu.get(gpu_id)
+        if backend is not None and backend.alive and backend.identity == identity:
+            self.rank.on_device_free_at(now, gpu_id, free_at, outbox)
 
     def _remove(self, now: float, backend: _Backend, outbox: Outbox) -> None:
         self.counters["removals"] += 1
@@ -207,8 +238,11 @@ class RankBackends:
         with contextlib.suppress(ValueError):
             self.rank.remove_gpu(now, backend.gpu_id, outbox)
 
-    def table(self) -> BackendTable:
-        alive = sorted((b for b in self.backends.values() if b.alive), key=lambda b: b.gpu_id)
+    # ------------------------------------------------------------------ what it tells
+
+    def table(self, epoch: int) -> BackendTable:
+        """The live backends, by GPU id, as of scheduler epoch ``epoch``."""
+        alive = sorted((b for b in self._by_gpu.values() if b.alive), key=lambda b: b.gpu_id)
         return BackendTable(
             gpu_ids=[b.gpu_id for b in alive],
             names=[b.name for b in alive],
@@ -216,5 +250,16 @@ class RankBackends:
             models=[list(b.models) for b in alive],
             profiles_ms=[dict(b.profiles_ms) for b in alive],
             signatures=[dict(b.signatures) for b in alive],
-            epoch=self.epoch,
+            epoch=epoch,
         )
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Every GPU the table has held: its backend, whether it is in use, whether suspect."""
+        return {
+            str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
+                            "suspect": not b.alive and b.suspect_since > -math.inf}
+            for b in self._by_gpu.values()
+        }
+
+
+__all__ = ["BACKEND_COUNTERS", "BACKEND_TIMEOUT_S", "RankBackends", "configured_backend_index"]

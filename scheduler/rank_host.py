@@ -43,15 +43,17 @@ Every ``BackendTable`` change is broadcast to every shard and frontend that said
 peer gets the current table at once. The rank never waits on a peer: sends are non-blocking (a
 message ZeroMQ cannot queue is dropped and counted) and nothing is a request/response.
 
-Hosting, shared with the shard and backend processes: each pure object (RankThread, ModelThread)
-gets one ``zserve.runtime.timers.WakeTimer``, re-armed whenever its ``wake_at`` changes; each
-socket is
-drained per loop tick by the process's ``zserve.transport.reactor.SocketReactor`` (plain ZeroMQ
-sockets on the event loop) and its messages handled as one chunk, then the outbox is flushed once
-with non-blocking sends (``SocketReactor.send_nowait``).
+Hosting, shared with every role: a ``zserve.runtime.driver.CoreDriver`` drives the RankThread
+(its outbox delivered, its one timer kept at its ``wake_at``); the ``rank`` socket is drained per
+loop tick by the process's ``zserve.transport.reactor.SocketReactor`` (plain ZeroMQ sockets on
+the event loop) and its messages handled as one chunk, then the outbox is delivered once with
+non-blocking sends (``SocketReactor.send_nowait``). The process starts and stops in the order of
+``zserve.runtime.session.RoleSession``.
 
 The backend table itself (registration, GPU ids, suspicion, revival, liveness, the
-``BackendTable``) is ``zserve.scheduler.rank_backends.RankBackends``, mixed into ``RankHost``.
+``BackendTable``) is a part of its own, ``zserve.scheduler.rank_backends.RankBackends``, which
+``RankHost`` builds and calls; the host keeps the loop around it (its liveness check every
+``check_interval_s``) and tells the peers when a call says the table changed.
 
 With ``shards = 0`` the shard process embeds a ``RankHost``
 (``zserve.scheduler.shard_process``): the same class, with the local shard's messages delivered
@@ -62,10 +64,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,17 +77,19 @@ from zserve.core.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
 from zserve.core.errors import ZServeError
 from zserve.core.hosting import DEST_MODEL, Outbox
 from zserve.core.stats import Stats
-from zserve.runtime import control_link, keys, peer_map, runner
+from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
 from zserve.runtime.clock import ClusterClock, reply_to_probe
+from zserve.runtime.driver import CoreDriver
 from zserve.runtime.runner import cancel_all, spawn
-from zserve.runtime.timers import WakeTimer
-from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S, RankBackends, _Backend
+from zserve.runtime.session import SOCKET_CLOSE_LINGER_MS, RoleSession
+from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S, RankBackends
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BackendGone,
     BackendRegister,
     BackendSuspect,
+    BackendTable,
     BatchStats,
     CandidateUpdate,
     ClockProbe,
@@ -105,7 +107,6 @@ from zserve.transport.sockets import make_router
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
-SOCKET_CLOSE_LINGER_MS = 200
 RANK_COUNTERS = (
     "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
@@ -122,10 +123,10 @@ RANK_HISTOGRAMS = {"lateness": "signed", "candidate_slack": "signed"}
 # --------------------------------------------------------------------------- the rank host
 
 
-class RankHost(RankBackends):
-    """The RankThread on a ROUTER. ``local`` (embedded mode) is ``(name, deliver)``: messages for
-    the peer ``name`` are handed to ``deliver`` instead of the socket, and that shard's messages
-    come in through ``on_local``."""
+class RankHost:
+    """The RankThread on a ROUTER, with its backend table (``backends``). ``local`` (embedded
+    mode) is ``(name, deliver)``: messages for the peer ``name`` are handed to ``deliver``
+    instead of the socket, and that shard's messages come in through ``on_local``."""
 
     def __init__(
         self,
@@ -142,13 +143,13 @@ class RankHost(RankBackends):
         self.sock = sock
         self.reactor = reactor
         self.loop = asyncio.get_running_loop()
-        self.rank = RankThread([], time.monotonic(), grant_order=grant_order)
-        self.timer = WakeTimer(self.loop, self.rank, self._on_timer)
-        self.backend_timeout_s = backend_timeout_s
+        # The rank's own CLOCK_MONOTONIC is the cluster clock (offset 0 by definition).
+        self.clock = ClusterClock(reference=True)
+        self.rank = RankThread([], self.clock.now(), grant_order=grant_order)
+        self.driver = CoreDriver(self.rank, loop=self.loop, clock=self.clock,
+                                 deliver=self._deliver)
         self._local_identity = local[0].encode() if local else None
         self._deliver_local = local[1] if local else None
-        self.backends: dict[int, _Backend] = {}
-        self.gpu_by_name: dict[str, int] = {}
         self.peers: dict[bytes, str] = {}  # identity -> role, for shards and frontends
         self.peer_pids: dict[bytes, int] = {}  # identity -> the pid its last Hello gave
         self.model_owner: dict[str, bytes] = {}
@@ -157,7 +158,6 @@ class RankHost(RankBackends):
         self.epoch = watch.epoch if watch is not None else next_epoch(0, now_ms())
         self.rank.epoch = self.epoch
         self.on_superseded: Callable[[], None] | None = None
-        self.backend_ids: set[bytes] = set()  # peers that said Hello as backends
         # Backends still to register before the frontends hear of this epoch (None: rebuilt;
         # an empty set: waiting for ``begin_rebuild``).
         self._rebuilding: set[str] | None = set()
@@ -167,8 +167,8 @@ class RankHost(RankBackends):
         self.counters = self._stats.counters
         self._lateness = self._stats.histograms["lateness"]
         self._candidate_slack = self._stats.histograms["candidate_slack"]
-        # The rank's own CLOCK_MONOTONIC is the cluster clock (offset 0 by definition).
-        self.clock = ClusterClock(reference=True)
+        self.backends = RankBackends(self.rank, self.counters, name=name,
+                                     timeout_s=backend_timeout_s)
         if self._local_identity is not None:
             self.peers[self._local_identity] = "shard"
         # Handlers by message type (the type test is the dispatch: no isinstance per message).
@@ -191,7 +191,7 @@ class RankHost(RankBackends):
 
     async def close(self) -> None:
         """Stop receiving and the timers; the caller closes the socket."""
-        self.timer.cancel()
+        self.driver.close()
         if self._rebuild_handle is not None:
             self._rebuild_handle.cancel()
         self.reactor.unwatch(self.sock)
@@ -204,21 +204,21 @@ class RankHost(RankBackends):
         log.warning("%s: bad message: %s", self.name, exc)
 
     def on_chunk(self, chunk: Chunk) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         outbox: Outbox = []
         for identity, msg in chunk:
             assert identity is not None
             self._handle(now, identity, msg, outbox)
-        self._flush(outbox)
+        self.driver.flush(outbox)
 
     def on_local(self, messages: list[Message]) -> None:
         """Messages from the embedded shard (in order)."""
         assert self._local_identity is not None
-        now = time.monotonic()
+        now = self.clock.now()
         outbox: Outbox = []
         for msg in messages:
             self._handle(now, self._local_identity, msg, outbox)
-        self._flush(outbox)
+        self.driver.flush(outbox)
 
     def _handle(self, now: float, identity: bytes, msg: Message, outbox: Outbox) -> None:
         handler = self._handlers.get(type(msg))
@@ -255,15 +255,13 @@ class RankHost(RankBackends):
     def _on_heartbeat(self, now: float, identity: bytes, msg: Heartbeat, outbox: Outbox) -> None:
         if self._superseded_by(msg.epoch):
             return
-        gpu_id = self.gpu_by_name.get(identity.decode(errors="replace"))
-        backend = self.backends.get(gpu_id) if gpu_id is not None else None
-        if backend is not None and backend.identity == identity:
-            backend.last_seen = now
-            # came back before re-registering (a suspect one: from a heartbeat sent after the
-            # suspicion): take it back
-            if not backend.alive and msg.sent_at > backend.suspect_since:
-                self._revive(now, backend, outbox)
-        elif identity not in self.peers and identity not in self.backend_ids:
+        # a backend that came back before re-registering (a suspect one: from a heartbeat sent
+        # after the suspicion) is taken back
+        revived = self.backends.on_heartbeat(now, identity, msg.sent_at, outbox)
+        if revived:
+            self._broadcast_table()
+        elif (revived is None and identity not in self.peers
+              and identity not in self.backends.identities):
             # A peer this rank does not know (the rank restarted): ask it to introduce itself
             # again (epoch 0: "who are you"): a backend registers again, a shard or a frontend
             # says Hello.
@@ -279,7 +277,7 @@ class RankHost(RankBackends):
             # never be answered.
             self._release_grants_of(now, identity, outbox)
         if msg.role == "backend":
-            self.backend_ids.add(identity)
+            self.backends.on_hello(identity)
             if self.active:  # it registers on hearing the active epoch
                 self._send(self._epoch_hello(), identity)
             return
@@ -308,22 +306,42 @@ class RankHost(RankBackends):
         registers again and gets its GPU back.)"""
         if type(msg) is not BackendGone:
             return
-        gpu_id = self.gpu_by_name.get(msg.name)
-        backend = self.backends.get(gpu_id) if gpu_id is not None else None
-        if backend is None or not backend.alive:
-            return
-        self.counters["deaths_announced"] += 1
-        log.warning("%s: backend %s (GPU %d) died: removed", self.name, backend.name,
-                    backend.gpu_id)
         outbox: Outbox = []
-        self._remove(time.monotonic(), backend, outbox)
-        self._broadcast_table()
-        self._flush(outbox)
+        if self.backends.on_gone(self.clock.now(), msg.name, outbox):
+            self._broadcast_table()
+        self.driver.flush(outbox)
 
-    def _on_timer(self) -> None:
-        outbox: Outbox = []
-        self.rank.on_timer(time.monotonic(), outbox)
-        self._flush(outbox)
+    # ------------------------------------------------------------------ the backend table
+
+    def _on_register(self, now: float, identity: bytes, msg: BackendRegister,
+                     outbox: Outbox) -> None:
+        if not self.backends.on_register(now, identity, msg, outbox, active=self.active):
+            return
+        # Told before the outbox goes out: a shard knows a GPU's plan address before its first
+        # grant for it.
+        self._broadcast_table()
+        if self._rebuilding:
+            self._rebuilding.discard(msg.name)
+            if not self._rebuilding and self._rebuild_handle is not None:
+                self._end_rebuild()
+
+    def _on_suspect(self, now: float, identity: bytes, msg: BackendSuspect,
+                    outbox: Outbox) -> None:
+        if self.backends.on_suspect(now, msg, outbox):
+            self._broadcast_table()
+        else:  # it changes nothing: the table answers the shard, which serves from it again
+            self._send(self.table(), identity)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.backends.check_interval_s)
+            outbox: Outbox = []
+            if self.backends.expire(self.clock.now(), outbox):
+                self._broadcast_table()
+            self.driver.flush(outbox)
+
+    def table(self) -> BackendTable:
+        return self.backends.table(self.epoch)
 
     # ------------------------------------------------------------------ membership
 
@@ -375,7 +393,7 @@ class RankHost(RankBackends):
         self.counters["superseded"] += 1
         log.error("%s: superseded by scheduler epoch %d (this one's is %d): stepping down",
                   self.name, epoch, self.epoch)
-        self.timer.cancel()
+        self.driver.close()  # it grants nothing more
         if self.on_superseded is not None:
             self.on_superseded()
 
@@ -385,7 +403,7 @@ class RankHost(RankBackends):
         self.counters["takeovers"] += 1
         self.epoch = self.rank.epoch = epoch
         self._rebuilding = set()
-        for identity in self.backend_ids:
+        for identity in self.backends.identities:
             self._send(self._epoch_hello(), identity)
         self.begin_rebuild(expected_backends)
 
@@ -394,8 +412,7 @@ class RankHost(RankBackends):
         frontends this epoch and its table."""
         if self._rebuilding is None:
             return
-        registered = {b.name for b in self.backends.values() if b.alive}
-        self._rebuilding = set(expected_backends) - registered
+        self._rebuilding = set(expected_backends) - self.backends.alive_names()
         if not self._rebuilding:
             self._end_rebuild()
         elif self._rebuild_handle is None:
@@ -414,7 +431,6 @@ class RankHost(RankBackends):
         for identity, role in list(self.peers.items()):
             self._introduce(identity, role)
 
-
     def _broadcast_table(self) -> None:
         table = self.table()
         for identity, role in list(self.peers.items()):
@@ -423,29 +439,29 @@ class RankHost(RankBackends):
 
     # ------------------------------------------------------------------ output
 
-    def _flush(self, outbox: Outbox) -> None:
-        while outbox:
-            # Grants that cannot reach their shard are never answered: give them back at once
-            # (a new grant needs a new candidate, so this ends).
-            undelivered: list[str] = []
-            for (kind, key), msg in outbox:
-                if kind == DEST_MODEL:
-                    owner = self.model_owner.get(str(key))
-                    if owner is None:
-                        self.counters["unroutable_grants"] += 1
-                        log.error("%s: no shard known for model %r", self.name, key)
-                        undelivered.append(str(key))
-                        continue
-                    self.counters["grants"] += 1
-                    if not self._send(msg, owner):
-                        undelivered.append(str(key))
-                else:
-                    log.error("%s: RankThread produced a message for %r", self.name, (kind, key))
-            outbox = []
-            if undelivered:
-                self.counters["grants_released"] += self.rank.release_grants(
-                    time.monotonic(), undelivered, outbox)
-        self.timer.sync()
+    def _deliver(self, outbox: Outbox) -> None:
+        """The driver's way out: each grant to the shard that sent its model's candidate."""
+        messages = outbox[:]
+        outbox.clear()
+        # Grants that cannot reach their shard are never answered: give them back at once
+        # (appended to the outbox; a new grant needs a new candidate, so this ends).
+        undelivered: list[str] = []
+        for (kind, key), msg in messages:
+            if kind == DEST_MODEL:
+                owner = self.model_owner.get(str(key))
+                if owner is None:
+                    self.counters["unroutable_grants"] += 1
+                    log.error("%s: no shard known for model %r", self.name, key)
+                    undelivered.append(str(key))
+                    continue
+                self.counters["grants"] += 1
+                if not self._send(msg, owner):
+                    undelivered.append(str(key))
+            else:
+                log.error("%s: RankThread produced a message for %r", self.name, (kind, key))
+        if undelivered:
+            self.counters["grants_released"] += self.rank.release_grants(
+                self.clock.now(), undelivered, outbox)
 
     def _send(self, msg: Message, identity: bytes) -> bool:
         if identity == self._local_identity and self._deliver_local is not None:
@@ -465,10 +481,9 @@ class RankHost(RankBackends):
             return
         if msg.device_free_at > 0.0:
             # Drift correction: the backend's device frees later than the grants planned (it
-            # started batches late). Only from the live backend that holds this GPU.
-            backend = self.backends.get(msg.gpu_id)
-            if backend is not None and backend.alive and backend.identity == identity:
-                self.rank.on_device_free_at(now, msg.gpu_id, msg.device_free_at, outbox)
+            # started batches late).
+            self.backends.on_device_free_at(now, identity, msg.gpu_id, msg.device_free_at,
+                                            outbox)
         if msg.batch_size == 0:
             return
         self.counters["batches"] += 1
@@ -487,11 +502,7 @@ class RankHost(RankBackends):
             "active": self.active,
             "epoch": self.epoch,
             "rebuilding": self._rebuilding is not None,
-            "gpus": {
-                str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
-                                "suspect": not b.alive and b.suspect_since > -math.inf}
-                for b in self.backends.values()
-            },
+            "gpus": self.backends.stats(),
             "rank_thread": {
                 "grants": self.rank.n_grants,
                 "model_matches": self.rank.n_model_matches,
@@ -514,40 +525,27 @@ class RankHost(RankBackends):
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:
     name = config.name
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reactor = SocketReactor(asyncio.get_running_loop())
-    host: RankHost | None = None
-    link: control_link.ControlLink | None = None
-    try:
-        holder: list[RankHost] = []
-        keys.secure_role_context(ctx, config.cluster, "rank")
-        link = await control_link.ControlLink.open(
-            ctx, control_address, role=ROLE, name=name,
-            stats=lambda reset: holder[0].stats(reset) if holder else {},
-            on_message=lambda msg: holder[0].on_control_message(msg) if holder else None,
-        )
-        sock, endpoint = make_router(ctx, config.bind["rank"], name=f"{name} rank",
+    async with RoleSession.open(config, control_address, role=ROLE) as session:
+        # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+        reactor = SocketReactor(asyncio.get_running_loop())
+        session.closing(reactor.close)
+        sock, endpoint = make_router(session.ctx, config.bind["rank"], name=f"{name} rank",
                                      advertise_host=config.advertise_host)
+        session.closing(lambda: sock.close(linger=SOCKET_CLOSE_LINGER_MS))
         sched = config.cluster.scheduler
         host = RankHost(name=name, sock=sock, reactor=reactor,
                         backend_timeout_s=config.backend_timeout_s or BACKEND_TIMEOUT_S,
                         grant_order=SchedulePolicy.parse(sched.policy, sched.drop).grant_order)
-        holder.append(host)
+        session.closing(host.close)
+        session.serve_stats(host.stats)
+        session.on_control(host.on_control_message)
         host.start()
         log.info("%s: %s", name, host.clock.describe())
-        peers = await link.ready({"rank": endpoint})
+        # The rank is the cluster clock: no sync; it serves the others' probes from here on.
+        peers = await session.ready({"rank": endpoint})
         host.begin_rebuild(set(peer_map.endpoints_of(peers, "plan")))
-        await link.drain.wait()
+        await session.drained()
         return 0
-    finally:
-        if host is not None:
-            await host.close()
-            host.sock.close(linger=SOCKET_CLOSE_LINGER_MS)
-        reactor.close()
-        if link is not None:
-            await link.close()
-        keys.destroy_role_context(ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 def run_rank(config: RoleConfig, control_address: str | None) -> int:

@@ -72,7 +72,17 @@ _GRANTED = 2  # granted, waiting for the model's answer; in no heap
 
 
 class RankThread:
-    """Global GPU state and per-model candidates; see the module docstring."""
+    """Global GPU state and per-model candidates; see the module docstring.
+
+    GPUs: ``_free_at`` and ``_state`` (``_IDLE``, ``_BUSY``, ``_GRANTED``) by GPU id, ``_stamp``
+    (a GPU's heap entries are live while their stamp matches), the ``_idle`` heap (lowest id
+    first) and the ``_busy`` heap (by free time). Candidates: ``_candidates`` (model -> ``(bs,
+    exec_at, latest, delay)``: ``bs`` is the batch size in rows), ``_candidate_runs`` (the
+    rescue's view: duration, early_ok, shared) and ``_version`` (a model's heap entries are live
+    while their version matches); ``_pending`` holds the schedulable candidates waiting for a
+    GPU. Grants: ``_awaiting`` (model -> its unanswered grant id) and ``_grants`` (grant id ->
+    model and GPU).
+    """
 
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
                  grant_order: str = GRANT_FIRST_DUE) -> None:
@@ -99,10 +109,10 @@ class RankThread:
         self._idle: list[tuple[int, int]] = []  # (gpu_id, stamp)
         self._busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
         # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
-        self._cand: dict[str, tuple[int, float, float, float]] = {}
+        self._candidates: dict[str, tuple[int, float, float, float]] = {}
         # the rescue's view of each candidate: model -> (duration, early_ok, shared); and how
         # many candidates are early_ok (the rescue runs only while some are)
-        self._cand_run: dict[str, tuple[float, bool, bool]] = {}
+        self._candidate_runs: dict[str, tuple[float, bool, bool]] = {}
         self._n_early_ok = 0
         # the rescue's next evaluation no sooner than this (RESCUE_SPACING_S_PER_CANDIDATE)
         self._rescue_next = -_INF
@@ -197,18 +207,18 @@ class RankThread:
         self._pending.pop(model, None)
         self._forget_run(model)
         if update.batch_size <= 0:
-            self._cand.pop(model, None)
+            self._candidates.pop(model, None)
         else:
             delay = update.send_delay
-            self._cand[model] = (update.batch_size, update.exec_at, update.latest, delay)
-            self._cand_run[model] = (update.duration, update.early_ok, update.shared)
+            self._candidates[model] = (update.batch_size, update.exec_at, update.latest, delay)
+            self._candidate_runs[model] = (update.duration, update.early_ok, update.shared)
             if update.early_ok:
                 self._n_early_ok += 1
             heapq.heappush(self._model_timers, (update.exec_at - delay, version, model))
         self._fire_due(now, outbox)
 
     def _forget_run(self, model: str) -> None:
-        run = self._cand_run.pop(model, None)
+        run = self._candidate_runs.pop(model, None)
         if run is not None and run[1]:
             self._n_early_ok -= 1
 
@@ -299,7 +309,7 @@ class RankThread:
         self._grants[grant_id] = (model, gpu_id)
         self._granted_free_at[grant_id] = free_at
         self._awaiting[model] = grant_id
-        self._cand.pop(model, None)
+        self._candidates.pop(model, None)
         self._forget_run(model)
         self._pending.pop(model, None)
         self._version[model] = self._version.get(model, 0) + 1
@@ -308,14 +318,14 @@ class RankThread:
                                                      self.epoch, early)))
 
     def _on_model_timer(self, now: float, model: str, version: int, outbox: Outbox) -> None:
-        _, exec_at, latest, delay = self._cand[model]
+        _, exec_at, latest, delay = self._candidates[model]
         if now + delay > latest:
             self.n_stale += 1
             return
         found = self._earliest_gpu(now)
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
-        shared = self._cand_run[model][2]  # set with _cand[model], in on_candidate
+        shared = self._candidate_runs[model][2]  # set with _candidates[model], in on_candidate
         if found is not None and found[1] <= (now if self._free_only else exec_at):
             if shared:
                 self.contention -= RESCUE_CONTENTION_EWMA * self.contention
@@ -326,7 +336,7 @@ class RankThread:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._pending[model] = version
         # a candidate's deadline is its latest start plus its batch's duration
-        key = latest + self._cand_run[model][0] if self._by_deadline else latest
+        key = latest + self._candidate_runs[model][0] if self._by_deadline else latest
         heapq.heappush(self._pending_latest, (key, version, model))
         heapq.heappush(self._pending_delay, (-delay, version, model))
 
@@ -335,11 +345,11 @@ class RankThread:
         now still serves in time joins the waiting ones, whether or not its own timer came: the
         GPU goes to the most urgent of them all."""
         pending = self._pending
-        for model, (_, exec_at, latest, delay) in self._cand.items():
+        for model, (_, exec_at, latest, delay) in self._candidates.items():
             if model not in pending and exec_at <= free_at and now + delay <= latest:
                 version = self._version[model]
                 pending[model] = version
-                key = latest + self._cand_run[model][0] if self._by_deadline else latest
+                key = latest + self._candidate_runs[model][0] if self._by_deadline else latest
                 heapq.heappush(self._pending_latest, (key, version, model))
                 heapq.heappush(self._pending_delay, (-delay, version, model))
 
@@ -363,7 +373,7 @@ class RankThread:
             if pending.get(model) != version:
                 heapq.heappop(heap)
                 continue
-            latest = self._cand[model][2]
+            latest = self._candidates[model][2]
             if latest < free_at:
                 heapq.heappop(heap)
                 del pending[model]
@@ -376,7 +386,7 @@ class RankThread:
                 # its short window closes (on the A100 zoo at 17,860 r/s the slowest model,
                 # NASNetLarge, took most of the drops: 1.33% of its requests, 0.98% with this).
                 if (rival is not None and rival[0] < latest
-                        and self._cand_run[model][0] <= self._cand_run[rival[1]][0]):
+                        and self._candidate_runs[model][0] <= self._candidate_runs[rival[1]][0]):
                     self.n_rescues += 1
                     self._grant(now, rival[1], gpu_id, outbox, early=True)
                     return
@@ -392,11 +402,11 @@ class RankThread:
         is not will want that GPU at its exec time: nobody is started ahead of it)."""
         best: tuple[float, str, float] | None = None
         pending = self._pending
-        for model, (_, _, latest, delay) in self._cand.items():
+        for model, (_, _, latest, delay) in self._candidates.items():
             if (model not in pending and latest >= free_at and now + delay <= latest
                     and (best is None or latest < best[0])):
                 best = (latest, model, delay)
-        return best if best is not None and self._cand_run[best[1]][1] else None
+        return best if best is not None and self._candidate_runs[best[1]][1] else None
 
     def _fire_due(self, now: float, outbox: Outbox) -> None:
         timers = self._model_timers
@@ -450,7 +460,7 @@ class RankThread:
         t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
                     else self._rescue_at_risk(now, outbox))
         if t_rescue is not None:
-            self._rescue_next = now + RESCUE_SPACING_S_PER_CANDIDATE * len(self._cand)
+            self._rescue_next = now + RESCUE_SPACING_S_PER_CANDIDATE * len(self._candidates)
         return t_rescue
 
     def _may_rescue(self) -> bool:
@@ -476,9 +486,9 @@ class RankThread:
         # without the O(M log M + G log G) projection, which with 128 models on 128 GPUs ran at
         # every arrival and outran a core.
         if (found is None or found[1] > now
-                or len(self._cand) - len(self._pending) <= self._n_idle):
+                or len(self._candidates) - len(self._pending) <= self._n_idle):
             return _INF
-        waiting = sorted((c[1], c[2], model) for model, c in self._cand.items()
+        waiting = sorted((c[1], c[2], model) for model, c in self._candidates.items()
                          if model not in self._pending)
         if not waiting:
             return _INF
@@ -489,7 +499,7 @@ class RankThread:
         if len(times) == len(waiting) and times[-1] <= now:
             return _INF  # an idle GPU for every waiting candidate
         heapq.heapify(times)
-        run = self._cand_run
+        run = self._candidate_runs
         for exec_at, latest, model in waiting:
             free_at = times[0]
             start = exec_at if exec_at > free_at else free_at
@@ -499,7 +509,7 @@ class RankThread:
         else:
             return _INF
         _, latest, model = waiting[0]  # the next to start: another would take its GPU
-        if run[model][1] and now + self._cand[model][3] <= latest:
+        if run[model][1] and now + self._candidates[model][3] <= latest:
             self.n_rescues += 1
             self._grant(now, model, found[0], outbox, early=True)
             return None
@@ -535,4 +545,4 @@ class RankThread:
         return sorted(self._pending)
 
     def candidate(self, model: str) -> tuple[int, float, float, float] | None:
-        return self._cand.get(model)
+        return self._candidates.get(model)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import Outbox
-from zserve.scheduler.candidate_sizing import COMPACT_AT
-from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.model_thread import COMPACT_AT, ModelThread
 from zserve.scheduler.sent_plans import SentPlans
 from zserve.transport.messages import BatchPlan, GrantGpu
 
@@ -19,7 +18,7 @@ CHUNK = 4  # requests per arrival chunk: one frontend tick
 
 
 def _queue_list_lengths(mt: ModelThread) -> list[int]:
-    return [len(mt._dl), len(mt._rid), len(mt._fe), len(mt._arr)]
+    return [len(mt._deadlines), len(mt._ids), len(mt._frontend_indexes), len(mt._arrivals)]
 
 
 def test_queue_lists_bounded_when_every_request_is_granted() -> None:

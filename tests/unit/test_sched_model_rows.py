@@ -84,7 +84,7 @@ def test_the_head_of_n_rows_goes_when_n_alone_fits_even_above_the_target() -> No
     # SLO 40 ms: before a rate is known the target is the largest b with l(b) <= 20 ms (15);
     # a head of 25 rows (l = 30 ms) is above it but fits alone: it is kept, and runs alone.
     mt = _mt(policy="deferred", slo_s=0.04)
-    assert mt.keep_min <= 15
+    assert mt.sizing.keep_min <= 15
     out = _arrive(mt, 0.0, [25], first_id=1, slo_s=0.04)
     assert not [m for _, m in out if isinstance(m, DropNotice)]
     assert mt.cand_bs == 25
@@ -107,7 +107,7 @@ def test_window_drop_checks_the_prefix_up_to_the_target_in_rows() -> None:
     # keep_min rows must fit with the head: a head of 2 rows whose prefix of keep_min rows
     # cannot finish by its deadline is dropped (as a one-row head would be), not planned.
     mt = _mt(policy="deferred", drop="window", slo_s=0.04)
-    keep = mt.keep_min
+    keep = mt.sizing.keep_min
     assert keep > 4
     # the head's deadline fits l(2) but not l(keep): it goes only in too small a batch
     slo = PROFILE.latency(keep) - 0.5 * MS

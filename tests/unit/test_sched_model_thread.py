@@ -128,7 +128,7 @@ def test_beta_lambda_schedules_at_once_only_when_bs_reaches_beta_times_rate() ->
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
     assert meter.rate() == pytest.approx(1000.0, rel=0.1)
     small = _mt("deferred-bl")
-    small.meter = meter
+    small.sizing.set_meter(meter)
     (c3,) = _cands(_arrive(small, now, [1, 2, 3], slo=30 * MS))
     assert c3.exec_at > now  # 3 < ~5: frontrun
     (c8,) = _cands(_arrive(small, now, [4, 5, 6, 7, 8], slo=30 * MS))
@@ -144,19 +144,19 @@ def test_deferred_rescue_waits_only_while_a_request_is_likely_to_join() -> None:
     # expected before its aim d - l(9)), where the old beta*lambda - 1 rule started it at once
     meter, now = _taught_meter(10), TAUGHT_UNTIL_S
     busy = _mt30("deferred")  # SLO 30 ms: the load needs under 2 GPUs
-    busy.meter = meter
+    busy.sizing.set_meter(meter)
     (c8,) = _cands(_arrive(busy, now, list(range(8)), slo=30 * MS))
     assert c8.batch_size == 8 and c8.exec_at == pytest.approx(now + 30 * MS - PROFILE.latency(9))
     # ... and one whose aim is 0.5 ms away (0.5 requests expected, under ln 2) starts at once
     late = _mt30("deferred")
-    late.meter = _taught_meter(10)
+    late.sizing.set_meter(_taught_meter(10))
     (c1,) = _cands(_arrive(late, now, [1], slo=PROFILE.latency(2) + 0.5 * MS))
     assert DEFER_MIN_JOINERS > 0.5 and c1.exec_at == pytest.approx(now)
     # light load, 100 r/s and SLO 12 ms: a lone request would wait 5 ms for 0.5 expected
     # arrivals, so it starts at once (frontrun waits for its moment regardless)
     for policy, expected in (("deferred", now), ("frontrun", now + 5 * MS)):
         lone = _mt(policy)
-        lone.meter = _taught_meter(1)
+        lone.sizing.set_meter(_taught_meter(1))
         (c,) = _cands(_arrive(lone, now, [1]))
         assert c.exec_at == pytest.approx(expected), policy
 
@@ -166,7 +166,7 @@ def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_o
     # deferring candidate is early_ok and carries its duration l(bs) for the rank's rescue
     now = TAUGHT_UNTIL_S
     shared = _mt30("deferred")
-    shared.meter = _taught_meter(10)
+    shared.sizing.set_meter(_taught_meter(10))
     (cand,) = _cands(_arrive(shared, now, [1, 2, 3], slo=30 * MS))
     assert cand.early_ok and cand.exec_at > now + 10 * MS
     # the duration is l(b) of the batch expected by its aim: 3 plus ~1 request per ms until then
@@ -180,14 +180,14 @@ def test_deferred_rescue_sharing_gpus_is_early_ok_and_an_early_grant_starts_at_o
     assert plan.exec_at == pytest.approx(now + 1 * MS) and len(plan.request_ids) == 3
     # the same grant, not early, starts the batch at its aim
     aimed = _mt30("deferred")
-    aimed.meter = _taught_meter(10)
+    aimed.sizing.set_meter(_taught_meter(10))
     (cand2,) = _cands(_arrive(aimed, now, [1, 2, 3], slo=30 * MS))
     aimed.on_grant(now + 1 * MS, GrantGpu("m", 0, 1, now + 1 * MS), out := [])
     (plan2,) = [m for _, m in out if isinstance(m, BatchPlan)]
     assert plan2.exec_at == pytest.approx(cand2.exec_at)
     # 10,000 r/s: about 15 GPUs of load, staggered over GPUs of its own: never early_ok
     staggered = _mt30("deferred")
-    staggered.meter = _taught_meter(100)
+    staggered.sizing.set_meter(_taught_meter(100))
     (cand3,) = _cands(_arrive(staggered, now, [1], slo=30 * MS))
     assert cand3.exec_at > now and not cand3.early_ok
 
@@ -216,8 +216,8 @@ def test_out_of_order_chunks_are_merged_by_deadline() -> None:
     out: Outbox = []
     mt.on_arrivals(0.0, "a", [1, 2], [0.0, 0.0], [20 * MS, 30 * MS], out)
     mt.on_arrivals(0.0, "b", [3, 4], [0.0, 0.0], [10 * MS, 25 * MS], out)  # earlier than tail
-    assert mt._dl[mt._head :] == [10 * MS, 20 * MS, 25 * MS, 30 * MS]
-    assert mt._rid[mt._head :] == [3, 1, 4, 2]
+    assert mt._deadlines[mt._head :] == [10 * MS, 20 * MS, 25 * MS, 30 * MS]
+    assert mt._ids[mt._head :] == [3, 1, 4, 2]
     # the earliest deadline (10 ms) bounds the batch: l(b) <= 10 -> b <= 4 (all of them)
     assert mt.cand_bs == 4
     assert mt.cand_latest == pytest.approx(10 * MS - PROFILE.latency(4))
@@ -241,7 +241,7 @@ def test_window_drops_head_that_would_force_a_batch_below_target() -> None:
     window = _mt(drop="window")
     alone = _mt(drop="alone")
     for mt in (window, alone):
-        mt.target = mt.keep_min = 4  # as if the rate meter asked for batches of 4
+        mt.sizing.target = mt.sizing.keep_min = 4  # as if the rate meter asked for batches of 4
         out: Outbox = []
         mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)  # head: 10 - l(4) = 1 ms
         mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
@@ -264,7 +264,7 @@ def test_eager_edf_keeps_a_head_that_eager_drops_and_starts_at_once() -> None:
     runs: dict[str, ModelThread] = {}
     for policy in ("eager", "eager-edf"):
         mt = runs[policy] = _mt(policy)
-        mt.target = mt.keep_min = 4
+        mt.sizing.target = mt.sizing.keep_min = 4
         out: Outbox = []
         mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)
         mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
@@ -276,14 +276,14 @@ def test_eager_edf_keeps_a_head_that_eager_drops_and_starts_at_once() -> None:
 
 def test_window_grows_past_target_while_earliest_deadline_holds() -> None:
     mt = _mt(drop="window")
-    mt.target = mt.keep_min = 2
+    mt.sizing.target = mt.sizing.keep_min = 2
     _arrive(mt, 0.0, list(range(10)), slo=30 * MS)
     assert mt.cand_bs == 10  # free lunch: l(10) = 15 <= 30
 
 
 def test_fcfs_caps_batch_at_target() -> None:
     mt = _mt(drop="fcfs")
-    mt.target = mt.keep_min = 2
+    mt.sizing.target = mt.sizing.keep_min = 2
     _arrive(mt, 0.0, list(range(10)), slo=30 * MS)
     assert mt.cand_bs == 2
 
@@ -299,7 +299,7 @@ def test_unprofiled_batch_sizes_are_infeasible() -> None:
 
 def test_grant_emits_plan_answer_and_next_candidate() -> None:
     mt = _mt(d_ctrl_s=0.1 * MS)
-    mt.target = mt.keep_min = 1
+    mt.sizing.target = mt.sizing.keep_min = 1
     out: Outbox = []
     _arrive(mt, 0.0, [1, 2], frontend="fa", outbox=out)
     _arrive(mt, 0.0, [3], frontend="fb", outbox=out)
@@ -401,7 +401,7 @@ def test_suffix_drop_keeps_a_head_the_queue_could_not_fill_a_target_batch_behind
     window = _mt(keep_tolerance=0.0)
     suffix = _mt(drop="suffix", keep_tolerance=0.0)
     for mt in (window, suffix):
-        mt._set_target(4)
+        mt.sizing.set_target(4)
         out: Outbox = []
         mt.on_arrivals(0.0, "fe", [1], [0.0], [10.1 * MS], out)
         mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [10.3 * MS] * 4, out)
@@ -420,12 +420,12 @@ def test_keep_tolerance_keeps_head_for_a_nearly_as_efficient_batch() -> None:
     strict = _mt(keep_tolerance=0.0)
     loose = _mt(keep_tolerance=0.2)
     for mt in (strict, loose):
-        mt._set_target(4)
+        mt.sizing.set_target(4)
         out: Outbox = []
         mt.on_arrivals(0.0, "fe", [1], [0.0], [10 * MS], out)
         mt.on_arrivals(0.0, "fe", [2, 3, 4, 5], [0.0] * 4, [30 * MS] * 4, out)
         mt._update(2.0 * MS, -math.inf, out)  # the head can still go in a batch of 3, not 4
-    assert (strict.keep_min, loose.keep_min) == (4, 3)
+    assert (strict.sizing.keep_min, loose.sizing.keep_min) == (4, 3)
     assert strict.n_dropped == 1
     assert loose.n_dropped == 0 and loose.cand_bs == 3
 
@@ -458,7 +458,7 @@ def test_deferred_bl_model_sharing_gpus_aims_earlier_after_a_missed_grant_window
     meter = _taught_meter(10)
     now = TAUGHT_UNTIL_S
     mt = _mt30("deferred-bl")
-    mt.meter = meter
+    mt.sizing.set_meter(meter)
     (cand,) = _cands(_arrive(mt, now, [1], slo=30 * MS))
     d = now + 30 * MS
     assert cand.exec_at == pytest.approx(d - PROFILE.latency(2))  # frontrun: waiting pays
@@ -481,7 +481,7 @@ def test_deferred_bl_model_sharing_gpus_aims_earlier_after_a_missed_grant_window
 def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
     meter = _taught_meter(10)
     mt = _mt30("deferred-bl")
-    mt.meter = meter
+    mt.sizing.set_meter(meter)
     now = TAUGHT_UNTIL_S
     for rid in range(40):  # 40 misses of 0.5 ms would be 20 ms
         _arrive(mt, now, [rid], slo=30 * MS)
@@ -495,7 +495,7 @@ def test_missed_windows_widen_the_aim_at_most_by_the_cap() -> None:
 def test_other_policies_learn_no_margin(policy: str) -> None:
     meter = _taught_meter(10)
     mt = _mt30(policy)
-    mt.meter = meter
+    mt.sizing.set_meter(meter)
     _arrive(mt, TAUGHT_UNTIL_S, [1], slo=30 * MS)
     mt.on_timer(mt.wake_at, [])
     assert mt.n_window_misses == 0 and mt.miss_margin_s == 0.0
@@ -505,7 +505,7 @@ def test_deferred_model_stops_deferring_while_its_windows_are_lost() -> None:
     # 1000 r/s, SLO 30 ms: the model shares its GPUs, defers, and is early_ok
     now = TAUGHT_UNTIL_S
     mt = _mt30()
-    mt.meter = _taught_meter(10)
+    mt.sizing.set_meter(_taught_meter(10))
     (cand,) = _cands(_arrive(mt, now, [1, 2, 3], slo=30 * MS))
     assert cand.exec_at > now and cand.early_ok and cand.shared
     # its window closes with no grant: one lost window lifts the estimate over DEFER_LOSS_MAX
@@ -535,7 +535,7 @@ def test_deferred_model_stops_deferring_while_its_windows_are_lost() -> None:
 def test_deferred_backs_off_while_its_retries_keep_losing_windows() -> None:
     now = TAUGHT_UNTIL_S
     mt = _mt30()
-    mt.meter = _taught_meter(10)
+    mt.sizing.set_meter(_taught_meter(10))
     ids = itertools.count(10)
 
     def defers() -> bool:  # a new candidate waits for its aim
@@ -560,14 +560,14 @@ def test_deferred_backs_off_while_its_retries_keep_losing_windows() -> None:
     assert defers()
     lose_window()
     first = batches_until_it_defers()
-    assert mt.defer_backoff == 1
+    assert mt.sizing.defer_backoff == 1
     lose_window()  # the retry loses its window at once: a loss soon after the last
-    assert mt.defer_backoff == 2
+    assert mt.sizing.defer_backoff == 2
     second = batches_until_it_defers()
     assert second > first  # a longer wait before the next try
     # kept windows that bring the estimate well under the bar reset the backoff
     kept = 0
-    while mt.defer_backoff > 1:
+    while mt.sizing.defer_backoff > 1:
         mt.on_grant(now, GrantGpu("m", 0, kept, free_at=now), [])
         kept += 1
         now += 2 * MS
@@ -580,7 +580,7 @@ def test_staggered_model_learns_no_margin() -> None:
     # its own, where a missed window is the stagger at work, and keeps the authors' aim.
     meter = _taught_meter(100)
     mt = _mt30()
-    mt.meter = meter
+    mt.sizing.set_meter(meter)
     _arrive(mt, TAUGHT_UNTIL_S, [1], slo=30 * MS)
     assert mt.cand_exec > TAUGHT_UNTIL_S  # it defers
     mt.on_timer(mt.wake_at, [])
@@ -633,7 +633,7 @@ def test_set_profile_rederives_the_target_and_keep_min() -> None:
     expected = ModelThread("m", slower, 12 * MS, "deferred", budget_s=12 * MS)
     mt.set_profile(slower)
     assert mt.profile is slower
-    assert (mt.target, mt.keep_min) == (expected.target, expected.keep_min)
+    assert (mt.target, mt.sizing.keep_min) == (expected.target, expected.sizing.keep_min)
 
 
 def test_replanned_requests_rejoin_the_queue_in_deadline_order_or_are_dropped() -> None:
@@ -710,7 +710,7 @@ def test_a_model_whose_deferred_batches_get_no_joiners_starts_at_once() -> None:
     allowances after)."""
     now = TAUGHT_UNTIL_S
     mt = _mt30()
-    mt.meter = _taught_meter(10)  # 1000 r/s: 23 joiners promised before the aim
+    mt.sizing.set_meter(_taught_meter(10))  # 1000 r/s: 23 joiners promised before the aim
     deferred = 0
     for rid in range(1, 10):
         (cand,) = _cands(_arrive(mt, now, [rid], slo=30 * MS))
@@ -721,7 +721,7 @@ def test_a_model_whose_deferred_batches_get_no_joiners_starts_at_once() -> None:
         now = cand.exec_at
         mt.on_grant(now, GrantGpu("m", 0, rid, free_at=now), [])
         now += MS
-    assert not mt.deferral_yield.pays
+    assert not mt.sizing.deferral_yield.pays
     # one promised row each, in decayed sums: the first count that adds up to the minimum
     needed, promised = 0, 0.0
     while promised < DEFER_YIELD_MIN_EXPECTED:
