@@ -31,12 +31,16 @@ from oip_helpers import (
     http_status,
     oip_cluster,
 )
+from runtime_helpers import wait_until_async
 from tritonclient.utils import InferenceServerException
 
 from zserve.backends.host import build_executor
 from zserve.cluster.supervisor import Cluster
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
+# Waits on the frontend's stats: asked every STATS_POLL_S, for at most STATS_WAIT_S.
+STATS_POLL_S = 0.01
+STATS_WAIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -196,12 +200,16 @@ async def test_overloaded_says_when_to_retry(cluster: Cluster) -> None:
 
 
 async def _until_queued(cluster: Cluster, model: str, count: int) -> None:
-    for _ in range(2000):
-        stats = await asyncio.to_thread(cluster.stats, "frontend-0")
-        if stats["models"][model] >= count:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{model} never had {count} requests queued")
+    last: dict[str, Any] = {}
+
+    async def queued() -> dict[str, Any] | None:
+        last.clear()
+        last.update(await asyncio.to_thread(cluster.stats, "frontend-0"))
+        return dict(last) if last["models"][model] >= count else None
+
+    await wait_until_async(
+        queued, lambda: f"{model} to have {count} requests queued; last stats {last}",
+        timeout_s=STATS_WAIT_S, interval_s=STATS_POLL_S)
 
 
 async def test_a_cancelled_call_cancels_its_request(cluster: Cluster) -> None:
@@ -219,11 +227,16 @@ async def test_a_cancelled_call_cancels_its_request(cluster: Cluster) -> None:
     def cancelled(counters: dict[str, int]) -> int:
         return counters["cancelled"] + counters["cancelled_fetched"]
 
-    for _ in range(2000):
-        after = (await asyncio.to_thread(cluster.stats, "frontend-0"))["counters"]
-        if cancelled(after) > cancelled(before):
-            break
-        await asyncio.sleep(0.01)
+    last: dict[str, int] = {}
+
+    async def counted() -> dict[str, int] | None:
+        last.clear()
+        last.update((await asyncio.to_thread(cluster.stats, "frontend-0"))["counters"])
+        return dict(last) if cancelled(last) > cancelled(before) else None
+
+    after = await wait_until_async(
+        counted, lambda: f"the cancel to be counted; before {before}, last {last}",
+        timeout_s=STATS_WAIT_S, interval_s=STATS_POLL_S)
     assert cancelled(after) == cancelled(before) + 1, (before, after)
     assert after["error_CANCELLED"] == before["error_CANCELLED"] + 1
     assert after["replied"] == before["replied"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from proc_harness import Harness, cluster_config, role_config_for
@@ -71,11 +72,16 @@ def test_proc_backend_acks_plans_unless_its_batch_is_wedged(tmp_path: Path) -> N
         _serve_fetch(rig)
         # Once the batch counts as wedged (its stats say so), listen for QUIET_S: no
         # heartbeat, and a plan sent now gets no acknowledgement.
-        while True:
+        last: dict[str, Any] = {}
+
+        def wedged() -> dict[str, Any] | None:
             rig.shard.send(StatsRequest(reset=False))
-            if rig.shard.expect(StatsReply)[1].stats["wedged"]:
-                break
-            assert time.monotonic() < now + STUCK_S, "the batch never counted as wedged"
+            last.clear()
+            last.update(rig.shard.expect(StatsReply)[1].stats)
+            return dict(last) if last["wedged"] else None
+
+        wait_until(wedged, lambda: f"the batch to count as wedged; last stats {last}",
+                   timeout_s=now + STUCK_S - time.monotonic())
         wedged_at = time.monotonic()
         rig.rank.drain_kind(Heartbeat)
         _send_plan(rig, 2, time.monotonic())

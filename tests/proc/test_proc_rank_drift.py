@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from proc_harness import Harness
+from runtime_helpers import wait_until
 from test_proc_scheduler import WAIT_S, SchedulerRig
 
 from zserve.core.errors import ErrorKind
@@ -39,13 +41,18 @@ def test_proc_device_free_at_report_moves_the_gpu_later(tmp_path: Path, shards: 
         assert plan.request_ids == [1] and plan.finish_by == [deadline]
         # The shard answers the grant right after sending the plan: wait until the rank has the
         # answer (a report for a GPU still granted and unanswered is ignored).
-        while True:
+        last: dict[str, Any] = {}
+
+        def grant_answered() -> dict[str, Any] | None:
             rig.fe_rank.send(StatsRequest(reset=False))
-            _, reply = rig.fe_rank.expect(StatsReply)
-            if reply.stats["counters"]["grant_answers"] >= 1:
-                break
-            assert time.monotonic() < now + WAIT_S, reply.stats
-        assert reply.stats["rank_thread"]["drift_corrections"] == 0
+            last.clear()
+            last.update(rig.fe_rank.expect(StatsReply)[1].stats)
+            return dict(last) if last["counters"]["grant_answers"] >= 1 else None
+
+        stats = wait_until(grant_answered,
+                           lambda: f"the rank to have the grant's answer; last stats {last}",
+                           timeout_s=now + WAIT_S - time.monotonic())
+        assert stats["rank_thread"]["drift_corrections"] == 0
         # The backend reports its device free DRIFT_S later than planned (same DEALER, so the
         # rank handles the report before the StatsRequest).
         free_at = plan.expected_finish_at + DRIFT_S

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from proc_harness import Harness, Peer, role_config_for
+from runtime_helpers import wait_until
 from test_proc_scheduler import MODELS, WAIT_S, SchedulerRig, _profile_ms
 
 from zserve.scheduler.rank_rejoin import REJOIN_GRACE_S, RankRejoin
@@ -57,11 +58,16 @@ def test_restarted_rank_s_partial_table_keeps_the_shard_s_backends(tmp_path: Pat
         # The shard heartbeats, the new rank asks who it is, and answers its Hello with a table
         # that has no backend (the test's backend has not heartbeated to the new rank yet).
         deadline = time.monotonic() + WAIT_S
-        while True:
-            stats = _shard_stats(shard)
-            if stats["counters"].get("gpus_kept", 0) >= 1 or stats["models"][MODEL]["gpus"] != [0]:
-                break
-            assert time.monotonic() < deadline, f"the shard never rejoined the rank: {stats}"
+        last: dict[str, Any] = {}
+
+        def rejoined() -> dict[str, Any] | None:
+            last.clear()
+            last.update(_shard_stats(shard))
+            kept = last["counters"].get("gpus_kept", 0) >= 1
+            return dict(last) if kept or last["models"][MODEL]["gpus"] != [0] else None
+
+        stats = wait_until(rejoined, lambda: f"the shard to rejoin the rank; last stats {last}",
+                           timeout_s=WAIT_S)
         assert stats["models"][MODEL]["gpus"] == [0], (
             f"the new rank's first table made the shard drop a live backend: {stats}")
         # The backend heartbeats; the new rank asks it to register; it does, under its index.
@@ -73,11 +79,17 @@ def test_restarted_rank_s_partial_table_keeps_the_shard_s_backends(tmp_path: Pat
             models=list(MODELS), profiles_ms={m: _profile_ms() for m in MODELS}))
         # Past the grace the rank's own table (with the backend) is what the shard serves.
         time_after_grace = time.monotonic() + REJOIN_GRACE_S
-        while time.monotonic() < time_after_grace or _shard_stats(shard)["models"][MODEL][
-                "gpus"] != [0]:
-            assert time.monotonic() < deadline + WAIT_S, rig.diagnose()
-            shard.send(StatsRequest(reset=False))
-            shard.expect(StatsReply)
+
+        def served_after_grace() -> dict[str, Any] | None:
+            past_grace = time.monotonic() >= time_after_grace  # stats asked for after the grace
+            last.clear()
+            last.update(_shard_stats(shard))
+            return dict(last) if past_grace and last["models"][MODEL]["gpus"] == [0] else None
+
+        wait_until(served_after_grace,
+                   lambda: f"the shard to serve GPU 0 past the grace; last stats {last}\n"
+                           f"{rig.diagnose()}",
+                   timeout_s=deadline + WAIT_S - time.monotonic())
         drops = shard.drain_kind(DropNotice)
         assert drops == [], f"requests of a live backend's plan were dropped: {drops}"
         assert _shard_stats(shard)["counters"]["replanned"] == 0
