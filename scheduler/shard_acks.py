@@ -1,153 +1,103 @@
 """A shard's sent plans: acknowledgements, suspicion, and what happens to a lost backend's plans.
 
-``ShardPlanAcks`` is the part of ``zserve.scheduler.shard_host.ShardHost`` that follows the plans it
-sent (``SentPlans``): each is remembered with the time its ``PlanAck`` is due (d_ctrl +
-``PLAN_ACK_MARGIN_S``); the backends' acknowledgements come in on the plan DEALERs; a plan not
-acknowledged in time makes the shard suspect its backend (``BackendSuspect`` to the rank, the GPU
-out of the ModelThreads). When a backend is suspect or leaves the table, the requests of the
-plans it never acknowledged go back to their ModelThreads (``replanned``) and those of the plans
-it acknowledged are answered ``BACKEND_FAILED``.
+:class:`ShardPlanAcks` is a part of ``zserve.scheduler.shard_host.ShardHost`` (and of the
+simulator, which holds each plan as a live shard does): it follows the plans the shard sent
+(``SentPlans``), each remembered with the time its ``PlanAck`` is due (the plan's delivery
+allowance d_ctrl + ``PLAN_ACK_MARGIN_S``). A plan not acknowledged in time makes the shard suspect
+its backend: :meth:`ShardPlanAcks.suspect` tells the rank (``BackendSuspect``). When a backend is
+suspect or leaves the table, :meth:`ShardPlanAcks.release` answers the requests of the plans it
+acknowledged ``BACKEND_FAILED`` (it holds their inputs: they may run) and hands back the plans it
+never acknowledged, for the host to put back into their queues
+(``zserve.scheduler.core.SchedulerCore.replan``).
 
-The host owns the sockets, the ModelThreads and the output (``_flush``, ``_drop_now``); this
-mixin declares what it uses of them.
+Pure, like the cores it serves (``zserve.core.hosting``): ``now`` passed in, messages appended to
+an outbox, ``wake_at`` (the earliest acknowledgement due) read back. The host owns the sockets
+and the timer, and reads the acknowledgements off them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from typing import Any
+from collections.abc import Iterable, MutableMapping
 
-import zmq
-
-from zserve.config.cluster import ModelConfig
 from zserve.core.errors import ErrorKind
-from zserve.core.groups import group_by_frontend
-from zserve.core.hosting import TO_RANK, Outbox
-from zserve.runtime.clock import ClusterClock
-from zserve.runtime.timers import WakeTimer
-from zserve.scheduler.model_thread import ModelThread
+from zserve.core.hosting import DEST_FRONTEND, TO_RANK, Outbox
 from zserve.scheduler.sent_plans import SentPlans
-from zserve.transport.messages import BackendSuspect, BatchPlan, Hello, PlanAck
-from zserve.transport.reactor import Chunk, SocketReactor
+from zserve.transport.messages import BackendSuspect, BatchPlan, DropNotice
 
-log = logging.getLogger(__name__)
+ACK_COUNTERS = ("plan_acks", "suspects", "backend_failed")
+"""What the part counts: acknowledgements that were awaited, suspected backends, and the
+requests answered ``BACKEND_FAILED``."""
 
 
 class ShardPlanAcks:
-    """The sent plans of a ``ShardHost`` (mixed into it; see the module docstring)."""
+    """The plans a shard sent and their acknowledgements; see the module docstring.
 
-    # Set by ShardHost.__init__.
-    name: str
-    clock: ClusterClock
-    loop: asyncio.AbstractEventLoop
-    reactor: SocketReactor
-    counters: dict[str, int]
-    models: dict[str, ModelConfig]
-    threads: dict[str, ModelThread]
-    served: dict[str, list[int]]
-    backend_socks: dict[int, tuple[str, zmq.Socket[Any]]]
-    ack_allowance_s: float
-    _sent_plans: SentPlans
-    _ack_timer: WakeTimer
-    _dirty: set[str]
+    ``ack_allowance_s``: how long after it was sent a plan's acknowledgement is due (d_ctrl +
+    ``PLAN_ACK_MARGIN_S``); ``counters``: where to count (``ACK_COUNTERS``; a host passes its own
+    dict to share them), by default a dict of its own."""
 
-    # Provided by ShardHost.
-    def _flush(self, outbox: Outbox) -> None:
-        raise NotImplementedError
+    __slots__ = ("ack_allowance_s", "counters", "sent")
 
-    def _drop_now(self, address: str, ids: list[int], kind: ErrorKind, why: str) -> None:
-        raise NotImplementedError
+    def __init__(self, ack_allowance_s: float,
+                 counters: MutableMapping[str, int] | None = None) -> None:
+        self.ack_allowance_s = ack_allowance_s
+        self.sent = SentPlans()
+        self.counters: MutableMapping[str, int] = counters if counters is not None else {}
+        for key in ACK_COUNTERS:
+            self.counters.setdefault(key, 0)
 
-    def _remember_sent(self, gpu_id: int, plan: BatchPlan) -> None:
-        model = self.models.get(plan.model)
-        slo_s = model.slo_ms / 1e3 if model is not None else 0.0
-        now = self.clock.now()
-        self._sent_plans.remember(now, gpu_id, plan, slo_s, ack_due=now + self.ack_allowance_s)
-        self._ack_timer.sync()
+    @property
+    def wake_at(self) -> float:
+        """The earliest acknowledgement due (``math.inf``: none awaited)."""
+        return self.sent.wake_at
 
-    def _release_plans(self, now: float, gpu_id: int, why: str, outbox: Outbox) -> None:
-        """The backend of ``gpu_id`` is gone or suspect: the requests of the plans it never
-        acknowledged go back to their ModelThreads (it never asked for their inputs, so they
-        have not run; should it fetch them after all, the frontend hands each request's inputs
-        out once, so one backend at most runs it); those of the plans it acknowledged are
-        answered ``BACKEND_FAILED`` (it holds their inputs: they may run). Requests already
-        answered (the batch ran, or the frontend failed the ones the backend fetched) are
-        ignored by their frontend, which answers once."""
-        taken = self._sent_plans.take(now, gpu_id)
-        for plan in taken.unacked:
-            self._replan(now, plan, why, outbox)
-        for address, ids in taken.acked.items():
-            self.counters["backend_failed"] += len(ids)
-            self._drop_now(address, ids, ErrorKind.BACKEND_FAILED, why)
+    def __len__(self) -> int:
+        return len(self.sent)
 
-    def _replan(self, now: float, plan: BatchPlan, why: str, outbox: Outbox) -> None:
-        """Put an unacknowledged plan's requests back into its ModelThread's queue, which
-        batches them again or drops them (DEADLINE) as any queued request; with no live backend
-        for the model they are answered UNAVAILABLE (they never ran)."""
-        thread = self.threads.get(plan.model)
-        positions_by_frontend = group_by_frontend(range(len(plan.request_ids)),
-                                                  plan.request_frontend)
-        for f, positions in positions_by_frontend.items():
-            ids = [plan.request_ids[i] for i in positions]
-            address = plan.frontends[f]
-            if (thread is None or not self.served.get(plan.model)
-                    or len(plan.finish_by) != len(plan.request_ids)):
-                self.counters["unavailable"] += len(ids)
-                self._drop_now(address, ids, ErrorKind.UNAVAILABLE,
-                               f"{why}; no live backend serves {plan.model!r}")
-                continue
-            self.counters["replanned"] += len(ids)
-            rows = [plan.rows[i] for i in positions] if plan.rows else []
-            thread.on_replan(now, address, ids, [plan.finish_by[i] for i in positions], outbox,
-                             rows)
-            self._dirty.add(plan.model)
+    def remember(self, now: float, gpu_id: int, plan: BatchPlan, slo_s: float) -> None:
+        """``plan`` went to ``gpu_id`` at ``now``; its acknowledgement is due within the
+        allowance, and it is kept while a request of it may await an answer (``slo_s``)."""
+        self.sent.remember(now, gpu_id, plan, slo_s, ack_due=now + self.ack_allowance_s)
 
-    # ------------------------------------------------------------------ acknowledgements
+    def acknowledge(self, plan_ids: Iterable[int]) -> int:
+        """A backend's ``PlanAck``: how many of these plans were awaited."""
+        count = self.sent.acknowledge(plan_ids)
+        self.counters["plan_acks"] += count
+        return count
 
-    def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
-        """Acknowledgements from the backend of ``gpu_id``."""
-        for _, msg in chunk:
-            if type(msg) is PlanAck:
-                assert isinstance(msg, PlanAck)
-                self.counters["plan_acks"] += self._sent_plans.acknowledge(msg.plan_ids)
-            elif type(msg) is not Hello:
-                log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
-                            gpu_id)
-        self._ack_timer.sync()
+    def overdue(self, now: float) -> list[tuple[int, int, float]]:
+        """``(gpu_id, plan_id, sent_at)`` per GPU with a plan unacknowledged past its due time."""
+        return self.sent.overdue(now)
 
-    def _on_ack_timer(self) -> None:
-        """A plan's acknowledgement is due. Read what the backends sent before judging: after a
-        stall of this process the timer and an acknowledgement that came meanwhile are ready
-        together, and the timer may run first."""
-        for gpu_id, _, _ in self._sent_plans.overdue(self.clock.now()):
-            entry = self.backend_socks.get(gpu_id)
-            if entry is not None:
-                self.reactor.kick(entry[1])
-        self.loop.call_soon(self._judge_acks)
-
-    def _judge_acks(self) -> None:
-        now = self.clock.now()
-        outbox: Outbox = []
-        for gpu_id, plan_id, sent_at in self._sent_plans.overdue(now):
-            self._suspect(now, gpu_id, plan_id, sent_at, outbox)
-        self._flush(outbox)
-        self._ack_timer.sync()
-
-    def _suspect(self, now: float, gpu_id: int, plan_id: int, sent_at: float,
-                 outbox: Outbox) -> None:
-        """The backend of ``gpu_id`` did not acknowledge ``plan_id`` in time: no more grants
-        for it here, its plans released, and the rank told (it broadcasts the table without
-        it; a heartbeat brings it back)."""
+    def suspect(self, now: float, gpu_id: int, plan_id: int, sent_at: float,  # noqa: PLR0917
+                address: str, outbox: Outbox) -> str:
+        """The backend of ``gpu_id`` (at ``address``) did not acknowledge ``plan_id`` in time:
+        the rank is told (it stops granting the GPU and broadcasts the table without it; a
+        heartbeat brings it back). Returns why, for the log and the answers; the host then
+        takes the GPU out of its ModelThreads and releases its plans, in that order (a plan put
+        back must not be granted to that GPU again)."""
         self.counters["suspects"] += 1
-        address = self.backend_socks[gpu_id][0] if gpu_id in self.backend_socks else "?"
         why = (f"GPU {gpu_id} ({address}) did not acknowledge plan {plan_id} within "
                f"{(now - sent_at) * 1e3:.0f} ms")
-        log.warning("%s: %s: suspect", self.name, why)
         # First to the rank: it hears of the suspicion before the candidates the released
-        # requests make (and answers with a table, which this shard serves from again).
+        # requests make (and answers with a table, which the shard serves from again).
         outbox.append((TO_RANK, BackendSuspect(gpu_id, plan_id, sent_at, why)))
-        self.served = {m: [g for g in gpus if g != gpu_id] for m, gpus in self.served.items()}
-        for name, thread in self.threads.items():
-            thread.set_gpus(now, self.served.get(name, []), outbox)
-        self._release_plans(now, gpu_id, why, outbox)
+        return why
+
+    def release(self, now: float, gpu_id: int, why: str, outbox: Outbox) -> list[BatchPlan]:
+        """The backend of ``gpu_id`` is gone or suspect: the requests of the plans it
+        acknowledged are answered ``BACKEND_FAILED`` (it holds their inputs: they may run);
+        the plans it never acknowledged are returned, to be planned again (it never asked for
+        their inputs, so they have not run; should it fetch them after all, the frontend hands
+        each request's inputs out once, so one backend at most runs it). Requests already
+        answered (the batch ran, or the frontend failed the ones the backend fetched) are
+        ignored by their frontend, which answers once."""
+        taken = self.sent.take(now, gpu_id)
+        for address, ids in taken.acked.items():
+            self.counters["backend_failed"] += len(ids)
+            outbox.append(((DEST_FRONTEND, address),
+                           DropNotice(ids, ErrorKind.BACKEND_FAILED.value, why)))
+        return taken.unacked
+
+
+__all__ = ["ACK_COUNTERS", "ShardPlanAcks"]

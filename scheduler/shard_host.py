@@ -30,22 +30,28 @@ straight there.
   and puts the requests of every plan the backend never acknowledged back into their queue
   (``replanned``; ``UNAVAILABLE`` when no live backend serves the model any more). Only those of
   plans it acknowledged (it holds their inputs) are answered ``BACKEND_FAILED``; the same split
-  applies when a backend leaves the table. (That bookkeeping is
-  ``zserve.scheduler.shard_acks.ShardPlanAcks``, mixed into ``ShardHost``.)
+  applies when a backend leaves the table. (That bookkeeping is the part
+  ``zserve.scheduler.shard_acks.ShardPlanAcks``.)
+
+The scheduling itself is ``zserve.scheduler.core.SchedulerCore`` (the ModelThreads, the refusals,
+the metadata split), the core the simulator and ``bench-scheduler`` host too; ``ShardHost`` feeds
+it what comes off the sockets and delivers what it emits through one
+``zserve.runtime.driver.CoreDriver``, whose one precise timer is armed at the core's ``wake_at``.
 
 Time: every time this process handles (arrivals, deadlines, ``exec_at``, ``now``) is on the cluster
 clock (``zserve.runtime.clock``: the rank's CLOCK_MONOTONIC); a shard apart from the rank estimates
-its
-offset before it takes requests, and arms ModelThread timers at the local time of each ``wake_at``.
+its offset before it takes requests, and arms the core's timer at the local time of its
+``wake_at``.
 
 Latency profiles: a ModelThread uses the model's configured profile (profile file or emulated
 alpha/beta) until backends register, then the slowest registered profile of those serving the
 model (element-wise maximum of l(b), up to the smallest max batch), as the authors merge them.
 
 With ``embedded_rank`` (``shards = 0``) the process also binds ``rank`` and hosts the RankThread
-(``rank_process.RankHost``); ModelThread <-> RankThread messages are then handed over in-process
-(shard -> rank synchronously after each flush, rank -> shard through a queue drained on the next
-loop iteration, so neither side re-enters the other).
+(``rank_host.RankHost``); ModelThread <-> RankThread messages are then handed over in-process
+(shard -> rank synchronously as the outbox is delivered, rank -> shard through a queue drained on
+the next loop iteration, so neither side re-enters the other). For the core the rank is remote
+either way: its messages for the rank stay in the outbox.
 """
 
 from __future__ import annotations
@@ -70,13 +76,14 @@ from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
 from zserve.core.stats import Stats
 from zserve.runtime import control_link
 from zserve.runtime.clock import ClusterClock
+from zserve.runtime.driver import CoreDriver
 from zserve.runtime.runner import cancel_all, spawn
 from zserve.runtime.timers import WakeTimer
-from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
+from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.rank_rejoin import RankRejoin
-from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard_acks import ShardPlanAcks
 from zserve.transport.messages import (
     BackendTable,
@@ -87,6 +94,7 @@ from zserve.transport.messages import (
     Heartbeat,
     Hello,
     Message,
+    PlanAck,
     RequestMetaBatch,
     StatsReply,
     StatsRequest,
@@ -133,8 +141,8 @@ def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfi
     return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
 
 
-class ShardHost(ShardPlanAcks):
-    """The ModelThreads of one shard on their sockets; see the module docstring."""
+class ShardHost:
+    """The SchedulerCore of one shard on its sockets; see the module docstring."""
 
     def __init__(
         self,
@@ -161,16 +169,18 @@ class ShardHost(ShardPlanAcks):
         self.peers = peers
         self._read_scheduling(cluster)
         self.models = {m.name: m for m in models}
-        self.threads: dict[str, ModelThread] = {}
-        self.timers: dict[str, WakeTimer] = {}
-        self.served: dict[str, list[int]] = {}  # model -> live GPU ids serving it
+        self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
+        self.counters = self._stats.counters
+        self.core = SchedulerCore(name, self.models, counters=self.counters)
+        self.driver = CoreDriver(self.core, loop=self.loop, clock=self.clock,
+                                 deliver=self._deliver)
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
         # Plans out, PlanAcks in (backends send their outputs to the frontends, not here).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
         # so that a backend leaving the table fails the requests planned onto it, and one that
         # does not acknowledge a plan in time is suspected (its timer: the earliest ack due)
-        self._sent_plans = SentPlans()
-        self._ack_timer = WakeTimer(self.loop, self._sent_plans, self._on_ack_timer, self.clock)
+        self.acks = ShardPlanAcks(self.ack_allowance_s, self.counters)
+        self._ack_timer = WakeTimer(self.loop, self.acks, self._on_ack_timer, self.clock)
         self.rank_sock: zmq.Socket[Any] | None = None
         self.rank_local: RankHost | None = None
         self.index = index
@@ -179,23 +189,26 @@ class ShardHost(ShardPlanAcks):
         self._plan_ids = itertools.count(MAX_SHARDS + index, MAX_SHARDS)
         self._from_rank: deque[Message] = deque()
         self._pump_scheduled = False
-        self._dirty: set[str] = set()  # models whose wake_at may have moved since the last flush
         self._tasks: list[asyncio.Task[None]] = []
-        self.draining = False
         # active: False while the standby of a pair; fenced: superseded, it sends no plan
         # again (zserve.core.epochs); first_plan_at: its first plan (a takeover's end).
         self.active, self.fenced, self.first_plan_at = True, False, 0.0
         self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
-        self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
-        self.counters = self._stats.counters
         self._rejoin = RankRejoin(self.counters)  # a restarted rank's first tables lack backends
         self._meta_delay = self._stats.histograms["meta_delay"]
         self._grant_slack = self._stats.histograms["grant_slack"]
         now = self.clock.now()
+        outbox: Outbox = []
         for model in models:
             profile = configured_profile(model)
             if profile is not None:
-                self._make_thread(model, profile, now)
+                self._make_thread(model, profile, now, outbox)
+        self.driver.flush(outbox)
+
+    @property
+    def threads(self) -> dict[str, ModelThread]:
+        """The core's ModelThreads by model (read-only use: stats, tests)."""
+        return self.core.threads
 
     # ------------------------------------------------------------------ set-up
 
@@ -211,7 +224,8 @@ class ShardHost(ShardPlanAcks):
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.cluster = cluster
 
-    def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float) -> None:
+    def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float,
+                     outbox: Outbox) -> None:
         slo_s = model.slo_ms / 1e3
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
@@ -220,14 +234,7 @@ class ShardHost(ShardPlanAcks):
             budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )
-        self.threads[model.name] = thread
-        self.timers[model.name] = WakeTimer(
-            self.loop, thread, functools.partial(self._on_timer, model.name), self.clock
-        )
-        outbox: Outbox = []
-        thread.set_gpus(now, self.served.get(model.name, []), outbox)
-        self._dirty.add(model.name)
-        self._flush(outbox)
+        self.core.add_thread(now, thread, outbox)
 
     def connect_rank(self, address: str) -> None:
         self.rank_sock = make_dealer(self.ctx, address, identity=self.identity, peer_role="rank")
@@ -267,8 +274,7 @@ class ShardHost(ShardPlanAcks):
 
     async def close(self) -> None:
         """Stop receiving and the timers; close the DEALERs (the caller closes ``sock``)."""
-        for timer in self.timers.values():
-            timer.cancel()
+        self.driver.close()
         self._ack_timer.cancel()
         self.reactor.unwatch(self.sock)
         await cancel_all(self._tasks)
@@ -290,8 +296,7 @@ class ShardHost(ShardPlanAcks):
     def _on_frontend_chunk(self, chunk: Chunk) -> None:
         now = self.clock.now()
         outbox: Outbox = []
-        # (model, data address) -> (ids, arrivals, deadlines, rows), merged over the whole chunk
-        arrivals: dict[tuple[str, str], MetaChunk] = {}
+        metas: list[RequestMetaBatch] = []  # merged per (model, frontend) by the core
         # (model, data address) -> cancelled ids, applied after the arrivals (a request may be
         # admitted and cancelled in one frontend tick: its metadata comes first)
         cancels: dict[tuple[str, str], list[int]] = {}
@@ -300,7 +305,9 @@ class ShardHost(ShardPlanAcks):
             if self._ignored(msg):
                 continue
             if type(msg) is RequestMetaBatch:
-                self._take_meta(now, identity, msg, arrivals)
+                assert isinstance(msg, RequestMetaBatch)
+                if self._take_meta(now, identity, msg):
+                    metas.append(msg)
             elif type(msg) is CancelQueued:
                 assert isinstance(msg, CancelQueued)
                 for rid, model in zip(msg.request_ids, msg.models, strict=True):
@@ -310,61 +317,25 @@ class ShardHost(ShardPlanAcks):
                 self._send(self.sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif type(msg) not in (Hello, Heartbeat):
                 log.warning("%s: unexpected %s from %r", self.name, type(msg).__name__, identity)
-        for (model, address), (ids, arr, dls, rows) in arrivals.items():
-            thread = self.threads.get(model)
-            refusal = self._refusal(model, thread)
-            if refusal is not None:
-                kind, why = refusal
-                self._drop_now(address, ids, kind, why)
-                continue
-            assert thread is not None
-            thread.on_arrivals(now, address, ids, arr, dls, outbox, rows=rows)
-            self._dirty.add(model)
-        self._cancel_queued(now, cancels, outbox)
-        self._flush(outbox)
+        self.core.on_metas(now, metas, outbox)
+        # one already planned is the frontend's to handle (its backend finds no inputs, or
+        # gets CancelFetched)
+        for (model, address), ids in cancels.items():
+            self.core.on_cancel(now, model, address, ids, outbox)
+        self.driver.flush(outbox)
 
-    def _take_meta(self, now: float, identity: bytes, msg: RequestMetaBatch,
-                   arrivals: dict[tuple[str, str], MetaChunk]) -> None:
-        """Merge a frontend's RequestMetaBatch into this chunk's ``arrivals``."""
+    def _take_meta(self, now: float, identity: bytes, msg: RequestMetaBatch) -> bool:
+        """Count a frontend's RequestMetaBatch and note its route; False: malformed."""
         if msg.rows and len(msg.rows) != len(msg.request_ids):
             self._on_bad(ProtocolError(f"RequestMetaBatch: {len(msg.rows)} rows for "
                                        f"{len(msg.request_ids)} requests"))
-            return
+            return False
         self.counters["meta_batches"] += 1
         self.counters["requests"] += len(msg.request_ids)
-        address = msg.frontend
         if msg.arrivals:  # admission of the tick's last request -> here
             self._meta_delay.observe(now - max(msg.arrivals))
-        self.frontends[address] = identity
-        for model, part in split_meta_by_model(msg).items():
-            entry = arrivals.get((model, address))
-            if entry is None:
-                arrivals[(model, address)] = part
-            else:
-                extend_chunk(entry, part)
-
-    def _cancel_queued(self, now: float, cancels: dict[tuple[str, str], list[int]],
-                       outbox: Outbox) -> None:
-        """Take the cancelled requests out of their ModelThreads' queues; one already planned
-        is the frontend's to handle (its backend finds no inputs, or gets CancelFetched)."""
-        for (model, address), ids in cancels.items():
-            thread = self.threads.get(model)
-            if thread is None:
-                continue
-            self.counters["cancelled"] += thread.on_cancel(now, address, ids, outbox)
-            self._dirty.add(model)
-
-    def _refusal(self, model: str, thread: ModelThread | None) -> tuple[ErrorKind, str] | None:
-        if self.draining:
-            self.counters["shutting_down"] += 1
-            return ErrorKind.SHUTTING_DOWN, f"scheduler {self.name} is shutting down"
-        if model not in self.models:
-            self.counters["unknown_model"] += 1
-            return ErrorKind.BAD_REQUEST, f"model {model!r} is not scheduled by {self.name}"
-        if thread is None or not self.served.get(model):
-            self.counters["unavailable"] += 1
-            return ErrorKind.UNAVAILABLE, f"no backend serves {model!r}"
-        return None
+        self.frontends[msg.frontend] = identity
+        return True
 
     def _drop_now(self, address: str, ids: list[int], kind: ErrorKind, why: str) -> None:
         identity = self.frontends.get(address)
@@ -379,7 +350,7 @@ class ShardHost(ShardPlanAcks):
         for _, msg in chunk:
             if type(msg) is GrantGpu:
                 assert isinstance(msg, GrantGpu)
-                thread = self.threads.get(msg.model)
+                thread = self.core.threads.get(msg.model)
                 if thread is None:
                     log.error("%s: grant for model %r, which it does not host", self.name,
                               msg.model)
@@ -389,9 +360,7 @@ class ShardHost(ShardPlanAcks):
                 window_left = thread.grant_window_left(now)
                 if window_left is not None:
                     self._grant_slack.observe(window_left)
-                thread.epoch = msg.epoch  # its plan carries the granting rank's epoch
-                thread.on_grant(now, msg, outbox)
-                self._dirty.add(msg.model)
+                self.core.on_grant(now, msg, outbox)
             elif type(msg) is BackendTable:
                 assert isinstance(msg, BackendTable)
                 self._on_backend_table(now, self._rejoin.on_table(now, msg), outbox)
@@ -401,7 +370,7 @@ class ShardHost(ShardPlanAcks):
                 self._send(self.rank_sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
             elif type(msg) is not Heartbeat:
                 log.warning("%s: unexpected %s from rank", self.name, type(msg).__name__)
-        self._flush(outbox)
+        self.driver.flush(outbox)
 
     def _ignored(self, msg: Message) -> bool:
         """Requests a standby ignores, and metadata of an older epoch than this embedded
@@ -429,7 +398,7 @@ class ShardHost(ShardPlanAcks):
         if (table := self._rejoin.on_grace_over(self.clock.now())) is not None:
             outbox: Outbox = []
             self._on_backend_table(self.clock.now(), table, outbox)
-            self._flush(outbox)
+            self.driver.flush(outbox)
 
     def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
         self._table_epoch = max(self._table_epoch, table.epoch)
@@ -466,29 +435,65 @@ class ShardHost(ShardPlanAcks):
                 served.setdefault(model, []).append(gpu_id)
                 if model in profiles:
                     tables.setdefault(model, []).append(profiles[model])
-        self.served = served
+        self.core.set_served(now, served, outbox)
         for name, config in self.models.items():
             profile = merge_profiles(tables.get(name, []), config.max_batch)
-            thread = self.threads.get(name)
-            if thread is None:
-                profile = profile or configured_profile(config)
+            if name in self.core.threads:
                 if profile is not None:
-                    self._make_thread(config, profile, now)
+                    self.core.set_profile(name, profile)
                 continue
-            if profile is not None and profile.table_s != thread.profile.table_s:
-                thread.set_profile(profile)
-            thread.set_gpus(now, served.get(name, []), outbox)
-            self._dirty.add(name)
+            profile = profile or configured_profile(config)
+            if profile is not None:
+                self._make_thread(config, profile, now, outbox)
 
-    # ------------------------------------------------------------------ timers and output
+    # ------------------------------------------------------------------ acknowledgements
 
-    def _on_timer(self, model: str) -> None:
+    def _release_plans(self, now: float, gpu_id: int, why: str, outbox: Outbox) -> None:
+        """The backend of ``gpu_id`` is gone or suspect: its acknowledged plans' requests are
+        answered BACKEND_FAILED, the others go back to their ModelThreads (``ShardPlanAcks``)."""
+        for plan in self.acks.release(now, gpu_id, why, outbox):
+            self.core.replan(now, plan, why, outbox)
+
+    def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
+        """Acknowledgements from the backend of ``gpu_id``."""
+        for _, msg in chunk:
+            if type(msg) is PlanAck:
+                assert isinstance(msg, PlanAck)
+                self.acks.acknowledge(msg.plan_ids)
+            elif type(msg) is not Hello:
+                log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
+                            gpu_id)
+        self._ack_timer.sync()
+
+    def _on_ack_timer(self) -> None:
+        """A plan's acknowledgement is due. Read what the backends sent before judging: after a
+        stall of this process the timer and an acknowledgement that came meanwhile are ready
+        together, and the timer may run first."""
+        for gpu_id, _, _ in self.acks.overdue(self.clock.now()):
+            entry = self.backend_socks.get(gpu_id)
+            if entry is not None:
+                self.reactor.kick(entry[1])
+        self.loop.call_soon(self._judge_acks)
+
+    def _judge_acks(self) -> None:
+        """Suspect the backend of each plan still unacknowledged: the rank told first, then the
+        GPU out of the ModelThreads, then its plans released."""
+        now = self.clock.now()
         outbox: Outbox = []
-        self.threads[model].on_timer(self.clock.now(), outbox)
-        self._dirty.add(model)
-        self._flush(outbox)
+        for gpu_id, plan_id, sent_at in self.acks.overdue(now):
+            address = self.backend_socks[gpu_id][0] if gpu_id in self.backend_socks else "?"
+            why = self.acks.suspect(now, gpu_id, plan_id, sent_at, address, outbox)
+            log.warning("%s: %s: suspect", self.name, why)
+            self.core.remove_gpu(now, gpu_id, outbox)
+            self._release_plans(now, gpu_id, why, outbox)
+        self.driver.flush(outbox)
+        self._ack_timer.sync()
 
-    def _flush(self, outbox: Outbox) -> None:
+    # ------------------------------------------------------------------ output
+
+    def _deliver(self, outbox: Outbox) -> None:
+        """The core's outbox: plans to the backends, drops to the frontends, and the rank's
+        messages to it (the embedded RankHost, or over the rank DEALER) last."""
         to_rank: list[Message] = []
         for (kind, key), msg in outbox:
             if (kind, key) == TO_RANK:
@@ -500,18 +505,17 @@ class ShardHost(ShardPlanAcks):
                 self._send_to_frontend(str(key), msg)
             else:
                 log.error("%s: message for unknown destination %r", self.name, (kind, key))
+        outbox.clear()
         if to_rank:
             if self.rank_local is not None:
                 self.rank_local.on_local(to_rank)
             elif self.rank_sock is not None:
                 for msg in to_rank:
                     self._send(self.rank_sock, msg)
-        for model in self._dirty:
-            self.timers[model].sync()
-        self._dirty.clear()
 
     def _send_to_frontend(self, address: str, msg: Message) -> None:
-        if isinstance(msg, DropNotice):
+        if isinstance(msg, DropNotice) and msg.error == ErrorKind.DEADLINE.value:
+            # a ModelThread's drop (the core's refusals and released plans count on their own)
             self.counters["dropped"] += len(msg.request_ids)
         identity = self.frontends.get(address)
         if identity is None:
@@ -529,7 +533,10 @@ class ShardHost(ShardPlanAcks):
                 self.first_plan_at = self.clock.now()
             self.counters["plans"] += 1
             self.counters["planned_requests"] += len(plan.request_ids)
-            self._remember_sent(gpu_id, plan)
+            model = self.models.get(plan.model)
+            slo_s = model.slo_ms / 1e3 if model is not None else 0.0
+            self.acks.remember(self.clock.now(), gpu_id, plan, slo_s)
+            self._ack_timer.sync()
             return
         # The backend left (or cannot take it): its requests will not run.
         for f, ids in group_by_frontend(plan.request_ids, plan.request_frontend).items():
@@ -547,26 +554,16 @@ class ShardHost(ShardPlanAcks):
     # ------------------------------------------------------------------ drain and stats
 
     def queued(self) -> int:
-        return sum(t.queue_length for t in self.threads.values())
+        return self.core.queued()
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests; keep scheduling the queued ones for up to ``drain_s``; answer
         what is still queued then ``SHUTTING_DOWN``."""
-        self.draining = True
+        self.core.draining = True
         deadline = time.monotonic() + drain_s
         while self.queued() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        outbox: Outbox = []
-        for thread in self.threads.values():
-            self._shed_queue(thread, outbox)
-            self._dirty.add(thread.model)
-        self._flush(outbox)
-
-    def _shed_queue(self, thread: ModelThread, outbox: Outbox) -> None:
-        for address, ids in thread.take_queued(self.clock.now(), outbox).items():
-            self.counters["shutting_down"] += len(ids)
-            self._drop_now(address, ids, ErrorKind.SHUTTING_DOWN,
-                           f"scheduler {self.name} is shutting down")
+        self.driver.run(self.core.shed_queued)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -576,7 +573,7 @@ class ShardHost(ShardPlanAcks):
             "active": self.active and not self.fenced,
             "epoch": self.epoch,
             "first_plan_at": self.first_plan_at,
-            "sent_plans_held": len(self._sent_plans),
+            "sent_plans_held": len(self.acks),
             "models": {
                 name: {
                     "queued": t.queue_length,
@@ -592,9 +589,9 @@ class ShardHost(ShardPlanAcks):
                     "target": t.target,
                     "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
                     "max_batch": t.profile.max_batch,
-                    "gpus": list(self.served.get(name, [])),
+                    "gpus": list(self.core.served.get(name, [])),
                 }
-                for name, t in self.threads.items()
+                for name, t in self.core.threads.items()
             },
         }
         if self.rank_local is not None:

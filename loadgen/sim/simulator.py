@@ -1,19 +1,21 @@
 """Discrete-event simulator: the real FrontendCore, ModelThread, RankThread and followers.
 
 The simulator hosts one :class:`~zserve.frontend.core.FrontendCore` per frontend (``SimFrontend``,
-one by default), one :class:`ModelThread` per model, one :class:`RankThread` and one
+one by default), one :class:`~zserve.scheduler.core.SchedulerCore` (a :class:`ModelThread` per
+model and the :class:`RankThread`, embedded as in a cluster of ``shards = 0``) and one
 :class:`~zserve.backends.follower.PlanFollower` per GPU exactly as the process runtime does (same
 calls, same messages). Arrivals reach a frontend's core, which admits them (or answers them at
 once: OVERLOADED, BAD_REQUEST ...); at the end of each tick (every event at one instant, or
-``sim_tick_ms`` after the tick's first admission) its metadata reaches the ModelThreads.
-Scheduler messages are delivered at once, in order; a BatchPlan reaches its GPU's follower
-``d_ctrl`` after the grant, where it is acknowledged at once (the shard's ``SentPlans`` holds each
-plan as a live shard does and checks the acknowledgement against its allowance, d_ctrl +
-``PLAN_ACK_MARGIN_S``; a simulated backend never hangs, so none is ever suspected), the follower
-fetches the inputs from the core, and they come back ``d_data`` per request later (the
-allowances the ModelThreads plan with). The follower decides
-the start, sheds rows that would finish late (answered through the core, like the live backend)
-and reports the device-free time, which the rank's drift correction reads. Each batch runs for
+``sim_tick_ms`` after the tick's first admission) its metadata reaches the scheduler core.
+Messages between the ModelThreads and the RankThread are delivered at once, in order, by the
+core; a BatchPlan reaches its GPU's follower ``d_ctrl`` after the grant, where it is acknowledged
+at once (the shard's ``ShardPlanAcks`` holds each plan as a live shard does and checks the
+acknowledgement against its allowance, d_ctrl + ``PLAN_ACK_MARGIN_S``; a simulated backend
+never hangs, so none is ever suspected), the follower fetches the inputs from the frontend's
+core, and they come back ``d_data`` per request later (the allowances the ModelThreads plan
+with). The follower decides the start, sheds rows that would finish late (answered through the
+frontend's core, like the live backend) and reports the device-free time, which the rank's
+drift correction reads. Each batch runs for
 exactly l(bs) (the emulated executor) and its outputs go to the core, which answers the client;
 drops, backend failures and deadlines (the core's ``wake_at`` timer) are answered by the core
 too. The report counts outcomes by those answers.
@@ -44,7 +46,7 @@ import numpy as np
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
 from zserve.config.cluster import ClusterConfig
 from zserve.config.policy_names import SchedulePolicy
-from zserve.core.hosting import Outbox
+from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
 from zserve.loadgen.sim.frontends import (
     PENDING,
@@ -57,18 +59,17 @@ from zserve.loadgen.sim.frontends import (
 from zserve.loadgen.sim.report import simulation_report, workload_bound_rps
 from zserve.loadgen.workload import Workload, draw_request_rows
 from zserve.scheduler.common import FEASIBILITY_EPS_S
+from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
-from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S, SentPlans
+from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
+from zserve.scheduler.shard_acks import ShardPlanAcks
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,
     BatchPlan,
     BatchStats,
-    CandidateUpdate,
     DropNotice,
-    GrantAnswer,
-    GrantGpu,
     InputFetch,
     RequestMetaBatch,
 )
@@ -76,11 +77,12 @@ from zserve.transport.messages import (
 __all__ = ["InvariantError", "SimConfig", "Simulator", "simulate", "workload_bound_rps"]
 
 FRONTEND = frontend_address(0)
-_EV_ARRIVAL, _EV_MODEL, _EV_RANK = 0, 1, 2
+# An arrival instant; the scheduler core's timer (its wake_at).
+_EV_ARRIVAL, _EV_SCHEDULER = 0, 1
 # GPU events (idx = gpu id): a plan or inputs reach its follower, its timer, its batch ends.
-_EV_PLAN, _EV_INPUTS, _EV_GPU_TIMER, _EV_DONE = 3, 4, 5, 6
+_EV_PLAN, _EV_INPUTS, _EV_GPU_TIMER, _EV_DONE = 2, 3, 4, 5
 # Frontend events (idx = frontend): its core's timer; the end of its tick (sim_tick_ms > 0).
-_EV_FRONTEND_TIMER, _EV_TICK = 7, 8
+_EV_FRONTEND_TIMER, _EV_TICK = 6, 7
 BAIL_CHECK_INTERVAL_S = 0.25
 BAIL_MIN_BAD = 200
 """A bailing run stops once a model has at least this many bad requests in the measure window
@@ -132,7 +134,7 @@ class Simulator:
         tol = self.config.keep_tolerance
         self.keep_tolerance = w.keep_tolerance if tol is None else tol
         d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
-        self.models, self.rank, self.followers = self._build_roles(d_ctrl_s)
+        self.models, self.rank, self.core, self.followers = self._build_roles(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
         self._build_requests(_arrivals_of(w, arrivals))
@@ -159,14 +161,13 @@ class Simulator:
         self.late_starts = 0  # batches a follower started after their exec_at
         self.batches: list[tuple[int, int, float, float, int]] = []  # model, gpu, exec, end, bs
         self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
-        self.sent_plans = SentPlans()  # the shard's record of the plans sent, and their acks
-        self._ack_allowance_s = d_ctrl_s + PLAN_ACK_MARGIN_S
+        # the shard's record of the plans sent, and their acknowledgements
+        self.plan_acks = ShardPlanAcks(d_ctrl_s + PLAN_ACK_MARGIN_S)
         self.bailed = False
         self.bailed_at = math.inf  # when a bailing run stopped (the report counts up to it)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
-        self._model_wake = [math.inf] * len(self.models)
-        self._rank_wake = math.inf
+        self._scheduler_wake = math.inf
         self._gpu_wake = [math.inf] * w.gpus
         self._frontend_wake = [math.inf] * len(self.frontends)
         self._tick_due = [False] * len(self.frontends)
@@ -200,8 +201,9 @@ class Simulator:
         self._arrival_rows = None if self.rows_all is None else self.rows_all[order].tolist()
 
     def _build_roles(self, d_ctrl_s: float,
-                     ) -> tuple[list[ModelThread], RankThread, list[PlanFollower]]:
-        """One ModelThread per model, the RankThread, and one PlanFollower per GPU, configured
+                     ) -> tuple[list[ModelThread], RankThread, SchedulerCore, list[PlanFollower]]:
+        """One ModelThread per model and the RankThread in the scheduler core (the rank
+        embedded, as in a cluster of ``shards = 0``), and one PlanFollower per GPU, configured
         as the live processes configure theirs."""
         w = self.w
         reply_s = w.reply_ms / 1e3
@@ -226,7 +228,10 @@ class Simulator:
             for m in w.models:
                 follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
         rank = RankThread(list(range(w.gpus)), 0.0, grant_order=self.policy.grant_order)
-        return models, rank, followers
+        core = SchedulerCore("sim", rank=rank)
+        for thread in models:
+            core.add_thread(0.0, thread, [])
+        return models, rank, core, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:
         """The request indexes of the cores' request ids ``rids``."""
@@ -241,19 +246,12 @@ class Simulator:
         if payload is not None:
             self._payloads[self._seq] = payload
 
-    def _resched_model(self, i: int) -> None:
-        wake = self.models[i].wake_at
-        if wake != self._model_wake[i]:
-            self._model_wake[i] = wake
+    def _resched_scheduler(self) -> None:
+        wake = self.core.wake_at
+        if wake != self._scheduler_wake:
+            self._scheduler_wake = wake
             if wake < math.inf:
-                self._push(wake, _EV_MODEL, i)
-
-    def _resched_rank(self) -> None:
-        wake = self.rank.wake_at
-        if wake != self._rank_wake:
-            self._rank_wake = wake
-            if wake < math.inf:
-                self._push(wake, _EV_RANK, -1)
+                self._push(wake, _EV_SCHEDULER, -1)
 
     def _resched_gpu(self, gpu: int) -> None:
         wake = self.followers[gpu].wake_at
@@ -269,37 +267,18 @@ class Simulator:
             if wake < math.inf:
                 self._push(wake, _EV_FRONTEND_TIMER, f)
 
-    def _dispatch(self, now: float, outbox: Outbox) -> None:
-        rank = self.rank
-        models = self.models
-        index = self.index
-        touched: set[int] = set()
-        pos = 0
-        while pos < len(outbox):
-            dest, msg = outbox[pos]
-            pos += 1
-            kind = dest[0]
-            if kind == "rank":
-                if type(msg) is CandidateUpdate:
-                    rank.on_candidate(now, msg, outbox)
-                else:
-                    assert isinstance(msg, GrantAnswer)
-                    rank.on_grant_answer(now, msg, outbox)
-            elif kind == "model":
-                i = index[str(dest[1])]
-                assert isinstance(msg, GrantGpu)
-                models[i].on_grant(now, msg, outbox)
-                touched.add(i)
-            elif kind == "backend":
+    def _deliver_scheduler(self, now: float, outbox: Outbox) -> None:
+        """What the scheduler core left in ``outbox``: plans for the GPUs, drops for the
+        frontends (the rank is in the core); then its timer."""
+        for (kind, target), msg in outbox:
+            if kind == DEST_BACKEND:
                 assert isinstance(msg, BatchPlan)
                 self._on_plan(now, msg)
-            elif kind == "frontend":
-                assert isinstance(msg, DropNotice)
-                self._on_drop(now, str(dest[1]), msg)
+            else:
+                assert kind == DEST_FRONTEND and isinstance(msg, DropNotice)
+                self._on_drop(now, str(target), msg)
         outbox.clear()
-        for i in touched:
-            self._resched_model(i)
-        self._resched_rank()
+        self._resched_scheduler()
 
     def _fail(self, message: str) -> None:
         raise InvariantError(f"t={self._now:.6f}: {message}")
@@ -355,28 +334,10 @@ class Simulator:
         self._resched_frontend(f)
 
     def _on_meta(self, now: float, meta: RequestMetaBatch) -> None:
-        """A frontend's RequestMetaBatch reaches the scheduler: each model's part to its
-        ModelThread (as a shard splits it)."""
+        """A frontend's RequestMetaBatch reaches the scheduler core."""
         outbox: Outbox = []
-        names = meta.models
-        if len(self.models) == 1 or names.count(names[0]) == len(names):
-            i = self.index[names[0]]
-            self.models[i].on_arrivals(now, meta.frontend, meta.request_ids, meta.arrivals,
-                                       meta.deadlines, outbox, rows=meta.rows)
-            self._dispatch(now, outbox)
-            self._resched_model(i)
-            return
-        by_model: dict[str, list[int]] = {}
-        for pos, name in enumerate(names):
-            by_model.setdefault(name, []).append(pos)
-        for name, positions in by_model.items():
-            i = self.index[name]
-            self.models[i].on_arrivals(
-                now, meta.frontend, [meta.request_ids[p] for p in positions],
-                [meta.arrivals[p] for p in positions], [meta.deadlines[p] for p in positions],
-                outbox, rows=[meta.rows[p] for p in positions] if meta.rows else ())
-            self._dispatch(now, outbox)
-            self._resched_model(i)
+        self.core.on_meta(now, meta, outbox)
+        self._deliver_scheduler(now, outbox)
 
     def _on_drop(self, now: float, address: str, notice: DropNotice) -> None:
         frontend = self.frontend_at[address]
@@ -439,7 +400,7 @@ class Simulator:
         if self.config.record_plans:
             self.plans.append(plan)
         slo_s = self.w.models[self.index[plan.model]].slo_s
-        self.sent_plans.remember(now, plan.gpu_id, plan, slo_s, ack_due=now + self._ack_allowance_s)
+        self.plan_acks.remember(now, plan.gpu_id, plan, slo_s)
         self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
@@ -477,8 +438,8 @@ class Simulator:
         if kind == _EV_PLAN:
             plan = self._payloads.pop(seq)
             follower.on_plan(now, plan, outbox)
-            self.sent_plans.acknowledge((plan.plan_id,))  # at once, as a live backend does
-            if self.sent_plans.wake_at <= now:
+            self.plan_acks.acknowledge((plan.plan_id,))  # at once, as a live backend does
+            if self.plan_acks.wake_at <= now:
                 self._fail("a plan went unacknowledged past its allowance")
         elif kind == _EV_INPUTS:
             address, reply = self._payloads.pop(seq)
@@ -508,11 +469,9 @@ class Simulator:
             elif type(msg) is BatchFailed:
                 self._answer_failed(now, str(target), msg)
             elif type(msg) is BatchStats and msg.device_free_at > 0.0:
-                self.rank.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
+                self.core.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
         self._resched_gpu(gpu)
-        if rank_outbox:
-            self._dispatch(now, rank_outbox)
-        self._resched_rank()
+        self._deliver_scheduler(now, rank_outbox)
 
     def _run_batch(self, now: float, gpu: int, run: RunBatch) -> None:
         """The emulated executor: the batch runs for exactly l(bs) from its start; its outputs
@@ -573,22 +532,13 @@ class Simulator:
 
     def _on_event(self, now: float, kind: int, idx: int, seq: int) -> None:
         """Any event but an arrival."""
-        if kind == _EV_MODEL:
-            model = self.models[idx]
-            if model.wake_at != now or self._model_wake[idx] != now:
+        if kind == _EV_SCHEDULER:
+            if self.core.wake_at != now or self._scheduler_wake != now:
                 return
-            self._model_wake[idx] = math.inf
+            self._scheduler_wake = math.inf
             outbox: Outbox = []
-            model.on_timer(now, outbox)
-            self._dispatch(now, outbox)
-            self._resched_model(idx)
-        elif kind == _EV_RANK:
-            if self.rank.wake_at != now or self._rank_wake != now:
-                return
-            self._rank_wake = math.inf
-            outbox = []
-            self.rank.on_timer(now, outbox)
-            self._dispatch(now, outbox)
+            self.core.on_timer(now, outbox)
+            self._deliver_scheduler(now, outbox)
         elif kind == _EV_FRONTEND_TIMER:
             self._on_frontend_timer(now, idx)
         elif kind == _EV_TICK:

@@ -1,7 +1,8 @@
 """``zserve bench-scheduler --models M --gpus G [--rate R] --json OUT``: scheduler-only throughput.
 
 The scheduler alone in one process on one core (Symphony Figure 13 left): M ModelThreads and one
-RankThread hosted as the shard and rank processes host them, no sockets, requests generated
+RankThread in one ``zserve.scheduler.core.SchedulerCore`` (the core the shard process and the
+simulator host), no sockets, requests generated
 in-process (Poisson per model, equal popularity) against a real clock, and emulated GPUs that run
 each plan from ``exec_at`` to ``exec_at + l(bs)``.
 
@@ -11,11 +12,11 @@ machine (``--clock wall`` uses ``time.perf_counter``). It does not protect again
 memory-bandwidth contention from neighbours, so figures stay noisy on a shared box.
 
 What is on the clock and what is not. The scheduler's host loop is on the clock: each iteration
-reads the clock, fires the due timers (the ModelThreads' and the RankThread's ``wake_at``, read
-directly: 21 objects need no timer heap), then hands every model the chunk of its requests whose
-arrival time has passed (a fresh clock reading per chunk, so the lag below is measured at the
-moment of delivery; chunks grow when the loop falls behind, as a frontend's per-tick coalescing
-does) and delivers every message at once. The load generator and the invariant checker stand for
+reads the clock, fires the core's timer when its ``wake_at`` has come, then hands the core every
+model's chunk of requests whose arrival time has passed (a fresh clock reading per chunk, so the
+lag below is measured at the moment of delivery; chunks grow when the loop falls behind, as a
+frontend's per-tick coalescing does); the core delivers the messages between its ModelThreads
+and its RankThread at once. The load generator and the invariant checker stand for
 the frontends and the GPUs, which run on other cores in a deployment: every ``GEN_BLOCK_S`` of
 clock the loop pauses, checks the plans and drop notices recorded since the last pause, generates
 the next block of arrivals (times, deadlines and request ids as ready lists, as a frontend's
@@ -67,16 +68,10 @@ from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import Outbox
 from zserve.scheduler.common import FEASIBILITY_EPS_S
+from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
-from zserve.transport.messages import (
-    BatchPlan,
-    CandidateUpdate,
-    DropNotice,
-    GrantAnswer,
-    GrantGpu,
-    Message,
-)
+from zserve.transport.messages import BatchPlan, DropNotice, Message
 
 FRONTEND = "bench"
 SLOW_ITERATION_S = 0.001  # loop iterations longer than this are listed in the result
@@ -101,13 +96,13 @@ class _Probe:
         self.profile = LatencyProfile.linear(args.alpha_ms, args.beta_ms, args.max_batch)
         self.slo_s = args.slo_ms / 1e3
         policy = SchedulePolicy.parse(args.policy)
-        self.models = [
-            ModelThread(f"m{i}", self.profile, self.slo_s, policy, jitter_s=args.jitter_ms / 1e3)
-            for i in range(self.m)
-        ]
-        self.index = {mt.model: i for i, mt in enumerate(self.models)}
-        self.rank = RankThread(list(range(args.gpus)), 0.0,
-                               grant_order=policy.grant_order)
+        self.rank = RankThread(list(range(args.gpus)), 0.0, grant_order=policy.grant_order)
+        self.core = SchedulerCore("bench", rank=self.rank)
+        outbox: Outbox = []
+        for i in range(self.m):
+            self.core.add_thread(0.0, ModelThread(f"m{i}", self.profile, self.slo_s, policy,
+                                                  jitter_s=args.jitter_ms / 1e3), outbox)
+        self.names = list(self.core.threads)
         self.rng = np.random.default_rng(args.seed)
         self.per_model_rate = rate / self.m
         capacity = int(rate * (args.duration + 1) * 1.2 + 1000)
@@ -125,7 +120,6 @@ class _Probe:
         self.next_t = [float(t) for t in self.rng.exponential(1.0 / self.per_model_rate, self.m)]
         self.lags: list[float] = []
         self.slow_iterations: list[tuple[float, float]] = []  # (start s, duration ms)
-        self.timer_fires = 0
         self.busy_s = 0.0  # loop time spent in iterations that did work
         self.harness_s = 0.0  # generation and checking, taken off the clock
         self.events: list[tuple[float, Message]] = []  # (now, plan or drop) not yet checked
@@ -211,52 +205,12 @@ class _Probe:
 
     # ------------------------------------------------------------------ plumbing (on the clock)
 
-    def _dispatch(self, now: float, outbox: Outbox) -> None:
-        """Deliver every message, and the messages those produce, in order."""
-        rank = self.rank
-        models = self.models
-        index = self.index
+    def _take(self, now: float, outbox: Outbox) -> None:
+        """What the core left for the GPUs and the frontend: checked off the clock."""
         events = self.events
-        pos = 0
-        while pos < len(outbox):
-            dest, msg = outbox[pos]
-            pos += 1
-            kind = dest[0]
-            if kind == "rank":
-                if type(msg) is CandidateUpdate:
-                    rank.on_candidate(now, msg, outbox)
-                else:
-                    assert type(msg) is GrantAnswer
-                    rank.on_grant_answer(now, msg, outbox)
-            elif kind == "model":
-                assert type(msg) is GrantGpu
-                models[index[str(dest[1])]].on_grant(now, msg, outbox)
-            else:  # a plan reaching its GPU or a drop notice its frontend: checked off the clock
-                events.append((now, msg))
+        for _, msg in outbox:
+            events.append((now, msg))
         outbox.clear()
-
-    def _run_timers(self, now: float, outbox: Outbox) -> int:
-        """Fire every due timer, earliest first; the number fired."""
-        models = self.models
-        rank = self.rank
-        fired = 0
-        while True:
-            wakes = [mt.wake_at for mt in models]
-            model_wake = min(wakes)
-            rank_wake = rank.wake_at
-            if rank_wake < model_wake:
-                if rank_wake > now:
-                    break
-                rank.on_timer(now, outbox)
-            else:
-                if model_wake > now:
-                    break
-                models[wakes.index(model_wake)].on_timer(now, outbox)
-            fired += 1
-            if outbox:
-                self._dispatch(now, outbox)
-        self.timer_fires += fired
-        return fired
 
     # ------------------------------------------------------------------ run
 
@@ -273,25 +227,24 @@ class _Probe:
         """The host loop until ``--duration`` of clock; returns the clock time it took."""
         duration = self.args.duration
         outbox: Outbox = []
-        models = self.models
+        core = self.core
+        names = self.names
         pending = self.pending
         pending_deadline = self.pending_deadline
         pending_id = self.pending_id
         pending_pos = self.pending_pos
         lags = self.lags
-        m = self.m
         t0 = clock()
-        now = 0.0
         iter_start = 0.0
-        slow = self.slow_iterations
         work_mark = 0
         chunks = 0
         delivered = 0
         while True:
             now = clock() - t0
             if now - iter_start > SLOW_ITERATION_S:
-                slow.append((round(iter_start, 4), round((now - iter_start) * 1e3, 3)))
-            mark = chunks + self.timer_fires
+                self.slow_iterations.append(
+                    (round(iter_start, 4), round((now - iter_start) * 1e3, 3)))
+            mark = chunks + core.n_timer_fires
             if mark != work_mark:  # the iteration did work (not an idle spin)
                 self.busy_s += now - iter_start
                 work_mark = mark
@@ -301,9 +254,11 @@ class _Probe:
             if now + GEN_BLOCK_S > self.generated_until:
                 t0 += self._run_harness(clock)  # off the clock
                 now = clock() - t0
-            if self._run_timers(now, outbox):
+            if core.wake_at <= now:
+                core.on_timer(now, outbox)
+                self._take(now, outbox)
                 now = clock() - t0
-            for i in range(m):
+            for i, name in enumerate(names):
                 times = pending[i]
                 start = pending_pos[i]
                 if start >= len(times) or times[start] > now:
@@ -312,14 +267,14 @@ class _Probe:
                 stop = bisect_right(times, now, start + 1)
                 pending_pos[i] = stop
                 lags.append(now - times[start])
-                models[i].on_arrivals(
-                    now, FRONTEND, pending_id[i][start:stop], times[start:stop],
+                core.on_arrivals(
+                    now, name, FRONTEND, pending_id[i][start:stop], times[start:stop],
                     pending_deadline[i][start:stop], outbox,
                 )
                 chunks += 1
                 delivered += stop - start
                 if outbox:
-                    self._dispatch(now, outbox)
+                    self._take(now, outbox)
         elapsed = clock() - t0
         self.chunks = chunks
         self.delivered = delivered
@@ -370,7 +325,7 @@ class _Probe:
             "slowest_iterations_ms": sorted(self.slow_iterations, key=lambda x: -x[1])[:5],
             "chunks": self.chunks,
             "mean_chunk": round(delivered / max(1, self.chunks), 2),
-            "timer_fires": self.timer_fires,
+            "timer_fires": self.core.n_timer_fires,
             "plans": self.plans,
             "mean_batch": round(self.planned / max(1, self.plans), 2),
             "gpus_used": int(sum(1 for t in self.gpu_busy_until if t > 0)),
@@ -429,7 +384,8 @@ def probe(args: argparse.Namespace, rate: float) -> dict[str, Any]:
     return result
 
 
-_SCHEDULER_FILES = ("model_thread.py", "rank_thread.py", "policy.py", "profiles.py")
+_SCHEDULER_FILES = ("model_thread.py", "candidate_sizing.py", "rank_thread.py", "policy.py",
+                    "profiles.py", "scheduler/core.py", "timer_heap.py")
 _HARNESS_FUNCS = frozenset(
     {"_generate", "_check_events", "_check_plan", "_result", "__init__", "_profile", "probe"}
 )
@@ -437,9 +393,10 @@ _ProfFunc = tuple[str, int, str]
 
 
 def _profile_breakdown(stats: pstats.Stats) -> dict[str, float]:
-    """Profiled CPU seconds by owner: ``scheduler`` (ModelThread, RankThread and what they call:
-    list methods, message constructors), ``host_loop`` (the bench's on-clock loop: clock reads,
-    chunk slicing, dispatch, timer scan) and ``harness_off_clock`` (generation and checking).
+    """Profiled CPU seconds by owner: ``scheduler`` (the SchedulerCore, its ModelThreads and
+    RankThread and what they call: dispatch, timer heap, list methods, message constructors),
+    ``host_loop`` (the bench's on-clock loop: clock reads, chunk slicing, handing plans to the
+    checker) and ``harness_off_clock`` (generation and checking).
     A function outside those files is charged to its callers in proportion to the time each
     caller spent in it."""
     table: dict[_ProfFunc, Any] = stats.stats  # type: ignore[attr-defined]
@@ -449,7 +406,7 @@ def _profile_breakdown(stats: pstats.Stats) -> dict[str, float]:
         filename, _, name = func
         if filename.endswith(_SCHEDULER_FILES):
             return "scheduler"
-        if filename.endswith("bench.py"):
+        if filename.endswith("bench/throughput.py"):
             return "harness_off_clock" if name in _HARNESS_FUNCS else "host_loop"
         return None
 

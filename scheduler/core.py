@@ -1,0 +1,440 @@
+"""The scheduler's pure core: one shard's ModelThreads, the RankThread when it runs in the same
+place, and the one loop that hands messages between them.
+
+Hosted alike by the shard process (``zserve.scheduler.shard_host``), the discrete-event
+simulator (``zserve.loadgen.sim.simulator``) and ``zserve bench-scheduler``
+(``zserve.scheduler.bench.throughput``), so a simulated or benchmarked schedule is the schedule
+of the code that runs live. The contract is ``zserve.core.hosting``'s: every method takes ``now``
+and an ``outbox``; ``wake_at`` is read back after every call; ``on_timer(now, outbox)`` once the
+clock reaches it. No I/O, no clock.
+
+Inputs (host -> core):
+
+- ``on_meta(now, meta, outbox)`` / ``on_metas``: frontends' ``RequestMetaBatch``\\ es, cut per
+  model (``common.split_meta_by_model``), merged per (model, frontend) and fed to the
+  ModelThreads, one chunk each; ``on_arrivals`` feeds one model's chunk. Requests of a model the
+  core does not schedule are refused at once (``BAD_REQUEST``), those of a model no GPU serves
+  ``UNAVAILABLE``, and every request ``SHUTTING_DOWN`` while ``draining``.
+- ``on_cancel(now, model, frontend, request_ids, outbox)``: cancelled requests leave the queue.
+- With a remote rank: ``on_grant(now, grant, outbox)`` (a ``GrantGpu`` that came over the wire),
+  ``set_served(now, served, outbox)`` (the GPUs serving each model, from the rank's
+  ``BackendTable``), ``remove_gpu`` (a suspect backend) and ``replan`` (a plan its backend never
+  acknowledged). With the rank embedded, every GPU of the rank serves every model, and
+  ``on_device_free_at`` passes a backend's device-free report to the RankThread.
+- ``shed_queued(now, outbox)``: answer every queued request ``SHUTTING_DOWN`` (the end of a
+  drain).
+
+The dispatch loop: what a ModelThread sends the rank (``TO_RANK``) goes to the embedded
+RankThread, and what the RankThread sends a model (``(DEST_MODEL, name)``) to that ModelThread,
+in outbox order, until only messages for elsewhere are left. Those stay in the outbox, in their
+order: ``BatchPlan`` for the backends ``(DEST_BACKEND, gpu_id)``, ``DropNotice`` for the
+frontends ``(DEST_FRONTEND, address)``, and, when the rank is remote, the rank's messages.
+
+Timers: ``wake_at`` is the earliest ``wake_at`` of the ModelThreads and the RankThread, exact
+whenever it is read, however many models: the RankThread's (it moves with nearly every
+candidate) is read directly; the ModelThreads' are kept in a heap with lazy deletion (as
+``zserve.core.timer_heap.LazyTimerHeap``, written out here with the bookkeeping below: this runs
+once per arrival chunk, and ``bench-scheduler`` counts every instruction of it). A thread whose
+moment moved without becoming or ceasing to be the earliest costs a few dictionary stores, no
+heap push. ``on_timer`` fires every due object, earliest first (ties: the ModelThreads before the
+rank, and among them in the order their moments reached the heap), each followed by the dispatch
+loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from heapq import heapify, heappop, heappush
+
+from zserve.config.profiles import LatencyProfile
+from zserve.core.errors import ErrorKind
+from zserve.core.groups import group_by_frontend
+from zserve.core.hosting import DEST_FRONTEND, DEST_MODEL, DEST_RANK, Outbox
+from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
+from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.rank_thread import RankThread
+from zserve.transport.messages import (
+    BatchPlan,
+    CandidateUpdate,
+    DropNotice,
+    GrantAnswer,
+    GrantGpu,
+    RequestMetaBatch,
+)
+
+CORE_COUNTERS = ("unknown_model", "unavailable", "shutting_down", "cancelled", "replanned")
+"""What the core counts: refused chunks (``unknown_model``, ``unavailable``, ``shutting_down``,
+one per (model, frontend) chunk; ``unavailable`` and ``shutting_down`` also count the requests of
+a plan that could not be put back and of a shed queue), and requests ``cancelled`` and
+``replanned``."""
+
+# Rebuild the timer heap from its live entries once it holds more than this many entries per
+# thread (plus the minimum): stale entries leave it only when they reach its top.
+_HEAP_COMPACT_FACTOR = 3
+_HEAP_COMPACT_MIN = 256
+_INF = math.inf
+
+
+class SchedulerCore:
+    """One shard's ModelThreads and, when embedded, the RankThread; see the module docstring.
+
+    ``name`` names the scheduler in refusals; ``models``: the names it schedules (a model's
+    ModelThread may come later, ``add_thread``, once its latency profile is known); ``rank``:
+    the embedded RankThread, or None when the rank runs elsewhere; ``counters``: where to count
+    (``CORE_COUNTERS``; a host passes its own dict to share them), by default a dict of its own.
+    """
+
+    __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_moved", "_open",
+                 "_pending", "_seen", "_seq", "counters", "known", "n_timer_fires", "name", "rank",
+                 "served", "threads")
+
+    def __init__(self, name: str, models: Iterable[str] = (), *, rank: RankThread | None = None,
+                 counters: MutableMapping[str, int] | None = None) -> None:
+        self.name = name
+        self.known: set[str] = set(models)
+        self.rank = rank
+        self.threads: dict[str, ModelThread] = {}
+        # model -> GPU ids serving it (a remote rank's BackendTable; unused with the rank here)
+        self.served: dict[str, list[int]] = {}
+        self._draining = False
+        # the threads that take requests now: every one with the rank here, else those a GPU
+        # serves; none while draining (one lookup on the hot path)
+        self._open: dict[str, ModelThread] = {}
+        self.counters: MutableMapping[str, int] = counters if counters is not None else {}
+        for key in CORE_COUNTERS:
+            self.counters.setdefault(key, 0)
+        self.n_timer_fires = 0  # ModelThread and RankThread timers fired
+        # The threads' moments: ``_seen[thread]``, its wake_at as last seen, and ``_first``, the
+        # earliest of them (exact after every call). The heap holds (when, seq, thread), live
+        # while ``_entry[thread] == when`` (seq: ties in push order); a thread whose moment moved
+        # waits in ``_pending`` (an ordered set) until the heap is needed: when the earliest
+        # moment moves later, or a timer fires. Most moves (a chunk arrives; the moment moves a
+        # little, not past the earliest) then cost no heap push.
+        self._heap: list[tuple[float, int, ModelThread]] = []
+        self._entry: dict[ModelThread, float] = {}
+        self._seen: dict[ModelThread, float] = {}
+        self._pending: dict[ModelThread, None] = {}
+        self._first = _INF
+        self._seq = 0
+        self._compact_above = _HEAP_COMPACT_MIN
+        self._moved: list[ModelThread] = []  # called since ``_first`` was last made exact
+
+    @property
+    def wake_at(self) -> float:
+        """The earliest moment of the ModelThreads and the RankThread (``math.inf``: none)."""
+        if self._moved:
+            self._settle()
+        first = self._first
+        rank = self.rank
+        return rank.wake_at if rank is not None and rank.wake_at < first else first
+
+    @property
+    def draining(self) -> bool:
+        """Refusing every request (``SHUTTING_DOWN``): the host is draining."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, draining: bool) -> None:
+        self._draining = draining
+        self._reopen()
+
+    def _reopen(self) -> None:
+        rank = self.rank
+        served = self.served
+        self._open = {} if self._draining else {
+            name: thread for name, thread in self.threads.items()
+            if rank is not None or served.get(name)}
+
+    # ------------------------------------------------------------------ set-up
+
+    def add_thread(self, now: float, thread: ModelThread, outbox: Outbox) -> None:
+        """Schedule ``thread.model`` with ``thread`` (a model added late is known from now)."""
+        self.known.add(thread.model)
+        self.threads[thread.model] = thread
+        self._entry[thread] = self._seen[thread] = _INF
+        self._compact_above = _HEAP_COMPACT_FACTOR * len(self._seen) + _HEAP_COMPACT_MIN
+        if self.rank is None:
+            thread.set_gpus(now, self.served.get(thread.model, []), outbox)
+        self._reopen()
+        self._after(now, outbox, thread)
+
+    def set_profile(self, model: str, profile: LatencyProfile) -> None:
+        """A new latency profile for ``model`` (its backends changed); ignored when unchanged."""
+        thread = self.threads.get(model)
+        if thread is not None and profile.table_s != thread.profile.table_s:
+            thread.set_profile(profile)
+
+    def set_served(self, now: float, served: Mapping[str, list[int]], outbox: Outbox) -> None:
+        """The GPUs serving each model (a remote rank's table): every ModelThread learns its."""
+        self.served = dict(served)
+        for name, thread in self.threads.items():
+            thread.set_gpus(now, self.served.get(name, []), outbox)
+            self._moved.append(thread)
+        self._reopen()
+        self._after(now, outbox, None)
+
+    def remove_gpu(self, now: float, gpu_id: int, outbox: Outbox) -> None:
+        """``gpu_id`` serves no model any more (its backend is suspect)."""
+        self.set_served(now, {m: [g for g in gpus if g != gpu_id]
+                              for m, gpus in self.served.items()}, outbox)
+
+    # ------------------------------------------------------------------ requests
+
+    def on_meta(self, now: float, meta: RequestMetaBatch, outbox: Outbox) -> None:
+        """One frontend's metadata: each model's part to its ModelThread."""
+        for model, (ids, arrivals, deadlines, rows) in split_meta_by_model(meta).items():
+            self.on_arrivals(now, model, meta.frontend, ids, arrivals, deadlines, outbox, rows)
+
+    def on_metas(self, now: float, metas: Iterable[RequestMetaBatch], outbox: Outbox) -> None:
+        """Several frontends' metadata at once: merged per (model, frontend), one chunk each."""
+        merged: dict[tuple[str, str], MetaChunk] = {}
+        for meta in metas:
+            for model, part in split_meta_by_model(meta).items():
+                entry = merged.get((model, meta.frontend))
+                if entry is None:
+                    merged[(model, meta.frontend)] = part
+                else:
+                    extend_chunk(entry, part)
+        for (model, frontend), (ids, arrivals, deadlines, rows) in merged.items():
+            self.on_arrivals(now, model, frontend, ids, arrivals, deadlines, outbox, rows)
+
+    def on_arrivals(  # noqa: PLR0917 (mirrors ModelThread.on_arrivals)
+        self, now: float, model: str, frontend: str, request_ids: Sequence[int],
+        arrivals: Sequence[float], deadlines: Sequence[float], outbox: Outbox,
+        rows: Sequence[int] = (),
+    ) -> None:
+        """A chunk of ``model``'s requests from ``frontend`` (as ``ModelThread.on_arrivals``),
+        or their refusal."""
+        thread = self._open.get(model)
+        if thread is None:
+            self._refuse(model, frontend, request_ids, outbox)
+            return
+        thread.on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox, rows)
+        if outbox and self.rank is not None:
+            self._dispatch(now, outbox)
+        self._moved.append(thread)  # _after(now, outbox, thread), written out: the hot path
+
+    def _refuse(self, model: str, frontend: str, request_ids: Sequence[int],
+                outbox: Outbox) -> None:
+        counters = self.counters
+        if self._draining:
+            counters["shutting_down"] += 1
+            kind, why = ErrorKind.SHUTTING_DOWN, f"scheduler {self.name} is shutting down"
+        elif model not in self.known:
+            counters["unknown_model"] += 1
+            kind, why = ErrorKind.BAD_REQUEST, f"model {model!r} is not scheduled by {self.name}"
+        else:
+            counters["unavailable"] += 1
+            kind, why = ErrorKind.UNAVAILABLE, f"no backend serves {model!r}"
+        outbox.append(((DEST_FRONTEND, frontend), DropNotice(list(request_ids), kind.value, why)))
+
+    def on_cancel(self, now: float, model: str, frontend: str, request_ids: Iterable[int],
+                  outbox: Outbox) -> int:
+        """Take ``frontend``'s cancelled requests out of ``model``'s queue; how many were
+        queued (one already planned is the frontend's to handle)."""
+        thread = self.threads.get(model)
+        if thread is None:
+            return 0
+        removed = thread.on_cancel(now, frontend, request_ids, outbox)
+        self.counters["cancelled"] += removed
+        self._after(now, outbox, thread)
+        return removed
+
+    def replan(self, now: float, plan: BatchPlan, why: str, outbox: Outbox) -> None:
+        """Put the requests of a plan its backend never acknowledged back into their queue,
+        which batches them again or drops them (DEADLINE) as any queued request; with no live
+        GPU for the model they are answered UNAVAILABLE (they never ran)."""
+        thread = self.threads.get(plan.model)
+        served = self.rank is not None or bool(self.served.get(plan.model))
+        whole = len(plan.finish_by) == len(plan.request_ids)
+        positions_by_frontend = group_by_frontend(range(len(plan.request_ids)),
+                                                  plan.request_frontend)
+        for f, positions in positions_by_frontend.items():
+            ids = [plan.request_ids[i] for i in positions]
+            frontend = plan.frontends[f]
+            if thread is None or not served or not whole:
+                self.counters["unavailable"] += len(ids)
+                outbox.append(((DEST_FRONTEND, frontend), DropNotice(
+                    ids, ErrorKind.UNAVAILABLE.value,
+                    f"{why}; no live backend serves {plan.model!r}")))
+                continue
+            self.counters["replanned"] += len(ids)
+            rows = [plan.rows[i] for i in positions] if plan.rows else []
+            thread.on_replan(now, frontend, ids, [plan.finish_by[i] for i in positions], outbox,
+                             rows)
+        self._after(now, outbox, thread)
+
+    def shed_queued(self, now: float, outbox: Outbox) -> None:
+        """Answer every queued request ``SHUTTING_DOWN`` (a drain's end)."""
+        why = f"scheduler {self.name} is shutting down"
+        for thread in self.threads.values():
+            for frontend, ids in thread.take_queued(now, outbox).items():
+                self.counters["shutting_down"] += len(ids)
+                outbox.append(((DEST_FRONTEND, frontend),
+                               DropNotice(ids, ErrorKind.SHUTTING_DOWN.value, why)))
+            self._moved.append(thread)
+        self._after(now, outbox, None)
+
+    def queued(self) -> int:
+        """Requests waiting in the ModelThreads' queues."""
+        return sum(t.queue_length for t in self.threads.values())
+
+    # ------------------------------------------------------------------ the rank
+
+    def on_grant(self, now: float, grant: GrantGpu, outbox: Outbox) -> bool:
+        """A remote rank's grant; False when no ModelThread here schedules its model."""
+        thread = self.threads.get(grant.model)
+        if thread is None:
+            return False
+        thread.epoch = grant.epoch  # its plan carries the granting rank's epoch
+        thread.on_grant(now, grant, outbox)
+        self._after(now, outbox, thread)
+        return True
+
+    def on_device_free_at(self, now: float, gpu_id: int, free_at: float,
+                          outbox: Outbox) -> bool:
+        """The embedded rank hears when a backend's device frees (its drift correction); True
+        when that moved the GPU's free time."""
+        assert self.rank is not None, "a remote rank hears this from the backend itself"
+        moved = self.rank.on_device_free_at(now, gpu_id, free_at, outbox)
+        self._after(now, outbox, None)
+        return moved
+
+    # ------------------------------------------------------------------ timers
+
+    def on_timer(self, now: float, outbox: Outbox) -> None:
+        """Fire every thread due at ``now``, earliest first, each followed by the dispatch."""
+        entry = self._entry
+        rank = self.rank
+        self._settle()
+        self._first = self._flush()  # every due thread in the heap
+        while True:
+            heap = self._heap  # (a flush may compact it)
+            first = heap[0][0] if heap else _INF
+            if rank is not None and rank.wake_at < first and rank.wake_at <= now:
+                rank.on_timer(now, outbox)
+                self.n_timer_fires += 1
+                self._after(now, outbox, None)
+                self._settle()
+                continue
+            if first > now:
+                break
+            when, _, thread = heappop(heap)
+            if entry[thread] != when:
+                continue  # stale: the thread's moment moved
+            entry[thread] = _INF
+            self._pending[thread] = None  # its next moment goes into the heap at the flush
+            thread.on_timer(now, outbox)
+            self.n_timer_fires += 1
+            self._after(now, outbox, thread)
+            self._settle()  # the moments the fire moved, before the next entry is judged
+        self._first = self._flush()
+
+    def _after(self, now: float, outbox: Outbox, thread: ModelThread | None) -> None:
+        """Every call's end: the dispatch loop; ``thread`` (the call's own) and those the
+        dispatch reached are noted as moved (``wake_at`` settles them when read)."""
+        if outbox and self.rank is not None:
+            self._dispatch(now, outbox)
+        if thread is not None:
+            self._moved.append(thread)
+
+    def _dispatch(self, now: float, outbox: Outbox) -> None:
+        """THE dispatch loop between the ModelThreads and the embedded RankThread: their
+        messages to each other are delivered, in order, until only messages for elsewhere are
+        left in ``outbox``."""
+        rank = self.rank
+        assert rank is not None
+        if len(outbox) == 1:  # the common case, a chunk that moved its candidate: no copy
+            dest, msg = outbox[0]
+            if dest[0] == DEST_RANK and type(msg) is CandidateUpdate:
+                outbox.clear()
+                rank.on_candidate(now, msg, outbox)
+                if not outbox:
+                    return
+        threads = self.threads
+        moved = self._moved
+        kept: Outbox = []
+        pos = 0
+        while pos < len(outbox):
+            entry = outbox[pos]
+            pos += 1
+            dest, msg = entry
+            kind = dest[0]
+            if kind == DEST_RANK:
+                if type(msg) is CandidateUpdate:
+                    rank.on_candidate(now, msg, outbox)
+                else:
+                    assert type(msg) is GrantAnswer
+                    rank.on_grant_answer(now, msg, outbox)
+            elif kind == DEST_MODEL:
+                assert type(msg) is GrantGpu
+                thread = threads[str(dest[1])]
+                thread.on_grant(now, msg, outbox)
+                moved.append(thread)
+            else:
+                kept.append(entry)
+        outbox[:] = kept
+
+    def _settle(self) -> None:
+        """Note the moments of the threads called since the last settle, in call order."""
+        seen = self._seen
+        entry = self._entry
+        pending = self._pending
+        moved = self._moved
+        for thread in moved:
+            wake = thread.wake_at
+            old = seen[thread]
+            if wake == old:
+                continue
+            first = self._first
+            if wake < first or old == first:
+                self._note(thread)
+                continue
+            # _note's common case, written out: neither the earliest before nor now
+            seen[thread] = wake
+            entry[thread] = _INF
+            pending[thread] = None
+        moved.clear()
+
+    def _note(self, thread: ModelThread) -> None:
+        """``thread``'s moment may have moved: keep ``_first`` exact."""
+        wake = thread.wake_at
+        seen = self._seen
+        old = seen[thread]
+        if wake == old:
+            return
+        seen[thread] = wake
+        self._entry[thread] = _INF  # its heap entry, if any, is stale
+        self._pending[thread] = None
+        first = self._first
+        if wake < first:
+            self._first = wake
+        elif old == first:  # it may have been the earliest: the heap decides
+            self._first = self._flush()
+
+    def _flush(self) -> float:
+        """Push the pending threads' moments; the earliest live entry's moment."""
+        heap = self._heap
+        entry = self._entry
+        seen = self._seen
+        for thread in self._pending:
+            wake = seen[thread]
+            if wake != _INF:
+                self._seq += 1
+                heappush(heap, (wake, self._seq, thread))
+                entry[thread] = wake
+        self._pending.clear()
+        if len(heap) > self._compact_above:
+            heap = [e for e in heap if entry[e[2]] == e[0]]
+            heapify(heap)
+            self._heap = heap
+        while heap:
+            when, _, top = heap[0]
+            if entry[top] == when:
+                return when
+            heappop(heap)  # stale
+        return _INF
+
+
+__all__ = ["CORE_COUNTERS", "SchedulerCore"]
