@@ -375,18 +375,13 @@ class Simulator:
         frontend.core.on_batch_failed(now, failed, outbox)
         frontend.route(now, outbox)
 
-    def _send_outputs(self, now: float, run: RunBatch) -> None:
-        """A batch finished: its outputs go to each of its frontends, which answer them."""
-        plan = run.plan
-        by_frontend: dict[int, list[int]] = {}
-        for row in run.rows:
-            by_frontend.setdefault(plan.request_frontend[row], []).append(plan.request_ids[row])
-        for f, ids in by_frontend.items():
-            frontend = self.frontend_at[plan.frontends[f]]
-            outbox = frontend.outbox()
-            frontend.core.on_outputs(now, BatchOutputs(plan.plan_id, ids, [{}] * len(ids),
-                                                       run.started_at, now), outbox)
-            frontend.route(now, outbox)
+    def _answer_outputs(self, now: float, address: str, outputs: BatchOutputs) -> None:
+        """A batch's rows for one frontend (the follower groups them, as a live backend's does):
+        the frontend answers them."""
+        frontend = self.frontend_at[address]
+        outbox = frontend.outbox()
+        frontend.core.on_outputs(now, outputs, outbox)
+        frontend.route(now, outbox)
 
     # ------------------------------------------------------------------ the GPUs' followers
 
@@ -446,7 +441,8 @@ class Simulator:
             follower.on_input_reply(now, address, reply, outbox)
         elif kind == _EV_DONE:
             run = self._payloads.pop(seq)
-            self._send_outputs(now, run)
+            follower.on_batch_finished(now, run, [{}] * len(run.rows), "", finished_at=now,
+                                       outbox=outbox)
             self._inputs_due.pop(run.plan.plan_id, None)
             follower.on_batch_done(now, ok=True, finished_at=now, outbox=outbox)
         else:
@@ -466,6 +462,8 @@ class Simulator:
                 self._run_batch(now, gpu, msg)
             elif type(msg) is InputFetch:
                 self._fetch(now, gpu, str(target), msg)
+            elif type(msg) is BatchOutputs:
+                self._answer_outputs(now, str(target), msg)
             elif type(msg) is BatchFailed:
                 self._answer_failed(now, str(target), msg)
             elif type(msg) is BatchStats and msg.device_free_at > 0.0:
