@@ -20,9 +20,10 @@ import zmq
 
 from zserve.config.cluster import STANDBY_NAME, RoleConfig
 from zserve.core.epochs import SchedulerWatch, next_epoch, now_ms
-from zserve.runtime import control_link, keys, peer_map, runner
+from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
-from zserve.runtime.clock import ClockSync, ClusterClock
+from zserve.runtime.clock import ClusterClock
+from zserve.runtime.session import RoleSession
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
 from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
@@ -36,18 +37,22 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _ShardProcess:
-    """What one shard process opened, closed in reverse order by ``close``."""
+    """What one shard process runs inside its ``RoleSession``: the reactor, its sockets, the
+    hosts and the pair link, closed by ``close`` in reverse order (the session then closes the
+    clock sync, the control link and the context)."""
 
-    ctx: zmq.Context[zmq.Socket[bytes]]
+    session: RoleSession
     reactor: SocketReactor
     socks: list[zmq.Socket[Any]] = dataclasses.field(default_factory=list)
-    link: control_link.ControlLink | None = None
     host: ShardHost | None = None
     rank: RankHost | None = None
-    clock_sync: ClockSync | None = None
     pair: PairLink | None = None
     # Set when a newer scheduler epoch superseded this process (zserve.core.epochs).
     superseded: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    @property
+    def ctx(self) -> zmq.Context[Any]:
+        return self.session.ctx
 
     def bind(self, address: str, name: str, advertise: str | None) -> tuple[zmq.Socket[Any], str]:
         sock, endpoint = make_router(self.ctx, address, name=name, advertise_host=advertise)
@@ -57,8 +62,6 @@ class _ShardProcess:
     async def close(self) -> None:
         if self.pair is not None:
             await self.pair.close()
-        if self.clock_sync is not None:
-            await self.clock_sync.close()
         if self.host is not None:
             await self.host.close()
         if self.rank is not None:
@@ -66,38 +69,64 @@ class _ShardProcess:
         self.reactor.close()
         for sock in self.socks:
             sock.close(linger=SOCKET_CLOSE_LINGER_MS)
-        if self.link is not None:
-            await self.link.close()
-        keys.destroy_role_context(self.ctx, linger_ms=SOCKET_CLOSE_LINGER_MS)
 
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:
-    # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
-    proc = _ShardProcess(zmq.Context(), SocketReactor(asyncio.get_running_loop()))
-    try:
-        keys.secure_role_context(proc.ctx, config.cluster, "shard")
-        return await _serve(proc, config, control_address)
-    finally:
-        await proc.close()
+    async with RoleSession.open(config, control_address, role=ROLE,
+                                linger_ms=SOCKET_CLOSE_LINGER_MS) as session:
+        # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
+        proc = _ShardProcess(session, SocketReactor(asyncio.get_running_loop()))
+        session.closing(proc.close)
+        session.serve_stats(lambda reset: proc.host.stats(reset) if proc.host is not None else {})
+        session.on_control(lambda msg: proc.rank.on_control_message(msg) if proc.rank else None)
+        return await _serve(proc, config)
 
 
-async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str | None) -> int:
+async def _serve(proc: _ShardProcess, config: RoleConfig) -> int:
     name = config.name
     embedded = config.embedded_rank
-    cluster = config.cluster
-    link = proc.link = await control_link.ControlLink.open(
-        proc.ctx, control_address, role=ROLE, name=name, drain_s=cluster.drain_s,
-        stats=lambda reset: proc.host.stats(reset) if proc.host is not None else {},
-        on_message=lambda msg: proc.rank.on_control_message(msg) if proc.rank else None,
-    )
+    session = proc.session
+    host, endpoints = _build(proc, config)
+    host.peers.update(await session.ready(endpoints))
+    if proc.rank is not None:
+        _start_pair(proc, config)
+    if not embedded:
+        if not await session.sync_clock(host.clock, host.peers):
+            return session.exit_code
+        rank_address = peer_map.rank_address(host.peers)
+        assert rank_address is not None
+        host.start()
+        host.connect_rank(rank_address)
+    drained = asyncio.ensure_future(session.drain.wait())
+    superseded = asyncio.ensure_future(proc.superseded.wait())
+    await asyncio.wait([drained, superseded], return_when=asyncio.FIRST_COMPLETED)
+    drained.cancel()
+    superseded.cancel()
+    if proc.pair is not None:  # a draining scheduler neither pings nor takes over
+        await proc.pair.close(leaving=not proc.superseded.is_set())
+        proc.pair = None
+    if proc.superseded.is_set():
+        # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);
+        # a supervisor restarts this process as the standby.
+        log.error("%s: superseded; exiting", name)
+        return 0
+    await host.drain(session.drain.drain_s)
+    return 0
+
+
+def _build(proc: _ShardProcess, config: RoleConfig) -> tuple[ShardHost, dict[str, str]]:
+    """Bind the shard's socket (and the embedded rank's), build the hosts; the endpoints as
+    bound. An embedded rank starts here: this process's clock is the cluster clock."""
+    name = config.name
+    embedded = config.embedded_rank
     advertise = config.advertise_host
     sock, endpoint = proc.bind(config.bind["shard"], f"{name} shard", advertise)
     endpoints = {"shard": endpoint}
     # Embedded, this process's clock is the cluster clock; else ClockSync sets the offset
-    # before the shard takes requests (the ModelThreads' timers read this same object).
+    # before the shard takes requests (the scheduler core's timer reads this same object).
     clock = ClusterClock(reference=embedded)
     host = proc.host = ShardHost(
-        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=cluster,
+        name=name, ctx=proc.ctx, sock=sock, reactor=proc.reactor, cluster=config.cluster,
         models=list(config.models),
         peers=dict(config.peers), index=config.index, clock=clock,
         plan_ack_margin_s=config.plan_ack_margin_s or PLAN_ACK_MARGIN_S)
@@ -114,33 +143,7 @@ async def _serve(proc: _ShardProcess, config: RoleConfig, control_address: str |
         proc.rank.start()
         host.start()
         log.info("%s: %s", name, clock.describe())
-    host.peers.update(await link.ready(endpoints))
-    if proc.rank is not None:
-        _start_pair(proc, config)
-    if not embedded:
-        proc.clock_sync = await runner.sync_cluster_clock(proc.ctx, host.peers, name=name,
-                                                            drain=link.drain, clock=clock)
-        if proc.clock_sync is None:
-            return 0 if link.drain.requested else 2
-        rank_address = peer_map.rank_address(host.peers)
-        assert rank_address is not None
-        host.start()
-        host.connect_rank(rank_address)
-    drained = asyncio.ensure_future(link.drain.wait())
-    superseded = asyncio.ensure_future(proc.superseded.wait())
-    await asyncio.wait([drained, superseded], return_when=asyncio.FIRST_COMPLETED)
-    drained.cancel()
-    superseded.cancel()
-    if proc.pair is not None:  # a draining scheduler neither pings nor takes over
-        await proc.pair.close(leaving=not proc.superseded.is_set())
-        proc.pair = None
-    if proc.superseded.is_set():
-        # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);
-        # a supervisor restarts this process as the standby.
-        log.error("%s: superseded; exiting", name)
-        return 0
-    await host.drain(link.drain.drain_s)
-    return 0
+    return host, endpoints
 
 
 def _watch(config: RoleConfig) -> SchedulerWatch:
