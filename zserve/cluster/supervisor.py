@@ -76,7 +76,7 @@ from zserve.transport.messages import (
 )
 from zserve.transport.sockets import make_router
 
-log = logging.getLogger("zserve.supervisor")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEARTBEAT_TIMEOUT_S = 10.0

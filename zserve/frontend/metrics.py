@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 from zserve.core.errors import ErrorKind
 from zserve.core.stats import BOUNDS, Histogram
 
-log = logging.getLogger("zserve.metrics")
+log = logging.getLogger(__name__)
 
 # The frontend's stats round ends within its peers' bound (0.5 s); a scrape waits this long
 # for it (a loop busy with a burst of requests), then reports zserve_up 0 for the frontend.
