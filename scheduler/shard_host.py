@@ -78,6 +78,7 @@ from zserve.runtime import control_link
 from zserve.runtime.clock import ClusterClock
 from zserve.runtime.driver import CoreDriver
 from zserve.runtime.runner import cancel_all, spawn
+from zserve.runtime.session import SOCKET_CLOSE_LINGER_MS
 from zserve.runtime.timers import WakeTimer
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
@@ -105,7 +106,6 @@ from zserve.transport.sockets import make_dealer
 log = logging.getLogger(__name__)
 
 ROLE = "shard"
-SOCKET_CLOSE_LINGER_MS = 200
 # While draining, how often the shard checks whether its queues are empty.
 DRAIN_POLL_S = 0.01
 SHARD_COUNTERS = (

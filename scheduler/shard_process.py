@@ -23,11 +23,11 @@ from zserve.core.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
 from zserve.runtime.clock import ClusterClock
-from zserve.runtime.session import RoleSession
+from zserve.runtime.session import SOCKET_CLOSE_LINGER_MS, RoleSession
 from zserve.scheduler.rank_backends import BACKEND_TIMEOUT_S
 from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
-from zserve.scheduler.shard_host import ROLE, SOCKET_CLOSE_LINGER_MS, ShardHost
+from zserve.scheduler.shard_host import ROLE, ShardHost
 from zserve.scheduler.standby import PairLink
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
@@ -72,8 +72,7 @@ class _ShardProcess:
 
 
 async def _main(config: RoleConfig, control_address: str | None) -> int:
-    async with RoleSession.open(config, control_address, role=ROLE,
-                                linger_ms=SOCKET_CLOSE_LINGER_MS) as session:
+    async with RoleSession.open(config, control_address, role=ROLE) as session:
         # Plain sockets on the reactor (the control link shadows the context with zmq.asyncio).
         proc = _ShardProcess(session, SocketReactor(asyncio.get_running_loop()))
         session.closing(proc.close)

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from zserve.config.cluster import RoleConfig
 from zserve.runtime import keys
@@ -68,11 +67,6 @@ class RoleSession:
             if session is not None:
                 await session._close()
             keys.destroy_role_context(ctx, linger_ms=linger_ms)
-
-    @property
-    def asyncio_context(self) -> zmq.asyncio.Context:
-        """The context shadowed for zmq.asyncio sockets (the same sockets' options, keys)."""
-        return zmq.asyncio.Context.shadow(self.ctx)
 
     @property
     def drain(self) -> DrainRequest:
