@@ -4,9 +4,9 @@ A batch of b requests of model m "runs" for ``l(b) = alpha*b + beta`` millisecon
 model's measured table ``latency_ms[b-1]``, e.g. from a profile file). ``run_async`` computes the
 outputs, then sleeps on the event loop until ``start + l(b)``: a precise timer
 (``zserve.runtime.timers``), not a busy loop, so one small machine hosts many emulated GPUs.
-``start`` is
-when the batch got the (emulated) device: ``time.monotonic()`` at the call, or when the previous
-batch on this executor finishes if that is later, because one device runs one batch at a time.
+``start`` is when the batch got the (emulated) device: ``time.monotonic()`` at the call, or when the
+previous batch on this executor finishes if that is later, because one device runs one batch at a
+time.
 A batch never completes before ``start + l(b)`` by ``time.monotonic()`` (the clock of every
 zserve timestamp); it completes later only by the timer's lateness (tens of microseconds on an
 idle core) or when computing the outputs took longer than l(b).
@@ -218,8 +218,7 @@ class EmulatedExecutor(Executor):
         self._busy_until = finish
         outputs = self.compute(model, inputs, request_rows)
         # A precise timer (zserve.runtime.timers): uvloop's own timers tick in whole milliseconds,
-        # and a
-        # batch that sleeps in whole ticks finishes up to ~2 ms late, which a deferred batch
+        # and a batch that sleeps in whole ticks finishes up to ~2 ms late, which a deferred batch
         # (planned to end alpha before its deadline) cannot afford.
         await sleep_until(finish)
         return outputs

@@ -1,8 +1,7 @@
 """PlanFollower: one device's plans from arrival to the device freeing again (pure logic).
 
 The backend process (``zserve.backends.host``) and the simulator (``zserve.loadgen.sim.simulator``)
-host
-the same follower, so live and simulated runs share input waiting, the start decision, late
+host the same follower, so live and simulated runs share input waiting, the start decision, late
 shedding and the device-free projection (the rank's drift correction). Hosting contract as in
 ``zserve.scheduler.common``: every method takes ``now`` (cluster-clock seconds) and an outbox, does
 no I/O and reads no clock; ``wake_at`` (``math.inf``: no timer) is read back after every call and

@@ -226,8 +226,7 @@ def target_for_cluster(
     cluster: Any, config: Any, workload: Workload, model_map: dict[str, str]
 ) -> Target:
     """The target of a cluster running in this process (a ``zserve.cluster.supervisor.Cluster``
-    started
-    from ``config``): every frontend, stats over the supervisor's control link, and the
+    started from ``config``): every frontend, stats over the supervisor's control link, and the
     processes' ids for CPU accounting."""
     peers = dict(cluster.supervisor.peers) if cluster.supervisor is not None else {}
     target = target_from_config(

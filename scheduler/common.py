@@ -1,7 +1,6 @@
 """What the scheduler's pure objects (ModelThread, RankThread) and their hosts share beyond the
 hosting contract of ``zserve.core.hosting``: timer slack, the feasibility tolerance, and the cut of
-a
-RequestMetaBatch into the per-model chunks every host feeds the ModelThreads.
+a RequestMetaBatch into the per-model chunks every host feeds the ModelThreads.
 """
 
 from __future__ import annotations

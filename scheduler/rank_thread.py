@@ -87,9 +87,8 @@ class RankThread:
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
                  grant_order: str = GRANT_FIRST_DUE) -> None:
         """``grant_order`` (``zserve.config.policy_names``): ``GRANT_FIRST_DUE``, a candidate takes
-        the GPU
-        that is free by its exec time when its timer comes, and a freed GPU goes to the waiting
-        candidate with the earliest latest start; ``GRANT_LEAST_SLACK`` and
+        the GPU that is free by its exec time when its timer comes, and a freed GPU goes to the
+        waiting candidate with the earliest latest start; ``GRANT_LEAST_SLACK`` and
         ``GRANT_EARLIEST_DEADLINE``, a candidate takes only a GPU idle at its timer, and a GPU
         that frees goes to the waiting candidate with the earliest latest start, or deadline:
         the most urgent, whichever timer came first (the eager baselines)."""

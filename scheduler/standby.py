@@ -1,8 +1,7 @@
 """The watch link of an active/standby scheduler pair (``[scheduler] standby = true``).
 
 Each of the two scheduler processes (``shard-0`` and ``zserve.config.cluster.STANDBY_NAME``, each
-with
-its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
+with its rank embedded) keeps a DEALER to the other's ``rank`` ROUTER and sends it a
 ``SchedulerPing(name, epoch, active)`` every ``zserve.core.epochs.PING_INTERVAL_S``; the other's
 ``RankHost`` answers each at once with its own, from its event loop, so an answer proves the loop
 that dispatches is running (a hung or SIGSTOPped process stops answering even though its sockets

@@ -14,8 +14,7 @@ Conventions:
 - Times (``*_at``, ``deadline``, ``arrival``) are float seconds on the *cluster clock*: the rank
   process's CLOCK_MONOTONIC. Every other process reads it as ``time.monotonic()`` plus its
   estimated offset (``zserve.runtime.clock``; exactly 0 on the rank's host). Durations carry their
-  unit
-  in the name (``slo_ms``). Exceptions, named for it: ``ClockProbe``/``ClockReply`` (how the
+  unit in the name (``slo_ms``). Exceptions, named for it: ``ClockProbe``/``ClockReply`` (how the
   offset is measured) and the ``Heartbeat`` on the supervisor's control link (host-local).
 - ``request_id`` between client and frontend is the client's own id, unique per connection. From
   the frontend on, ``request_id`` is the frontend's global id, unique within that frontend and
@@ -327,8 +326,7 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     models: list[str]
     profiles_ms: dict[str, list[float]]
     # model -> the wire form of its ``zserve.config.signature.ModelSignature`` (``to_dict``), for
-    # the
-    # frontends' request validation; a model it could not read has none.
+    # the frontends' request validation; a model it could not read has none.
     signatures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     protocol: int = WIRE_PROTOCOL_VERSION
     # When the backend's device frees (cluster clock; 0: free now): a scheduler that takes

@@ -19,8 +19,7 @@ socket's state may have changed, and any operation on the socket (a receive, a s
   whether more is queued, and if so receives until EAGAIN, up to ``max_chunk`` messages (a drain
   not started by the FD polls first). That strategy won ``python -m
   zserve.transport.bench.reactor_drain`` (CPU per message, against asking ``getsockopt(EVENTS)``
-  before
-  every receive, polling before every receive, and receiving until EAGAIN): the cheapest for
+  before every receive, polling before every receive, and receiving until EAGAIN): the cheapest for
   messages that come one at a time (one poll, no failing receive, which raises) and within 10%
   of the cheapest in a flood (one failing receive per chunk, no poll per message). A socket that
   still holds more is drained again on the next loop iteration (``call_soon``), so one busy

@@ -1,8 +1,7 @@
 """zserve: Symphony-style deferred batch scheduling for DNN inference serving.
 
 ``zserve.Client`` / ``zserve.AsyncClient`` (see ``zserve.client.async_client``) talk to a running
-cluster;
-the typed errors they raise are exported here too. The client classes are imported on first
+cluster; the typed errors they raise are exported here too. The client classes are imported on first
 access, so ``import zserve`` stays light and creates no sockets or threads.
 """
 

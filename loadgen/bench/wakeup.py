@@ -1,13 +1,11 @@
 """Wake-up and stall probes: what a halted CPU and the host cost a message hop.
 
 ``zserve bench-wakeup`` (or ``python -m zserve.loadgen.bench.wakeup``) measures round trips of one
-byte
-between two processes over a socket pair, at several gaps, without and with the idle pollers of
+byte between two processes over a socket pair, at several gaps, without and with the idle pollers of
 ``zserve.transport.idle_poll``: the cost of waking a process that was asleep, which every hop
-between two
-zserve processes pays. ``--stalls S`` instead spins one process per CPU for S seconds and reports
-each gap between two clock readings longer than ``STALL_MIN_S``: how often and how long this
-host takes a CPU away from a running process, the floor under any hop whatever zserve does.
+between two zserve processes pays. ``--stalls S`` instead spins one process per CPU for S seconds
+and reports each gap between two clock readings longer than ``STALL_MIN_S``: how often and how long
+this host takes a CPU away from a running process, the floor under any hop whatever zserve does.
 
 These are benchmarks, so they live with the tools; the pollers themselves are runtime
 (``zserve.transport.idle_poll``, started by the supervisor).

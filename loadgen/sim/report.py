@@ -1,8 +1,8 @@
 """The simulator's report: outcomes counted by the frontends' answers, and its own keys.
 
 ``simulation_report`` turns a finished :class:`~zserve.loadgen.sim.simulator.Simulator` run into
-the report
-schema of ``zserve.loadgen.report`` (shared with ``zserve bench``); ``workload_bound_rps`` is the
+the report schema of ``zserve.loadgen.report`` (shared with ``zserve bench``);
+``workload_bound_rps`` is the
 analytic bound the report compares the goodput with.
 """
 

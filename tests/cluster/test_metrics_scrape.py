@@ -1,6 +1,5 @@
 """Prometheus metrics of a live cluster (zserve.frontend.metrics, docs/metrics.md): a scrape with a
-real
-HTTP client after a known load, parsed by prometheus_client's own parser, matches the client's
+real HTTP client after a known load, parsed by prometheus_client's own parser, matches the client's
 ledger (requests sent = the sum over outcomes; histogram counts = requests answered), a request
 naming an unknown model creates no label, the busy fraction is the busy seconds' increase over the
 time between two scrapes, and the readiness gauges follow the backend table (a killed backend

@@ -379,8 +379,7 @@ def test_up_detach_and_down_on_the_demo_cluster(tmp_path: Path) -> None:
 def test_startup_failure_reports_the_child_error(tmp_path: Path) -> None:
     """A backend that cannot load its model fails the start at once, with its own error, and
     nothing is left running. The file parses and has a batch dimension (zserve.cluster.preflight
-    passes
-    it); only ONNX Runtime refuses its unknown operator."""
+    passes it); only ONNX Runtime refuses its unknown operator."""
     import onnx
     from onnx import TensorProto, helper
 

@@ -11,9 +11,8 @@ SIGCONT the backend heartbeats again, comes back into use, and every request sti
 one answer, its own.
 
 Run as a script for the figures (``python tests/faults/test_runtime_backend_hang.py [RUNS]``): the
-median
-over RUNS runs of the requests that failed and of the time from SIGSTOP to the GPU leaving the
-rank's table.
+median over RUNS runs of the requests that failed and of the time from SIGSTOP to the GPU leaving
+the rank's table.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 A real ``FrontendCore`` and ``OipBridge`` behind the real HTTP and gRPC servers
 (``zserve.frontend.oip.servers.OipServers``) on kernel-chosen loopback ports, spoken to over raw
-sockets
-(HTTP) and a grpcio channel. The bridge admits into a list (``Served.admitted``): these tests are
-about what the servers refuse before admission, so nothing past it runs.
+sockets (HTTP) and a grpcio channel. The bridge admits into a list (``Served.admitted``): these
+tests are about what the servers refuse before admission, so nothing past it runs.
 """
 
 from __future__ import annotations

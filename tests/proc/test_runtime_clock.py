@@ -1,6 +1,5 @@
 """The cluster clock (``zserve.runtime.clock``): the estimator fed synthetic samples (pure), the
-refresh
-rule, and ``ClockSync`` against a stand-in rank over real sockets whose clock is shifted."""
+refresh rule, and ``ClockSync`` against a stand-in rank over real sockets whose clock is shifted."""
 
 from __future__ import annotations
 

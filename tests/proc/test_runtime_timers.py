@@ -1,6 +1,5 @@
 """Precise timers (zserve.runtime.timers): never early, in deadline order, cancellable; timerfd and
-the
-polling fallback alike. Lateness is not asserted (a shared machine); earliness is, exactly."""
+the polling fallback alike. Lateness is not asserted (a shared machine); earliness is, exactly."""
 
 from __future__ import annotations
 

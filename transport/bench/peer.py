@@ -1,6 +1,5 @@
 """The peer process of ``zserve bench-transport`` (``zserve.transport.bench.throughput``), and the
-phase
-protocol both sides speak.
+phase protocol both sides speak.
 
 The measuring side sends a ``Phase`` (what to send, how, for how long); the peer runs it (flood,
 echo, spaced sends or the sleeps alone), ends it with the ``END`` marker and, where the phase

@@ -1,8 +1,7 @@
 """Which way to drain an edge-triggered ZeroMQ socket costs the least CPU per message.
 
 ``python -m zserve.transport.bench.reactor_drain`` sends small messages from a DEALER to a ROUTER
-(one
-process, ipc://, no event loop: only the receive path is timed) and drains them with each
+(one process, ipc://, no event loop: only the receive path is timed) and drains them with each
 candidate strategy, in interleaved rounds, and prints the CPU time per message of each:
 
 - ``events``: ask ``getsockopt(EVENTS) & POLLIN`` before every receive;

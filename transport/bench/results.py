@@ -1,7 +1,6 @@
 """The results of ``zserve bench-transport`` (``zserve.transport.bench.throughput``): one streaming
-phase
-(``FloodResult``), one gap of spaced messages (``SpacedResult``), and everything measured over one
-transport and I/O style (``PairResult``, with the overheads the report prints).
+phase (``FloodResult``), one gap of spaced messages (``SpacedResult``), and everything measured over
+one transport and I/O style (``PairResult``, with the overheads the report prints).
 """
 
 from __future__ import annotations

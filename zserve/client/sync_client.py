@@ -1,9 +1,9 @@
 """``zserve.Client``: the synchronous, thread-safe client.
 
 It hosts one ``zserve.client.async_client.AsyncClient`` on an event loop in its own I/O thread
-(started on
-first use, stopped by ``close()``), so any number of threads may call ``infer`` and ``submit`` at
-once over one connection; every promise of ``AsyncClient`` (``zserve/client/async_client.py``:
+(started on first use, stopped by ``close()``), so any number of threads may call ``infer`` and
+``submit`` at once over one connection; every promise of ``AsyncClient``
+(``zserve/client/async_client.py``:
 timeouts, no
 future left pending, retries, typed errors) holds for it too.
 """

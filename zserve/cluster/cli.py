@@ -1,8 +1,7 @@
 """``zserve up`` and ``zserve down``: a supervised cluster from the command line.
 
 ``zserve up CLUSTER.toml`` first checks the file (``zserve.cluster.preflight``: each problem one
-line
-naming its key, exit code 2, nothing started), then runs a ``Supervisor``
+line naming its key, exit code 2, nothing started), then runs a ``Supervisor``
 (``zserve.cluster.supervisor``)
 in the foreground until SIGINT/SIGTERM, then drains it; ``--detach`` starts that in a new session
 and returns once the cluster is up. Either way it prints every frontend's addresses as bound

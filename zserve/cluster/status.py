@@ -6,8 +6,7 @@ running cluster in its state folder) for ``ClusterStatsRequest(reset=False)`` tw
 ``--interval`` seconds apart, and prints what the second answer says plus the rates between the
 two (requests by outcome, the scheduler's arrivals, each backend's busy fraction). Readiness is
 the frontend's own (``zserve.frontend.readiness``: admitting, and every configured model served by
-a live,
-warmed backend). Each role's pid and restart count come from the state file of the cluster
+a live, warmed backend). Each role's pid and restart count come from the state file of the cluster
 ``zserve up`` recorded with that client address, which its supervisor rewrites whenever a
 restarted role is ready (``-`` for a cluster started otherwise); a role's own stats give its
 pid where they carry one.

@@ -16,9 +16,8 @@ Command line (``zserve.cluster.cli``)::
     zserve down [NAME] [--state-dir DIR]                   # drains a detached cluster
 
 Start-up: ``zserve.cluster.preflight`` first checks what the file names (model and profile files,
-built-in
-names, bind addresses) and raises ``PreflightError`` listing every problem; nothing is spawned
-then. Every role is spawned (multiprocessing ``spawn``) at once with its role config (see
+built-in names, bind addresses) and raises ``PreflightError`` listing every problem; nothing is
+spawned then. Every role is spawned (multiprocessing ``spawn``) at once with its role config (see
 ``zserve.config.cluster``); the supervisor polls its ``control`` ROUTER and every child's process
 sentinel in one ``zmq.Poller``, so a child that dies during start-up fails the start at once,
 with the child's traceback. When every child has sent ``Ready``, each gets the peer map (rank

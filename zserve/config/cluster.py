@@ -2,9 +2,9 @@
 
 The file format is documented in ``docs/cluster-toml.md``. The schema is a tree of msgspec Structs
 (``ClusterFile`` and the tables under it), decoded by ``zserve.config.decode``: an unknown key
-(with a
-"did you mean"), a missing required key, a wrong type or a bad value raises ``ConfigError`` naming
-the key's path (``models[1].slo_ms: must be a finite number > 0, got 0.0``). ``ClusterConfig`` is
+(with a "did you mean"), a missing required key, a wrong type or a bad value raises ``ConfigError``
+naming the key's path (``models[1].slo_ms: must be a finite number > 0, got 0.0``).
+``ClusterConfig`` is
 the validated file with the ``[cluster]`` table's keys at its top and relative paths resolved.
 
 What a process gets: every role's entry point is ``run_<role>(config, control_address)`` where
@@ -337,8 +337,7 @@ class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     drain_s: float = DEFAULT_DRAIN_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     # Keep the CPUs awake while the cluster runs (zserve.transport.idle_poll): off by default,
-    # since it
-    # shows every CPU busy; the benchmark clusters turn it on.
+    # since it shows every CPU busy; the benchmark clusters turn it on.
     idle_poll: bool = False
 
     def __post_init__(self) -> None:

@@ -2,9 +2,8 @@
 
 ``ModelAdmission`` holds one model's admission state (queued count, the predicted-wait bound from
 its ``zserve.config.profiles.LatencyProfile``, its ``CapacityGate`` past the capacity, the
-signature its
-backends registered); ``RequestSpec`` is the one exact input form a signature may fix, checked in
-a few comparisons before the full validation.
+signature its backends registered); ``RequestSpec`` is the one exact input form a signature may fix,
+checked in a few comparisons before the full validation.
 """
 
 from __future__ import annotations

@@ -117,8 +117,7 @@ FRONTEND_HISTOGRAMS = {
 batch) and ``latency/<model>`` (admission -> answer), and the counters ``outcome/<model>/<o>``
 (``o``: ``ok`` or an ``ErrorKind`` value; answers after admission and rejections of a configured
 model) that ``zserve.frontend.metrics`` exports. ``admit_to_answer`` and ``queueing`` are the sums
-of
-``latency/<model>`` and ``queueing/<model>``, summed when a snapshot is taken."""
+of ``latency/<model>`` and ``queueing/<model>``, summed when a snapshot is taken."""
 QUEUEING_OF_MODEL = "queueing/{}"
 EXECUTION_OF_MODEL = "execution/{}"
 LATENCY_OF_MODEL = "latency/{}"

@@ -17,17 +17,14 @@ A role's entry point ``run_<role>(config, control_address)`` goes through four s
         ...connect to peers (zserve.runtime.peer_map.endpoints_of(peers, "data") etc.), serve...
         await control.drain.wait()                     # SIGTERM, SIGINT or Shutdown
         ...stop admitting, finish in flight for up to control.drain.drain_s, answer the rest...
-        await clock_sync.close()
-        await control.close()
+        await clock_sync.close() await control.close()
         return 0
 
 - ``run_role(coro, name=...) -> int``: configure logging for a child process, install uvloop,
   watch garbage collection (``zserve.runtime.gc_watch``), pay numpy's first-call costs, and run
-  ``coro``
-  to completion; returns its exit code (1 with the traceback logged on an exception; 2 with one
-  line for a key file it refuses, ``zserve.runtime.keys.KeyFileError``, or an address it cannot
-  bind,
-  ``zserve.transport.sockets.BindError``).
+  ``coro`` to completion; returns its exit code (1 with the traceback logged on an exception; 2 with
+  one line for a key file it refuses, ``zserve.runtime.keys.KeyFileError``, or an address it cannot
+  bind, ``zserve.transport.sockets.BindError``).
 - ``await sync_cluster_clock(ctx, peers, name=..., drain=link.drain, clock=clock)``: the
   ``ClockSync`` that keeps ``clock`` (a ``zserve.runtime.clock.ClusterClock``) on the rank's clock,
   started once its first estimate is in; a process that is not the rank calls it after

@@ -261,8 +261,7 @@ class WakeTimer:
     ``sync()`` after every call into the object re-arms the timer when ``wake_at`` moved; when the
     moment comes the timer calls ``fire()``, which must call ``obj.on_timer(now, ...)`` and flush.
     ``wake_at`` is on the cluster clock when ``clock`` is given (``zserve.runtime.clock``): the
-    timer is
-    armed at ``clock.to_local(wake_at)``, this process's own CLOCK_MONOTONIC.
+    timer is armed at ``clock.to_local(wake_at)``, this process's own CLOCK_MONOTONIC.
 
     Precision matters: a deferred batch is granted between its frontrun moment and its latest
     moment, which are only l(bs + 1) - l(bs) (alpha, often ~1 ms) apart, and uvloop's own timers

@@ -10,8 +10,7 @@ host's ``admit``), so the shards get one ``RequestMetaBatch`` for them, as they 
 chunk of native requests.
 
 The bridge also answers what the health and metadata endpoints ask (``zserve.frontend.readiness``),
-from
-the core's state: whether it admits, the rank's backend table, the signatures the backends
+from the core's state: whether it admits, the rank's backend table, the signatures the backends
 registered. It runs on the frontend's loop and is never touched from another thread.
 
 Two refusals are the servers' own, with Triton's codes (its ``TRITONSERVER_ERROR_NOT_FOUND`` and

@@ -5,8 +5,7 @@ Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2/models/<m>[/version
 ``/v2`` (server metadata), ``/v2/models/<m>[/versions/<v>]`` (model metadata),
 ``.../config`` (Triton's model configuration) and ``POST .../infer``: JSON tensor data or Triton's
 binary tensor data extension (``zserve.frontend.oip.tensors``). Health answers 200 or 503 (not
-ready);
-errors answer the status of their kind (``STATUS_OF``) with a JSON body ``{"error": message,
+ready); errors answer the status of their kind (``STATUS_OF``) with a JSON body ``{"error": message,
 "kind": KIND, "may_have_run": bool}``, and ``Retry-After`` where a retry may succeed. An unknown
 model or version answers 404, an endpoint of Triton's that zserve does not serve
 (``UNSUPPORTED_ROUTES``: model repository, statistics, trace, logging, shared memory, generate)

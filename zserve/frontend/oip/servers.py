@@ -9,8 +9,8 @@ announces its endpoints (requests that come before it is connected are answered
 
 Both run under the request limits of ``[frontends]`` (docs/security.md, "Request limits"): the
 HTTP server's are ``zserve.frontend.oip.http_server``'s (each connection a ``LimitedConnection``);
-the gRPC
-server's are grpcio's options, fixed when it starts: the largest message (``grpc_message_bound``:
+the gRPC server's are grpcio's options, fixed when it starts: the largest message
+(``grpc_message_bound``:
 the largest request a configured model accepts, where the file alone tells its inputs), the
 concurrent RPCs, the HTTP/2 handshake's timeout and the idle connection's.
 """

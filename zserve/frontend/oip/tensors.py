@@ -3,9 +3,8 @@
 Pure functions shared by the HTTP and gRPC servers of the frontend
 (``zserve.frontend.oip.http_server``,
 ``zserve.frontend.oip.grpc_server``) and by the load generator's OIP senders: the OIP datatype of
-each numpy
-dtype, a signature's tensors as OIP metadata (``-1`` for the batch dimension and for any size the
-model does not fix), the request parameters zserve reads (``timeout`` in microseconds, as
+each numpy dtype, a signature's tensors as OIP metadata (``-1`` for the batch dimension and for any
+size the model does not fix), the request parameters zserve reads (``timeout`` in microseconds, as
 tritonclient sends it, and ``slo_ms``), and the HTTP/REST body in both forms: JSON tensor data,
 and Triton's binary tensor data extension (a JSON header of ``Inference-Header-Content-Length``
 bytes followed by each binary tensor's bytes, in order). A binary input becomes a numpy view over
