@@ -4,14 +4,16 @@ A part of the backend host (``zserve.backends.host.BackendHost``), run on its ev
 
 - ``LoadModel``: the model's sessions are opened in a helper thread (the loop keeps serving the
   other models and heartbeating), it is warmed at every batch size 1..max_batch on the
-  executor's worker thread (one batch per call, so the other models' batches interleave), its
-  profile is the configured one or measured there, its batch buffers are allocated, the
-  follower learns it, and only then is it announced to the rank (``announce``: a
-  ``BackendRegister`` listing it) and reported ``READY`` to the supervisor. A failure is
-  reported ``FAILED`` with its one-line reason and leaves nothing loaded.
+  executor's worker thread (one batch per call, so the other models' batches interleave) and
+  its profile is the configured one or measured there. Without ``announce`` it is then held
+  and reported ``WARM``; with it (at once, or by a second ``LoadModel``) its batch buffers are
+  allocated, the follower learns it, and only then is it announced to the rank (``announce``:
+  a ``BackendRegister`` listing it) and reported ``READY``. A failure is reported ``FAILED``
+  with its one-line reason and leaves nothing loaded.
 - ``UnloadModel``: the model is withdrawn first (``announce`` without it: the rank's next
   ``BackendTable`` tells every shard, which plans it here no more and answers its queue
-  ``UNAVAILABLE`` where no backend serves it); the plans already sent run; once none is held
+  ``UNAVAILABLE`` where no backend serves it); the plans already sent run (a model held warm
+  and never announced is freed at once); once none is held
   and none has come for ``UNLOAD_QUIET_S`` (the table has reached the shards, and a plan sent
   before it has arrived), the follower forgets the model (a later plan is refused
   ``UNAVAILABLE``), its buffers and sessions are dropped, the collector runs, and it is
@@ -45,7 +47,7 @@ from zserve.transport.messages import LoadModel, ModelReport, UnloadModel
 
 log = logging.getLogger(__name__)
 
-READY, UNAVAILABLE, FAILED = "READY", "UNAVAILABLE", "FAILED"
+READY, WARM, UNAVAILABLE, FAILED = "READY", "WARM", "UNAVAILABLE", "FAILED"
 # After a withdrawn model's last plan (or its withdrawal): long enough for the rank's table to
 # reach every shard and for a plan sent before it to arrive (both take a hop of about 0.1 ms
 # on one host; the margin covers a loaded host's scheduling stalls).
@@ -100,6 +102,8 @@ class ModelLifecycle:
         self.report = report
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_plan_at: dict[str, float] = {}
+        # loaded and warmed, not announced yet (a LoadModel without ``announce``): its profile
+        self._warm: dict[str, LatencyProfile] = {}
         self.counters = {"models_loaded": 0, "models_unloaded": 0, "model_loads_failed": 0}
 
     def note_plan(self, model: str, now: float) -> None:
@@ -112,36 +116,44 @@ class ModelLifecycle:
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
             if isinstance(msg, LoadModel):
-                await self._load(ModelConfig.from_dict(msg.config))
+                await self._load(ModelConfig.from_dict(msg.config), announce=msg.announce)
             else:
                 await self._unload(model)
 
     # ------------------------------------------------------------------ load
 
-    async def _load(self, config: ModelConfig) -> None:
+    async def _load(self, config: ModelConfig, *, announce: bool) -> None:
         model = config.name
         if model in self.served:
             await self._tell(model, READY)
             return
-        try:
-            profile = await self._open_and_warm(config)
-        except Exception as exc:  # a bad file, an ONNX Runtime refusal: the supervisor's to say
-            self.counters["model_loads_failed"] += 1
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.executor.remove_model, model)
-            log.error("%s: loading %s failed: %s", self.name, model, exc)
-            await self._tell(model, FAILED, str(exc).splitlines()[0] if str(exc) else repr(exc))
+        if model not in self._warm:
+            try:
+                self._warm[model] = await self._open_and_warm(config)
+            except Exception as exc:  # a bad file, an ONNX Runtime refusal: the supervisor's
+                self.counters["model_loads_failed"] += 1
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.executor.remove_model, model)
+                log.error("%s: loading %s failed: %s", self.name, model, exc)
+                await self._tell(model, FAILED, (str(exc) or repr(exc)).splitlines()[0])
+                return
+            self.counters["models_loaded"] += 1
+        if not announce:
+            await self._tell(model, WARM)
             return
+        self._serve(model, self._warm.pop(model))
+        log.info("%s: %s loaded, warmed and announced", self.name, model)
+        await self._tell(model, READY)
+
+    def _serve(self, model: str, profile: LatencyProfile) -> None:
+        """Batch buffers, the follower, then the rank: from now on plans of it may come."""
         max_batch = self.executor.max_batch(model)
         self.runner.allocate(model)
         self.profiles[model] = profile
         self.warmed[model] = list(range(1, max_batch + 1))
         self.follower.add_model(model, profile.table_s, max_batch)
         self.served.append(model)
-        self.counters["models_loaded"] += 1
         self.announce()
-        log.info("%s: %s loaded, warmed and announced", self.name, model)
-        await self._tell(model, READY)
 
     async def _open_and_warm(self, config: ModelConfig) -> LatencyProfile:
         """Open the sessions, warm every batch size, fix the profile; raises on failure."""
@@ -161,18 +173,19 @@ class ModelLifecycle:
     # ------------------------------------------------------------------ unload
 
     async def _unload(self, model: str) -> None:
-        if model not in self.served:
+        if model not in self.served and self._warm.pop(model, None) is None:
             await self._tell(model, UNAVAILABLE)
             return
-        self.served.remove(model)
-        self.announce()
-        withdrawn_at = self.clock.now()
-        while not self._quiet(model, withdrawn_at):
-            await asyncio.sleep(UNLOAD_POLL_S)
-        self.follower.remove_model(model)
-        self.runner.free(model)
-        self.profiles.pop(model, None)
-        self.warmed.pop(model, None)
+        if model in self.served:  # withdraw it, then wait for its plans
+            self.served.remove(model)
+            self.announce()
+            withdrawn_at = self.clock.now()
+            while not self._quiet(model, withdrawn_at):
+                await asyncio.sleep(UNLOAD_POLL_S)
+            self.follower.remove_model(model)
+            self.runner.free(model)
+            self.profiles.pop(model, None)
+            self.warmed.pop(model, None)
         message = ""
         try:
             await asyncio.to_thread(self.executor.remove_model, model)
@@ -196,4 +209,5 @@ class ModelLifecycle:
                                       message=message))
 
 
-__all__ = ["FAILED", "READY", "UNAVAILABLE", "UNLOAD_QUIET_S", "ModelLifecycle", "model_spec"]
+__all__ = ["FAILED", "READY", "UNAVAILABLE", "UNLOAD_QUIET_S", "WARM", "ModelLifecycle",
+           "model_spec"]

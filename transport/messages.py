@@ -493,12 +493,15 @@ class SchedulerPing(Message, frozen=True, tag="sping"):
 
 class LoadModel(Message, frozen=True, tag="mload"):
     """Supervisor -> backend (control link): load ``model``, whose ``config`` is the wire form of
-    its ``zserve.config.cluster.ModelConfig`` (``to_dict``), warm it at every batch size, then
-    announce it to the rank (``BackendRegister`` listing it) and report ``ModelReport``. A model
+    its ``zserve.config.cluster.ModelConfig`` (``to_dict``), and warm it at every batch size;
+    with ``announce``, then announce it to the rank (``BackendRegister`` listing it) and report
+    ``ModelReport`` READY, else report WARM and hold it unannounced until a ``LoadModel`` with
+    ``announce`` (the supervisor's two phases: every backend warm, then all announce). A model
     it serves already is reported READY again."""
 
     model: str
     config: dict[str, Any]
+    announce: bool = True
 
 
 class UnloadModel(Message, frozen=True, tag="munload"):
@@ -511,8 +514,9 @@ class UnloadModel(Message, frozen=True, tag="munload"):
 
 class ModelReport(Message, frozen=True, tag="mreport"):
     """Backend -> supervisor (control link): ``model`` is now ``state`` on backend ``name``:
-    ``READY`` (loaded, warmed and announced to the rank), ``UNAVAILABLE`` (unloaded, its memory
-    freed) or ``FAILED`` (the load failed; ``message`` says why)."""
+    ``READY`` (loaded, warmed and announced to the rank), ``WARM`` (loaded and warmed, not
+    announced), ``UNAVAILABLE`` (unloaded, its memory freed) or ``FAILED`` (the load failed;
+    ``message`` says why)."""
 
     name: str
     model: str

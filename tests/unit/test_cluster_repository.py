@@ -34,14 +34,22 @@ def test_the_index_says_where_each_model_stands() -> None:
         7, ["a", "b"], ["READY", "UNAVAILABLE"], ["", "not loaded"])
 
 
-def test_a_load_goes_to_every_backend_and_is_answered_once_all_reported() -> None:
+def _warm(model: str) -> LoadModel:
+    return LoadModel(model, MODELS[model], announce=False)
+
+
+def test_a_load_warms_on_every_backend_then_announces_on_all_at_once() -> None:
     repo = _repository()
     effects = repo.call(CALL, "load", "b")
-    assert effects.commands == [("backend-0", LoadModel("b", MODELS["b"])),
-                                ("backend-1", LoadModel("b", MODELS["b"]))]
+    assert effects.commands == [("backend-0", _warm("b")), ("backend-1", _warm("b"))]
     assert not effects.answers and repo.state("b") == ("LOADING", "")
     # a second call while it loads sends nothing more and waits too
     assert repo.call(Call("frontend-0", 8), "load", "b").commands == []
+    assert repo.on_report("backend-0", "b", "WARM").commands == []  # backend-1 still loads
+    announce = repo.on_report("backend-1", "b", "WARM")
+    assert announce.commands == [("backend-0", LoadModel("b", MODELS["b"])),
+                                 ("backend-1", LoadModel("b", MODELS["b"]))]
+    assert not announce.answers and repo.state("b") == ("LOADING", "")
     assert not repo.on_report("backend-0", "b", "READY").answers
     done = repo.on_report("backend-1", "b", "READY")
     assert [reply.request_id for _, reply in done.answers] == [7, 8]
@@ -52,17 +60,19 @@ def test_a_load_goes_to_every_backend_and_is_answered_once_all_reported() -> Non
     assert again.commands == [] and _answers(again) == [("", "")]
 
 
-def test_a_failed_load_is_answered_with_its_reason_and_listed_in_the_index() -> None:
+def test_a_failed_load_unloads_the_warm_ones_and_is_answered_with_its_reason() -> None:
+    """No half-loaded model stays behind: a model listed on some backends only would cost the
+    rank grants its thread declines."""
     repo = _repository()
     repo.call(CALL, "load", "b")
-    repo.on_report("backend-0", "b", "READY")
-    done = repo.on_report("backend-1", "b", "FAILED", "bad file")
+    repo.on_report("backend-0", "b", "WARM")
+    rollback = repo.on_report("backend-1", "b", "FAILED", "bad file")
+    assert rollback.commands == [("backend-0", UnloadModel("b"))] and not rollback.answers
+    assert repo.state("b") == ("UNLOADING", "")
+    done = repo.on_report("backend-0", "b", "UNAVAILABLE")
     assert _answers(done) == [(ErrorKind.BAD_REQUEST.value,
                                "failed to load 'b': backend-1: bad file")]
-    assert repo.state("b") == ("READY", "")  # backend-0 serves it
-    repo.call(CALL, "unload", "b")
-    repo.on_report("backend-0", "b", "UNAVAILABLE")
-    assert repo.state("b") == ("UNAVAILABLE", "unloaded")
+    assert repo.state("b") == ("UNAVAILABLE", "load failed on backend-1: bad file")
 
 
 def test_an_unload_goes_to_the_backends_that_serve_it() -> None:
@@ -78,14 +88,14 @@ def test_an_unload_goes_to_the_backends_that_serve_it() -> None:
 
 
 def test_a_load_then_an_unload_of_one_model_settle_in_order() -> None:
-    """Each backend runs one model's commands in order: the load's READY does not end the
+    """Each backend runs one model's commands in order: the load's WARM does not end the
     unload that came after it, and the load's caller learns it was undone."""
     repo = _repository()
     repo.call(Call("f", 1), "load", "b")
     unload = repo.call(Call("f", 2), "unload", "b")
     assert [msg for _, msg in unload.commands] == [UnloadModel("b"), UnloadModel("b")]
     for backend in ("backend-0", "backend-1"):
-        assert not repo.on_report(backend, "b", "READY").answers
+        assert not repo.on_report(backend, "b", "WARM").commands
     repo.on_report("backend-0", "b", "UNAVAILABLE")
     done = repo.on_report("backend-1", "b", "UNAVAILABLE")
     assert _answers(done) == [(ErrorKind.UNAVAILABLE.value,
@@ -95,13 +105,15 @@ def test_a_load_then_an_unload_of_one_model_settle_in_order() -> None:
 def test_a_backend_that_dies_fails_its_load_and_a_restart_serves_what_it_started_with() -> None:
     repo = _repository()
     repo.call(CALL, "load", "b")
-    repo.on_report("backend-0", "b", "READY")
-    done = repo.on_backend_gone("backend-1")
+    repo.on_report("backend-0", "b", "WARM")
+    rollback = repo.on_backend_gone("backend-1")
+    assert rollback.commands == [("backend-0", UnloadModel("b"))]
+    done = repo.on_report("backend-0", "b", "UNAVAILABLE")
     assert _answers(done) == [(ErrorKind.BAD_REQUEST.value,
                                "failed to load 'b': backend-1: its process died")]
     assert repo.states["a"] == {"backend-0": "READY"}
     repo.on_backend_started("backend-1", ["a", "b"])
-    assert repo.states["b"] == {"backend-0": "READY", "backend-1": "READY"}
+    assert repo.states["b"] == {"backend-1": "READY"}
 
 
 def test_unknown_models_and_actions_are_bad_requests() -> None:

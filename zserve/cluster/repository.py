@@ -9,9 +9,13 @@ repository calls that frontends forward over their control links (``RepositoryRe
 - ``index(call)``: every model of the cluster with its state (``READY`` where some backend
   serves it; ``LOADING`` / ``UNLOADING`` while a command is under way; else ``UNAVAILABLE``,
   with why: not loaded, unloaded, or the last load's failure), answered at once;
-- ``load(call, model)``: ``LoadModel`` to every live backend that does not serve it yet; the
-  call is answered once each of them has reported (an error naming the first failure, if any
-  failed), at once when every live backend serves it already;
+- ``load(call, model)``, in two phases: ``LoadModel`` without ``announce`` to every live
+  backend that does not serve it yet; once each has reported it ``WARM``, ``LoadModel`` with
+  ``announce`` to all of them at once, so the backends list it in the rank's table within a
+  control hop of each other (a model listed on some backends and not others costs the rank
+  grants its thread declines). If any failed, the warm ones unload it instead (no half-loaded
+  model stays behind) and the call is answered with the failures; at once when every live
+  backend serves it already;
 - ``unload(call, model)``: ``UnloadModel`` to every backend that serves or loads it; answered
   once each has reported it unloaded;
 - ``on_report`` (a backend's ``ModelReport``), ``on_backend_gone`` (its process died: what it
@@ -33,8 +37,13 @@ from zserve.core.errors import ErrorKind
 from zserve.transport.messages import LoadModel, RepositoryReply, UnloadModel
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
-# What a backend reports for a load that failed (``zserve.backends.model_lifecycle``).
-FAILED = "FAILED"
+# What a backend reports for a load that failed, and for one loaded and warmed but not announced
+# (``zserve.backends.model_lifecycle``).
+FAILED, WARM = "FAILED", "WARM"
+# Asked to announce a model it holds warm (the second phase of a load).
+ANNOUNCING = "ANNOUNCING"
+# The states of a command under way: the model's calls wait until none is left.
+_BUSY = (LOADING, ANNOUNCING, UNLOADING)
 ACTIONS = ("index", "load", "unload")
 
 
@@ -85,7 +94,7 @@ class ModelRepository:
 
     def state(self, model: str) -> tuple[str, str]:
         """``model``'s state in the index, and why it is not READY ("" when it is)."""
-        states = set(self.states[model].values())
+        states = {LOADING if s in (WARM, ANNOUNCING) else s for s in self.states[model].values()}
         for state in (LOADING, UNLOADING, READY):
             if state in states:
                 return state, ""
@@ -134,9 +143,10 @@ class ModelRepository:
             effects.answer(call)
             return
         for backend in targets:
-            if states.get(backend) != LOADING:
-                effects.commands.append((backend, LoadModel(model, self.models[model])))
-            states[backend] = LOADING
+            if states.get(backend) not in (LOADING, WARM, ANNOUNCING):
+                effects.commands.append((backend, LoadModel(model, self.models[model],
+                                                            announce=False)))
+                states[backend] = LOADING
         self._waiting.setdefault(model, []).append(_Waiting(call, "load"))
 
     def _unload(self, call: Call, model: str, effects: Effects) -> None:
@@ -162,10 +172,12 @@ class ModelRepository:
         # A report answers the oldest command under way there: a later one (an unload after
         # a load, a load after an unload) keeps its state until its own report comes.
         current = states.get(backend)
-        if state == READY and current in (None, LOADING):
+        if state == READY and current != UNLOADING:
             states[backend] = READY
-        elif (state == UNAVAILABLE and current != LOADING) or (state == FAILED and (
-                current == LOADING)):
+        elif state == WARM and current == LOADING:
+            states[backend] = WARM
+        elif (state == UNAVAILABLE and current not in (LOADING, ANNOUNCING)) or (
+                state == FAILED and current == LOADING):
             states.pop(backend, None)
         if state == FAILED:
             why = f"{backend}: {message}"
@@ -180,7 +192,7 @@ class ModelRepository:
         effects = Effects()
         self.backends.discard(backend)
         for model, states in self.states.items():
-            if states.pop(backend, None) == LOADING:
+            if states.pop(backend, None) in (LOADING, WARM, ANNOUNCING):
                 for waiting in self._waiting.get(model, []):
                     waiting.failures.append(f"{backend}: its process died")
             self._settle(model, effects)
@@ -194,10 +206,23 @@ class ModelRepository:
                 self.states[model][backend] = READY
 
     def _settle(self, model: str, effects: Effects) -> None:
-        """Answer the calls of ``model`` once no command of it is under way."""
-        if any(s in (LOADING, UNLOADING) for s in self.states[model].values()):
+        """Once no command of ``model`` is under way: announce it where it is warm (or unload
+        it there, if a load failed), then answer its calls."""
+        states = self.states[model]
+        if any(s in _BUSY for s in states.values()):
             return
-        ready = READY in self.states[model].values()
+        warm = sorted(b for b, s in states.items() if s == WARM)
+        if warm:
+            failed = any(w.failures for w in self._waiting.get(model, []))
+            for backend in warm:
+                if failed:
+                    effects.commands.append((backend, UnloadModel(model)))
+                    states[backend] = UNLOADING
+                else:
+                    effects.commands.append((backend, LoadModel(model, self.models[model])))
+                    states[backend] = ANNOUNCING
+            return
+        ready = READY in states.values()
         for waiting in self._waiting.pop(model, []):
             if waiting.action == "load" and waiting.failures:
                 effects.answer(waiting.call, ErrorKind.BAD_REQUEST,
