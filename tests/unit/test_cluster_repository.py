@@ -116,6 +116,22 @@ def test_a_backend_that_dies_fails_its_load_and_a_restart_serves_what_it_started
     assert repo.states["b"] == {"backend-1": "READY"}
 
 
+def test_a_restarted_backend_loads_what_was_loaded_elsewhere_since_it_was_spawned() -> None:
+    repo = _repository()
+    repo.call(CALL, "load", "b")
+    for backend in ("backend-0", "backend-1"):
+        repo.on_report(backend, "b", "WARM")
+    for backend in ("backend-0", "backend-1"):
+        repo.on_report(backend, "b", "READY")
+    repo.on_backend_gone("backend-1")
+    catch_up = repo.on_backend_started("backend-1", ["a"])  # spawned before b was loaded
+    assert catch_up.commands == [("backend-1", _warm("b"))] and not catch_up.answers
+    announce = repo.on_report("backend-1", "b", "WARM")
+    assert announce.commands == [("backend-1", LoadModel("b", MODELS["b"]))]
+    assert not repo.on_report("backend-1", "b", "READY").answers
+    assert repo.states["b"] == {"backend-0": "READY", "backend-1": "READY"}
+
+
 def test_unknown_models_and_actions_are_bad_requests() -> None:
     repo = _repository()
     assert _answers(repo.call(CALL, "load", "nope")) == [(

@@ -20,7 +20,8 @@ repository calls that frontends forward over their control links (``RepositoryRe
   once each has reported it unloaded;
 - ``on_report`` (a backend's ``ModelReport``), ``on_backend_gone`` (its process died: what it
   loaded is gone, a load under way there failed) and ``on_backend_started`` (a restarted
-  backend serves the models it was started with) move the states and settle the calls.
+  backend serves the models it was started with, and loads those loaded elsewhere since) move
+  the states and settle the calls.
 
 Every backend loads every loaded model (placement on a subset is the partitioner's job). Each
 method returns ``Effects``: the commands for the supervisor to send and the answers for the
@@ -87,8 +88,11 @@ class ModelRepository:
         self.reasons: dict[str, str] = {name: "not loaded" for name in self.models}
         self.backends: set[str] = set()
         self._waiting: dict[str, list[_Waiting]] = {}
-        for backend, served in backends.items():
-            self.on_backend_started(backend, served)
+        for backend, served in backends.items():  # at start: what each loads
+            self.backends.add(backend)
+            for model in served:
+                if model in self.states:
+                    self.states[model][backend] = READY
 
     # ------------------------------------------------------------------ what it tells
 
@@ -198,12 +202,20 @@ class ModelRepository:
             self._settle(model, effects)
         return effects
 
-    def on_backend_started(self, backend: str, served: Iterable[str]) -> None:
-        """``backend`` (re)started serving ``served``."""
+    def on_backend_started(self, backend: str, served: Iterable[str]) -> Effects:
+        """``backend`` (re)started serving ``served``; a model loaded elsewhere meanwhile (after
+        its start-up list was fixed) is loaded there too, so every backend serves it again."""
         self.backends.add(backend)
-        for model in served:
-            if model in self.states:
-                self.states[model][backend] = READY
+        served = set(served)
+        effects = Effects()
+        for model, states in self.states.items():
+            if model in served:
+                states[backend] = READY
+            elif READY in states.values() and backend not in states:
+                effects.commands.append((backend, LoadModel(model, self.models[model],
+                                                            announce=False)))
+                states[backend] = LOADING
+        return effects
 
     def _settle(self, model: str, effects: Effects) -> None:
         """Once no command of ``model`` is under way: announce it where it is warm (or unload

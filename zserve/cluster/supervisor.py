@@ -302,7 +302,8 @@ class Supervisor:
             if self.started:  # a restart: it gets the same peer map as before
                 self._send(child, self._peer_ready())
                 if child.role == "backend":
-                    self.repository.on_backend_started(child.name, self._serves(child))
+                    self._apply(self.repository.on_backend_started(child.name,
+                                                                   self._serves(child)))
                 if self.on_child_ready is not None:
                     self.on_child_ready()
             with self._cond:
