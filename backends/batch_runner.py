@@ -89,6 +89,11 @@ class BatchRunner:
             buffer.fill(0)
             self._buffers[(model, spec.name)] = buffer
 
+    def free(self, model: str) -> None:
+        """Drop ``model``'s batch buffers (it was unloaded)."""
+        for key in [key for key in self._buffers if key[0] == model]:
+            del self._buffers[key]
+
     def assemble(self, model: str, requests: list[TensorMap],
                  size: int | None = None) -> TensorMap:
         """One stacked batch of ``size`` rows (default: one per request): the requests' rows

@@ -110,6 +110,18 @@ class Executor(abc.ABC):
 
         self._on_worker(warm_all)
 
+    def add_model(self, spec: Any, *, max_batch: int,
+                  session_batch_sizes: Sequence[int] = ()) -> None:
+        """Load one more model while serving the others (blocking; any thread). An executor
+        that cannot raises ``ModelLoadError``."""
+        raise ModelLoadError(f"model {getattr(spec, 'name', spec)!r}: a {type(self).__name__} "
+                             "loads its models only at start")
+
+    def remove_model(self, model: str) -> None:
+        """Stop serving ``model`` and drop every reference to its sessions and buffers, after
+        the batch running now (blocking; any thread)."""
+        raise ModelLoadError(f"model {model!r}: a {type(self).__name__} unloads no model")
+
     def close(self) -> None:
         """Release the worker thread and any runtime resources (idempotent)."""
         with self._worker_lock:

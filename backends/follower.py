@@ -298,6 +298,16 @@ class PlanFollower:
         self.latency_s[model] = latency_s
         self.max_batch[model] = max_batch
 
+    def remove_model(self, model: str) -> None:
+        """Serve ``model`` no more: a plan of it that comes later is refused ``UNAVAILABLE``
+        (it never ran). The host removes a model only once ``plans_of(model)`` is 0."""
+        self.latency_s.pop(model, None)
+        self.max_batch.pop(model, None)
+
+    def plans_of(self, model: str) -> int:
+        """The plans of ``model`` held or running."""
+        return sum(1 for held in self._plans.values() if held.plan.model == model)
+
     # ------------------------------------------------------------------ read back
 
     @property
@@ -370,8 +380,8 @@ class PlanFollower:
             kind, why = ErrorKind.SHUTTING_DOWN, f"backend {self.name} is shutting down"
         elif plan.plan_id in self._plans:
             kind, why = ErrorKind.INTERNAL, f"duplicate plan id {plan.plan_id}"
-        elif plan.model not in self.latency_s:
-            kind, why = ErrorKind.INTERNAL, f"backend {self.name} does not serve {plan.model!r}"
+        elif plan.model not in self.latency_s:  # never served here, or unloaded: it never ran
+            kind, why = ErrorKind.UNAVAILABLE, f"backend {self.name} does not serve {plan.model!r}"
         else:
             kind, why = ErrorKind.INTERNAL, f"malformed plan {plan.plan_id}"
         count = len(plan.request_ids)

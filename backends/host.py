@@ -66,6 +66,7 @@ from zserve.backends.follower import (
     shed_late_rows,
 )
 from zserve.backends.liveness import BackendLiveness
+from zserve.backends.model_lifecycle import ModelLifecycle, Report
 from zserve.config.cluster import ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
@@ -85,10 +86,13 @@ from zserve.transport.messages import (
     Hello,
     InputFetch,
     InputReply,
+    LoadModel,
     Message,
+    ModelReport,
     PlanAck,
     StatsReply,
     StatsRequest,
+    UnloadModel,
 )
 from zserve.transport.reactor import Chunk, SocketReactor
 from zserve.transport.sockets import make_dealer, make_router
@@ -171,6 +175,7 @@ class BackendHost:
         reactor: SocketReactor,
         clock: ClusterClock | None = None,
         shed_grace_s: float = 0.0,
+        report: Report | None = None,
     ) -> None:
         self.name = name
         # Set before the backend starts (its offset is estimated after Ready, before it serves).
@@ -208,6 +213,11 @@ class BackendHost:
                                         run=self._run_event, send_beat=self._send_heartbeat)
         self.driver = CoreDriver(self.follower, loop=self.loop, clock=self.clock,
                                  deliver=self._deliver, after=self.liveness.note_delivered)
+        # Live load and unload (LoadModel / UnloadModel on the control link).
+        self.lifecycle = ModelLifecycle(
+            name=name, executor=executor, follower=self.follower, runner=self.runner,
+            clock=self.clock, served=self.models, profiles=self.profiles, warmed=self.warmed,
+            announce=self._announce, report=report or _no_report)
 
     # ------------------------------------------------------------------ start-up
 
@@ -248,6 +258,18 @@ class BackendHost:
                                on_chunk=functools.partial(self._on_rank_chunk, scheduler))
             self._register(sock)
         self._spawn(self.liveness.heartbeat_loop())
+
+    def on_control_message(self, msg: Any) -> None:
+        """The supervisor's commands: load or unload a model (``ModelLifecycle``)."""
+        if isinstance(msg, LoadModel | UnloadModel) and not self.follower.draining:
+            self._spawn(self.lifecycle.handle(msg))
+        else:
+            log.debug("%s: ignoring control %s", self.name, type(msg).__name__)
+
+    def _announce(self) -> None:
+        """Register again with every scheduler: the models served changed."""
+        for sock in self.rank_socks.values():
+            self._register(sock)
 
     @property
     def rank_sock(self) -> zmq.Socket[Any] | None:
@@ -351,6 +373,7 @@ class BackendHost:
             if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
                 continue
             if isinstance(msg, BatchPlan):
+                self.lifecycle.note_plan(msg.model, now)
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
@@ -502,7 +525,7 @@ class BackendHost:
         return out
 
     def _counters(self) -> dict[str, int]:
-        return {**self.follower.counters, **self.counters}
+        return {**self.follower.counters, **self.counters, **self.lifecycle.counters}
 
     def counter_totals(self) -> dict[str, int]:
         """The counters since the process started (``stats(reset=True)`` zeroes the live ones)."""
@@ -537,13 +560,16 @@ async def _serve(config: RoleConfig, control_address: str | None,
                                               name=f"{name} plan",
                                               advertise_host=config.advertise_host)
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
+        served = [m for m in config.models if config.serve is None or m.name in config.serve]
         host = BackendHost(name=name, device=config.device,
-                           executor=build_executor(config.device, config.models),
+                           executor=build_executor(config.device, served),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
-                           reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s)
+                           reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,
+                           report=session.link.send)
         built.append(host)
         session.closing(host.close)
         session.serve_stats(host.stats)
+        session.on_control(host.on_control_message)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
         host.load_and_warm(config.models)
         peers = {**config.peers, **await session.ready({"plan": plan_address})}
@@ -558,6 +584,11 @@ async def _serve(config: RoleConfig, control_address: str | None,
         drain = await session.drained()
         await host.drain(drain.drain_s)
         return 0
+
+
+async def _no_report(report: ModelReport) -> None:
+    """A backend without a supervisor: the log says what became of each command."""
+    log.info("%s: %s is %s %s", report.name, report.model, report.state, report.message)
 
 
 def _exit_stuck(name: str) -> None:

@@ -268,6 +268,42 @@ class OnnxExecutor(Executor):
                 if spec.name not in self._loaded:
                     self._loaded[spec.name] = self._load_model(spec)
 
+    def add_model(self, spec: ModelSpec, *, max_batch: int = DEFAULT_MAX_BATCH,
+                  session_batch_sizes: Sequence[int] = ()) -> None:
+        """Load ``spec`` (its sessions and batch buffers) while the other models serve: it joins
+        ``models`` only once loaded. Raises ``ModelLoadError``, or ``ValueError`` for a model
+        it serves already or a max batch below 1."""
+        if max_batch < 1:
+            raise ValueError(f"model {spec.name!r}: max_batch must be >= 1, got {max_batch}")
+        with self._load_lock:
+            if spec.name in self._max_batch:
+                raise ValueError(f"model {spec.name!r} is loaded already")
+            self._max_batch[spec.name] = max_batch
+            if session_batch_sizes:
+                self._session_sizes[spec.name] = tuple(session_batch_sizes)
+            try:
+                loaded = self._load_model(spec)
+            except BaseException:
+                self._forget(spec.name)
+                raise
+            self._loaded[spec.name] = loaded
+            self._specs.append(spec)
+
+    def remove_model(self, model: str) -> None:
+        """Drop ``model``'s sessions and buffers (after the batch running now): once nothing
+        else holds them, ONNX Runtime frees their memory."""
+        with self._run_lock, self._load_lock:
+            if model not in self._max_batch:
+                raise BadRequestError(f"unknown model {model!r} (serving "
+                                      f"{', '.join(self.models)})")
+            self._forget(model)
+
+    def _forget(self, model: str) -> None:
+        self._loaded.pop(model, None)
+        self._max_batch.pop(model, None)
+        self._session_sizes.pop(model, None)
+        self._specs = [s for s in self._specs if s.name != model]
+
     def close(self) -> None:
         super().close()
         with self._load_lock:

@@ -166,10 +166,17 @@ class SchedulerCore:
             thread.set_profile(profile)
 
     def set_served(self, now: float, served: Mapping[str, list[int]], outbox: Outbox) -> None:
-        """The GPUs serving each model (a remote rank's table): every ModelThread learns its."""
+        """The GPUs serving each model (a remote rank's table): every ModelThread learns its.
+        The requests queued for a model no GPU serves any more (unloaded everywhere, or its
+        last backend gone) are answered UNAVAILABLE now (they never ran), not at their
+        deadlines."""
         self.served = dict(served)
         for name, thread in self.threads.items():
-            thread.set_gpus(now, self.served.get(name, []), outbox)
+            gpus = self.served.get(name, [])
+            thread.set_gpus(now, gpus, outbox)
+            if not gpus and thread.queue_length:
+                self._shed(now, thread, ErrorKind.UNAVAILABLE, f"no backend serves {name!r}",
+                           counter="unavailable", outbox=outbox)
             self._moved.append(thread)
         self._reopen()
         self._after(now, outbox, None)
@@ -269,12 +276,17 @@ class SchedulerCore:
         """Answer every queued request ``SHUTTING_DOWN`` (a drain's end)."""
         why = f"scheduler {self.name} is shutting down"
         for thread in self.threads.values():
-            for frontend, ids in thread.take_queued(now, outbox).items():
-                self.counters["shutting_down"] += len(ids)
-                outbox.append(((DEST_FRONTEND, frontend),
-                               DropNotice(ids, ErrorKind.SHUTTING_DOWN.value, why)))
+            self._shed(now, thread, ErrorKind.SHUTTING_DOWN, why, counter="shutting_down",
+                       outbox=outbox)
             self._moved.append(thread)
         self._after(now, outbox, None)
+
+    def _shed(self, now: float, thread: ModelThread, kind: ErrorKind, why: str, *,
+              counter: str, outbox: Outbox) -> None:
+        """Answer every request queued in ``thread`` ``kind``, counted under ``counter``."""
+        for frontend, ids in thread.take_queued(now, outbox).items():
+            self.counters[counter] += len(ids)
+            outbox.append(((DEST_FRONTEND, frontend), DropNotice(ids, kind.value, why)))
 
     def queued(self) -> int:
         """Requests waiting in the ModelThreads' queues."""

@@ -488,6 +488,68 @@ class SchedulerPing(Message, frozen=True, tag="sping"):
     reply: bool = False
 
 
+# --------------------------------------------------------------------------- orchestration
+
+
+class LoadModel(Message, frozen=True, tag="mload"):
+    """Supervisor -> backend (control link): load ``model``, whose ``config`` is the wire form of
+    its ``zserve.config.cluster.ModelConfig`` (``to_dict``), and warm it at every batch size;
+    with ``announce``, then announce it to the rank (``BackendRegister`` listing it) and report
+    ``ModelReport`` READY, else report WARM and hold it unannounced until a ``LoadModel`` with
+    ``announce`` (the supervisor's two phases: every backend warm, then all announce). A model
+    it serves already is reported READY again."""
+
+    model: str
+    config: dict[str, Any]
+    announce: bool = True
+
+
+class UnloadModel(Message, frozen=True, tag="munload"):
+    """Supervisor -> backend (control link): stop serving ``model``: withdraw it from the rank
+    (``BackendRegister`` without it), let the plans of it already sent finish, then close its
+    sessions, free their memory and report ``ModelReport`` (UNAVAILABLE)."""
+
+    model: str
+
+
+class ModelReport(Message, frozen=True, tag="mreport"):
+    """Backend -> supervisor (control link): ``model`` is now ``state`` on backend ``name``:
+    ``READY`` (loaded, warmed and announced to the rank), ``WARM`` (loaded and warmed, not
+    announced), ``UNAVAILABLE`` (unloaded, its memory freed) or ``FAILED`` (the load failed;
+    ``message`` says why)."""
+
+    name: str
+    model: str
+    state: str
+    message: str = ""
+
+
+class RepositoryRequest(Message, frozen=True, tag="repo"):
+    """Frontend -> supervisor (control link): a call of the Open Inference Protocol's model
+    repository extension. ``action``: ``index``, ``load`` or ``unload`` (of ``model``); the
+    answer is one ``RepositoryReply`` with the same ``request_id``, once the call is done (a
+    load: the model READY on its backends)."""
+
+    request_id: int
+    action: str
+    model: str = ""
+
+
+class RepositoryReply(Message, frozen=True, tag="reporeply"):
+    """Supervisor -> frontend: the answer to ``RepositoryRequest`` ``request_id``. ``error``: ""
+    when it succeeded, else an ErrorKind value with ``message``. An index lists every model of
+    the repository: ``models[i]`` is in state ``states[i]`` (READY, LOADING, UNLOADING,
+    UNAVAILABLE) for ``reasons[i]`` (empty when READY)."""
+
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (("models", "states", "reasons"),)
+    request_id: int
+    error: str
+    message: str
+    models: list[str] = msgspec.field(default_factory=list)
+    states: list[str] = msgspec.field(default_factory=list)
+    reasons: list[str] = msgspec.field(default_factory=list)
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
     InferReply,
@@ -523,6 +585,11 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     PlanAck,
     BackendSuspect,
     SchedulerPing,
+    LoadModel,
+    UnloadModel,
+    ModelReport,
+    RepositoryRequest,
+    RepositoryReply,
 )
 
 # KIND is each class's msgspec tag, read back once here so that the tag is written only once.

@@ -299,12 +299,11 @@ def test_unknown_models_are_not_found(http: httpclient.InferenceServerClient,
 def test_triton_endpoints_zserve_does_not_serve(
         http: httpclient.InferenceServerClient,
         grpc_client: grpcclient.InferenceServerClient) -> None:
-    """Model repository, statistics, trace, logging and shared memory: 501 / UNIMPLEMENTED,
-    as Triton answers what it does not support, with a message tritonclient reads naming the
-    extension (no "an exception occurred in the client while decoding the response")."""
+    """Statistics, trace, logging and shared memory: 501 / UNIMPLEMENTED, as Triton answers
+    what it does not support, with a message tritonclient reads naming the extension (no "an
+    exception occurred in the client while decoding the response"). (The model repository is
+    served: tests/cluster/test_model_repository.py.)"""
     calls = {
-        "model_repository": (http.get_model_repository_index,
-                             grpc_client.get_model_repository_index),
         "statistics": (http.get_inference_statistics, grpc_client.get_inference_statistics),
         "trace": (http.get_trace_settings, grpc_client.get_trace_settings),
         "logging": (http.get_log_settings, grpc_client.get_log_settings),
@@ -319,8 +318,6 @@ def test_triton_endpoints_zserve_does_not_serve(
         error = _refusal(over_grpc)
         assert error.status() == "StatusCode.UNIMPLEMENTED", error
         assert f"Triton's {extension} extension" in error.message(), error
-    error = _refusal(lambda: http.load_model("m"))
-    assert error.status() == "501" and "model_repository" in error.message()
     # the model named in a statistics path does not make it a model's metadata
     error = _refusal(lambda: http.get_inference_statistics("m"))
     assert error.status() == "501" and "statistics" in error.message()

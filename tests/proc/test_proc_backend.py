@@ -26,6 +26,7 @@ from zserve.transport.messages import (
     Hello,
     InputFetch,
     InputReply,
+    Ready,
     StatsReply,
     StatsRequest,
 )
@@ -333,5 +334,68 @@ def test_proc_backend_onnx_ready_only_after_warmup(tmp_path: Path) -> None:
                 assert got.keys() == want.keys()
                 for name in want:
                     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    finally:
+        h.close()
+
+
+def test_proc_backend_loads_and_unloads_a_model_on_command(tmp_path: Path) -> None:
+    """The supervisor's LoadModel / UnloadModel on the control link: a real ONNX Runtime backend
+    started with ``mlp`` loads ``extra`` while serving (WARM, unannounced; then READY and a
+    BackendRegister listing it), runs a plan of it, unloads it (a BackendRegister without it
+    first, then UNAVAILABLE once freed; a later plan of it is refused UNAVAILABLE), and reports
+    a file that is no model FAILED, in one line."""
+    from zserve.backends.builtin import ensure_builtin
+    from zserve.transport.messages import LoadModel, ModelReport, UnloadModel
+
+    path = ensure_builtin("mlp")
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    models = [{"name": "mlp", "builtin": "mlp", "max_batch": 2},
+              {"name": "extra", "onnx": str(path), "max_batch": 2},
+              {"name": "broken", "onnx": str(broken), "max_batch": 2}]
+    cluster = cluster_config(models, backends={"device": "cpu"})
+    h = Harness(tmp_path)
+    try:
+        rank, frontend = h.router("rank"), h.router("fe-data")
+        config = role_config_for(cluster, "backend", 0, h.dir)
+        config.serve = ("mlp",)
+        child = h.start("backend", config)
+        identity, _ = h.control.expect(Ready, where=lambda m: m.name == child.name)
+        h.control.send(Ready("supervisor", "supervisor", 1, {"rank/rank": rank.endpoint}),
+                       identity)
+        _, register = rank.expect(BackendRegister)
+        assert register.models == ["mlp"]
+        shard = h.dealer(register.plan_address, "shard-0")
+
+        def report(state: str) -> ModelReport:
+            return h.control.expect(ModelReport, where=lambda m: m.state == state)[1]
+
+        extra = cluster.model("extra").to_dict()
+        h.control.send(LoadModel("extra", extra, announce=False), identity)
+        assert report("WARM").model == "extra"
+        h.control.send(LoadModel("extra", extra), identity)
+        assert report("READY").model == "extra"
+        _, register = rank.expect(BackendRegister, where=lambda m: "extra" in m.models)
+        assert len(register.profiles_ms["extra"]) == 2 and "extra" in register.signatures
+
+        x = {"features": np.ones((1, 64), np.float32)}
+        now = time.monotonic()
+        shard.send(BatchPlan(1, "extra", 0, now, now + 0.01, [frontend.endpoint], [0], [5]))
+        fetch_from, fetch = frontend.expect(InputFetch)
+        frontend.send(InputReply(1, fetch.request_ids, [x], []), fetch_from)
+        _, out = frontend.expect(BatchOutputs)
+        assert out.request_ids == [5] and out.outputs[0]["logits"].shape == (1, 10)
+
+        h.control.send(UnloadModel("extra"), identity)
+        rank.expect(BackendRegister, where=lambda m: m.models == ["mlp"])  # withdrawn first
+        assert report("UNAVAILABLE").model == "extra"
+        shard.send(BatchPlan(2, "extra", 0, now, now + 0.01, [frontend.endpoint], [0], [6]))
+        _, failed = frontend.expect(BatchFailed)
+        assert (failed.request_ids, failed.error) == ([6], ErrorKind.UNAVAILABLE.value)
+
+        h.control.send(LoadModel("broken", cluster.model("broken").to_dict()), identity)
+        failure = report("FAILED")
+        assert failure.model == "broken" and "not a valid ONNX model" in failure.message
+        assert "\n" not in failure.message
     finally:
         h.close()

@@ -465,10 +465,30 @@ def test_malformed_or_unknown_plans_are_refused() -> None:
     unknown = BatchPlan(2, "other", 0, 0.01, 0.02, [FRONTEND], [0], [3], [])
     follower.on_plan(0.0, unknown, outbox)
     failed = of_type(outbox, BatchFailed)
+    # a malformed plan is a bug (INTERNAL); one of a model not served here never ran
     assert [(f.request_ids, f.error) for f in failed] == [
-        ([1, 2], ErrorKind.INTERNAL.value), ([3], ErrorKind.INTERNAL.value)]
+        ([1, 2], ErrorKind.INTERNAL.value), ([3], ErrorKind.UNAVAILABLE.value)]
     assert [s.batch_size for s in of_type(outbox, BatchStats)] == [0, 0]
     assert follower.counters["plans_refused"] == 2 and follower.idle
+
+
+def test_a_removed_model_counts_its_plans_then_refuses_new_ones_unavailable() -> None:
+    """The host unloads a model once ``plans_of`` is 0; a plan of it sent before the rank's
+    table went out and arriving after the unload is answered UNAVAILABLE (it never ran)."""
+    follower = make_follower()
+    outbox: Outbox = []
+    follower.on_plan(0.0, BatchPlan(1, MODEL, 0, 0.01, 0.02, [FRONTEND], [0], [1], []), outbox)
+    assert follower.plans_of(MODEL) == 1 and follower.plans_of("other") == 0
+    follower.on_input_reply(0.001, FRONTEND, InputReply(1, [1], [{}], []), outbox)
+    follower.on_timer(0.010, outbox)
+    done: Outbox = []
+    follower.on_batch_done(0.021, ok=True, finished_at=0.02, outbox=done)
+    assert follower.plans_of(MODEL) == 0
+    follower.remove_model(MODEL)
+    late: Outbox = []
+    follower.on_plan(0.03, BatchPlan(2, MODEL, 0, 0.04, 0.05, [FRONTEND], [0], [7], []), late)
+    (failed,) = of_type(late, BatchFailed)
+    assert (failed.request_ids, failed.error) == ([7], ErrorKind.UNAVAILABLE.value)
 
 
 def test_drain_runs_what_starts_in_time_and_refuses_the_rest() -> None:

@@ -223,3 +223,22 @@ def test_the_embedded_rank_hears_a_later_device_free_time() -> None:
     assert core.on_device_free_at(0.0, 0, 0.004, outbox)
     assert core.rank is not None and core.rank.gpu_free_at(0) == pytest.approx(0.004)
     assert not core.on_device_free_at(0.0, 0, 0.001, outbox)  # never earlier
+
+
+def test_the_queue_of_a_model_no_gpu_serves_any_more_is_answered_unavailable() -> None:
+    """A model unloaded from its last backend (the rank's table lists it nowhere): its queued
+    requests are answered UNAVAILABLE at once, never left to their deadlines; another model's
+    queue is untouched."""
+    core = SchedulerCore("shard-t", ["m", "n"])
+    outbox: Outbox = []
+    core.add_thread(0.0, _thread("m"), outbox)
+    core.add_thread(0.0, _thread("n"), outbox)
+    core.set_served(0.0, {"m": [0], "n": [0]}, outbox)
+    core.on_meta(0.0, _meta(["m", "m", "n"], [1, 2, 3], at=0.0), outbox)
+    assert core.queued() == 3
+    outbox.clear()
+    core.set_served(0.001, {"n": [0]}, outbox)
+    drops = [msg for _, msg in outbox if isinstance(msg, DropNotice)]
+    assert [(d.request_ids, d.error, d.message) for d in drops] == [
+        ([1, 2], ErrorKind.UNAVAILABLE.value, "no backend serves 'm'")]
+    assert core.queued() == 1 and core.counters["unavailable"] == 2

@@ -59,6 +59,7 @@ import zmq
 
 from zserve.cluster.child import SupervisedChild, child_main
 from zserve.cluster.preflight import bound_addresses, preflight
+from zserve.cluster.repository import Call, Effects, ModelRepository
 from zserve.config.cluster import STANDBY_NAME, ClusterConfig, load_config, role_config
 from zserve.core.errors import ProtocolError
 from zserve.runtime import peer_map
@@ -68,7 +69,9 @@ from zserve.transport.idle_poll import IdlePollers
 from zserve.transport.messages import (
     BackendGone,
     Heartbeat,
+    ModelReport,
     Ready,
+    RepositoryRequest,
     Shutdown,
     StatsReply,
     StatsRequest,
@@ -156,6 +159,10 @@ class Supervisor:
         self.idle_pollers: IdlePollers | None = None
         # Control messages refused: undecodable, or from a process that is not a child.
         self.counters = {"malformed": 0, "unknown_peer": 0}
+        # The model repository: where each model is loaded, the repository calls under way.
+        self.repository = ModelRepository(
+            {m.name: m.to_dict() for m in config.models},
+            {c.name: self._serves(c) for c in self.children.values() if c.role == "backend"})
 
     # ------------------------------------------------------------------ helpers
 
@@ -294,6 +301,9 @@ class Supervisor:
             log.info("%s ready (pid %d): %s", name, msg.pid, msg.endpoints)
             if self.started:  # a restart: it gets the same peer map as before
                 self._send(child, self._peer_ready())
+                if child.role == "backend":
+                    self._apply(self.repository.on_backend_started(child.name,
+                                                                   self._serves(child)))
                 if self.on_child_ready is not None:
                     self.on_child_ready()
             with self._cond:
@@ -305,6 +315,32 @@ class Supervisor:
                     waiter.set_result(msg.stats)
         elif type(msg) is Heartbeat:
             pass
+        else:
+            self._on_repository(child, msg)
+
+    def _serves(self, backend: SupervisedChild) -> list[str]:
+        """The models ``backend`` loads when it starts."""
+        serve = backend.config.serve
+        return [m.name for m in self.config.models] if serve is None else list(serve)
+
+    def _on_repository(self, child: SupervisedChild, msg: Any) -> None:
+        """A frontend's forwarded repository call, or a backend's report of a model."""
+        if type(msg) is RepositoryRequest and child.role == "frontend":
+            self._apply(self.repository.call(Call(child.name, msg.request_id), msg.action,
+                                             msg.model))
+        elif type(msg) is ModelReport and child.role == "backend":
+            log.info("%s: model %s is %s %s", child.name, msg.model, msg.state, msg.message)
+            self._apply(self.repository.on_report(child.name, msg.model, msg.state,
+                                                  msg.message))
+            # A restart of it loads what it serves now.
+            child.config.serve = tuple(self.repository.served_by(child.name))
+
+    def _apply(self, effects: Effects) -> None:
+        """Send the repository's commands to the backends and its answers to the frontends."""
+        for name, msg in [*effects.commands, *effects.answers]:
+            target = self.children.get(name)
+            if target is not None and target.ready and target.alive:
+                self._send(target, msg)
 
     def _peer_ready(self) -> Ready:
         return Ready(role="supervisor", name="supervisor", pid=os.getpid(), endpoints=self.peers)
@@ -431,6 +467,7 @@ class Supervisor:
         BACKEND_FAILED now rather than at their deadlines: the frontends fail those it had
         fetched, and the rank removes it from the table, whereupon the shards fail those they had
         planned onto it (fetched or not)."""
+        self._apply(self.repository.on_backend_gone(backend.name))
         notice = BackendGone(name=backend.name)
         # Both of an active/standby pair: only the active one has the backend registered.
         rank_hosts = {"rank"} if self.config.scheduler.shards > 0 else {"shard-0", STANDBY_NAME}

@@ -31,6 +31,7 @@ import msgspec
 
 from zserve.config.decode import FieldError, SchemaError, check_finite, decode
 from zserve.config.policy_names import PolicyError, SchedulePolicy
+from zserve.config.repository import scan_repository
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
@@ -381,9 +382,29 @@ class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                                        authorized_clients=resolve(self.authorized_clients))
 
 
-def _check_models(models: tuple[ModelConfig, ...]) -> None:
-    if not models:
-        raise FieldError("models", "at least one [[models]] table is required")
+class RepositoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[repository]``: a model repository folder (``zserve.config.repository``) whose models
+    join the cluster's, and the ones of them loaded at start (``load``; ``["*"]``: all). The
+    others wait, known to every role but served by no backend, for the Open Inference
+    Protocol's repository ``load`` (docs/orchestration.md, "Model repository")."""
+
+    path: str | None = None
+    load: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.load and self.path is None:
+            raise FieldError("load", "needs path (the repository folder)")
+
+    def resolved(self, base: Path) -> RepositoryConfig:
+        if self.path is None or os.path.isabs(self.path):
+            return self
+        return msgspec.structs.replace(self, path=str((base / self.path).resolve()))
+
+
+def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
+    if not models and not repository:
+        raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
+                         "required")
     seen: set[str] = set()
     for i, model in enumerate(models):
         if model.name in seen:
@@ -400,9 +421,10 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
     security: SecurityConfig = SecurityConfig()
+    repository: RepositoryConfig = RepositoryConfig()
 
     def __post_init__(self) -> None:
-        _check_models(self.models)
+        _check_models(self.models, repository=self.repository.path is not None)
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -420,6 +442,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     backends: BackendsConfig = BackendsConfig()
     models: tuple[ModelConfig, ...] = ()
     security: SecurityConfig = SecurityConfig()
+    repository: RepositoryConfig = RepositoryConfig()
+    # The models of ``[repository]`` not loaded at start (no backend serves them until a
+    # repository load); every other model is loaded by every backend at start.
+    unloaded_at_start: tuple[str, ...] = ()
+    # The names of the models the ``[repository]`` folder holds (its index lists them).
+    repository_models: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ conversions
 
@@ -438,6 +466,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    @property
+    def startup_models(self) -> tuple[ModelConfig, ...]:
+        """The models every backend loads at start."""
+        return tuple(m for m in self.models if m.name not in self.unloaded_at_start)
 
     def d_data_ms_of(self, model: ModelConfig) -> float:
         """``model``'s data allowance per request row: its own ``d_data_ms``, else the
@@ -571,6 +604,10 @@ class RoleConfig(msgspec.Struct, kw_only=True):
     # shard with ``[scheduler] standby``: start as the standby of the pair (the supervisor
     # starts STANDBY_NAME so, and every scheduler it restarts).
     standby: bool = False
+    # backend: the names of the models it loads at start (None: every model of ``models``); the
+    # supervisor keeps it current as models are loaded and unloaded, so a restarted backend
+    # serves what its last incarnation did.
+    serve: tuple[str, ...] | None = None
 
 
 def role_config(
@@ -605,6 +642,7 @@ def role_config(
         advertise_host=advertise_host,
         device=cluster.backends.device_of(index) if role == "backend" else "cpu",
         standby=name == STANDBY_NAME,
+        serve=tuple(m.name for m in cluster.startup_models) if role == "backend" else None,
     )
 
 
@@ -619,14 +657,48 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
     except SchemaError as exc:
         raise ConfigError(exc.path, exc.problem) from None
     base = Path(base_dir)
+    repository = document.repository.resolved(base)
+    models = tuple(model.resolved(base) for model in document.models)
+    unloaded: tuple[str, ...] = ()
+    found: tuple[ModelConfig, ...] = ()
+    if repository.path is not None:
+        try:
+            found = tuple(scan_repository(repository.path, ModelConfig))
+        except SchemaError as exc:
+            raise ConfigError(exc.path, exc.problem) from None
+        models, unloaded = _with_repository(models, found, repository.load)
     return ClusterConfig(
         **msgspec.structs.asdict(document.cluster),
         scheduler=document.scheduler,
         frontends=document.frontends,
         backends=document.backends,
-        models=tuple(model.resolved(base) for model in document.models),
+        models=models,
         security=document.security.resolved(base),
+        repository=repository,
+        unloaded_at_start=unloaded,
+        repository_models=tuple(m.name for m in found),
     )
+
+
+def _with_repository(models: tuple[ModelConfig, ...], found: tuple[ModelConfig, ...],
+                     load: tuple[str, ...]) -> tuple[tuple[ModelConfig, ...], tuple[str, ...]]:
+    """The cluster's models with the repository's, and the repository's not loaded at start."""
+    names = {m.name for m in models}
+    for model in found:
+        if model.name in names:
+            raise ConfigError(f"repository.models.{model.name}",
+                              "a [[models]] table has this name too")
+    in_repository = {m.name for m in found}
+    for i, name in enumerate(load):
+        if name != "*" and name not in in_repository:
+            raise ConfigError(f"repository.load[{i}]",
+                              f"no model {name!r} in the repository "
+                              f"(it holds {', '.join(sorted(in_repository)) or 'none'})")
+    if not models and not found:
+        raise ConfigError("models", "at least one [[models]] table or repository model is "
+                          "required")
+    loaded = in_repository if "*" in load else set(load)
+    return models + found, tuple(sorted(in_repository - loaded))
 
 
 def load_config(path: str | os.PathLike[str]) -> ClusterConfig:

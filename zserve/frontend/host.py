@@ -47,6 +47,7 @@ from zserve.frontend.core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.frontend.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
 from zserve.frontend.oip.bridge import OIP_CLIENT, OipBridge
 from zserve.frontend.oip.servers import OipBindError, OipServers
+from zserve.frontend.repository_link import RepositoryLink
 from zserve.runtime import control_link, keys, peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
 from zserve.runtime.clock import ClusterClock
@@ -69,6 +70,7 @@ from zserve.transport.messages import (
     InferRequest,
     InputFetch,
     Message,
+    RepositoryReply,
     StatsReply,
     StatsRequest,
 )
@@ -461,9 +463,12 @@ class FrontendHost:
             self.counters["stale_epoch"] += 1
 
     def on_control_message(self, msg: Message) -> None:
-        """The supervisor says a backend's process died (``BackendGone``)."""
+        """The supervisor says a backend's process died (``BackendGone``), or answers a model
+        repository call (``RepositoryReply``)."""
         if type(msg) is BackendGone and not self._closed:
             self.driver.run(lambda now, outbox: self.core.on_backend_gone(now, msg, outbox))
+        elif type(msg) is RepositoryReply and self.oip.repository is not None:
+            self.oip.repository.on_reply(msg)
 
     # ------------------------------------------------------------------ drain and stats
 
@@ -514,6 +519,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
         session.closing(frontend.close)
         session.serve_stats(frontend.stats)
         session.on_control(frontend.on_control_message)
+        frontend.oip.repository = RepositoryLink(session.link.send)
         oip = OipServers(frontend.oip, http=config.bind.get("http"),
                          grpc_address=config.bind.get("grpc"),
                          max_request_bytes=frontend.cluster.frontends.max_request_bytes)

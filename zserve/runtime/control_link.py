@@ -229,6 +229,13 @@ class ControlLink:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(signum)
 
+    async def send(self, msg: Any) -> bool:
+        """Send ``msg`` to the supervisor; False when detached (no supervisor to tell)."""
+        if self._sock is None:
+            return False
+        await self._send(msg)
+        return True
+
     async def _send(self, msg: Any) -> None:
         assert self._sock is not None
         await self._sock.send_multipart(codec.encode(msg), copy=False)

@@ -38,6 +38,7 @@ from zserve.core.errors import (
 )
 from zserve.frontend import readiness
 from zserve.frontend.core import FrontendCore
+from zserve.frontend.repository_link import RepositoryLink
 from zserve.transport.messages import InferAnswers, InferError, InferReply, InferRequest, Message
 
 # The client identity of every OIP request inside the core. ZeroMQ's own routing ids are five
@@ -45,8 +46,9 @@ from zserve.transport.messages import InferAnswers, InferError, InferReply, Infe
 # ZeroMQ client can take this one.
 OIP_CLIENT = b"\x00zserve-oip"
 SERVER_NAME = "zserve"
-# The OIP extensions served (Triton's names): binary tensor data over HTTP, model configuration.
-EXTENSIONS = ("binary_tensor_data", "model_configuration")
+# The OIP extensions served (Triton's names): binary tensor data over HTTP, model configuration,
+# the model repository (index, load, unload: docs/orchestration.md, "Model repository").
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository")
 MODEL_VERSIONS = ("", "1")
 
 Outputs = dict[str, Any]
@@ -87,6 +89,8 @@ class OipBridge:
         self._flush_scheduled = False
         self._closed_because: str | None = None
         self.version = metadata.version("zserve")
+        # The supervisor's model repository (the host sets it when a supervisor runs it).
+        self.repository: RepositoryLink | None = None
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start admitting (the host is connected to the scheduler and backends)."""
@@ -170,7 +174,10 @@ class OipBridge:
     # ------------------------------------------------------------------ health and metadata
 
     def ready(self) -> bool:
-        return readiness.frontend_ready(self.admitting, self.core.models,
+        """Admitting, and every model loaded at start served (a repository model loaded
+        later, or never, does not make the server unready)."""
+        return readiness.frontend_ready(self.admitting,
+                                        [m.name for m in self.core.cluster.startup_models],
                                         self.core.backend_models)
 
     def model_ready(self, model: str, version: str = "") -> bool:
@@ -196,3 +203,31 @@ class OipBridge:
 
     def max_batch(self, model: str) -> int:
         return self.core.models[model].config.max_batch
+
+    # ------------------------------------------------------------------ model repository
+
+    def _repository(self) -> RepositoryLink:
+        if self.repository is None:
+            raise UnavailableError("this frontend has no link to the model repository")
+        return self.repository
+
+    async def repository_index(self) -> list[dict[str, str]]:
+        """Every model of the cluster: ``{"name", "version", "state", "reason"}`` (Triton's
+        index entries; reason left out when empty)."""
+        reply = await self._repository().call("index")
+        index = []
+        for name, state, reason in zip(reply.models, reply.states, reply.reasons, strict=True):
+            entry = {"name": name, "version": "1", "state": state}
+            if reason:
+                entry["reason"] = reason
+            index.append(entry)
+        return index
+
+    async def load_model(self, model: str) -> None:
+        """Load ``model`` on the cluster's backends; returns once it is READY there."""
+        await self._repository().call("load", model)
+
+    async def unload_model(self, model: str) -> None:
+        """Unload ``model`` everywhere; returns once every backend freed it. Its queued
+        requests are answered UNAVAILABLE."""
+        await self._repository().call("unload", model)

@@ -10,7 +10,9 @@ outputs go back as ``raw_output_contents``. Errors abort the call with the code 
 which clients cap), and trailing metadata ``zserve-error-kind``, ``zserve-may-have-run`` and,
 where a retry may succeed, ``retry-after`` (seconds). A request message that fails to decode is
 answered ``INVALID_ARGUMENT`` like any other bad request. An unknown model or version is
-``NOT_FOUND``, and the methods of Triton's service that zserve does not serve
+``NOT_FOUND``. The model repository methods (``RepositoryIndex``, ``RepositoryModelLoad``,
+``RepositoryModelUnload``) are forwarded to the supervisor through the bridge. The methods of
+Triton's service that zserve does not serve
 (``UNSUPPORTED_METHODS``, ``ModelStreamInfer``) are registered to answer ``UNIMPLEMENTED`` with a
 message naming what is not served (grpcio's own answer to a method it does not know says only
 "Method not found!"), as Triton answers its ``NOT_FOUND`` and ``UNSUPPORTED`` errors.
@@ -68,9 +70,6 @@ CODE_OF_REFUSAL: dict[type[ZServeError], grpc.StatusCode] = {
 # Triton's unary methods that zserve does not serve, each with its extension (Triton's name).
 UNSUPPORTED_METHODS = {
     "ModelStatistics": "statistics",
-    "RepositoryIndex": "model_repository",
-    "RepositoryModelLoad": "model_repository",
-    "RepositoryModelUnload": "model_repository",
     "SystemSharedMemoryStatus": "system_shared_memory",
     "SystemSharedMemoryRegister": "system_shared_memory",
     "SystemSharedMemoryUnregister": "system_shared_memory",
@@ -231,6 +230,12 @@ class OipGrpc:
                               pb.ModelMetadataResponse),
             "ModelConfig": (self.model_config, pb.ModelConfigRequest, pb.ModelConfigResponse),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
+            "RepositoryIndex": (self.repository_index, pb.RepositoryIndexRequest,
+                                pb.RepositoryIndexResponse),
+            "RepositoryModelLoad": (self.load_model, pb.RepositoryModelLoadRequest,
+                                    pb.RepositoryModelLoadResponse),
+            "RepositoryModelUnload": (self.unload_model, pb.RepositoryModelUnloadRequest,
+                                      pb.RepositoryModelUnloadResponse),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -280,3 +285,24 @@ class OipGrpc:
             self.bridge.forget(future)
             raise
         return encode_response(request.model_name, oip, outputs)
+
+    async def repository_index(self, request: pb.RepositoryIndexRequest,
+                               context: Any) -> pb.RepositoryIndexResponse:
+        """Every model with its state (``ready``: the READY ones only)."""
+        index = await self.bridge.repository_index()
+        return pb.RepositoryIndexResponse(models=[
+            pb.RepositoryIndexResponse.ModelIndex(**entry) for entry in index
+            if entry["state"] == "READY" or not request.ready])
+
+    async def load_model(self, request: pb.RepositoryModelLoadRequest,
+                         context: Any) -> pb.RepositoryModelLoadResponse:
+        if request.parameters:
+            raise BadRequestError("load parameters (config or file overrides) are not served: "
+                                  "zserve loads the model as its repository folder holds it")
+        await self.bridge.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def unload_model(self, request: pb.RepositoryModelUnloadRequest,
+                           context: Any) -> pb.RepositoryModelUnloadResponse:
+        await self.bridge.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()

@@ -4,14 +4,16 @@ the frontend's loop.
 Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2/models/<m>[/versions/<v>]/ready``,
 ``/v2`` (server metadata), ``/v2/models/<m>[/versions/<v>]`` (model metadata),
 ``.../config`` (Triton's model configuration) and ``POST .../infer``: JSON tensor data or Triton's
-binary tensor data extension (``zserve.frontend.oip.tensors``). Health answers 200 or 503 (not
-ready); errors answer the status of their kind (``STATUS_OF``) with a JSON body ``{"error": message,
-"kind": KIND, "may_have_run": bool}``, and ``Retry-After`` where a retry may succeed. An unknown
-model or version answers 404, an endpoint of Triton's that zserve does not serve
-(``UNSUPPORTED_ROUTES``: model repository, statistics, trace, logging, shared memory, generate)
-501, as Triton answers its ``NOT_FOUND`` and ``UNSUPPORTED`` errors; any other path 404 (405
-with ``Allow`` for a path served under other methods), every one with that JSON body, so that
-tritonclient reads the message.
+binary tensor data extension (``zserve.frontend.oip.tensors``); the model repository extension:
+``POST /v2/repository/index`` and ``/v2/repository/models/<m>/load`` / ``unload``, forwarded to
+the supervisor (``OipBridge.repository_index``, ``load_model``, ``unload_model``). Health
+answers 200 or 503 (not ready); errors answer the status of their kind (``STATUS_OF``) with a
+JSON body ``{"error": message, "kind": KIND, "may_have_run": bool}``, and ``Retry-After``
+where a retry may succeed. An unknown model or version answers 404, an endpoint of Triton's
+that zserve does not serve (``UNSUPPORTED_ROUTES``: statistics, trace, logging, shared memory,
+generate) 501, as Triton answers its ``NOT_FOUND`` and ``UNSUPPORTED`` errors; any other
+path 404 (405 with ``Allow`` for a path served under other methods), every one with that JSON
+body, so that tritonclient reads the message.
 
 Request limits (docs/security.md, "Request limits"), each answered and counted
 (``zserve.frontend.metrics.HTTP_REFUSED_COUNTER``) before a request reaches the core:
@@ -30,6 +32,7 @@ Request limits (docs/security.md, "Request limits"), each answered and counted
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
@@ -93,7 +96,6 @@ NOT_FOUND_STATUS = 404
 METHOD_NOT_ALLOWED_STATUS = 405
 # Triton's routes that zserve does not serve: (path, extension), any method.
 UNSUPPORTED_ROUTES = (
-    ("/v2/repository/{tail:.*}", "model_repository"),
     ("/v2/models/stats", "statistics"),
     ("/v2/models/{model}/stats", "statistics"),
     ("/v2/models/{model}/versions/{version}/stats", "statistics"),
@@ -128,6 +130,8 @@ ARRAY_JSON_CHARS = 4
 # reading and discarding what the client still sends, so its answer is not lost to a reset.
 LINGER_S = 1.0
 REQUEST_TIMEOUT_STATUS = 408
+# The most bytes of a repository call's JSON body ({"ready": true}, load parameters).
+REPOSITORY_BODY_BYTES = 64 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -428,8 +432,12 @@ class OipHttp:
         versioned = "/v2/models/{model}/versions/{version}"
         # Inference first: aiohttp tries the routes under one prefix (/v2/models) in the order
         # they were added, a regular expression each, and nearly every request is an inference.
+        repository = "/v2/repository/models/{model}"
         app.add_routes([
             *(web.post(p + "/infer", _typed_errors(self.infer)) for p in (model, versioned)),
+            web.post("/v2/repository/index", _typed_errors(self.repository_index)),
+            web.post(repository + "/load", _typed_errors(self.load_model)),
+            web.post(repository + "/unload", _typed_errors(self.unload_model)),
             get("/v2/health/live", self.live), get("/v2/health/ready", self.ready),
             get("/v2", self.server_metadata),
             # Before the model metadata: /v2/models/stats is no model's.
@@ -487,6 +495,43 @@ class OipHttp:
             return web.Response(body=parts[0], content_type=JSON_CONTENT_TYPE)
         return web.Response(body=b"".join(parts), content_type=BINARY_CONTENT_TYPE,
                             headers={HEADER_LENGTH: str(header_length)})
+
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        """Triton's index: every model with its state; ``{"ready": true}`` in the body: the
+        READY ones only."""
+        ready_only = bool((await _repository_body(request)).get("ready", False))
+        index = await self.bridge.repository_index()
+        return _json([e for e in index if e["state"] == "READY" or not ready_only])
+
+    async def load_model(self, request: web.Request) -> web.Response:
+        await _repository_body(request, refuse_parameters=True)
+        await self.bridge.load_model(request.match_info["model"])
+        return _json({})
+
+    async def unload_model(self, request: web.Request) -> web.Response:
+        await _repository_body(request)
+        await self.bridge.unload_model(request.match_info["model"])
+        return _json({})
+
+
+async def _repository_body(request: web.Request, *,
+                           refuse_parameters: bool = False) -> dict[str, Any]:
+    """A repository call's JSON body ({} when empty); a load's ``parameters`` (Triton's
+    config or file overrides) are refused: zserve loads what the repository folder holds."""
+    body = await read_capped(request.content, REPOSITORY_BODY_BYTES)
+    if not body.strip():
+        return {}
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise BadRequestError(f"repository request body is not JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise BadRequestError("repository request body must be a JSON object")
+    if refuse_parameters and document.get("parameters"):
+        raise BadRequestError("load parameters (config or file overrides) are not served: "
+                              "zserve loads the model as its repository folder holds it")
+    return document
 
 
 def _unsupported_handler(extension: str) -> Handler:
