@@ -24,6 +24,7 @@ from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
+from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.random_family import run_random_family
@@ -45,6 +46,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
               "machine's end-to-end ceiling"),
     "failover": (run_failover, "the scheduler SIGKILLed under load: hot spare vs a plain "
                  "restart (takeover time, requests lost)"),
+    "partition": (run_partition, "sub-cluster partitioning (Symphony A.2): greedy-started "
+                  "HiGHS MILP vs random search; a re-plan under a disruption budget"),
 }
 
 
