@@ -42,6 +42,12 @@ the full runs and says how to read them.
 ``scale``
     ``zserve bench-scheduler`` over a models x GPUs sweep (ResNet50's profile, 80% of the
     staggered bound): the scheduler's CPU per simulated second and whether one core keeps up.
+``partition``
+    Symphony Appendix A.2: 800 zoo model variants (exponential rates, memory from
+    zserve.orchestrator.memory) over 20 sub-clusters, 100 instances; the greedy-started HiGHS
+    plan's rate and memory imbalance against random search given the same wall time, and a
+    re-plan after a rate drift under a disruption budget (C_max = 5% of the model bytes) against
+    an unconstrained one. Pure computation, no simulator.
 
 ``--quick`` shrinks every experiment to well under 30 s (fewer points, a smaller shape, short
 windows, coarser search): the same code path, for the tests. ``--live`` adds the live parts

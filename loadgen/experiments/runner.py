@@ -25,6 +25,7 @@ from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
+from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.random_family import run_random_family
@@ -48,6 +49,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                  "restart (takeover time, requests lost)"),
     "model-cycles": (run_model_cycles, "a backend's RSS across 50 live load/unload cycles of "
                      "one model (live)"),
+    "partition": (run_partition, "sub-cluster partitioning (Symphony A.2): greedy-started "
+                  "HiGHS MILP vs random search; a re-plan under a disruption budget"),
 }
 
 

@@ -18,6 +18,7 @@ from zserve.loadgen.experiments import (
     fig6a,
     flattop,
     live,
+    partition,
     random_family,
     runner,
     scale,
@@ -228,6 +229,20 @@ def test_eager_floor_quick(tmp_path: Path) -> None:
         assert cell["slo_ms"] == pytest.approx(
             cell["slo_multiple"] * eager_floor.FLOOR_ALPHA_MS * (1 + cell["beta_over_alpha"]))
     assert _check(result, "deferred >=")["passed"]
+
+
+def test_partition_quick(tmp_path: Path) -> None:
+    result = _quick("partition", tmp_path)  # _quick asserts every check passed
+    quick = partition.PARTITION_QUICK
+    instances, replans = result["points"]["instances"], result["points"]["replans"]
+    assert len(instances) == quick["instances"] and len(replans) == quick["replans"]
+    for row in instances:
+        assert row["rate_imbalance"] <= partition.IMBALANCE_GOAL, row
+        assert row["random_tried"] > 0 and row["objective"] <= row["warm_objective"]
+    for row in replans:
+        assert row["budgeted_moved_share"] <= partition.DISRUPTION_BUDGET_FRACTION / 2 + 1e-9
+        assert row["budgeted"] < row["before"]
+    assert _check(result, "every budgeted re-plan")["passed"]
 
 
 def test_scale_quick(tmp_path: Path) -> None:
