@@ -32,13 +32,16 @@ frontends ``(DEST_FRONTEND, address)``, and, when the rank is remote, the rank's
 
 Timers: ``wake_at`` is the earliest ``wake_at`` of the ModelThreads and the RankThread, exact
 whenever it is read, however many models: the RankThread's (it moves with nearly every
-candidate) is read directly; the ModelThreads' are kept in a heap with lazy deletion (as
+candidate) is read directly. Up to ``SCAN_THREADS_MAX`` ModelThreads, their moments are scanned
+when read (a few dozen attribute reads: under load nearly every thread moves between two reads,
+and a heap would push each of them, which costs more than the scan). Past it, they are kept in
+a heap with lazy deletion (as
 ``zserve.core.timer_heap.LazyTimerHeap``, written out here with the bookkeeping below: this runs
 once per arrival chunk, and ``bench-scheduler`` counts every instruction of it). A thread whose
 moment moved without becoming or ceasing to be the earliest costs a few dictionary stores, no
 heap push. ``on_timer`` fires every due object, earliest first (ties: the ModelThreads before the
-rank, and among them in the order their moments reached the heap), each followed by the dispatch
-loop.
+rank, and among them the one added first when scanned, the one whose moment reached the heap
+first past ``SCAN_THREADS_MAX``), each followed by the dispatch loop.
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ a plan that could not be put back and of a shed queue), and requests ``cancelled
 _HEAP_COMPACT_FACTOR = 3
 _HEAP_COMPACT_MIN = 256
 _INF = math.inf
+# Up to this many ModelThreads the core scans their moments instead of keeping a heap (see the
+# module docstring). `bench-scheduler --models 20`: the heap cost 15% more CPU per request than
+# the scan (the fixed-trace A/B in docs/performance.md, "Scheduler scale").
+SCAN_THREADS_MAX = 64
 
 
 class SchedulerCore:
@@ -82,15 +89,17 @@ class SchedulerCore:
     ``name`` names the scheduler in refusals; ``models``: the names it schedules (a model's
     ModelThread may come later, ``add_thread``, once its latency profile is known); ``rank``:
     the embedded RankThread, or None when the rank runs elsewhere; ``counters``: where to count
-    (``CORE_COUNTERS``; a host passes its own dict to share them), by default a dict of its own.
+    (``CORE_COUNTERS``; a host passes its own dict to share them), by default a dict of its own;
+    ``scan_threads_max``: scan the threads' moments up to this many threads, keep a heap past it.
     """
 
     __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_moved", "_open",
-                 "_pending", "_seen", "_seq", "counters", "known", "n_timer_fires", "name", "rank",
-                 "served", "threads")
+                 "_order", "_pending", "_scan", "_scan_threads_max", "_seen", "_seq", "counters",
+                 "known", "n_timer_fires", "name", "rank", "served", "threads")
 
     def __init__(self, name: str, models: Iterable[str] = (), *, rank: RankThread | None = None,
-                 counters: MutableMapping[str, int] | None = None) -> None:
+                 counters: MutableMapping[str, int] | None = None,
+                 scan_threads_max: int = SCAN_THREADS_MAX) -> None:
         self.name = name
         self.known: set[str] = set(models)
         self.rank = rank
@@ -119,13 +128,22 @@ class SchedulerCore:
         self._seq = 0
         self._compact_above = _HEAP_COMPACT_MIN
         self._moved: list[ModelThread] = []  # called since ``_first`` was last made exact
+        # Scanning (few threads): ``_order`` is every thread, in the order added; the heap's
+        # bookkeeping above is unused and ``_moved`` is only emptied.
+        self._scan_threads_max = scan_threads_max
+        self._scan = True
+        self._order: list[ModelThread] = []
 
     @property
     def wake_at(self) -> float:
         """The earliest moment of the ModelThreads and the RankThread (``math.inf``: none)."""
-        if self._moved:
-            self._settle()
-        first = self._first
+        if self._scan:
+            self._moved.clear()
+            first = min([t.wake_at for t in self._order], default=_INF)
+        else:
+            if self._moved:
+                self._settle()
+            first = self._first
         rank = self.rank
         return rank.wake_at if rank is not None and rank.wake_at < first else first
 
@@ -152,8 +170,12 @@ class SchedulerCore:
         """Schedule ``thread.model`` with ``thread`` (a model added late is known from now)."""
         self.known.add(thread.model)
         self.threads[thread.model] = thread
+        self._order.append(thread)
         self._entry[thread] = self._seen[thread] = _INF
         self._compact_above = _HEAP_COMPACT_FACTOR * len(self._seen) + _HEAP_COMPACT_MIN
+        if self._scan and len(self._order) > self._scan_threads_max:
+            self._scan = False  # from now on the heap: every thread's moment goes into it
+            self._moved.extend(self._order)
         if self.rank is None:
             thread.set_gpus(now, self.served.get(thread.model, []), outbox)
         self._reopen()
@@ -317,6 +339,9 @@ class SchedulerCore:
 
     def on_timer(self, now: float, outbox: Outbox) -> None:
         """Fire every thread due at ``now``, earliest first, each followed by the dispatch."""
+        if self._scan:
+            self._fire_scanned(now, outbox)
+            return
         entry = self._entry
         rank = self.rank
         self._settle()
@@ -342,6 +367,24 @@ class SchedulerCore:
             self._after(now, outbox, thread)
             self._settle()  # the moments the fire moved, before the next entry is judged
         self._first = self._flush()
+
+    def _fire_scanned(self, now: float, outbox: Outbox) -> None:
+        """``on_timer`` with the threads' moments scanned: the earliest due object, until none."""
+        order = self._order
+        rank = self.rank
+        while True:
+            wakes = [t.wake_at for t in order]
+            first = min(wakes, default=_INF)
+            if rank is not None and rank.wake_at < first and rank.wake_at <= now:
+                rank.on_timer(now, outbox)
+            elif first <= now:
+                order[wakes.index(first)].on_timer(now, outbox)
+            else:
+                break
+            self.n_timer_fires += 1
+            if outbox and rank is not None:
+                self._dispatch(now, outbox)
+        self._moved.clear()
 
     def _after(self, now: float, outbox: Outbox, thread: ModelThread | None) -> None:
         """Every call's end: the dispatch loop; ``thread`` (the call's own) and those the
