@@ -67,6 +67,7 @@ import numpy as np
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import Outbox
+from zserve.scheduler.bench.fixed_trace import run_fixed_trace
 from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
@@ -372,6 +373,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu: the loop's clock is its own thread CPU time (a dedicated core, "
                         "immune to other processes on a shared machine); wall: time.perf_counter")
     p.add_argument("--json", dest="json_out")
+    p.add_argument("--fixed-trace", type=float, metavar="RATE",
+                   help="no real-time probe: one fixed trace at RATE total r/s, --duration "
+                        "seconds of it, on a virtual clock; prints CPU ns per request and the "
+                        "schedule's fingerprint (zserve.scheduler.bench.fixed_trace)")
     return p
 
 
@@ -460,6 +465,19 @@ def _profile(args: argparse.Namespace, rate: float) -> dict[str, Any]:
     }
 
 
+def _report_fixed_trace(args: argparse.Namespace) -> int:
+    result = run_fixed_trace(args, args.fixed_trace)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"schema": "zserve-bench-scheduler-fixed-trace/1", "models": args.models,
+             "gpus": args.gpus, "policy": args.policy, **result}, indent=2) + "\n")
+    print(f"fixed trace: {result['requests']} requests at {args.fixed_trace:.0f} r/s, "
+          f"{args.models} models, {args.gpus} GPUs: {result['cpu_ns_per_request']} ns CPU per "
+          f"request ({result['cpu_s']} s); schedule: {result['plans']} plans, "
+          f"{result['planned']} requests planned, {result['messages']} messages")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -467,6 +485,8 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"zserve bench-scheduler: {exc}", file=sys.stderr)
         return 2
+    if args.fixed_trace:
+        return _report_fixed_trace(args)
     probes: list[dict[str, Any]] = []
     try:
         if args.rate:

@@ -413,3 +413,20 @@ def test_bench_scheduler_cli_smoke(tmp_path: Path) -> None:
     assert report["sustained_rps"] == 20000
     probe = report["probes"][0]
     assert probe["bad_rate"] <= 0.01 and probe["plans"] > 0
+
+
+def test_bench_scheduler_fixed_trace_is_the_same_schedule_every_run(tmp_path: Path) -> None:
+    """The fixed trace takes the machine out of the input: two runs plan alike, request for
+    request, whatever their CPU times."""
+    reports = []
+    for run in range(2):
+        out = tmp_path / f"f{run}.json"
+        rc = throughput.main(["--models", "4", "--gpus", "8", "--fixed-trace", "40000",
+                              "--duration", "0.2", "--json", str(out)])
+        assert rc == 0
+        reports.append(json.loads(out.read_text()))
+    first, second = reports
+    # (the last SLO's worth of requests may still be queued when the trace ends)
+    assert first["plans"] > 0 and first["planned"] > 0.7 * first["requests"]
+    for key in ("requests", "plans", "planned", "messages"):
+        assert first[key] == second[key], key

@@ -11,7 +11,7 @@ import pytest
 from zserve.config.profiles import LatencyProfile
 from zserve.core.errors import ErrorKind
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, DEST_MODEL, TO_RANK, Outbox
-from zserve.scheduler.core import SchedulerCore
+from zserve.scheduler.core import SCAN_THREADS_MAX, SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
@@ -32,8 +32,10 @@ def _thread(model: str, slo_s: float = 50 * MS) -> ModelThread:
     return ModelThread(model, PROFILE, slo_s, "deferred")
 
 
-def _embedded(*models: str, gpus: int = 1) -> SchedulerCore:
-    core = SchedulerCore("shard-t", rank=RankThread(list(range(gpus)), 0.0))
+def _embedded(*models: str, gpus: int = 1, scan_threads_max: int = SCAN_THREADS_MAX
+              ) -> SchedulerCore:
+    core = SchedulerCore("shard-t", rank=RankThread(list(range(gpus)), 0.0),
+                         scan_threads_max=scan_threads_max)
     for model in models:
         core.add_thread(0.0, _thread(model), [])
     return core
@@ -99,11 +101,14 @@ def test_wake_at_is_the_earliest_of_the_threads_and_the_rank() -> None:
     assert core.wake_at == min(wakes) > due
 
 
-def test_wake_at_stays_the_earliest_moment_through_a_busy_run() -> None:
+@pytest.mark.parametrize("scan_threads_max", [SCAN_THREADS_MAX, 0, 6])
+def test_wake_at_stays_the_earliest_moment_through_a_busy_run(scan_threads_max: int) -> None:
     """Many models sharing few GPUs, arrivals and timers interleaved: after every call the
-    core's wake_at is exactly the earliest moment of its threads and rank, and lies ahead."""
+    core's wake_at is exactly the earliest moment of its threads and rank, and lies ahead;
+    alike when the core scans its threads, keeps them in its heap, or switches half-way
+    through the threads' set-up."""
     models = [f"m{i}" for i in range(12)]
-    core = _embedded(*models, gpus=3)
+    core = _embedded(*models, gpus=3, scan_threads_max=scan_threads_max)
     rng = random.Random(7)
     outbox: Outbox = []
     now, rid, planned, dropped = 0.0, 0, 0, 0
@@ -124,6 +129,32 @@ def test_wake_at_stays_the_earliest_moment_through_a_busy_run() -> None:
         outbox.clear()
     assert planned + dropped + core.queued() == rid  # every request planned, dropped or queued
     assert planned > 0.9 * rid
+
+
+def test_scanned_and_heaped_threads_plan_the_same_schedule() -> None:
+    """The scan (few threads) and the heap (many) are two ways to find the same earliest
+    moment: the same arrivals give the same plans, request for request."""
+    schedules = []
+    for scan_threads_max in (SCAN_THREADS_MAX, 0):
+        models = [f"m{i}" for i in range(8)]
+        core = _embedded(*models, gpus=2, scan_threads_max=scan_threads_max)
+        rng = random.Random(11)
+        outbox: Outbox = []
+        now, plans = 0.0, []
+        for rid in range(2000):
+            step = rng.expovariate(800.0)
+            while core.wake_at <= now + step:
+                now = core.wake_at
+                core.on_timer(now, outbox)
+            now += step
+            core.on_meta(now, _meta(rng.choice(models), [rid], at=now,
+                                    slo_s=rng.choice((30, 50)) * MS), outbox)
+            plans += [(msg.model, msg.gpu_id, msg.exec_at, tuple(msg.request_ids))
+                      for _, msg in outbox if isinstance(msg, BatchPlan)]
+            outbox.clear()
+        schedules.append(plans)
+    assert len(schedules[0]) > 100
+    assert schedules[0] == schedules[1]
 
 
 def _assert_earliest(core: SchedulerCore, now: float) -> None:
