@@ -245,6 +245,18 @@ def test_partition_quick(tmp_path: Path) -> None:
     assert _check(result, "every budgeted re-plan")["passed"]
 
 
+def test_model_move_quick_moves_a_model_under_load_and_loses_no_request(tmp_path: Path) -> None:
+    """Live: emulated backends under steady load, one of five models moved make-before-break
+    again and again; every request answered, and the checks (no loss, the bad rate) pass."""
+    result = _quick("model-move", tmp_path)
+    run = result["points"]["run"]
+    assert run["moved"] == ["m0"] and run["moves"] >= 2 and run["move_failures"] == []
+    for name, phase in run["phases"].items():
+        assert phase["lost"] == 0, (name, phase)
+        assert phase["requests"] > 0.8 * run["rate_rps"] * run["phase_s"], (name, phase)
+    assert _check(result, "no request is lost")["passed"]
+
+
 def test_scale_quick(tmp_path: Path) -> None:
     result = _quick("scale", tmp_path)
     probes = result["points"]["probes"]
