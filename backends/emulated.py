@@ -20,6 +20,11 @@ tests can check that every request got its own answer: every output of request i
 ``EmulatedModel.constant`` (by default a number derived from the model name). Output shapes are
 per model (``output_shape``, default ``(1,)`` per sample). ``expected_outputs`` computes the
 answer for one request.
+
+Models load and unload at run time (``add_model`` with an ``EmulatedModel``, ``remove_model``):
+an emulated model is only its latency profile and signature, so a load takes no time and needs
+no warming and frees nothing (``holds_runtime_state`` is False: warm batches would only take
+device time from the models it serves, and a full collection stalls the loop that runs them).
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ import numpy as np
 from zserve.backends.executor import (
     BatchInputs,
     Executor,
+    ModelLoadError,
     TensorMap,
     split_rows,
 )
 from zserve.backends.profiler import LatencyMeasurement
-from zserve.config.profiles import PROFILE_FORMAT
+from zserve.config.cluster import ModelConfig
+from zserve.config.profiles import PROFILE_FORMAT, configured_profile
 from zserve.config.signature import ModelSignature, TensorSpec
 from zserve.core.errors import BadRequestError
 from zserve.runtime.timers import sleep_until
@@ -96,6 +103,19 @@ class EmulatedModel:
             **kwargs,
         )
 
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> EmulatedModel:
+        """From a cluster file's model: its configured profile (emulated alpha/beta or a
+        profile file), input and output shapes."""
+        profile = configured_profile(model)
+        if profile is None:
+            raise ValueError(f"model {model.name!r} on an emulated device needs emulated "
+                             "alpha_ms/beta_ms or a profile file")
+        return cls(model.name, profile.alpha_s * 1e3, profile.beta_s * 1e3,
+                   max_batch=profile.max_batch, latency_ms=tuple(profile.latency_ms_list()),
+                   input_shape=tuple(model.input_shape), input_dtype=model.input_dtype,
+                   output_shape=tuple(model.output_shape))
+
     @property
     def model_constant(self) -> float:
         if self.constant is not None:
@@ -110,6 +130,8 @@ class EmulatedModel:
 
 class EmulatedExecutor(Executor):
     """Emulated device serving ``models`` (see the module docstring)."""
+
+    holds_runtime_state = False
 
     def __init__(self, models: Sequence[EmulatedModel], device: str = "emulated") -> None:
         super().__init__(device)
@@ -149,6 +171,19 @@ class EmulatedExecutor(Executor):
 
     def load(self) -> None:
         """Nothing to load."""
+
+    def add_model(self, spec: Any, *, max_batch: int,
+                  session_batch_sizes: Sequence[int] = ()) -> None:
+        """Serve one more model: ``spec`` is its ``EmulatedModel`` (its own ``max_batch``)."""
+        if not isinstance(spec, EmulatedModel):
+            raise ModelLoadError(f"an emulated device loads an EmulatedModel, not {spec!r}")
+        if spec.name in self._models:
+            raise ModelLoadError(f"emulated model {spec.name!r} is loaded already")
+        self._models = {**self._models, spec.name: spec}  # a new dict: readers see one or other
+
+    def remove_model(self, model: str) -> None:
+        """Serve ``model`` no more (nothing to free but its entry)."""
+        self._models = {k: v for k, v in self._models.items() if k != model}
 
     def warm(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Nothing to warm (an emulated device has no first-run costs)."""

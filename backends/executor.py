@@ -79,6 +79,11 @@ class Executor(abc.ABC):
     """Runs batches of one or more models on one device. See the module docstring for the
     request convention, the concurrency rules and the errors."""
 
+    # Whether its models hold a runtime's state (``zserve.backends.model_lifecycle``): a model
+    # loaded at run time is then warmed at every batch size before it is served (first-run
+    # costs), and an unload runs the collector and trims the C heap to give its memory back.
+    holds_runtime_state = True
+
     def __init__(self, device: str) -> None:
         self.device = device
         self._run_lock = threading.Lock()

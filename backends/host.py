@@ -115,9 +115,9 @@ def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
     emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
     for the ``builtin`` and ``onnx`` models."""
     if device == "emulated":
-        from zserve.backends.emulated import EmulatedExecutor
+        from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
-        return EmulatedExecutor([_emulated_model(m) for m in models])
+        return EmulatedExecutor([EmulatedModel.from_config(m) for m in models])
     from zserve.backends.builtin import ModelSpec, ensure_builtin
     from zserve.backends.onnx_executor import OnnxExecutor
 
@@ -132,20 +132,6 @@ def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
     return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models},
                         session_batch_sizes={m.name: m.session_batch_sizes for m in models
                                              if m.session_batch_sizes})
-
-
-def _emulated_model(model: ModelConfig) -> Any:
-    from zserve.backends.emulated import EmulatedModel
-
-    profile = configured_profile(model)
-    if profile is None:
-        raise ValueError(f"model {model.name!r} on an emulated device needs emulated alpha_ms/"
-                         "beta_ms or a profile file")
-    return EmulatedModel(model.name, profile.alpha_s * 1e3, profile.beta_s * 1e3,
-                         max_batch=profile.max_batch,
-                         latency_ms=tuple(profile.latency_ms_list()),
-                         input_shape=tuple(model.input_shape), input_dtype=model.input_dtype,
-                         output_shape=tuple(model.output_shape))
 
 
 # --------------------------------------------------------------------------- the host

@@ -70,9 +70,14 @@ def release_free_heap() -> bool:
         return False
 
 
-def model_spec(config: ModelConfig) -> Any:
-    """The executor's ``ModelSpec`` of an ONNX or built-in model."""
+def model_spec(config: ModelConfig, executor: Executor | None = None) -> Any:
+    """What ``executor.add_model`` loads: an ``EmulatedModel`` (its profile) on an emulated
+    device, else the ``ModelSpec`` of an ONNX or built-in model."""
     from zserve.backends.builtin import ModelSpec, ensure_builtin
+    from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
+
+    if isinstance(executor, EmulatedExecutor):
+        return EmulatedModel.from_config(config)
 
     if config.kind == "builtin" and config.builtin:
         return ModelSpec(config.name, ensure_builtin(config.builtin))
@@ -158,10 +163,12 @@ class ModelLifecycle:
     async def _open_and_warm(self, config: ModelConfig) -> LatencyProfile:
         """Open the sessions, warm every batch size, fix the profile; raises on failure."""
         model = config.name
-        await asyncio.to_thread(self.executor.add_model, model_spec(config),
+        await asyncio.to_thread(self.executor.add_model, model_spec(config, self.executor),
                                 max_batch=config.max_batch,
                                 session_batch_sizes=config.session_batch_sizes)
         for size in range(1, self.executor.max_batch(model) + 1):
+            if not self.executor.holds_runtime_state:
+                break
             await self.executor.run_async(model, self.executor.synthetic_requests(model, size))
         profile = configured_profile(config)
         if profile is None:
@@ -192,8 +199,9 @@ class ModelLifecycle:
         except Exception as exc:  # an executor that keeps its models (emulated): served no more
             message = f"withdrawn, but its executor keeps it: {exc}"
             log.warning("%s: %s %s", self.name, model, message)
-        gc.collect()
-        release_free_heap()
+        if self.executor.holds_runtime_state:  # a collection stalls the loop for tens of ms
+            gc.collect()
+            release_free_heap()
         self.counters["models_unloaded"] += 1
         log.info("%s: %s unloaded", self.name, model)
         await self._tell(model, UNAVAILABLE, message)

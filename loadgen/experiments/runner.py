@@ -25,6 +25,7 @@ from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
+from zserve.loadgen.experiments.model_move import run_model_move
 from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
@@ -49,6 +50,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                  "restart (takeover time, requests lost)"),
     "model-cycles": (run_model_cycles, "a backend's RSS across 50 live load/unload cycles of "
                      "one model (live)"),
+    "model-move": (run_model_move, "make-before-break model moves under steady load: "
+                   "requests lost and the bad rate before, during, after (live)"),
     "partition": (run_partition, "sub-cluster partitioning (Symphony A.2): greedy-started "
                   "HiGHS MILP vs random search; a re-plan under a disruption budget"),
 }

@@ -208,3 +208,26 @@ def test_profile_and_profile_file(tmp_path: Path) -> None:
         EmulatedExecutor.from_profile_file(path, ["vgg"])
     with pytest.raises(ValueError, match="latency_ms has 2 entries"):
         EmulatedModel("m", 1.0, 1.0, max_batch=3, latency_ms=(1.0, 2.0))
+
+
+def test_an_emulated_model_loads_and_unloads_at_run_time() -> None:
+    from zserve.backends.executor import ModelLoadError
+    from zserve.backends.model_lifecycle import model_spec
+    from zserve.config.cluster import parse_config
+
+    config = parse_config({"backends": {"count": 1, "device": "emulated"}, "models": [
+        {"name": "a", "emulated": {"alpha_ms": 1.0, "beta_ms": 4.0}, "max_batch": 8},
+        {"name": "b", "emulated": {"alpha_ms": 2.0, "beta_ms": 3.0}, "max_batch": 4}]})
+    executor = EmulatedExecutor([EmulatedModel.from_config(config.models[0])])
+    assert not executor.holds_runtime_state  # nothing to warm, nothing to collect
+    spec = model_spec(config.models[1], executor)
+    assert isinstance(spec, EmulatedModel)
+    executor.add_model(spec, max_batch=4)
+    assert executor.models == ["a", "b"] and executor.max_batch("b") == 4
+    assert executor.latency_s("b", 2) == pytest.approx(0.007)  # its profile: 2 * 2 + 3 ms
+    with pytest.raises(ModelLoadError, match="loaded already"):
+        executor.add_model(spec, max_batch=4)
+    executor.remove_model("b")
+    assert executor.models == ["a"]
+    with pytest.raises(BadRequestError, match="unknown model 'b'"):
+        executor.max_batch("b")

@@ -189,3 +189,67 @@ def test_a_folder_without_a_model_file_or_no_folder_is_refused(tmp_path: Path) -
         parse_config({"repository": {"path": str(tmp_path)}})
     with pytest.raises(ConfigError, match=r"repository\.path: no such folder"):
         parse_config({"repository": {"path": str(tmp_path / "nowhere")}})
+
+
+# ------------------------------------------------------------------ make-before-break moves
+
+
+def _three() -> ModelRepository:
+    return ModelRepository(MODELS, {"backend-0": ["a"], "backend-1": ["a"], "backend-2": []})
+
+
+def test_a_move_loads_and_announces_on_the_new_backends_before_the_old_ones_unload() -> None:
+    repo = _three()
+    assert repo.placement["a"] == frozenset({"backend-0", "backend-1"})
+    start = repo.move(CALL, "a", ["backend-1", "backend-2"])
+    assert start.commands == [("backend-2", _warm("a"))] and not start.answers
+    # a load or unload of a moving model is refused, not queued behind the move
+    assert _answers(repo.call(Call("frontend-0", 9), "unload", "a"))[0][0] == "UNAVAILABLE"
+    announce = repo.on_report("backend-2", "a", "WARM")
+    assert announce.commands == [("backend-2", LoadModel("a", MODELS["a"]))]
+    assert repo.on_report("backend-0", "a", "READY").commands == []  # a late report: no step
+    # the new backend serves it: only now is the old one told to unload (its plans run first)
+    switch = repo.on_report("backend-2", "a", "READY")
+    assert switch.commands == [("backend-0", UnloadModel("a"))] and not switch.answers
+    assert repo.state("a") == ("UNLOADING", "")
+    done = repo.on_report("backend-0", "a", "UNAVAILABLE")
+    assert _answers(done) == [("", "")] and done.commands == []
+    assert repo.states["a"] == {"backend-1": "READY", "backend-2": "READY"}
+    assert repo.placement["a"] == frozenset({"backend-1", "backend-2"})
+
+
+def test_a_move_whose_load_fails_leaves_the_model_where_it_was() -> None:
+    repo = _three()
+    repo.move(CALL, "a", ["backend-2"])
+    done = repo.on_report("backend-2", "a", "FAILED", "out of memory")
+    assert done.commands == []  # the old backends keep it: nothing unloads
+    assert _answers(done) == [("BAD_REQUEST", "failed to move 'a': backend-2: out of memory")]
+    assert repo.states["a"] == {"backend-0": "READY", "backend-1": "READY"}
+    assert repo.placement["a"] == frozenset({"backend-0", "backend-1"})
+
+
+def test_a_move_within_the_backends_that_serve_it_only_unloads() -> None:
+    repo = _three()
+    effects = repo.move(CALL, "a", ["backend-0"])
+    assert effects.commands == [("backend-1", UnloadModel("a"))] and not effects.answers
+    assert _answers(repo.on_report("backend-1", "a", "UNAVAILABLE")) == [("", "")]
+
+
+def test_a_bad_move_is_refused_at_once() -> None:
+    repo = _three()
+    assert _answers(repo.move(CALL, "zz", ["backend-0"]))[0][0] == "BAD_REQUEST"
+    refused = repo.move(CALL, "a", ["backend-9"])
+    assert _answers(refused) == [("BAD_REQUEST", "cannot move 'a' to backend-9: the live "
+                                  "backends are backend-0, backend-1, backend-2")]
+    repo.call(CALL, "load", "b")  # b loads: a move of b waits for nothing, it is refused
+    assert _answers(repo.move(CALL, "b", ["backend-0"]))[0][0] == "UNAVAILABLE"
+
+
+def test_a_restarted_backend_loads_a_model_only_where_it_is_placed() -> None:
+    repo = _three()
+    repo.move(CALL, "a", ["backend-0"])
+    repo.on_report("backend-1", "a", "UNAVAILABLE")
+    repo.on_backend_gone("backend-1")
+    assert repo.on_backend_started("backend-1", []).commands == []  # a is not placed there
+    repo.on_backend_gone("backend-0")
+    assert repo.on_backend_started("backend-0", []).commands == []  # nothing READY to copy

@@ -18,14 +18,23 @@ repository calls that frontends forward over their control links (``RepositoryRe
   backend serves it already;
 - ``unload(call, model)``: ``UnloadModel`` to every backend that serves or loads it; answered
   once each has reported it unloaded;
+- ``move(call, model, to)``, make-before-break: the model is loaded and warmed on the backends
+  of ``to`` that do not serve it yet and announced there (the two phases of a load), so the
+  rank's table lists it on the old and the new backends at once; only then are the old ones
+  (those not in ``to``) told to unload it, which each does after the plans of it already sent
+  have run. The model is served throughout and no request is lost to a move. A failed load
+  leaves it where it was (the warm ones unload it again). Answered once the old ones have
+  freed it;
 - ``on_report`` (a backend's ``ModelReport``), ``on_backend_gone`` (its process died: what it
   loaded is gone, a load under way there failed) and ``on_backend_started`` (a restarted
   backend serves the models it was started with, and loads those loaded elsewhere since) move
   the states and settle the calls.
 
-Every backend loads every loaded model (placement on a subset is the partitioner's job). Each
-method returns ``Effects``: the commands for the supervisor to send and the answers for the
-frontends. No I/O, no clock.
+Where a model should be is its ``placement``: every live backend (None; ``load``, and a model
+every backend serves at start), or the backends a ``move`` named (or that serve it at start): a
+backend that restarts loads it again only where it is placed. Each method returns
+``Effects``: the commands for the supervisor to send and the answers for the frontends. No I/O,
+no clock.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ ANNOUNCING = "ANNOUNCING"
 # The states of a command under way: the model's calls wait until none is left.
 _BUSY = (LOADING, ANNOUNCING, UNLOADING)
 ACTIONS = ("index", "load", "unload")
+MOVE = "move"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +84,9 @@ class _Waiting:
     call: Call
     action: str
     failures: list[str] = field(default_factory=list)
+    # a move: the backends it moves the model to, and whether the old ones were told to unload
+    to: frozenset[str] = frozenset()
+    breaking: bool = False
 
 
 class ModelRepository:
@@ -93,6 +106,10 @@ class ModelRepository:
             for model in served:
                 if model in self.states:
                     self.states[model][backend] = READY
+        # model -> the backends it is placed on (None: every live backend)
+        self.placement: dict[str, frozenset[str] | None] = {
+            name: None if set(states) in (set(), self.backends) else frozenset(states)
+            for name, states in self.states.items()}
 
     # ------------------------------------------------------------------ what it tells
 
@@ -131,13 +148,61 @@ class ModelRepository:
             effects.answer(call, ErrorKind.BAD_REQUEST,
                            f"no model {model!r} in the repository (it holds "
                            f"{', '.join(self.models) or 'none'})")
+        elif self._moving(model):
+            effects.answer(call, ErrorKind.UNAVAILABLE,
+                           f"model {model!r} is being moved; try again when the move is done")
         elif action == "load":
             self._load(call, model, effects)
         else:
             self._unload(call, model, effects)
         return effects
 
+    def _moving(self, model: str) -> bool:
+        return any(w.action == MOVE for w in self._waiting.get(model, []))
+
+    def move(self, call: Call, model: str, to: Iterable[str]) -> Effects:
+        """Move ``model`` onto the backends ``to``, make-before-break (see the module
+        docstring). Refused at once (``BAD_REQUEST``) for an unknown model or a backend that is
+        not live, and (``UNAVAILABLE``) while another call of the model is under way."""
+        effects = Effects()
+        targets = frozenset(to)
+        if model not in self.models:
+            effects.answer(call, ErrorKind.BAD_REQUEST, f"no model {model!r} in the repository")
+        elif not targets or not targets <= self.backends:
+            effects.answer(call, ErrorKind.BAD_REQUEST,
+                           f"cannot move {model!r} to {', '.join(sorted(targets)) or 'nothing'}:"
+                           f" the live backends are {', '.join(sorted(self.backends)) or 'none'}")
+        elif self._waiting.get(model) or any(s != READY for s in self.states[model].values()):
+            effects.answer(call, ErrorKind.UNAVAILABLE,
+                           f"a call of {model!r} is under way; try again when it is done")
+        else:
+            states = self.states[model]
+            self.placement[model] = targets
+            for backend in sorted(targets):
+                if states.get(backend) != READY:
+                    effects.commands.append((backend, LoadModel(model, self.models[model],
+                                                                announce=False)))
+                    states[backend] = LOADING
+            self._waiting[model] = [_Waiting(call, MOVE, to=targets)]
+            self._settle(model, effects)
+        return effects
+
+    def _break(self, model: str, move: _Waiting, effects: Effects) -> bool:
+        """The move's second half, once every new backend serves the model: the old ones
+        unload it (each after its plans of it have run). True when any was told."""
+        move.breaking = True
+        states = self.states[model]
+        if move.failures:  # the load failed: the model stays where it was
+            self.placement[model] = frozenset(b for b, s in states.items() if s == READY)
+            return False
+        old = sorted(b for b, s in states.items() if s == READY and b not in move.to)
+        for backend in old:
+            effects.commands.append((backend, UnloadModel(model)))
+            states[backend] = UNLOADING
+        return bool(old)
+
     def _load(self, call: Call, model: str, effects: Effects) -> None:
+        self.placement[model] = None
         states = self.states[model]
         targets = sorted(b for b in self.backends if states.get(b) != READY)
         if not self.backends:
@@ -209,9 +274,11 @@ class ModelRepository:
         served = set(served)
         effects = Effects()
         for model, states in self.states.items():
+            placement = self.placement[model]
             if model in served:
                 states[backend] = READY
-            elif READY in states.values() and backend not in states:
+            elif (READY in states.values() and backend not in states
+                  and (placement is None or backend in placement)):
                 effects.commands.append((backend, LoadModel(model, self.models[model],
                                                             announce=False)))
                 states[backend] = LOADING
@@ -234,11 +301,20 @@ class ModelRepository:
                     effects.commands.append((backend, LoadModel(model, self.models[model])))
                     states[backend] = ANNOUNCING
             return
-        ready = READY in states.values()
+        waiting = self._waiting.get(model, [])
+        if (waiting and waiting[0].action == MOVE and not waiting[0].breaking
+                and self._break(model, waiting[0], effects)):
+            return  # the old backends unload it; their reports settle the move
+        self._answer(model, effects)
+
+    def _answer(self, model: str, effects: Effects) -> None:
+        """Every call of ``model`` is done: answer each."""
+        ready = READY in self.states[model].values()
         for waiting in self._waiting.pop(model, []):
-            if waiting.action == "load" and waiting.failures:
+            if waiting.failures:
                 effects.answer(waiting.call, ErrorKind.BAD_REQUEST,
-                               f"failed to load {model!r}: " + "; ".join(waiting.failures))
+                               f"failed to {waiting.action} {model!r}: "
+                               + "; ".join(waiting.failures))
             elif waiting.action == "load" and not ready:
                 effects.answer(waiting.call, ErrorKind.UNAVAILABLE,
                                f"{model!r} was unloaded before its load finished")
@@ -246,5 +322,5 @@ class ModelRepository:
                 effects.answer(waiting.call)
 
 
-__all__ = ["FAILED", "LOADING", "READY", "UNAVAILABLE", "UNLOADING", "Call", "Effects",
+__all__ = ["FAILED", "LOADING", "MOVE", "READY", "UNAVAILABLE", "UNLOADING", "Call", "Effects",
            "ModelRepository"]

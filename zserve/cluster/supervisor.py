@@ -59,7 +59,7 @@ import zmq
 
 from zserve.cluster.child import SupervisedChild, child_main
 from zserve.cluster.preflight import bound_addresses, preflight
-from zserve.cluster.repository import Call, Effects, ModelRepository
+from zserve.cluster.repository import MOVE, Call, Effects, ModelRepository
 from zserve.config.cluster import STANDBY_NAME, ClusterConfig, load_config, role_config
 from zserve.core.errors import ProtocolError
 from zserve.runtime import peer_map
@@ -71,6 +71,7 @@ from zserve.transport.messages import (
     Heartbeat,
     ModelReport,
     Ready,
+    RepositoryReply,
     RepositoryRequest,
     Shutdown,
     StatsReply,
@@ -93,6 +94,10 @@ BACKEND_DRAIN_S = 1.0
 POLL_MAX_MS = 100
 # Cluster API calls run on the supervisor's thread; it answers within one poll.
 COMMAND_TIMEOUT_S = 30.0
+# A repository call made in this process (``Cluster.move_model``): the caller's name in its
+# ``Call``, and how long the caller waits (as a frontend's forwarded call, REPOSITORY_TIMEOUT_S).
+LOCAL_CALLER = "supervisor"
+REPOSITORY_CALL_TIMEOUT_S = 300.0
 ERROR_TAIL_CHARS = 4000
 # A role's exit code for what the operator must fix (an address it cannot bind, a key file it
 # refuses): its error file holds one line, not a traceback (zserve.runtime.runner.run_role).
@@ -163,6 +168,9 @@ class Supervisor:
         self.repository = ModelRepository(
             {m.name: m.to_dict() for m in config.models},
             {c.name: self._serves(c) for c in self.children.values() if c.role == "backend"})
+        # Repository calls made in this process (``repository_call``): request id -> its reply.
+        self._local_replies: dict[int, Future[RepositoryReply]] = {}
+        self._local_calls = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -336,8 +344,14 @@ class Supervisor:
             child.config.serve = tuple(self.repository.served_by(child.name))
 
     def _apply(self, effects: Effects) -> None:
-        """Send the repository's commands to the backends and its answers to the frontends."""
+        """Send the repository's commands to the backends and its answers to the frontends (or
+        to the caller in this process, ``repository_call``)."""
         for name, msg in [*effects.commands, *effects.answers]:
+            if name == LOCAL_CALLER and type(msg) is RepositoryReply:
+                local = self._local_replies.pop(msg.request_id, None)
+                if local is not None:
+                    local.set_result(msg)
+                continue
             target = self.children.get(name)
             if target is not None and target.ready and target.alive:
                 self._send(target, msg)
@@ -491,6 +505,22 @@ class Supervisor:
         self._commands.put(run)
         self.wake()
         return result.result(timeout=COMMAND_TIMEOUT_S)
+
+    def repository_call(self, action: str, model: str,
+                        to: tuple[str, ...] = ()) -> Future[RepositoryReply]:
+        """A repository call made in this process (``index``, ``load``, ``unload``, or ``move``
+        of ``model`` to the backends ``to``); the future holds its ``RepositoryReply``."""
+        reply: Future[RepositoryReply] = Future()
+
+        def start() -> None:
+            self._local_calls += 1
+            call = Call(LOCAL_CALLER, self._local_calls)
+            self._local_replies[call.request_id] = reply
+            self._apply(self.repository.move(call, model, to) if action == MOVE
+                        else self.repository.call(call, action, model))
+
+        self.call(start)
+        return reply
 
     def wake(self) -> None:
         if self.closed:  # the pipe is closed: its fd number may belong to someone else now
@@ -719,6 +749,15 @@ class Cluster:
         child = self._sup.children[name]
         if not self._sup.wait_for(lambda: child.incarnation >= incarnation, timeout):
             raise TimeoutError(f"{name} did not become ready (incarnation {incarnation})")
+
+    def move_model(self, model: str, to: list[str] | tuple[str, ...],
+                   timeout: float = REPOSITORY_CALL_TIMEOUT_S) -> None:
+        """Move ``model`` onto the backends named ``to``, make-before-break
+        (``ModelRepository.move``); returns once the old backends have freed it. A refused or
+        failed move raises ``RuntimeError`` with the repository's one-line reason."""
+        reply = self._sup.repository_call(MOVE, model, tuple(to)).result(timeout)
+        if reply.error:
+            raise RuntimeError(f"{reply.error}: {reply.message}")
 
     def stats(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
         """A child's counters (its ``StatsReply``)."""
