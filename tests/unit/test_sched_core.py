@@ -223,3 +223,27 @@ def test_the_embedded_rank_hears_a_later_device_free_time() -> None:
     assert core.on_device_free_at(0.0, 0, 0.004, outbox)
     assert core.rank is not None and core.rank.gpu_free_at(0) == pytest.approx(0.004)
     assert not core.on_device_free_at(0.0, 0, 0.001, outbox)  # never earlier
+
+
+def test_a_cold_models_first_lone_request_is_planned_well_before_its_last_moment() -> None:
+    """The demo cluster's shape (one scheduler core, 2 backends, ``cnn`` at about 5 ms a batch,
+    SLO 200 ms, 10 ms reply allowance, 1 ms jitter allowance), on a virtual clock: a fresh
+    model's first request, alone, is planned by its rate meter's first sample (50 ms after it
+    came), not 1 ms before its last moment, where a host stall made it a DEADLINE."""
+    profile = LatencyProfile.linear(alpha_ms=0.3, beta_ms=4.7, max_batch=8)
+    slo_s, reply_allowance_s = 200 * MS, 10 * MS
+    core = SchedulerCore("shard-t", rank=RankThread([0, 1], 0.0))
+    core.add_thread(0.0, ModelThread("cnn", profile, slo_s, "deferred", d_ctrl_s=2 * MS,
+                                     d_data_s=0.15 * MS, jitter_s=1 * MS), [])
+    outbox: Outbox = []
+    arrival = 1.0
+    deadline = arrival + slo_s - reply_allowance_s
+    core.on_meta(arrival, RequestMetaBatch(FRONTEND, [7], ["cnn"], [arrival], [deadline]),
+                 outbox)
+    plans = _run_until_plan(core, outbox, limit_s=arrival + slo_s)
+    assert [plan.request_ids for plan in plans] == [[7]]
+    (plan,) = plans
+    assert plan.exec_at <= arrival + 50 * MS + 1e-9
+    last_moment = deadline - profile.latency(1)
+    assert last_moment - plan.exec_at > 130 * MS  # slack a stall would have had to eat
+    assert not [msg for _, msg in outbox if isinstance(msg, DropNotice)]
