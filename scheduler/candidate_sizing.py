@@ -8,8 +8,8 @@ learn from their grants (the miss margin, the window-loss estimate and its back-
 candidate: it hands the part its deadline-ordered lists and head index, and stores what the part
 returns. The calls, in the order of a ModelThread's event:
 
-- ``note_arrivals(now, rows)``: a chunk's rows feed the meter (and the target, when it seals a
-  bucket; ``retarget`` for a caller that fed ``meter`` itself);
+- ``note_arrivals(now, rows, requests)``: a chunk's rows feed the meter (and the target, when it
+  seals a bucket), its requests ``arrived_requests`` (the cold rule's evidence);
 - ``size_batch`` / ``size_rows``: the drop policies' new head and batch size over the queue
   (``size_rows`` while requests hold several rows);
 - ``aim``: the candidate's exec time by the schedule policy (Symphony Appendix D,
@@ -46,6 +46,7 @@ from zserve.config.profiles import LatencyProfile
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
     DEFER_BACKOFF_MAX,
+    DEFER_COLD_MIN_REQUESTS,
     DEFER_LOSS_DECAY,
     DEFER_LOSS_MAX,
     DEFER_LOSS_RECENT,
@@ -93,6 +94,7 @@ class CandidateSizing:
         "_drop",
         "_kind",
         "_rescue_from",
+        "arrived_requests",
         "budget_s",
         "by_deadline",
         "d_ctrl_s",
@@ -146,6 +148,7 @@ class CandidateSizing:
         self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
         self.keep_tolerance = keep_tolerance
         self.meter = RpsMeter(rate_bucket_s, rate_window)
+        self.arrived_requests = 0  # deferred, before a rate: DEFER_COLD_MIN_REQUESTS
         # the deferred policies' beta*lambda bounds (inf until the meter has a rate), whether
         # the model shares its GPUs, and the metered rate the joiner rule reads (inf: none yet)
         self._defer_below = self._rescue_from = self._defer_rate = math.inf
@@ -178,8 +181,10 @@ class CandidateSizing:
         self.meter = meter
         self._refresh_defer_below()
 
-    def note_arrivals(self, now: float, rows: int) -> None:
-        """``rows`` arrived at ``now``: the meter counts them; a sealed bucket moves the target."""
+    def note_arrivals(self, now: float, rows: int, requests: int) -> None:
+        """``requests`` of ``rows`` rows in all arrived at ``now``: the meter counts the rows; a
+        sealed bucket moves the target."""
+        self.arrived_requests += requests
         if self.meter.add(now, rows):
             self.retarget()
 
@@ -475,9 +480,11 @@ class CandidateSizing:
         """``deferred``: the frontrun moment while deferring pays, else ``earliest``.
         Staggered models defer while below max(beta*lambda, b*) (as ``deferred-bl``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
-        (light load: nothing would join). Contention is the rank's: a deferring candidate is
-        published ``early_ok`` (``aim``) and the rank starts it early while the cluster is short
-        of GPUs (``RankThread``, rescue)."""
+        (light load: nothing would join). Before the meter's first sample (no rate: the joiner
+        rule cannot count) a model's lone first request waits no later than that sample, and
+        from its DEFER_COLD_MIN_REQUESTS-th request on the model defers as frontrun does.
+        Contention is the rank's: a deferring candidate is published ``early_ok`` (``aim``) and
+        the rank starts it early while the cluster is short of GPUs (``RankThread``, rescue)."""
         if bs >= self._defer_below or not self.deferral_yield.pays:
             # past the stagger, or deferral has not been paying (closed-loop clients)
             return earliest
@@ -485,8 +492,14 @@ class CandidateSizing:
             # its deferred windows are being lost (to other models' batches): waiting costs
             # more heads than it buys joiners, so it starts at once while the estimate is high
             return earliest
+        rate = self._defer_rate
         aim = deadline - self.jitter_s - self.table[bs + grow]
-        if self.defer_shared and (aim - now) * self._defer_rate < DEFER_MIN_JOINERS:
+        if rate == math.inf and self.arrived_requests < DEFER_COLD_MIN_REQUESTS:
+            # cold, and nothing says a second request will come: wait for one no later than
+            # the meter's first sample (-inf with no arrival yet, only replanned requests: now)
+            first = self.meter.first_sample_at()
+            return first if first < aim else aim
+        if self.defer_shared and (aim - now) * rate < DEFER_MIN_JOINERS:
             return earliest
         return aim
 

@@ -311,9 +311,7 @@ class ModelThread:
             rows, arrived = self._note_rows(rows, count)
         self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
         self.n_arrived += count
-        sizing = self.sizing
-        if sizing.meter.add(now, arrived):  # a sealed bucket: the rate moves the target
-            sizing.retarget()
+        self.sizing.note_arrivals(now, arrived, count)  # the meter, and the cold rule's count
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 

@@ -9,9 +9,10 @@
 
 Three parts, on one cluster:
 
-1. Lone requests (``LONE_REQUESTS``, one every ``LONE_GAP_S``: light load). The first defers to
-   its last moment: a model defers until its rate meter has a sample (at a cold burst, starting
-   at once would drop requests). From then on the meter reads about 2 r/s, nothing is expected
+1. Lone requests (``LONE_REQUESTS``, one every ``LONE_GAP_S``: light load). The first waits for a
+   second request no later than its model's rate meter's first sample, 50 ms (a cold model has no
+   rate yet; a second request would make it a cold burst, which defers as frontrun does and
+   batches). From then on the meter reads about 2 r/s, nothing is expected
    to join a lone request before its latest start, and the default policy starts it at once:
    it is answered in about l(1) plus the allowances (``scheduler/policy.py``, the joiner rule).
 2. A burst: closed loop by default (``--concurrency`` requests in flight, ``--requests`` in all);
@@ -481,8 +482,8 @@ class _Burst:
             print(f"  ({policy} holds a lone request until one more could no longer join its "
                   "batch: it is answered close to its SLO, by design)")
         elif policy == "deferred":
-            print("  (the first waits to its last moment: no rate sample yet; the others start "
-                  "at once: nothing is expected to join them)")
+            print("  (the first waits up to 50 ms for company: no rate sample yet; the others "
+                  "start at once: nothing is expected to join them)")
         mode = (f"open loop at {args.rate:g} req/s for {args.duration:g} s" if args.rate
                 else f"closed loop, {args.concurrency} in flight")
         print(f"zserve demo: burst of {self.total} requests ({mode}) in {self.elapsed_s:.2f} s: "

@@ -56,7 +56,7 @@ def test_the_target_follows_the_metered_rate_and_keep_min_its_tolerance() -> Non
     assert strict.keep_min == strict.target
     # 100 rows every 50 ms (about 2000 r/s): a bucket sealed by an arrival moves the target
     for step in range(21):
-        strict.note_arrivals(step * 0.05, 100)
+        strict.note_arrivals(step * 0.05, 100, 100)
     rate = strict.meter.rate()
     assert rate is not None and rate == pytest.approx(2000.0, rel=0.1)
     assert strict.target == target_batch_size(PROFILE, strict.budget_s, rate, 0.0) > 1

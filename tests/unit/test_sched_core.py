@@ -273,3 +273,27 @@ def test_the_queue_of_a_model_no_gpu_serves_any_more_is_answered_unavailable() -
     assert [(d.request_ids, d.error, d.message) for d in drops] == [
         ([1, 2], ErrorKind.UNAVAILABLE.value, "no backend serves 'm'")]
     assert core.queued() == 1 and core.counters["unavailable"] == 2
+
+
+def test_a_cold_models_first_lone_request_is_planned_well_before_its_last_moment() -> None:
+    """The demo cluster's shape (one scheduler core, 2 backends, ``cnn`` at about 5 ms a batch,
+    SLO 200 ms, 10 ms reply allowance, 1 ms jitter allowance), on a virtual clock: a fresh
+    model's first request, alone, is planned by its rate meter's first sample (50 ms after it
+    came), not 1 ms before its last moment, where a host stall made it a DEADLINE."""
+    profile = LatencyProfile.linear(alpha_ms=0.3, beta_ms=4.7, max_batch=8)
+    slo_s, reply_allowance_s = 200 * MS, 10 * MS
+    core = SchedulerCore("shard-t", rank=RankThread([0, 1], 0.0))
+    core.add_thread(0.0, ModelThread("cnn", profile, slo_s, "deferred", d_ctrl_s=2 * MS,
+                                     d_data_s=0.15 * MS, jitter_s=1 * MS), [])
+    outbox: Outbox = []
+    arrival = 1.0
+    deadline = arrival + slo_s - reply_allowance_s
+    core.on_meta(arrival, RequestMetaBatch(FRONTEND, [7], ["cnn"], [arrival], [deadline]),
+                 outbox)
+    plans = _run_until_plan(core, outbox, limit_s=arrival + slo_s)
+    assert [plan.request_ids for plan in plans] == [[7]]
+    (plan,) = plans
+    assert plan.exec_at <= arrival + 50 * MS + 1e-9
+    last_moment = deadline - profile.latency(1)
+    assert last_moment - plan.exec_at > 130 * MS  # slack a stall would have had to eat
+    assert not [msg for _, msg in outbox if isinstance(msg, DropNotice)]

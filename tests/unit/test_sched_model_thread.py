@@ -13,6 +13,7 @@ import pytest
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import TO_RANK, Outbox
+from zserve.scheduler.candidate_sizing import DEFAULT_RATE_BUCKET_S
 from zserve.scheduler.common import TIMER_SLACK_S, split_meta_by_model
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
@@ -738,3 +739,46 @@ def test_eager_edf_candidates_carry_their_deadline_to_the_rank() -> None:
         (cand,) = _cands(_arrive(mt, 1.0, [1, 2], slo=30 * MS))
         deadline = 1.0 + 30 * MS
         assert (cand.latest + cand.duration == pytest.approx(deadline)) is carries, policy
+
+
+def test_a_cold_models_lone_first_request_waits_for_a_second_no_later_than_the_first_sample(
+) -> None:
+    """Before its rate meter's first sample a model's lone first request is no evidence that
+    another will join it (DEFER_COLD_MIN_REQUESTS): with the demo's SLO of 200 ms it is planned
+    no later than the sample (its arrival + 50 ms), about 140 ms before its last moment, where a
+    host stall made it a DEADLINE. A second request is a stream: the batch defers as frontrun
+    does (a cold burst batches there; Symphony's section 3.3 example), and frontrun and
+    deferred-bl keep their aims."""
+    slo = 200 * MS
+    mt = ModelThread("m", PROFILE, slo, SchedulePolicy.parse("deferred"), publish_lead_s=None,
+                     jitter_s=1 * MS)
+    (cand,) = _cands(_arrive(mt, 1.0, [1], slo=slo))
+    assert mt.meter.rate() is None
+    assert cand.exec_at == pytest.approx(1.0 + DEFAULT_RATE_BUCKET_S)  # the first sample
+    assert mt.meter.first_sample_at() == pytest.approx(cand.exec_at)
+    assert cand.latest - cand.exec_at > 140 * MS  # its last moment is 1.0 + 200 ms - l(1)
+    # a second request 10 ms later, still before the sample: the pair aims at d - jitter - l(3)
+    (pair,) = _cands(_arrive(mt, 1.01, [2], slo=slo))
+    assert pair.batch_size == 2
+    assert pair.exec_at == pytest.approx(1.0 + slo - 1 * MS - PROFILE.latency(3))
+    for policy in ("frontrun", "deferred-bl"):
+        other = ModelThread("m", PROFILE, slo, SchedulePolicy.parse(policy),
+                            publish_lead_s=None, jitter_s=1 * MS)
+        (c,) = _cands(_arrive(other, 1.0, [1], slo=slo))
+        assert c.exec_at == pytest.approx(1.0 + slo - 1 * MS - PROFILE.latency(2)), policy
+
+
+def test_a_cold_models_lone_first_request_learns_nothing_from_its_wait() -> None:
+    """The lone first request's early start is not a deferral that lost or kept a window: no
+    window-loss estimate, no yield, and its grant at the capped aim plans it there."""
+    slo = 200 * MS
+    mt = ModelThread("m", PROFILE, slo, SchedulePolicy.parse("deferred"), publish_lead_s=None)
+    (cand,) = _cands(_arrive(mt, 1.0, [1], slo=slo))
+    grant_at = cand.exec_at - cand.send_delay
+    out: Outbox = []
+    mt.on_grant(grant_at, GrantGpu("m", 0, 1, free_at=grant_at), out)
+    (plan,) = [m for _, m in out if isinstance(m, BatchPlan)]
+    assert plan.request_ids == [1] and plan.exec_at == pytest.approx(1.0 + DEFAULT_RATE_BUCKET_S)
+    assert mt.defer_loss == 0.0 and mt.n_window_misses == 0
+    yield_ = mt.sizing.deferral_yield
+    assert yield_.pays and yield_.expected == 0.0 and yield_.joined == 0.0
