@@ -103,10 +103,12 @@ class CandidateSizing:
         "defer_loss",
         "defer_shared",
         "deferral_yield",
+        "early_aim",
         "jitter_s",
         "keep_min",
         "keep_tolerance",
         "keeps_target",
+        "lone_wait_s",
         "max_batch",
         "meter",
         "miss_margin_s",
@@ -161,9 +163,13 @@ class CandidateSizing:
         # deferred: whether waiting pays (its joiners), and when the candidate headed by request
         # ``_defer_head_id`` first deferred: the moment it could have started instead
         self.deferral_yield = DeferralYield()
+        # deferred: where the last candidate that starts at once for want of joiners would
+        # have aimed (0.0: none), the moment the rank may hold it back to (RankThread)
+        self.early_aim = 0.0
         self._defer_head_id = -1
         self._defer_from = math.inf
         self.target = self.keep_min = 1
+        self.lone_wait_s = self.budget_s - d_data_s - self.table[1]
         self.set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
 
     # ------------------------------------------------------------------ the target
@@ -174,6 +180,7 @@ class CandidateSizing:
         self.profile = profile
         self.table = profile.table_s
         self.max_batch = profile.max_batch
+        self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
         self.retarget()
 
     def set_meter(self, meter: RpsMeter) -> None:
@@ -430,10 +437,11 @@ class CandidateSizing:
         latest = deadline - table[bs]
         kind = self._kind
         deferred = False
+        self.early_aim = 0.0
         if start_now:
             exec_at = earliest
         elif self.rescue:
-            exec_at = self._aim_rescue(now, earliest, deadline, bs, grow)
+            exec_at = self._aim_rescue(now, earliest, deadline, bs, grow, latest)
         elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
             deferred = bs < self._defer_below
             if self.defer_shared:  # sharing GPUs: aim earlier by the learned margin
@@ -475,8 +483,8 @@ class CandidateSizing:
             self._defer_from = earliest
         return True
 
-    def _aim_rescue(self, now: float, earliest: float, deadline: float, bs: int,
-                    grow: int) -> float:
+    def _aim_rescue(self, now: float, earliest: float, deadline: float,  # noqa: PLR0917
+                    bs: int, grow: int, latest: float) -> float:
         """``deferred``: the frontrun moment while deferring pays, else ``earliest``.
         Staggered models defer while below max(beta*lambda, b*) (as ``deferred-bl``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
@@ -484,7 +492,9 @@ class CandidateSizing:
         rule cannot count) a model's lone first request waits no later than that sample, and
         from its DEFER_COLD_MIN_REQUESTS-th request on the model defers as frontrun does.
         Contention is the rank's: a deferring candidate is published ``early_ok`` (``aim``) and
-        the rank starts it early while the cluster is short of GPUs (``RankThread``, rescue)."""
+        the rank starts it early while the cluster is short of GPUs (``RankThread``, rescue). A
+        candidate started at once for want of joiners notes its aim (clamped to ``latest``) in
+        ``early_aim``: the rank may hold it back to there."""
         if bs >= self._defer_below or not self.deferral_yield.pays:
             # past the stagger, or deferral has not been paying (closed-loop clients)
             return earliest
@@ -500,6 +510,9 @@ class CandidateSizing:
             first = self.meter.first_sample_at()
             return first if first < aim else aim
         if self.defer_shared and (aim - now) * rate < DEFER_MIN_JOINERS:
+            held = latest if latest < aim else aim
+            if held > earliest:  # the rank may hold it back to here (RankThread)
+                self.early_aim = held
             return earliest
         return aim
 

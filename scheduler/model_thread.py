@@ -643,4 +643,5 @@ class ModelThread:
         self._sent = (bs, exec_at, self.cand_latest, early_ok)
         outbox.append((TO_RANK, CandidateUpdate(self.model, bs, exec_at, self.cand_latest, delay,
                                                 sizing.published_duration(now, bs, exec_at),
-                                                early_ok, sizing.rescue and sizing.defer_shared)))
+                                                early_ok, sizing.rescue and sizing.defer_shared,
+                                                sizing.early_aim, sizing.lone_wait_s)))

@@ -140,9 +140,14 @@ class RankThread:
         self._removing: set[int] = set()
         # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
         self._candidates: dict[str, tuple[int, float, float, float]] = {}
-        # the rescue's view of each candidate: model -> (duration, early_ok, shared); and how
-        # many candidates are early_ok (the rescue runs only while some are)
-        self._candidate_runs: dict[str, tuple[float, bool, bool]] = {}
+        # the rescue's view of each candidate: model -> (duration, early_ok, shared, aim_at); and
+        # how many candidates are early_ok (the rescue runs only while some are)
+        self._candidate_runs: dict[str, tuple[float, bool, bool, float]] = {}
+        # the hold-back's view of the models that share GPUs: model -> how long a lone request
+        # of it can wait for a GPU (CandidateUpdate.lone_wait_s), and the two tightest of them
+        # (recomputed when it changes; None: to recompute)
+        self._lone_wait: dict[str, float] = {}
+        self._tightest: list[tuple[float, str]] | None = []
         self._n_early_ok = 0
         # the rescue's next evaluation no sooner than this (RESCUE_SPACING_S_PER_CANDIDATE)
         self._rescue_next = -_INF
@@ -167,6 +172,7 @@ class RankThread:
         self.n_stale = 0
         self.n_purged = 0
         self.n_rescues = 0  # early grants: a deferring candidate started before its exec time
+        self.n_holds = 0  # early starts held back to their aim to keep a GPU for a tighter model
         # the chance that a candidate due at its exec time finds every GPU busy (EWMA)
         self.contention = 0.0
         self.n_drift_corrections = 0  # device_free_at reports that moved a GPU later
@@ -336,7 +342,9 @@ class RankThread:
         else:
             delay = update.send_delay
             self._candidates[model] = (update.batch_size, update.exec_at, update.latest, delay)
-            self._candidate_runs[model] = (update.duration, update.early_ok, update.shared)
+            self._candidate_runs[model] = (update.duration, update.early_ok, update.shared,
+                                           update.aim_at)
+            self._note_lone_wait(model, update.lone_wait_s if update.shared else _INF)
             if update.early_ok:
                 self._n_early_ok += 1
             heapq.heappush(self._model_timers, (update.exec_at - delay, version, model))
@@ -472,8 +480,14 @@ class RankThread:
             found = self._earliest_gpu(now, pools)
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
-        shared = self._candidate_runs[model][2]  # set with _candidates[model], in on_candidate
+        run = self._candidate_runs[model]  # set with _candidates[model], in on_candidate
+        shared = run[2]
         if found is not None and found[1] <= (now if self._free_only else exec_at):
+            if run[3] > exec_at:
+                hold_to = self._hold_back_to(now, model, found, latest - delay, run[3])
+                if hold_to > exec_at:
+                    self._hold(model, version, hold_to)
+                    return
             if shared:
                 self.contention -= RESCUE_CONTENTION_EWMA * self.contention
             self.n_model_matches += 1
@@ -482,6 +496,72 @@ class RankThread:
         if shared:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
         self._wait_for_gpu(model, version, latest, delay)
+
+    # ------------------------------------------------------------------ hold-back
+
+    def _note_lone_wait(self, model: str, lone_wait_s: float) -> None:
+        """A model's lone-request wait as its update carries it (inf: it does not share GPUs)."""
+        if self._lone_wait.get(model, _INF) == lone_wait_s:
+            return
+        if lone_wait_s == _INF:
+            del self._lone_wait[model]
+        else:
+            self._lone_wait[model] = lone_wait_s
+        self._tightest = None
+
+    def _tightest_other(self, model: str) -> float:
+        """The shortest lone-request wait among the models sharing GPUs other than ``model``."""
+        tightest = self._tightest
+        if tightest is None:
+            tightest = self._tightest = heapq.nsmallest(
+                2, ((wait, name) for name, wait in self._lone_wait.items()))
+        for wait, name in tightest:
+            if name != model:
+                return wait
+        return _INF
+
+    def _hold_back_to(self, now: float, model: str, found: tuple[int, float],
+                      last_start: float, aim_at: float) -> float:
+        """Until when a candidate that starts at once by choice (for want of joiners) waits
+        instead (policy.py, ``deferred``); ``now`` or earlier: it does not. It waits while the
+        cluster is not contended, its batch would take the last free GPU (``found``), and a model
+        sharing the GPUs whose lone request can wait less than the candidate itself (by
+        ``last_start``, its last grantable moment) would find no GPU for longer than that wait:
+        until the batch ends or another GPU frees. Frontrun's delays keep that GPU free; eager's
+        start takes it. It waits for its aim ``aim_at``, or only until it has no more wait left
+        than the tighter model (then it is no longer the one that can afford to wait). With
+        per-model membership (``set_members``) it still counts the whole rank's GPUs and models:
+        on a partial placement it may hold a batch for a tighter model of another pool, never
+        past the aim the batch would have waited for under frontrun."""
+        if self.contention > RESCUE_CONTENTION or self._n_idle > 1:
+            return now
+        tight = self._tightest_other(model)
+        hold_to = last_start - tight
+        if hold_to <= now:
+            return now
+        gpu_id = found[0]
+        other_free_at = _INF  # when another GPU frees
+        for other, state in self._state.items():
+            if state == _BUSY and other != gpu_id and other not in self._removing:
+                free_at = self._free_at[other]
+                other_free_at = free_at if free_at < other_free_at else other_free_at
+        blocked_until = (found[1] if found[1] > now else now) + self._candidate_runs[model][0]
+        blocked_until = other_free_at if other_free_at < blocked_until else blocked_until
+        if tight >= blocked_until - now:
+            return now
+        hold_to = aim_at if aim_at < hold_to else hold_to
+        # and only until another GPU frees: it is looked at again there, and goes if that
+        # leaves a GPU free (holding it on costs the batch of 1 latency and the GPU's later time)
+        return other_free_at if other_free_at < hold_to else hold_to
+
+    def _hold(self, model: str, version: int, hold_to: float) -> None:
+        """Hold the candidate back: its exec time becomes ``hold_to`` and its timer fires there
+        (unless an update replaces it first), where ``_hold_back_to`` looks at it again: its aim
+        stays, so it is held again only while the rule still holds and up to the same bound."""
+        bs, _, latest, delay = self._candidates[model]
+        self._candidates[model] = (bs, hold_to, latest, delay)
+        heapq.heappush(self._model_timers, (hold_to - delay, version, model))
+        self.n_holds += 1
 
     def _enlist_due_by(self, now: float, free_at: float, pool: _Pool) -> None:
         """Ordered grants: every candidate of the pool's models whose exec time comes by

@@ -25,6 +25,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import msgspec
@@ -179,7 +180,12 @@ class CandidateUpdate(Message, frozen=True, tag="cand"):
     deferring by choice, and the rank may start it before ``exec_at`` on an idle GPU when waiting
     would lose its grant window (``deferred``, zserve.scheduler.policy). ``shared``: the
     model shares its GPUs with other models, so a candidate of it that finds every GPU busy at
-    its exec time is contention (a staggered model's is its stagger at work)."""
+    its exec time is contention (a staggered model's is its stagger at work). ``aim_at``: where a
+    candidate that starts at once by choice (``exec_at`` before it) would have aimed had it
+    deferred, the moment the rank may hold it back to while it would take the last free GPU from
+    a tighter model (0: it does not start early by choice). ``lone_wait_s``: how long a lone
+    request of the model can wait for a GPU (its budget less l(1) and delay(1)), the rank's measure
+    of how tight the model is."""
 
     model: str
     batch_size: int
@@ -189,6 +195,8 @@ class CandidateUpdate(Message, frozen=True, tag="cand"):
     duration: float = 0.0
     early_ok: bool = False
     shared: bool = False
+    aim_at: float = 0.0
+    lone_wait_s: float = math.inf
 
 
 class GrantGpu(Message, frozen=True, tag="grant"):

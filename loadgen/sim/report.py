@@ -121,6 +121,7 @@ def _extra(sim: Simulator, wall_s: float) -> dict[str, Any]:
             "grants": rank.n_grants,
             "model_matches": rank.n_model_matches,
             "rescues": rank.n_rescues,
+            "holds": rank.n_holds,
             "gpu_matches": rank.n_gpu_matches,
             "stale": rank.n_stale,
             "purged": rank.n_purged,

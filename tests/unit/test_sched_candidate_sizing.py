@@ -161,6 +161,27 @@ def test_deferred_defers_a_shared_model_and_lets_the_rank_start_it_early() -> No
     assert _sizing("eager").published_duration(0.0, 4, 10 * MS) == 0.0
 
 
+def test_deferred_starts_a_lone_request_at_once_and_tells_the_rank_where_it_would_aim() -> None:
+    sizing = _sizing("deferred", d_ctrl_s=1 * MS, d_data_s=0.5 * MS)
+    sizing.set_meter(_meter_at(1))  # about 20 r/s: 0.5 joiners expected in the 23 ms to the aim
+    assert sizing.defer_shared
+    exec_at, _, _, deferred, early_ok = sizing.aim(0.0, NEVER, 1, 1, 30 * MS, 0.0, 1, False)
+    assert exec_at == pytest.approx(1.5 * MS)  # earliest: now + delay(1)
+    assert not deferred and not early_ok
+    # the frontrun moment it did not wait for: the rank may hold it back to there
+    assert sizing.early_aim == pytest.approx(30 * MS - PROFILE.latency(2))
+    # how long a lone request can wait for a GPU: SLO - d_ctrl - d_data - l(1)
+    assert sizing.lone_wait_s == pytest.approx((100 - 1 - 0.5 - 6) * MS)
+    # a deferring candidate (busier: joiners expected) carries none
+    sizing.set_meter(_meter_at(20))
+    exec_at, *_ = sizing.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)
+    assert exec_at == pytest.approx(50 * MS - PROFILE.latency(5)) and sizing.early_aim == 0.0
+    # nor does any other policy
+    eager = _sizing("eager")
+    eager.aim(0.0, NEVER, 1, 1, 30 * MS, 0.0, 1, False)
+    assert eager.early_aim == 0.0
+
+
 # ---------------------------------------------------------------------- learning
 
 

@@ -349,3 +349,114 @@ def test_under_an_ordered_grant_a_busy_gpu_waits_for_the_most_urgent_candidate(
         rank.on_timer(rank.wake_at, out)
     (grant,) = _grants(out)
     assert grant.model == first and grant.free_at == pytest.approx(1.0)
+
+
+def _early(model: str, *, exec_at: float, aim_at: float, latest: float, lone_wait_s: float
+           ) -> CandidateUpdate:
+    """A shared model's candidate that starts at once for want of joiners (``exec_at`` before
+    its ``aim_at``), its batch 3.0 long."""
+    return CandidateUpdate(model, 1, exec_at, latest, 0.0, duration=3.0, shared=True,
+                           aim_at=aim_at, lone_wait_s=lone_wait_s)
+
+
+def _tight_model_known(rank: RankThread, lone_wait_s: float = 1.0) -> None:
+    """A shared model whose lone request can wait ``lone_wait_s`` publishes a candidate far in
+    the future and withdraws it: the rank remembers how tight it is."""
+    out: Outbox = []
+    rank.on_candidate(0.0, CandidateUpdate("tight", 1, 50.0, 60.0, 0.0, shared=True,
+                                           lone_wait_s=lone_wait_s), out)
+    rank.on_candidate(0.0, _cand("tight", 0, 0.0, 0.0), out)
+    assert _grants(out) == []
+
+
+def test_an_early_start_waits_for_its_aim_rather_than_take_the_last_gpu_from_a_tighter_model(
+) -> None:
+    # GPU 0 is busy until 10; "rich" would take GPU 1, the last free one, for 3.0 while a lone
+    # request of "tight" can wait only 1.0: it waits for its aim (frontrun's moment) instead
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _tight_model_known(rank)
+    out: Outbox = []
+    rank.on_candidate(0.0, _early("rich", exec_at=0.0, aim_at=5.0, latest=8.0, lone_wait_s=8.0),
+                      out)
+    assert _grants(out) == [] and rank.n_holds == 1 and rank.wake_at == pytest.approx(5.0)
+    # "tight" arrives meanwhile and finds the GPU free
+    rank.on_candidate(2.0, _cand("tight", 1, 2.0, 2.5), out)
+    (grant,) = _grants(out)
+    assert grant.model == "tight" and grant.gpu_id == 1
+    rank.on_grant_answer(2.0, GrantAnswer("tight", 1, grant.grant_id, True, 2.5), out)
+    out.clear()
+    rank.on_timer(5.0, out)  # at its aim "rich" goes, held once
+    (grant,) = _grants(out)
+    assert grant.model == "rich" and grant.gpu_id == 1 and rank.n_holds == 1
+
+
+@pytest.mark.parametrize(("case", "other_free_at", "tight_wait"), [
+    ("two GPUs free", 0.0, 1.0),
+    ("the other GPU frees within the tight model's wait", 0.5, 1.0),
+    ("no model tighter than the batch", 10.0, 4.0),
+    ("under contention", 10.0, 1.0),
+])
+def test_an_early_start_goes_at_once_where_it_leaves_the_tight_models_a_gpu(
+    case: str, other_free_at: float, tight_wait: float
+) -> None:
+    rank = RankThread([0, 1], 0.0)
+    if other_free_at > 0.0:
+        _busy(rank, 0.0, 0, until=other_free_at)
+    now = 0.0
+    if case == "under contention":  # GPU 1 too is busy while 6 candidates find no GPU
+        now = 0.1
+        _busy(rank, 0.0, 1, until=now)
+        _contend(rank, 0.0, 6)
+        assert rank.contention > RESCUE_CONTENTION
+    _tight_model_known(rank, tight_wait)
+    out: Outbox = []
+    rank.on_candidate(now, _early("rich", exec_at=now, aim_at=5.0, latest=8.0, lone_wait_s=8.0),
+                      out)
+    (grant,) = _grants(out)
+    assert grant.model == "rich" and rank.n_holds == 0, case
+
+
+def test_a_model_is_not_held_back_for_itself_nor_for_a_model_that_stopped_sharing() -> None:
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    out: Outbox = []
+    # "tight" turned staggered (shared False): its lone wait no longer counts
+    rank.on_candidate(0.0, CandidateUpdate("tight", 1, 50.0, 60.0, 0.0, shared=True,
+                                           lone_wait_s=1.0), out)
+    rank.on_candidate(0.0, CandidateUpdate("tight", 1, 50.0, 60.0, 0.0, shared=False,
+                                           lone_wait_s=1.0), out)
+    rank.on_candidate(0.0, _early("rich", exec_at=0.0, aim_at=5.0, latest=8.0, lone_wait_s=0.5),
+                      out)
+    (grant,) = _grants(out)
+    assert grant.model == "rich" and rank.n_holds == 0
+
+
+def test_a_held_back_start_waits_no_longer_than_leaves_it_the_tighter_models_wait() -> None:
+    # aiming at 7.5 with its last start at 8, "rich" would be left less wait than "tight" has
+    # (2.0): it waits only until 6.0, from where it is the tighter of the two
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=10.0)
+    _tight_model_known(rank, lone_wait_s=2.0)
+    out: Outbox = []
+    rank.on_candidate(0.0, _early("rich", exec_at=0.0, aim_at=7.5, latest=8.0, lone_wait_s=8.0),
+                      out)
+    assert _grants(out) == [] and rank.wake_at == pytest.approx(6.0)
+    rank.on_timer(6.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "rich" and rank.n_holds == 1
+
+
+def test_a_held_back_start_goes_once_another_gpu_frees() -> None:
+    # GPU 0 frees at 3.0: "rich" is held only until then, and goes there (on the lowest id),
+    # the other GPU staying free for "tight"
+    rank = RankThread([0, 1], 0.0)
+    _busy(rank, 0.0, 0, until=3.0)
+    _tight_model_known(rank)
+    out: Outbox = []
+    rank.on_candidate(0.0, _early("rich", exec_at=0.0, aim_at=5.0, latest=8.0, lone_wait_s=8.0),
+                      out)
+    assert _grants(out) == [] and rank.wake_at == pytest.approx(3.0)
+    rank.on_timer(3.0, out)
+    (grant,) = _grants(out)
+    assert grant.model == "rich" and grant.gpu_id == 0 and rank.n_holds == 1

@@ -3,6 +3,7 @@ allowed dtype round-trips, arrays arrive without a copy, and the codec's own con
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,8 @@ def test_header_layout_is_kind_then_fields_in_order() -> None:
 
     message = CandidateUpdate("m", 4, 1.0, 2.0, 0.5, 3.0, True)
     (header,) = codec.encode(message)
-    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5, 3.0, True, False]
+    assert msgpack.unpackb(header) == ["cand", "m", 4, 1.0, 2.0, 0.5, 3.0, True, False, 0.0,
+                                       math.inf]
 
     array = np.ones((1, FRAMED_INT16), dtype=np.int16)
     frames = codec.encode(InferReply(3, {"y": array}))
