@@ -143,9 +143,8 @@ class RankThread:
         # the rescue's view of each candidate: model -> (duration, early_ok, shared, aim_at); and
         # how many candidates are early_ok (the rescue runs only while some are)
         self._candidate_runs: dict[str, tuple[float, bool, bool, float]] = {}
-        # the hold-back's view of the models that share GPUs: model -> how long a lone request
-        # of it can wait for a GPU (CandidateUpdate.lone_wait_s), and the two tightest of them
-        # (recomputed when it changes; None: to recompute)
+        # the hold-back's view of the sharing models: model -> its lone request's wait for a GPU
+        # (CandidateUpdate.lone_wait_s); the two tightest of them (None: to recompute)
         self._lone_wait: dict[str, float] = {}
         self._tightest: list[tuple[float, str]] | None = []
         self._n_early_ok = 0
@@ -165,8 +164,7 @@ class RankThread:
         self._model_pools: dict[str, list[_Pool]] | None = None
         self._gpu_models: dict[int, frozenset[str]] = {}  # the members map, by GPU
         self._pool_by_models: dict[frozenset[str], _Pool] = {}
-        # counters
-        self.n_grants = 0
+        self.n_grants = 0  # counters
         self.n_model_matches = 0
         self.n_gpu_matches = 0
         self.n_stale = 0
