@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import experiments
+from zserve.loadgen.experiments.autoscale import run_autoscale
 from zserve.loadgen.experiments.common import (
     DEFAULT_OUT_DIR,
     EXPERIMENT_SCHEMA,
@@ -54,6 +55,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                    "requests lost and the bad rate before, during, after (live)"),
     "partition": (run_partition, "sub-cluster partitioning (Symphony A.2): greedy-started "
                   "HiGHS MILP vs random search; a re-plan under a disruption budget"),
+    "autoscale": (run_autoscale, "Symphony 5.3 with the autoscaler acting: goodput and GPUs "
+                  "in use vs offered load (0.1x..2x)"),
 }
 
 
