@@ -24,11 +24,12 @@ from zserve.loadgen.workload import Workload, parse_workload
 from zserve.orchestrator.autoscale import AutoscalePolicy
 
 AUTOSCALE_MODELS = 10
+AUTOSCALE_QUICK_MODELS = 4  # --quick: 4 models on 8 GPUs (10 on 8 share every GPU: no idle)
 AUTOSCALE_PROFILE_MS = (2.05, 5.378, 100.0)  # GTX 1080 Ti ResNet50: alpha, beta; the SLO
 AUTOSCALE_GPUS = 24
 AUTOSCALE_QUICK_GPUS = 8
 AUTOSCALE_LOADS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
-AUTOSCALE_QUICK_LOADS = (0.25, 1.5)
+AUTOSCALE_QUICK_LOADS = (0.75, 1.5)
 AUTOSCALE_POOL_FACTOR = 2.5  # GPUs in the simulated pool: this times N (room for 2x)
 # The policy's windows in simulated seconds: the live defaults (zserve.config.cluster) x 1/10.
 AUTOSCALE_SIM_POLICY = AutoscalePolicy(up_window_s=1.0, down_window_s=2.0, settle_s=0.5,
@@ -43,11 +44,12 @@ GOOD_SHARE_MIN = 0.98  # good rate / offered at every point
 GPUS_TOLERANCE = 0.05  # GPUs in use within this share of N o / p (or one GPU)
 
 
-def autoscale_workload(gpus: int, rate: float, windows_s: tuple[float, float, float]) -> Workload:
+def autoscale_workload(gpus: int, rate: float, windows_s: tuple[float, float, float], *,
+                       quick: bool) -> Workload:
     alpha, beta, slo = AUTOSCALE_PROFILE_MS
     warmup, measure, cooldown = windows_s
     models = [{"name": f"resnet{i}", "slo_ms": slo, "alpha_ms": alpha, "beta_ms": beta}
-              for i in range(AUTOSCALE_MODELS)]
+              for i in range(AUTOSCALE_QUICK_MODELS if quick else AUTOSCALE_MODELS)]
     data = {"workload": {"name": "autoscale-resnet10", "gpus": gpus, "policy": "deferred",
                          "arrival": "poisson", "warmup_s": warmup, "measure_s": measure,
                          "cooldown_s": cooldown, "jitter_ms": 1.0, "rate": rate},
@@ -61,7 +63,7 @@ def autoscaled_point(n: int, rate: float, policy: AutoscalePolicy, *, quick: boo
     converge = AUTOSCALE_QUICK_CONVERGE_S if quick else AUTOSCALE_CONVERGE_S
     measure = AUTOSCALE_QUICK_MEASURE_S if quick else AUTOSCALE_MEASURE_S
     pool = int(AUTOSCALE_POOL_FACTOR * n)
-    w = autoscale_workload(pool, rate, (converge, measure, 0.5))
+    w = autoscale_workload(pool, rate, (converge, measure, 0.5), quick=quick)
     scaling = ElasticConfig(replace(policy, max_backends=pool), n,
                             start_delay_s=AUTOSCALE_START_DELAY_S, tick_s=AUTOSCALE_TICK_S)
     report = simulate(w, SimConfig(autoscale=scaling))
@@ -98,7 +100,8 @@ def run_autoscale(opts: Options) -> Outcome:
     quick = opts.quick
     n = AUTOSCALE_QUICK_GPUS if quick else AUTOSCALE_GPUS
     loads = AUTOSCALE_QUICK_LOADS if quick else AUTOSCALE_LOADS
-    fixed = autoscale_workload(n, 1000.0, (1.0, 3.0, 0.5) if not quick else (0.5, 1.5, 0.5))
+    fixed = autoscale_workload(n, 1000.0, (1.0, 3.0, 0.5) if not quick else (0.5, 1.5, 0.5),
+                               quick=quick)
     peak = sim_goodput(fixed, precision=QUICK_PRECISION if quick else FULL_PRECISION)
     # the idle floor: the idle fraction N GPUs keep at their peak (chosen by this measurement)
     floor = round(max(0.0, 1.0 - (peak.busy_fraction or 1.0)), 3)
@@ -114,14 +117,14 @@ def run_autoscale(opts: Options) -> Outcome:
                  f"(N o/p {n * load:.1f}), {len(point['changes'])} changes")
     converge_s = AUTOSCALE_QUICK_CONVERGE_S if quick else AUTOSCALE_CONVERGE_S
     table = Table(
-        f"Autoscaled flat top (simulated): {AUTOSCALE_MODELS} ResNet50 (1080 Ti) models, SLO "
+        f"Autoscaled flat top (simulated): {len(fixed.models)} ResNet50 (1080 Ti) models, SLO "
         f"100 ms, start on N = {n} GPUs (peak p = {peak.goodput_rps:.0f} r/s, idle floor "
         f"{floor}); measured after {converge_s:g} s of autoscaling",
         ["load o/p", "offered r/s", "good r/s", "good/offered", "bad", "GPUs in use",
          "N o/p", "changes"],
         [[p["load"], p["offered_rps"], p["good_rps"], round(p["good_rps"] / p["offered_rps"], 4),
           p["bad_rate"], p["gpus_in_use"], p["ideal_gpus"], len(p["changes"])] for p in points])
-    config = {"models": AUTOSCALE_MODELS, "profile_ms": AUTOSCALE_PROFILE_MS, "gpus": n,
+    config = {"models": len(fixed.models), "profile_ms": AUTOSCALE_PROFILE_MS, "gpus": n,
               "loads": loads, "policy": asdict(policy), "start_delay_s":
               AUTOSCALE_START_DELAY_S, "tick_s": AUTOSCALE_TICK_S}
     outcome = Outcome(config, [table], _checks(points, n),

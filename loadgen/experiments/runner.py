@@ -21,6 +21,7 @@ from zserve.loadgen.experiments.common import (
     Table,
     machine_info,
 )
+from zserve.loadgen.experiments.day import run_day
 from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
@@ -57,6 +58,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "HiGHS MILP vs random search; a re-plan under a disruption budget"),
     "autoscale": (run_autoscale, "Symphony 5.3 with the autoscaler acting: goodput and GPUs "
                   "in use vs offered load (0.1x..2x)"),
+    "day": (run_day, "Symphony 5.6: a generated day of 24 models on up to 512 GPUs, autoscaled "
+            "(fluid model + a compressed hour at request level) vs Ray Serve, KPA, an oracle"),
 }
 
 

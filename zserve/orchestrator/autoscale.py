@@ -15,20 +15,23 @@ the 1%-bad goodput) it needs
 
 backends, which is Symphony's N + N r / (1 - r) when the GPUs are saturated (f = idle_floor,
 headroom 0) and N - N f' (f' the idle fraction beyond the floor) when nothing is bad. The busy
-GPU-seconds per second do not depend on N, so the estimate holds across changes of N.
+GPU-seconds per second do not depend on N, so the estimate holds across changes of N. A busy
+fraction above the peak's counts as the peak's: on scarce GPUs the rank's rescue fills them with
+smaller batches that still meet their SLOs (10 ResNet50s at 0.5x of the 24-GPU peak on 12-13
+GPUs: 100% busy), which is not load.
 
 Hysteresis (docs/performance.md, "Autoscaling", says how the values were chosen):
 
-- **Add** when the bad rate over the last ``up_window_s`` exceeds ``add_bad_rate`` (or, with a
-  ``headroom``, when the estimate over that window asks for more backends than there are): to
-  ``ceil(needed)`` at once. Without headroom a busy fraction alone never adds: on scarce GPUs the
-  rank's rescue fills them with smaller batches that still meet their SLOs, so the GPUs run
-  near 100% busy while nothing is bad (10 ResNet50s at 0.48x of the 24-GPU peak: 13 GPUs 100%
-  busy, 0 bad). The window counts only what was measured after the last
-  change settled (``settle_s``: a new backend starts and warms), so a burst is not answered
-  twice.
+- **Add** when the bad rate over the last ``up_window_s`` exceeds ``add_bad_rate``: to
+  ``ceil(needed)`` at once (``headroom`` asks for that much more). A busy fraction alone never
+  adds: on scarce GPUs the rank's rescue fills them with smaller batches that still meet their
+  SLOs, so the GPUs run near 100% busy while nothing is bad (10 ResNet50s at 0.48x of the
+  24-GPU peak: 13 GPUs 100% busy, 0 bad); it would add without end. The window counts only
+  what was measured after the last change settled (``settle_s``: a new backend starts and
+  warms), so a burst is not answered twice.
 - **Release** only when the idle fraction over the last ``down_window_s`` exceeds ``idle_floor
-  + release_margin`` (a dead band between the two thresholds) and ``ceil(needed)`` is below N,
+  + release_margin`` (a dead band between the two thresholds) and ``ceil(needed)`` is below N
+  in every up-window-long stretch of that window (the release goes to the busiest one's need),
   and no change came within ``down_hold_s`` (the time a release waits after any change: a release
   right after an add is how autoscalers oscillate), at most ``max_release_fraction`` of N at a
   time.
@@ -45,7 +48,6 @@ from dataclasses import dataclass
 # Advice reasons (the gauge's label and `zserve status`'s column).
 HOLD = "hold"
 ADD_BAD = "add: bad rate"
-ADD_BUSY = "add: busy"
 RELEASE_IDLE = "release: idle"
 BOUND = "bound"
 # The estimate rounds up from this fraction of a backend: ceil(needed - slack) keeps a needed
@@ -183,10 +185,25 @@ class Autoscaler:
                 window.add(s)
         return window
 
+    def _peak_needed(self, now: float) -> float:
+        """The most backends any up-window-long stretch of the down window needed: a release
+        goes only as low as the busiest part of its window allows (Kubernetes' HPA takes the
+        highest recommendation of its scale-down stabilization window alike)."""
+        p = self.policy
+        start = max(now - p.down_window_s, self.last_change_at + p.settle_s)
+        chunks: dict[int, _Window] = {}
+        for end, s in self._samples:
+            if end - s.duration_s >= start - 1e-9:
+                key = int((end - start - 1e-9) // p.up_window_s)
+                chunks.setdefault(key, _Window()).add(s)
+        return max((self._needed(w) for w in chunks.values() if w.duration_s > 0), default=0.0)
+
     def _needed(self, w: _Window) -> float:
         """Backends the window's load needs at the peak's busy fraction (with headroom)."""
         p = self.policy
-        busy_gpus = w.busy_s / w.duration_s
+        # Busier than the peak's busy fraction is the rescue filling scarce GPUs with smaller
+        # batches, not load: capped there, an add is Symphony's N / (1 - r).
+        busy_gpus = min(w.busy_s, w.capacity_s * (1.0 - p.idle_floor)) / w.duration_s
         return busy_gpus / ((1.0 - min(w.bad_rate, 0.99)) * (1.0 - p.idle_floor)
                             * (1.0 - p.headroom))
 
@@ -200,10 +217,10 @@ class Autoscaler:
             needed = self._needed(up)
             want = math.ceil(needed - NEEDED_ROUNDING_SLACK)
             bad = up.offered >= p.min_requests and up.bad_rate > p.add_bad_rate
-            if want > n and (bad or p.headroom > 0):
-                target, reason = want, ADD_BAD if bad else ADD_BUSY
+            if want > n and bad:
+                target, reason = want, ADD_BAD
         if target == n and down.duration_s >= p.down_window_s * 0.999:
-            needed = self._needed(down)
+            needed = self._peak_needed(now)
             want = max(math.ceil(needed - NEEDED_ROUNDING_SLACK),
                        n - math.floor(p.max_release_fraction * n))
             if (down.idle_fraction > p.idle_floor + p.release_margin and want < n
@@ -242,6 +259,6 @@ def most_turns_within(turns: list[float], span_s: float) -> int:
     return most
 
 
-__all__ = ["ADD_BAD", "ADD_BUSY", "BOUND", "HOLD", "RELEASE_IDLE", "Advice", "AutoscalePolicy",
+__all__ = ["ADD_BAD", "BOUND", "HOLD", "RELEASE_IDLE", "Advice", "AutoscalePolicy",
            "AutoscalePolicyError", "Autoscaler", "Signals", "direction_changes",
            "most_turns_within"]
