@@ -168,6 +168,7 @@ class Autoscaler:
         self.changes: list[tuple[float, int]] = []  # (when, change) of every advised change
         self._samples: deque[tuple[float, Signals]] = deque()  # (end time, signals)
         self.last = Advice(self.backends, 0, 0.0, 0.0, float(self.backends), HOLD)
+        self.last_change: Advice | None = None  # the newest advice that changed the target
 
     def observe(self, now: float, signals: Signals) -> None:
         """One interval ending at ``now``."""
@@ -234,6 +235,7 @@ class Autoscaler:
         idle = down.idle_fraction if down.duration_s > 0 else up.idle_fraction
         self.last = Advice(bounded, change, up.bad_rate, idle, needed, reason)
         if change:
+            self.last_change = self.last
             self.backends = bounded
             self.last_change_at = now
             self.changes.append((now, change))
