@@ -346,7 +346,7 @@ def _plot(rates: np.ndarray[Any, Any], oracle: np.ndarray[Any, Any], replays: li
     axes[1].set_ylabel("GPUs allocated")
     axes[1].legend(fontsize="small")
     advice = np.diff(np.asarray(chosen.run.allocated), prepend=chosen.run.allocated[0])
-    axes[2].bar(hours, advice, width=DAY_STEP_S / 3600.0)
+    axes[2].bar(hours, advice, width=0.1)  # wide enough to see at a day's scale
     axes[2].set_ylabel("GPUs added / released")
     axes[3].plot(np.arange(len(oracle)) / 60.0, chosen.run.minute_bad(STEPS_PER_MINUTE)
                  [:len(oracle)], linewidth=0.8)
