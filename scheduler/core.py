@@ -230,6 +230,18 @@ class SchedulerCore:
         self._reopen()
         self._after(now, outbox, None)
 
+    def rank_add_gpu(self, now: float, gpu_id: int, outbox: Outbox, free_at: float) -> None:
+        """The embedded rank gains ``gpu_id``, free from ``free_at`` (a backend that joined)."""
+        assert self.rank is not None
+        self.rank.add_gpu(now, gpu_id, outbox, max(now, free_at))
+        self._after(now, outbox, None)
+
+    def rank_remove_gpu(self, now: float, gpu_id: int, outbox: Outbox) -> None:
+        """The embedded rank stops granting ``gpu_id`` (its backend drains what it holds)."""
+        assert self.rank is not None
+        self.rank.remove_gpu(now, gpu_id, outbox)
+        self._after(now, outbox, None)
+
     def remove_gpu(self, now: float, gpu_id: int, outbox: Outbox) -> None:
         """``gpu_id`` serves no model any more (its backend is suspect)."""
         self.set_served(now, {m: [g for g in gpus if g != gpu_id]

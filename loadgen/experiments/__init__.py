@@ -49,6 +49,20 @@ the full runs and says how to read them.
     re-plan after a rate drift under a disruption budget (C_max = 5% of the model bytes) against
     an unconstrained one. Pure computation, no simulator.
 
+``autoscale``
+    Symphony v2 section 5.3 with the autoscaler acting: 10 ResNet50 (1080 Ti) models, SLO 100 ms,
+    offered load 0.1x to 2x of the peak of 24 simulated GPUs; each point starts on 24 GPUs and
+    the advice (``zserve.orchestrator.autoscale``, hosted by ``zserve.loadgen.sim.elastic``)
+    adds and releases GPUs. Checks: good rate >= 98% of the offered load, GPUs in use within 5%
+    (or one GPU) of N o / p.
+``day``
+    Symphony v2 section 5.6's shape: a generated day of 24 models (their own SLOs) on up to 512
+    GPUs in a per-step fluid model calibrated by request-level runs, under zserve's advice, Ray
+    Serve's default policy, Knative's KPA and an offline oracle; and one compressed hour at
+    request level against the fluid model. Checks: GPU-hours <= 1.1x the oracle's, <= 1% bad in
+    >= 99% of minutes, at most one change of direction per 10 minutes, the hour's GPU-seconds
+    within 10%.
+
 ``--quick`` shrinks every experiment to well under 30 s (fewer points, a smaller shape, short
 windows, coarser search): the same code path, for the tests. ``--live`` adds the live parts
 (fig6a, flattop); they start clusters of emulated backends on this machine.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import experiments
+from zserve.loadgen.experiments.autoscale import run_autoscale
 from zserve.loadgen.experiments.common import (
     DEFAULT_OUT_DIR,
     EXPERIMENT_SCHEMA,
@@ -20,6 +21,7 @@ from zserve.loadgen.experiments.common import (
     Table,
     machine_info,
 )
+from zserve.loadgen.experiments.day import run_day
 from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
@@ -54,6 +56,10 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                    "requests lost and the bad rate before, during, after (live)"),
     "partition": (run_partition, "sub-cluster partitioning (Symphony A.2): greedy-started "
                   "HiGHS MILP vs random search; a re-plan under a disruption budget"),
+    "autoscale": (run_autoscale, "Symphony 5.3 with the autoscaler acting: goodput and GPUs "
+                  "in use vs offered load (0.1x..2x)"),
+    "day": (run_day, "Symphony 5.6: a generated day of 24 models on up to 512 GPUs, autoscaled "
+            "(fluid model + a compressed hour at request level) vs Ray Serve, KPA, an oracle"),
 }
 
 

@@ -114,6 +114,8 @@ class AnswerLog:
         self.arrivals = arrivals
         self.window = window
         self.measured_bad = [0] * models  # bad answers to requests of the measure window
+        self.n_answered = 0  # every answer so far, and the bad ones (the autoscaler's signals)
+        self.n_bad = 0
 
     def record(self, now: float, index: int, error: str | None) -> None:
         if self.status[index] != PENDING:
@@ -125,7 +127,9 @@ class AnswerLog:
             self.status[index] = DROPPED if error == _DEADLINE else ERROR
             self.error_kind[index] = ERROR_INDEX.get(error, ERROR_INDEX[ErrorKind.INTERNAL.value])
         self.answered_at[index] = now
+        self.n_answered += 1
         if self.status[index] != GOOD:
+            self.n_bad += 1
             lo, hi = self.window
             if lo <= self.arrivals[index] < hi:
                 self.measured_bad[int(self.model_of[index])] += 1

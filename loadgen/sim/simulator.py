@@ -48,6 +48,7 @@ from zserve.config.cluster import ClusterConfig
 from zserve.config.policy_names import SchedulePolicy
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
+from zserve.loadgen.sim.elastic import ElasticConfig, ElasticGpus
 from zserve.loadgen.sim.frontends import (
     PENDING,
     AnswerLog,
@@ -83,6 +84,8 @@ _EV_ARRIVAL, _EV_SCHEDULER = 0, 1
 _EV_PLAN, _EV_INPUTS, _EV_GPU_TIMER, _EV_DONE = 2, 3, 4, 5
 # Frontend events (idx = frontend): its core's timer; the end of its tick (sim_tick_ms > 0).
 _EV_FRONTEND_TIMER, _EV_TICK = 6, 7
+# The autoscaler's control tick; a started GPU joins the rank (idx = gpu id).
+_EV_AUTOSCALE, _EV_JOIN = 8, 9
 BAIL_CHECK_INTERVAL_S = 0.25
 BAIL_MIN_BAD = 200
 """A bailing run stops once a model has at least this many bad requests in the measure window
@@ -102,6 +105,9 @@ class SimConfig:
     # The cluster whose [frontends] (count, max_request_bytes) and models' max_queue/max_wait_ms
     # the simulated frontends admit by; None: a default cluster's (zserve.config.cluster).
     frontend: ClusterConfig | None = None
+    # The autoscaler (loadgen/sim/elastic.py): the workload's ``gpus`` are the pool, of which
+    # ``autoscale.backends`` serve at the start. None: every GPU serves throughout.
+    autoscale: ElasticConfig | None = None
 
 
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
@@ -134,6 +140,9 @@ class Simulator:
         tol = self.config.keep_tolerance
         self.keep_tolerance = w.keep_tolerance if tol is None else tol
         d_ctrl_s, d_data_s = w.d_ctrl_ms / 1e3, w.d_data_ms / 1e3
+        scaling = self.config.autoscale
+        self.elastic = None if scaling is None else ElasticGpus(scaling, w.gpus)
+        self.busy_started_s = 0.0  # GPU-seconds of the batches started so far
         self.models, self.rank, self.core, self.followers = self._build_roles(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
@@ -227,7 +236,8 @@ class Simulator:
         for follower in followers:
             for m in w.models:
                 follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
-        rank = RankThread(list(range(w.gpus)), 0.0, grant_order=self.policy.grant_order)
+        serving = list(range(w.gpus)) if self.elastic is None else self.elastic.serving
+        rank = RankThread(list(serving), 0.0, grant_order=self.policy.grant_order)
         core = SchedulerCore("sim", rank=rank)
         for thread in models:
             core.add_thread(0.0, thread, [])
@@ -496,6 +506,7 @@ class Simulator:
         self.exec[ids] = now
         self.gpu_busy_until[gpu] = finish
         self.batches.append((i, gpu, now, finish, bs))
+        self.busy_started_s += finish - now
         self._push(finish, _EV_DONE, gpu, run)
 
     # ------------------------------------------------------------------ main loop
@@ -504,6 +515,8 @@ class Simulator:
         started = time.perf_counter()
         if self._arrival_times:
             self._push(self._arrival_times[0], _EV_ARRIVAL, -1)
+        if self.elastic is not None:
+            self._push(self.elastic.config.tick_s, _EV_AUTOSCALE, -1)
         events = self._events
         bail = self.config.bail_bad_rate
         next_bail_check = self.window[0] + BAIL_CHECK_INTERVAL_S
@@ -526,6 +539,11 @@ class Simulator:
         if not self.bailed and self.config.check:
             self._check_all_answered()
         report: dict[str, Any] = simulation_report(self, wall)
+        if self.elastic is not None:
+            report["autoscale"] = {
+                "timeline": self.elastic.timeline,
+                "allocated_gpu_s": self.elastic.allocated_gpu_s(self.elastic.config.tick_s),
+                "changes": self.elastic.autoscaler.changes}
         return report
 
     def _on_event(self, now: float, kind: int, idx: int, seq: int) -> None:
@@ -541,8 +559,30 @@ class Simulator:
             self._on_frontend_timer(now, idx)
         elif kind == _EV_TICK:
             self._end_tick(now, idx)
+        elif kind in (_EV_AUTOSCALE, _EV_JOIN):
+            self._on_autoscale(now, kind, idx)
         else:
             self._on_gpu_event(now, kind, idx, seq)
+
+    def _on_autoscale(self, now: float, kind: int, gpu: int) -> None:
+        """The autoscaler's tick (start and drain GPUs; the next tick while arrivals remain), or
+        a started GPU that joins the rank."""
+        elastic = self.elastic
+        assert elastic is not None
+        outbox: Outbox = []
+        if kind == _EV_JOIN:
+            if elastic.on_joined(gpu):
+                self.core.rank_add_gpu(now, gpu, outbox, self.gpu_planned_until[gpu])
+        else:
+            counters = (self.answers.n_answered, self.answers.n_bad, self.busy_started_s)
+            starts, stops = elastic.on_tick(now, counters, self.gpu_busy_until)
+            for started, ready in starts:
+                self._push(ready, _EV_JOIN, started)
+            for stopped in stops:  # its follower runs the plans it holds: the drain
+                self.core.rank_remove_gpu(now, stopped, outbox)
+            if self._next_arrival < len(self._arrival_times):
+                self._push(now + elastic.config.tick_s, _EV_AUTOSCALE, -1)
+        self._deliver_scheduler(now, outbox)
 
     def _check_all_answered(self) -> None:
         left = int(np.count_nonzero(self.status == PENDING))

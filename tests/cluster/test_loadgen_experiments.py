@@ -13,7 +13,9 @@ import pytest
 
 from zserve import cli as zserve_cli
 from zserve.loadgen.experiments import (
+    autoscale,
     common,
+    day,
     eager_floor,
     fig6a,
     flattop,
@@ -261,6 +263,33 @@ def test_model_move_quick_moves_a_model_under_load_and_loses_no_request(tmp_path
     assert _check(result, "no request is lost")["passed"]
     assert _check(result, "moves were made")["passed"]
     assert [row[0] for row in result["tables"][0]["rows"]] == ["before", "during", "after"]
+
+
+def test_autoscale_quick(tmp_path: Path) -> None:
+    result = _quick("autoscale", tmp_path)  # _quick asserts every check passed
+    points = result["points"]["points"]
+    assert [p["load"] for p in points] == list(autoscale.AUTOSCALE_QUICK_LOADS)
+    start = autoscale.AUTOSCALE_QUICK_GPUS
+    for p in points:
+        timeline = p["timeline"]
+        assert timeline[0]["serving"] == start
+        # the autoscaler moved toward N o / p: released below N under load, added above it
+        direction = 1 if p["load"] > 1 else -1
+        assert any(change * direction > 0 for _, change in p["changes"]), p["changes"]
+        assert p["good_rps"] >= autoscale.GOOD_SHARE_MIN * p["offered_rps"]
+
+
+def test_day_quick(tmp_path: Path) -> None:
+    result = _quick("day", tmp_path)  # _quick asserts every check passed
+    points = result["points"]
+    rows = {row[0]: row for row in points["replays"]}
+    assert {"Ray Serve default", "Knative KPA"} <= set(rows)
+    chosen = rows[f"zserve headroom {day.DAY_HEADROOM:g}"]
+    assert chosen[2] <= day.GPU_HOURS_MAX_RATIO  # GPU-hours over the oracle's
+    assert max(row[6] for row in rows.values()) <= day.DAY_MAX_GPUS
+    hour = points["hour"]
+    assert hour["requests"] > 10_000 and hour["fluid"]["gpu_s"] > 0
+    assert len(hour["fluid"]["gpus"]) == len(hour["request_level"]["gpus"])
 
 
 def test_scale_quick(tmp_path: Path) -> None:

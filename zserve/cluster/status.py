@@ -130,6 +130,18 @@ def _print_requests(before: dict[str, Any], stats: dict[str, Any], interval_s: f
           + ", ".join(parts) + " r/s")
 
 
+def _print_autoscale(stats: dict[str, Any]) -> None:
+    """The frontend's autoscaling advice (``[autoscale] enabled``; its autoscale_advice)."""
+    advice = stats.get("autoscale")
+    if not advice:
+        return
+    print(f"autoscale: advice {advice['advice_backends']} backends (serving "
+          f"{advice['backends']}, bounds {advice['min_backends']}..{advice['max_backends']}); "
+          f"last change {advice['change']:+d} ({advice['reason']}); bad rate "
+          f"{advice['bad_rate']:.2%}, idle {advice['idle_fraction']:.1%}, needed "
+          f"{advice['needed']:.2f}")
+
+
 def main(argv: list[str]) -> int:
     """``zserve status [ADDRESS] [--state-dir DIR] [--interval S]``: print a running cluster's
     endpoints, roles, models, backends, readiness and request rates."""
@@ -156,4 +168,5 @@ def main(argv: list[str]) -> int:
     _print_models(before, stats, args.interval)
     _print_backends(before, stats, args.interval)
     _print_requests(before, stats, args.interval)
+    _print_autoscale(stats)
     return 0

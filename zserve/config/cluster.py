@@ -401,6 +401,61 @@ class RepositoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return msgspec.structs.replace(self, path=str((base / self.path).resolve()))
 
 
+class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[autoscale]``: the autoscaling advice (``zserve.orchestrator.autoscale``; the frontends
+    compute and export it while ``enabled``) and the bounds ``zserve up`` acts within
+    (docs/cluster-toml.md)."""
+
+    enabled: bool = False
+    min_backends: Count = 1
+    max_backends: int = 0  # 0: backends.count (the advice may not exceed what was started)
+    interval_s: float = 1.0
+    up_window_s: float = 10.0
+    down_window_s: float = 60.0
+    add_bad_rate: float = 0.01
+    idle_floor: float = 0.03
+    release_margin: float = 0.1
+    headroom: float = 0.03
+    settle_s: float = 5.0
+    down_hold_s: float = 600.0
+    max_release_fraction: float = 0.25
+    min_requests: Count = 200
+
+    def __post_init__(self) -> None:
+        for key in ("interval_s", "up_window_s", "down_window_s"):
+            check_finite(key, getattr(self, key), positive=True)
+        for key in ("settle_s", "down_hold_s"):
+            check_finite(key, getattr(self, key))
+            if getattr(self, key) < 0:
+                raise FieldError(key, "must be >= 0")
+        for key in ("add_bad_rate", "idle_floor", "release_margin", "headroom"):
+            value = getattr(self, key)
+            check_finite(key, value)
+            if not 0.0 <= value < 1.0:
+                raise FieldError(key, f"must be in [0, 1), got {value}")
+        if not 0.0 < self.max_release_fraction <= 1.0:
+            raise FieldError("max_release_fraction", "must be in (0, 1]")
+        if self.max_backends < 0:
+            raise FieldError("max_backends", "must be >= 0 (0: backends.count)")
+
+    def bounds(self, backends: int) -> tuple[int, int]:
+        """(min, max) backends, ``max_backends = 0`` meaning ``backends`` (the count started)."""
+        return self.min_backends, self.max_backends or backends
+
+
+def _check_autoscale(autoscale: AutoscaleConfig, backends: BackendsConfig) -> None:
+    low, high = autoscale.bounds(backends.total)
+    if low > high:
+        raise FieldError("autoscale.min_backends",
+                         f"{low} is above max_backends {high}")
+    if autoscale.enabled and not low <= backends.total <= high:
+        raise FieldError("backends.count", f"{backends.total} backends start, outside "
+                         f"[autoscale] min_backends..max_backends ({low}..{high})")
+    if autoscale.enabled and backends.devices:
+        raise FieldError("backends.devices", "[autoscale] starts backends of one device "
+                         "(backends.device), not a list")
+
+
 def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
@@ -422,9 +477,11 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     models: tuple[ModelConfig, ...] = ()
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
     def __post_init__(self) -> None:
         _check_models(self.models, repository=self.repository.path is not None)
+        _check_autoscale(self.autoscale, self.backends)
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -443,6 +500,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     models: tuple[ModelConfig, ...] = ()
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
     # The models of ``[repository]`` not loaded at start (no backend serves them until a
     # repository load); every other model is loaded by every backend at start.
     unloaded_at_start: tuple[str, ...] = ()
@@ -675,6 +733,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         models=models,
         security=document.security.resolved(base),
         repository=repository,
+        autoscale=document.autoscale,
         unloaded_at_start=unloaded,
         repository_models=tuple(m.name for m in found),
     )

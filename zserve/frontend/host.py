@@ -42,6 +42,7 @@ from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.core.hosting import Destination, Outbox
 from zserve.core.request_ids import new_incarnation
 from zserve.frontend import readiness
+from zserve.frontend.autoscale_advice import AdviceTracker, advise_every
 from zserve.frontend.cluster_stats import ClusterStatsRounds
 from zserve.frontend.core import TO_BACKEND, TO_CLIENT, FrontendCore
 from zserve.frontend.metrics import MetricsServer, in_process_stats_reader, serve_frontend_metrics
@@ -141,6 +142,9 @@ class FrontendHost:
             name=self.name, loop=loop, own_stats=self.stats, ask_peers=self._ask_peers,
             flush=self.driver.flush, counters=self.counters)
         self.metrics_url: str | None = None  # the Prometheus endpoint, once serving
+        # The autoscaling advice ([autoscale] enabled), fed by a stats round every interval.
+        self.advice = AdviceTracker.for_cluster(self.cluster, loop.time())
+        self._advising: asyncio.Task[None] | None = None
         self._rank_embedded = False  # rank lives in shard-0 (shards = 0): ask it once
         self._closed = False
         self._clients_on_fd: dict[int, set[bytes]] = {}
@@ -227,6 +231,10 @@ class FrontendHost:
         self.cluster_stats.open()
         self._heartbeat = self.loop.create_task(self._heartbeat_loop(),
                                                 name="scheduler-heartbeat")
+        if self.advice is not None:
+            self._advising = self.loop.create_task(advise_every(
+                self.advice, self.cluster.autoscale.interval_s, self.loop.time,
+                self.cluster_stats.ask), name="autoscale-advice")
 
     async def _heartbeat_loop(self) -> None:
         """Heartbeat every scheduler: a restarted one asks who this frontend is (so it hears the
@@ -253,6 +261,8 @@ class FrontendHost:
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._advising is not None:
+            self._advising.cancel()
         self._reactor.close()
         if self.client_sock is not None and self.monitor_sock is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -507,6 +517,8 @@ class FrontendHost:
         out["ready"] = self.oip.ready()
         out["unready_models"] = readiness.unready_models(self.core.models,
                                                          self.core.backend_models)
+        if self.advice is not None:  # zserve status, the metrics and zserve up read it
+            out["autoscale"] = self.advice.snapshot()
         return out
 
 

@@ -263,6 +263,37 @@ def readiness_families(frontend: str, stats: Mapping[str, Any],
     return [ready, model_ready]
 
 
+# The autoscaling advice (zserve.frontend.autoscale_advice): stats key -> (metric, help).
+AUTOSCALE_GAUGES = (
+    ("advice_backends", "zserve_autoscale_backends_advice", "The backends the cluster should "
+     "have ([autoscale] advice; KEDA / an HPA scale on it)"),
+    ("backends", "zserve_autoscale_backends", "The backends serving now (the frontend's table)"),
+    ("change", "zserve_autoscale_change", "The last advised change: backends to add (> 0) or "
+     "release (< 0)"),
+    ("needed", "zserve_autoscale_needed_backends", "The backends the measured load needs at "
+     "the peak's busy fraction (the advice's estimate, before rounding and hysteresis)"),
+    ("bad_rate", "zserve_autoscale_bad_rate", "Share of the requests of the up window not "
+     "answered with outputs in time"),
+    ("idle_fraction", "zserve_autoscale_idle_fraction", "Share of the serving backends' time "
+     "they ran no batch, over the down window"),
+    ("min_backends", "zserve_autoscale_min_backends", "[autoscale] min_backends"),
+    ("max_backends", "zserve_autoscale_max_backends", "[autoscale] max_backends"),
+)
+
+
+def autoscale_families(frontend: str, stats: Mapping[str, Any]) -> list[Metric]:
+    """The frontend's autoscaling advice as gauges (none unless ``[autoscale] enabled``)."""
+    advice = stats.get("autoscale")
+    if not isinstance(advice, Mapping):
+        return []
+    out: list[Metric] = []
+    for key, metric, doc in AUTOSCALE_GAUGES:
+        gauge = GaugeMetricFamily(metric, doc, labels=["frontend"])
+        gauge.add_metric([frontend], float(advice.get(key, math.nan)))
+        out.append(gauge)
+    return out
+
+
 def cluster_families(frontend: str, stats: Mapping[str, Any] | None, models: frozenset[str],
                      busy_windows: BusyWindows | None = None) -> list[Metric]:
     """Every family of one ``ClusterStatsRequest`` answer (None: the frontend did not answer);
@@ -280,7 +311,7 @@ def cluster_families(frontend: str, stats: Mapping[str, Any] | None, models: fro
     return [up, *frontend_families(frontend, stats, models),
             *readiness_families(frontend, stats, models),
             *backend_families(cluster, models, busy_windows),
-            *scheduler_families(cluster, models)]
+            *scheduler_families(cluster, models), *autoscale_families(frontend, stats)]
 
 
 # --------------------------------------------------------------------------- serving
@@ -349,6 +380,6 @@ def serve_frontend_metrics(address: str, frontend: str, models: Iterable[str],
     return server
 
 
-__all__ = ["HTTP_REFUSAL_REASONS", "HTTP_REFUSED_COUNTER", "BusyWindows", "ClusterCollector",
-           "MetricsServer", "cluster_families", "histogram_buckets", "in_process_stats_reader",
-           "serve_frontend_metrics"]
+__all__ = ["AUTOSCALE_GAUGES", "HTTP_REFUSAL_REASONS", "HTTP_REFUSED_COUNTER", "BusyWindows",
+           "ClusterCollector", "MetricsServer", "autoscale_families", "cluster_families",
+           "histogram_buckets", "in_process_stats_reader", "serve_frontend_metrics"]

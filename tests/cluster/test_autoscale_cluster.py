@@ -1,0 +1,81 @@
+"""The autoscaling advice on a live cluster (zserve.frontend.autoscale_advice): an overloaded
+cluster of one emulated backend is advised to grow, and the advice is a Prometheus gauge
+(``zserve_autoscale_backends_advice``) and a line of ``zserve status``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from runtime_helpers import ask_frontend_stats, wait_until
+
+import zserve
+from zserve.cluster import status
+from zserve.cluster.supervisor import Cluster
+from zserve.config.cluster import parse_config
+from zserve.core.errors import ZServeError
+from zserve.orchestrator.autoscale import ADD_BAD
+from zserve.transport.messages import StatsRequest
+
+BURST_REQUESTS = 300
+
+
+def _gauges(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+            if f.name.startswith("zserve_autoscale")}
+
+
+def _overload(address: str) -> int:
+    """A burst far beyond one backend: most requests end OVERLOADED or DEADLINE. Returns how
+    many ended with an error."""
+    image = {"x": np.ones((1, 4), np.float32)}
+    failed = 0
+    with zserve.Client(address, timeout=20) as client:
+        futures = [client.submit("a", image) for _ in range(BURST_REQUESTS)]
+        for future in futures:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                try:
+                    future.result()
+                except ZServeError:
+                    failed += 1
+    return failed
+
+
+def test_an_overloaded_cluster_is_advised_to_grow(tmp_path: Path) -> None:
+    config = parse_config({
+        "cluster": {"drain_s": 2.0},
+        "scheduler": {"shards": 0},
+        "frontends": {"count": 1, "metrics_addresses": ["127.0.0.1:0"]},
+        "backends": {"count": 1, "device": "emulated"},
+        "autoscale": {"enabled": True, "max_backends": 3, "interval_s": 0.2,
+                      "up_window_s": 1.0, "min_requests": 20},
+        "models": [{"name": "a", "emulated": {"alpha_ms": 5.0, "beta_ms": 20.0,
+                                              "input_shape": [4]},
+                    "slo_ms": 60.0, "max_batch": 4}],
+    })
+    with Cluster(config, ipc_base=tmp_path, restart=False) as cluster:
+        own: dict[str, Any] = ask_frontend_stats(cluster.client_address,
+                                                 StatsRequest(reset=False), b"test-autoscale")
+        assert own["autoscale"]["advice_backends"] == 1 and own["autoscale"]["backends"] == 1
+        url = own["metrics_url"]
+        assert _overload(cluster.client_address) > BURST_REQUESTS // 2
+        wait_until(lambda: _gauges(url).get("zserve_autoscale_backends_advice") == 3.0,
+                   "the advice grows to max_backends under overload")
+        gauges = _gauges(url)
+        assert gauges["zserve_autoscale_backends"] == 1.0  # nobody acted on it here
+        assert gauges["zserve_autoscale_max_backends"] == 3.0
+        assert gauges["zserve_autoscale_bad_rate"] > 0.01
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert status.main([cluster.client_address, "--interval", "0.2"]) == 0
+        line = next(x for x in printed.getvalue().splitlines() if x.startswith("autoscale:"))
+        assert "advice 3 backends (serving 1, bounds 1..3)" in line
+        assert ADD_BAD in line or "bound" in line
