@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 
 import zmq
 
+from zserve.cluster.autoscaler import BackendAutoscaler
 from zserve.cluster.child import SupervisedChild, child_main
 from zserve.cluster.preflight import bound_addresses, preflight
 from zserve.cluster.repository import MOVE, Call, Effects, ModelRepository
@@ -171,6 +172,10 @@ class Supervisor:
         # Repository calls made in this process (``repository_call``): request id -> its reply.
         self._local_replies: dict[int, Future[RepositoryReply]] = {}
         self._local_calls = 0
+        # Starts and releases backends on the frontends' advice ([autoscale] enabled and act).
+        self.autoscaler = BackendAutoscaler(
+            config, self.children, spawn=self._spawn, send=self._send, stats=self.child_stats,
+            ipc_dir=ipc_dir) if config.autoscale.enabled and config.autoscale.act else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -430,8 +435,10 @@ class Supervisor:
                 on_ready()
             while not self._stop_requested:
                 now = time.monotonic()
-                for child in self.children.values():
+                for child in list(self.children.values()):
                     self._supervise(child, now)
+                if self.autoscaler is not None:
+                    self.autoscaler.tick(now)
                 self._poll(self._poll_timeout_ms())
         finally:  # also on a bug above: never leave children behind
             self.shutdown(self._stop_drain_s)
@@ -451,6 +458,10 @@ class Supervisor:
                 child.process.join()
                 if child.role == "backend":
                     self._announce_backend_death(child)
+                if child.retiring:  # released by the autoscaler, which forgets it now
+                    log.info("%s (released) exited", child.name)
+                    child.process = None
+                    return
                 if not self.restart:
                     log.error("%s; not restarting", message)
                     child.process = None
@@ -726,6 +737,11 @@ class Cluster:
         """The supervisor's own counters: control messages refused (``malformed``,
         ``unknown_peer``)."""
         return self._sup.call(lambda: dict(self._sup.counters))
+
+    def autoscale_events(self) -> list[tuple[float, str, str]]:
+        """What the autoscaler did: (monotonic s, ``add``/``retire``/``exit``, backend name)."""
+        scaler = self._sup.autoscaler
+        return [] if scaler is None else self._sup.call(lambda: list(scaler.events))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""
