@@ -178,16 +178,20 @@ def _phase_row(run: dict[str, Any], name: str, begin: float, end: float) -> dict
     requests = [r for r in run["requests"] if r[3] == name]
     settled = [r for r in requests if r[0] >= end - SETTLED_S]
     lost: dict[str, int] = {}
+    bad: dict[str, int] = {}  # the bad ones by answer: "late" was answered after its SLO
     for r in requests:
         if r[1] in LOST_KINDS:
             lost[r[1]] = lost.get(r[1], 0) + 1
+        if _is_bad(r[1], r[2]):
+            kind = "late" if r[1] == "OK" else r[1]
+            bad[kind] = bad.get(kind, 0) + 1
     inside = [s for s in run["samples"] if begin <= s[0] < end]
     return {"phase": name, "offered_rps": len(requests) / (end - begin),
             "good_rps": sum(1 for r in requests if not _is_bad(r[1], r[2])) / (end - begin),
             "bad_rate": sum(1 for r in requests if _is_bad(r[1], r[2])) / max(1, len(requests)),
             "settled_bad_rate": sum(1 for r in settled if _is_bad(r[1], r[2]))
             / max(1, len(settled)),
-            "lost": sum(lost.values()), "lost_by_kind": lost,
+            "lost": sum(lost.values()), "lost_by_kind": lost, "bad_by_kind": bad,
             "backends_mean": float(np.mean([s[1] for s in inside])) if inside else 0.0,
             "backends_max": max((s[1] for s in inside), default=0),
             "backends_end": inside[-1][2] if inside else 0}
@@ -204,10 +208,12 @@ def run_autoscale_live(opts: Options) -> Outcome:
         f"A step {LOW_LOAD:g}x -> {HIGH_LOAD:g}x -> {LOW_LOAD:g}x of p = {run['peak_rps']:.0f} "
         f"r/s ({REFERENCE_BACKENDS} emulated backends at full batches), autoscaled within "
         f"{MIN_BACKENDS}..{MAX_BACKENDS} from {START_BACKENDS}, SLO {SLO_MS:g} ms",
-        ["phase", "s", "offered r/s", "good r/s", "bad", f"bad, last {SETTLED_S:g} s", "lost",
-         "backends mean", "backends max", "serving at end"],
+        ["phase", "s", "offered r/s", "good r/s", "bad", "bad by answer",
+         f"bad, last {SETTLED_S:g} s", "lost", "backends mean", "backends max", "serving at end"],
         [[r["phase"], run["phases_s"][r["phase"]], r["offered_rps"], r["good_rps"],
-          round(r["bad_rate"], 4), round(r["settled_bad_rate"], 4), r["lost"],
+          round(r["bad_rate"], 4),
+          ", ".join(f"{k} {v}" for k, v in sorted(r["bad_by_kind"].items())) or "-",
+          round(r["settled_bad_rate"], 4), r["lost"],
           round(r["backends_mean"], 2), r["backends_max"], r["backends_end"]] for r in rows])
     adds = [e for e in run["events"] if e[1] == "add"]
     exits = [e for e in run["events"] if e[1] == "exit"]

@@ -28,6 +28,9 @@ Running: a child that exits is restarted with exponential backoff, pinned to its
 addresses (peers never need new addresses); one that stops heartbeating for
 ``HEARTBEAT_TIMEOUT_S`` is killed and restarted.
 
+Autoscaling (``[autoscale] enabled`` and ``act``): ``zserve.cluster.autoscaler`` adds backends and
+releases them (drained first; a released one is not restarted) on the frontends' advice.
+
 Drain (SIGINT/SIGTERM, ``zserve down``, ``Cluster.stop``): frontends get ``Shutdown(drain_s)``
 (stop admitting, finish in flight for up to drain_s, answer the rest ``SHUTTING_DOWN``); once
 they have exited, the scheduler processes and backends get ``Shutdown``; stragglers get SIGTERM,
