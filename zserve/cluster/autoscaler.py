@@ -69,16 +69,18 @@ class BackendAutoscaler:
     """Starts and releases backends on the advice. ``children``: the supervisor's (it adds and
     removes backends there); ``spawn``/``send``/``stats``: the supervisor's ways to start a
     child, send it a control message and ask it for its stats; ``ipc_dir``: where generated ipc
-    addresses go (None under tcp)."""
+    addresses go (None under tcp); ``on_released``: called once a released backend is gone."""
 
     def __init__(self, config: ClusterConfig, children: dict[str, SupervisedChild], *,
                  spawn: Callable[[SupervisedChild], None],
                  send: Callable[[SupervisedChild, Message], None],
                  stats: Callable[[str], Future[dict[str, Any]]],
-                 ipc_dir: str | None) -> None:
+                 ipc_dir: str | None,
+                 on_released: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.children = children
         self._spawn, self._send, self._stats = spawn, send, stats
+        self._on_released = on_released  # `zserve up` rewrites its state file then
         self.ipc_dir = ipc_dir
         self.min_backends, self.max_backends = config.autoscale.bounds(config.backends.total)
         self.interval_s = config.autoscale.interval_s
@@ -167,6 +169,7 @@ class BackendAutoscaler:
             self.children.pop(child.name, None)
             self.events.append((now, EXIT, child.name))
             log.warning("autoscaler: %s released", child.name)
+            self._on_released()
         elif retirement.shutdown_at is not None:
             if now - retirement.shutdown_at > RETIRE_DRAIN_S + RETIRE_EXIT_GRACE_S:
                 log.error("autoscaler: %s did not exit after Shutdown; SIGKILL", child.name)

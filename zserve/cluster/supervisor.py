@@ -178,7 +178,8 @@ class Supervisor:
         # Starts and releases backends on the frontends' advice ([autoscale] enabled and act).
         self.autoscaler = BackendAutoscaler(
             config, self.children, spawn=self._spawn, send=self._send, stats=self.child_stats,
-            ipc_dir=ipc_dir) if config.autoscale.enabled and config.autoscale.act else None
+            ipc_dir=ipc_dir, on_released=lambda: self.on_child_ready and self.on_child_ready(),
+        ) if config.autoscale.enabled and config.autoscale.act else None
 
     # ------------------------------------------------------------------ helpers
 
