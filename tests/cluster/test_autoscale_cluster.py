@@ -121,9 +121,10 @@ def _backends(cluster: Cluster) -> list[str]:
 def test_the_cluster_grows_under_overload_and_shrinks_without_losing_a_request(
         tmp_path: Path) -> None:
     """`zserve up` acts on the advice: an overloaded backend-0 gets company (new backends that
-    register and warm, then serve), and with the load down to a trickle the added ones are
-    drained and released while the trickle goes on; every request of the trickle is answered
-    with its outputs (none lost to a release)."""
+    register and warm, then serve); with the load down to a trickle that every backend serves
+    a part of, one is drained and released while the trickle goes on, and every request of the
+    trickle is answered (none lost to a release); with no load, the cluster goes back to
+    backend-0 alone."""
     config = parse_config({
         "cluster": {"drain_s": 2.0},
         "scheduler": {"shards": 0},
@@ -147,23 +148,33 @@ def test_the_cluster_grows_under_overload_and_shrinks_without_losing_a_request(
             overloaded = overload.stop()
         assert overloaded.get("ok", 0) > 0 and sum(overloaded.values()) == overload.submitted
         grown = _frontend_table(cluster)
-        trickle = _Load(cluster.client_address, burst=1)
+        # Two batches at a time: every backend gets plans, and the advice keeps two.
+        trickle = _Load(cluster.client_address, burst=2 * 4)
         try:
-            wait_until(lambda: _backends(cluster) == ["backend-0"],
-                       lambda: f"the added backends released; events "
+            wait_until(lambda: any(e[1] == "exit" for e in cluster.autoscale_events()),
+                       lambda: f"a backend released under the trickle; events "
                                f"{cluster.autoscale_events()}, backends {_backends(cluster)}, "
                                f"advice {cluster.stats('frontend-0').get('autoscale')}")
-            assert _frontend_table(cluster) == ["backend-0"]
             served = trickle.answers.get("ok", 0)
-            wait_until(lambda: trickle.answers.get("ok", 0) > served + 5,
-                       "the trickle served by backend-0 alone")
+            wait_until(lambda: trickle.answers.get("ok", 0) > served + 20,
+                       "the trickle served after the release")
         finally:
             answers = trickle.stop()
+        # With no load at all, the cluster goes down to min_backends.
+        wait_until(lambda: _backends(cluster) == ["backend-0"],
+                   lambda: f"the added backends released; events "
+                           f"{cluster.autoscale_events()}, backends {_backends(cluster)}")
+        assert _frontend_table(cluster) == ["backend-0"]
         events = {(what, name) for _, what, name in cluster.autoscale_events()}
     for name in grown[1:]:
         assert {("add", name), ("retire", name), ("exit", name)} <= events
-    # Every request of the trickle, sent across the releases, answered with its outputs.
-    assert answers == {"ok": trickle.submitted}, answers
+    # Every request of the trickle, sent across a release, answered: with its outputs, or (a
+    # few) refused OVERLOADED at admission as the capacity gate follows the smaller table (never
+    # ran). None failed (BACKEND_FAILED), refused by a draining backend (SHUTTING_DOWN), missed
+    # its deadline (DEADLINE: a plan replanned too late) or went unanswered.
+    assert sum(answers.values()) == trickle.submitted, answers
+    assert set(answers) <= {"ok", "OVERLOADED"}, answers
+    assert answers.get("OVERLOADED", 0) <= trickle.submitted // 100, answers
 
 
 def _frontend_table(cluster: Cluster) -> list[str]:
