@@ -552,12 +552,14 @@ class RepositoryReply(Message, frozen=True, tag="reporeply"):
 
 class ModelUsage(Message, frozen=True, tag="musage"):
     """Frontend -> supervisor (control link), for the orchestrator: ``requests`` it admitted per
-    model since its last report, and ``waiting``: the requests it holds now, per model, for a
-    model no backend serves (an on-demand load; the whole count, not a difference)."""
+    model since its last report; ``waiting``: the requests it holds now, per model, for a model
+    no backend serves (an on-demand load); ``pending``: its requests admitted and not yet
+    answered, per model (a model with some is in use). The last two are whole counts."""
 
     name: str
     requests: dict[str, int]
     waiting: dict[str, int]
+    pending: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ModelAdded(Message, frozen=True, tag="madded"):

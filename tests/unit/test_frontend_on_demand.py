@@ -78,12 +78,14 @@ def test_a_held_request_goes_to_its_shard_once_a_backend_serves_the_model() -> N
     _table(core, 0.0, {"backend-0": ["a"]})
     assert _submit(core, 0.1, 1) == [] and _submit(core, 0.2, 2) == []
     assert _sent(core) == []  # held, not sent to the shard
-    assert core.take_usage() == ({"m": 2}, {"m": 2})
-    assert core.take_usage() is None  # nothing new
+    assert core.take_usage() == ({"m": 2}, {"m": 2}, {"m": 2})
     _table(core, 0.5, {"backend-0": ["a", "m"]})
     assert sorted(_sent(core)) == sorted(core.pending)
     assert len(core.pending) == 2
-    assert core.take_usage() == ({}, {})  # none held any more
+    assert core.take_usage() == ({}, {}, {"m": 2})  # none held any more, two pending
+    for p in list(core.pending.values()):
+        core.on_cancel(0.6, CLIENT, p.client_rid, [])
+    assert core.take_usage() is None  # nothing new
 
 
 def test_a_held_request_past_its_deadline_is_answered_once_and_never_sent() -> None:
@@ -125,7 +127,7 @@ def test_with_load_on_demand_off_usage_is_still_reported() -> None:
     _table(core, 0.0, {"backend-0": ["a"]})
     assert _errors(_submit(core, 0.0, 1)) == [(1, "UNAVAILABLE")]
     _submit(core, 0.0, 2, model="a")
-    assert core.take_usage() == ({"a": 1}, {})
+    assert core.take_usage() == ({"a": 1}, {}, {"a": 1})
 
 
 def test_a_model_added_after_start_is_admitted_and_held_until_served() -> None:

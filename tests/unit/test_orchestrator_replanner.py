@@ -81,7 +81,17 @@ def test_a_model_idle_for_idle_unload_s_is_unloaded() -> None:
     assert core.step(10.0, loaded, busy=()) == [Unload("b", "idle for 10 s")]
     assert core.step(14.9, {"a": 0}, busy=()) == []
     assert core.wake_at({"a": 0}) == pytest.approx(15.0)
-    assert core.step(15.0, {"a": 0}, busy=()) == [Unload("a", "idle for 10 s")]
+    core.note_usage(14.9, "f", {}, {}, pending={"a": 1})  # one still unanswered: in use
+    assert core.step(24.8, {"a": 0}, busy=()) == []
+    assert core.step(25.0, {"a": 0}, busy=()) == [Unload("a", "idle for 10 s")]
+
+
+def test_idle_time_counts_from_the_load() -> None:
+    core = Replanner(ReplanSettings(idle_unload_s=10.0), _memory(a=1, b=1), now=0.0)
+    assert core.step(1.0, {}, busy=()) == []
+    assert core.step(20.0, {"b": 0}, busy={"b"}) == []  # loading since 20 s
+    assert core.step(29.9, {"b": 0}, busy=()) == []
+    assert core.step(30.0, {"b": 0}, busy=()) == [Unload("b", "idle for 10 s")]
 
 
 def test_a_busy_or_just_acted_on_model_is_left_alone() -> None:

@@ -81,7 +81,7 @@ class OrchestratorHost:
         self.core.add_model(config.name, model_memory(config))
 
     def on_usage(self, now: float, msg: ModelUsage) -> None:
-        self.core.note_usage(now, msg.name, msg.requests, msg.waiting)
+        self.core.note_usage(now, msg.name, msg.requests, msg.waiting, msg.pending)
 
     def loaded(self) -> dict[str, int]:
         """Each model resident on some backend, and its sub-cluster (``SPREAD``: several)."""

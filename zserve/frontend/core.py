@@ -39,7 +39,7 @@ from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
 from zserve.frontend.backend_view import FrontendBackends, LostBackends
 from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
-from zserve.frontend.on_demand import OnDemandHolds
+from zserve.frontend.on_demand import OnDemandHolds, Usage
 from zserve.frontend.requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.transport.messages import (
     BackendGone,
@@ -545,12 +545,14 @@ class FrontendCore:
                     self._queue_meta(shard, rid, model, p.arrival,
                                      p.answer_by - self.reply_allowance_s, rows=p.rows)
 
-    def take_usage(self) -> tuple[dict[str, int], dict[str, int]] | None:
+    def take_usage(self) -> Usage | None:
         """For the orchestrator (``ModelUsage``): the requests admitted per model since the last
-        call, and the ones held per model now; None when there is nothing new to report."""
+        call, the ones held and the ones pending per model now; None when there is nothing new
+        to report."""
         if not self.on_demand.report:
             return None
-        return self.on_demand.usage(self.requests.pending)
+        return self.on_demand.usage(self.requests.pending, {
+            name: m.pending for name, m in self.models.items() if m.pending})
 
     def _backends_lost(self, now: float, lost: LostBackends, outbox: Outbox) -> None:
         """Answer ``BACKEND_FAILED`` now, not at their deadline, every request a lost backend

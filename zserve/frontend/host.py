@@ -496,7 +496,7 @@ class FrontendHost:
         while True:
             usage = self.core.take_usage()
             if usage is not None:
-                await send(ModelUsage(self.name, usage[0], usage[1]))
+                await send(ModelUsage(self.name, usage.requests, usage.waiting, usage.pending))
             await asyncio.sleep(USAGE_REPORT_INTERVAL_S)
 
     # ------------------------------------------------------------------ drain and stats

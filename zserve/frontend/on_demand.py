@@ -19,6 +19,15 @@ the orchestrator's rates and idle times.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
+
+
+class Usage(NamedTuple):
+    """One report for the orchestrator (``ModelUsage``'s fields)."""
+
+    requests: dict[str, int]
+    waiting: dict[str, int]
+    pending: dict[str, int]
 
 
 class OnDemandHolds:
@@ -66,19 +75,21 @@ class OnDemandHolds:
         self._held_rids.difference_update(rids)
         return rids
 
-    def usage(self, pending: Collection[int]) -> tuple[dict[str, int], dict[str, int]] | None:
-        """What to report now: the admitted counts since the last report and the live held
-        counts; None when there is nothing new (no admission, the same held counts)."""
+    def usage(self, pending: Collection[int], pending_by_model: dict[str, int]
+              ) -> Usage | None:
+        """What to report now: the admitted counts since the last report, the live held counts
+        and ``pending_by_model`` (the unanswered requests); None when there is nothing new (no
+        admission, the same held counts, nothing pending)."""
         waiting = {}
         for model, rids in self._held.items():
             live = sum(1 for rid in rids if rid in pending)
             if live:
                 waiting[model] = live
-        if not self._admitted and waiting == self._reported_waiting:
+        if not self._admitted and waiting == self._reported_waiting and not pending_by_model:
             return None
         admitted, self._admitted = self._admitted, {}
         self._reported_waiting = waiting
-        return admitted, waiting
+        return Usage(admitted, waiting, pending_by_model)
 
 
-__all__ = ["OnDemandHolds"]
+__all__ = ["OnDemandHolds", "Usage"]

@@ -109,6 +109,8 @@ class Replanner:
         self.unservable: dict[str, str] = {}
         self.plans = 0
         self._loading: str | None = None  # the on-demand load under way
+        # when step first saw each model loaded (None: before the first step)
+        self._loaded_since: dict[str, float] | None = None
 
     # ------------------------------------------------------------------ what it is told
 
@@ -117,14 +119,19 @@ class Replanner:
         self.memory[model] = memory
 
     def note_usage(self, now: float, source: str, requests: Mapping[str, int],
-                   waiting: Mapping[str, int]) -> None:
-        """``source`` (a frontend) admitted ``requests`` per model since its last report and
-        holds ``waiting`` per model for a load (its whole count now, not a difference)."""
+                   waiting: Mapping[str, int], pending: Mapping[str, int] | None = None
+                   ) -> None:
+        """``source`` (a frontend) admitted ``requests`` per model since its last report, holds
+        ``waiting`` per model for a load, and has ``pending`` per model unanswered (whole
+        counts now, not differences). A model with requests pending is in use."""
         for model, count in requests.items():
             if count > 0:
                 usage = self._usage_of(model)
                 usage.arrivals.append((now, count))
                 usage.last_used = now
+        for model, count in (pending or {}).items():
+            if count > 0:
+                self._usage_of(model).last_used = now
         for usage in self._usage.values():
             usage.waiting.pop(source, None)
         for model, count in waiting.items():
@@ -155,9 +162,10 @@ class Replanner:
         return sum(count for _, count in usage.arrivals) / window
 
     def last_used(self, model: str) -> float:
-        """When ``model`` last had a request (the start, if never)."""
+        """When ``model`` last had a request, or was loaded if later (the start, if never)."""
         usage = self._usage.get(model)
-        return max(self._started_at, usage.last_used if usage is not None else -math.inf)
+        return max(self._started_at, (self._loaded_since or {}).get(model, -math.inf),
+                   usage.last_used if usage is not None else -math.inf)
 
     # ------------------------------------------------------------------ what it decides
 
@@ -165,6 +173,9 @@ class Replanner:
         """The actions due at ``now``. ``loaded``: each model served somewhere and its
         sub-cluster (``SPREAD``: on several); ``busy``: the models with a call under way."""
         held = set(busy) | {m for m, at in self._acted_at.items() if now < at + ACTION_RETRY_S}
+        # a model loaded when first told counts as loaded since the start
+        first_seen = now if self._loaded_since is not None else self._started_at
+        self._loaded_since = {m: (self._loaded_since or {}).get(m, first_seen) for m in loaded}
         actions: list[Action] = []
         if self.settings.load_on_demand:
             actions += self._on_demand(now, loaded, held)
