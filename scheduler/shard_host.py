@@ -144,6 +144,9 @@ def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfi
 class ShardHost:
     """The SchedulerCore of one shard on its sockets; see the module docstring."""
 
+    # The rank's latest table (a model added later is served from it).
+    _last_table: BackendTable | None = None
+
     def __init__(
         self,
         *,
@@ -195,7 +198,6 @@ class ShardHost:
         self.active, self.fenced, self.first_plan_at = True, False, 0.0
         self._table_epoch = 0  # the newest epoch of the rank's tables (a rank of its own)
         self._rejoin = RankRejoin(self.counters)  # a restarted rank's first tables lack backends
-        self._last_table: BackendTable | None = None  # for a model added later
         self._meta_delay = self._stats.histograms["meta_delay"]
         self._grant_slack = self._stats.histograms["grant_slack"]
         now = self.clock.now()
