@@ -103,6 +103,18 @@ def test_a_busy_or_just_acted_on_model_is_left_alone() -> None:
     assert core.step(2.0 + ACTION_RETRY_S, {"a": 0}, busy=()) == [Unload("a", "idle for 1 s")]
 
 
+def test_wake_at_is_always_after_the_last_step() -> None:
+    # a model past its idle time but busy (its unload under way) must not make the host spin
+    core = Replanner(ReplanSettings(idle_unload_s=1.0, plan_period_s=100.0), _memory(a=1),
+                     now=0.0)
+    assert core.step(5.0, {"a": 0}, busy={"a"}) == []
+    assert core.wake_at({"a": 0}) == pytest.approx(100.0)
+    assert core.step(6.0, {"a": 0}, busy=()) == [Unload("a", "idle for 1 s")]
+    assert core.wake_at({"a": 0}) == pytest.approx(6.0 + ACTION_RETRY_S)
+    assert core.step(8.0, {"a": 0}, busy={"a"}) == []  # unloading, still resident
+    assert core.wake_at({"a": 0}) > 8.0
+
+
 def test_rates_are_requests_over_the_window() -> None:
     core = Replanner(ReplanSettings(rate_window_s=10.0), _memory(a=1), now=0.0)
     core.note_usage(1.0, "f", {"a": 50}, {})

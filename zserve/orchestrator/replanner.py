@@ -109,6 +109,7 @@ class Replanner:
         self.unservable: dict[str, str] = {}
         self.plans = 0
         self._loading: str | None = None  # the on-demand load under way
+        self._last_step_at = -math.inf
         # when step first saw each model loaded (None: before the first step)
         self._loaded_since: dict[str, float] | None = None
 
@@ -172,7 +173,9 @@ class Replanner:
     def step(self, now: float, loaded: Mapping[str, int], busy: Iterable[str]) -> list[Action]:
         """The actions due at ``now``. ``loaded``: each model served somewhere and its
         sub-cluster (``SPREAD``: on several); ``busy``: the models with a call under way."""
-        held = set(busy) | {m for m, at in self._acted_at.items() if now < at + ACTION_RETRY_S}
+        self._last_step_at = now
+        self._acted_at = {m: at for m, at in self._acted_at.items() if now < at + ACTION_RETRY_S}
+        held = set(busy) | set(self._acted_at)
         # a model loaded when first told counts as loaded since the start
         first_seen = now if self._loaded_since is not None else self._started_at
         self._loaded_since = {m: (self._loaded_since or {}).get(m, first_seen) for m in loaded}
@@ -190,15 +193,16 @@ class Replanner:
 
     def wake_at(self, loaded: Collection[str]) -> float:
         """When ``step`` may next have something to do without being told anything new: the
-        next plan period, or the earliest idle expiry of a loaded model."""
-        at = self.next_plan_at
+        next plan period, the earliest idle expiry of a loaded model, or the end of a model's
+        retry pause; always after the last step (what was due then and not done waits for
+        news: a call's end, a report)."""
+        times = [self.next_plan_at]
         if self.settings.idle_unload_s is not None:
-            for model in loaded:
-                at = min(at, self.last_used(model) + self.settings.idle_unload_s)
+            times += [self.last_used(m) + self.settings.idle_unload_s for m in loaded]
         # a model acted on may be acted on again (a call refused at once)
-        retry = [t + ACTION_RETRY_S for m, t in self._acted_at.items() if m in loaded
-                 or m == self._loading or self.unmet(m)]
-        return min([at, *retry])
+        times += [t + ACTION_RETRY_S for m, t in self._acted_at.items() if m in loaded
+                  or m == self._loading or self.unmet(m)]
+        return min((t for t in times if t > self._last_step_at), default=math.inf)
 
     def _on_demand(self, now: float, loaded: Mapping[str, int], held: set[str]
                    ) -> list[Action]:
