@@ -26,7 +26,10 @@ all backends registered (so the first request finds a serving cluster).
 
 Running: a child that exits is restarted with exponential backoff, pinned to its previous
 addresses (peers never need new addresses); one that stops heartbeating for
-``HEARTBEAT_TIMEOUT_S`` is killed and restarted.
+``HEARTBEAT_TIMEOUT_S`` is killed and restarted. The supervisor owns the model repository
+(``zserve.cluster.repository``; an index or load reads the folder again, and a model added there
+is sent to every frontend and scheduler, ``ModelAdded``) and, with ``[orchestration]``, hosts the
+orchestrator (``zserve.cluster.orchestrator_host``), stepped on every turn of its loop.
 
 Drain (SIGINT/SIGTERM, ``zserve down``, ``Cluster.stop``): frontends get ``Shutdown(drain_s)``
 (stop admitting, finish in flight for up to drain_s, answer the rest ``SHUTTING_DOWN``); once
