@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from zserve.config.cluster import STANDBY_NAME, RoleConfig
+from zserve.config.cluster import STANDBY_NAME, ModelConfig, RoleConfig
 from zserve.core.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
@@ -29,6 +30,7 @@ from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard_host import ROLE, ShardHost
 from zserve.scheduler.standby import PairLink
+from zserve.transport.messages import ModelAdded
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
 
@@ -77,8 +79,17 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         proc = _ShardProcess(session, SocketReactor(asyncio.get_running_loop()))
         session.closing(proc.close)
         session.serve_stats(lambda reset: proc.host.stats(reset) if proc.host is not None else {})
-        session.on_control(lambda msg: proc.rank.on_control_message(msg) if proc.rank else None)
+        session.on_control(functools.partial(_on_control, proc))
         return await _serve(proc, config)
+
+
+def _on_control(proc: _ShardProcess, msg: Any) -> None:
+    """The supervisor adds a model (``ModelAdded``), or tells the embedded rank something."""
+    if type(msg) is ModelAdded:
+        if proc.host is not None:
+            proc.host.add_model(ModelConfig.from_dict(msg.config))
+    elif proc.rank is not None:
+        proc.rank.on_control_message(msg)
 
 
 async def _serve(proc: _ShardProcess, config: RoleConfig) -> int:

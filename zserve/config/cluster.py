@@ -456,6 +456,31 @@ def _check_autoscale(autoscale: AutoscaleConfig, backends: BackendsConfig) -> No
                          "(backends.device), not a list")
 
 
+class OrchestrationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[orchestration]``: the supervisor's orchestrator (docs/orchestration.md,
+    "Re-planning", "On-demand loading"): every ``plan_period_s`` it re-partitions the loaded
+    models over ``subclusters`` groups of backends by their rates over ``rate_window_s``, moving
+    at most ``disruption_budget`` of their bytes; a request for a model loaded nowhere loads it
+    (``load_on_demand``), evicting the least recently used where ``memory_budget_mb`` (per
+    backend) is short; a model with no request for ``idle_unload_s`` is unloaded."""
+
+    plan_period_s: float = 300.0
+    rate_window_s: float = 60.0
+    subclusters: Count = 1
+    disruption_budget: float = 0.05
+    load_on_demand: bool = True
+    idle_unload_s: float | None = None
+    memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("plan_period_s", "rate_window_s", "idle_unload_s", "memory_budget_mb"):
+            check_finite(key, getattr(self, key), positive=True)
+        check_finite("disruption_budget", self.disruption_budget)
+        if not 0.0 <= self.disruption_budget <= 1.0:
+            raise FieldError("disruption_budget", "must be a fraction in 0..1 (of the loaded "
+                             f"models' bytes), got {self.disruption_budget}")
+
+
 def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
@@ -478,10 +503,16 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    orchestration: OrchestrationConfig | None = None
 
     def __post_init__(self) -> None:
         _check_models(self.models, repository=self.repository.path is not None)
         _check_autoscale(self.autoscale, self.backends)
+        groups = self.orchestration.subclusters if self.orchestration is not None else 1
+        if groups > self.backends.total:
+            raise FieldError("orchestration.subclusters",
+                             f"{groups} sub-clusters need at least as many backends "
+                             f"(backends.count is {self.backends.total})")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -501,6 +532,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    # None: no orchestrator (no on-demand loads, idle unloads or re-plans).
+    orchestration: OrchestrationConfig | None = None
     # The models of ``[repository]`` not loaded at start (no backend serves them until a
     # repository load); every other model is loaded by every backend at start.
     unloaded_at_start: tuple[str, ...] = ()
@@ -734,6 +767,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         security=document.security.resolved(base),
         repository=repository,
         autoscale=document.autoscale,
+        orchestration=document.orchestration,
         unloaded_at_start=unloaded,
         repository_models=tuple(m.name for m in found),
     )
