@@ -90,6 +90,9 @@ class RankBackends:
         self._gpu_by_name: dict[str, int] = {}
         # the DEALER identities that introduced themselves as backends (Hello or registration)
         self.identities: set[bytes] = set()
+        # when each of them was last heard (registration, Hello or heartbeat), also by a
+        # standby: a takeover waits for those heard lately (``recently_heard``)
+        self.heard_at: dict[bytes, float] = {}
 
     @property
     def check_interval_s(self) -> float:
@@ -105,6 +108,17 @@ class RankBackends:
         """``identity`` said Hello as a backend (it registers on hearing the active epoch)."""
         self.identities.add(identity)
 
+    def note_heard(self, now: float, identity: bytes) -> None:
+        """A backend's message came from ``identity`` at ``now``."""
+        if identity in self.identities:
+            self.heard_at[identity] = now
+
+    def recently_heard(self, now: float) -> set[str]:
+        """The names of the backends heard within the heartbeat timeout: those alive now, by
+        what this rank knows even as a standby (a backend's DEALER identity is its name)."""
+        return {identity.decode(errors="replace") for identity, at in self.heard_at.items()
+                if now - at <= self.timeout_s}
+
     def on_register(self, now: float, identity: bytes, msg: BackendRegister, outbox: Outbox, *,
                     active: bool) -> bool:
         """A backend registers; True when it is in the table now (the table changed). A standby
@@ -116,6 +130,7 @@ class RankBackends:
             log.error("%s: refusing %s", self.name, refusal)
             return False
         self.identities.add(identity)
+        self.note_heard(now, identity)
         if not active:
             self.counters["standby_ignored"] += 1
             return False
@@ -128,13 +143,26 @@ class RankBackends:
         self._by_gpu[gpu_id] = _Backend(
             gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
             dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now)
-        if previous is None or not previous.alive:
-            self.rank.add_gpu(now, gpu_id, outbox)
+        self._match(now, gpu_id, previous, bool(msg.models), outbox)
         if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
             self.rank.on_device_free_at(now, gpu_id, msg.device_free_at, outbox)
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
         return True
+
+    def _match(self, now: float, gpu_id: int, previous: _Backend | None, serves: bool,
+               outbox: Outbox) -> None:
+        """Keep the GPU in the RankThread's matching exactly while its backend serves a model.
+        The matching knows GPUs, not models (docs/orchestration.md): a GPU that serves nothing
+        (a backend that withdrew every model before it drains) would be granted, declined and
+        granted again while it is the first free one, and the models' requests would wait."""
+        matched = previous is not None and previous.alive and bool(previous.models)
+        if serves and not matched:
+            with contextlib.suppress(ValueError):  # already there (it never left)
+                self.rank.add_gpu(now, gpu_id, outbox)
+        elif matched and not serves:
+            with contextlib.suppress(ValueError):
+                self.rank.remove_gpu(now, gpu_id, outbox)
 
     def _new_gpu_id(self, msg: BackendRegister) -> int:
         """The id of a backend this rank has not seen: its index in the cluster config (the
@@ -177,7 +205,8 @@ class RankBackends:
                      backend.name, backend.gpu_id)
             backend.suspect_since = -math.inf
         backend.alive = True
-        self.rank.add_gpu(now, backend.gpu_id, outbox)
+        if backend.models:
+            self.rank.add_gpu(now, backend.gpu_id, outbox)
         return True
 
     def on_suspect(self, now: float, msg: BackendSuspect, outbox: Outbox) -> bool:
