@@ -63,7 +63,7 @@ Count = Annotated[int, msgspec.Meta(ge=1)]
 Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
-_DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
+DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})$")
 
 
@@ -221,9 +221,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # A hot-spare scheduler process (``shards = 0`` only; docs/runtime.md, "Hot spare").
     standby: bool = False
     takeover_timeout_ms: float = DEFAULT_TAKEOVER_TIMEOUT_MS
+    # Where the standby binds its rank and shard sockets (None: allocated). Named for roles
+    # started alone, which learn the standby's addresses from the file (a Kubernetes Service).
+    standby_rank_address: str | None = None
+    standby_shard_address: str | None = None
 
     def __post_init__(self) -> None:
         check_finite("takeover_timeout_ms", self.takeover_timeout_ms, positive=True)
+        for key in ("standby_rank_address", "standby_shard_address"):
+            _check_address(key, getattr(self, key))
+            if getattr(self, key) and not self.standby:
+                raise FieldError(key, "needs standby = true")
         try:
             SchedulePolicy.parse(self.policy, self.drop)
         except PolicyError as exc:
@@ -307,11 +315,11 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     plan_addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _DEVICE_RE.match(self.device):
+        if not DEVICE_RE.match(self.device):
             raise FieldError("device",
                              f"must be cpu, emulated, cuda or cuda:N, got {self.device!r}")
         for i, device in enumerate(self.devices):
-            if not _DEVICE_RE.match(device) or device == "cuda":
+            if not DEVICE_RE.match(device) or device == "cuda":
                 raise FieldError(f"devices[{i}]",
                                  f"must be cpu, emulated or cuda:N, got {device!r}")
         _check_addresses("plan_addresses", self.plan_addresses, self.total, "backends")
@@ -589,9 +597,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                        name: str | None = None) -> dict[str, str]:
         """Socket name -> bind address of one process: what cluster.toml names, else
         ``ipc://<ipc_dir>/<name>.<socket>`` (transport ipc) or ``tcp://<host>:0``. The standby
-        scheduler (``name`` STANDBY_NAME) always gets the generated addresses."""
+        scheduler (``name`` STANDBY_NAME) binds ``standby_shard_address`` and
+        ``standby_rank_address`` where named."""
         if name == STANDBY_NAME:
-            sockets: dict[str, str | None] = {"shard": None, "rank": None}
+            sockets: dict[str, str | None] = {"shard": self.scheduler.standby_shard_address,
+                                              "rank": self.scheduler.standby_rank_address}
             return self._generated(sockets, name, self.host, ipc_dir)
         name = process_name(role, index)
         if role == "rank":
@@ -636,8 +646,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """``(key path, address)`` of every bind address cluster.toml names and a process uses,
         e.g. ``("frontends.addresses[0]", "tcp://0.0.0.0:7000")``."""
         keyed: list[tuple[str, str]] = []
-        if self.scheduler.rank_address:
-            keyed.append(("scheduler.rank_address", self.scheduler.rank_address))
+        for key in ("rank_address", "standby_rank_address", "standby_shard_address"):
+            if getattr(self.scheduler, key):
+                keyed.append((f"scheduler.{key}", getattr(self.scheduler, key)))
         tables = (
             ("scheduler.shard_addresses", self.scheduler.shard_addresses,
              self.scheduler_processes),

@@ -605,12 +605,13 @@ async def _drain(frontend: FrontendHost, oip: OipServers, drain: DrainRequest) -
 
 
 def _start_metrics(config: RoleConfig, frontend: FrontendHost) -> MetricsServer | None:
-    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
-    scrape asks the frontend on its loop (``ClusterStatsRounds.ask``)."""
+    """This frontend's Prometheus endpoint, if ``--metrics`` or ``frontends.metrics_addresses``
+    names one; a scrape asks the frontend on its loop (``ClusterStatsRounds.ask``)."""
     addresses = frontend.cluster.frontends.metrics_addresses
-    if config.index >= len(addresses):
+    address = config.bind.get("metrics") or (
+        addresses[config.index] if config.index < len(addresses) else None)
+    if address is None:
         return None
-    address = addresses[config.index]
     try:
         server = serve_frontend_metrics(address, frontend.name,
                                         [m.name for m in frontend.cluster.models],
@@ -636,12 +637,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", help="bind the data socket here")
     parser.add_argument("--shard", action="append", default=[],
                         help="a scheduler shard's address, in shard order (repeat)")
+    for server in ("http", "grpc", "metrics"):  # host:port, e.g. 0.0.0.0:8000 in a pod
+        parser.add_argument(f"--{server}", metavar="HOST:PORT",
+                            help=f"serve {server} here (overrides frontends.{server}_addresses)")
     args = parser.parse_args(argv)
     config = role_config_from_args(args, "frontend")
-    if args.client:
-        config.bind["client"] = args.client
-    if args.data:
-        config.bind["data"] = args.data
+    for sock in ("client", "data", "http", "grpc", "metrics"):
+        if getattr(args, sock):
+            config.bind[sock] = getattr(args, sock)
     for index, address in enumerate(args.shard):
         config.peers[peer_map.peer_key(f"shard-{index}", "shard")] = address
     return run_frontend(config, args.control)
