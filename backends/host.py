@@ -26,8 +26,10 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
    Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
    ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
    batch in the executor's worker thread, so the loop itself keeps running and must say so.
-3. Drain (SIGTERM/SIGINT or ``Shutdown``): held plans that cannot start within the grace period
-   and new plans are answered SHUTTING_DOWN; the rest run; exit 0. A batch still running after
+3. Drain (SIGTERM/SIGINT or ``Shutdown``): every model is withdrawn from the schedulers first
+   (a ``BackendRegister`` without them) and plans still run until none has come for
+   ``UNLOAD_QUIET_S``; then held plans that cannot start within the grace period and new plans
+   are answered SHUTTING_DOWN; the rest run; exit 0. A batch still running after
    the drain holds the executor's worker thread for good: the process then leaves with
    ``os._exit(1)`` once everything else is closed.
 
@@ -67,7 +69,7 @@ from zserve.backends.follower import (
 )
 from zserve.backends.liveness import BackendLiveness
 from zserve.backends.model_lifecycle import ModelLifecycle, Report
-from zserve.config.cluster import ModelConfig, RoleConfig
+from zserve.config.cluster import DEVICE_RE, ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
 from zserve.core.errors import ZServeError
@@ -440,9 +442,13 @@ class BackendHost:
     # ------------------------------------------------------------------ drain and close
 
     async def drain(self, drain_s: float) -> None:
-        """Refuse new plans, run what can start within ``drain_s``, wait (bounded) for the
-        running batch (``BackendLiveness.drain``)."""
-        await self.liveness.drain(drain_s)
+        """Withdraw every model from the schedulers (``ModelLifecycle.withdraw_all``), then, in
+        what is left of ``drain_s``: refuse new plans, run what can start in time, wait
+        (bounded) for the running batch (``BackendLiveness.drain``)."""
+        started = time.monotonic()
+        if self.rank_socks:
+            await self.lifecycle.withdraw_all(drain_s)
+        await self.liveness.drain(max(0.0, drain_s - (time.monotonic() - started)))
         log.info("%s: drained; counters since start %s", self.name, self.counter_totals())
 
     async def close(self) -> None:
@@ -595,10 +601,17 @@ def main(argv: list[str]) -> int:
     """``zserve backend``: run backend ``--index`` of a cluster.toml on its own."""
     parser = role_parser("zserve backend", main.__doc__)
     parser.add_argument("--bind", default=None, help="plan socket bind address")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="cpu, cuda:N or emulated (overrides backends.device; a pod with "
+                             "one GPU: cuda:0)")
     args = parser.parse_args(argv)
     config = role_config_from_args(args, ROLE)
     if args.bind:
         config.bind["plan"] = args.bind
+    if args.device:
+        if not DEVICE_RE.match(args.device) or args.device == "cuda":
+            parser.error(f"--device: must be cpu, emulated or cuda:N, got {args.device!r}")
+        config.device = args.device
     return run_backend(config, args.control)
 
 

@@ -206,6 +206,25 @@ class ModelLifecycle:
         log.info("%s: %s unloaded", self.name, model)
         await self._tell(model, UNAVAILABLE, message)
 
+    async def withdraw_all(self, bound_s: float) -> None:
+        """Before a drain: withdraw every served model with one announce, then wait (at most
+        ``bound_s``) until no plan has come for ``UNLOAD_QUIET_S``: the schedulers plan nothing
+        more here, so the drain refuses no plan that another backend could have run (a rolling
+        restart loses no request to it). The plans held then are the drain's to run."""
+        if not self.served or bound_s <= 0:
+            return
+        withdrawn = list(self.served)
+        self.served.clear()
+        self.announce()
+        withdrawn_at = self.clock.now()
+        deadline = withdrawn_at + bound_s
+        log.info("%s: withdrew %s before draining", self.name, ", ".join(withdrawn))
+        while self.clock.now() < deadline:
+            last = max([withdrawn_at, *(self._last_plan_at.get(m, -math.inf) for m in withdrawn)])
+            if self.clock.now() - last >= UNLOAD_QUIET_S:
+                return
+            await asyncio.sleep(UNLOAD_POLL_S)
+
     def _quiet(self, model: str, withdrawn_at: float) -> bool:
         """No plan of ``model`` held or running, and none for ``UNLOAD_QUIET_S``."""
         last = max(withdrawn_at, self._last_plan_at.get(model, -math.inf))

@@ -100,6 +100,9 @@ class RankBackends:
         # the DEALER identities that introduced themselves as backends (Hello or registration)
         self.identities: set[bytes] = set()
         self._members: dict[str, list[int]] | None = None  # as the RankThread last heard it
+        # when each of them was last heard (registration, Hello or heartbeat), also by a
+        # standby: a takeover waits for those heard lately (``recently_heard``)
+        self.heard_at: dict[bytes, float] = {}
 
     @property
     def check_interval_s(self) -> float:
@@ -115,6 +118,17 @@ class RankBackends:
         """``identity`` said Hello as a backend (it registers on hearing the active epoch)."""
         self.identities.add(identity)
 
+    def note_heard(self, now: float, identity: bytes) -> None:
+        """A backend's message came from ``identity`` at ``now``."""
+        if identity in self.identities:
+            self.heard_at[identity] = now
+
+    def recently_heard(self, now: float) -> set[str]:
+        """The names of the backends heard within the heartbeat timeout: those alive now, by
+        what this rank knows even as a standby (a backend's DEALER identity is its name)."""
+        return {identity.decode(errors="replace") for identity, at in self.heard_at.items()
+                if now - at <= self.timeout_s}
+
     def on_register(self, now: float, identity: bytes, msg: BackendRegister, outbox: Outbox, *,
                     active: bool) -> bool:
         """A backend registers; True when it is in the table now (the table changed). A standby
@@ -126,6 +140,7 @@ class RankBackends:
             log.error("%s: refusing %s", self.name, refusal)
             return False
         self.identities.add(identity)
+        self.note_heard(now, identity)
         if not active:
             self.counters["standby_ignored"] += 1
             return False
@@ -206,7 +221,8 @@ class RankBackends:
                      backend.name, backend.gpu_id)
             backend.suspect_since = -math.inf
         backend.alive = True
-        self.rank.add_gpu(now, backend.gpu_id, outbox)
+        if backend.models:
+            self.rank.add_gpu(now, backend.gpu_id, outbox)
         return True
 
     def on_suspect(self, now: float, msg: BackendSuspect, outbox: Outbox) -> bool:

@@ -256,6 +256,7 @@ class RankHost:
     def _on_heartbeat(self, now: float, identity: bytes, msg: Heartbeat, outbox: Outbox) -> None:
         if self._superseded_by(msg.epoch):
             return
+        self.backends.note_heard(now, identity)
         # a backend that came back before re-registering (a suspect one: from a heartbeat sent
         # after the suspicion) is taken back
         revived = self.backends.on_heartbeat(now, identity, msg.sent_at, outbox)
@@ -402,13 +403,17 @@ class RankHost:
 
     def activate(self, epoch: int, expected_backends: set[str]) -> None:
         """Become the active scheduler in ``epoch`` (a standby taking over): the known
-        backends hear the epoch and re-register; the frontends hear it once they have."""
+        backends hear the epoch and re-register; the frontends hear it once they have. Those
+        expected are the ones named (the peer map) and the ones heard lately: roles started
+        alone (Kubernetes) name no backend, and a frontend told the new epoch before any had
+        registered would have its re-sent requests answered UNAVAILABLE."""
         self.counters["takeovers"] += 1
         self.epoch = self.rank.epoch = epoch
         self._rebuilding = set()
         for identity in self.backends.identities:
             self._send(self._epoch_hello(), identity)
-        self.begin_rebuild(expected_backends)
+        heard = self.backends.recently_heard(self.clock.now())
+        self.begin_rebuild(set(expected_backends) | heard)
 
     def begin_rebuild(self, expected_backends: set[str]) -> None:
         """Wait for these backends to register (at most REBUILD_MAX_S), then tell the

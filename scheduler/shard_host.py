@@ -67,7 +67,7 @@ from typing import Any
 
 import zmq
 
-from zserve.config.cluster import ClusterConfig, ModelConfig
+from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
@@ -143,6 +143,9 @@ def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfi
 
 class ShardHost:
     """The SchedulerCore of one shard on its sockets; see the module docstring."""
+
+    # The rank's latest table (a model added later is served from it).
+    _last_table: BackendTable | None = None
 
     def __init__(
         self,
@@ -425,8 +428,23 @@ class ShardHost:
             self._release_plans(now, gpu_id, f"GPU {gpu_id} ({address}) left the cluster",
                                 outbox)
 
+    def add_model(self, config: ModelConfig) -> None:
+        """A model added after start (``ModelAdded``), if this shard owns it: scheduled once a
+        backend registers it (the latest table may list it already)."""
+        if config.name in self.models or shard_for_model(
+                config.name, self.cluster.scheduler.shards) != self.index:
+            return
+        self.models[config.name] = config
+        self.core.known.add(config.name)
+        log.info("%s: model %s added", self.name, config.name)
+        if self._last_table is not None:
+            outbox: Outbox = []
+            self._serve_table(self.clock.now(), self._last_table, outbox)
+            self.driver.flush(outbox)
+
     def _serve_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
         """The GPUs serving each model and their merged profiles, from the table."""
+        self._last_table = table
         served: dict[str, list[int]] = {}
         tables: dict[str, list[list[float]]] = {}
         for i, (gpu_id, models) in enumerate(zip(table.gpu_ids, table.models, strict=True)):

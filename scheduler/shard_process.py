@@ -8,8 +8,10 @@ the control link asks it to drain, drains, and closes everything in reverse orde
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -18,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from zserve.config.cluster import STANDBY_NAME, RoleConfig
+from zserve.config.cluster import STANDBY_NAME, ModelConfig, RoleConfig, load_config
 from zserve.core.epochs import SchedulerWatch, next_epoch, now_ms
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
@@ -29,6 +31,7 @@ from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
 from zserve.scheduler.shard_host import ROLE, ShardHost
 from zserve.scheduler.standby import PairLink
+from zserve.transport.messages import ModelAdded
 from zserve.transport.reactor import SocketReactor
 from zserve.transport.sockets import make_router
 
@@ -77,8 +80,17 @@ async def _main(config: RoleConfig, control_address: str | None) -> int:
         proc = _ShardProcess(session, SocketReactor(asyncio.get_running_loop()))
         session.closing(proc.close)
         session.serve_stats(lambda reset: proc.host.stats(reset) if proc.host is not None else {})
-        session.on_control(lambda msg: proc.rank.on_control_message(msg) if proc.rank else None)
+        session.on_control(functools.partial(_on_control, proc))
         return await _serve(proc, config)
+
+
+def _on_control(proc: _ShardProcess, msg: Any) -> None:
+    """The supervisor adds a model (``ModelAdded``), or tells the embedded rank something."""
+    if type(msg) is ModelAdded:
+        if proc.host is not None:
+            proc.host.add_model(ModelConfig.from_dict(msg.config))
+    elif proc.rank is not None:
+        proc.rank.on_control_message(msg)
 
 
 async def _serve(proc: _ShardProcess, config: RoleConfig) -> int:
@@ -96,21 +108,38 @@ async def _serve(proc: _ShardProcess, config: RoleConfig) -> int:
         assert rank_address is not None
         host.start()
         host.connect_rank(rank_address)
-    drained = asyncio.ensure_future(session.drain.wait())
+    drained = asyncio.ensure_future(session.drained())
     superseded = asyncio.ensure_future(proc.superseded.wait())
     await asyncio.wait([drained, superseded], return_when=asyncio.FIRST_COMPLETED)
     drained.cancel()
     superseded.cancel()
+    handing_over = _hands_over(proc)
     if proc.pair is not None:  # a draining scheduler neither pings nor takes over
-        await proc.pair.close(leaving=not proc.superseded.is_set())
+        await proc.pair.close(leaving=not (proc.superseded.is_set() or handing_over))
         proc.pair = None
     if proc.superseded.is_set():
         # Exit without a drain: its queue is the new epoch's now (the frontends re-send it);
         # a supervisor restarts this process as the standby.
         log.error("%s: superseded; exiting", name)
         return 0
+    if handing_over:
+        # A rolling restart: the partner takes over when this connection closes, and the
+        # frontends re-send the queue to it; a drain here would answer it SHUTTING_DOWN.
+        host.fenced = True
+        log.warning("%s: drain requested while active with a live partner: handing over; "
+                    "exiting", name)
+        return 0
     await host.drain(session.drain.drain_s)
     return 0
+
+
+def _hands_over(proc: _ShardProcess) -> bool:
+    """An active scheduler of a pair whose partner answers leaves at once, without a drain
+    (docs/runtime.md, "Hot spare"); a cluster's shutdown drains it (the supervisor stops the
+    frontends first, so nothing is left to hand over) unless the partner is up."""
+    if proc.pair is None or proc.superseded.is_set():
+        return False
+    return proc.pair.watch.can_hand_over(time.monotonic())
 
 
 def _build(proc: _ShardProcess, config: RoleConfig) -> tuple[ShardHost, dict[str, str]]:
@@ -193,8 +222,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bind", default=None, help="shard socket bind address")
     parser.add_argument("--rank-bind", default=None,
                         help="with shards = 0: the embedded rank's bind address")
+    parser.add_argument("--standby", action=argparse.BooleanOptionalAction, default=False,
+                        help=f"run as {STANDBY_NAME}, the hot spare of shard-0 "
+                             "([scheduler] standby = true)")
     args = parser.parse_args(argv)
-    config = role_config_from_args(args, ROLE)
+    if args.standby and not load_config(args.config).scheduler.standby:
+        parser.error("--standby needs [scheduler] standby = true in the cluster file")
+    config = role_config_from_args(args, ROLE, STANDBY_NAME if args.standby else None)
     if args.bind:
         config.bind["shard"] = args.bind
     if args.rank_bind:

@@ -567,6 +567,28 @@ class RepositoryReply(Message, frozen=True, tag="reporeply"):
     reasons: list[str] = msgspec.field(default_factory=list)
 
 
+class ModelUsage(Message, frozen=True, tag="musage"):
+    """Frontend -> supervisor (control link), for the orchestrator: ``requests`` it admitted per
+    model since its last report; ``waiting``: the requests it holds now, per model, for a model
+    no backend serves (an on-demand load); ``pending``: its requests admitted and not yet
+    answered, per model (a model with some is in use). The last two are whole counts."""
+
+    name: str
+    requests: dict[str, int]
+    waiting: dict[str, int]
+    pending: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class ModelAdded(Message, frozen=True, tag="madded"):
+    """Supervisor -> every frontend and scheduler process (control link): a model found in the
+    repository folder after start (a rescan, on a repository index or load). ``config``: the
+    wire form of its ``ModelConfig``; a frontend admits it from now on (refused UNAVAILABLE
+    until a backend serves it), a scheduler process that owns it schedules it once a backend
+    registers it. A model known already is ignored."""
+
+    config: dict[str, Any]
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
     InferReply,
@@ -608,6 +630,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ModelReport,
     RepositoryRequest,
     RepositoryReply,
+    ModelUsage,
+    ModelAdded,
 )
 
 # KIND is each class's msgspec tag, read back once here so that the tag is written only once.

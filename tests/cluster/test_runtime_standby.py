@@ -30,13 +30,13 @@ WAIT_S = 20.0
 ALLOWED = {"OK", "DEADLINE", "UNAVAILABLE", "BACKEND_FAILED"}
 
 
-def standby_cluster() -> ClusterConfig:
+def standby_cluster(takeover_timeout_ms: float = 1000.0) -> ClusterConfig:
     return parse_config({
         "cluster": {"drain_s": 1.0},
         # Eager: a batch runs as soon as a GPU is free, so a loaded machine's lateness of tens
         # of ms costs no request (the deferred policy holds a lone one to its deadline's edge).
         "scheduler": {"standby": True, "policy": "eager", "d_ctrl_ms": 20.0,
-                      "takeover_timeout_ms": 1000.0},
+                      "takeover_timeout_ms": takeover_timeout_ms},
         "frontends": {"reply_allowance_ms": 100.0},
         "backends": {"count": 2, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 2.0, "beta_ms": 20.0},
@@ -170,6 +170,27 @@ def test_resumed_old_scheduler_dispatches_nothing_and_steps_down(tmp_path: Path)
         assert _old_plans(cluster, old_epoch) == before
         assert not cluster.stats("shard-0")["active"]
         assert cluster.stats(STANDBY_NAME)["active"]
+
+
+def test_a_drained_active_scheduler_hands_over_at_once(tmp_path: Path) -> None:
+    """SIGTERM (a rolling restart's) of the active scheduler while its partner answers: it
+    leaves at once without answering its queue SHUTTING_DOWN, the standby takes over when its
+    connection closes (long before the 30 s takeover timeout: not by silence), the frontends
+    re-send what they held, and it comes back as the standby."""
+    with Cluster(standby_cluster(takeover_timeout_ms=30_000.0), ipc_base=tmp_path) as cluster:
+        old_epoch = _active(cluster)[1]
+        with OpenLoop(cluster.client_address) as load:
+            assert load.fault_point.wait(WAIT_S)
+            cluster.kill("shard-0", signal.SIGTERM)
+            wait_until(lambda: _active(cluster)[0] == STANDBY_NAME, "handover",
+                       timeout_s=WAIT_S)
+            switched_at = time.monotonic()
+        counts = _check_answers(load, switched_at)
+        assert "DEADLINE" not in counts and "BACKEND_FAILED" not in counts, (counts, load.errors)
+        assert _active(cluster)[1] > old_epoch
+        cluster.wait_ready("shard-0", incarnation=2)
+        assert not cluster.stats("shard-0")["active"]
+        assert cluster.restart_history("shard-0")  # it exited (0) and was restarted
 
 
 def _old_plans(cluster: Cluster, epoch: int) -> list[int]:

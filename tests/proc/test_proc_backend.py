@@ -288,6 +288,28 @@ def test_proc_backend_sigterm_drains(tmp_path: Path) -> None:
         h.close()
 
 
+def test_proc_backend_withdraws_its_models_before_it_drains(tmp_path: Path) -> None:
+    """SIGTERM first withdraws every model (a BackendRegister without them: the schedulers plan
+    nothing more here); a plan sent before the schedulers heard it still runs, where a drain
+    would have refused it SHUTTING_DOWN; then the drain, and exit 0."""
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, drain_s=5.0)
+        rig.child.terminate()
+        # Sent right behind the signal (well within UNLOAD_QUIET_S of the withdrawal), as a
+        # plan the scheduler made before it heard of the withdrawal.
+        rig.plan(1, [1, 2], time.monotonic())
+        _, withdrawal = rig.rank.expect(BackendRegister)
+        assert withdrawal.name == "backend-0" and withdrawal.models == []
+        rig.serve_fetch()
+        _, out = rig.frontend.expect(BatchOutputs)
+        assert out.plan_id == 1 and out.request_ids == [1, 2]
+        assert not [m for _, m in rig.frontend.backlog if isinstance(m, BatchFailed)]
+        assert rig.child.wait() == 0
+    finally:
+        h.close()
+
+
 def test_proc_backend_onnx_ready_only_after_warmup(tmp_path: Path) -> None:
     """A real ONNX Runtime backend (built-in ``mlp``): Ready comes only once every batch size is
     warm, and a plan's outputs are what the model computes for each request."""

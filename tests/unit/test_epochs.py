@@ -9,7 +9,7 @@ import numpy as np
 
 from zserve.cluster.preflight import check_cluster
 from zserve.config.cluster import parse_config
-from zserve.core.epochs import EpochFence, SchedulerWatch, next_epoch
+from zserve.core.epochs import HANDOVER_FRESH_S, EpochFence, SchedulerWatch, next_epoch
 from zserve.core.hosting import Outbox
 from zserve.frontend.core import FrontendCore
 from zserve.transport.messages import InferError, InferRequest, InputFetch, RequestMetaBatch
@@ -156,3 +156,17 @@ def test_preflight_refuses_a_standby_with_shards() -> None:
     problems = check_cluster(config)
     assert [p.key for p in problems] == ["scheduler.standby"]
     assert "shards = 0" in problems[0].problem
+
+
+def test_an_active_scheduler_hands_over_only_to_a_partner_heard_within_the_timeout() -> None:
+    watch = SchedulerWatch(active=True, epoch=10, takeover_timeout_s=TIMEOUT_S, now=0.0)
+    assert not watch.can_hand_over(0.5)  # never heard from a partner: drain instead
+    watch.on_ping(1.0, 0, active=False)  # the standby answers
+    assert watch.can_hand_over(1.0 + HANDOVER_FRESH_S / 2)
+    assert not watch.can_hand_over(1.0 + HANDOVER_FRESH_S)  # silent for five pings: drain
+    watch.on_ping(2.0, 0, active=False)
+    watch.on_partner_gone(2.1)  # its connection closed: it died
+    assert not watch.can_hand_over(2.1)
+    standby = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0)
+    standby.on_ping(1.0, 10, active=True)
+    assert not standby.can_hand_over(1.1)  # a standby has nothing to hand over

@@ -137,6 +137,28 @@ def test_embedded_rank_layout() -> None:
     assert cluster.backends.device_of(1) == "cuda:1"
 
 
+def test_a_named_standby_is_in_the_static_peers_of_roles_started_alone() -> None:
+    cluster = config(scheduler={
+        "standby": True, "rank_address": "tcp://zserve-scheduler-a:7100",
+        "shard_addresses": ["tcp://zserve-scheduler-a:7200"],
+        "standby_rank_address": "tcp://zserve-scheduler-b:7100",
+        "standby_shard_address": "tcp://zserve-scheduler-b:7200"})
+    peers = cluster.static_peers(None)
+    assert endpoints_of(peers, "rank") == {"shard-0": "tcp://zserve-scheduler-a:7100",
+                                           "shard-0b": "tcp://zserve-scheduler-b:7100"}
+    assert endpoints_of(peers, "shard")["shard-0b"] == "tcp://zserve-scheduler-b:7200"
+    standby = role_config(cluster, "shard", 0, ipc_dir=None, name="shard-0b")
+    assert standby.standby and standby.bind == {"shard": "tcp://zserve-scheduler-b:7200",
+                                                "rank": "tcp://zserve-scheduler-b:7100"}
+    assert ("scheduler.standby_rank_address", "tcp://zserve-scheduler-b:7100") in (
+        cluster.explicit_bind_keys())
+    with pytest.raises(ConfigError,
+                       match=r"^scheduler\.standby_rank_address: needs standby = true"):
+        config(scheduler={"standby_rank_address": "tcp://b:7100"})
+    with pytest.raises(ConfigError, match=r"^scheduler\.standby_shard_address: "):
+        config(scheduler={"standby": True, "standby_shard_address": "b:7200"})
+
+
 def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
     good = tmp_path / "c.toml"
     good.write_text('[[models]]\nname = "r"\nonnx = "models/r.onnx"\nprofile = "p.json"\n')

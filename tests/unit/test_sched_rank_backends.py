@@ -144,3 +144,26 @@ def test_a_retired_backend_keeps_its_table_entry_but_gets_no_grants_until_it_exi
     assert rank.gpu_ids == [0] and backends.table(1).names == ["backend-0"]
     backends.on_register(4.0, b"backend-1", _register("backend-1"), outbox, active=True)
     assert rank.gpu_ids == [0, 1] and backends.table(1).names == ["backend-0", "backend-1"]
+
+
+def test_a_backend_that_withdraws_every_model_is_granted_nothing_until_it_serves_again() -> None:
+    """A backend about to drain registers without models: the matching (GPUs, not models)
+    must not offer its idle GPU 0 ahead of GPU 1, which serves the model."""
+    backends, rank, _ = _table()
+    outbox: Outbox = []
+    for name in ("backend-0", "backend-1"):
+        backends.on_register(1.0, name.encode(), _register(name), outbox, active=True)
+    withdrawn = BackendRegister(name="backend-0", device="emulated",
+                                plan_address="ipc://backend-0.plan", models=[], profiles_ms={})
+    backends.on_register(2.0, b"backend-0", withdrawn, outbox, active=True)
+    # the rank keeps GPU 0 but matches it to no model (per-model membership: no pool has it)
+    assert rank.gpu_ids == [0, 1]
+    assert backends.table(1).gpu_ids == [0, 1]  # still listed (alive), serving nothing
+    assert backends.table(1).models[0] == []
+    outbox.clear()
+    rank.on_candidate(2.0, CandidateUpdate("m", 1, 2.0, 3.0, 0.0), outbox)
+    assert [msg.gpu_id for _, msg in outbox if isinstance(msg, GrantGpu)] == [1]
+    backends.on_register(3.0, b"backend-0", _register("backend-0"), outbox, active=True)
+    assert rank.gpu_ids == [0, 1]  # serves again: matched again
+    backends.expire(10.0, outbox)  # both silent: removed, whether matched or not
+    assert rank.gpu_ids == [] and backends.table(1).gpu_ids == []

@@ -111,6 +111,15 @@ class ModelRepository:
             name: None if set(states) in (set(), self.backends) else frozenset(states)
             for name, states in self.states.items()}
 
+    def add_model(self, name: str, wire: dict[str, Any]) -> None:
+        """A model found in the repository folder after start: known, loaded nowhere."""
+        if name in self.models:
+            return
+        self.models[name] = wire
+        self.states[name] = {}
+        self.reasons[name] = "not loaded"
+        self.placement[name] = None
+
     # ------------------------------------------------------------------ what it tells
 
     def state(self, model: str) -> tuple[str, str]:
@@ -120,6 +129,11 @@ class ModelRepository:
             if state in states:
                 return state, ""
         return UNAVAILABLE, self.reasons[model]
+
+    def busy(self, model: str) -> bool:
+        """Whether a call of ``model`` is under way (or a command on a backend)."""
+        return bool(self._waiting.get(model)) or any(
+            s != READY for s in self.states[model].values())
 
     def served_by(self, backend: str) -> list[str]:
         """The models READY on ``backend`` (what a restart of it should load at start)."""

@@ -26,7 +26,10 @@ all backends registered (so the first request finds a serving cluster).
 
 Running: a child that exits is restarted with exponential backoff, pinned to its previous
 addresses (peers never need new addresses); one that stops heartbeating for
-``HEARTBEAT_TIMEOUT_S`` is killed and restarted.
+``HEARTBEAT_TIMEOUT_S`` is killed and restarted. The supervisor owns the model repository
+(``zserve.cluster.repository``; an index or load reads the folder again, and a model added there
+is sent to every frontend and scheduler, ``ModelAdded``) and, with ``[orchestration]``, hosts the
+orchestrator (``zserve.cluster.orchestrator_host``), stepped on every turn of its loop.
 
 Autoscaling (``[autoscale] enabled`` and ``act``): ``zserve.cluster.autoscaler`` adds backends and
 releases them (drained first; a released one is not restarted) on the frontends' advice.
@@ -60,12 +63,14 @@ from typing import Any, TypeVar
 
 import zmq
 
+from zserve.cluster import model_catalog
 from zserve.cluster.autoscaler import BackendAutoscaler
 from zserve.cluster.child import SupervisedChild, child_main
+from zserve.cluster.orchestrator_host import ORCHESTRATOR_CALLER, OrchestratorHost
 from zserve.cluster.preflight import bound_addresses, preflight
 from zserve.cluster.repository import MOVE, Call, Effects, ModelRepository
 from zserve.config.cluster import STANDBY_NAME, ClusterConfig, load_config, role_config
-from zserve.core.errors import ProtocolError
+from zserve.core.errors import ErrorKind, ProtocolError
 from zserve.runtime import peer_map
 from zserve.runtime.keys import release_role_context, secure_role_context
 from zserve.transport import codec
@@ -73,7 +78,9 @@ from zserve.transport.idle_poll import IdlePollers
 from zserve.transport.messages import (
     BackendGone,
     Heartbeat,
+    ModelAdded,
     ModelReport,
+    ModelUsage,
     Ready,
     RepositoryReply,
     RepositoryRequest,
@@ -172,14 +179,25 @@ class Supervisor:
         self.repository = ModelRepository(
             {m.name: m.to_dict() for m in config.models},
             {c.name: self._serves(c) for c in self.children.values() if c.role == "backend"})
+        # The orchestrator (``[orchestration]``): on-demand loads, idle unloads, re-plans.
+        self.orchestrator = None if config.orchestration is None else OrchestratorHost(
+            config.orchestration, self.repository,
+            [c.name for c in self.children.values() if c.role == "backend"], config.models,
+            time.monotonic())
         # Repository calls made in this process (``repository_call``): request id -> its reply.
         self._local_replies: dict[int, Future[RepositoryReply]] = {}
         self._local_calls = 0
-        # Starts and releases backends on the frontends' advice ([autoscale] enabled and act).
-        self.autoscaler = BackendAutoscaler(
-            config, self.children, spawn=self._spawn, send=self._send, stats=self.child_stats,
-            ipc_dir=ipc_dir, on_released=lambda: self.on_child_ready and self.on_child_ready(),
-        ) if config.autoscale.enabled and config.autoscale.act else None
+        self.autoscaler = self._autoscaler(ipc_dir)
+
+    def _autoscaler(self, ipc_dir: str | None) -> BackendAutoscaler | None:
+        """Starts and releases backends on the frontends' advice ([autoscale] enabled and act);
+        `zserve up` rewrites its state file when a released one is gone."""
+        if not (self.config.autoscale.enabled and self.config.autoscale.act):
+            return None
+        return BackendAutoscaler(
+            self.config, self.children, spawn=self._spawn, send=self._send,
+            stats=self.child_stats, ipc_dir=ipc_dir,
+            on_released=lambda: self.on_child_ready and self.on_child_ready())
 
     # ------------------------------------------------------------------ helpers
 
@@ -343,14 +361,51 @@ class Supervisor:
     def _on_repository(self, child: SupervisedChild, msg: Any) -> None:
         """A frontend's forwarded repository call, or a backend's report of a model."""
         if type(msg) is RepositoryRequest and child.role == "frontend":
-            self._apply(self.repository.call(Call(child.name, msg.request_id), msg.action,
-                                             msg.model))
+            self._apply(self._repository_call(Call(child.name, msg.request_id), msg.action,
+                                              msg.model))
+        elif type(msg) is ModelUsage and child.role == "frontend":
+            if self.orchestrator is not None:
+                self.orchestrator.on_usage(time.monotonic(), msg)
         elif type(msg) is ModelReport and child.role == "backend":
             log.info("%s: model %s is %s %s", child.name, msg.model, msg.state, msg.message)
             self._apply(self.repository.on_report(child.name, msg.model, msg.state,
                                                   msg.message))
             # A restart of it loads what it serves now.
             child.config.serve = tuple(self.repository.served_by(child.name))
+
+    def _repository_call(self, call: Call, action: str, model: str) -> Effects:
+        """A repository call; an index or a load reads the repository folder again first (a
+        model folder added since start joins the cluster: ``_add_models``)."""
+        if action in ("index", "load"):
+            added, problem = model_catalog.rescan(self.config)
+            if problem is not None:
+                log.warning("repository folder: %s", problem)
+                if action == "load" and model not in self.repository.models:
+                    effects = Effects()
+                    effects.answer(call, ErrorKind.BAD_REQUEST, problem)
+                    return effects
+            if added:
+                self._add_models(added)
+        return self.repository.call(call, action, model)
+
+    def _add_models(self, added: list[Any]) -> None:
+        """Models found in the repository folder after start: every role's config lists them
+        (a role restarted later starts with them), the frontends and schedulers learn them
+        (``ModelAdded``), the repository and the orchestrator know them, loaded nowhere."""
+        self.config = model_catalog.with_models(self.config, added)
+        for child in self.children.values():
+            child.config.cluster = self.config
+            child.config.models = model_catalog.role_models(self.config, child.role,
+                                                            child.index)
+        for model in added:
+            log.info("repository: model %s added", model.name)
+            self.repository.add_model(model.name, model.to_dict())
+            if self.orchestrator is not None:
+                self.orchestrator.add_model(model)
+            notice = ModelAdded(model.to_dict())
+            for child in self.children.values():
+                if child.role in ("frontend", "shard") and child.ready and child.alive:
+                    self._send(child, notice)
 
     def _apply(self, effects: Effects) -> None:
         """Send the repository's commands to the backends and its answers to the frontends (or
@@ -360,6 +415,10 @@ class Supervisor:
                 local = self._local_replies.pop(msg.request_id, None)
                 if local is not None:
                     local.set_result(msg)
+                continue
+            if name == ORCHESTRATOR_CALLER and type(msg) is RepositoryReply:
+                if self.orchestrator is not None:
+                    self.orchestrator.on_answer(msg)
                 continue
             target = self.children.get(name)
             if target is not None and target.ready and target.alive:
@@ -443,6 +502,8 @@ class Supervisor:
                     self._supervise(child, now)
                 if self.autoscaler is not None:
                     self.autoscaler.tick(now)
+                if self.orchestrator is not None:
+                    self._apply(self.orchestrator.step(now))
                 self._poll(self._poll_timeout_ms())
         finally:  # also on a bug above: never leave children behind
             self.shutdown(self._stop_drain_s)
@@ -453,6 +514,8 @@ class Supervisor:
         for child in self.children.values():
             if child.restart_at is not None:
                 timeout = min(timeout, max(0.0, child.restart_at - now))
+        if self.orchestrator is not None:
+            timeout = min(timeout, max(0.0, self.orchestrator.wake_at() - now))
         return int(timeout * 1e3)
 
     def _supervise(self, child: SupervisedChild, now: float) -> None:
@@ -532,7 +595,7 @@ class Supervisor:
             call = Call(LOCAL_CALLER, self._local_calls)
             self._local_replies[call.request_id] = reply
             self._apply(self.repository.move(call, model, to) if action == MOVE
-                        else self.repository.call(call, action, model))
+                        else self._repository_call(call, action, model))
 
         self.call(start)
         return reply

@@ -63,7 +63,7 @@ Count = Annotated[int, msgspec.Meta(ge=1)]
 Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
-_DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
+DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})$")
 
 
@@ -221,9 +221,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # A hot-spare scheduler process (``shards = 0`` only; docs/runtime.md, "Hot spare").
     standby: bool = False
     takeover_timeout_ms: float = DEFAULT_TAKEOVER_TIMEOUT_MS
+    # Where the standby binds its rank and shard sockets (None: allocated). Named for roles
+    # started alone, which learn the standby's addresses from the file (a Kubernetes Service).
+    standby_rank_address: str | None = None
+    standby_shard_address: str | None = None
 
     def __post_init__(self) -> None:
         check_finite("takeover_timeout_ms", self.takeover_timeout_ms, positive=True)
+        for key in ("standby_rank_address", "standby_shard_address"):
+            _check_address(key, getattr(self, key))
+            if getattr(self, key) and not self.standby:
+                raise FieldError(key, "needs standby = true")
         try:
             SchedulePolicy.parse(self.policy, self.drop)
         except PolicyError as exc:
@@ -307,11 +315,11 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     plan_addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _DEVICE_RE.match(self.device):
+        if not DEVICE_RE.match(self.device):
             raise FieldError("device",
                              f"must be cpu, emulated, cuda or cuda:N, got {self.device!r}")
         for i, device in enumerate(self.devices):
-            if not _DEVICE_RE.match(device) or device == "cuda":
+            if not DEVICE_RE.match(device) or device == "cuda":
                 raise FieldError(f"devices[{i}]",
                                  f"must be cpu, emulated or cuda:N, got {device!r}")
         _check_addresses("plan_addresses", self.plan_addresses, self.total, "backends")
@@ -459,6 +467,31 @@ def _check_autoscale(autoscale: AutoscaleConfig, backends: BackendsConfig) -> No
                          "(backends.device), not a list")
 
 
+class OrchestrationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[orchestration]``: the supervisor's orchestrator (docs/orchestration.md,
+    "Re-planning", "On-demand loading"): every ``plan_period_s`` it re-partitions the loaded
+    models over ``subclusters`` groups of backends by their rates over ``rate_window_s``, moving
+    at most ``disruption_budget`` of their bytes; a request for a model loaded nowhere loads it
+    (``load_on_demand``), evicting the least recently used where ``memory_budget_mb`` (per
+    backend) is short; a model with no request for ``idle_unload_s`` is unloaded."""
+
+    plan_period_s: float = 300.0
+    rate_window_s: float = 60.0
+    subclusters: Count = 1
+    disruption_budget: float = 0.05
+    load_on_demand: bool = True
+    idle_unload_s: float | None = None
+    memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("plan_period_s", "rate_window_s", "idle_unload_s", "memory_budget_mb"):
+            check_finite(key, getattr(self, key), positive=True)
+        check_finite("disruption_budget", self.disruption_budget)
+        if not 0.0 <= self.disruption_budget <= 1.0:
+            raise FieldError("disruption_budget", "must be a fraction in 0..1 (of the loaded "
+                             f"models' bytes), got {self.disruption_budget}")
+
+
 def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
@@ -481,10 +514,16 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    orchestration: OrchestrationConfig | None = None
 
     def __post_init__(self) -> None:
         _check_models(self.models, repository=self.repository.path is not None)
         _check_autoscale(self.autoscale, self.backends)
+        groups = self.orchestration.subclusters if self.orchestration is not None else 1
+        if groups > self.backends.total:
+            raise FieldError("orchestration.subclusters",
+                             f"{groups} sub-clusters need at least as many backends "
+                             f"(backends.count is {self.backends.total})")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -504,6 +543,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     security: SecurityConfig = SecurityConfig()
     repository: RepositoryConfig = RepositoryConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    # None: no orchestrator (no on-demand loads, idle unloads or re-plans).
+    orchestration: OrchestrationConfig | None = None
     # The models of ``[repository]`` not loaded at start (no backend serves them until a
     # repository load); every other model is loaded by every backend at start.
     unloaded_at_start: tuple[str, ...] = ()
@@ -559,9 +600,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                        name: str | None = None) -> dict[str, str]:
         """Socket name -> bind address of one process: what cluster.toml names, else
         ``ipc://<ipc_dir>/<name>.<socket>`` (transport ipc) or ``tcp://<host>:0``. The standby
-        scheduler (``name`` STANDBY_NAME) always gets the generated addresses."""
+        scheduler (``name`` STANDBY_NAME) binds ``standby_shard_address`` and
+        ``standby_rank_address`` where named."""
         if name == STANDBY_NAME:
-            sockets: dict[str, str | None] = {"shard": None, "rank": None}
+            sockets: dict[str, str | None] = {"shard": self.scheduler.standby_shard_address,
+                                              "rank": self.scheduler.standby_rank_address}
             return self._generated(sockets, name, self.host, ipc_dir)
         name = process_name(role, index)
         if role == "rank":
@@ -606,8 +649,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """``(key path, address)`` of every bind address cluster.toml names and a process uses,
         e.g. ``("frontends.addresses[0]", "tcp://0.0.0.0:7000")``."""
         keyed: list[tuple[str, str]] = []
-        if self.scheduler.rank_address:
-            keyed.append(("scheduler.rank_address", self.scheduler.rank_address))
+        for key in ("rank_address", "standby_rank_address", "standby_shard_address"):
+            if getattr(self.scheduler, key):
+                keyed.append((f"scheduler.{key}", getattr(self.scheduler, key)))
         tables = (
             ("scheduler.shard_addresses", self.scheduler.shard_addresses,
              self.scheduler_processes),
@@ -737,6 +781,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         security=document.security.resolved(base),
         repository=repository,
         autoscale=document.autoscale,
+        orchestration=document.orchestration,
         unloaded_at_start=unloaded,
         repository_models=tuple(m.name for m in found),
     )

@@ -37,6 +37,9 @@ PING_INTERVAL_S = 0.1
 # After becoming active, a scheduler waits for the backends to register (their device state)
 # before it announces itself to the frontends, at most this long.
 REBUILD_MAX_S = 1.5
+# An active scheduler hands over on a drain only to a partner that answered this recently (five
+# pings): one that died moments ago could not take the queue.
+HANDOVER_FRESH_S = 0.5
 
 
 def now_ms() -> int:
@@ -96,6 +99,7 @@ class SchedulerWatch:
         self.takeover_timeout_s = takeover_timeout_s
         self.partner_active_at = now  # the last ping of an active partner (or the start)
         self.partner_active = False  # the partner's last ping said it was active
+        self.partner_seen_at = -math.inf  # the partner's last ping or answer, active or not
         self.superseded = False  # stepped down: never active again in this process
 
     @property
@@ -112,14 +116,24 @@ class SchedulerWatch:
 
     def on_ping(self, now: float, epoch: int, active: bool) -> bool:
         """The partner pinged; True when this (active) process must step down."""
+        self.partner_seen_at = now
         if active:
             self.partner_active_at = now
         self.partner_active = active
         return self.on_epoch(epoch if active else 0)
 
+    def can_hand_over(self, now: float) -> bool:
+        """Whether this active process may leave its queue to its partner: the partner's
+        connection is up and it answered within ``HANDOVER_FRESH_S`` (or the takeover timeout,
+        if shorter), so it takes over once this one's connection closes and the frontends
+        re-send what they still hold to it. Else the process drains."""
+        fresh_s = min(HANDOVER_FRESH_S, self.takeover_timeout_s)
+        return self.active and not self.superseded and now - self.partner_seen_at < fresh_s
+
     def on_partner_gone(self, now: float) -> None:
         """The link to the partner dropped (its process died: a hung one keeps its sockets).
         If it was the active one, take over now instead of after the timeout."""
+        self.partner_seen_at = -math.inf  # nobody to hand over to until it answers again
         if self.partner_active:
             self.partner_active = False
             self.partner_active_at = min(self.partner_active_at, now - self.takeover_timeout_s)

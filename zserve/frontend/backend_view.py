@@ -35,7 +35,8 @@ class FrontendBackends:
     Signatures and measured profiles are learned into the models' ``ModelAdmission``.
     """
 
-    __slots__ = ("_max_request_bytes", "_models", "_name", "gpus_for_model", "pids", "table")
+    __slots__ = ("_max_request_bytes", "_models", "_name", "_profiles", "_signatures",
+                 "gpus_for_model", "pids", "table")
 
     def __init__(self, *, name: str, models: dict[str, ModelAdmission],
                  max_request_bytes: int) -> None:
@@ -48,6 +49,9 @@ class FrontendBackends:
         self.pids: dict[str, int] = {}
         self.table: dict[str, list[str]] | None = None
         self.gpus_for_model: dict[str, int] = {}
+        # the latest table's, per backend
+        self._signatures: list[dict[str, dict[str, Any]]] = []
+        self._profiles: list[dict[str, list[float]]] = []
 
     def on_hello(self, msg: Hello) -> LostBackends:
         """A backend says hello with its pid: a new pid means a new incarnation, which holds
@@ -73,15 +77,21 @@ class FrontendBackends:
         table = dict(zip(msg.names, msg.models, strict=False))
         previous = self.table or {}
         self.table = table
+        self._signatures, self._profiles = msg.signatures, msg.profiles_ms
+        self.recount()
+        return [(name, "backend left the cluster") for name in previous if name not in table]
+
+    def recount(self) -> None:
+        """The backends serving each configured model, and what they registered of it, from the
+        latest table (again after a model was added: the table may list it already)."""
         counts: dict[str, int] = dict.fromkeys(self._models, 0)
-        for models in table.values():
+        for models in (self.table or {}).values():
             for model in models:
                 if model in counts:
                     counts[model] += 1
         self.gpus_for_model = counts
-        self._learn_signatures(msg.signatures)
-        self._learn_profiles(msg.profiles_ms)
-        return [(name, "backend left the cluster") for name in previous if name not in table]
+        self._learn_signatures(self._signatures)
+        self._learn_profiles(self._profiles)
 
     def names(self) -> set[str]:
         """Every backend this frontend knows of (the table's, and live ones that said hello)."""

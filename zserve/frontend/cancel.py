@@ -57,6 +57,10 @@ class FrontendCancellation:
         # per backend: (plan ids, request ids) taken out after it fetched them
         self._fetched: dict[str, tuple[list[int], list[int]]] = {}
 
+    def add_model(self, model: str, shard: int) -> None:
+        """A model added after start, owned by ``shard``."""
+        self._shard_of[model] = shard
+
     def cancelled(self, request: Pending) -> None:
         """Its client cancelled ``request`` (a ``CancelRequest``, or all of a connection's)."""
         if request.state == QUEUED:

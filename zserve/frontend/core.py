@@ -28,17 +28,18 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from zserve.config.cluster import ClusterConfig, shard_for_model
+from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
 from zserve.config.profiles import LatencyProfile
 from zserve.config.signature import quoted
 from zserve.core.errors import ErrorKind, ZServeError, bounded_message
 from zserve.core.hosting import Destination, Outbox
 from zserve.core.request_ids import RequestIds, incarnation_of
-from zserve.core.stats import Stats
+from zserve.core.stats import Histogram, Stats
 from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
 from zserve.frontend.backend_view import FrontendBackends, LostBackends
 from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
+from zserve.frontend.on_demand import OnDemandHolds, Usage
 from zserve.frontend.requests import FETCHED, QUEUED, Answers, Pending, RequestTable
 from zserve.transport.messages import (
     BackendGone,
@@ -121,6 +122,7 @@ of ``latency/<model>`` and ``queueing/<model>``, summed when a snapshot is taken
 QUEUEING_OF_MODEL = "queueing/{}"
 EXECUTION_OF_MODEL = "execution/{}"
 LATENCY_OF_MODEL = "latency/{}"
+_PER_MODEL_HISTOGRAMS = (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)
 OUTCOME_OF_MODEL = "outcome/{}/{}"
 OUTCOME_OK = "ok"
 
@@ -202,6 +204,10 @@ class FrontendCore:
         self.cancels = FrontendCancellation(
             shard_of={model: state.shard for model, state in self.models.items()},
             shards=shards, counters=self.counters)
+        orchestration = cluster.orchestration
+        self.on_demand = OnDemandHolds(
+            enabled=orchestration is not None and orchestration.load_on_demand,
+            report=orchestration is not None)
         self.batched_clients: set[bytes] = set()  # clients that decode InferAnswers
         self.refused_clients: dict[bytes, str] = {}  # another wire protocol: why
         self._answers: dict[bytes, Answers] = {}  # this tick's, per batched client
@@ -220,7 +226,7 @@ class FrontendCore:
              *(n for names in self._outcome_names.values() for n in names.values())),
             {**FRONTEND_HISTOGRAMS,
              **{pattern.format(name): "delay" for name in self.models
-                for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL)}})
+                for pattern in _PER_MODEL_HISTOGRAMS}})
         self.counters = self._stats.counters
         hist = self._stats.histograms
         self._admit_to_fetch = hist["admit_to_fetch"]
@@ -232,7 +238,28 @@ class FrontendCore:
         self._overhead = hist["overhead"]
         self._queueing_of, self._execution_of, self._latency_of = (
             {name: hist[pattern.format(name)] for name in self.models}
-            for pattern in (QUEUEING_OF_MODEL, EXECUTION_OF_MODEL, LATENCY_OF_MODEL))
+            for pattern in _PER_MODEL_HISTOGRAMS)
+
+    def add_model(self, config: ModelConfig, profile: LatencyProfile | None) -> bool:
+        """A model added to the cluster after start (a repository rescan): admitted from now
+        on, with its counters and histograms; False when it is known already."""
+        if config.name in self.models:
+            return False
+        name = config.name
+        self.models[name] = ModelAdmission(
+            config, shard_for_model(name, self.cluster.scheduler.shards), profile,
+            self.reply_allowance_s, 1.0 / self.cluster.frontends.count)
+        self.cancels.add_model(name, self.models[name].shard)
+        names = _outcome_names([name])[name]
+        self._outcome_names[name] = names
+        for counter in names.values():
+            self.counters.setdefault(counter, 0)
+        hist = self._stats.histograms
+        for pattern, by_model in zip(_PER_MODEL_HISTOGRAMS, (
+                self._queueing_of, self._execution_of, self._latency_of), strict=True):
+            by_model[name] = hist.setdefault(pattern.format(name), Histogram("delay"))
+        self.backends.recount()  # the latest table may list it already
+        return True
 
     @property
     def pending(self) -> dict[int, Pending]:
@@ -275,7 +302,7 @@ class FrontendCore:
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
         try:
-            model, rows = self._admit(now, client, req)
+            model, rows, hold = self._admit(now, client, req)
         except _Rejected as rejected:
             self.counters[_REJECTED_COUNTERS[rejected.kind]] += 1
             names = self._outcome_names.get(req.model)  # a configured model's rejection only
@@ -293,6 +320,10 @@ class FrontendCore:
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by + TIMER_COALESCE_S)
+        self.on_demand.note_admitted(req.model)
+        if hold:  # no backend serves it: held until one does (an on-demand load)
+            self.on_demand.hold(req.model, rid)
+            return
         self._queue_meta(model.shard, rid, req.model, now, answer_by - self.reply_allowance_s,
                          rows=rows)
 
@@ -308,9 +339,10 @@ class FrontendCore:
         meta.arrivals.append(arrival)
         meta.deadlines.append(deadline)
 
-    def _admit(self, now: float, client: bytes, req: InferRequest) -> tuple[ModelAdmission, int]:
-        """The request's model and rows if ``req`` may be admitted; raises ``_Rejected``
-        otherwise."""
+    def _admit(self, now: float, client: bytes, req: InferRequest
+               ) -> tuple[ModelAdmission, int, bool]:
+        """The request's model and rows, and whether it is held for an on-demand load, if
+        ``req`` may be admitted; raises ``_Rejected`` otherwise."""
         if self.refused_clients and client in self.refused_clients:
             raise _Rejected(ErrorKind.BAD_REQUEST, self.refused_clients[client])
         model = self.models.get(req.model)
@@ -334,13 +366,23 @@ class FrontendCore:
                             f"scheduler shard {model.shard} is not reachable")
         gpus = self.backends.gpus_for_model.get(req.model, -1)
         if gpus == 0:
-            raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {req.model!r}")
+            self._hold_or_refuse(req.model, model)
+            return model, rows, True
         if gpus < 0:
             gpus = self.cluster.backends.total
         refusal = model.overload(now, rows, gpus)
         if refusal is not None:
             raise _Rejected(ErrorKind.OVERLOADED, refusal)
-        return model, rows
+        return model, rows, False
+
+    def _hold_or_refuse(self, name: str, model: ModelAdmission) -> None:
+        """A request for ``name``, which no backend serves: held for an on-demand load (with
+        ``[orchestration]``), else refused ``UNAVAILABLE``."""
+        if not self.on_demand.enabled:
+            raise _Rejected(ErrorKind.UNAVAILABLE, f"no backend serves model {name!r}")
+        if self.on_demand.full(name, model.max_queue, self.requests.pending):
+            raise _Rejected(ErrorKind.OVERLOADED, f"{model.max_queue} requests wait for model "
+                            f"{name!r} to be loaded")
 
     # ------------------------------------------------------------------ backends
 
@@ -486,8 +528,31 @@ class FrontendCore:
         self._backends_lost(now, self.backends.on_gone(msg), outbox)
 
     def on_backend_table(self, now: float, msg: BackendTable, outbox: Outbox) -> None:
-        """The rank's table of backends; the fetched requests of one that left it fail now."""
+        """The rank's table of backends; the fetched requests of one that left it fail now,
+        and those held for a model it now lists go to the model's shard."""
         self._backends_lost(now, self.backends.on_table(msg), outbox)
+        self.release_held(now)
+
+    def release_held(self, now: float) -> None:
+        """Send the requests held for a model that a backend serves now to its shard."""
+        for model in self.on_demand.waiting_models():
+            if self.backends.gpus_for_model.get(model, 0) <= 0:
+                continue
+            shard = self.models[model].shard
+            for rid in self.on_demand.release(model):
+                p = self.requests.pending.get(rid)
+                if p is not None and p.state == QUEUED and p.client is not None:
+                    self._queue_meta(shard, rid, model, p.arrival,
+                                     p.answer_by - self.reply_allowance_s, rows=p.rows)
+
+    def take_usage(self) -> Usage | None:
+        """For the orchestrator (``ModelUsage``): the requests admitted per model since the last
+        call, the ones held and the ones pending per model now; None when there is nothing new
+        to report."""
+        if not self.on_demand.report:
+            return None
+        return self.on_demand.usage(self.requests.pending, {
+            name: m.pending for name, m in self.models.items() if m.pending})
 
     def _backends_lost(self, now: float, lost: LostBackends, outbox: Outbox) -> None:
         """Answer ``BACKEND_FAILED`` now, not at their deadline, every request a lost backend
@@ -618,7 +683,7 @@ class FrontendCore:
         every request still queued here goes to it again (with this tick's); one whose
         scheduler deadline has passed is answered ``DEADLINE`` now."""
         for p in list(self.requests.pending.values()):
-            if p.state != QUEUED or p.client is None:
+            if p.state != QUEUED or p.client is None or self.on_demand.is_held(p.rid):
                 continue
             deadline = p.answer_by - self.reply_allowance_s
             if deadline <= now:
@@ -639,7 +704,9 @@ class FrontendCore:
         while (rid := timers.pop_due(now)) is not None:
             p = pending[rid]
             self.counters["deadline_timer"] += 1
-            where = "running on " + p.backend if p.state == FETCHED else "queued"
+            where = ("running on " + p.backend if p.state == FETCHED
+                     else "waiting for its model to load" if self.on_demand.is_held(rid)
+                     else "queued")
             self._answer_error(now, p, ErrorKind.DEADLINE,
                                f"no answer within the SLO (request was {where})", outbox)
         # Lazy deletion keeps the heap proportional to the pending requests this way.

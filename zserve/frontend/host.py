@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -71,6 +72,8 @@ from zserve.transport.messages import (
     InferRequest,
     InputFetch,
     Message,
+    ModelAdded,
+    ModelUsage,
     RepositoryReply,
     StatsReply,
     StatsRequest,
@@ -107,6 +110,11 @@ def _load_profile(config: ModelConfig) -> LatencyProfile | None:
     except (OSError, ValueError) as exc:
         log.warning("model %s: cannot read profile %s: %s", config.name, config.profile, exc)
         return None
+
+
+# How often a frontend tells the orchestrator its per-model admissions and held requests: the
+# delay a held request adds before its on-demand load starts, at most.
+USAGE_REPORT_INTERVAL_S = 0.1
 
 
 class FrontendHost:
@@ -160,6 +168,7 @@ class FrontendHost:
         self.rank_socks: dict[str, zmq.Socket[Any]] = {}
         self.fence = EpochFence()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._usage: asyncio.Task[None] | None = None
         self.endpoints: dict[str, str] = {}
         # The Open Inference Protocol servers' way in (zserve.frontend.oip.bridge).
         self.oip = OipBridge(self.core, self._admit_oip, self._cancel_oip)
@@ -259,10 +268,9 @@ class FrontendHost:
             self.driver.flush(outbox)  # answers of this tick (answer_all's at shutdown) go first
             self.driver.close()
         self._closed = True
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        if self._advising is not None:
-            self._advising.cancel()
+        for task in (self._heartbeat, self._usage, self._advising):
+            if task is not None:
+                task.cancel()
         self._reactor.close()
         if self.client_sock is not None and self.monitor_sock is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -473,12 +481,31 @@ class FrontendHost:
             self.counters["stale_epoch"] += 1
 
     def on_control_message(self, msg: Message) -> None:
-        """The supervisor says a backend's process died (``BackendGone``), or answers a model
-        repository call (``RepositoryReply``)."""
+        """The supervisor says a backend's process died (``BackendGone``), answers a model
+        repository call (``RepositoryReply``), or adds a model (``ModelAdded``)."""
         if type(msg) is BackendGone and not self._closed:
             self.driver.run(lambda now, outbox: self.core.on_backend_gone(now, msg, outbox))
         elif type(msg) is RepositoryReply and self.oip.repository is not None:
             self.oip.repository.on_reply(msg)
+        elif type(msg) is ModelAdded and not self._closed:
+            config = ModelConfig.from_dict(msg.config)
+            if self.core.add_model(config, _load_profile(config)):
+                log.info("%s: model %s added", self.name, config.name)
+                self.driver.run(lambda now, outbox: self.core.release_held(now))
+
+    def start_usage_reports(self, send: Callable[[Any], Awaitable[bool]]) -> None:
+        """With ``[orchestration]``: report to the supervisor (``send``: the control link's)
+        what the core admitted per model and holds for a load, every
+        ``USAGE_REPORT_INTERVAL_S`` while anything changed (``ModelUsage``)."""
+        if self.cluster.orchestration is not None:
+            self._usage = self.loop.create_task(self._usage_loop(send), name="model-usage")
+
+    async def _usage_loop(self, send: Callable[[Any], Awaitable[bool]]) -> None:
+        while True:
+            usage = self.core.take_usage()
+            if usage is not None:
+                await send(ModelUsage(self.name, usage.requests, usage.waiting, usage.pending))
+            await asyncio.sleep(USAGE_REPORT_INTERVAL_S)
 
     # ------------------------------------------------------------------ drain and stats
 
@@ -547,6 +574,7 @@ async def _serve(config: RoleConfig, control_address: str | None) -> int:
             return session.exit_code
         frontend.connect(peers)
         frontend.start()
+        frontend.start_usage_reports(session.link.send)
         await _drain(frontend, oip, await session.drained())
     return 0
 
@@ -577,12 +605,13 @@ async def _drain(frontend: FrontendHost, oip: OipServers, drain: DrainRequest) -
 
 
 def _start_metrics(config: RoleConfig, frontend: FrontendHost) -> MetricsServer | None:
-    """This frontend's Prometheus endpoint, if ``frontends.metrics_addresses`` names one; a
-    scrape asks the frontend on its loop (``ClusterStatsRounds.ask``)."""
+    """This frontend's Prometheus endpoint, if ``--metrics`` or ``frontends.metrics_addresses``
+    names one; a scrape asks the frontend on its loop (``ClusterStatsRounds.ask``)."""
     addresses = frontend.cluster.frontends.metrics_addresses
-    if config.index >= len(addresses):
+    address = config.bind.get("metrics") or (
+        addresses[config.index] if config.index < len(addresses) else None)
+    if address is None:
         return None
-    address = addresses[config.index]
     try:
         server = serve_frontend_metrics(address, frontend.name,
                                         [m.name for m in frontend.cluster.models],
@@ -608,12 +637,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", help="bind the data socket here")
     parser.add_argument("--shard", action="append", default=[],
                         help="a scheduler shard's address, in shard order (repeat)")
+    for server in ("http", "grpc", "metrics"):  # host:port, e.g. 0.0.0.0:8000 in a pod
+        parser.add_argument(f"--{server}", metavar="HOST:PORT",
+                            help=f"serve {server} here (overrides frontends.{server}_addresses)")
     args = parser.parse_args(argv)
     config = role_config_from_args(args, "frontend")
-    if args.client:
-        config.bind["client"] = args.client
-    if args.data:
-        config.bind["data"] = args.data
+    for sock in ("client", "data", "http", "grpc", "metrics"):
+        if getattr(args, sock):
+            config.bind[sock] = getattr(args, sock)
     for index, address in enumerate(args.shard):
         config.peers[peer_map.peer_key(f"shard-{index}", "shard")] = address
     return run_frontend(config, args.control)

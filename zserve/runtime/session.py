@@ -12,6 +12,9 @@ A role's ``_serve`` reads as its own steps only; the order and the cleanup are h
 5. the host connects and serves; ``await session.drained()`` returns the drain request;
 6. on leaving the ``async with``: the closers the host registered (``session.closing``), last
    first, then the clock sync, the control link and the context.
+
+With ``ZSERVE_HEALTH_DIR`` set, the session also keeps the probe files of
+``zserve.runtime.health_files``: ``alive`` from step 1, ``ready`` from step 5 until the drain.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from zserve.config.cluster import RoleConfig
 from zserve.runtime import keys
 from zserve.runtime.clock import ClockSync, ClusterClock
 from zserve.runtime.control_link import ControlLink, DrainRequest, StatsFn
+from zserve.runtime.health_files import HealthFiles
 from zserve.runtime.runner import sync_cluster_clock
 
 # A role's sockets still hold messages when it leaves: this long for them to go out.
@@ -42,9 +46,11 @@ Closer = Callable[[], Awaitable[None] | None]
 class RoleSession:
     """One role process's context, control link and clock sync, opened and closed in order."""
 
-    def __init__(self, ctx: zmq.Context[Any], link: ControlLink) -> None:
+    def __init__(self, ctx: zmq.Context[Any], link: ControlLink,
+                 health: HealthFiles | None = None) -> None:
         self.ctx = ctx
         self.link = link
+        self.health = health or HealthFiles(None)
         self.clock_sync: ClockSync | None = None
         self.exit_code = EXIT_DRAINED
         self._closers: list[Closer] = []
@@ -61,7 +67,8 @@ class RoleSession:
             cluster = config.cluster
             link = await ControlLink.open(ctx, control_address, role=role, name=config.name,
                                           drain_s=cluster.drain_s, peers=dict(config.peers))
-            session = cls(ctx, link)
+            session = cls(ctx, link, HealthFiles.from_env())
+            session.health.start()
             yield session
         finally:
             if session is not None:
@@ -99,11 +106,16 @@ class RoleSession:
         return True
 
     async def drained(self) -> DrainRequest:
-        """Step 5: wait for the drain request (SIGTERM, the supervisor's Shutdown)."""
+        """Step 5: the role serves (its ``ready`` probe file appears); wait for the drain
+        request (SIGTERM, the supervisor's Shutdown), which takes the file away."""
+        if not self.link.drain.requested:
+            self.health.ready()
         await self.link.drain.wait()
+        self.health.unready()
         return self.link.drain
 
     async def _close(self) -> None:
+        self.health.unready()
         while self._closers:
             result = self._closers.pop()()
             if inspect.isawaitable(result):
@@ -111,6 +123,7 @@ class RoleSession:
         if self.clock_sync is not None:
             await self.clock_sync.close()
         await self.link.close()
+        await self.health.close()
 
 
 __all__ = ["EXIT_DRAINED", "EXIT_NO_CLOCK", "SOCKET_CLOSE_LINGER_MS", "RoleSession"]

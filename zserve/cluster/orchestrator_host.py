@@ -1,0 +1,131 @@
+"""The supervisor's orchestrator: ``zserve.orchestrator.replanner``'s decisions turned into model
+repository calls (docs/orchestration.md, "Re-planning", "On-demand loading").
+
+``OrchestratorHost`` is a part of the supervisor (``zserve.cluster.supervisor``), present when
+the cluster file has an ``[orchestration]`` table. The supervisor hands it each frontend's
+``ModelUsage`` (``on_usage``), calls ``step(now)`` on every turn of its loop (and wakes for
+``wake_at``), and routes the answers to its calls back (``on_answer``). It reads where each
+model is from the ``ModelRepository`` (a model with any state on a backend counts as resident
+there: one loading or unloading holds memory too) and which have a call under way, and makes
+the calls any frontend could make: ``load`` (every live backend) with one sub-cluster, else a
+``move`` onto the chosen sub-cluster's backends (make-before-break; for a model loaded nowhere,
+a load there), and ``unload``. Sub-cluster j is the j-th contiguous block of the backends in
+their configured order.
+
+A model's memory, for the eviction rule: its ``model.onnx`` file's size as static bytes (the
+weights), no dynamic bytes (not known before it runs); a built-in or emulated model counts 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterable
+
+from zserve.cluster.repository import Call, Effects, ModelRepository
+from zserve.config.cluster import ModelConfig, OrchestrationConfig
+from zserve.orchestrator.memory import MIB_BYTES, ModelMemory
+from zserve.orchestrator.replanner import (
+    SPREAD,
+    Action,
+    Load,
+    Replanner,
+    ReplanSettings,
+    Unload,
+)
+from zserve.transport.messages import ModelUsage, RepositoryReply
+
+log = logging.getLogger(__name__)
+
+# The caller's name in the repository's ``Call`` for the orchestrator's own calls.
+ORCHESTRATOR_CALLER = "orchestrator"
+
+
+def model_memory(config: ModelConfig) -> ModelMemory:
+    """``config``'s memory as the orchestrator counts it (see the module docstring)."""
+    size = 0
+    if config.onnx is not None:
+        try:
+            size = os.path.getsize(config.onnx)
+        except OSError:
+            size = 0
+    return ModelMemory(config.name, size, 0)
+
+
+def settings_of(config: OrchestrationConfig) -> ReplanSettings:
+    return ReplanSettings(
+        plan_period_s=config.plan_period_s, rate_window_s=config.rate_window_s,
+        subclusters=config.subclusters, disruption_fraction=config.disruption_budget,
+        load_on_demand=config.load_on_demand, idle_unload_s=config.idle_unload_s,
+        memory_budget_bytes=None if config.memory_budget_mb is None
+        else int(config.memory_budget_mb * MIB_BYTES))
+
+
+class OrchestratorHost:
+    """See the module docstring. ``backends``: the backends' names in configured order."""
+
+    def __init__(self, config: OrchestrationConfig, repository: ModelRepository,
+                 backends: list[str], models: Iterable[ModelConfig], now: float) -> None:
+        self.repository = repository
+        self.core = Replanner(settings_of(config), {m.name: model_memory(m) for m in models},
+                              now)
+        count = config.subclusters
+        self.groups = [backends[len(backends) * j // count: len(backends) * (j + 1) // count]
+                       for j in range(count)]
+        self._ids = itertools.count(1)
+        self._calls: dict[int, Action] = {}
+        self._unservable_logged: set[str] = set()
+
+    def add_model(self, config: ModelConfig) -> None:
+        self.core.add_model(config.name, model_memory(config))
+
+    def on_usage(self, now: float, msg: ModelUsage) -> None:
+        self.core.note_usage(now, msg.name, msg.requests, msg.waiting, msg.pending)
+
+    def loaded(self) -> dict[str, int]:
+        """Each model resident on some backend, and its sub-cluster (``SPREAD``: several)."""
+        out: dict[str, int] = {}
+        for model, states in self.repository.states.items():
+            if states:
+                where = {j for j, group in enumerate(self.groups) for b in states if b in group}
+                out[model] = where.pop() if len(where) == 1 else SPREAD
+        return out
+
+    def wake_at(self) -> float:
+        return self.core.wake_at(self.loaded())
+
+    def step(self, now: float) -> Effects:
+        """The orchestrator's actions due at ``now``, as repository calls."""
+        repository = self.repository
+        busy = [m for m in repository.models if repository.busy(m)]
+        effects = Effects()
+        for action in self.core.step(now, self.loaded(), busy):
+            call = Call(ORCHESTRATOR_CALLER, next(self._ids))
+            self._calls[call.request_id] = action
+            log.info("orchestrator: %s", action)
+            if isinstance(action, Unload):
+                step = repository.call(call, "unload", action.model)
+            elif isinstance(action, Load) and len(self.groups) == 1:
+                step = repository.call(call, "load", action.model)
+            else:
+                step = repository.move(call, action.model, self.groups[action.group])
+            effects.commands += step.commands
+            effects.answers += step.answers
+        for model, why in self.core.unservable.items():
+            if model not in self._unservable_logged:
+                self._unservable_logged.add(model)
+                log.error("orchestrator: cannot load %s on demand: %s", model, why)
+        return effects
+
+    def on_answer(self, reply: RepositoryReply) -> None:
+        """The answer to one of its calls (a refusal or a failure is logged; the model's state
+        in the repository says the rest)."""
+        action = self._calls.pop(reply.request_id, None)
+        if reply.error:
+            log.warning("orchestrator: %s: %s: %s", action, reply.error, reply.message)
+        else:
+            log.info("orchestrator: done: %s", action)
+
+
+__all__ = ["ORCHESTRATOR_CALLER", "OrchestratorHost", "model_memory", "settings_of"]
