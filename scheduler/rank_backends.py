@@ -8,6 +8,8 @@
 - ``on_suspect`` (``BackendSuspect``: a shard's plan went unacknowledged) takes a GPU out until
   the backend heartbeats again after the suspicion (``on_heartbeat``);
 - ``expire`` removes a backend silent for ``timeout_s``; ``on_gone`` one whose process died;
+- ``on_retire`` (the autoscaler's ``RetireBackend``) stops granting a backend's GPU but keeps it
+  in the table until its process exits, so the plans it holds are served;
 - ``table(epoch)`` is the ``BackendTable`` every shard and frontend hears.
 
 Membership: the RankThread matches each model's candidates only to the GPUs whose backend lists
@@ -49,7 +51,7 @@ BACKEND_TIMEOUT_S = 4 * HEARTBEAT_INTERVAL_S
 # How many liveness checks per timeout: a silent backend goes within 1.25 timeouts.
 CHECKS_PER_TIMEOUT = 4
 BACKEND_COUNTERS = ("registrations", "removals", "suspects", "revivals", "deaths_announced",
-                    "bad_messages", "standby_ignored")
+                    "retirements", "bad_messages", "standby_ignored")
 """What the table counts in the host's counters (``RANK_COUNTERS`` holds them)."""
 
 
@@ -76,6 +78,8 @@ class _Backend:
     suspect_since: float = -math.inf
     registered_at: float = 0.0
     signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Released by the autoscaler (``on_retire``): in the table, granted nothing new.
+    retired: bool = False
 
 
 class RankBackends:
@@ -146,11 +150,13 @@ class RankBackends:
             gpu_id = self._new_gpu_id(msg)
             self._gpu_by_name[msg.name] = gpu_id
         previous = self._by_gpu.get(gpu_id)
+        retired = previous is not None and previous.alive and previous.retired
         self._by_gpu[gpu_id] = _Backend(
             gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
-            dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now)
+            dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now,
+            retired=retired)
         self._tell_members(now, outbox)
-        if previous is None or not previous.alive:
+        if (previous is None or not previous.alive) and not retired:
             self.rank.add_gpu(now, gpu_id, outbox)
         if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
             self.rank.on_device_free_at(now, gpu_id, msg.device_free_at, outbox)
@@ -248,6 +254,22 @@ class RankBackends:
         self._remove(now, backend, outbox)
         return True
 
+    def on_retire(self, now: float, name: str, outbox: Outbox) -> bool:
+        """The supervisor's autoscaler releases backend ``name`` (``RetireBackend``): its GPU is
+        granted nothing new, but the backend stays in the table (the table does not change), so
+        the plans it holds run and their requests are answered; its exit (``on_gone``) removes
+        it. True when it was in use."""
+        gpu_id = self._gpu_by_name.get(name)
+        backend = self._by_gpu.get(gpu_id) if gpu_id is not None else None
+        if backend is None or not backend.alive or backend.retired:
+            return False
+        self.counters["retirements"] += 1
+        log.info("%s: backend %s (GPU %d) retires: no new grants", self.name, name, gpu_id)
+        backend.retired = True
+        with contextlib.suppress(ValueError):
+            self.rank.remove_gpu(now, backend.gpu_id, outbox)
+        return True
+
     def expire(self, now: float, outbox: Outbox) -> bool:
         """Remove every backend silent for more than ``timeout_s``; True when any was."""
         changed = False
@@ -274,6 +296,8 @@ class RankBackends:
     def _take_out(self, now: float, backend: _Backend, outbox: Outbox) -> None:
         """Grant the backend's GPU nothing new (it finishes what it holds)."""
         backend.alive = False
+        if backend.retired:  # its GPU left the RankThread when it retired
+            return
         with contextlib.suppress(ValueError):
             self.rank.remove_gpu(now, backend.gpu_id, outbox)
 

@@ -97,6 +97,7 @@ from zserve.transport.messages import (
     Heartbeat,
     Hello,
     Message,
+    RetireBackend,
     SchedulerPing,
     StatsReply,
     StatsRequest,
@@ -111,7 +112,7 @@ RANK_COUNTERS = (
     "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
     "unroutable_grants", "deaths_announced", "clock_probes", "grants_released", "suspects",
-    "revivals",
+    "revivals", "retirements",
     # scheduler epochs (zserve.core.epochs): taking over, stepping down, what a standby ignored
     "takeovers", "superseded", "standby_ignored",
 )
@@ -304,12 +305,14 @@ class RankHost:
         """From the supervisor: ``BackendGone(name)`` says that backend's
         process died. Remove it now rather than after BACKEND_TIMEOUT_S of silence, so the shards
         answer the requests planned onto it BACKEND_FAILED at once. (A restarted backend
-        registers again and gets its GPU back.)"""
-        if type(msg) is not BackendGone:
-            return
+        registers again and gets its GPU back.) ``RetireBackend(name)``: the autoscaler releases
+        it; its GPU gets no new grants, the table keeps it until its process exits."""
         outbox: Outbox = []
-        if self.backends.on_gone(self.clock.now(), msg.name, outbox):
-            self._broadcast_table()
+        if type(msg) is BackendGone:
+            if self.backends.on_gone(self.clock.now(), msg.name, outbox):
+                self._broadcast_table()
+        elif type(msg) is RetireBackend:
+            self.backends.on_retire(self.clock.now(), msg.name, outbox)
         self.driver.flush(outbox)
 
     # ------------------------------------------------------------------ the backend table

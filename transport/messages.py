@@ -385,6 +385,15 @@ class BackendGone(Message, frozen=True, tag="bgone"):
     name: str
 
 
+class RetireBackend(Message, frozen=True, tag="retire"):
+    """Supervisor -> the rank's host (control link): the autoscaler releases backend ``name``.
+    The rank grants its GPU nothing new but keeps it in the table, so the plans it already holds
+    run and are answered; the supervisor stops the process once it holds none (a plain drain
+    would answer new plans SHUTTING_DOWN, ``BackendGone`` would fail those it holds)."""
+
+    name: str
+
+
 class Ready(Message, frozen=True, tag="ready"):
     """Child -> supervisor: sockets bound and models loaded; ``endpoints`` names what it serves."""
 
@@ -604,6 +613,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     BatchStats,
     Hello,
     BackendGone,
+    RetireBackend,
     Ready,
     Heartbeat,
     Shutdown,

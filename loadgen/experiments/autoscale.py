@@ -8,6 +8,9 @@ up with the GPUs), and the GPUs in use within 5% (or one GPU) of N o / p.
 Durations are compressed (the autoscaler's windows are seconds, not minutes) so that each point
 runs in seconds of simulated time; the policy's shape (thresholds, dead band, hold) is the one
 ``[autoscale]`` defaults to, its times scaled by ``AUTOSCALE_SIM_TIME_SCALE``.
+
+``--live``: a step in load on emulated backends under the supervisor's autoscaler instead
+(:mod:`zserve.loadgen.experiments.autoscale_live`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from zserve.loadgen.experiments.autoscale_live import run_autoscale_live
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table, pyplot, save_figure
 from zserve.loadgen.experiments.simulated import FULL_PRECISION, QUICK_PRECISION, sim_goodput
 from zserve.loadgen.sim.elastic import ElasticConfig
@@ -97,6 +101,8 @@ def _checks(points: list[dict[str, Any]], n: int) -> list[Check]:
 
 
 def run_autoscale(opts: Options) -> Outcome:
+    if opts.live:  # a step in load on emulated backends under the supervisor's autoscaler
+        return run_autoscale_live(opts)
     quick = opts.quick
     n = AUTOSCALE_QUICK_GPUS if quick else AUTOSCALE_GPUS
     loads = AUTOSCALE_QUICK_LOADS if quick else AUTOSCALE_LOADS

@@ -64,6 +64,16 @@ def test_underload_releases_to_the_busy_gpus_after_the_down_window() -> None:
     assert advice.idle_fraction == pytest.approx(0.5)
 
 
+def test_a_live_hosts_jittered_intervals_still_fill_the_down_window() -> None:
+    """A frontend's stats rounds take time: 1.07 s intervals never sum to exactly the 30 s
+    window inside it, yet the window is measured once 30 s have passed, and releases."""
+    scaler = Autoscaler(POLICY, 24, 0.0)
+    now = feed(scaler, 0.0, 29.0, busy_gpus=12.0, bad_rate=0.0, tick_s=1.07)
+    assert scaler.advise(now).reason == HOLD  # 28.89 s measured
+    now = feed(scaler, now, 31.0, busy_gpus=12.0, bad_rate=0.0, tick_s=1.07)
+    assert (scaler.advise(now).backends, scaler.last.reason) == (12, RELEASE_IDLE)
+
+
 def test_the_idle_floor_and_the_release_cap_shape_a_release() -> None:
     policy = AutoscalePolicy(up_window_s=10.0, down_window_s=30.0, idle_floor=0.2,
                              release_margin=0.05, down_hold_s=0.0, max_release_fraction=0.25)

@@ -124,6 +124,28 @@ def test_a_registering_gpu_busy_with_an_older_epochs_plans_is_granted_from_its_f
     assert [(dest, type(msg)) for dest, msg in outbox] == [((DEST_MODEL, "m"), GrantGpu)]
 
 
+def test_a_retired_backend_keeps_its_table_entry_but_gets_no_grants_until_it_exits() -> None:
+    """The autoscaler's release (``RetireBackend``): the GPU leaves the RankThread at once, the
+    table (what shards and frontends hold plans against) keeps it, heartbeats do not bring it
+    back; its exit removes it, and a new backend of the same name is granted again."""
+    backends, rank, counters = _table()
+    outbox: Outbox = []
+    for name in ("backend-0", "backend-1"):
+        backends.on_register(1.0, name.encode(), _register(name), outbox, active=True)
+    assert backends.on_retire(2.0, "backend-1", outbox)
+    assert not backends.on_retire(2.0, "backend-1", outbox)  # once
+    assert not backends.on_retire(2.0, "backend-7", outbox)  # not in the table
+    assert rank.gpu_ids == [0] and backends.table(1).names == ["backend-0", "backend-1"]
+    assert counters["retirements"] == 1
+    assert backends.on_heartbeat(2.5, b"backend-1", 2.4, outbox) is False
+    backends.on_register(2.6, b"backend-1", _register("backend-1"), outbox, active=True)
+    assert rank.gpu_ids == [0]  # a registration again (a model loaded) is no way back
+    assert backends.on_gone(3.0, "backend-1", outbox)
+    assert rank.gpu_ids == [0] and backends.table(1).names == ["backend-0"]
+    backends.on_register(4.0, b"backend-1", _register("backend-1"), outbox, active=True)
+    assert rank.gpu_ids == [0, 1] and backends.table(1).names == ["backend-0", "backend-1"]
+
+
 def test_a_backend_that_withdraws_every_model_is_granted_nothing_until_it_serves_again() -> None:
     """A backend about to drain registers without models: the matching (GPUs, not models)
     must not offer its idle GPU 0 ahead of GPU 1, which serves the model."""

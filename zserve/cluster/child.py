@@ -69,6 +69,8 @@ class SupervisedChild:
     restart_history: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     died_at: float | None = None
     stopping: bool = False
+    # Released by the autoscaler (zserve.cluster.autoscaler): when it exits, it is not restarted.
+    retiring: bool = False
     stats_waiters: list[Future[dict[str, Any]]] = dataclasses.field(default_factory=list)
 
     @property

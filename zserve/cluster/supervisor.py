@@ -31,6 +31,9 @@ addresses (peers never need new addresses); one that stops heartbeating for
 is sent to every frontend and scheduler, ``ModelAdded``) and, with ``[orchestration]``, hosts the
 orchestrator (``zserve.cluster.orchestrator_host``), stepped on every turn of its loop.
 
+Autoscaling (``[autoscale] enabled`` and ``act``): ``zserve.cluster.autoscaler`` adds backends and
+releases them (drained first; a released one is not restarted) on the frontends' advice.
+
 Drain (SIGINT/SIGTERM, ``zserve down``, ``Cluster.stop``): frontends get ``Shutdown(drain_s)``
 (stop admitting, finish in flight for up to drain_s, answer the rest ``SHUTTING_DOWN``); once
 they have exited, the scheduler processes and backends get ``Shutdown``; stragglers get SIGTERM,
@@ -61,6 +64,7 @@ from typing import Any, TypeVar
 import zmq
 
 from zserve.cluster import model_catalog
+from zserve.cluster.autoscaler import BackendAutoscaler
 from zserve.cluster.child import SupervisedChild, child_main
 from zserve.cluster.orchestrator_host import ORCHESTRATOR_CALLER, OrchestratorHost
 from zserve.cluster.preflight import bound_addresses, preflight
@@ -183,6 +187,17 @@ class Supervisor:
         # Repository calls made in this process (``repository_call``): request id -> its reply.
         self._local_replies: dict[int, Future[RepositoryReply]] = {}
         self._local_calls = 0
+        self.autoscaler = self._autoscaler(ipc_dir)
+
+    def _autoscaler(self, ipc_dir: str | None) -> BackendAutoscaler | None:
+        """Starts and releases backends on the frontends' advice ([autoscale] enabled and act);
+        `zserve up` rewrites its state file when a released one is gone."""
+        if not (self.config.autoscale.enabled and self.config.autoscale.act):
+            return None
+        return BackendAutoscaler(
+            self.config, self.children, spawn=self._spawn, send=self._send,
+            stats=self.child_stats, ipc_dir=ipc_dir,
+            on_released=lambda: self.on_child_ready and self.on_child_ready())
 
     # ------------------------------------------------------------------ helpers
 
@@ -483,8 +498,10 @@ class Supervisor:
                 on_ready()
             while not self._stop_requested:
                 now = time.monotonic()
-                for child in self.children.values():
+                for child in list(self.children.values()):
                     self._supervise(child, now)
+                if self.autoscaler is not None:
+                    self.autoscaler.tick(now)
                 if self.orchestrator is not None:
                     self._apply(self.orchestrator.step(now))
                 self._poll(self._poll_timeout_ms())
@@ -508,6 +525,10 @@ class Supervisor:
                 child.process.join()
                 if child.role == "backend":
                     self._announce_backend_death(child)
+                if child.retiring:  # released by the autoscaler, which forgets it now
+                    log.info("%s (released) exited", child.name)
+                    child.process = None
+                    return
                 if not self.restart:
                     log.error("%s; not restarting", message)
                     child.process = None
@@ -783,6 +804,11 @@ class Cluster:
         """The supervisor's own counters: control messages refused (``malformed``,
         ``unknown_peer``)."""
         return self._sup.call(lambda: dict(self._sup.counters))
+
+    def autoscale_events(self) -> list[tuple[float, str, str]]:
+        """What the autoscaler did: (monotonic s, ``add``/``retire``/``exit``, backend name)."""
+        scaler = self._sup.autoscaler
+        return [] if scaler is None else self._sup.call(lambda: list(scaler.events))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""

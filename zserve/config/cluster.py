@@ -415,6 +415,9 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     (docs/cluster-toml.md)."""
 
     enabled: bool = False
+    # `zserve up` starts and releases backends on the advice (zserve.cluster.autoscaler); false:
+    # the advice is only exported (for an outside scaler such as KEDA).
+    act: bool = True
     min_backends: Count = 1
     max_backends: int = 0  # 0: backends.count (the advice may not exceed what was started)
     interval_s: float = 1.0

@@ -167,12 +167,15 @@ class Autoscaler:
         self.last_change_at = -math.inf  # none yet: the first release needs one full window
         self.changes: list[tuple[float, int]] = []  # (when, change) of every advised change
         self._samples: deque[tuple[float, Signals]] = deque()  # (end time, signals)
+        self._first_start: float | None = None  # the first sample's start: measured since
         self.last = Advice(self.backends, 0, 0.0, 0.0, float(self.backends), HOLD)
         self.last_change: Advice | None = None  # the newest advice that changed the target
 
     def observe(self, now: float, signals: Signals) -> None:
         """One interval ending at ``now``."""
         self._samples.append((now, signals))
+        if self._first_start is None:
+            self._first_start = now - signals.duration_s
         horizon = now - max(self.policy.up_window_s, self.policy.down_window_s)
         while self._samples and self._samples[0][0] - self._samples[0][1].duration_s < horizon:
             self._samples.popleft()
@@ -208,6 +211,16 @@ class Autoscaler:
         return busy_gpus / ((1.0 - min(w.bad_rate, 0.99)) * (1.0 - p.idle_floor)
                             * (1.0 - p.headroom))
 
+    def _down_window_full(self, now: float) -> bool:
+        """Measured (and settled) for the whole down window. Not the samples' summed duration:
+        a live host's intervals jitter (a stats round takes time), so the samples that start
+        within the window fall short of it by up to one interval, every time."""
+        p = self.policy
+        if self._first_start is None:
+            return False
+        measured_from = max(self._first_start, self.last_change_at + p.settle_s)
+        return now - measured_from >= p.down_window_s * 0.999
+
     def advise(self, now: float) -> Advice:
         """The advice now; a change is recorded as made (``backends`` moves to the target)."""
         p = self.policy
@@ -220,7 +233,7 @@ class Autoscaler:
             bad = up.offered >= p.min_requests and up.bad_rate > p.add_bad_rate
             if want > n and bad:
                 target, reason = want, ADD_BAD
-        if target == n and down.duration_s >= p.down_window_s * 0.999:
+        if target == n and self._down_window_full(now):
             needed = self._peak_needed(now)
             want = max(math.ceil(needed - NEEDED_ROUNDING_SLACK),
                        n - math.floor(p.max_release_fraction * n))

@@ -1,0 +1,195 @@
+"""The supervisor's autoscaler: acts on the frontends' advice within ``[autoscale]``'s bounds.
+
+While ``[autoscale] enabled`` and ``act``, the supervisor calls :meth:`BackendAutoscaler.tick`
+on every turn of its loop. Every ``interval_s`` it asks frontend-0 for its stats, whose
+``autoscale.advice_backends`` is the advice (``zserve.frontend.autoscale_advice``; the frontend's
+own hysteresis and settle time apply), and brings the backends it keeps to that number, clamped
+to ``min_backends .. max_backends``:
+
+- **Adding**: a new child ``backend-<n>`` (the lowest free index) is spawned like a restart:
+  on ``Ready`` the supervisor sends it the peer map, it registers with the rank after it loaded
+  and warmed every model (``zserve.backends.host``), and only then does the rank grant its GPU
+  (its index is its GPU id, ``zserve.scheduler.rank_backends``).
+- **Releasing**: the highest-numbered backends first (deferred scheduling binds a batch to the
+  first free GPU in id order, so they are the idlest). A released backend is drained, never
+  killed with work: the rank gets ``RetireBackend`` (no new grants; the backend stays in the
+  table, so the plans it holds run and are answered), and once ``quiet_s`` has passed (longer
+  than any plan in flight can take to arrive) and the backend reports no plan held, it gets
+  ``Shutdown``. Its exit is announced like a death (``BackendGone``: the table drops it; it
+  holds nothing to fail) and the supervisor does not restart it.
+
+Only backends frontend-0's table lists are released (one still registering could be granted
+after the rank heard ``RetireBackend``). ``events`` records every change (monotonic s, what,
+which backend) for the experiments' plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from zserve.cluster.child import SupervisedChild
+from zserve.config.cluster import STANDBY_NAME, ClusterConfig, process_name, role_config
+from zserve.core.liveness import HEARTBEAT_INTERVAL_S
+from zserve.transport.messages import Message, RetireBackend, Shutdown
+
+log = logging.getLogger(__name__)
+
+ADVISING_FRONTEND = "frontend-0"
+# A released backend waits at least this long, and twice the longest SLO, after RetireBackend
+# before it is asked whether it holds plans: a plan granted just before is on its way.
+RETIRE_QUIET_MIN_S = 1.0
+RETIRE_DRAIN_S = 1.0
+# After Shutdown, how long a released backend may take to exit before SIGKILL.
+RETIRE_EXIT_GRACE_S = 5.0
+# A stats request not answered within this long is asked again.
+STATS_TIMEOUT_S = 5.0
+
+ADD, RETIRE, EXIT = "add", "retire", "exit"
+
+
+def rank_host_names(config: ClusterConfig) -> set[str]:
+    """The children that host the rank (both of an active/standby pair)."""
+    return {"rank"} if config.scheduler.shards > 0 else {"shard-0", STANDBY_NAME}
+
+
+@dataclasses.dataclass
+class _Retirement:
+    child: SupervisedChild
+    since: float
+    stats: Future[dict[str, Any]] | None = None
+    asked_at: float = 0.0
+    shutdown_at: float | None = None
+
+
+class BackendAutoscaler:
+    """Starts and releases backends on the advice. ``children``: the supervisor's (it adds and
+    removes backends there); ``spawn``/``send``/``stats``: the supervisor's ways to start a
+    child, send it a control message and ask it for its stats; ``ipc_dir``: where generated ipc
+    addresses go (None under tcp); ``on_released``: called once a released backend is gone."""
+
+    def __init__(self, config: ClusterConfig, children: dict[str, SupervisedChild], *,
+                 spawn: Callable[[SupervisedChild], None],
+                 send: Callable[[SupervisedChild, Message], None],
+                 stats: Callable[[str], Future[dict[str, Any]]],
+                 ipc_dir: str | None,
+                 on_released: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        self.children = children
+        self._spawn, self._send, self._stats = spawn, send, stats
+        self._on_released = on_released  # `zserve up` rewrites its state file then
+        self.ipc_dir = ipc_dir
+        self.min_backends, self.max_backends = config.autoscale.bounds(config.backends.total)
+        self.interval_s = config.autoscale.interval_s
+        longest_slo_s = max((m.slo_ms for m in config.models), default=0.0) / 1e3
+        self.quiet_s = max(RETIRE_QUIET_MIN_S, 2 * longest_slo_s + 2 * HEARTBEAT_INTERVAL_S)
+        self._advice: Future[dict[str, Any]] | None = None
+        self._asked_at = -float("inf")
+        self._retiring: dict[str, _Retirement] = {}
+        self.events: list[tuple[float, str, str]] = []
+        self.last_advice: int | None = None
+
+    def kept(self) -> list[SupervisedChild]:
+        """The backends not being released, in index order."""
+        return sorted((c for c in self.children.values()
+                       if c.role == "backend" and not c.retiring), key=lambda c: c.index)
+
+    def tick(self, now: float) -> None:
+        """One turn: read the advice when due, act on it, move every release along."""
+        self._read_advice(now)
+        for retirement in list(self._retiring.values()):
+            self._advance(retirement, now)
+
+    # ------------------------------------------------------------------ the advice
+
+    def _read_advice(self, now: float) -> None:
+        if self._advice is None:
+            frontend = self.children.get(ADVISING_FRONTEND)
+            if now - self._asked_at >= self.interval_s and frontend and frontend.ready:
+                self._advice, self._asked_at = self._stats(ADVISING_FRONTEND), now
+            return
+        if not self._advice.done():
+            if now - self._asked_at > STATS_TIMEOUT_S:
+                self._advice = None
+            return
+        future, self._advice = self._advice, None
+        if future.exception() is not None:
+            return
+        stats = future.result()
+        advice = (stats.get("autoscale") or {}).get("advice_backends")
+        if isinstance(advice, int):
+            self.last_advice = advice
+            self._act(now, advice, set(stats.get("backends") or ()))
+
+    def _act(self, now: float, advice: int, registered: set[str]) -> None:
+        target = min(max(advice, self.min_backends), self.max_backends)
+        kept = self.kept()
+        if target > len(kept):
+            for _ in range(target - len(kept)):
+                self._add(now)
+        elif target < len(kept):
+            releasable = [c for c in kept if c.ready and c.name in registered]
+            for child in releasable[::-1][:len(kept) - target]:
+                self._retire(now, child)
+
+    # ------------------------------------------------------------------ adding
+
+    def _add(self, now: float) -> None:
+        index = next(i for i in range(len(self.children) + 1)
+                     if process_name("backend", i) not in self.children)
+        name = process_name("backend", index)
+        child = SupervisedChild("backend", name, index, role_config(
+            self.config, "backend", index, ipc_dir=self.ipc_dir, name=name))
+        self.children[name] = child
+        log.warning("autoscaler: adding %s", name)
+        self.events.append((now, ADD, name))
+        self._spawn(child)
+
+    # ------------------------------------------------------------------ releasing
+
+    def _retire(self, now: float, child: SupervisedChild) -> None:
+        log.warning("autoscaler: releasing %s (draining it first)", child.name)
+        child.retiring = True
+        self._retiring[child.name] = _Retirement(child, now)
+        self.events.append((now, RETIRE, child.name))
+        for host in rank_host_names(self.config):
+            rank = self.children.get(host)
+            if rank is not None and rank.ready and rank.alive:
+                self._send(rank, RetireBackend(name=child.name))
+
+    def _advance(self, retirement: _Retirement, now: float) -> None:
+        """A released backend: asked whether it holds plans once quiet, shut down when it
+        holds none, forgotten once it has exited (the supervisor announced its exit)."""
+        child = retirement.child
+        if child.process is None:
+            del self._retiring[child.name]
+            self.children.pop(child.name, None)
+            self.events.append((now, EXIT, child.name))
+            log.warning("autoscaler: %s released", child.name)
+            self._on_released()
+        elif retirement.shutdown_at is not None:
+            if now - retirement.shutdown_at > RETIRE_DRAIN_S + RETIRE_EXIT_GRACE_S:
+                log.error("autoscaler: %s did not exit after Shutdown; SIGKILL", child.name)
+                child.process.kill()
+        elif now - retirement.since >= self.quiet_s:
+            self._ask_held_plans(retirement, now)
+
+    def _ask_held_plans(self, retirement: _Retirement, now: float) -> None:
+        child = retirement.child
+        future = retirement.stats
+        if future is None or (not future.done() and now - retirement.asked_at > STATS_TIMEOUT_S):
+            retirement.stats, retirement.asked_at = self._stats(child.name), now
+            return
+        if not future.done():
+            return
+        retirement.stats = None
+        if future.exception() is None and int(future.result().get("held_plans", 1)) == 0:
+            self._send(child, Shutdown(reason="released by the autoscaler",
+                                       drain_s=RETIRE_DRAIN_S))
+            retirement.shutdown_at = now
+
+
+__all__ = ["ADD", "EXIT", "RETIRE", "BackendAutoscaler", "rank_host_names"]
