@@ -1,0 +1,138 @@
+"""Memory-aware placement (zserve.orchestrator.placement): partitioned, random-search and
+round-robin placements of the A100 zoo fit every GPU's memory and place every model; an
+overcommitted or incomplete placement is refused with one line before anything loads."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from zserve.loadgen.experiments.common import ZOO_CSV
+from zserve.loadgen.zoo import load_zoo_csv
+from zserve.orchestrator.memory import GIB_BYTES, ModelMemory, placement_bytes, zoo_model_memory
+from zserve.orchestrator.placement import (
+    Device,
+    ModelDemand,
+    Placement,
+    PlacementError,
+    check_placement,
+    gpu_capacity_rps,
+    partitioned_placement,
+    random_placement,
+    round_robin_placement,
+    share_devices,
+)
+
+
+def zoo_demands(rate_rps: float = 1000.0) -> list[ModelDemand]:
+    return [ModelDemand(zoo_model_memory(r.name, r.alpha_ms, r.beta_ms, r.slo_ms),
+                        rate_rps / gpu_capacity_rps(r.alpha_ms, r.beta_ms, r.slo_ms))
+            for r in load_zoo_csv(ZOO_CSV)]
+
+
+def third_of_zoo_devices(demands: list[ModelDemand], count: int) -> list[Device]:
+    """GPUs whose memory holds about a third of the zoo's weights (plus the largest
+    activations, with 15% slack)."""
+    memories = [d.memory for d in demands]
+    budget = int(1.15 * sum(m.static_bytes for m in memories) / 3
+                 + max(m.dynamic_bytes for m in memories))
+    return [Device(f"gpu-{i}", budget) for i in range(count)]
+
+
+def assert_fits(placement: Placement, demands: list[ModelDemand],
+                devices: list[Device]) -> None:
+    memory = {d.name: d.memory for d in demands}
+    for device in devices:
+        held = [memory[m] for m in placement.models_on.get(device.name, ())]
+        assert placement_bytes(held) <= device.budget_bytes, device.name
+    assert set(placement.replicas()) == set(memory)
+
+
+def test_the_partitioned_placement_fits_and_gives_busier_groups_more_gpus() -> None:
+    demands = zoo_demands()
+    devices = third_of_zoo_devices(demands, 64)
+    placement = partitioned_placement(demands, devices, 3, time_limit_s=0.5)
+    assert_fits(placement, demands, devices)
+    groups = {models for models in placement.models_on.values()}
+    assert len(groups) == 3  # three sub-clusters, each device holding all of one's models
+    assert sorted(m for g in groups for m in g) == sorted(d.name for d in demands)
+    load = {d.name: d.load_gpus for d in demands}
+    # every group's share of GPUs is within one GPU of its share of the load
+    total = sum(load.values())
+    for group in groups:
+        gpus = sum(1 for models in placement.models_on.values() if models == group)
+        assert abs(gpus - 64 * sum(load[m] for m in group) / total) <= 1.0
+
+
+def test_the_random_placement_fits_too() -> None:
+    demands = zoo_demands()
+    devices = third_of_zoo_devices(demands, 64)
+    deadline = time.perf_counter() + 0.2
+    placement = random_placement(demands, devices, 3, np.random.default_rng(1),
+                                 lambda: time.perf_counter() > deadline)
+    assert_fits(placement, demands, devices)
+
+
+def test_round_robin_spreads_replicas_evenly_within_memory() -> None:
+    demands = zoo_demands()
+    devices = third_of_zoo_devices(demands, 64)
+    placement = round_robin_placement(demands, devices, per_device=12)
+    assert_fits(placement, demands, devices)
+    replicas = placement.replicas()
+    assert max(replicas.values()) - min(replicas.values()) <= 3, replicas
+    ids = placement.gpu_ids(devices)
+    assert sorted(g for gs in ids.values() for g in gs) == sorted(
+        i for i, d in enumerate(devices) for _ in placement.models_on[d.name])
+
+
+def test_an_overcommitted_gpu_is_refused_with_memorys_one_line() -> None:
+    demands = zoo_demands()
+    devices = [Device("gpu-0", 2 * GIB_BYTES)]
+    everything = Placement({"gpu-0": tuple(d.name for d in demands)})
+    with pytest.raises(PlacementError) as err:
+        check_placement(everything, demands, devices)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("device gpu-0 overcommitted: 37 models need ")
+    assert "budget 2.00 GiB; place fewer models on it" in line
+
+
+def test_a_model_on_no_gpu_and_an_unknown_gpu_are_refused() -> None:
+    a = ModelDemand(ModelMemory("a", GIB_BYTES, 0), 1.0)
+    b = ModelDemand(ModelMemory("b", GIB_BYTES, 0), 1.0)
+    devices = [Device("gpu-0", 4 * GIB_BYTES)]
+    with pytest.raises(PlacementError, match=r"^model b is on no device \(1 models unplaced\)"):
+        check_placement(Placement({"gpu-0": ("a",)}), [a, b], devices)
+    with pytest.raises(PlacementError, match="names device 'gpu-9'"):
+        check_placement(Placement({"gpu-9": ("a", "b")}), [a, b], devices)
+    # two GPUs that each hold one of two 3 GiB models, never both: round-robin places them apart
+    big = [ModelDemand(ModelMemory(n, 3 * GIB_BYTES, 0), 1.0) for n in "ab"]
+    two = [Device("gpu-0", 4 * GIB_BYTES), Device("gpu-1", 4 * GIB_BYTES)]
+    assert round_robin_placement(big, two, per_device=2).models_on == {
+        "gpu-0": ("a",), "gpu-1": ("b",)}
+    with pytest.raises(PlacementError, match=r"^model b is on no device"):
+        round_robin_placement(big, two[:1], per_device=2)
+
+
+def test_a_partition_that_cannot_fit_is_refused() -> None:
+    demands = zoo_demands()
+    devices = [Device(f"gpu-{i}", GIB_BYTES) for i in range(8)]  # a third of 6 GiB won't fit
+    with pytest.raises(PlacementError, match=r"^no partition into 3 sub-clusters fits: "):
+        partitioned_placement(demands, devices, 3, time_limit_s=0.2)
+
+
+def test_devices_are_shared_in_proportion_with_at_least_one_each() -> None:
+    assert share_devices([1.0, 1.0, 2.0], 8) == [2, 2, 4]
+    assert share_devices([100.0, 0.0, 0.0], 5) == [3, 1, 1]
+    assert sum(share_devices([0.3, 0.3, 0.4], 7)) == 7
+    with pytest.raises(PlacementError, match="3 sub-clusters need at least 3 devices"):
+        share_devices([1.0, 1.0, 1.0], 2)
+
+
+def test_capacity_uses_the_largest_batch_within_half_the_slo() -> None:
+    # l(b) = b + 5 ms, SLO 25 ms: b = 7 (l = 12 <= 12.5), 7 / 12 ms = 583.3 r/s
+    assert gpu_capacity_rps(1.0, 5.0, 25.0) == pytest.approx(7e3 / 12)
+    # no batch within half the SLO: still one (its rate is what one GPU can do)
+    assert gpu_capacity_rps(1.0, 20.0, 25.0) == pytest.approx(1e3 / 21)
