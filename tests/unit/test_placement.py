@@ -17,8 +17,9 @@ from zserve.orchestrator.placement import (
     ModelDemand,
     Placement,
     PlacementError,
+    cheapest_kind,
     check_placement,
-    gpu_capacity_rps,
+    gpus_for_rate,
     partitioned_placement,
     random_placement,
     round_robin_placement,
@@ -26,9 +27,9 @@ from zserve.orchestrator.placement import (
 )
 
 
-def zoo_demands(rate_rps: float = 1000.0) -> list[ModelDemand]:
+def zoo_demands(rate_rps: float = 500.0) -> list[ModelDemand]:
     return [ModelDemand(zoo_model_memory(r.name, r.alpha_ms, r.beta_ms, r.slo_ms),
-                        rate_rps / gpu_capacity_rps(r.alpha_ms, r.beta_ms, r.slo_ms))
+                        gpus_for_rate(r.alpha_ms, r.beta_ms, r.slo_ms, rate_rps))
             for r in load_zoo_csv(ZOO_CSV)]
 
 
@@ -131,8 +132,31 @@ def test_devices_are_shared_in_proportion_with_at_least_one_each() -> None:
         share_devices([1.0, 1.0, 1.0], 2)
 
 
-def test_capacity_uses_the_largest_batch_within_half_the_slo() -> None:
-    # l(b) = b + 5 ms, SLO 25 ms: b = 7 (l = 12 <= 12.5), 7 / 12 ms = 583.3 r/s
-    assert gpu_capacity_rps(1.0, 5.0, 25.0) == pytest.approx(7e3 / 12)
-    # no batch within half the SLO: still one (its rate is what one GPU can do)
-    assert gpu_capacity_rps(1.0, 20.0, 25.0) == pytest.approx(1e3 / 21)
+def test_a_rate_needs_the_gpus_its_largest_timely_batch_keeps_busy() -> None:
+    # l(b) = b + 5 ms, SLO 25 ms, 1,000 r/s (1 ms apart): b + 5 + b <= 25 gives b = 10, and
+    # 1,000 r/s at l(10) / 10 = 1.5 ms each keeps 1.5 GPUs busy
+    assert gpus_for_rate(1.0, 5.0, 25.0, 1000.0) == pytest.approx(1.5)
+    # a higher rate fills larger batches: more throughput per GPU
+    assert gpus_for_rate(1.0, 5.0, 25.0, 4000.0) < 4 * gpus_for_rate(1.0, 5.0, 25.0, 1000.0)
+    # a kind whose batch of one misses the SLO cannot serve the model at all
+    assert gpus_for_rate(1.0, 25.0, 25.0, 10.0) == float("inf")
+    assert gpus_for_rate(1.0, 5.0, 25.0, 0.0) == 0.0
+
+
+def test_the_cheapest_kind_that_meets_the_slo_wins() -> None:
+    prices = {"a100": 3.673, "gtx1080ti": 0.526}
+    # BERT at 300 r/s (A100 zoo SLO 59 ms): about as many GPUs of either kind, 7x cheaper
+    bert = {"a100": gpus_for_rate(7.353, 0.22, 59.0, 300.0),
+            "gtx1080ti": gpus_for_rate(7.008, 0.16, 59.0, 300.0)}
+    assert cheapest_kind(bert, prices) == "gtx1080ti"
+    # EfficientNetB0 (SLO 20 ms): at 300 r/s the 1080 Ti's small batches are cheaper; at 3,000
+    # r/s the A100's large batches serve it for less than 13.7x as many 1080 Tis would cost
+    def b0(rate: float) -> dict[str, float]:
+        return {"a100": gpus_for_rate(0.115, 4.33, 20.0, rate),
+                "gtx1080ti": gpus_for_rate(1.569, 5.59, 20.0, rate)}
+
+    assert cheapest_kind(b0(300.0), prices) == "gtx1080ti"
+    assert cheapest_kind(b0(3000.0), prices) == "a100"
+    # a kind whose batch of one misses the SLO is never chosen; none that meets it: None
+    assert cheapest_kind({"a100": 2.0, "gtx1080ti": float("inf")}, prices) == "a100"
+    assert cheapest_kind({"gtx1080ti": float("inf")}, prices) is None

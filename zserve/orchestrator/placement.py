@@ -17,10 +17,10 @@ Three ways to place, each returning a :class:`Placement` (device name -> the mod
 memory's one-line :func:`~zserve.orchestrator.memory.overcommit_error`, a model on no GPU or a GPU
 of unknown name one line too (:class:`PlacementError`).
 
-A model's load is in GPUs: its rate over :func:`gpu_capacity_rps`, what one GPU sustains of it
-alone within its SLO (a batch that fills while the previous one runs: the largest b with
-2 l(b) <= SLO, at least 1, at b / l(b)). It is a sizing estimate for shares and replica
-counts, not a goodput: the scheduler batches across the GPUs a model shares.
+With several device kinds, :func:`cheapest_kind` picks each model's kind: the cheapest an hour
+among those that meet its SLO. A model's load is in GPUs (:func:`gpus_for_rate`: the GPUs its
+rate keeps busy at the batch size its SLO allows at that rate). It is a sizing estimate for
+shares, not a goodput: the scheduler batches across the GPUs a model shares.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zserve.orchestrator.memory import ModelMemory, largest_batch, overcommit_error
+from zserve.config.profiles import DEFAULT_MAX_BATCH
+from zserve.orchestrator.memory import ModelMemory, overcommit_error
 from zserve.orchestrator.partition import PartitionProblem, plan, random_search
 
 MS_PER_S = 1e3
@@ -88,10 +89,39 @@ class Placement:
         return out
 
 
-def gpu_capacity_rps(alpha_ms: float, beta_ms: float, slo_ms: float) -> float:
-    """Requests a second one GPU sustains of a model alone within its SLO (module docstring)."""
-    bs = largest_batch(alpha_ms, beta_ms, slo_ms / 2)
-    return bs * MS_PER_S / (alpha_ms * bs + beta_ms)
+def gpus_for_rate(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: float,
+                  max_batch: int = DEFAULT_MAX_BATCH) -> float:
+    """GPUs a model's rate keeps busy on a device kind with profile l(b) = alpha b + beta: at
+    the largest batch b with l(b) + b / rate <= SLO (gathered at the rate, then run: the
+    scheduler's target batch size, zserve.scheduler.policy), at least 1, rate l(b) / b.
+    ``inf`` when l(1) > SLO: the kind cannot meet the SLO at all."""
+    if alpha_ms + beta_ms > slo_ms:
+        return math.inf
+    if rate_rps <= 0:
+        return 0.0
+    per_request_ms = MS_PER_S / rate_rps
+    lo, hi = 1, max_batch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if alpha_ms * mid + beta_ms + mid * per_request_ms <= slo_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return rate_rps * (alpha_ms * lo + beta_ms) / lo / MS_PER_S
+
+
+def cheapest_kind(gpus_by_kind: Mapping[str, float],
+                  price_per_hour: Mapping[str, float]) -> str | None:
+    """The device kind on which a model's load costs least an hour (its GPUs there, from
+    :func:`gpus_for_rate`, times the kind's price), among the kinds that meet its SLO (finite
+    GPUs); None when none does. A tie goes to the kind listed first."""
+    best: str | None = None
+    best_cost = math.inf
+    for kind, gpus in gpus_by_kind.items():
+        cost = gpus * price_per_hour[kind]
+        if math.isfinite(cost) and cost < best_cost:
+            best, best_cost = kind, cost
+    return best
 
 
 def check_placement(placement: Placement, demands: Sequence[ModelDemand],
@@ -223,8 +253,9 @@ __all__ = [
     "ModelDemand",
     "Placement",
     "PlacementError",
+    "cheapest_kind",
     "check_placement",
-    "gpu_capacity_rps",
+    "gpus_for_rate",
     "grouped_placement",
     "partition_problem",
     "partitioned_placement",
