@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 # The names of ``zserve experiment NAME`` for the help text, without importing the experiments
 # (``zserve.loadgen.experiments.runner.EXPERIMENTS`` is the registry; a test keeps them equal).
 EXPERIMENT_NAMES = ("fig6a", "zoo", "flattop", "eager-floor", "policy-grid", "random-family",
-                    "protocols", "scale", "failover", "model-cycles", "partition")
+                    "protocols", "scale", "failover", "model-cycles", "partition", "placement",
+                    "fleet")
 SIGPIPE_EXIT_STATUS = 128 + signal.SIGPIPE
 
 # name -> (module, function, one-line help)

@@ -51,18 +51,32 @@ def assert_fits(placement: Placement, demands: list[ModelDemand],
     assert set(placement.replicas()) == set(memory)
 
 
-def test_the_partitioned_placement_fits_and_gives_busier_groups_more_gpus() -> None:
+def test_the_partitioned_placement_fits_and_balances_equal_sub_clusters() -> None:
     demands = zoo_demands()
     devices = third_of_zoo_devices(demands, 64)
     placement = partitioned_placement(demands, devices, 3, time_limit_s=0.5)
     assert_fits(placement, demands, devices)
-    groups = {models for models in placement.models_on.values()}
+    groups = set(placement.models_on.values())
     assert len(groups) == 3  # three sub-clusters, each device holding all of one's models
     assert sorted(m for g in groups for m in g) == sorted(d.name for d in demands)
+    gpus = {g: sum(1 for models in placement.models_on.values() if models == g) for g in groups}
+    assert sorted(gpus.values()) == [21, 21, 22]
     load = {d.name: d.load_gpus for d in demands}
-    # every group's share of GPUs is within one GPU of its share of the load
     total = sum(load.values())
-    for group in groups:
+    for group in groups:  # each group's load within 5% of a third
+        assert abs(sum(load[m] for m in group) / total - 1 / 3) < 0.05 / 3
+
+
+def test_a_proportional_split_gives_busier_groups_more_gpus() -> None:
+    demands = zoo_demands()
+    devices = third_of_zoo_devices(demands, 64)
+    deadline = time.perf_counter() + 0.1
+    placement = random_placement(demands, devices, 3, np.random.default_rng(2),
+                                 lambda: time.perf_counter() > deadline, proportional=True)
+    assert_fits(placement, demands, devices)
+    load = {d.name: d.load_gpus for d in demands}
+    total = sum(load.values())
+    for group in set(placement.models_on.values()):
         gpus = sum(1 for models in placement.models_on.values() if models == group)
         assert abs(gpus - 64 * sum(load[m] for m in group) / total) <= 1.0
 

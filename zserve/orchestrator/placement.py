@@ -6,8 +6,9 @@ Three ways to place, each returning a :class:`Placement` (device name -> the mod
 
 - :func:`partitioned_placement`: Symphony's sub-clusters. The partitioner
   (:func:`zserve.orchestrator.partition.plan`) splits the models into groups whose GPU loads and
-  weights balance, with the device budget as its memory cap; the GPUs are shared out in
-  proportion to the groups' loads, and every GPU of a group holds all of the group's models.
+  weights balance, with the device budget as its memory cap; each group gets an equal share of
+  the GPUs (a rank schedules a fixed set of backends; optionally a share in proportion to its
+  load), and every GPU of a group holds all of the group's models.
 - :func:`random_placement`: the same, from A.2's random search (the best random assignment by the
   partitioner's objective within a time budget).
 - :func:`round_robin_placement`: load-blind. Each GPU in turn takes ``per_device`` models, the
@@ -167,12 +168,16 @@ def share_devices(loads: Sequence[float], devices: int) -> list[int]:
 
 
 def grouped_placement(demands: Sequence[ModelDemand], devices: Sequence[Device],
-                      assignment: Sequence[int], groups: int) -> Placement:
-    """Sub-cluster ``j`` (``assignment[i]`` is model i's) gets a share of ``devices`` in
-    proportion to its load, and each of its devices holds all of its models."""
-    loads = [0.0] * groups
-    for demand, group in zip(demands, assignment, strict=True):
-        loads[group] += demand.load_gpus
+                      assignment: Sequence[int], groups: int, *,
+                      proportional: bool = False) -> Placement:
+    """Sub-cluster ``j`` (``assignment[i]`` is model i's) gets an equal share of ``devices``
+    (``proportional``: a share in proportion to its load), and each of its devices holds all
+    of its models."""
+    loads = [1.0] * groups
+    if proportional:
+        loads = [0.0] * groups
+        for demand, group in zip(demands, assignment, strict=True):
+            loads[group] += demand.load_gpus
     shares = share_devices(loads, len(devices))
     models_on: dict[str, tuple[str, ...]] = {}
     start = 0
@@ -198,25 +203,30 @@ def partition_problem(demands: Sequence[ModelDemand], devices: Sequence[Device],
 
 
 def partitioned_placement(demands: Sequence[ModelDemand], devices: Sequence[Device],
-                          groups: int, time_limit_s: float) -> Placement:
-    """Symphony's sub-clusters: the partitioner's plan, each group on its share of devices."""
+                          groups: int, time_limit_s: float, *,
+                          proportional: bool = False) -> Placement:
+    """Symphony's sub-clusters: the partitioner's plan, each group on its share of devices
+    (``grouped_placement``)."""
     problem = partition_problem(demands, devices, groups)
     result = plan(problem, time_limit_s)
     if result.violations:
         raise PlacementError(f"no partition into {groups} sub-clusters fits: "
                              f"{result.violations[0]}")
-    return grouped_placement(demands, devices, result.assignment.tolist(), groups)
+    return grouped_placement(demands, devices, result.assignment.tolist(), groups,
+                             proportional=proportional)
 
 
-def random_placement(demands: Sequence[ModelDemand], devices: Sequence[Device], groups: int,
-                     rng: np.random.Generator, should_stop: Callable[[], bool]) -> Placement:
+def random_placement(demands: Sequence[ModelDemand], devices: Sequence[Device],
+                     groups: int, rng: np.random.Generator, should_stop: Callable[[], bool], *,
+                     proportional: bool = False) -> Placement:
     """A.2's baseline: the best random sub-cluster assignment found until ``should_stop()``."""
     problem = partition_problem(demands, devices, groups)
     best, _, tried = random_search(problem, rng, should_stop)
     if best is None:
         raise PlacementError(f"random search found no partition into {groups} sub-clusters "
                              f"that fits in {tried} tries")
-    return grouped_placement(demands, devices, best.tolist(), groups)
+    return grouped_placement(demands, devices, best.tolist(), groups,
+                             proportional=proportional)
 
 
 def round_robin_placement(demands: Sequence[ModelDemand], devices: Sequence[Device],
