@@ -19,8 +19,11 @@ Inputs (host -> core):
 - With a remote rank: ``on_grant(now, grant, outbox)`` (a ``GrantGpu`` that came over the wire),
   ``set_served(now, served, outbox)`` (the GPUs serving each model, from the rank's
   ``BackendTable``), ``remove_gpu`` (a suspect backend) and ``replan`` (a plan its backend never
-  acknowledged). With the rank embedded, every GPU of the rank serves every model, and
-  ``on_device_free_at`` passes a backend's device-free report to the RankThread.
+  acknowledged). With the rank embedded, ``set_members(now, members, outbox)`` says which of
+  the rank's GPUs serve which model (model -> GPU ids; by default, and after None, every GPU
+  serves every model; a model listed with no GPU has its queue answered UNAVAILABLE, as a remote
+  rank's ``set_served``), and ``on_device_free_at`` passes a backend's device-free report to the
+  RankThread.
 - ``shed_queued(now, outbox)``: answer every queued request ``SHUTTING_DOWN`` (the end of a
   drain).
 
@@ -95,7 +98,7 @@ class SchedulerCore:
 
     __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_moved", "_open",
                  "_order", "_pending", "_scan", "_scan_threads_max", "_seen", "_seq", "counters",
-                 "known", "n_timer_fires", "name", "rank", "served", "threads")
+                 "known", "members", "n_timer_fires", "name", "rank", "served", "threads")
 
     def __init__(self, name: str, models: Iterable[str] = (), *, rank: RankThread | None = None,
                  counters: MutableMapping[str, int] | None = None,
@@ -106,6 +109,8 @@ class SchedulerCore:
         self.threads: dict[str, ModelThread] = {}
         # model -> GPU ids serving it (a remote rank's BackendTable; unused with the rank here)
         self.served: dict[str, list[int]] = {}
+        # model -> the embedded rank's GPU ids serving it; None: every GPU serves every model
+        self.members: dict[str, list[int]] | None = None
         self._draining = False
         # the threads that take requests now: every one with the rank here, else those a GPU
         # serves; none while draining (one lookup on the hot path)
@@ -160,9 +165,11 @@ class SchedulerCore:
     def _reopen(self) -> None:
         rank = self.rank
         served = self.served
+        members = self.members
         self._open = {} if self._draining else {
             name: thread for name, thread in self.threads.items()
-            if rank is not None or served.get(name)}
+            if (served.get(name) if rank is None
+                else members is None or members.get(name))}
 
     # ------------------------------------------------------------------ set-up
 
@@ -200,6 +207,26 @@ class SchedulerCore:
                 self._shed(now, thread, ErrorKind.UNAVAILABLE, f"no backend serves {name!r}",
                            counter="unavailable", outbox=outbox)
             self._moved.append(thread)
+        self._reopen()
+        self._after(now, outbox, None)
+
+    def set_members(self, now: float, members: Mapping[str, Iterable[int]] | None,
+                    outbox: Outbox) -> None:
+        """The embedded rank's GPUs serving each model (None: every GPU serves every model): the
+        rank matches each model's candidates to its GPUs only (``RankThread.set_members``). A
+        model that no GPU serves takes no requests, and those queued are answered UNAVAILABLE
+        (they never ran)."""
+        rank = self.rank
+        assert rank is not None, "a remote rank's membership comes with its table (set_served)"
+        self.members = None if members is None else {m: sorted(g) for m, g in members.items()}
+        rank.set_members(now, self.members, outbox)
+        if self.members is not None:
+            for name, thread in self.threads.items():
+                if not self.members.get(name) and thread.queue_length:
+                    self._shed(now, thread, ErrorKind.UNAVAILABLE,
+                               f"no backend serves {name!r}", counter="unavailable",
+                               outbox=outbox)
+                    self._moved.append(thread)
         self._reopen()
         self._after(now, outbox, None)
 
@@ -275,7 +302,8 @@ class SchedulerCore:
         which batches them again or drops them (DEADLINE) as any queued request; with no live
         GPU for the model they are answered UNAVAILABLE (they never ran)."""
         thread = self.threads.get(plan.model)
-        served = self.rank is not None or bool(self.served.get(plan.model))
+        served = (bool(self.served.get(plan.model)) if self.rank is None
+                  else self.members is None or bool(self.members.get(plan.model)))
         whole = len(plan.finish_by) == len(plan.request_ids)
         positions_by_frontend = group_by_frontend(range(len(plan.request_ids)),
                                                   plan.request_frontend)

@@ -10,6 +10,11 @@
 - ``expire`` removes a backend silent for ``timeout_s``; ``on_gone`` one whose process died;
 - ``table(epoch)`` is the ``BackendTable`` every shard and frontend hears.
 
+Membership: the RankThread matches each model's candidates only to the GPUs whose backend lists
+the model (``RankThread.set_members``), kept from the models each backend last registered with:
+a backend that loads or withdraws a model registers again, and that registration is the one
+step in which the rank's matching changes (before the GPU is granted anything).
+
 No I/O and no clock: each call takes ``now`` and the RankThread's outbox, and says whether the
 table changed. The host (``zserve.scheduler.rank_host.RankHost``) owns the sockets, the epochs,
 the timers and the loop that calls ``expire`` every ``check_interval_s``; it broadcasts the
@@ -90,6 +95,7 @@ class RankBackends:
         self._gpu_by_name: dict[str, int] = {}
         # the DEALER identities that introduced themselves as backends (Hello or registration)
         self.identities: set[bytes] = set()
+        self._members: dict[str, list[int]] | None = None  # as the RankThread last heard it
 
     @property
     def check_interval_s(self) -> float:
@@ -128,6 +134,7 @@ class RankBackends:
         self._by_gpu[gpu_id] = _Backend(
             gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
             dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now)
+        self._tell_members(now, outbox)
         if previous is None or not previous.alive:
             self.rank.add_gpu(now, gpu_id, outbox)
         if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
@@ -135,6 +142,22 @@ class RankBackends:
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
         return True
+
+    def members(self) -> dict[str, list[int]]:
+        """Model -> the GPU ids of the backends that list it (in use or not: one out is no
+        GPU of the RankThread's)."""
+        members: dict[str, list[int]] = {}
+        for gpu_id in sorted(self._by_gpu):
+            for model in self._by_gpu[gpu_id].models:
+                members.setdefault(model, []).append(gpu_id)
+        return members
+
+    def _tell_members(self, now: float, outbox: Outbox) -> None:
+        """The RankThread matches each model to its backends' GPUs (when that changed)."""
+        members = self.members()
+        if members != self._members:
+            self._members = members
+            self.rank.set_members(now, members, outbox)
 
     def _new_gpu_id(self, msg: BackendRegister) -> int:
         """The id of a backend this rank has not seen: its index in the cluster config (the

@@ -17,6 +17,9 @@ Inputs (host -> RankThread):
 - ``release_grants(now, models, outbox)``: the grants of ``models`` still unanswered will never
   be answered (the shard that owned them restarted, or the grant could not be sent): each GPU
   goes back as it was before its grant and the models' candidates are accepted again.
+- ``set_members(now, members, outbox)``: which GPUs serve which model (model -> GPU ids; a model
+  absent serves none), or None: every GPU serves every model (the default). A candidate is
+  matched only to a GPU that serves its model.
 - ``on_timer(now, outbox)``: ``now >= wake_at`` (model timers and the GPU timer are internal).
 
 Outputs: ``(("model", name), GrantGpu)``.
@@ -45,6 +48,16 @@ certainly cost another candidate its window; it is evaluated at most once per
 a freeing GPU may go to such a candidate ahead of a pending one with a later latest start, if its
 batch runs at least as long as the pending one's (``_on_gpu_timer``).
 
+Membership: the GPUs are grouped into *pools*, the GPUs that serve the same models (one pool of
+every GPU while every GPU serves every model). Each pool keeps its own idle and busy heaps and
+its own waiting candidates (a candidate waits in every pool of its model): a model's timer takes
+the first free GPU among its pools, and a pool's GPU timer grants its GPU only to a candidate of
+a model it serves. A GPU no waiting model is served by stays free for the models it serves, and
+no GPU is granted to a model that does not run there. With one pool every lookup is the one it
+was before membership existed (``bench-scheduler`` measures that path). In pools, a rescue looks
+at each pool's GPUs and models, and candidates waiting in one pool hold back the rescue in every
+pool (as one waiting candidate holds it back in the single pool).
+
 Data structures: binary heaps with lazy deletion (each entry carries the model's candidate version
 or the GPU's state stamp), so every event costs O(log M + log G) amortized.
 """
@@ -53,6 +66,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable, Mapping
 
 from zserve.config.policy_names import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
 from zserve.core.hosting import DEST_MODEL, Outbox
@@ -70,18 +84,37 @@ _BUSY = 1  # lives in the busy heap keyed by (free_at, gpu_id)
 _GRANTED = 2  # granted, waiting for the model's answer; in no heap
 
 
+class _Pool:
+    """GPUs that serve the same models (``models``; None: every model): their idle heap (lowest
+    id first), their busy heap (by free time), and the candidates waiting for one of them
+    (``pending``: model -> version, with its two heaps, by latest start and by send delay)."""
+
+    __slots__ = ("busy", "gpus", "idle", "models", "pending", "pending_delay", "pending_latest")
+
+    def __init__(self, models: frozenset[str] | None, pending: dict[str, int]) -> None:
+        self.models = models
+        self.gpus: set[int] = set()
+        self.idle: list[tuple[int, int]] = []  # (gpu_id, stamp)
+        self.busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
+        self.pending = pending
+        # (order key, version, model): the latest start, or the deadline (deadline_order)
+        self.pending_latest: list[tuple[float, int, str]] = []
+        self.pending_delay: list[tuple[float, int, str]] = []  # (-delay, version, model)
+
 
 class RankThread:
     """Global GPU state and per-model candidates; see the module docstring.
 
     GPUs: ``_free_at`` and ``_state`` (``_IDLE``, ``_BUSY``, ``_GRANTED``) by GPU id, ``_stamp``
-    (a GPU's heap entries are live while their stamp matches), the ``_idle`` heap (lowest id
-    first) and the ``_busy`` heap (by free time). Candidates: ``_candidates`` (model -> ``(bs,
-    exec_at, latest, delay)``: ``bs`` is the batch size in rows), ``_candidate_runs`` (the
-    rescue's view: duration, early_ok, shared) and ``_version`` (a model's heap entries are live
-    while their version matches); ``_pending`` holds the schedulable candidates waiting for a
-    GPU. Grants: ``_awaiting`` (model -> its unanswered grant id) and ``_grants`` (grant id ->
-    model and GPU).
+    (a GPU's heap entries are live while their stamp matches), and the pools (``_Pool``: the
+    GPUs serving the same models, with their heaps; ``_pool_of`` by GPU id, ``_model_pools`` by
+    model, None while every GPU serves every model and ``_everywhere`` is the one pool).
+    Candidates: ``_candidates`` (model -> ``(bs, exec_at, latest, delay)``: ``bs`` is the batch
+    size in rows), ``_candidate_runs`` (the rescue's view: duration, early_ok, shared) and
+    ``_version`` (a model's heap entries are live while their version matches); ``_pending``
+    holds the schedulable candidates waiting for a GPU (each waits in every pool of its model as
+    well; the one pool's ``pending`` is ``_pending`` itself). Grants: ``_awaiting`` (model -> its
+    unanswered grant id) and ``_grants`` (grant id -> model and GPU).
     """
 
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
@@ -105,8 +138,6 @@ class RankThread:
         self._n_idle = 0  # GPUs in state _IDLE (_set_state keeps it)
         self._stamp: dict[int, int] = {}
         self._removing: set[int] = set()
-        self._idle: list[tuple[int, int]] = []  # (gpu_id, stamp)
-        self._busy: list[tuple[float, int, int]] = []  # (free_at, gpu_id, stamp)
         # candidates: model -> (bs, exec_at, latest, delay); version bumps invalidate heap entries
         self._candidates: dict[str, tuple[int, float, float, float]] = {}
         # the rescue's view of each candidate: model -> (duration, early_ok, shared); and how
@@ -122,9 +153,13 @@ class RankThread:
         self._grant_seq = 0
         self._model_timers: list[tuple[float, int, str]] = []  # (fire_at, version, model)
         self._pending: dict[str, int] = {}  # model -> version (schedulable, waiting for a GPU)
-        # (order key, version, model): the latest start, or the deadline (deadline_order)
-        self._pending_latest: list[tuple[float, int, str]] = []
-        self._pending_delay: list[tuple[float, int, str]] = []  # (-delay, version, model)
+        # membership (the module docstring): the pools, by GPU and by model
+        self._everywhere = _Pool(None, self._pending)
+        self._pools: list[_Pool] = [self._everywhere]
+        self._pool_of: dict[int, _Pool] = {}
+        self._model_pools: dict[str, list[_Pool]] | None = None
+        self._gpu_models: dict[int, frozenset[str]] = {}  # the members map, by GPU
+        self._pool_by_models: dict[frozenset[str], _Pool] = {}
         # counters
         self.n_grants = 0
         self.n_model_matches = 0
@@ -173,12 +208,13 @@ class RankThread:
         stamp = self._stamp.get(gpu_id, 0) + 1
         self._stamp[gpu_id] = stamp
         self._free_at[gpu_id] = free_at
+        pool = self._pool_of.get(gpu_id) or self._join_pool(gpu_id)
         if free_at <= now:
             self._set_state(gpu_id, _IDLE)
-            heapq.heappush(self._idle, (gpu_id, stamp))
+            heapq.heappush(pool.idle, (gpu_id, stamp))
         else:
             self._set_state(gpu_id, _BUSY)
-            heapq.heappush(self._busy, (free_at, gpu_id, stamp))
+            heapq.heappush(pool.busy, (free_at, gpu_id, stamp))
 
     def _set_state(self, gpu_id: int, state: int) -> None:
         if self._state.get(gpu_id) == _IDLE:
@@ -194,6 +230,96 @@ class RankThread:
         del self._state[gpu_id]
         del self._free_at[gpu_id]
         self._removing.discard(gpu_id)
+        pool = self._pool_of.pop(gpu_id, None)
+        if pool is not None:
+            pool.gpus.discard(gpu_id)
+
+    # ------------------------------------------------------------------ membership
+
+    def set_members(self, now: float, members: Mapping[str, Iterable[int]] | None,
+                    outbox: Outbox) -> None:
+        """Which GPUs serve which model (a model absent from ``members`` serves none; a GPU id
+        not in the rank yet joins its pool when added), or None: every GPU serves every model.
+        Candidates waiting for a GPU wait for their model's GPUs from now on; a grant already
+        made stands (its model's thread declines a GPU it no longer serves)."""
+        if members is None:
+            self._model_pools = None
+            self._gpu_models = {}
+        else:
+            by_gpu: dict[int, set[str]] = {}
+            for model, gpu_ids in members.items():
+                for gpu_id in gpu_ids:
+                    by_gpu.setdefault(gpu_id, set()).add(model)
+            self._model_pools = {}
+            self._gpu_models = {g: frozenset(models) for g, models in by_gpu.items()}
+        self._rebuild_pools(now)
+        self._fire_due(now, outbox)
+
+    def gpus_of(self, model: str) -> list[int]:
+        """The GPUs (in use) that serve ``model``."""
+        pools = self._pools if self._model_pools is None else self._model_pools.get(model, [])
+        return sorted(g for pool in pools for g in pool.gpus if g not in self._removing)
+
+    def _join_pool(self, gpu_id: int) -> _Pool:
+        """Put ``gpu_id`` in the pool of the models it serves (a new pool if none has them)."""
+        model_pools = self._model_pools
+        if model_pools is None:
+            pool = self._everywhere
+        else:
+            models = self._gpu_models.get(gpu_id, frozenset())
+            found = self._pool_by_models.get(models)
+            if found is None:
+                found = _Pool(models, {})
+                self._pool_by_models[models] = found
+                self._pools.append(found)
+                for model in models:
+                    model_pools.setdefault(model, []).append(found)
+            pool = found
+        pool.gpus.add(gpu_id)
+        self._pool_of[gpu_id] = pool
+        return pool
+
+    def _rebuild_pools(self, now: float) -> None:
+        """New pools from the members map: every GPU goes into its pool's heaps again (a
+        granted one when answered), every waiting candidate waits in its model's pools, and
+        every other candidate's timer is armed again (one whose model had no GPU had none)."""
+        self._pool_by_models = {}
+        self._pool_of = {}
+        if self._model_pools is None:
+            self._everywhere = _Pool(None, self._pending)
+            self._pools = [self._everywhere]
+        else:
+            self._pools = []
+        for gpu_id, state in list(self._state.items()):
+            self._join_pool(gpu_id)
+            if state != _GRANTED:
+                self._insert_gpu(gpu_id, self._free_at[gpu_id], now)
+        for model, (_, exec_at, latest, delay) in self._candidates.items():
+            version = self._version[model]
+            if model in self._pending:
+                self._wait_for_gpu(model, version, latest, delay)
+            else:
+                heapq.heappush(self._model_timers, (exec_at - delay, version, model))
+
+    def _pools_of(self, model: str) -> list[_Pool]:
+        model_pools = self._model_pools
+        return self._pools if model_pools is None else model_pools.get(model, [])
+
+    def _wait_for_gpu(self, model: str, version: int, latest: float, delay: float) -> None:
+        """The candidate waits for a GPU: in ``_pending`` and in every pool of its model."""
+        self._pending[model] = version
+        # a candidate's deadline is its latest start plus its batch's duration
+        key = latest + self._candidate_runs[model][0] if self._by_deadline else latest
+        for pool in self._pools_of(model):
+            pool.pending[model] = version
+            heapq.heappush(pool.pending_latest, (key, version, model))
+            heapq.heappush(pool.pending_delay, (-delay, version, model))
+
+    def _unpend(self, model: str) -> None:
+        """The model's candidate waits for no GPU any more."""
+        if self._pending.pop(model, None) is not None and self._model_pools is not None:
+            for pool in self._model_pools.get(model, ()):
+                pool.pending.pop(model, None)
 
     # ------------------------------------------------------------------ messages
 
@@ -203,7 +329,7 @@ class RankThread:
             return  # computed before the model saw its grant: stale
         version = self._version.get(model, 0) + 1
         self._version[model] = version
-        self._pending.pop(model, None)
+        self._unpend(model)
         self._forget_run(model)
         if update.batch_size <= 0:
             self._candidates.pop(model, None)
@@ -271,10 +397,25 @@ class RankThread:
 
     # ------------------------------------------------------------------ matching
 
-    def _earliest_gpu(self, now: float) -> tuple[int, float] | None:
-        """The lowest-id idle GPU, else the busy GPU that frees first (after moving GPUs whose
-        free time has passed into the idle heap)."""
-        busy = self._busy
+    def _earliest_gpu(self, now: float, pools: list[_Pool]) -> tuple[int, float] | None:
+        """Among ``pools``' GPUs, the lowest-id idle GPU, else the busy GPU that frees first."""
+        if len(pools) == 1:
+            return self._earliest_in(pools[0], now)
+        best: tuple[int, float] | None = None
+        best_key = (2, _INF)
+        for pool in pools:
+            found = self._earliest_in(pool, now)
+            if found is not None:
+                # idle ones first, by id (consolidation), then by free time
+                key = (0, found[0]) if found[1] <= now else (1, found[1])
+                if key < best_key:
+                    best, best_key = found, key
+        return best
+
+    def _earliest_in(self, pool: _Pool, now: float) -> tuple[int, float] | None:
+        """The pool's lowest-id idle GPU, else its busy GPU that frees first (after moving
+        GPUs whose free time has passed into the idle heap)."""
+        busy = pool.busy
         state = self._state
         stamp = self._stamp
         while busy:
@@ -286,8 +427,8 @@ class RankThread:
                 break
             heapq.heappop(busy)
             self._set_state(gpu_id, _IDLE)
-            heapq.heappush(self._idle, (gpu_id, st))
-        idle = self._idle
+            heapq.heappush(pool.idle, (gpu_id, st))
+        idle = pool.idle
         while idle:
             gpu_id, st = idle[0]
             if stamp.get(gpu_id) != st or state.get(gpu_id) != _IDLE:
@@ -310,7 +451,7 @@ class RankThread:
         self._awaiting[model] = grant_id
         self._candidates.pop(model, None)
         self._forget_run(model)
-        self._pending.pop(model, None)
+        self._unpend(model)
         self._version[model] = self._version.get(model, 0) + 1
         self.n_grants += 1
         outbox.append(((DEST_MODEL, model), GrantGpu(model, gpu_id, grant_id, free_at,
@@ -321,7 +462,14 @@ class RankThread:
         if now + delay > latest:
             self.n_stale += 1
             return
-        found = self._earliest_gpu(now)
+        model_pools = self._model_pools
+        if model_pools is None:
+            found = self._earliest_in(self._everywhere, now)
+        else:
+            pools = model_pools.get(model)
+            if not pools:
+                return  # no GPU serves the model: its timer is armed again when one does
+            found = self._earliest_gpu(now, pools)
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
         shared = self._candidate_runs[model][2]  # set with _candidates[model], in on_candidate
@@ -333,28 +481,22 @@ class RankThread:
             return
         if shared:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
-        self._pending[model] = version
-        # a candidate's deadline is its latest start plus its batch's duration
-        key = latest + self._candidate_runs[model][0] if self._by_deadline else latest
-        heapq.heappush(self._pending_latest, (key, version, model))
-        heapq.heappush(self._pending_delay, (-delay, version, model))
+        self._wait_for_gpu(model, version, latest, delay)
 
-    def _enlist_due_by(self, now: float, free_at: float) -> None:
-        """Ordered grants: every candidate whose exec time comes by ``free_at`` and that a grant
-        now still serves in time joins the waiting ones, whether or not its own timer came: the
-        GPU goes to the most urgent of them all."""
+    def _enlist_due_by(self, now: float, free_at: float, pool: _Pool) -> None:
+        """Ordered grants: every candidate of the pool's models whose exec time comes by
+        ``free_at`` and that a grant now still serves in time joins the waiting ones, whether
+        or not its own timer came: the GPU goes to the most urgent of them all."""
         pending = self._pending
+        models = pool.models
         for model, (_, exec_at, latest, delay) in self._candidates.items():
-            if model not in pending and exec_at <= free_at and now + delay <= latest:
-                version = self._version[model]
-                pending[model] = version
-                key = latest + self._candidate_runs[model][0] if self._by_deadline else latest
-                heapq.heappush(self._pending_latest, (key, version, model))
-                heapq.heappush(self._pending_delay, (-delay, version, model))
+            if (model not in pending and exec_at <= free_at and now + delay <= latest
+                    and (models is None or model in models)):
+                self._wait_for_gpu(model, self._version[model], latest, delay)
 
-    def _max_pending_delay(self) -> float:
-        heap = self._pending_delay
-        pending = self._pending
+    def _max_pending_delay(self, pool: _Pool) -> float:
+        heap = pool.pending_delay
+        pending = pool.pending
         while heap:
             neg_delay, version, model = heap[0]
             if pending.get(model) == version:
@@ -362,11 +504,13 @@ class RankThread:
             heapq.heappop(heap)
         return -_INF
 
-    def _on_gpu_timer(self, now: float, gpu_id: int, free_at: float, outbox: Outbox) -> None:
+    def _on_gpu_timer(self, now: float, pool: _Pool, gpu: tuple[int, float],
+                      outbox: Outbox) -> None:
+        gpu_id, free_at = gpu
         if self._free_only:
-            self._enlist_due_by(now, free_at)
-        heap = self._pending_latest
-        pending = self._pending
+            self._enlist_due_by(now, free_at, pool)
+        heap = pool.pending_latest
+        pending = pool.pending
         while heap:
             _, version, model = heap[0]
             if pending.get(model) != version:
@@ -375,11 +519,10 @@ class RankThread:
             latest = self._candidates[model][2]
             if latest < free_at:
                 heapq.heappop(heap)
-                del pending[model]
-                self.n_purged += 1
+                self._purge(now, pool, model)
                 continue
             if self._rescuing():
-                rival = self._most_urgent_deferring(now, free_at)
+                rival = self._most_urgent_deferring(now, free_at, pool.models)
                 # A waiting candidate is passed over only for a rival whose batch runs at least
                 # as long: a longer batch passed over is the one that finds every GPU busy when
                 # its short window closes (on the A100 zoo at 17,860 r/s the slowest model,
@@ -394,18 +537,52 @@ class RankThread:
             self._grant(now, model, gpu_id, outbox)
             return
 
-    def _most_urgent_deferring(self, now: float, free_at: float
+    def _purge(self, now: float, pool: _Pool, model: str) -> None:
+        """The pool's first GPU frees after the model's latest start: the candidate stops
+        waiting there (safe for the pool's later GPUs, which free no earlier), and stops waiting
+        for good once no pool of its model can serve it in time."""
+        del pool.pending[model]
+        if pool.pending is not self._pending:
+            latest = self._candidates[model][2]
+            for other in self._pools_of(model):
+                if model in other.pending:
+                    found = self._earliest_in(other, now)
+                    if found is not None and found[1] <= latest:
+                        return  # still waits there
+            self._unpend(model)
+        self.n_purged += 1
+
+    def _most_urgent_deferring(self, now: float, free_at: float,
+                               models: frozenset[str] | None = None,
                                ) -> tuple[float, str, float] | None:
-        """The not yet due candidate with the earliest latest start that a GPU free at
-        ``free_at`` still serves in time, as (latest, model, delay), if it is early_ok (one that
-        is not will want that GPU at its exec time: nobody is started ahead of it)."""
+        """The not yet due candidate (of ``models``; None: any) with the earliest latest start
+        that a GPU free at ``free_at`` still serves in time, as (latest, model, delay), if it is
+        early_ok (one that is not will want that GPU at its exec time: nobody is started ahead
+        of it)."""
         best: tuple[float, str, float] | None = None
         pending = self._pending
         for model, (_, _, latest, delay) in self._candidates.items():
             if (model not in pending and latest >= free_at and now + delay <= latest
-                    and (best is None or latest < best[0])):
+                    and (best is None or latest < best[0])
+                    and (models is None or model in models)):
                 best = (latest, model, delay)
         return best if best is not None and self._candidate_runs[best[1]][1] else None
+
+    def _gpu_timer(self, now: float) -> tuple[float, _Pool | None, tuple[int, float] | None]:
+        """When the next GPU timer fires (only while candidates wait for a GPU): the pool whose
+        first GPU, less the longest send delay among the candidates waiting there, comes first;
+        with that pool and its GPU."""
+        t_gpu = _INF
+        best_pool: _Pool | None = None
+        gpu: tuple[int, float] | None = None
+        for pool in self._pools:
+            max_delay = self._max_pending_delay(pool)
+            if max_delay > -_INF:
+                found = self._earliest_in(pool, now)
+                if found is not None and found[1] - max_delay < t_gpu:
+                    t_gpu = found[1] - max_delay
+                    best_pool, gpu = pool, found
+        return t_gpu, best_pool, gpu
 
     def _fire_due(self, now: float, outbox: Outbox) -> None:
         timers = self._model_timers
@@ -422,23 +599,17 @@ class RankThread:
                 break
             # the GPU timer (only while candidates wait for a GPU)
             t_gpu = _INF
+            pool: _Pool | None = None
             gpu: tuple[int, float] | None = None
             if self._pending:
-                max_delay = self._max_pending_delay()
-                if max_delay > -_INF:
-                    gpu = self._earliest_gpu(now)
-                    if gpu is not None:
-                        t_gpu = gpu[1] - max_delay
+                t_gpu, pool, gpu = self._gpu_timer(now)
             if t_model <= now and t_model <= t_gpu:
                 _, version, model = heapq.heappop(timers)
                 self._on_model_timer(now, model, version, outbox)
                 continue
-            if t_gpu <= now and gpu is not None:
-                before = self.n_grants
-                self._on_gpu_timer(now, gpu[0], gpu[1], outbox)
-                if self.n_grants == before and self._pending:
-                    continue  # purged some; re-evaluate
-                continue
+            if t_gpu <= now and pool is not None and gpu is not None:
+                self._on_gpu_timer(now, pool, gpu, outbox)
+                continue  # granted, or purged some: re-evaluate
             wake = t_model if t_model < t_gpu else t_gpu
             if not self._pending and self._may_rescue():
                 t_rescue = self._rescue_step(now, outbox)
@@ -453,11 +624,22 @@ class RankThread:
     def _rescue_step(self, now: float, outbox: Outbox) -> float | None:
         """The rescue that applies (contention or at-risk), at most once per spacing
         (RESCUE_SPACING_S_PER_CANDIDATE): an event soon after a look waits for the next one.
-        None when it granted, else when to look again."""
+        None when it granted, else when to look again. In pools, each pool's GPUs and models
+        are looked at in turn."""
         if now < self._rescue_next:
             return self._rescue_next
-        t_rescue = (self._rescue(now, outbox) if self.contention > RESCUE_CONTENTION
-                    else self._rescue_at_risk(now, outbox))
+        rescue = self._rescue if self.contention > RESCUE_CONTENTION else self._rescue_at_risk
+        if self._model_pools is None:
+            t_rescue = rescue(now, self._everywhere, outbox)
+        else:
+            t_rescue = _INF
+            for pool in self._pools:
+                if pool.models:
+                    t_pool = rescue(now, pool, outbox)
+                    if t_pool is None:
+                        t_rescue = None
+                        break
+                    t_rescue = min(t_rescue, t_pool)
         if t_rescue is not None:
             self._rescue_next = now + RESCUE_SPACING_S_PER_CANDIDATE * len(self._candidates)
         return t_rescue
@@ -472,31 +654,40 @@ class RankThread:
         """Whether the contention rescue is on: it may rescue, and the cluster is contended."""
         return self.contention > RESCUE_CONTENTION and self._may_rescue()
 
-    def _rescue_at_risk(self, now: float, outbox: Outbox) -> float | None:
+    def _rescue_at_risk(self, now: float, pool: _Pool, outbox: Outbox) -> float | None:
         """The rescue below the contention bar, for a window that will certainly be lost: with a
-        GPU idle now, the waiting candidates in order of their exec times each take the GPU that
-        frees first and hold it for their duration; when one would then find no GPU by its
-        latest start, the first early_ok candidate starts now (its batch frees the GPU sooner).
-        On one GPU shared by two models this is what stops deferral losing a head to the other
-        model's batch; a busier cluster's losses are the contention's. None when it granted."""
-        found = self._earliest_gpu(now)
+        GPU of ``pool`` idle now, the waiting candidates of its models in order of their exec
+        times each take the GPU that frees first and hold it for their duration; when one would
+        then find no GPU by its latest start, the first early_ok candidate starts now (its batch
+        frees the GPU sooner). On one GPU shared by two models this is what stops deferral
+        losing a head to the other model's batch; a busier cluster's losses are the contention's.
+        None when it granted."""
+        found = self._earliest_in(pool, now)
         # No GPU idle: its freeing is an event of its own. An idle GPU for every waiting
-        # candidate (_earliest_gpu moved every GPU free by now to _IDLE): no risk, decided
+        # candidate (_earliest_in moved every GPU free by now to _IDLE): no risk, decided
         # without the O(M log M + G log G) projection, which with 128 models on 128 GPUs ran at
-        # every arrival and outran a core.
+        # every arrival and outran a core. (With one pool, every GPU idle is the pool's.)
+        models = pool.models
         if (found is None or found[1] > now
-                or len(self._candidates) - len(self._pending) <= self._n_idle):
+                or (len(self._pools) == 1
+                    and len(self._candidates) - len(self._pending) <= self._n_idle)):
             return _INF
         waiting = sorted((c[1], c[2], model) for model, c in self._candidates.items()
-                         if model not in self._pending)
+                         if model not in self._pending and (models is None or model in models))
         if not waiting:
             return _INF
         times = sorted(self._free_at[g] if self._free_at[g] > now else now
-                       for g, st in self._state.items()
-                       if st != _GRANTED and g not in self._removing)
+                       for g in pool.gpus
+                       if self._state[g] != _GRANTED and g not in self._removing)
         del times[len(waiting):]
         if len(times) == len(waiting) and times[-1] <= now:
             return _INF  # an idle GPU for every waiting candidate
+        return self._project_risk(now, waiting, times, found[0], outbox)
+
+    def _project_risk(self, now: float, waiting: list[tuple[float, float, str]],
+                      times: list[float], gpu_id: int, outbox: Outbox) -> float | None:
+        """``_rescue_at_risk``'s projection: ``waiting`` (exec time, latest, model) take the
+        GPUs free at ``times`` in turn; at risk, the first starts on ``gpu_id`` now."""
         heapq.heapify(times)
         run = self._candidate_runs
         for exec_at, latest, model in waiting:
@@ -510,22 +701,22 @@ class RankThread:
         _, latest, model = waiting[0]  # the next to start: another would take its GPU
         if run[model][1] and now + self._candidates[model][3] <= latest:
             self.n_rescues += 1
-            self._grant(now, model, found[0], outbox, early=True)
+            self._grant(now, model, gpu_id, outbox, early=True)
             return None
         return _INF
 
-    def _rescue(self, now: float, outbox: Outbox) -> float | None:
+    def _rescue(self, now: float, pool: _Pool, outbox: Outbox) -> float | None:
         """The ``deferred`` policy's rescue (zserve.scheduler.policy), while candidates that
         reach their exec time often find every GPU busy (``contention``) and none waits for a
-        GPU: the GPU that frees first goes to the deferring (early_ok) candidate with the
-        earliest latest start it still serves, granted ``delay`` before it frees, as a pending
-        candidate's would be. Idle GPU time is then what the cluster runs short of later.
-        None when it granted, else when to look again."""
-        found = self._earliest_gpu(now)
+        GPU: the GPU of ``pool`` that frees first goes to the deferring (early_ok) candidate of
+        its models with the earliest latest start it still serves, granted ``delay`` before it
+        frees, as a pending candidate's would be. Idle GPU time is then what the cluster runs
+        short of later. None when it granted, else when to look again."""
+        found = self._earliest_in(pool, now)
         if found is None:
             return _INF
         gpu_id, free_at = found
-        best = self._most_urgent_deferring(now, free_at if free_at > now else now)
+        best = self._most_urgent_deferring(now, free_at if free_at > now else now, pool.models)
         if best is None:
             return _INF  # no candidate fits this GPU's free time; events change that
         _, model, delay = best
