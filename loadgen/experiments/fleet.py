@@ -123,21 +123,39 @@ def run_fleet(opts: Options) -> Outcome:
                         for k in profiles} for n in names}
     fleets: dict[str, dict[str, Any]] = {}
     for kind in profiles:
-        served = [n for n in names if meets_slo(profiles[kind][n], slo[n])]
-        if len(served) < len(names):
-            fleets[f"{kind} only"] = {"kind_gpus": {}, "cost": None,
-                                      "note": f"{len(names) - len(served)} of {len(names)} "
-                                      "models miss their SLO on this kind"}
-            continue
-        w = pool_workload(base, names, kind, slo=slo, profiles=profiles, rate_rps=rate)
-        need = math.ceil(sum(gpus_by_kind[n][kind] for n in names))
-        gpus, report = smallest_pool(w, need, say, f"{kind} only")
-        fleets[f"{kind} only"] = {"kind_gpus": {kind: gpus}, "report": report}
-    choice = {n: cheapest_kind(gpus_by_kind[n], PRICE_PER_HOUR) for n in names}
-    pools: dict[str, list[str]] = {}
+        fleets[f"{kind} only"] = single_kind_fleet(base, kind, names, slo, profiles, rate,
+                                                   gpus_by_kind, say)
+    choice: dict[str, str] = {}
     for n in names:
-        kind = choice[n]
-        assert kind is not None, n  # the A100 meets every A100-zoo SLO
+        cheapest = cheapest_kind(gpus_by_kind[n], PRICE_PER_HOUR)
+        assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
+        choice[n] = cheapest
+    fleets["mixed"] = mixed_fleet(base, choice, slo, profiles, per_model, gpus_by_kind, say)
+    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets)
+
+
+def single_kind_fleet(base: Workload, kind: str, names: list[str],  # noqa: PLR0917
+                      slo: dict[str, float], profiles: dict[str, dict[str, LatencyProfile]],
+                      rate: float, gpus_by_kind: dict[str, dict[str, float]],
+                      say: Say) -> dict[str, Any]:
+    """The smallest fleet of ``kind`` alone serving every model at ``rate``."""
+    served = [n for n in names if meets_slo(profiles[kind][n], slo[n])]
+    if len(served) < len(names):
+        return {"kind_gpus": {}, "note": f"{len(names) - len(served)} of {len(names)} models "
+                "miss their SLO on this kind"}
+    w = pool_workload(base, names, kind, slo=slo, profiles=profiles, rate_rps=rate)
+    need = math.ceil(sum(gpus_by_kind[n][kind] for n in names))
+    gpus, report = smallest_pool(w, need, say, f"{kind} only")
+    return {"kind_gpus": {kind: gpus}, "report": report}
+
+
+def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
+                slo: dict[str, float], profiles: dict[str, dict[str, LatencyProfile]],
+                per_model: float, gpus_by_kind: dict[str, dict[str, float]],
+                say: Say) -> dict[str, Any]:
+    """Each model on its cheapest kind: each kind's pool sized apart, then all run together."""
+    pools: dict[str, list[str]] = {}
+    for n, kind in choice.items():
         pools.setdefault(kind, []).append(n)
     mixed_gpus: dict[str, int] = {}
     for kind, members in pools.items():
@@ -145,10 +163,10 @@ def run_fleet(opts: Options) -> Outcome:
                           rate_rps=per_model * len(members))
         need = math.ceil(sum(gpus_by_kind[n][kind] for n in members))
         mixed_gpus[kind], _ = smallest_pool(w, need, say, f"mixed, {kind} pool")
-    ok, report = mixed_run(base, names, pools, mixed_gpus, slo, profiles, rate)
+    ok, report = mixed_run(base, list(choice), pools, mixed_gpus, slo, profiles,
+                           per_model * len(choice))
     say(f"fleet mixed, together: worst bad rate {report['bad_rate']:.3%}")
-    fleets["mixed"] = {"kind_gpus": mixed_gpus, "report": report, "together_passes": ok}
-    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets)
+    return {"kind_gpus": mixed_gpus, "report": report, "together_passes": ok}
 
 
 def mixed_run(base: Workload, names: list[str], pools: dict[str, list[str]],  # noqa: PLR0917
@@ -173,7 +191,7 @@ def fleet_cost(kind_gpus: dict[str, int]) -> float:
 
 
 def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0917
-             choice: dict[str, str | None], gpus_by_kind: dict[str, dict[str, float]],
+             choice: dict[str, str], gpus_by_kind: dict[str, dict[str, float]],
              fleets: dict[str, dict[str, Any]]) -> Outcome:
     rows: list[list[Any]] = []
     for name, fleet in fleets.items():

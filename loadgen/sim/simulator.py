@@ -107,6 +107,9 @@ class SimConfig:
     # Mixed device kinds: per GPU, the models whose profile there is not the workload's (that
     # kind's profile of each); None: every GPU runs every model's workload profile.
     gpu_profiles: Sequence[Mapping[str, LatencyProfile]] | None = None
+    # A placement: the GPU ids serving each model (the embedded rank matches a model's candidates
+    # to them only: SchedulerCore.set_members); None: every GPU serves every model.
+    model_gpus: Mapping[str, Sequence[int]] | None = None
 
 
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
@@ -260,6 +263,11 @@ class Simulator:
         core = SchedulerCore("sim", rank=rank)
         for thread in models:
             core.add_thread(0.0, thread, [])
+        if self.config.model_gpus is not None:
+            unknown = sorted(set(self.config.model_gpus) - {m.name for m in w.models})
+            if unknown:
+                raise ValueError(f"model_gpus names {unknown[0]!r}, not a workload model")
+            core.set_members(0.0, self.config.model_gpus, [])
         return models, rank, core, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:

@@ -367,6 +367,18 @@ def test_a_gpu_of_another_kind_runs_each_batch_for_its_own_profiles_latency() ->
         Simulator(w, SimConfig(gpu_profiles=[{}]))
 
 
+def test_a_placement_runs_each_model_only_on_the_gpus_that_hold_it() -> None:
+    w = parse_workload(_small(gpus=3, rate=300.0))
+    sim = Simulator(w, SimConfig(model_gpus={"a": [0, 2], "b": [1]}))
+    report = sim.run()
+    assert report["bad_rate"] <= 0.01
+    ran = {(w.models[model].name, gpu) for model, gpu, *_ in sim.batches}
+    assert ran <= {("a", 0), ("a", 2), ("b", 1)}  # a needs one of its two GPUs at this rate
+    assert {name for name, _ in ran} == {"a", "b"}
+    with pytest.raises(ValueError, match="model_gpus names 'c', not a workload model"):
+        Simulator(w, SimConfig(model_gpus={"a": [0], "b": [1], "c": [2]}))
+
+
 def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "w.toml"
     path.write_text(
