@@ -34,6 +34,7 @@ from zserve.orchestrator.placement import (
     Placement,
     check_placement,
     gpus_for_rate,
+    load_imbalance,
     partitioned_placement,
     random_placement,
     round_robin_placement,
@@ -122,21 +123,23 @@ def _outcome(w: Workload, demands: list[ModelDemand], devices: list[Device],  # 
     budget = devices[0].budget_bytes
     rows: list[list[Any]] = [["every GPU, every model (no memory limit)", everywhere.goodput_rps,
                               ratio(everywhere.goodput_rps, everywhere.goodput_rps), len(w.models),
-                              w.gpus, everywhere.median_batch, everywhere.busy_fraction, "-"]]
+                              w.gpus, 0.0, everywhere.median_batch, everywhere.busy_fraction,
+                              "-"]]
     for name, (placement, took_s) in placements.items():
         g = results[name]
         per_gpu = [len(m) for m in placement.models_on.values()]
         replicas = placement.replicas()
         rows.append([name, g.goodput_rps, ratio(g.goodput_rps, everywhere.goodput_rps),
                      f"{min(per_gpu)}-{max(per_gpu)}",
-                     f"{min(replicas.values())}-{max(replicas.values())}", g.median_batch,
+                     f"{min(replicas.values())}-{max(replicas.values())}",
+                     round(load_imbalance(placement, demands), 4), g.median_batch,
                      g.busy_fraction, round(took_s, 2)])
     table = Table(
         f"A100 zoo: {len(w.models)} models on {w.gpus} GPUs of {budget / GIB_BYTES:.2f} GiB each "
         f"(a third of the weights x {MEMORY_SLACK:g} + the largest activations), simulated "
         "goodput by placement",
         ["placement", "goodput r/s", "/ every GPU", "models per GPU", "GPUs per model",
-         "median batch", "GPU busy", "placement s"], rows)
+         "load imbalance", "median batch", "GPU busy", "placement s"], rows)
     memory = {d.name: d.memory for d in demands}
     peak = max(placement_bytes([memory[m] for m in models])
                for placement, _ in placements.values() for models in placement.models_on.values())

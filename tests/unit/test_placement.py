@@ -20,6 +20,7 @@ from zserve.orchestrator.placement import (
     cheapest_kind,
     check_placement,
     gpus_for_rate,
+    load_imbalance,
     partitioned_placement,
     random_placement,
     round_robin_placement,
@@ -174,3 +175,13 @@ def test_the_cheapest_kind_that_meets_the_slo_wins() -> None:
     # a kind whose batch of one misses the SLO is never chosen; none that meets it: None
     assert cheapest_kind({"a100": 2.0, "gtx1080ti": float("inf")}, prices) == "a100"
     assert cheapest_kind({"gtx1080ti": float("inf")}, prices) is None
+
+
+def test_load_imbalance_splits_each_models_load_over_its_devices() -> None:
+    a = ModelDemand(ModelMemory("a", GIB_BYTES, 0), 2.0)
+    b = ModelDemand(ModelMemory("b", GIB_BYTES, 0), 1.0)
+    # a over two devices (1 each), b on the third: balanced
+    assert load_imbalance(Placement({"g0": ("a",), "g1": ("a",), "g2": ("b",)}), [a, b]) == 0.0
+    # a and b on one device each: 2 and 1 around a mean of 1.5
+    assert load_imbalance(Placement({"g0": ("a",), "g1": ("b",)}), [a, b]) == pytest.approx(
+        1 / 1.5)

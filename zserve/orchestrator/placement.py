@@ -111,6 +111,17 @@ def gpus_for_rate(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: floa
     return rate_rps * (alpha_ms * lo + beta_ms) / lo / MS_PER_S
 
 
+def load_imbalance(placement: Placement, demands: Sequence[ModelDemand]) -> float:
+    """(max - min) / mean of the devices' loads, each model's load split evenly over the
+    devices that hold it: 0 when every device carries the same."""
+    load = {d.name: d.load_gpus for d in demands}
+    replicas = placement.replicas()
+    per_device = [sum(load[m] / replicas[m] for m in models)
+                  for models in placement.models_on.values()]
+    mean = sum(per_device) / len(per_device)
+    return (max(per_device) - min(per_device)) / mean if mean > 0 else 0.0
+
+
 def cheapest_kind(gpus_by_kind: Mapping[str, float],
                   price_per_hour: Mapping[str, float]) -> str | None:
     """The device kind on which a model's load costs least an hour (its GPUs there, from
@@ -267,6 +278,7 @@ __all__ = [
     "check_placement",
     "gpus_for_rate",
     "grouped_placement",
+    "load_imbalance",
     "partition_problem",
     "partitioned_placement",
     "random_placement",
