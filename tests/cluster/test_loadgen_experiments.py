@@ -265,8 +265,9 @@ def test_placement_quick(tmp_path: Path) -> None:
 
 
 def test_fleet_quick(tmp_path: Path) -> None:
-    # the quick subset's rate is too low for the A100s to pay much: the goal may fail
-    result = _quick("fleet", tmp_path, may_fail=("the best mixed fleet >= ",))
+    # the cost goals are measurements, not met at these prices and rates (docs/performance.md,
+    # "Mixed fleet"); the fleets' sizes and the one-simulation run of the mix are checked
+    result = _quick("fleet", tmp_path, may_fail=("the best mixed fleet ",))
     points = result["points"]
     for name in ("a100 only", "gtx1080ti only", "mixed", "mixed, shared"):
         kinds = points[name]["kind_gpus"]
