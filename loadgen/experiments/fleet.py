@@ -84,8 +84,12 @@ def smallest_pool(w: Workload, start: int, say: Say, label: str) -> tuple[int, d
     return smallest_count(lambda gpus: passes(w.with_overrides(gpus=gpus)), start, say, label)
 
 
+class NotSized(RuntimeError):
+    """No GPU count up to the search's limit passes."""
+
+
 def smallest_count(run: Callable[[int], tuple[bool, dict[str, Any]]], start: int, say: Say,
-                   label: str) -> tuple[int, dict[str, Any]]:
+                   label: str, limit: int = MAX_FLEET_GPUS) -> tuple[int, dict[str, Any]]:
     """The fewest GPUs at which ``run(gpus)`` passes: steps of BRACKET_STEP from ``start`` (the
     estimate) up or down to a bracket, then bisection. Returns the count and its passing report.
     (A bad rate need not fall monotonically with GPUs: this is the bracket's count.)"""
@@ -100,9 +104,10 @@ def smallest_count(run: Callable[[int], tuple[bool, dict[str, Any]]], start: int
 
     hi = max(1, start)
     while not probe(hi):
-        if hi >= MAX_FLEET_GPUS:
-            raise RuntimeError(f"{label}: fails at {hi} GPUs")
-        hi = min(MAX_FLEET_GPUS, math.ceil(hi * BRACKET_STEP))
+        if hi >= limit:
+            raise NotSized(f"{label}: fails up to {hi} GPUs (worst bad rate "
+                           f"{probes[hi][1]['bad_rate']:.3%})")
+        hi = min(limit, math.ceil(hi * BRACKET_STEP))
     lo = min(hi - 1, math.floor(hi / BRACKET_STEP))
     while lo >= 1 and probe(lo):
         hi, lo = lo, min(lo - 1, math.floor(lo / BRACKET_STEP))
@@ -181,11 +186,16 @@ def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
     if len(pools) == 2:
         shared = max(pools, key=lambda k: PRICE_PER_HOUR[k])
         cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
-        count, report = smallest_count(
-            lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared), gpus[cheap],
-            say, f"mixed, shared {shared}: {cheap}")
-        fleets["mixed, shared"] = {"kind_gpus": {shared: gpus[shared], cheap: count},
-                                   "report": report, "together_passes": True}
+        try:
+            count, report = smallest_count(
+                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared),
+                gpus[cheap], say, f"mixed, shared {shared}: {cheap}", limit=2 * gpus[cheap])
+        except NotSized as exc:
+            fleets["mixed, shared"] = {"kind_gpus": {}, "together_passes": False,
+                                       "note": f"not sized: {exc}"}
+        else:
+            fleets["mixed, shared"] = {"kind_gpus": {shared: gpus[shared], cheap: count},
+                                       "report": report, "together_passes": True}
     return fleets
 
 
@@ -201,12 +211,15 @@ class MixedFleet:
 
     def run(self, gpus: dict[str, int], shared: str | None = None
             ) -> tuple[bool, dict[str, Any]]:
-        """GPUs 0.. of the first pool's kind, then the next; each model on its pool's GPUs
+        """GPUs 0.. of the cheapest kind, then the next; each model on its pool's GPUs
         (``shared``: and on that kind's GPUs, where it meets its SLO), each GPU timing batches
         by its kind's profile. Returns whether the rate passes, and the report."""
         names = [n for members in self.pools.values() for n in members]
         own = {n: kind for kind, members in self.pools.items() for n in members}
-        gpu_kind = [k for k in self.pools for _ in range(gpus[k])]
+        # the cheapest kind's GPUs first: the rank grants the free GPU of lowest id, so a model
+        # served by both kinds runs on the shared kind only while the cheaper one is busy
+        gpu_kind = [k for k in sorted(self.pools, key=lambda k: PRICE_PER_HOUR[k])
+                    for _ in range(gpus[k])]
         model_gpus = {n: [g for g, k in enumerate(gpu_kind) if k == own[n] or (
             k == shared and meets_slo(self.profiles[k][n], self.slo[n]))] for n in names}
         # a model's workload profile is its own kind's; other kinds' GPUs get theirs
