@@ -216,8 +216,8 @@ class MixedFleet:
         by its kind's profile. Returns whether the rate passes, and the report."""
         names = [n for members in self.pools.values() for n in members]
         own = {n: kind for kind, members in self.pools.items() for n in members}
-        # the cheapest kind's GPUs first: the rank grants the free GPU of lowest id, so a model
-        # served by both kinds runs on the shared kind only while the cheaper one is busy
+        # the cheapest kind's GPUs take the lowest ids (the rank prefers the idle GPU of lowest
+        # id); a freeing GPU still goes to the most urgent waiting candidate, whatever its kind
         gpu_kind = [k for k in sorted(self.pools, key=lambda k: PRICE_PER_HOUR[k])
                     for _ in range(gpus[k])]
         model_gpus = {n: [g for g, k in enumerate(gpu_kind) if k == own[n] or (
