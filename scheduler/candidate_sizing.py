@@ -183,6 +183,16 @@ class CandidateSizing:
         self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
         self.retarget()
 
+    def for_profile(self, profile: LatencyProfile) -> CandidateSizing:
+        """A sibling for GPUs of another device kind: ``profile`` (that kind's), this one's
+        policy, SLO, delays and budget, and this one's meter (one rate per model)."""
+        sibling = CandidateSizing(profile, self.policy, slo_s=self.slo_s, d_ctrl_s=self.d_ctrl_s,
+                                  d_data_s=self.d_data_s, jitter_s=self.jitter_s,
+                                  budget_s=self.budget_s, keep_tolerance=self.keep_tolerance)
+        sibling.set_meter(self.meter)
+        sibling.retarget()
+        return sibling
+
     def set_meter(self, meter: RpsMeter) -> None:
         """Read the rate from ``meter`` from now on (the target stays until it seals a bucket)."""
         self.meter = meter

@@ -11,6 +11,8 @@ Inputs (host -> ModelThread):
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
+- ``set_gpu_profiles(profiles)``: GPUs of another device kind, with this model's profile there
+  (a batch granted one is sized and timed with it; ``on_grant``).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
   queue and the candidate (``CancelQueued``, coalesced per tick by the host).
 - ``on_replan(now, frontend, request_ids, deadlines, outbox)``: requests of a plan whose backend
@@ -64,7 +66,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 
 from zserve.config.policy_names import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
@@ -153,6 +155,9 @@ class ModelThread:
         self.publish_lead_s = publish_lead_s
         self.wake_at = math.inf
         self.gpu_ids: set[int] | None = None  # None: accept grants for any GPU
+        # GPUs of another device kind -> the sizing with this model's profile there (None: one
+        # kind, every GPU runs the thread's own profile; set_gpu_profiles)
+        self._kind_sizing: dict[int, CandidateSizing] | None = None
         self._clear_queue()
         self._frontends: list[str] = []
         self._frontend_index: dict[str, int] = {}
@@ -427,16 +432,63 @@ class ModelThread:
         """The GPUs that exist; a grant for any other GPU is returned unused."""
         self.gpu_ids = set(gpu_ids)
 
+    def set_gpu_profiles(self, profiles: Mapping[int, LatencyProfile]) -> None:
+        """GPUs of other device kinds and this model's profile on each (GPUs not listed run the
+        thread's own profile, which sizes the candidate the rank sees). Empty: one kind."""
+        siblings: dict[int, CandidateSizing] = {}  # one per distinct profile
+        self._kind_sizing = {}
+        for gpu_id, profile in profiles.items():
+            sibling = siblings.get(id(profile))
+            if sibling is None:
+                sibling = siblings[id(profile)] = self.sizing.for_profile(profile)
+            self._kind_sizing[gpu_id] = sibling
+        if not self._kind_sizing:
+            self._kind_sizing = None
+
     def on_grant(self, now: float, grant: GrantGpu, outbox: Outbox) -> None:
         """Finalize the batch on the granted GPU, emit the plan and the GPU's new free time, then
-        publish the next candidate (the rank dropped ours when it granted)."""
+        publish the next candidate (the rank dropped ours when it granted). A GPU of another
+        device kind runs the batch its own profile sizes (``_plan_on_kind``)."""
         self._sent = None
         gpu_id = grant.gpu_id
         if self.gpu_ids is not None and gpu_id not in self.gpu_ids:
             self._decline(grant, outbox)
+            refresh = True
+        elif self._kind_sizing is not None and gpu_id in self._kind_sizing:
+            refresh = self._plan_on_kind(now, grant, self._kind_sizing[gpu_id], outbox)
+        else:
+            refresh = self._plan(now, grant, outbox)
+        if refresh:
             self._update(now, _NEG_INF, outbox)
-            self._publish(now, outbox)
-            return
+        self._publish(now, outbox)
+
+    def _plan_on_kind(self, now: float, grant: GrantGpu, sizing: CandidateSizing,
+                      outbox: Outbox) -> bool:
+        """A grant of a GPU of another kind: the batch sized with that kind's profile, unless
+        it would drop requests (the thread's own kind may still serve them) or run nothing:
+        then the GPU goes back unused. Returns whether the candidate needs recomputing."""
+        sizing.retarget()  # the shared meter may have moved since
+        start = now + sizing.d_ctrl_s
+        head = self._head
+        if self._rows is None:
+            new_head, bs = sizing.size_batch(self._deadlines, head, start, grant.free_at)
+        else:
+            new_head, _, bs = sizing.size_rows(self._deadlines, self._rows, head, start,
+                                               grant.free_at)
+        if new_head != head or bs == 0:
+            self._decline(grant, outbox)
+            return True
+        own, self.sizing = self.sizing, sizing
+        try:
+            self._plan(now, grant, outbox)
+        finally:
+            self.sizing = own
+        return True  # with the thread's own profile
+
+    def _plan(self, now: float, grant: GrantGpu, outbox: Outbox) -> bool:
+        """The batch on the granted GPU with ``self.sizing``: the plan and the GrantAnswer (True:
+        the candidate needs recomputing), or the decline when nothing can run (False: the
+        candidate as computed for the grant stands)."""
         sizing = self.sizing
         sizing.on_grant(self._cand_deferred)
         # grant.early: the rank's rescue: start at once, not at the aim
@@ -444,8 +496,8 @@ class ModelThread:
         bs = self.cand_bs
         if bs == 0:
             self._decline(grant, outbox)
-            self._publish(now, outbox)
-            return
+            return False
+        gpu_id = grant.gpu_id
         head = self._head
         sizes = self._rows
         count = bs if sizes is None else self.cand_count  # bs counts rows, count requests
@@ -478,8 +530,7 @@ class ModelThread:
         self.n_batches += 1
         outbox.append(((DEST_BACKEND, gpu_id), plan))
         outbox.append((TO_RANK, GrantAnswer(self.model, gpu_id, grant.grant_id, True, finish_at)))
-        self._update(now, _NEG_INF, outbox)
-        self._publish(now, outbox)
+        return True
 
     def _decline(self, grant: GrantGpu, outbox: Outbox) -> None:
         """Give ``grant``'s GPU back untouched: nothing runs on it."""

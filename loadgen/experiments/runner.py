@@ -26,9 +26,11 @@ from zserve.loadgen.experiments.eager_floor import run_eager_floor
 from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
+from zserve.loadgen.experiments.fleet import run_fleet
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
 from zserve.loadgen.experiments.model_move import run_model_move
 from zserve.loadgen.experiments.partition import run_partition
+from zserve.loadgen.experiments.placement import run_placement
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
 from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.random_family import run_random_family
@@ -60,6 +62,10 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "in use vs offered load (0.1x..2x)"),
     "day": (run_day, "Symphony 5.6: a generated day of 24 models on up to 512 GPUs, autoscaled "
             "(fluid model + a compressed hour at request level) vs Ray Serve, KPA, an oracle"),
+    "placement": (run_placement, "the A100 zoo on 64 GPUs that each hold a third of the models: "
+                  "goodput, partitioned placement vs round-robin vs random search"),
+    "fleet": (run_fleet, "35 zoo models on A100s, GTX 1080 Tis or both: cost per hour of the "
+              "smallest fleet that serves one rate"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import tomllib
@@ -47,14 +48,17 @@ def scaled_windows(
 
 
 def sim_probe(workload: Workload, rate_rps: float, *, bail: bool = True,
-              frontend: ClusterConfig | None = None) -> dict[str, Any]:
+              frontend: ClusterConfig | None = None,
+              cluster: SimConfig | None = None) -> dict[str, Any]:
     """One simulated run at ``rate_rps``; the measure window is stretched to at least
     MIN_MEASURED_REQUESTS requests. ``frontend``: the cluster whose admission the simulated
     frontends apply (a live cluster's twin); None: a default cluster's, with no admission
-    bounds."""
+    bounds. ``cluster``: the placement and device kinds (its other knobs are the probe's)."""
     measure_s = max(workload.measure_s, MIN_MEASURED_REQUESTS / rate_rps)
-    config = SimConfig(bail_bad_rate=min(1.0, SIM_BAIL_FACTOR * MAX_BAD_RATE) if bail else None,
-                       frontend=frontend)
+    config = dataclasses.replace(
+        cluster or SimConfig(),
+        bail_bad_rate=min(1.0, SIM_BAIL_FACTOR * MAX_BAD_RATE) if bail else None,
+        frontend=frontend)
     report: dict[str, Any] = simulate(
         workload.with_overrides(rate=rate_rps, measure_s=measure_s), config)
     return report
@@ -97,17 +101,18 @@ def reduce_search(report: dict[str, Any], bound: float | None, started: float) -
 
 
 def sim_goodput(
-    workload: Workload, *, precision: float, start_rps: float | None = None
+    workload: Workload, *, precision: float, start_rps: float | None = None,
+    cluster: SimConfig | None = None,
 ) -> Goodput:
     """The simulated goodput of ``workload`` (its policy), searched from ``start_rps`` (default:
-    the staggered bound)."""
+    the staggered bound); ``cluster``: a placement and device kinds (``sim_probe``)."""
     started = time.perf_counter()
     try:
         bound: float | None = workload_bound_rps(workload)
     except (ValueError, ZeroDivisionError):
         bound = None
     start = start_rps or (bound if bound and math.isfinite(bound) else workload.rate)
-    report = search_goodput(lambda rate: sim_probe(workload, rate), start,
+    report = search_goodput(lambda rate: sim_probe(workload, rate, cluster=cluster), start,
                             max_bad_rate=MAX_BAD_RATE, rel_precision=precision)
     return reduce_search(report, bound, started)
 

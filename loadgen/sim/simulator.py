@@ -38,6 +38,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ import numpy as np
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
 from zserve.config.cluster import ClusterConfig
 from zserve.config.policy_names import SchedulePolicy
+from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
 from zserve.loadgen.sim.elastic import ElasticConfig, ElasticGpus
@@ -108,6 +110,12 @@ class SimConfig:
     # The autoscaler (loadgen/sim/elastic.py): the workload's ``gpus`` are the pool, of which
     # ``autoscale.backends`` serve at the start. None: every GPU serves throughout.
     autoscale: ElasticConfig | None = None
+    # Mixed device kinds: per GPU, the models whose profile there is not the workload's (that
+    # kind's profile of each); None: every GPU runs every model's workload profile.
+    gpu_profiles: Sequence[Mapping[str, LatencyProfile]] | None = None
+    # A placement: the GPU ids serving each model (the embedded rank matches a model's candidates
+    # to them only: SchedulerCore.set_members); None: every GPU serves every model.
+    model_gpus: Mapping[str, Sequence[int]] | None = None
 
 
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
@@ -143,6 +151,7 @@ class Simulator:
         scaling = self.config.autoscale
         self.elastic = None if scaling is None else ElasticGpus(scaling, w.gpus)
         self.busy_started_s = 0.0  # GPU-seconds of the batches started so far
+        self._gpu_profiles = self._profiles_by_gpu()
         self.models, self.rank, self.core, self.followers = self._build_roles(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
@@ -172,8 +181,7 @@ class Simulator:
         self.plans: list[BatchPlan] = []  # with SimConfig.record_plans
         # the shard's record of the plans sent, and their acknowledgements
         self.plan_acks = ShardPlanAcks(d_ctrl_s + PLAN_ACK_MARGIN_S)
-        self.bailed = False
-        self.bailed_at = math.inf  # when a bailing run stopped (the report counts up to it)
+        self.bailed, self.bailed_at = False, math.inf  # (when a bailing run stopped)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._scheduler_wake = math.inf
@@ -209,6 +217,23 @@ class Simulator:
         self.rows_all = draw_request_rows(w.request_rows, w.seed, total)
         self._arrival_rows = None if self.rows_all is None else self.rows_all[order].tolist()
 
+    def _profiles_by_gpu(self) -> list[list[LatencyProfile]] | None:
+        """Each GPU's profile of each model (``SimConfig.gpu_profiles`` over the workload's);
+        None with one kind."""
+        kinds = self.config.gpu_profiles
+        if kinds is None:
+            return None
+        if len(kinds) != self.w.gpus:
+            raise ValueError(f"gpu_profiles lists {len(kinds)} GPUs, the workload has "
+                             f"{self.w.gpus}")
+        return [[own.get(m.name, m.profile) for m in self.w.models] for own in kinds]
+
+    def profile_on(self, model: int, gpu: int) -> LatencyProfile:
+        """Model ``model``'s profile on GPU ``gpu`` (its device kind's)."""
+        if self._gpu_profiles is None:
+            return self.w.models[model].profile
+        return self._gpu_profiles[gpu][model]
+
     def _build_roles(self, d_ctrl_s: float,
                      ) -> tuple[list[ModelThread], RankThread, SchedulerCore, list[PlanFollower]]:
         """One ModelThread per model and the RankThread in the scheduler core (the rank
@@ -233,14 +258,25 @@ class Simulator:
             PlanFollower(f"gpu-{gpu}", shed_grace_s=SHED_GRACE_FRACTION * reply_s)
             for gpu in range(w.gpus)
         ]
-        for follower in followers:
-            for m in w.models:
-                follower.add_model(m.name, m.profile.table_s, m.profile.max_batch)
+        for gpu, follower in enumerate(followers):
+            for i, m in enumerate(w.models):
+                profile = self.profile_on(i, gpu)
+                follower.add_model(m.name, profile.table_s, profile.max_batch)
+        if self._gpu_profiles is not None:
+            for i, thread in enumerate(models):
+                thread.set_gpu_profiles({
+                    gpu: own[i] for gpu, own in enumerate(self._gpu_profiles)
+                    if own[i] is not w.models[i].profile})
         serving = list(range(w.gpus)) if self.elastic is None else self.elastic.serving
         rank = RankThread(list(serving), 0.0, grant_order=self.policy.grant_order)
         core = SchedulerCore("sim", rank=rank)
         for thread in models:
             core.add_thread(0.0, thread, [])
+        if self.config.model_gpus is not None:
+            unknown = sorted(set(self.config.model_gpus) - {m.name for m in w.models})
+            if unknown:
+                raise ValueError(f"model_gpus names {unknown[0]!r}, not a workload model")
+            core.set_members(0.0, self.config.model_gpus, [])
         return models, rank, core, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:
@@ -417,7 +453,8 @@ class Simulator:
         eps = FEASIBILITY_EPS_S
         i = self.index[plan.model]
         bs = sum(plan.rows) if plan.rows else len(ids)  # in rows
-        finish = plan.exec_at + self.w.models[i].profile.latency(bs)
+        profile = self.profile_on(i, plan.gpu_id)
+        finish = plan.exec_at + profile.latency(bs)
         if plan.exec_at < now - eps:
             self._fail(f"plan {plan.model}#{plan.plan_id} reached GPU {plan.gpu_id} after its "
                        f"exec_at {plan.exec_at:.6f}")
@@ -426,7 +463,7 @@ class Simulator:
                        f"{plan.exec_at:.6f} before {self.gpu_planned_until[plan.gpu_id]:.6f}")
         if abs(finish - plan.expected_finish_at) > eps:
             self._fail(f"plan {plan.model}#{plan.plan_id}: expected_finish_at mismatch")
-        if bs == 0 or bs > self.w.models[i].profile.max_batch:
+        if bs == 0 or bs > profile.max_batch:
             self._fail(f"plan {plan.model}#{plan.plan_id}: infeasible batch size {bs}")
         if np.any(self.planned[ids]):
             self._fail(f"plan {plan.model}#{plan.plan_id}: a request is planned twice")
@@ -488,7 +525,7 @@ class Simulator:
         ids = self.request_indexes([plan.request_ids[row] for row in run.rows])
         bs = sum(plan.rows[row] for row in run.rows) if plan.rows else len(ids)  # in rows
         i = self.index[plan.model]
-        finish = now + self.w.models[i].profile.latency(bs)
+        finish = now + self.profile_on(i, gpu).latency(bs)
         if self.config.check:
             deadlines = self.deadline_all[ids]
             eps = FEASIBILITY_EPS_S

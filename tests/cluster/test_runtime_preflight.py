@@ -387,6 +387,30 @@ def test_each_model_against_each_device(tmp_path: Path) -> None:
     ]
 
 
+def test_the_models_every_backend_loads_must_fit_its_memory(tmp_path: Path) -> None:
+    """``[backends] memory``: weights + the largest activations of the started models within
+    the kind's budget (GTX 1080 Ti: 10 GiB), refused in memory's one line; a model whose memory
+    is not known is a problem of its own."""
+    (tmp_path / "run").mkdir()
+    big = [_one_model(name=f"m{i}", memory_mib=2048.0, activation_mib=512.0 * i)
+           for i in range(5)]
+    document = _emulated({"backends": {"memory": "gtx1080ti"},
+                          "models": [*big, {"name": "b", "builtin": "mlp", "profile": "p"}]})
+    problems = _problems(document, tmp_path / "run")
+    assert "models[5].memory_mib: model 'b': declare its weights in MiB to check them against " \
+        "backends.memory" in problems
+    assert "backends.memory: device backend-0 overcommitted: 5 models need 12.00 GiB (weights " \
+        "10.00 GiB + the largest activations 2.00 GiB, m4), budget 10.00 GiB; place fewer " \
+        "models on it" in problems
+    # four of them fit (8 GiB + 1.5 GiB); a budget in GiB; an unknown kind is named
+    fits = _emulated({"backends": {"memory": 9.5}, "models": big[:4]})
+    assert [str(p) for p in check_cluster(parse_config(fits)) if "memory" in str(p)] == []
+    unknown = _emulated({"backends": {"memory": "tpu"}, "models": big[:1]})
+    assert [str(p) for p in check_cluster(parse_config(unknown)) if "memory" in str(p)] == [
+        "backends.memory: device kind 'tpu' has no memory budget (known: a100, a100-80gb, "
+        "gtx1080ti, h200)"]
+
+
 @pytest.mark.parametrize("key", ["addresses", "http_addresses", "grpc_addresses",
                                  "metrics_addresses"])
 def test_a_port_taken_after_the_preflight_fails_the_start_in_one_line(

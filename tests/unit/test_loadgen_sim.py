@@ -348,6 +348,37 @@ def test_report_counts_what_the_followers_did() -> None:
     assert report["bad_rate"] <= 0.01
 
 
+def test_a_gpu_of_another_kind_runs_each_batch_for_its_own_profiles_latency() -> None:
+    # GPU 1 is a faster kind for model a (l(b) = b/2 + 2 ms) and the same kind for model b
+    w = parse_workload(_small(gpus=2, rate=600.0))
+    fast = LatencyProfile.linear(0.5, 2.0, 32)
+    sim = Simulator(w, SimConfig(gpu_profiles=[{}, {"a": fast}]))
+    report = sim.run()  # the run's invariants (each batch finishes by its deadline) hold
+    assert report["bad_rate"] <= 0.01
+    own = {m.name: m.profile for m in w.models}
+    seen_fast = 0
+    for model, gpu, start, end, bs in sim.batches:
+        name = w.models[model].name
+        profile = fast if (gpu, name) == (1, "a") else own[name]
+        assert end - start == pytest.approx(profile.latency(bs)), (name, gpu, bs)
+        seen_fast += (gpu, name) == (1, "a")
+    assert seen_fast > 0
+    with pytest.raises(ValueError, match="gpu_profiles lists 1 GPUs, the workload has 2"):
+        Simulator(w, SimConfig(gpu_profiles=[{}]))
+
+
+def test_a_placement_runs_each_model_only_on_the_gpus_that_hold_it() -> None:
+    w = parse_workload(_small(gpus=3, rate=300.0))
+    sim = Simulator(w, SimConfig(model_gpus={"a": [0, 2], "b": [1]}))
+    report = sim.run()
+    assert report["bad_rate"] <= 0.01
+    ran = {(w.models[model].name, gpu) for model, gpu, *_ in sim.batches}
+    assert ran <= {("a", 0), ("a", 2), ("b", 1)}  # a needs one of its two GPUs at this rate
+    assert {name for name, _ in ran} == {"a", "b"}
+    with pytest.raises(ValueError, match="model_gpus names 'c', not a workload model"):
+        Simulator(w, SimConfig(model_gpus={"a": [0], "b": [1], "c": [2]}))
+
+
 def test_sim_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "w.toml"
     path.write_text(

@@ -358,6 +358,46 @@ def test_grant_for_unknown_gpu_is_returned() -> None:
     assert isinstance(out[-1][1], CandidateUpdate)  # the rank gets the candidate back
 
 
+def test_a_gpu_of_another_kind_runs_the_batch_its_own_profile_sizes() -> None:
+    fast = LatencyProfile.linear(0.5, 2.0, 32)  # l(b) = b/2 + 2 ms
+    too_slow = LatencyProfile.linear(4.0, 9.0, 32)  # l(1) = 13 ms: past the 12 ms deadline
+    mt = _mt(drop="alone")
+    mt.set_gpu_profiles({1: fast, 2: too_slow, 3: fast})
+    out = _arrive(mt, 0.0, [1, 2, 3, 4])
+    out.clear()
+    # the slow kind could run none of them: the GPU goes back unused, nothing is dropped
+    mt.on_grant(0.0, GrantGpu("m", 2, 1, free_at=0.0), out)
+    answer = next(m for _, m in out if isinstance(m, GrantAnswer))
+    assert not answer.used and mt.queue_length == 4
+    assert not [m for _, m in out if isinstance(m, (DropNotice, BatchPlan))]
+    assert isinstance(out[-1][1], CandidateUpdate)  # the rank gets the candidate back
+    out.clear()
+    # the fast kind: its batch takes fast.latency(bs), not the thread's own l(bs)
+    mt.on_grant(0.0, GrantGpu("m", 1, 2, free_at=0.0), out)
+    plan = next(m for _, m in out if isinstance(m, BatchPlan))
+    answer = next(m for _, m in out if isinstance(m, GrantAnswer))
+    bs = len(plan.request_ids)
+    assert bs == 4 and plan.gpu_id == 1
+    assert plan.expected_finish_at - plan.exec_at == pytest.approx(fast.latency(bs))
+    assert fast.latency(bs) < PROFILE.latency(bs)
+    assert answer.used and answer.free_at == plan.expected_finish_at
+    # a GPU not listed runs the thread's own profile
+    out = _arrive(mt, 0.001, [5, 6])
+    out.clear()
+    mt.on_grant(0.001, GrantGpu("m", 0, 3, free_at=0.0), out)
+    plan = next(m for _, m in out if isinstance(m, BatchPlan))
+    bs = len(plan.request_ids)
+    assert plan.expected_finish_at - plan.exec_at == pytest.approx(PROFILE.latency(bs))
+
+
+def test_no_other_kind_keeps_the_threads_own_sizing() -> None:
+    mt = _mt()
+    mt.set_gpu_profiles({})
+    assert mt._kind_sizing is None
+    mt.set_gpu_profiles({4: PROFILE})
+    assert mt._kind_sizing is not None and mt._kind_sizing[4].meter is mt.meter
+
+
 def test_wake_at_is_last_grantable_moment_and_timer_reevaluates() -> None:
     mt = _mt(drop="alone")
     _arrive(mt, 0.0, [1, 2])

@@ -33,6 +33,14 @@ from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import read_signature
 from zserve.config.cluster import ClusterConfig, ModelConfig
 from zserve.config.profiles import configured_profile
+from zserve.orchestrator.memory import (
+    GIB_BYTES,
+    MIB_BYTES,
+    ModelMemory,
+    UnknownDeviceKindError,
+    device_budget_bytes,
+    overcommit_error,
+)
 from zserve.runtime.keys import key_problems
 
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -88,6 +96,7 @@ def check_cluster(
     for index, model in enumerate(config.models):
         problems += check_model(f"models[{index}]", model)
     problems += check_devices(config)
+    problems += check_memory(config)
     problems += _check_explicit_binds(config)
     if config.scheduler.standby and config.scheduler.shards > 0:
         # The standby replaces the one embedded scheduler process; a pair per shard plus one
@@ -185,6 +194,42 @@ def check_devices(config: ClusterConfig) -> list[Problem]:
             problems.append(Problem(key, (
                 f"model {model.name!r} has no l(b) for the emulated device of {emulated}: "
                 "give it a profile file (models[].profile), or a cpu or cuda device")))
+    return problems
+
+
+def check_memory(config: ClusterConfig) -> list[Problem]:
+    """``[backends] memory``: the models every backend loads at start (weights + the largest
+    activations, ``zserve.orchestrator.memory``) within the budget, or its one-line refusal.
+    A model's weights are its ``memory_mib``, else its onnx file's size; a builtin or emulated
+    model without ``memory_mib`` is a problem (its memory is not known)."""
+    budget_setting = config.backends.memory
+    if budget_setting is None:
+        return []
+    if isinstance(budget_setting, str):
+        try:
+            budget = device_budget_bytes(budget_setting)
+        except UnknownDeviceKindError as exc:
+            return [Problem("backends.memory", str(exc))]
+    else:
+        budget = round(budget_setting * GIB_BYTES)
+    problems: list[Problem] = []
+    memories: list[ModelMemory] = []
+    index = {m.name: i for i, m in enumerate(config.models)}
+    for model in config.startup_models:
+        static = model.memory_mib
+        if static is None and model.onnx is not None:
+            with contextlib.suppress(OSError):  # a missing file is check_model's problem
+                static = os.path.getsize(model.onnx) / MIB_BYTES
+        if static is None:
+            problems.append(Problem(f"models[{index.get(model.name, '?')}].memory_mib",
+                                    f"model {model.name!r}: declare its weights in MiB to "
+                                    "check them against backends.memory"))
+            continue
+        memories.append(ModelMemory(model.name, round(static * MIB_BYTES),
+                                    round((model.activation_mib or 0.0) * MIB_BYTES)))
+    error = overcommit_error("backend-0", budget, memories) if memories else None
+    if error is not None:
+        problems.append(Problem("backends.memory", error))
     return problems
 
 

@@ -142,6 +142,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # The scheduler's allowance per request row for fetching this model's inputs (None: the
     # cluster's ``[scheduler] d_data_ms``): one cluster may serve 600 KB images and 4 KB vectors.
     d_data_ms: float | None = None
+    # Its memory on a backend, checked against ``[backends] memory``: weights (None: an onnx
+    # file's size) and the peak activations of its largest batch (None: 0).
+    memory_mib: float | None = None
+    activation_mib: float | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -151,6 +155,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         check_finite("slo_ms", self.slo_ms, positive=True)
         check_finite("max_wait_ms", self.max_wait_ms, positive=True)
         check_finite("d_data_ms", self.d_data_ms)
+        check_finite("memory_mib", self.memory_mib)
+        check_finite("activation_mib", self.activation_mib)
         for i, size in enumerate(self.session_batch_sizes):
             if size > self.max_batch:
                 raise FieldError(f"session_batch_sizes[{i}]",
@@ -313,8 +319,14 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     devices: tuple[str, ...] = ()  # per-backend devices; overrides count and device
     host: str | None = None  # None: cluster.host
     plan_addresses: tuple[str, ...] = ()
+    # Model memory each backend may use: a device kind ("a100", "gtx1080ti": its budget,
+    # zserve.orchestrator.memory) or GiB; None: not checked. Preflight refuses the models
+    # started on every backend if their weights + largest activations exceed it.
+    memory: str | float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.memory, str):
+            check_finite("memory", self.memory, positive=True)
         if not DEVICE_RE.match(self.device):
             raise FieldError("device",
                              f"must be cpu, emulated, cuda or cuda:N, got {self.device!r}")

@@ -1,0 +1,288 @@
+"""``fleet``: the zoo's 35 models profiled on two device kinds (A100 and GTX 1080 Ti), at one
+offered rate: the cheapest fleet of each single kind that serves it within 1% bad, against a mixed
+fleet where each model runs on the kind that serves its load for least (``cheapest_kind``).
+Cost per hour at equal goodput and bad rate; the goal is a mixed fleet at least 20% cheaper than
+the best single-kind one.
+
+Prices are an assumption (on-demand list prices per GPU-hour, as read from the providers' public
+price pages in 2024, not re-checked here): an A100 40 GB is Google Cloud's a2-highgpu-1g (one A100,
+12 vCPUs, 85 GB), $3.673/h in us-central1; no large cloud rents GTX 1080 Tis, so the kind is
+priced as AWS's g4dn.xlarge (one T4, 4 vCPUs, 16 GiB), $0.526/h in us-east-1, a card of the same
+class (8.1 fp32 TFLOPS against the 1080 Ti's 11.3).
+
+Each model keeps one SLO, the A100 zoo's (the tighter of the two files'); a kind whose batch of one
+misses it cannot serve the model. Every fleet's size is searched in the simulator: its GPU count
+is the smallest at which the offered rate passes (worst model's bad rate <= 1%). The mixed fleet's
+two pools are sized apart (they share no model), then run together in one simulation, each GPU
+with its kind's profiles and each model on its kind's GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zserve.config.profiles import LatencyProfile
+from zserve.loadgen.experiments.common import EXAMPLES_DIR, Check, Options, Outcome, Say, Table
+from zserve.loadgen.experiments.simulated import (
+    MAX_BAD_RATE,
+    QUICK_WINDOWS_S,
+    sim_probe,
+    with_windows,
+)
+from zserve.loadgen.experiments.zoo import ZOO_WORKLOAD
+from zserve.loadgen.sim.simulator import SimConfig
+from zserve.loadgen.workload import ModelSpec, Workload, load_workload
+from zserve.loadgen.zoo import load_zoo_csv
+from zserve.orchestrator.placement import cheapest_kind, gpus_for_rate
+
+A100, GTX1080TI = "a100", "gtx1080ti"
+PRICE_PER_HOUR = {A100: 3.673, GTX1080TI: 0.526}
+"""USD per GPU-hour, on demand (the module docstring says where from: an assumption)."""
+ZOO_CSVS = {A100: EXAMPLES_DIR / "profiles" / "model_zoo_a100.csv",
+            GTX1080TI: EXAMPLES_DIR / "profiles" / "model_zoo_gtx1080ti.csv"}
+FLEET_RATE_RPS = 10_000.0  # offered, equal popularity over the 35 models
+FLEET_QUICK = {"first": 3, "stride": 4, "rate_rps": 2_500.0}  # 8 models (2 choose the A100)
+SAVING_GOAL = 0.20  # the mixed fleet at least this much cheaper an hour than the best single kind
+MAX_FLEET_GPUS = 1024  # a pool that needs more is reported as not sized
+BRACKET_STEP = 1.2  # a pool's size search moves from its estimate by this factor to a bracket
+FLEET_WINDOWS_S = (2.0, 5.0, 0.5)  # warmup, measure, cooldown: 50,000 measured requests
+
+
+def kind_profiles() -> tuple[dict[str, float], dict[str, dict[str, LatencyProfile]]]:
+    """The models profiled on both kinds: each model's SLO (the A100 zoo's) and its profile on
+    each kind (batches capped where l(b) <= SLO, as a zoo workload caps them)."""
+    rows = {kind: {r.name: r for r in load_zoo_csv(path)} for kind, path in ZOO_CSVS.items()}
+    names = [n for n in rows[A100] if n in rows[GTX1080TI]]
+    slo = {n: rows[A100][n].slo_ms for n in names}
+    profiles = {kind: {n: LatencyProfile.linear_for_slo(rows[kind][n].alpha_ms,
+                                                        rows[kind][n].beta_ms, slo[n])
+                       for n in names} for kind in rows}
+    return slo, profiles
+
+
+def meets_slo(profile: LatencyProfile, slo_ms: float) -> bool:
+    return profile.latency(1) * 1e3 <= slo_ms
+
+
+def pool_workload(base: Workload, names: list[str], kind: str, *, slo: dict[str, float],
+                  profiles: dict[str, dict[str, LatencyProfile]], rate_rps: float) -> Workload:
+    """``names`` on GPUs of ``kind`` at ``rate_rps`` (its GPU count is the search's)."""
+    models = [ModelSpec(n, slo[n], profiles[kind][n]) for n in names]
+    return base.with_overrides(models=models, rate=rate_rps)
+
+
+def passes(w: Workload, cluster: SimConfig | None = None) -> tuple[bool, dict[str, Any]]:
+    report = sim_probe(w, w.rate, cluster=cluster)
+    return report["bad_rate"] <= MAX_BAD_RATE and not report.get("bailed"), report
+
+
+def smallest_pool(w: Workload, start: int, say: Say, label: str) -> tuple[int, dict[str, Any]]:
+    """The fewest GPUs at which ``w`` passes at its rate (``smallest_count``)."""
+    return smallest_count(lambda gpus: passes(w.with_overrides(gpus=gpus)), start, say, label)
+
+
+class NotSized(RuntimeError):
+    """No GPU count up to the search's limit passes."""
+
+
+def smallest_count(run: Callable[[int], tuple[bool, dict[str, Any]]], start: int, say: Say,
+                   label: str, limit: int = MAX_FLEET_GPUS) -> tuple[int, dict[str, Any]]:
+    """The fewest GPUs at which ``run(gpus)`` passes: steps of BRACKET_STEP from ``start`` (the
+    estimate) up or down to a bracket, then bisection. Returns the count and its passing report.
+    (A bad rate need not fall monotonically with GPUs: this is the bracket's count.)"""
+    probes: dict[int, tuple[bool, dict[str, Any]]] = {}
+
+    def probe(gpus: int) -> bool:
+        if gpus not in probes:
+            probes[gpus] = run(gpus)
+            say(f"  {label}: {gpus} GPUs: worst bad rate "
+                f"{probes[gpus][1]['bad_rate']:.3%}")
+        return probes[gpus][0]
+
+    hi = max(1, start)
+    while not probe(hi):
+        if hi >= limit:
+            raise NotSized(f"{label}: fails up to {hi} GPUs (worst bad rate "
+                           f"{probes[hi][1]['bad_rate']:.3%})")
+        hi = min(limit, math.ceil(hi * BRACKET_STEP))
+    lo = min(hi - 1, math.floor(hi / BRACKET_STEP))
+    while lo >= 1 and probe(lo):
+        hi, lo = lo, min(lo - 1, math.floor(lo / BRACKET_STEP))
+    while hi - lo > 1:  # lo fails (or is 0), hi passes
+        mid = (lo + hi) // 2
+        if probe(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, probes[hi][1]
+
+
+def run_fleet(opts: Options) -> Outcome:
+    say = opts.say
+    slo, profiles = kind_profiles()
+    names = list(slo)
+    rate = FLEET_RATE_RPS
+    base = load_workload(ZOO_WORKLOAD)  # its arrivals (Poisson) and popularity (equal)
+    base = with_windows(base, QUICK_WINDOWS_S if opts.quick else FLEET_WINDOWS_S)
+    if opts.quick:
+        names = names[int(FLEET_QUICK["first"])::int(FLEET_QUICK["stride"])]
+        rate = FLEET_QUICK["rate_rps"]
+    per_model = rate / len(names)
+    gpus_by_kind = {n: {k: gpus_for_rate(profiles[k][n].alpha_s * 1e3,
+                                         profiles[k][n].beta_s * 1e3, slo[n], per_model)
+                        for k in profiles} for n in names}
+    fleets: dict[str, dict[str, Any]] = {}
+    for kind in profiles:
+        fleets[f"{kind} only"] = single_kind_fleet(base, kind, names, slo, profiles, rate,
+                                                   gpus_by_kind, say)
+    choice: dict[str, str] = {}
+    for n in names:
+        cheapest = cheapest_kind(gpus_by_kind[n], PRICE_PER_HOUR)
+        assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
+        choice[n] = cheapest
+    fleets.update(mixed_fleet(base, choice, slo, profiles, per_model, gpus_by_kind, say))
+    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets)
+
+
+def single_kind_fleet(base: Workload, kind: str, names: list[str],  # noqa: PLR0917
+                      slo: dict[str, float], profiles: dict[str, dict[str, LatencyProfile]],
+                      rate: float, gpus_by_kind: dict[str, dict[str, float]],
+                      say: Say) -> dict[str, Any]:
+    """The smallest fleet of ``kind`` alone serving every model at ``rate``."""
+    served = [n for n in names if meets_slo(profiles[kind][n], slo[n])]
+    if len(served) < len(names):
+        return {"kind_gpus": {}, "note": f"{len(names) - len(served)} of {len(names)} models "
+                "miss their SLO on this kind"}
+    w = pool_workload(base, names, kind, slo=slo, profiles=profiles, rate_rps=rate)
+    need = math.ceil(sum(gpus_by_kind[n][kind] for n in names))
+    gpus, report = smallest_pool(w, need, say, f"{kind} only")
+    return {"kind_gpus": {kind: gpus}, "report": report}
+
+
+def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
+                slo: dict[str, float], profiles: dict[str, dict[str, LatencyProfile]],
+                per_model: float, gpus_by_kind: dict[str, dict[str, float]],
+                say: Say) -> dict[str, dict[str, Any]]:
+    """Each model on its cheapest kind: each kind's pool sized apart, then run together
+    ("mixed"); then ("mixed, shared") the pricier kind's GPUs serve every model too (each
+    batch sized and timed by the granted GPU's profile), its count kept, the cheaper kind's
+    searched again."""
+    pools: dict[str, list[str]] = {}
+    for n, kind in choice.items():
+        pools.setdefault(kind, []).append(n)
+    gpus: dict[str, int] = {}
+    for kind, members in pools.items():
+        w = pool_workload(base, members, kind, slo=slo, profiles=profiles,
+                          rate_rps=per_model * len(members))
+        need = math.ceil(sum(gpus_by_kind[n][kind] for n in members))
+        gpus[kind], _ = smallest_pool(w, need, say, f"mixed, {kind} pool")
+    mix = MixedFleet(base, pools, slo, profiles, per_model * len(choice))
+    ok, report = mix.run(gpus)
+    say(f"fleet mixed, together: worst bad rate {report['bad_rate']:.3%}")
+    fleets = {"mixed": {"kind_gpus": gpus, "report": report, "together_passes": ok}}
+    if len(pools) == 2:
+        shared = max(pools, key=lambda k: PRICE_PER_HOUR[k])
+        cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
+        try:
+            count, report = smallest_count(
+                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared),
+                gpus[cheap], say, f"mixed, shared {shared}: {cheap}", limit=2 * gpus[cheap])
+        except NotSized as exc:
+            fleets["mixed, shared"] = {"kind_gpus": {}, "together_passes": False,
+                                       "note": f"not sized: {exc}"}
+        else:
+            fleets["mixed, shared"] = {"kind_gpus": {shared: gpus[shared], cheap: count},
+                                       "report": report, "together_passes": True}
+    return fleets
+
+
+@dataclass(frozen=True)
+class MixedFleet:
+    """Every model on one simulated fleet of several kinds (``pools``: kind -> its models)."""
+
+    base: Workload
+    pools: dict[str, list[str]]
+    slo: dict[str, float]
+    profiles: dict[str, dict[str, LatencyProfile]]
+    rate: float
+
+    def run(self, gpus: dict[str, int], shared: str | None = None
+            ) -> tuple[bool, dict[str, Any]]:
+        """GPUs 0.. of the cheapest kind, then the next; each model on its pool's GPUs
+        (``shared``: and on that kind's GPUs, where it meets its SLO), each GPU timing batches
+        by its kind's profile. Returns whether the rate passes, and the report."""
+        names = [n for members in self.pools.values() for n in members]
+        own = {n: kind for kind, members in self.pools.items() for n in members}
+        # the cheapest kind's GPUs take the lowest ids (the rank prefers the idle GPU of lowest
+        # id); a freeing GPU still goes to the most urgent waiting candidate, whatever its kind
+        gpu_kind = [k for k in sorted(self.pools, key=lambda k: PRICE_PER_HOUR[k])
+                    for _ in range(gpus[k])]
+        model_gpus = {n: [g for g, k in enumerate(gpu_kind) if k == own[n] or (
+            k == shared and meets_slo(self.profiles[k][n], self.slo[n]))] for n in names}
+        # a model's workload profile is its own kind's; other kinds' GPUs get theirs
+        w = self.base.with_overrides(
+            models=[ModelSpec(n, self.slo[n], self.profiles[own[n]][n]) for n in names],
+            gpus=len(gpu_kind), rate=self.rate)
+        gpu_profiles = [{n: self.profiles[k][n] for n in names if own[n] != k}
+                        for k in gpu_kind]
+        return passes(w, SimConfig(gpu_profiles=gpu_profiles, model_gpus=model_gpus))
+
+
+def fleet_cost(kind_gpus: dict[str, int]) -> float:
+    return sum(PRICE_PER_HOUR[k] * n for k, n in kind_gpus.items())
+
+
+def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0917
+             choice: dict[str, str], gpus_by_kind: dict[str, dict[str, float]],
+             fleets: dict[str, dict[str, Any]]) -> Outcome:
+    rows: list[list[Any]] = []
+    for name, fleet in fleets.items():
+        kind_gpus = fleet["kind_gpus"]
+        report = fleet.get("report")
+        cost = fleet_cost(kind_gpus) if kind_gpus else None
+        fleet["cost"] = cost
+        rows.append([name, kind_gpus.get(A100, 0) if kind_gpus else "-",
+                     kind_gpus.get(GTX1080TI, 0) if kind_gpus else "-", cost,
+                     rate if report else None,
+                     None if report is None else round(100 * report["bad_rate"], 3),
+                     None if cost is None else round(cost / (rate * 3600) * 1e6, 3),
+                     fleet.get("note", "")])
+    singles = [f["cost"] for n, f in fleets.items()
+               if not n.startswith("mixed") and f["cost"] is not None]
+    best_single = min(singles)
+    mixed = min((f["cost"] for n, f in fleets.items()
+                 if n.startswith("mixed") and f["together_passes"]), default=math.inf)
+    saving = 1 - mixed / best_single
+    table = Table(
+        f"{len(names)} zoo models at {rate:,.0f} r/s (equal popularity, Poisson), each at the "
+        f"A100 zoo's SLO: the smallest fleet that serves it with every model <= 1% bad "
+        f"(prices: A100 ${PRICE_PER_HOUR[A100]}/h, GTX 1080 Ti ${PRICE_PER_HOUR[GTX1080TI]}/h)",
+        ["fleet", "A100", "GTX 1080 Ti", "cost $/h", "goodput r/s", "worst bad %",
+         "$ per million requests", "note"], rows)
+    kinds = Table("each model's kind in the mixed fleet (GPUs its load needs on each kind, "
+                  "estimated)",
+                  ["model", "SLO ms", "A100 GPUs", "GTX 1080 Ti GPUs", "kind"],
+                  [[n, slo[n], round(gpus_by_kind[n][A100], 3),
+                    round(gpus_by_kind[n][GTX1080TI], 3) if math.isfinite(
+                        gpus_by_kind[n][GTX1080TI]) else "misses SLO", choice[n]]
+                   for n in names])
+    checks = [Check("the best mixed fleet no dearer than the best single kind",
+                    mixed <= best_single,
+                    f"${mixed:.2f}/h vs ${best_single:.2f}/h"),
+              Check(f"the best mixed fleet >= {SAVING_GOAL:.0%} cheaper than the best single "
+                    "kind",
+                    saving >= SAVING_GOAL,
+                    f"${mixed:.2f}/h vs ${best_single:.2f}/h: {saving:.1%} lower"),
+              Check("the mixed fleet serves the rate in one simulation",
+                    bool(fleets["mixed"]["together_passes"]),
+                    f"worst bad rate {fleets['mixed']['report']['bad_rate']:.3%}")]
+    points = {name: {"kind_gpus": f["kind_gpus"], "cost_per_hour": f["cost"],
+                     "bad_rate": None if f.get("report") is None else f["report"]["bad_rate"]}
+              for name, f in fleets.items()}
+    points["saving"] = saving
+    config = {"models": names, "rate_rps": rate, "prices_per_hour": PRICE_PER_HOUR,
+              "slo_ms": slo, "max_bad_rate": MAX_BAD_RATE}
+    return Outcome(config, [table, kinds], checks, points)
