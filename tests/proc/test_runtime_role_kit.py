@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import signal
 from pathlib import Path
+
+import zmq.asyncio
 
 from zserve.loadgen import cli
 from zserve.runtime import gc_watch
-from zserve.runtime.control_link import DrainRequest
+from zserve.runtime.control_link import ControlLink, DrainRequest
 from zserve.runtime.peer_map import endpoints_of, peer_key, rank_address
 
 PEERS = {
@@ -74,3 +77,21 @@ def test_max_rate_check_finds_the_generators_ceiling(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["workers"] == 1 and report["max_rate_rps"] > 0
     assert report["probes"] and all("rate" in p and "pass" in p for p in report["probes"])
+
+
+async def test_an_attached_link_gives_sigint_back_when_it_closes(tmp_path: Path) -> None:
+    """Under a supervisor a role ignores Ctrl-C (the supervisor coordinates); a link opened in a
+    longer-lived process (a test run) restores SIGINT at close, or every process started after
+    it would inherit the ignored signal (a nested pytest session then could not be
+    interrupted)."""
+    before = signal.getsignal(signal.SIGINT)
+    assert before is not signal.SIG_IGN
+    ctx = zmq.asyncio.Context()
+    try:
+        link = await ControlLink.open(ctx, f"ipc://{tmp_path}/control", role="backend",
+                                      name="backend-0")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        await link.close()
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        ctx.term()

@@ -135,6 +135,10 @@ class ControlLink:
         self._sock = sock
         self.role = role
         self.name = name
+        # SIGINT's disposition before an attached link ignored it: restored at close, so a link
+        # opened inside a longer-lived process (a test run) does not leave Ctrl-C ignored there
+        # and in every process it starts afterwards
+        self._sigint_before: Any = None
         self.drain = DrainRequest()
         self.peers: dict[str, str] = {}
         self._stats = stats
@@ -188,7 +192,7 @@ class ControlLink:
         loop.add_signal_handler(signal.SIGTERM, self.drain.request, "SIGTERM")
         if self.attached:
             # A terminal Ctrl-C reaches the whole process group; the supervisor coordinates.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            self._sigint_before = signal.signal(signal.SIGINT, signal.SIG_IGN)
         else:
             loop.add_signal_handler(signal.SIGINT, self.drain.request, "SIGINT")
 
@@ -228,6 +232,10 @@ class ControlLink:
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(signum)
+        if self._sigint_before is not None:
+            with contextlib.suppress(ValueError):  # (not the main thread)
+                signal.signal(signal.SIGINT, self._sigint_before)
+            self._sigint_before = None
 
     async def send(self, msg: Any) -> bool:
         """Send ``msg`` to the supervisor; False when detached (no supervisor to tell)."""
