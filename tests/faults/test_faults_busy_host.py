@@ -46,6 +46,11 @@ def test_records_the_spinners():
 """
 
 
+_DEFAULT_SIGINT_PYTEST = ("import signal, sys, pytest; "
+                          "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                          "sys.exit(pytest.main(sys.argv[1:]))")
+
+
 def _nested_session(tmp_path: Path, *args: str, hold: bool = False,
                     busy_env: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``pytest ARGS`` on the nested test, with the suite's conftest; the record path."""
@@ -59,7 +64,10 @@ def _nested_session(tmp_path: Path, *args: str, hold: bool = False,
     # The suite's own directory first: the conftest imports zserve, and this checkout's is meant.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]),
                                          env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio",
+    # The nested session takes Ctrl-C's default handler whatever this process passed down (a
+    # role's control link run in-process ignores SIGINT; children inherit an ignored signal).
+    command = [sys.executable, "-c", _DEFAULT_SIGINT_PYTEST, "-p", "no:cacheprovider",
+               "-p", "no:asyncio",
                "--rootdir", str(tmp_path), "-o", "timeout=0", *args,
                str(tmp_path / "test_nested.py")]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
