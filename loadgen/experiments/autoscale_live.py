@@ -19,22 +19,18 @@ per second.
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import multiprocessing
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import zserve
 from zserve.cluster.supervisor import Cluster
 from zserve.config.cluster import ClusterConfig, parse_config
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table, pyplot, save_figure
+from zserve.loadgen.experiments.open_loop import start_open_loop
 
 ALPHA_MS, BETA_MS, MAX_BATCH, SLO_MS = 10.0, 20.0, 8, 300.0
 REFERENCE_BACKENDS = 2
@@ -50,7 +46,6 @@ LOST_KINDS = ("no answer", "BACKEND_FAILED", "SHUTTING_DOWN", "UNAVAILABLE", "IN
 SETTLED_S = 5.0
 SETTLED_BAD_RATE = 0.01
 SAMPLE_S = 0.5
-ANSWER_WAIT_S = 30.0
 LOAD_START_S = 3.0  # the load process's imports and connection
 
 
@@ -84,45 +79,6 @@ def schedule(phases: dict[str, float], peak_rps: float) -> list[tuple[float, str
     return out
 
 
-def _load_process(conn: Connection, address: str, offsets: list[float], start: float) -> None:
-    """The load, in a process of its own (the supervisor shares this one's interpreter)."""
-    conn.send(asyncio.run(_load(address, offsets, start)))
-    conn.close()
-
-
-async def _load(address: str, offsets: list[float],
-                start: float) -> list[tuple[float, str, float]]:
-    """Open-loop requests at ``start + offset`` (monotonic); each one's (sent at, answer kind,
-    latency s)."""
-    x = {"x": np.zeros((1, 4), np.float32)}
-    sent: list[float] = []
-    futures: list[asyncio.Future[Any]] = []
-    done_at: dict[int, float] = {}
-    async with zserve.AsyncClient(address, timeout=ANSWER_WAIT_S, max_retries=0) as client:
-        for i, offset in enumerate(offsets):
-            delay = start + offset - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent.append(time.monotonic())
-            future = client.submit("a", x)
-            future.add_done_callback(functools.partial(_stamp, done_at, i))
-            futures.append(future)
-        await asyncio.wait(futures, timeout=ANSWER_WAIT_S)
-    results = []
-    for i, future in enumerate(futures):
-        kind = "no answer"
-        if future.done():
-            error = future.exception()
-            kind = "OK" if error is None else getattr(getattr(error, "kind", None), "value",
-                                                       type(error).__name__)
-        results.append((sent[i], kind, done_at.get(i, float("inf")) - sent[i]))
-    return results
-
-
-def _stamp(done_at: dict[int, float], index: int, _future: Any) -> None:
-    done_at[index] = time.monotonic()
-
-
 class Sampler:
     """Twice a second: (monotonic s, backend processes, backends in frontend-0's table, advice)."""
 
@@ -152,15 +108,11 @@ def one_run(quick: bool, say: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="zs-autoscale-") as folder, Cluster(
             live_autoscale_cluster(), ipc_base=folder) as cluster:
         sampler = Sampler(cluster)
-        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
         start = time.monotonic() + LOAD_START_S
-        load = multiprocessing.get_context("spawn").Process(
-            target=_load_process, args=(send, cluster.client_address,
-                                        [o for o, _ in planned], start), name="autoscale-load")
-        load.start()
+        collect = start_open_loop(cluster.client_address, [(o, "a") for o, _ in planned], start,
+                                  name="autoscale-load")
         say(f"autoscale --live: {len(planned)} requests over {sum(phases.values()):g} s")
-        results: list[tuple[float, str, float]] = receive.recv()
-        load.join()
+        results = collect()
         sampler.stop()
         events = cluster.autoscale_events()
     return {"peak_rps": peak, "phases_s": phases, "start": start,

@@ -24,21 +24,17 @@ before phase is the control), and the bad rate during and after the moves at mos
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import multiprocessing
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-import zserve
 from zserve.cluster.supervisor import Cluster
 from zserve.config.cluster import ClusterConfig, parse_config
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table
+from zserve.loadgen.experiments.open_loop import start_open_loop
 
 BACKENDS = 4
 MODELS, QUICK_MODELS = 10, 5
@@ -52,7 +48,6 @@ BAD_RATE_RISE_PP = 0.1
 # A quick run's phases hold 800 requests, where one bad request is 0.125 pp: its bound is this
 # many requests' share instead, when that is more (the 2-core VM's noise is about one in 400).
 QUICK_BAD_REQUESTS = 3
-ANSWER_WAIT_S = 30.0
 # The load runs this long before the first phase (not counted): the cluster settles after the
 # placement.
 WARMUP_S = 2.0
@@ -127,46 +122,6 @@ class Mover:
             there = not there
 
 
-def _load_process(conn: Connection, job: tuple[str, int, float, int, float]) -> None:
-    """The load (``_load``'s arguments), in a process of its own: the supervisor and the mover
-    share this one's interpreter, and would add their stalls to the measured latencies."""
-    conn.send(asyncio.run(_load(*job)))
-    conn.close()
-
-
-async def _load(address: str, models: int, rate_rps: float, total: int,
-                start: float) -> list[tuple[float, str, float]]:
-    """Open-loop load from ``start`` (this host's monotonic clock), ``total`` requests over the
-    models in turn; each request's (sent at, answer kind, latency s)."""
-    x = {"x": np.zeros((1, 4), np.float32)}
-    sent: list[float] = []
-    futures: list[asyncio.Future[Any]] = []
-    done_at: dict[int, float] = {}
-    async with zserve.AsyncClient(address, timeout=ANSWER_WAIT_S, max_retries=0) as client:
-        for i in range(total):
-            delay = start + i / rate_rps - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent.append(time.monotonic())
-            future = client.submit(f"m{i % models}", x)
-            future.add_done_callback(functools.partial(_stamp, done_at, i))
-            futures.append(future)
-        await asyncio.wait(futures, timeout=ANSWER_WAIT_S)
-    results = []
-    for i, future in enumerate(futures):
-        kind = "no answer"
-        if future.done():
-            error = future.exception()
-            kind = "OK" if error is None else getattr(getattr(error, "kind", None), "value",
-                                                       type(error).__name__)
-        results.append((sent[i], kind, done_at.get(i, float("inf")) - sent[i]))
-    return results
-
-
-def _stamp(done_at: dict[int, float], index: int, _future: Any) -> None:
-    done_at[index] = time.monotonic()
-
-
 # One request: when it was sent, its answer's kind, its latency (s), its model's index.
 Result = tuple[float, str, float, int]
 
@@ -210,12 +165,10 @@ def one_run(quick: bool, say: Any) -> dict[str, Any]:
         say(f"model-move: placing {models} models on two backends each")
         place_all(cluster, models)
         mover = Mover(cluster, moved)
-        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
         start = time.monotonic() + LOAD_START_S
-        load = multiprocessing.get_context("spawn").Process(
-            target=_load_process, args=(send, (cluster.client_address, models, rate, total,
-                                               start)), name="model-move-load")
-        load.start()
+        collect = start_open_loop(cluster.client_address,
+                                  [(i / rate, f"m{i % models}") for i in range(total)], start,
+                                  name="model-move-load")
         marks = {"before": start + WARMUP_S, "during": start + WARMUP_S + phase_s}
         time.sleep(max(0.0, marks["during"] - time.monotonic()))
         say("model-move: during")
@@ -224,8 +177,7 @@ def one_run(quick: bool, say: Any) -> dict[str, Any]:
         mover.stop()
         marks["after"] = time.monotonic()  # the last move is done
         say("model-move: after")
-        results: list[tuple[float, str, float]] = receive.recv()
-        load.join()
+        results = collect()
     indexed: list[Result] = [(*r, i % models) for i, r in enumerate(results)]
     phases = {name: _phase_figures([r for r in indexed if _phase_of(r[0], marks) == name],
                                    moved)
