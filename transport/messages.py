@@ -589,6 +589,16 @@ class ModelAdded(Message, frozen=True, tag="madded"):
     config: dict[str, Any]
 
 
+class ModelUnservable(Message, frozen=True, tag="munserv"):
+    """Supervisor -> every frontend (control link): the orchestrator cannot load ``model`` on
+    demand now (its load failed, or it fits on no backend). A frontend answers the requests it
+    holds for the model ``UNAVAILABLE`` with ``reason`` at once, rather than at their deadlines;
+    a later request is held again (the orchestrator tries again while demand remains)."""
+
+    model: str
+    reason: str
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
     InferReply,
@@ -632,6 +642,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     RepositoryReply,
     ModelUsage,
     ModelAdded,
+    ModelUnservable,
 )
 
 # KIND is each class's msgspec tag, read back once here so that the tag is written only once.

@@ -3,7 +3,8 @@ built-in MLP, tritonclient over HTTP): a model folder copied into the repository
 loaded with ``load_model`` (the folder is read again) and answers; a request for a repository
 model loaded nowhere waits for an on-demand load and is answered with the model's outputs; a
 model with no request for ``idle_unload_s`` is unloaded, its backends free it, and a request
-loads it on demand again."""
+loads it on demand again; a request held for an on-demand load that fails is answered
+``UNAVAILABLE`` with the failure, well before its deadline."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _model_folder(root: Path, name: str) -> None:
 
 
 def _config(root: Path) -> ClusterConfig:
-    for name in ("base", "cold"):
+    for name in ("base", "cold", "broken"):
         _model_folder(root, name)
     return parse_config({
         "cluster": {"drain_s": 5.0},
@@ -121,3 +122,16 @@ def test_an_idle_model_is_unloaded_and_loads_again_on_demand(
     result = http.infer("added", [http_input("features", X)],
                         timeout=int(CLIENT_TIMEOUT_S * 1e6))
     np.testing.assert_allclose(result.as_numpy("logits"), _expected(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_request_held_for_a_load_that_fails_is_answered_unavailable_not_deadline(
+        cluster: Cluster, repository: Path) -> None:
+    # the folder was valid when the cluster read it; its weights break before the load
+    (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx model")
+    with (zserve.Client(cluster.client_address, timeout=CLIENT_TIMEOUT_S,
+                        max_retries=0) as client,
+          pytest.raises(zserve.UnavailableError, match="cannot be loaded")):
+        client.infer("broken", {"features": X})
+    counters = cluster.stats("frontend-0")["counters"]
+    assert counters["outcome/broken/UNAVAILABLE"] == 1
+    assert counters.get("outcome/broken/DEADLINE", 0) == 0

@@ -142,3 +142,21 @@ def test_a_model_added_after_start_is_admitted_and_held_until_served() -> None:
     assert _submit(core, 0.1, 2, model="late") == []
     assert len(_sent(core)) == 1
     assert "outcome/late/ok" in core.counters
+
+
+def test_held_requests_of_a_model_that_cannot_be_loaded_are_answered_unavailable_at_once(
+        ) -> None:
+    core = _core({})
+    _table(core, 0.0, {"backend-0": ["a"]})
+    assert _submit(core, 0.1, 1) == [] and _submit(core, 0.2, 2) == []
+    outbox: Outbox = []
+    core.fail_held(0.3, "m", "its load failed: UNAVAILABLE: no backend loaded it", outbox)
+    assert _errors(outbox) == [(1, "UNAVAILABLE"), (2, "UNAVAILABLE")]
+    assert "cannot be loaded" in next(m for _, m in outbox if isinstance(m, InferError)).message
+    assert core.take_usage() is not None and core.on_demand.waiting_models() == []
+    # nothing more for them later: no deadline answer, nothing sent once a backend serves m
+    later: Outbox = []
+    core.on_timer(0.2 + 2 * SLO_S, later)
+    assert _errors(later) == []
+    _table(core, 3.0, {"backend-0": ["a", "m"]})
+    assert _sent(core) == []

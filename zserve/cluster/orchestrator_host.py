@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 from collections.abc import Iterable
 
@@ -34,7 +35,7 @@ from zserve.orchestrator.replanner import (
     ReplanSettings,
     Unload,
 )
-from zserve.transport.messages import ModelUsage, RepositoryReply
+from zserve.transport.messages import ModelUnservable, ModelUsage, RepositoryReply
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class OrchestratorHost:
         self._ids = itertools.count(1)
         self._calls: dict[int, Action] = {}
         self._unservable_logged: set[str] = set()
+        # (model, requests held for it) last told to the frontends as unservable
+        self._unservable_told: dict[str, int] = {}
+        self._notices: list[ModelUnservable] = []  # for the next step's effects
 
     def add_model(self, config: ModelConfig) -> None:
         self.core.add_model(config.name, model_memory(config))
@@ -93,6 +97,8 @@ class OrchestratorHost:
         return out
 
     def wake_at(self) -> float:
+        if self._notices:  # a failed load's notice goes out on the next step
+            return -math.inf
         return self.core.wake_at(self.loaded())
 
     def step(self, now: float) -> Effects:
@@ -116,14 +122,28 @@ class OrchestratorHost:
             if model not in self._unservable_logged:
                 self._unservable_logged.add(model)
                 log.error("orchestrator: cannot load %s on demand: %s", model, why)
+            self._tell_unservable(model, why)
+        effects.notices, self._notices = self._notices, []
         return effects
+
+    def _tell_unservable(self, model: str, why: str) -> None:
+        """The frontends answer what they hold for ``model`` now; told again only when they
+        hold a different count (their usage reports lag the answers)."""
+        unmet = self.core.unmet(model)
+        if unmet > 0 and self._unservable_told.get(model) != unmet:
+            self._unservable_told[model] = unmet
+            self._notices.append(ModelUnservable(model, why))
 
     def on_answer(self, reply: RepositoryReply) -> None:
         """The answer to one of its calls (a refusal or a failure is logged; the model's state
-        in the repository says the rest)."""
+        in the repository says the rest). A failed on-demand load tells the frontends
+        (``ModelUnservable``, with the next step's effects)."""
         action = self._calls.pop(reply.request_id, None)
         if reply.error:
             log.warning("orchestrator: %s: %s: %s", action, reply.error, reply.message)
+            if isinstance(action, Load):  # its held requests get the failure, not a deadline
+                self._notices.append(ModelUnservable(
+                    action.model, f"its load failed: {reply.error}: {reply.message}"))
         else:
             log.info("orchestrator: done: %s", action)
 

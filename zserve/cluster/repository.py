@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zserve.core.errors import ErrorKind
-from zserve.transport.messages import LoadModel, RepositoryReply, UnloadModel
+from zserve.transport.messages import LoadModel, ModelUnservable, RepositoryReply, UnloadModel
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 # What a backend reports for a load that failed, and for one loaded and warmed but not announced
@@ -68,11 +68,12 @@ class Call:
 
 @dataclass(slots=True)
 class Effects:
-    """What a step asks of the supervisor: ``commands`` (backend name, message) to send, and
-    ``answers`` (frontend name, reply) to send."""
+    """What a step asks of the supervisor: ``commands`` (backend name, message) to send,
+    ``answers`` (frontend name, reply) to send, and ``notices`` for every frontend."""
 
     commands: list[tuple[str, LoadModel | UnloadModel]] = field(default_factory=list)
     answers: list[tuple[str, RepositoryReply]] = field(default_factory=list)
+    notices: list[ModelUnservable] = field(default_factory=list)
 
     def answer(self, call: Call, error: ErrorKind | None = None, message: str = "") -> None:
         self.answers.append((call.frontend, RepositoryReply(

@@ -408,8 +408,9 @@ class Supervisor:
                     self._send(child, notice)
 
     def _apply(self, effects: Effects) -> None:
-        """Send the repository's commands to the backends and its answers to the frontends (or
-        to the caller in this process, ``repository_call``)."""
+        """Send the repository's commands to the backends, its answers to the frontends (or
+        to the caller in this process, ``repository_call``) and its notices to every
+        frontend."""
         for name, msg in [*effects.commands, *effects.answers]:
             if name == LOCAL_CALLER and type(msg) is RepositoryReply:
                 local = self._local_replies.pop(msg.request_id, None)
@@ -423,6 +424,10 @@ class Supervisor:
             target = self.children.get(name)
             if target is not None and target.ready and target.alive:
                 self._send(target, msg)
+        for notice in effects.notices:
+            for child in self.children.values():
+                if child.role == "frontend" and child.ready and child.alive:
+                    self._send(child, notice)
 
     def _peer_ready(self) -> Ready:
         return Ready(role="supervisor", name="supervisor", pid=os.getpid(), endpoints=self.peers)

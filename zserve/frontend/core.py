@@ -545,6 +545,15 @@ class FrontendCore:
                     self._queue_meta(shard, rid, model, p.arrival,
                                      p.answer_by - self.reply_allowance_s, rows=p.rows)
 
+    def fail_held(self, now: float, model: str, reason: str, outbox: Outbox) -> None:
+        """The orchestrator cannot load ``model`` now (``ModelUnservable``): answer the
+        requests held for it ``UNAVAILABLE`` at once, not at their deadlines."""
+        for rid in self.on_demand.release(model):
+            p = self.requests.pending.get(rid)
+            if p is not None and p.state == QUEUED:
+                self._answer_error(now, p, ErrorKind.UNAVAILABLE,
+                                   f"model {model!r} cannot be loaded: {reason}", outbox)
+
     def take_usage(self) -> Usage | None:
         """For the orchestrator (``ModelUsage``): the requests admitted per model since the last
         call, the ones held and the ones pending per model now; None when there is nothing new

@@ -73,6 +73,7 @@ from zserve.transport.messages import (
     InputFetch,
     Message,
     ModelAdded,
+    ModelUnservable,
     ModelUsage,
     RepositoryReply,
     StatsReply,
@@ -482,11 +483,16 @@ class FrontendHost:
 
     def on_control_message(self, msg: Message) -> None:
         """The supervisor says a backend's process died (``BackendGone``), answers a model
-        repository call (``RepositoryReply``), or adds a model (``ModelAdded``)."""
+        repository call (``RepositoryReply``), adds a model (``ModelAdded``), or cannot load one on
+        demand (``ModelUnservable``)."""
         if type(msg) is BackendGone and not self._closed:
             self.driver.run(lambda now, outbox: self.core.on_backend_gone(now, msg, outbox))
         elif type(msg) is RepositoryReply and self.oip.repository is not None:
             self.oip.repository.on_reply(msg)
+        elif type(msg) is ModelUnservable and not self._closed:
+            log.warning("%s: model %s cannot be loaded: %s", self.name, msg.model, msg.reason)
+            self.driver.run(lambda now, outbox: self.core.fail_held(now, msg.model, msg.reason,
+                                                                    outbox))
         elif type(msg) is ModelAdded and not self._closed:
             config = ModelConfig.from_dict(msg.config)
             if self.core.add_model(config, _load_profile(config)):
