@@ -1,14 +1,15 @@
 """The orchestrator in a real cluster (two CPU backends, real ONNX Runtime sessions of the
 built-in MLP, tritonclient over HTTP): a model folder copied into the repository after start is
-loaded with ``load_model`` (the folder is read again) and answers; a request for a repository
-model loaded nowhere waits for an on-demand load and is answered with the model's outputs; a
-model with no request for ``idle_unload_s`` is unloaded, its backends free it, and a request
-loads it on demand again; a request held for an on-demand load that fails is answered
-``UNAVAILABLE`` with the failure, well before its deadline."""
+loaded with ``load_model`` (the folder is read again), answers and has its Prometheus series; a
+request for a repository model loaded nowhere waits for an on-demand load and is answered with
+the model's outputs; a model with no request for ``idle_unload_s`` is unloaded, its backends
+free it, and a request loads it on demand again; a request held for an on-demand load that
+fails is answered ``UNAVAILABLE`` with the failure, well before its deadline."""
 
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ def _config(root: Path) -> ClusterConfig:
     return parse_config({
         "cluster": {"drain_s": 5.0},
         "scheduler": {"d_ctrl_ms": 5.0, "jitter_ms": 50.0},
-        "frontends": {"reply_allowance_ms": 20.0, "http_addresses": [LOOPBACK_ANY]},
+        "frontends": {"reply_allowance_ms": 20.0, "http_addresses": [LOOPBACK_ANY],
+                      "metrics_addresses": [LOOPBACK_ANY]},
         "backends": {"count": 2, "device": "cpu"},
         "repository": {"path": str(root), "load": ["base"]},
         "orchestration": {"idle_unload_s": IDLE_UNLOAD_S},
@@ -98,6 +100,11 @@ def test_a_model_folder_added_after_start_is_loaded_and_answers(
     np.testing.assert_allclose(result.as_numpy("logits"), _expected(), rtol=1e-5, atol=1e-6)
     # the shard that owns it schedules it, and a restarted role would know it
     assert "added" in cluster.stats("shard-0")["models"]
+    # and the frontend's Prometheus endpoint has its series
+    with urllib.request.urlopen(cluster.stats("frontend-0")["metrics_url"], timeout=10) as page:
+        exposition = page.read().decode()
+    assert 'zserve_model_requests_total{frontend="frontend-0",model="added",outcome="ok"} 1.0' \
+        in exposition
 
 
 def test_a_request_for_a_model_loaded_nowhere_is_answered_after_an_on_demand_load(

@@ -191,6 +191,8 @@ class FrontendCore:
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.max_request_bytes = cluster.frontends.max_request_bytes
         self.models = _admissions(cluster, profiles)
+        # the names, replaced whole on an addition: read from the metrics thread at a scrape
+        self.model_names: tuple[str, ...] = tuple(self.models)
         shards = cluster.scheduler_processes
         self.shard_reachable = [True] * shards  # the host clears the ones it cannot reach
         self.requests = RequestTable()
@@ -249,6 +251,7 @@ class FrontendCore:
         self.models[name] = ModelAdmission(
             config, shard_for_model(name, self.cluster.scheduler.shards), profile,
             self.reply_allowance_s, 1.0 / self.cluster.frontends.count)
+        self.model_names = (*self.model_names, name)
         self.cancels.add_model(name, self.models[name].shard)
         names = _outcome_names([name])[name]
         self._outcome_names[name] = names

@@ -620,7 +620,7 @@ def _start_metrics(config: RoleConfig, frontend: FrontendHost) -> MetricsServer 
         return None
     try:
         server = serve_frontend_metrics(address, frontend.name,
-                                        [m.name for m in frontend.cluster.models],
+                                        lambda: frontend.core.model_names,
                                         in_process_stats_reader(frontend.loop,
                                                                 frontend.cluster_stats.ask))
     except OSError as exc:  # a port taken since the preflight: one line, exit 2

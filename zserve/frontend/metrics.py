@@ -318,16 +318,25 @@ def cluster_families(frontend: str, stats: Mapping[str, Any] | None, models: fro
 
 
 class ClusterCollector(Collector):
-    """Reads a frontend's cluster stats at scrape time (``read``) and yields its families."""
+    """Reads a frontend's cluster stats at scrape time (``read``) and yields its families.
+    ``models``: the frontend's model names, or a call that gives them at scrape time (a model
+    added to a running cluster has its series from the next scrape)."""
 
-    def __init__(self, frontend: str, models: Iterable[str], read: StatsReader) -> None:
+    def __init__(self, frontend: str, models: Iterable[str] | Callable[[], Iterable[str]],
+                 read: StatsReader) -> None:
         self.frontend = frontend
-        self.models = frozenset(models)
+        self.models: Callable[[], Iterable[str]]
+        if callable(models):
+            self.models = models
+        else:
+            names = frozenset(models)
+            self.models = lambda: names
         self.read = read
         self.busy_windows = BusyWindows()
 
     def collect(self) -> Iterator[Metric]:
-        yield from cluster_families(self.frontend, self.read(), self.models, self.busy_windows)
+        yield from cluster_families(self.frontend, self.read(), frozenset(self.models()),
+                                    self.busy_windows)
 
 
 def in_process_stats_reader(loop: asyncio.AbstractEventLoop, ask: StatsAsker) -> StatsReader:
@@ -372,7 +381,8 @@ class MetricsServer:
         self._thread.join()
 
 
-def serve_frontend_metrics(address: str, frontend: str, models: Iterable[str],
+def serve_frontend_metrics(address: str, frontend: str,
+                           models: Iterable[str] | Callable[[], Iterable[str]],
                            read: StatsReader) -> MetricsServer:
     """Start the endpoint of one frontend (``address``: ``HOST:PORT``; port 0 picks one)."""
     server = MetricsServer(address, ClusterCollector(frontend, models, read))
