@@ -32,6 +32,7 @@ from zserve.loadgen.experiments.model_move import run_model_move
 from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.placement import run_placement
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
+from zserve.loadgen.experiments.prefix import run_prefix
 from zserve.loadgen.experiments.protocols import run_protocols
 from zserve.loadgen.experiments.random_family import run_random_family
 from zserve.loadgen.experiments.scale import run_scale
@@ -66,6 +67,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "goodput, partitioned placement vs round-robin vs random search"),
     "fleet": (run_fleet, "35 zoo models on A100s, GTX 1080 Tis or both: cost per hour of the "
               "smallest fleet that serves one rate"),
+    "prefix": (run_prefix, "prefix batching (Nexus): numerics of grouped CNN variants, simulated "
+               "goodput of 10 ResNet50 variants apart and grouped, the CPU figure"),
 }
 
 

@@ -23,6 +23,7 @@ from zserve.loadgen.experiments import (
     live,
     partition,
     placement,
+    prefix,
     random_family,
     runner,
     scale,
@@ -444,3 +445,13 @@ def test_scale_live_measures_the_end_to_end_ceiling(
     assert {"frontend-0", "shard-0"} <= set(per_process)
     assert sum(name.startswith("backend-") for name in per_process) == scale.SCALE_LIVE_GPUS
     assert per_process["frontend-0"] > 0 and per_process["shard-0"] > 0
+
+
+def test_prefix_quick(tmp_path: Path) -> None:
+    result = _quick("prefix", tmp_path)  # _quick asserts every check passed
+    cpu = result["points"]["cpu"]
+    assert cpu["variants"] == prefix.QUICK_VARIANTS and cpu["max_abs_diff"] <= prefix.MAX_ABS_DIFF
+    assert cpu["grouped_ms"] > 0 and cpu["apart_ms"] > 0
+    [one_gpu] = result["points"]["simulated"]
+    assert one_gpu["gpus"] == 1
+    assert one_gpu["grouped_rps"] >= prefix.GOAL_RATIO * one_gpu["apart_rps"]
