@@ -8,8 +8,8 @@ request still queued at its model's shard goes into that shard's ``CancelQueued`
 takes it off its queue); one a backend fetched goes into that backend's ``CancelFetched`` (it
 drops the request if its batch has not started; if it has, the outputs come back for a request
 already answered and are discarded). At the tick's end the core takes the notes
-(``take_queued``, ``take_fetched``) and sends one message per shard and per backend, after the
-tick's metadata. Pure, like the core: no sockets, no loop, no clock.
+(``take_queued``, ``take_fetched``) when any is ``owed`` and sends one message per shard and per
+backend, after the tick's metadata. Pure, like the core: no sockets, no loop, no clock.
 """
 
 from __future__ import annotations
