@@ -66,3 +66,23 @@ def test_a_closed_connections_requests_count_as_disconnects() -> None:
     assert cancels.take_fetched() == [FetchedCancels("backend-0", [3], [101])]
     assert counters == {"cancelled": 0, "cancelled_fetched": 0, "disconnect_cancelled": 1,
                         "disconnect_cancelled_fetched": 1}
+
+
+def test_owed_says_whether_a_notice_waits_until_every_one_is_taken() -> None:
+    """The core skips the takes on a tick where ``owed`` is False: it must be True while any
+    notice waits, whichever of the two takes comes first."""
+    cancels, _ = _part()
+    assert cancels.owed is False
+    table = _table(["m", "a"])
+    assert table.take_inputs(101, "backend-0", 3, 0.01) is not None
+    for p in table.pending.values():
+        cancels.cancelled(p)
+    assert cancels.owed is True
+    assert cancels.take_fetched() == [FetchedCancels("backend-0", [3], [101])]
+    assert cancels.owed is True  # the queued note is still there
+    assert cancels.take_queued() == [QueuedCancels(0, [100], ["m"])]
+    assert cancels.owed is False
+    cancels.abandoned(next(iter(_table(["a"]).pending.values())))
+    assert cancels.owed is True
+    assert cancels.take_queued() == [QueuedCancels(1, [100], ["a"])]
+    assert cancels.owed is False

@@ -8,8 +8,8 @@ request still queued at its model's shard goes into that shard's ``CancelQueued`
 takes it off its queue); one a backend fetched goes into that backend's ``CancelFetched`` (it
 drops the request if its batch has not started; if it has, the outputs come back for a request
 already answered and are discarded). At the tick's end the core takes the notes
-(``take_queued``, ``take_fetched``) and sends one message per shard and per backend, after the
-tick's metadata. Pure, like the core: no sockets, no loop, no clock.
+(``take_queued``, ``take_fetched``) when any is ``owed`` and sends one message per shard and per
+backend, after the tick's metadata. Pure, like the core: no sockets, no loop, no clock.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class FetchedCancels(NamedTuple):
 class FrontendCancellation:
     """The cancellation notices one frontend owes, until the tick's end (module docstring)."""
 
-    __slots__ = ("_counters", "_fetched", "_queued", "_shard_of")
+    __slots__ = ("_counters", "_fetched", "_queued", "_shard_of", "owed")
 
     def __init__(self, *, shard_of: dict[str, int], shards: int,
                  counters: dict[str, int]) -> None:
@@ -56,6 +56,9 @@ class FrontendCancellation:
         self._queued: list[tuple[list[int], list[str]]] = [([], []) for _ in range(shards)]
         # per backend: (plan ids, request ids) taken out after it fetched them
         self._fetched: dict[str, tuple[list[int], list[int]]] = {}
+        # Whether any notice is waiting to be taken: the core reads it at every tick's end, and
+        # almost every tick has none (a flag, not two calls that build empty lists).
+        self.owed = False
 
     def add_model(self, model: str, shard: int) -> None:
         """A model added after start, owned by ``shard``."""
@@ -86,19 +89,23 @@ class FrontendCancellation:
             if ids:
                 self._queued[shard] = ([], [])
                 taken.append(QueuedCancels(shard, ids, models))
+        self.owed = bool(self._fetched)
         return taken
 
     def take_fetched(self) -> list[FetchedCancels]:
         """The fetched requests taken out since the last call, per backend."""
         notes, self._fetched = self._fetched, {}
+        self.owed = any(ids for ids, _ in self._queued)
         return [FetchedCancels(backend, plans, ids) for backend, (plans, ids) in notes.items()]
 
     def _note_queued(self, request: Pending) -> None:
         ids, models = self._queued[self._shard_of[request.model]]
         ids.append(request.rid)
         models.append(request.model)
+        self.owed = True
 
     def _note_fetched(self, request: Pending) -> None:
         plans, ids = self._fetched.setdefault(request.backend, ([], []))
         plans.append(request.plan_id)
         ids.append(request.rid)
+        self.owed = True

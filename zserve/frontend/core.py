@@ -323,7 +323,8 @@ class FrontendCore:
         self.counters["admitted"] += 1
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by + TIMER_COALESCE_S)
-        self.on_demand.note_admitted(req.model)
+        if self.on_demand.report:  # with [orchestration] only: no call per request otherwise
+            self.on_demand.note_admitted(req.model)
         if hold:  # no backend serves it: held until one does (an on-demand load)
             self.on_demand.hold(req.model, rid)
             return
@@ -676,6 +677,18 @@ class FrontendCore:
                     self.data_address, meta.ids, meta.models, meta.arrivals, meta.deadlines,
                     meta.rows, epoch=self.epoch)))
                 self.counters["meta_batches"] += 1
+        if self.cancels.owed:
+            self._cancel_notices(outbox)
+        if not self._answers:
+            return
+        answers, self._answers = self._answers, {}
+        for client, batch in answers.items():
+            outbox.append(((TO_CLIENT, client), InferAnswers(
+                batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
+                batch.messages)))
+
+    def _cancel_notices(self, outbox: Outbox) -> None:
+        """The tick's CancelQueued per shard, then CancelFetched per backend."""
         # After the shard's RequestMetaBatch: a request admitted this tick is known there.
         for queued in self.cancels.take_queued():
             outbox.append(((TO_SHARD, queued.shard), CancelQueued(
@@ -684,11 +697,6 @@ class FrontendCore:
             outbox.append(((TO_BACKEND, fetched.backend),
                            CancelFetched(fetched.plan_ids, fetched.request_ids)))
             self.counters["cancel_notices"] += 1
-        answers, self._answers = self._answers, {}
-        for client, batch in answers.items():
-            outbox.append(((TO_CLIENT, client), InferAnswers(
-                batch.request_ids, batch.outputs, batch.error_ids, batch.errors,
-                batch.messages)))
 
     def requeue_queued(self, now: float, outbox: Outbox) -> None:
         """A scheduler of a new epoch took over: its queues start empty, so the metadata of

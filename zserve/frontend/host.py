@@ -143,6 +143,7 @@ class FrontendHost:
         )
         self.idle = asyncio.Event()  # set while nothing is pending (the drain waits on it)
         self.idle.set()
+        self._idle_now = True  # what ``idle`` says, read without a call per tick
         self._reactor = SocketReactor(loop)
         # Deadlines tolerate the loop's millisecond ticks (coalesced anyway): its timer will do.
         self.driver = CoreDriver(self.core, loop=loop, clock=self.clock, deliver=self._deliver,
@@ -286,10 +287,14 @@ class FrontendHost:
         pending (the drain waits for ``idle``)."""
         core = self.core
         core.end_tick(outbox)
-        if core.pending:
-            self.idle.clear()
-        else:
-            self.idle.set()
+        # The driver calls this twice a tick or more: the Event only when idleness changes.
+        idle = not core.pending
+        if idle is not self._idle_now:
+            self._idle_now = idle
+            if idle:
+                self.idle.set()
+            else:
+                self.idle.clear()
 
     def _deliver(self, outbox: Outbox) -> None:
         """Send every message of ``outbox`` (emptied); failures go back to the core, whose
