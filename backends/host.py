@@ -106,7 +106,9 @@ ROLE = "backend"
 PROFILE_REPEATS = 3
 # stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
 # refused (zserve.core.epochs)
-HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
+# plans_unstaged: plans admitted while every staging slot of their model was held (their batch
+# is assembled when it starts, zserve.backends.staging)
+HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
 
 
 # --------------------------------------------------------------------------- executors
@@ -365,6 +367,7 @@ class BackendHost:
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
+                self._claim_slot(msg)
                 if acks is not None and identity is not None:
                     acks.setdefault(identity, []).append(msg.plan_id)
             elif isinstance(msg, StatsRequest):
@@ -375,6 +378,13 @@ class BackendHost:
         for identity, plan_ids in (acks or {}).items():
             self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
         self.driver.flush(outbox)
+
+    def _claim_slot(self, plan: BatchPlan) -> None:
+        """A staging slot for a plan the follower now holds: its inputs are copied into their
+        rows as they arrive (``zserve.backends.staging``)."""
+        follower = self.follower
+        if follower.holds(plan.plan_id) and not self.runner.staging.claim(plan, follower.holds):
+            self.counters["plans_unstaged"] += 1
 
     def _admit_plan(self, plan: BatchPlan) -> bool:
         """The epoch fence: a plan of an older scheduler epoch than the newest seen never runs
@@ -410,6 +420,7 @@ class BackendHost:
         outbox: Outbox = []
         for _, msg in messages:
             if isinstance(msg, InputReply):
+                self.runner.staging.stage(address, msg)
                 self.follower.on_input_reply(self.clock.now(), address, msg, outbox)
             elif isinstance(msg, CancelFetched):
                 self.follower.on_cancel_fetched(self.clock.now(), address, msg, outbox)
@@ -436,6 +447,7 @@ class BackendHost:
                 outbox=outbox))
             follower.histograms["push"].observe(self.clock.now() - result.finished_at)
         finally:
+            self.runner.staging.release(run.plan.plan_id)
             self.driver.run(lambda now, outbox: follower.on_batch_done(
                 now, ok=not result.error, finished_at=result.finished_at, outbox=outbox))
 
@@ -505,6 +517,8 @@ class BackendHost:
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
             "busy_total_s": self.runner.busy.total(self.clock.now()),
+            # batches handed to the executor as one slice of a staging slot (no assembly copy)
+            "staged_batches": self.runner.staged_batches,
             "clock": self.clock.stats(),
             **self.follower.stats.snapshot(reset),
             "counters": counters,

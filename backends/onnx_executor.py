@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ from zserve.backends.onnx_session import (
     default_cuda_batch_sizes,
     parse_device,
     preload_cuda_libraries,
+    tensorrt_provider_options,
 )
 from zserve.config.signature import ModelSignature, TensorSpec
 from zserve.core.errors import BackendFailedError, BadRequestError
@@ -212,6 +213,8 @@ class _LoadedModel:
     device_buffers: dict[str, Any]  # input name -> CuPy array, allocated on first CuPy batch
     static_outputs: bool  # every output's per-sample shape is fixed
     file_bytes: int
+    # Batch size -> its session bound to preallocated buffers (SessionConfig.bound_buffers).
+    bound_sessions: dict[int, Any] = field(default_factory=dict)
 
 
 class OnnxExecutor(Executor):
@@ -341,8 +344,13 @@ class OnnxExecutor(Executor):
             session, rows_run = self._session_for(loaded, batch_size)
             if rows_run != batch_size:
                 feed = self._padded(loaded, feed, batch_size, rows_run)
+            bound = loaded.bound_sessions.get(rows_run)
+            if bound is not None and any(_is_cupy(a) for a in feed.values()):
+                bound = None  # device inputs: the CuPy path below
             try:
-                if self._kind == "cuda":
+                if bound is not None:
+                    outputs = bound.run(feed, batch_size)
+                elif self._kind == "cuda":
                     outputs = self._run_cuda(loaded, session, feed, rows_run)
                 else:
                     values = session.run(loaded.output_names, feed)
@@ -392,7 +400,15 @@ class OnnxExecutor(Executor):
                                       np.dtype(s.dtype))
             for s in signature.inputs
         }
+        bound: dict[int, Any] = {}
+        if self.config.bound_buffers and sizes:
+            from zserve.backends.onnx_binding import BoundSession
+
+            bound = {size: BoundSession(session_of_size, signature, size, device=self._kind,
+                                        device_id=self._device_id)
+                     for size, session_of_size in sessions.items()}
         return _LoadedModel(
+            bound_sessions=bound,
             spec=spec,
             max_batch=limit,
             session=session,
@@ -416,10 +432,17 @@ class OnnxExecutor(Executor):
                 "pip install 'zserve[gpu]')"
             )
         preload_cuda_libraries(ort)
-        return [
+        providers: list[Any] = [
             ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
             "CPUExecutionProvider",
         ]
+        if self.config.tensorrt:
+            if "TensorrtExecutionProvider" not in available:
+                raise ModelLoadError(f"model {spec.name!r}: tensorrt is set but this "
+                                     f"onnxruntime has only {available}")
+            providers.insert(0, ("TensorrtExecutionProvider",
+                                 tensorrt_provider_options(self._device_id)))
+        return providers
 
     def _open_sessions(self, spec: ModelSpec, sizes: Sequence[int]) -> dict[int, Any]:
         """One InferenceSession per batch size in ``sizes``."""
@@ -442,6 +465,9 @@ class OnnxExecutor(Executor):
                     f"{self.device} (CUDA/cuDNN libraries missing?); refusing to run on the CPU"
                 )
         return sessions
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+        return self._host_buffer(shape, dtype)
 
     def _host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
         if self._kind == "cuda":

@@ -154,6 +154,33 @@ def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:
     assert stats.finished_at - stats.started_at >= (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3
 
 
+def test_proc_backend_stages_each_input_into_its_row_as_it_arrives(rig: BackendRig) -> None:
+    """Two plans held at once: each one's inputs are copied into its staging slot on arrival and
+    its batch runs as that slot's slice (``staged_batches``); a request missing in the middle
+    breaks the rows apart, so that batch is assembled by copy. Every answer is its own."""
+    now = time.monotonic()
+    rig.plan(1, [21, 22, 23], now + 0.04)
+    rig.plan(2, [31, 32, 33, 34], now + 0.05)
+    rig.serve_fetch()
+    rig.serve_fetch()
+    rig.plan(3, [41, 42, 43], time.monotonic() + 0.03)
+    identity, fetch = rig.frontend.expect(InputFetch)
+    inputs = [{"x": np.full((1, 4), float(rid), np.float32)} for rid in (41, 43)]
+    rig.frontend.send(InputReply(fetch.plan_id, [41, 43], inputs, [42]), identity)
+    answered: dict[int, float] = {}
+    for _ in range(3):
+        _, out = rig.frontend.expect(BatchOutputs)
+        answered.update({rid: float(o["y"][0, 0]) for rid, o in
+                         zip(out.request_ids, out.outputs, strict=True)})
+    assert sorted(answered) == [21, 22, 23, 31, 32, 33, 34, 41, 43]
+    constants = {value - 2 * 4 * rid for rid, value in answered.items()}
+    assert len(constants) == 1  # each request got the answer to its own inputs
+    rig.shard.send(StatsRequest(reset=False))
+    _, reply = rig.shard.expect(StatsReply)
+    assert reply.stats["staged_batches"] == 2
+    assert reply.stats["counters"]["plans_unstaged"] == 0
+
+
 def test_proc_backend_reports_busy_time_per_stats_window(rig: BackendRig) -> None:
     """``samples.busy_s`` is the device time used since the last reset: one batch's run, then
     nothing in the next window."""
