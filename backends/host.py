@@ -420,7 +420,7 @@ class BackendHost:
         outbox: Outbox = []
         for _, msg in messages:
             if isinstance(msg, InputReply):
-                self.runner.staging.stage(address, msg)
+                self.runner.staging.stage(address, msg, self.follower.fetching)
                 self.follower.on_input_reply(self.clock.now(), address, msg, outbox)
             elif isinstance(msg, CancelFetched):
                 self.follower.on_cancel_fetched(self.clock.now(), address, msg, outbox)

@@ -25,7 +25,8 @@ ResNet50 on an H200 against 1.4-7.8 ms at a fixed size, whatever ``cudnn_conv_al
 (docs/performance.md, "On a GPU"). A CUDA model therefore gets one session per batch size of
 ``SessionConfig.session_batch_sizes`` (default ``default_cuda_batch_sizes``: 1, 2, 3, 4, 6, 8,
 12, 16, 24, 32, ... up to ``max_batch``); a batch runs in the smallest session that holds it, with
-the rows past the batch left as padding (zeroed at load, their outputs never read). Each session
+the rows past the batch left as padding (zeroed at load; past a staged batch, the staging slot's
+next rows, read in place with no copy; their outputs are never read). Each session
 holds its own copy of the weights: the price is GPU memory (about ten copies for a max_batch of
 32) and load time; the padding costs at most a third of a batch's rows. CPU models get one
 session for every size unless ``session_batch_sizes`` is set.
@@ -198,6 +199,25 @@ def _same_memory(a: Any, b: Any) -> bool:
     if _is_cupy(a):
         return bool(a.data.ptr == b.data.ptr)
     return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
+def _grown_in_place(array: Array, rows: int) -> Array | None:
+    """``array``'s first ``rows`` rows read on past its end within the buffer it slices, or None
+    when it is no row slice of a C-contiguous buffer holding that many rows from its start."""
+    base = array.base
+    if (not isinstance(base, np.ndarray) or not base.flags.c_contiguous
+            or not array.flags.c_contiguous or base.dtype != array.dtype
+            or base.shape[1:] != array.shape[1:] or base.ndim == 0):
+        return None
+    row_bytes = base.strides[0]
+    offset = (array.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    if row_bytes <= 0 or offset < 0 or offset % row_bytes:
+        return None
+    start = offset // row_bytes
+    if start + rows > base.shape[0]:
+        return None
+    grown: Array = base[start:start + rows]
+    return grown
 
 
 @dataclass(slots=True)
@@ -494,10 +514,16 @@ class OnnxExecutor(Executor):
 
     def _padded(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int,
                 rows: int) -> TensorMap:
-        """``feed`` grown to ``rows`` rows: the batch buffer's first ``rows`` rows, the batch
-        copied in unless it was assembled there."""
+        """``feed`` grown to ``rows`` rows: a host batch that is a row slice of a larger buffer
+        with ``rows`` rows from its start (a staged batch: ``zserve.backends.staging``) grows in
+        place, whatever those rows hold (padding); otherwise the batch buffer's first ``rows``
+        rows, the batch copied in unless it was assembled there."""
         padded: TensorMap = {}
         for name, array in feed.items():
+            grown = None if _is_cupy(array) else _grown_in_place(array, rows)
+            if grown is not None:
+                padded[name] = grown
+                continue
             if _is_cupy(array):
                 buffer = self._device_buffer(loaded, name)
             else:

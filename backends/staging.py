@@ -137,12 +137,14 @@ class StagingSlots:
 
     # -- staging and reading back
 
-    def stage(self, address: str, reply: InputReply) -> int:
+    def stage(self, address: str, reply: InputReply, fetching: Callable[[int], bool]) -> int:
         """Copy ``reply``'s tensors into their rows of the plan's slot and put the row views in
         their place in ``reply.inputs`` (a list, mutable in a frozen message). Returns the
-        requests staged; a tensor that does not fit its row exactly is left as it came."""
+        requests staged; a tensor that does not fit its row exactly is left as it came. Nothing
+        is copied unless ``fetching(plan_id)`` (the follower holds the plan and has not started
+        it): a reply that comes once its batch runs must not write into the running slot."""
         slot = self._by_plan.get(reply.plan_id)
-        if slot is None or address not in slot.frontends:
+        if slot is None or address not in slot.frontends or not fetching(reply.plan_id):
             return 0
         index = slot.frontends.index(address)
         signature = self._signatures[slot.model]

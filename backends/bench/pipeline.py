@@ -111,7 +111,7 @@ class PipelineBench:
         for _, msg in messages:
             if isinstance(msg, InputReply):
                 if self.staging_on:
-                    self.runner.staging.stage(FRONTEND, msg)
+                    self.runner.staging.stage(FRONTEND, msg, self.replies.__contains__)
                 self.timings.fetch.append(time.monotonic() - self.sent_at.pop(msg.plan_id))
                 self.replies.pop(msg.plan_id).set_result(msg)
 

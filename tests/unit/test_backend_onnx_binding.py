@@ -79,3 +79,19 @@ def test_cuda_bound_buffers_match_the_cpu_provider(plain: OnnxExecutor, cuda_gra
                 assert cuda_output_error(g["logits"], w["logits"]) <= 1.0
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("config", [SessionConfig(session_batch_sizes=SIZES),
+                                    SessionConfig(session_batch_sizes=SIZES, bound_buffers=True)])
+def test_a_staged_slice_grows_into_its_padding_in_place(plain: OnnxExecutor,
+                                                        config: SessionConfig) -> None:
+    """A batch of 3 that is a slice of a staging slot runs in the session of 4 with the slot's
+    next row as padding: no copy into the executor's own batch buffer, the same answers."""
+    with OnnxExecutor(["mlp"], max_batch=8, config=config) as executor:
+        slot = np.full((8, 64), np.nan, np.float32)  # padding rows hold whatever was there
+        requests = executor.synthetic_requests("mlp", 3, seed=4)
+        slot[2:5] = np.concatenate([r["features"] for r in requests])
+        got = executor.run("mlp", {"features": slot[2:5]})
+        assert not executor._loaded["mlp"].host_buffers["features"].any()  # never copied in
+        for g, w in zip(got, plain.run("mlp", requests), strict=True):
+            np.testing.assert_allclose(g["logits"], w["logits"], rtol=1e-6, atol=1e-6)

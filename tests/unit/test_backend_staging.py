@@ -16,6 +16,12 @@ from zserve.runtime.clock import ClusterClock
 from zserve.transport.messages import BatchPlan, InputReply
 
 FRONTEND = "ipc://frontend-a"
+
+
+def every_plan_fetching(plan_id: int) -> bool:
+    """The follower's answer while every plan still waits for its inputs."""
+    return plan_id >= 0
+
 OTHER = "ipc://frontend-b"
 
 
@@ -47,7 +53,7 @@ def test_staged_rows_run_as_one_slice_with_the_copying_path_outputs(runner: Batc
     assert staging.claim(plan(1, [10, 11, 12]), lambda _: True)
     message = reply(1, [10, 11, 12])
     originals = [dict(r) for r in message.inputs]
-    assert staging.stage(FRONTEND, message) == 3
+    assert staging.stage(FRONTEND, message, every_plan_fetching) == 3
     before = runner.staged_batches
     batch = runner.assemble("mlp", message.inputs)
     assert runner.staged_batches == before + 1
@@ -64,7 +70,7 @@ def test_a_gap_or_another_order_is_copied_not_sliced(runner: BatchRunner) -> Non
     staging = runner.staging
     assert staging.claim(plan(2, [1, 2, 3]), lambda _: True)
     message = reply(2, [1, 2, 3], seed=1)
-    staging.stage(FRONTEND, message)
+    staging.stage(FRONTEND, message, every_plan_fetching)
     before = runner.staged_batches
     kept = [message.inputs[0], message.inputs[2]]  # row 1 missing
     batch = runner.assemble("mlp", kept)
@@ -81,12 +87,12 @@ def test_requests_of_several_rows_and_frontends_land_in_plan_order(runner: Batch
     assert staging.claim(plan(3, [5, 6, 7], rows=[2, 1, 3], frontends=[0, 1, 0]),
                          lambda _: True)
     first = reply(3, [5, 7], rows=2, seed=2)  # wrong rows for request 7 (it holds 3)
-    assert staging.stage(FRONTEND, first) == 1
+    assert staging.stage(FRONTEND, first, every_plan_fetching) == 1
     assert not np.shares_memory(first.inputs[1]["features"], first.inputs[0]["features"])
     fixed = reply(3, [7], rows=3, seed=3)
-    assert staging.stage(FRONTEND, fixed) == 1
+    assert staging.stage(FRONTEND, fixed, every_plan_fetching) == 1
     other = reply(3, [6], seed=4)
-    assert staging.stage(OTHER, other) == 1
+    assert staging.stage(OTHER, other, every_plan_fetching) == 1
     batch = runner.assemble("mlp", [first.inputs[0], other.inputs[0], fixed.inputs[0]], 6)
     np.testing.assert_array_equal(batch["features"][2], other.inputs[0]["features"][0])
     np.testing.assert_array_equal(batch["features"][3:], fixed.inputs[0]["features"])
@@ -108,6 +114,20 @@ def test_full_slots_free_the_plans_no_longer_held() -> None:
         assert staging.claimed == 2
         assert not staging.claim(plan(4, [1, 2, 3, 4, 5]), lambda _: False)  # > max_batch
         message = reply(9, [1])
-        assert staging.stage(FRONTEND, message) == 0  # no slot: left as it came
+        assert staging.stage(FRONTEND, message, every_plan_fetching) == 0  # no slot: as it came
     finally:
         executor.close()
+
+
+def test_a_reply_once_its_batch_started_is_not_written_into_the_slot(
+        runner: BatchRunner) -> None:
+    staging = runner.staging
+    assert staging.claim(plan(4, [1, 2]), lambda _: True)
+    first = reply(4, [1], seed=7)
+    assert staging.stage(FRONTEND, first, every_plan_fetching) == 1
+    running = first.inputs[0]["features"].copy()
+    late = reply(4, [1, 2], seed=8)  # the batch started (the follower says so): leave the slot
+    assert staging.stage(FRONTEND, late, lambda _: False) == 0
+    np.testing.assert_array_equal(first.inputs[0]["features"], running)
+    assert not np.shares_memory(late.inputs[1]["features"], first.inputs[0]["features"])
+    staging.release(4)
