@@ -106,8 +106,8 @@ ROLE = "backend"
 PROFILE_REPEATS = 3
 # stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
 # refused (zserve.core.epochs)
-# plans_unstaged: plans admitted while every staging slot of their model was held (their batch
-# is assembled when it starts, zserve.backends.staging)
+# plans_unstaged: plans of a staged model admitted while every staging slot of their model was
+# held (their batch is assembled when it starts, zserve.backends.staging)
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
 
 
@@ -382,8 +382,9 @@ class BackendHost:
     def _claim_slot(self, plan: BatchPlan) -> None:
         """A staging slot for a plan the follower now holds: its inputs are copied into their
         rows as they arrive (``zserve.backends.staging``)."""
-        follower = self.follower
-        if follower.holds(plan.plan_id) and not self.runner.staging.claim(plan, follower.holds):
+        follower, staging = self.follower, self.runner.staging
+        if (follower.holds(plan.plan_id) and staging.stages(plan.model)
+                and not staging.claim(plan, follower.holds)):
             self.counters["plans_unstaged"] += 1
 
     def _admit_plan(self, plan: BatchPlan) -> bool:

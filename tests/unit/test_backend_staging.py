@@ -30,6 +30,7 @@ def runner() -> Iterator[BatchRunner]:
     executor = OnnxExecutor(["mlp"], max_batch=8)
     executor.load()
     runner = BatchRunner(executor, ClusterClock(), PlanFollower("b").stats)
+    runner.staging.min_row_bytes = 0  # mlp's 256-byte rows, staged here all the same
     runner.allocate("mlp")
     yield runner
     executor.close()
@@ -103,7 +104,7 @@ def test_full_slots_free_the_plans_no_longer_held() -> None:
     executor = OnnxExecutor(["mlp"], max_batch=4)
     executor.load()
     try:
-        staging = StagingSlots(slots_per_model=2)
+        staging = StagingSlots(slots_per_model=2, min_row_bytes=0)
         staging.allocate("mlp", executor.signature("mlp"), 4, executor.host_buffer)
         held = {1, 2}
         assert staging.claim(plan(1, [1]), held.__contains__)
@@ -131,3 +132,11 @@ def test_a_reply_once_its_batch_started_is_not_written_into_the_slot(
     np.testing.assert_array_equal(first.inputs[0]["features"], running)
     assert not np.shares_memory(late.inputs[1]["features"], first.inputs[0]["features"])
     staging.release(4)
+
+
+def test_models_with_small_rows_get_no_slots() -> None:
+    with OnnxExecutor(["mlp"], max_batch=4) as executor:
+        staging = StagingSlots()  # mlp's rows are 256 bytes: below STAGING_MIN_ROW_BYTES
+        staging.allocate("mlp", executor.signature("mlp"), 4, executor.host_buffer)
+        assert not staging.stages("mlp")
+        assert not staging.claim(plan(1, [1]), lambda _: True)
