@@ -100,12 +100,15 @@ class BoundSession:
             return
         import cupy
 
+        sources = []  # alive until the copies are done (a contiguous copy is a temporary)
         for name, array in feed.items():
             rows = np.ascontiguousarray(array[:batch_size])
+            sources.append(rows)
             cupy.cuda.runtime.memcpyAsync(self._inputs[name].data_ptr(), rows.ctypes.data,
                                           rows.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
                                           self._copy_stream.ptr)
         self._copy_stream.synchronize()
+        sources.clear()
 
 
 def _host_rows(value: Any, batch_size: int) -> Array:

@@ -43,9 +43,9 @@ from zserve.transport.messages import BatchPlan, InputReply
 # Staging slots per model: a plan held plus the one running plus margin for plans arriving early.
 SLOTS_PER_MODEL = 4
 # Models whose request row holds fewer input bytes than this are not staged. Staging costs about
-# 3.6 us of CPU per request more than the copy at the batch's start (a 16-byte row: 3.8 against
-# 0.2 us; a 48 KB row: 5.6 against 1.6 us), which a row this large repays by taking its copy off
-# the critical path; for small rows the copy at the start is cheaper than staging in every way.
+# 2.5 us of CPU per request more than the copy at the batch's start (a 16-byte row: 2.6 against
+# 0.2 us; a 48 KB row: 4.3 against 1.6 us), about what copying 32 KiB costs: a larger row repays it
+# by taking its copy off the critical path; for smaller rows the copy at the start is cheaper.
 STAGING_MIN_ROW_BYTES = 32 * 1024
 
 BufferFactory = Callable[[tuple[int, ...], np.dtype[Any]], Array]
@@ -59,6 +59,7 @@ class _Slot:
     # (frontend index, request id) -> (first row, rows) of the plan claiming the slot
     rows: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     frontends: list[str] = field(default_factory=list)
+    view_ids: list[int] = field(default_factory=list)  # its entries in StagingSlots._views
 
 
 class StagingSlots:
@@ -71,8 +72,10 @@ class StagingSlots:
         self._slots: dict[str, list[_Slot]] = {}
         self._signatures: dict[str, ModelSignature] = {}
         self._by_plan: dict[int, _Slot] = {}
-        # buffer address range -> (buffer, row bytes): ``contiguous`` finds a view's slot by it
-        self._ranges: list[tuple[int, int, Array, int]] = []
+        # id(row view) -> (the view, its slot buffer, first row, rows): ``contiguous`` reads a
+        # batch's rows back by it. The view is held here until its slot is freed, so an id
+        # never stands for another array meanwhile.
+        self._views: dict[int, tuple[Array, Array, int, int]] = {}
 
     def allocate(self, model: str, signature: ModelSignature, max_batch: int,
                  make_buffer: BufferFactory) -> None:
@@ -91,23 +94,12 @@ class StagingSlots:
             slots.append(_Slot(model, buffers))
         self._slots[model] = slots
         self._signatures[model] = signature
-        self._index_ranges()
 
     def free(self, model: str) -> None:
         """Drop ``model``'s slots (it was unloaded; no plan of it is held)."""
         for slot in self._slots.pop(model, []):
-            self._by_plan.pop(slot.plan_id, None)
+            self.release(slot.plan_id)
         self._signatures.pop(model, None)
-        self._index_ranges()
-
-    def _index_ranges(self) -> None:
-        self._ranges = []
-        for slots in self._slots.values():
-            for slot in slots:
-                for buffer in slot.buffers.values():
-                    start = int(buffer.__array_interface__["data"][0])
-                    row_bytes = buffer.strides[0] if buffer.ndim else buffer.itemsize
-                    self._ranges.append((start, start + buffer.nbytes, buffer, int(row_bytes)))
 
     def stages(self, model: str) -> bool:
         """Whether ``model`` has staging slots."""
@@ -143,7 +135,9 @@ class StagingSlots:
         """``plan_id``'s batch is done: its slot is free."""
         slot = self._by_plan.pop(plan_id, None)
         if slot is not None:
-            slot.plan_id, slot.rows, slot.frontends = -1, {}, []
+            for view_id in slot.view_ids:
+                self._views.pop(view_id, None)
+            slot.plan_id, slot.rows, slot.frontends, slot.view_ids = -1, {}, [], []
 
     def release_dropped(self, holds: Callable[[int], bool]) -> None:
         """Free the slots of plans the follower no longer holds."""
@@ -176,45 +170,35 @@ class StagingSlots:
             views = _copy_into_rows(slot.buffers, signature, tensors, *place)
             if views is not None:
                 reply.inputs[position] = views
+                for name, view in views.items():
+                    self._views[id(view)] = (view, slot.buffers[name], *place)
+                    slot.view_ids.append(id(view))
                 staged += 1
         return staged
 
     def contiguous(self, requests: list[TensorMap], names: Sequence[str],
                    size: int) -> TensorMap | None:
-        """The batch as one slice per input when ``requests`` are rows side by side in one
-        slot, in order (``size`` rows in all); else None (the caller copies)."""
+        """The batch as one slice per input when ``requests`` are staged rows side by side in
+        one slot, in order (``size`` rows in all); else None (the caller copies)."""
         if not requests:
             return None
+        views = self._views
         batch: TensorMap = {}
         for name in names:
-            first = requests[0].get(name)
+            first = views.get(id(requests[0].get(name)))
             if first is None:
                 return None
-            found = self._buffer_of(first)
-            if found is None:
-                return None
-            buffer, row_bytes, start_row = found
-            pointer = int(first.__array_interface__["data"][0])
+            _, buffer, start, _ = first
+            expected = start
             for request in requests:
-                array = request.get(name)
-                if (array is None or int(array.__array_interface__["data"][0]) != pointer
-                        or not array.flags.c_contiguous or array.base is None):
+                entry = views.get(id(request.get(name)))
+                if entry is None or entry[1] is not buffer or entry[2] != expected:
                     return None
-                pointer += int(array.shape[0]) * row_bytes
-            if start_row + size > buffer.shape[0]:
+                expected += entry[3]
+            if expected - start != size:
                 return None
-            batch[name] = buffer[start_row:start_row + size]
+            batch[name] = buffer[start:expected]
         return batch
-
-    def _buffer_of(self, array: Array) -> tuple[Array, int, int] | None:
-        pointer = int(array.__array_interface__["data"][0])
-        for start, stop, buffer, row_bytes in self._ranges:
-            if start <= pointer < stop and buffer.dtype == array.dtype:
-                offset = pointer - start
-                if offset % row_bytes:
-                    return None
-                return buffer, row_bytes, offset // row_bytes
-        return None
 
 
 def _copy_into_rows(buffers: dict[str, Array], signature: ModelSignature, tensors: Any,
