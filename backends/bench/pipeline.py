@@ -189,11 +189,13 @@ async def _one_run(bench: PipelineBench, mode: str, batches: int) -> dict[str, f
     the median of each step."""
     bench.timings, bench._last_run_end = Timings(), None
     bench.staging_on = mode == "staged"
+    staged_before = bench.runner.staged_batches
     started, cpu_started = time.monotonic(), time.process_time()
     await (bench.serial(batches) if mode == "serial" else bench.overlapped(batches))
     wall = time.monotonic() - started
     return {"batches_per_s": batches / wall, "device_busy": sum(bench.timings.run) / wall,
             "cpu_ms_per_batch": (time.process_time() - cpu_started) / batches * 1e3,
+            "staged_share": (bench.runner.staged_batches - staged_before) / batches,
             **bench.timings.medians_ms()}
 
 
@@ -223,7 +225,8 @@ async def _measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m zserve.backends.bench.pipeline``: see the module docstring."""
+    """``python -m zserve.backends.bench.pipeline``: see the module docstring. Prints one JSON
+    object: per mode the medians (``staged_share``: the batches run as a slice of a slot)."""
     parser = argparse.ArgumentParser(prog="zserve.backends.bench.pipeline",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--executor", default="emulated", help="emulated, cnn or mlp")
