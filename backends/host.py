@@ -114,16 +114,19 @@ HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unst
 # --------------------------------------------------------------------------- executors
 
 
-def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
+def build_executor(device: str, models: Sequence[ModelConfig],
+                   onnx_io: str = "iobinding") -> Executor:
     """The executor for ``device``: emulated for ``emulated`` (every model then needs a profile:
     emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
-    for the ``builtin`` and ``onnx`` models."""
+    for the ``builtin`` and ``onnx`` models, run as ``onnx_io`` says (``[backends] onnx_io``:
+    ``iobinding``, ``bound``, ``graph`` or ``tensorrt``; ``zserve.backends.onnx_binding``)."""
     if device == "emulated":
         from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
         return EmulatedExecutor([EmulatedModel.from_config(m) for m in models])
     from zserve.backends.builtin import ModelSpec, ensure_builtin
     from zserve.backends.onnx_executor import OnnxExecutor
+    from zserve.backends.onnx_session import SessionConfig
 
     specs: list[ModelSpec] = []
     for m in models:
@@ -133,7 +136,10 @@ def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
             specs.append(ModelSpec(m.name, Path(m.onnx)))
         else:
             raise ValueError(f"model {m.name!r} ({m.kind}) needs device 'emulated', not {device!r}")
+    config = SessionConfig(bound_buffers=onnx_io in ("bound", "graph"),
+                           cuda_graph=onnx_io == "graph", tensorrt=onnx_io == "tensorrt")
     return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models},
+                        config=config,
                         session_batch_sizes={m.name: m.session_batch_sizes for m in models
                                              if m.session_batch_sizes})
 
@@ -569,7 +575,8 @@ async def _serve(config: RoleConfig, control_address: str | None,
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
         served = [m for m in config.models if config.serve is None or m.name in config.serve]
         host = BackendHost(name=name, device=config.device,
-                           executor=build_executor(config.device, served),
+                           executor=build_executor(config.device, served,
+                                                   config.cluster.backends.onnx_io),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
                            reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,
                            report=session.link.send)

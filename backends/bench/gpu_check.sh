@@ -21,6 +21,7 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/zserve-gpu-check.XXXXXX)
 SUMMARY="$OUT/summary.txt"
 GOODPUT_S=${GOODPUT_S:-12}
+LIVE_IO=${LIVE_IO:-iobinding}  # [backends] onnx_io of the live clusters (after the modes: the best)
 DEVICE=${DEVICE:-cuda}
 EXEC_DEVICE=$([[ $DEVICE == cpu ]] && echo cpu || echo cuda:0)
 # Every step's timeout is cut to what is left of this, so the whole script ends within it.
@@ -130,6 +131,7 @@ reply_allowance_ms = 3.0
 [backends]
 count = 1
 device = "$DEVICE"
+onnx_io = "$LIVE_IO"
 [[models]]
 name = "r50"
 onnx = "$2"
@@ -150,7 +152,7 @@ live() {  # NAME ONNX SLO_MS D_DATA_MS
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   local busy; busy=$(awk -F', ' '{gsub(/ %/,"",$2); if ($2 > 0) {s += $2; n++}}
                      END {if (n) printf "%.2f", s / n / 100; else print "?"}' "$OUT/gpu-$1.csv")
-  log "live $1 (exit $rc; nvidia-smi busy while serving: $busy):"
+  log "live $1, onnx_io $LIVE_IO (exit $rc; nvidia-smi busy while serving: $busy):"
   grep -E "^zserve demo: (goodput|FAIL|[0-9]+ lone|burst)|^ +at that rate" \
     "$OUT/live-$1.txt" | tail -6 \
     | tee -a "$SUMMARY"

@@ -11,8 +11,10 @@ import onnxruntime as ort
 import pytest
 
 from zserve.backends.executor import ModelLoadError
+from zserve.backends.host import build_executor
 from zserve.backends.onnx_executor import OnnxExecutor
 from zserve.backends.onnx_session import SessionConfig, cuda_output_error
+from zserve.config.cluster import ConfigError, parse_config
 
 SIZES = (1, 2, 4, 8)
 
@@ -95,3 +97,19 @@ def test_a_staged_slice_grows_into_its_padding_in_place(plain: OnnxExecutor,
         assert not executor._loaded["mlp"].host_buffers["features"].any()  # never copied in
         for g, w in zip(got, plain.run("mlp", requests), strict=True):
             np.testing.assert_allclose(g["logits"], w["logits"], rtol=1e-6, atol=1e-6)
+
+
+def test_the_cluster_file_chooses_how_onnx_models_run(plain: OnnxExecutor) -> None:
+    """``[backends] onnx_io`` reaches the executor a backend builds; a bad value is one line."""
+    config = parse_config({"backends": {"onnx_io": "bound"},
+                           "models": [{"name": "mlp", "builtin": "mlp", "slo_ms": 100,
+                                       "max_batch": 8, "session_batch_sizes": [2, 8]}]})
+    executor = build_executor("cpu", config.models, config.backends.onnx_io)
+    assert isinstance(executor, OnnxExecutor)
+    with executor:
+        assert executor._loaded["mlp"].bound_sessions.keys() == {2, 8}
+        requests = plain.synthetic_requests("mlp", 5, seed=3)
+        for g, w in zip(executor.run("mlp", requests), plain.run("mlp", requests), strict=True):
+            np.testing.assert_allclose(g["logits"], w["logits"], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="onnx_io"):
+        parse_config({"backends": {"onnx_io": "fast"}})
