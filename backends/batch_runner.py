@@ -1,8 +1,10 @@
 """The executor side of a backend: a follower's RunBatch assembled, run and timed.
 
 ``BatchRunner`` owns the preallocated batch buffers (one per model input, max_batch rows, touched
-at start-up) and the device's ``BusyMeter``. ``run`` stacks the batch's inputs with one copy per
-input (none for a batch of one), awaits ``Executor.run_async`` (ONNX Runtime in the executor's
+at start-up), the staging slots the host copies each request's inputs into as they arrive
+(``zserve.backends.staging``) and the device's ``BusyMeter``. ``run`` hands a staged batch over as
+one slice of its slot (no copy), else stacks the batch's inputs with one copy per input (none for
+a batch of one), awaits ``Executor.run_async`` (ONNX Runtime in the executor's
 worker thread, an emulated batch by timer) and returns the outputs, or the error that failed this
 batch only. The process host (``zserve.backends.host``) sends what it returns.
 """
@@ -16,6 +18,7 @@ import numpy as np
 
 from zserve.backends.executor import Executor, TensorMap
 from zserve.backends.follower import RunBatch
+from zserve.backends.staging import StagingSlots
 from zserve.core.stats import Stats
 from zserve.runtime.clock import ClusterClock
 
@@ -79,33 +82,47 @@ class BatchRunner:
         self._run = stats.histograms["run"]
         self.busy = BusyMeter(clock.now())
         self._buffers: dict[tuple[str, str], np.ndarray[Any, Any]] = {}
+        # Each request's rows copied in on arrival (zserve.backends.staging); the host claims,
+        # stages and releases, ``assemble`` reads a staged batch back without a copy.
+        self.staging = StagingSlots()
+        self.staged_batches = 0  # batches handed to the executor as one slice of a slot
 
     def allocate(self, model: str) -> None:
-        """The batch buffers of ``model``, every page touched now, not on the first batch."""
+        """The batch buffers and staging slots of ``model``, every page touched now, not on
+        the first batch."""
         max_batch = self.executor.max_batch(model)
-        for spec in self.executor.signature(model).inputs:
+        signature = self.executor.signature(model)
+        for spec in signature.inputs:
             buffer = np.empty((max_batch, *(int(d or 0) for d in spec.shape)),
                               np.dtype(spec.dtype))
             buffer.fill(0)
             self._buffers[(model, spec.name)] = buffer
+        self.staging.allocate(model, signature, max_batch, self.executor.host_buffer)
 
     def free(self, model: str) -> None:
-        """Drop ``model``'s batch buffers (it was unloaded)."""
+        """Drop ``model``'s batch buffers and staging slots (it was unloaded)."""
         for key in [key for key in self._buffers if key[0] == model]:
             del self._buffers[key]
+        self.staging.free(model)
 
     def assemble(self, model: str, requests: list[TensorMap],
                  size: int | None = None) -> TensorMap:
         """One stacked batch of ``size`` rows (default: one per request): the requests' rows
         concatenated along axis 0, one copy per input into the preallocated buffer, none for
         one request. A request whose arrays do not match, or more rows than the buffer holds,
-        fails the batch (ValueError/TypeError)."""
+        fails the batch (ValueError/TypeError). Requests staged side by side in one slot are
+        that slot's slice: no copy."""
         if len(requests) == 1:
             return requests[0]
         batch: TensorMap = {}
         if size is None:
             size = len(requests)
-        for spec in self.executor.signature(model).inputs:
+        signature = self.executor.signature(model)
+        staged = self.staging.contiguous(requests, signature.input_names, size)
+        if staged is not None:
+            self.staged_batches += 1
+            return staged
+        for spec in signature.inputs:
             buffer = self._buffers[(model, spec.name)]
             np.concatenate([r[spec.name] for r in requests], axis=0, out=buffer[:size],
                            casting="no")

@@ -9,6 +9,8 @@ seeded numpy weights the first time they are needed, and cached as ONNX files:
   caches whether the batch holds 1 image or 32, so the model shows a clear batching effect on a
   CPU (``l(b) = alpha*b + beta`` with beta several times alpha), like a real CNN on a GPU.
 - ``mlp``: float32 ``N x 64`` -> ``N x 10``, two dense layers; tiny, for fast tests.
+- ``cnn-u8`` / ``cnn-f16``: ``cnn`` taking uint8 pixels (normalised inside the graph) or float16
+  images: a quarter or half of the bytes on the wire (``zserve.backends.wire_inputs``).
 
 Every input and output has the dynamic batch dimension ``"N"``.
 
@@ -33,6 +35,7 @@ Command line (``zserve models``)::
     zserve models list            # the built-in models, whether they are cached, and their paths
     zserve models build [NAME..]  # build (all, by default) into the cache
     zserve models path NAME       # print the cached file's path (building it if needed)
+    zserve models narrow IN.onnx OUT.onnx --input uint8|float16   # smaller inputs on the wire
 """
 
 from __future__ import annotations
@@ -257,11 +260,26 @@ def _build_mlp() -> bytes:
     return g.model_bytes("zserve_mlp", "features", [BATCH_DIM, 64], "logits", [BATCH_DIM, 10])
 
 
+def _build_cnn_u8() -> bytes:
+    from zserve.backends.wire_inputs import narrow_input
+
+    return narrow_input(_build_cnn(), "uint8")
+
+
+def _build_cnn_f16() -> bytes:
+    from zserve.backends.wire_inputs import narrow_input
+
+    return narrow_input(_build_cnn(), "float16")
+
+
 _BUILTINS: dict[str, BuiltinModel] = {
     model.name: model
     for model in (
         BuiltinModel("cnn", 1, "ResNet-style CNN, float32 Nx3x64x64 -> Nx10", _build_cnn),
         BuiltinModel("mlp", 1, "two-layer MLP, float32 Nx64 -> Nx10", _build_mlp),
+        BuiltinModel("cnn-u8", 1, "cnn taking uint8 pixels, normalised in the graph",
+                     _build_cnn_u8),
+        BuiltinModel("cnn-f16", 1, "cnn taking float16 Nx3x64x64", _build_cnn_f16),
     )
 }
 
@@ -283,6 +301,11 @@ def main(argv: Sequence[str]) -> int:
     build.add_argument("names", nargs="*", help="models to build (default: all)")
     path = sub.add_parser("path", help="print a built-in model's path, building it if needed")
     path.add_argument("name")
+    narrow = sub.add_parser("narrow", help="rewrite a float32 image model to take uint8 "
+                            "(normalised in the graph) or float16 inputs")
+    narrow.add_argument("source", type=Path)
+    narrow.add_argument("target", type=Path)
+    narrow.add_argument("--input", choices=("uint8", "float16"), default="uint8")
     args = parser.parse_args(list(argv))
 
     try:
@@ -291,13 +314,18 @@ def main(argv: Sequence[str]) -> int:
             for model in _BUILTINS.values():
                 file = builtin_path(model.name)
                 state = "cached" if file.is_file() else "not built"
-                print(f"  {model.name:<6} {model.description:<48} {state:<9} {file}")
+                print(f"  {model.name:<7} {model.description:<52} {state:<9} {file}")
+        elif args.action == "narrow":
+            from zserve.backends.wire_inputs import narrow_input
+
+            args.target.write_bytes(narrow_input(args.source.read_bytes(), args.input))
+            print(args.target)
         elif args.action == "build":
             for name in args.names or builtin_names():
                 print(ensure_builtin(name))
         else:
             print(ensure_builtin(args.name))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"zserve models: {exc}", file=sys.stderr)
         return 2
     return 0

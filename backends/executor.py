@@ -160,6 +160,11 @@ class Executor(abc.ABC):
     def memory_bytes(self, model: str) -> int:
         """Bytes of device memory ``model`` holds (see each executor for what is counted)."""
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+        """A zeroed host buffer for batch rows (an executor on a GPU pins it, so that the copy
+        to the device runs at full bus speed)."""
+        return np.zeros(shape, dtype)
+
     def validate_request(self, model: str, inputs: Any) -> None:
         """Raise ``BadRequestError`` unless ``inputs`` is one valid request for ``model``."""
         self.signature(model).validate_request(inputs)

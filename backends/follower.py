@@ -304,6 +304,15 @@ class PlanFollower:
         self.latency_s.pop(model, None)
         self.max_batch.pop(model, None)
 
+    def holds(self, plan_id: int) -> bool:
+        """Whether plan ``plan_id`` is held (waiting, or its batch running until done)."""
+        return plan_id in self._plans
+
+    def fetching(self, plan_id: int) -> bool:
+        """Whether plan ``plan_id`` is held and has not started (its inputs are still taken)."""
+        held = self._plans.get(plan_id)
+        return held is not None and not held.started_at
+
     def plans_of(self, model: str) -> int:
         """The plans of ``model`` held or running."""
         return sum(1 for held in self._plans.values() if held.plan.model == model)

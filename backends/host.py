@@ -106,22 +106,27 @@ ROLE = "backend"
 PROFILE_REPEATS = 3
 # stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
 # refused (zserve.core.epochs)
-HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
+# plans_unstaged: plans of a staged model admitted while every staging slot of their model was
+# held (their batch is assembled when it starts, zserve.backends.staging)
+HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
 
 
 # --------------------------------------------------------------------------- executors
 
 
-def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
+def build_executor(device: str, models: Sequence[ModelConfig],
+                   onnx_io: str = "iobinding") -> Executor:
     """The executor for ``device``: emulated for ``emulated`` (every model then needs a profile:
     emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
-    for the ``builtin`` and ``onnx`` models."""
+    for the ``builtin`` and ``onnx`` models, run as ``onnx_io`` says (``[backends] onnx_io``:
+    ``iobinding``, ``bound``, ``graph`` or ``tensorrt``; ``zserve.backends.onnx_binding``)."""
     if device == "emulated":
         from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
         return EmulatedExecutor([EmulatedModel.from_config(m) for m in models])
     from zserve.backends.builtin import ModelSpec, ensure_builtin
     from zserve.backends.onnx_executor import OnnxExecutor
+    from zserve.backends.onnx_session import SessionConfig
 
     specs: list[ModelSpec] = []
     for m in models:
@@ -131,7 +136,10 @@ def build_executor(device: str, models: Sequence[ModelConfig]) -> Executor:
             specs.append(ModelSpec(m.name, Path(m.onnx)))
         else:
             raise ValueError(f"model {m.name!r} ({m.kind}) needs device 'emulated', not {device!r}")
+    config = SessionConfig(bound_buffers=onnx_io in ("bound", "graph"),
+                           cuda_graph=onnx_io == "graph", tensorrt=onnx_io == "tensorrt")
     return OnnxExecutor(specs, device=device, max_batch={m.name: m.max_batch for m in models},
+                        config=config,
                         session_batch_sizes={m.name: m.session_batch_sizes for m in models
                                              if m.session_batch_sizes})
 
@@ -365,6 +373,7 @@ class BackendHost:
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
+                self._claim_slot(msg)
                 if acks is not None and identity is not None:
                     acks.setdefault(identity, []).append(msg.plan_id)
             elif isinstance(msg, StatsRequest):
@@ -375,6 +384,14 @@ class BackendHost:
         for identity, plan_ids in (acks or {}).items():
             self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
         self.driver.flush(outbox)
+
+    def _claim_slot(self, plan: BatchPlan) -> None:
+        """A staging slot for a plan the follower now holds: its inputs are copied into their
+        rows as they arrive (``zserve.backends.staging``)."""
+        follower, staging = self.follower, self.runner.staging
+        if (follower.holds(plan.plan_id) and staging.stages(plan.model)
+                and not staging.claim(plan, follower.holds)):
+            self.counters["plans_unstaged"] += 1
 
     def _admit_plan(self, plan: BatchPlan) -> bool:
         """The epoch fence: a plan of an older scheduler epoch than the newest seen never runs
@@ -410,6 +427,7 @@ class BackendHost:
         outbox: Outbox = []
         for _, msg in messages:
             if isinstance(msg, InputReply):
+                self.runner.staging.stage(address, msg, self.follower.fetching)
                 self.follower.on_input_reply(self.clock.now(), address, msg, outbox)
             elif isinstance(msg, CancelFetched):
                 self.follower.on_cancel_fetched(self.clock.now(), address, msg, outbox)
@@ -436,6 +454,7 @@ class BackendHost:
                 outbox=outbox))
             follower.histograms["push"].observe(self.clock.now() - result.finished_at)
         finally:
+            self.runner.staging.release(run.plan.plan_id)
             self.driver.run(lambda now, outbox: follower.on_batch_done(
                 now, ok=not result.error, finished_at=result.finished_at, outbox=outbox))
 
@@ -505,6 +524,8 @@ class BackendHost:
                         "busy_s": self.runner.busy.take(self.clock.now(), reset)},
             "batch_sizes": {m: dict(h) for m, h in batches.batch_histogram.items()},
             "busy_total_s": self.runner.busy.total(self.clock.now()),
+            # batches handed to the executor as one slice of a staging slot (no assembly copy)
+            "staged_batches": self.runner.staged_batches,
             "clock": self.clock.stats(),
             **self.follower.stats.snapshot(reset),
             "counters": counters,
@@ -554,7 +575,8 @@ async def _serve(config: RoleConfig, control_address: str | None,
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
         served = [m for m in config.models if config.serve is None or m.name in config.serve]
         host = BackendHost(name=name, device=config.device,
-                           executor=build_executor(config.device, served),
+                           executor=build_executor(config.device, served,
+                                                   config.cluster.backends.onnx_io),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
                            reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,
                            report=session.link.send)

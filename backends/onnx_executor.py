@@ -25,7 +25,8 @@ ResNet50 on an H200 against 1.4-7.8 ms at a fixed size, whatever ``cudnn_conv_al
 (docs/performance.md, "On a GPU"). A CUDA model therefore gets one session per batch size of
 ``SessionConfig.session_batch_sizes`` (default ``default_cuda_batch_sizes``: 1, 2, 3, 4, 6, 8,
 12, 16, 24, 32, ... up to ``max_batch``); a batch runs in the smallest session that holds it, with
-the rows past the batch left as padding (zeroed at load, their outputs never read). Each session
+the rows past the batch left as padding (zeroed at load; past a staged batch, the staging slot's
+next rows, read in place with no copy; their outputs are never read). Each session
 holds its own copy of the weights: the price is GPU memory (about ten copies for a max_batch of
 32) and load time; the padding costs at most a third of a batch's rows. CPU models get one
 session for every size unless ``session_batch_sizes`` is set.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from zserve.backends.onnx_session import (
     default_cuda_batch_sizes,
     parse_device,
     preload_cuda_libraries,
+    tensorrt_provider_options,
 )
 from zserve.config.signature import ModelSignature, TensorSpec
 from zserve.core.errors import BackendFailedError, BadRequestError
@@ -199,6 +201,25 @@ def _same_memory(a: Any, b: Any) -> bool:
     return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
+def _grown_in_place(array: Array, rows: int) -> Array | None:
+    """``array``'s first ``rows`` rows read on past its end within the buffer it slices, or None
+    when it is no row slice of a C-contiguous buffer holding that many rows from its start."""
+    base = array.base
+    if (not isinstance(base, np.ndarray) or not base.flags.c_contiguous
+            or not array.flags.c_contiguous or base.dtype != array.dtype
+            or base.shape[1:] != array.shape[1:] or base.ndim == 0):
+        return None
+    row_bytes = base.strides[0]
+    offset = (array.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    if row_bytes <= 0 or offset < 0 or offset % row_bytes:
+        return None
+    start = offset // row_bytes
+    if start + rows > base.shape[0]:
+        return None
+    grown: Array = base[start:start + rows]
+    return grown
+
+
 @dataclass(slots=True)
 class _LoadedModel:
     spec: ModelSpec
@@ -212,6 +233,8 @@ class _LoadedModel:
     device_buffers: dict[str, Any]  # input name -> CuPy array, allocated on first CuPy batch
     static_outputs: bool  # every output's per-sample shape is fixed
     file_bytes: int
+    # Batch size -> its session bound to preallocated buffers (SessionConfig.bound_buffers).
+    bound_sessions: dict[int, Any] = field(default_factory=dict)
 
 
 class OnnxExecutor(Executor):
@@ -341,8 +364,13 @@ class OnnxExecutor(Executor):
             session, rows_run = self._session_for(loaded, batch_size)
             if rows_run != batch_size:
                 feed = self._padded(loaded, feed, batch_size, rows_run)
+            bound = loaded.bound_sessions.get(rows_run)
+            if bound is not None and any(_is_cupy(a) for a in feed.values()):
+                bound = None  # device inputs: the CuPy path below
             try:
-                if self._kind == "cuda":
+                if bound is not None:
+                    outputs = bound.run(feed, batch_size)
+                elif self._kind == "cuda":
                     outputs = self._run_cuda(loaded, session, feed, rows_run)
                 else:
                     values = session.run(loaded.output_names, feed)
@@ -392,7 +420,15 @@ class OnnxExecutor(Executor):
                                       np.dtype(s.dtype))
             for s in signature.inputs
         }
+        bound: dict[int, Any] = {}
+        if self.config.bound_buffers and sizes:
+            from zserve.backends.onnx_binding import BoundSession
+
+            bound = {size: BoundSession(session_of_size, signature, size, device=self._kind,
+                                        device_id=self._device_id)
+                     for size, session_of_size in sessions.items()}
         return _LoadedModel(
+            bound_sessions=bound,
             spec=spec,
             max_batch=limit,
             session=session,
@@ -416,10 +452,17 @@ class OnnxExecutor(Executor):
                 "pip install 'zserve[gpu]')"
             )
         preload_cuda_libraries(ort)
-        return [
+        providers: list[Any] = [
             ("CUDAExecutionProvider", self.config.cuda_provider_options(self._device_id)),
             "CPUExecutionProvider",
         ]
+        if self.config.tensorrt:
+            if "TensorrtExecutionProvider" not in available:
+                raise ModelLoadError(f"model {spec.name!r}: tensorrt is set but this "
+                                     f"onnxruntime has only {available}")
+            providers.insert(0, ("TensorrtExecutionProvider",
+                                 tensorrt_provider_options(self._device_id)))
+        return providers
 
     def _open_sessions(self, spec: ModelSpec, sizes: Sequence[int]) -> dict[int, Any]:
         """One InferenceSession per batch size in ``sizes``."""
@@ -442,6 +485,9 @@ class OnnxExecutor(Executor):
                     f"{self.device} (CUDA/cuDNN libraries missing?); refusing to run on the CPU"
                 )
         return sessions
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+        return self._host_buffer(shape, dtype)
 
     def _host_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
         if self._kind == "cuda":
@@ -468,10 +514,16 @@ class OnnxExecutor(Executor):
 
     def _padded(self, loaded: _LoadedModel, feed: TensorMap, batch_size: int,
                 rows: int) -> TensorMap:
-        """``feed`` grown to ``rows`` rows: the batch buffer's first ``rows`` rows, the batch
-        copied in unless it was assembled there."""
+        """``feed`` grown to ``rows`` rows: a host batch that is a row slice of a larger buffer
+        with ``rows`` rows from its start (a staged batch: ``zserve.backends.staging``) grows in
+        place, whatever those rows hold (padding); otherwise the batch buffer's first ``rows``
+        rows, the batch copied in unless it was assembled there."""
         padded: TensorMap = {}
         for name, array in feed.items():
+            grown = None if _is_cupy(array) else _grown_in_place(array, rows)
+            if grown is not None:
+                padded[name] = grown
+                continue
             if _is_cupy(array):
                 buffer = self._device_buffer(loaded, name)
             else:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 import numpy as np
 
 _GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
+# Where the TensorRT provider keeps the engines it built (SessionConfig.tensorrt).
+TENSORRT_CACHE_DIR = "/tmp/zserve-tensorrt"
 # How far a CUDA run's outputs may sit from the CPU provider's (``cuda_output_error``): cuDNN runs
 # FP32 convolutions in TF32 (10-bit mantissa) by default and picks different kernels per batch
 # size. TF32's error scales with the tensor, not with each element: on an H200 a random-weight
@@ -39,6 +41,15 @@ class SessionConfig:
         (docs/performance.md, "On a GPU") HEURISTIC ran ResNet50 as fast as EXHAUSTIVE at a
         fixed size (1.42 against 1.48 ms at b1, 6.84 against 7.77 at b32) and builds a new
         shape's plan faster; DEFAULT was 2.6-5x slower.
+    bound_buffers: run each fixed-size session through IOBinding with inputs and outputs
+        bound once to preallocated buffers (``zserve.backends.onnx_binding``; on CUDA device
+        buffers filled on a copy stream). Needs fixed-size sessions (``session_batch_sizes``,
+        the default on a GPU); others run as before.
+    cuda_graph: the CUDA provider's ``enable_cuda_graph``: each fixed-size session captures its
+        graph on the first run and replays it. Needs ``bound_buffers`` (fixed addresses).
+    tensorrt: put ONNX Runtime's TensorRT provider (fp16 engines, cached under
+        ``TENSORRT_CACHE_DIR``) before the CUDA one; a model load fails when this onnxruntime
+        has no TensorRT provider. Engines build at the first run of each shape (minutes).
     log_severity: ONNX Runtime log level, 0 (verbose) .. 4 (fatal); default 3 (errors).
     session_batch_sizes: the batch sizes that get a session of their own, each batch padded to
         the smallest of them that holds it (module docstring). Empty (default): on a GPU
@@ -58,8 +69,14 @@ class SessionConfig:
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     log_severity: int = 3
     session_batch_sizes: tuple[int, ...] = ()
+    bound_buffers: bool = False
+    cuda_graph: bool = False
+    tensorrt: bool = False
 
     def __post_init__(self) -> None:
+        if self.cuda_graph and not self.bound_buffers:
+            raise ValueError("cuda_graph needs bound_buffers (a CUDA graph replays fixed "
+                             "addresses)")
         if any(size < 1 for size in self.session_batch_sizes):
             raise ValueError(f"session_batch_sizes must be >= 1, got {self.session_batch_sizes}")
         if self.graph_optimization not in _GRAPH_OPT_LEVELS:
@@ -103,7 +120,15 @@ class SessionConfig:
         }
         if self.gpu_mem_limit_bytes is not None:
             options["gpu_mem_limit"] = str(self.gpu_mem_limit_bytes)
+        if self.cuda_graph:
+            options["enable_cuda_graph"] = "1"
         return options
+
+
+def tensorrt_provider_options(device_id: int) -> dict[str, str]:
+    """The TensorRT provider's options: fp16 engines, cached across sessions and processes."""
+    return {"device_id": str(device_id), "trt_fp16_enable": "1",
+            "trt_engine_cache_enable": "1", "trt_engine_cache_path": TENSORRT_CACHE_DIR}
 
 
 def default_cuda_batch_sizes(max_batch: int) -> tuple[int, ...]:

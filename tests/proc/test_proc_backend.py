@@ -35,6 +35,7 @@ ALPHA_MS = 2.0
 BETA_MS = 20.0  # l(b) = 2b + 20 ms: long enough that overlapping plans really overlap
 MAX_BATCH = 8
 MODEL = "emu"
+ROW_FLOATS = 8192  # 32 KiB rows: staged (zserve.backends.staging.STAGING_MIN_ROW_BYTES)
 FRONTEND = "frontend-0"
 
 
@@ -78,11 +79,17 @@ class BackendRig:
         return self.rank.expect(BatchStats, where=lambda m: m.plan_id == plan_id)[1]
 
 
-def start_backend(h: Harness, *, drain_s: float = 5.0,
-                  frontend_in_peers: bool = False) -> BackendRig:
+def wide_input(request_id: int) -> dict[str, np.ndarray]:
+    """One request's input of ``ROW_FLOATS`` values, each its id."""
+    return {"x": np.full((1, ROW_FLOATS), float(request_id), np.float32)}
+
+
+def start_backend(h: Harness, *, drain_s: float = 5.0, frontend_in_peers: bool = False,
+                  input_shape: tuple[int, ...] = (4,)) -> BackendRig:
     cluster = cluster_config(
         [{"name": MODEL, "max_batch": MAX_BATCH,
-          "emulated": {"alpha_ms": ALPHA_MS, "beta_ms": BETA_MS}}],
+          "emulated": {"alpha_ms": ALPHA_MS, "beta_ms": BETA_MS,
+                       "input_shape": list(input_shape)}}],
         cluster={"drain_s": drain_s},
         backends={"device": "emulated"},
     )
@@ -152,6 +159,53 @@ def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:
     assert stats.ok and stats.batch_size == 3
     assert stats.started_at >= exec_at
     assert stats.finished_at - stats.started_at >= (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3
+
+
+def test_proc_backend_stages_each_input_into_its_row_as_it_arrives(tmp_path: Path) -> None:
+    """Rows of 32 KiB (staged: zserve.backends.staging). Two plans held at once: each one's
+    inputs are copied into its staging slot on arrival and its batch runs as that slot's slice
+    (``staged_batches``); a request missing in the middle breaks the rows apart, so that batch is
+    assembled by copy. Every answer is its own."""
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, input_shape=(ROW_FLOATS,))
+        now = time.monotonic()
+        rig.plan(1, [21, 22, 23], now + 0.04)
+        rig.plan(2, [31, 32, 33, 34], now + 0.05)
+        for _ in range(2):
+            identity, fetch = rig.frontend.expect(InputFetch)
+            rig.frontend.send(InputReply(fetch.plan_id, fetch.request_ids,
+                                         [wide_input(rid) for rid in fetch.request_ids], []),
+                              identity)
+        rig.plan(3, [41, 42, 43], time.monotonic() + 0.03)
+        identity, fetch = rig.frontend.expect(InputFetch)
+        rig.frontend.send(InputReply(fetch.plan_id, [41, 43],
+                                     [wide_input(41), wide_input(43)], [42]), identity)
+        answered: dict[int, float] = {}
+        for _ in range(3):
+            _, out = rig.frontend.expect(BatchOutputs)
+            answered.update({rid: float(o["y"][0, 0]) for rid, o in
+                             zip(out.request_ids, out.outputs, strict=True)})
+        assert sorted(answered) == [21, 22, 23, 31, 32, 33, 34, 41, 43]
+        # each request got the answer to its own inputs: 2 * sum + the model's constant
+        assert len({value - 2 * ROW_FLOATS * rid for rid, value in answered.items()}) == 1
+        rig.shard.send(StatsRequest(reset=False))
+        _, reply = rig.shard.expect(StatsReply)
+        assert reply.stats["staged_batches"] == 2
+        assert reply.stats["counters"]["plans_unstaged"] == 0
+    finally:
+        h.close()
+
+
+def test_proc_backend_does_not_stage_small_rows(rig: BackendRig) -> None:
+    """Rows of 16 bytes: copied when the batch starts (cheaper than staging), answered alike."""
+    rig.plan(1, [11, 12], time.monotonic() + 0.03)
+    rig.serve_fetch()
+    rig.frontend.expect(BatchOutputs)
+    rig.shard.send(StatsRequest(reset=False))
+    _, reply = rig.shard.expect(StatsReply)
+    assert reply.stats["staged_batches"] == 0
+    assert reply.stats["counters"]["plans_unstaged"] == 0
 
 
 def test_proc_backend_reports_busy_time_per_stats_window(rig: BackendRig) -> None:

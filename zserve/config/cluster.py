@@ -63,6 +63,7 @@ Count = Annotated[int, msgspec.Meta(ge=1)]
 Dimension = Annotated[int, msgspec.Meta(ge=1)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
+ONNX_IO_MODES = ("iobinding", "bound", "graph", "tensorrt")
 DEVICE_RE = re.compile(r"^(cpu|emulated|cuda|cuda:\d+)$")
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})$")
 
@@ -323,8 +324,15 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # zserve.orchestrator.memory) or GiB; None: not checked. Preflight refuses the models
     # started on every backend if their weights + largest activations exceed it.
     memory: str | float | None = None
+    # How ONNX Runtime models run (zserve.backends.onnx_session.SessionConfig): "iobinding" (the
+    # default), "bound" (fixed-size sessions bound once to preallocated buffers), "graph" (bound,
+    # plus CUDA graphs) or "tensorrt" (the TensorRT provider, fp16, before the CUDA one).
+    onnx_io: str = "iobinding"
 
     def __post_init__(self) -> None:
+        if self.onnx_io not in ONNX_IO_MODES:
+            raise FieldError("onnx_io", f"must be one of {', '.join(ONNX_IO_MODES)}, got "
+                                        f"{self.onnx_io!r}")
         if not isinstance(self.memory, str):
             check_finite("memory", self.memory, positive=True)
         if not DEVICE_RE.match(self.device):
