@@ -92,6 +92,7 @@ from zserve.transport.messages import (
     Message,
     ModelReport,
     PlanAck,
+    RetireBackend,
     StatsReply,
     StatsRequest,
     UnloadModel,
@@ -183,6 +184,9 @@ class BackendHost:
         self.fence = EpochFence()
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
+        # Released by the autoscaler (``RetireBackend``): every registration says so, so a rank
+        # that takes over (or restarts) mid-release grants this GPU nothing new either.
+        self.retiring = False
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
@@ -248,9 +252,14 @@ class BackendHost:
         self._spawn(self.liveness.heartbeat_loop())
 
     def on_control_message(self, msg: Any) -> None:
-        """The supervisor's commands: load or unload a model (``ModelLifecycle``)."""
+        """The supervisor's commands: load or unload a model (``ModelLifecycle``); the
+        autoscaler's release (``RetireBackend``: register again as retiring)."""
         if isinstance(msg, LoadModel | UnloadModel) and not self.follower.draining:
             self._spawn(self.lifecycle.handle(msg))
+        elif isinstance(msg, RetireBackend) and msg.name == self.name and not self.retiring:
+            log.info("%s: released by the autoscaler: registering as retiring", self.name)
+            self.retiring = True
+            self._announce()
         else:
             log.debug("%s: ignoring control %s", self.name, type(msg).__name__)
 
@@ -283,6 +292,7 @@ class BackendHost:
                 profiles_ms=profiles_ms,
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
                 device_free_at=self.follower.device_free_at(free_at),
+                retiring=self.retiring,
             ),
         )
 
@@ -495,6 +505,7 @@ class BackendHost:
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
+            "retiring": self.retiring,
             # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
             # heartbeats to the rank and no plan acknowledgements while it lasts
             "wedged": self.liveness.wedged(self.clock.now()),

@@ -13,7 +13,9 @@ to ``min_backends .. max_backends``:
 - **Releasing**: the highest-numbered backends first (deferred scheduling binds a batch to the
   first free GPU in id order, so they are the idlest). A released backend is drained, never
   killed with work: the rank gets ``RetireBackend`` (no new grants; the backend stays in the
-  table, so the plans it holds run and are answered), and once ``quiet_s`` has passed (longer
+  table, so the plans it holds run and are answered), and so does the backend, which says
+  ``retiring`` in every registration from then on (a standby that takes over mid-release
+  learns the release from it and grants it nothing), and once ``quiet_s`` has passed (longer
   than any plan in flight can take to arrive) and the backend reports no plan held, it gets
   ``Shutdown``. Its exit is announced like a death (``BackendGone``: the table drops it; it
   holds nothing to fail) and the supervisor does not restart it.
@@ -150,15 +152,29 @@ class BackendAutoscaler:
 
     # ------------------------------------------------------------------ releasing
 
+    def release(self, now: float, name: str) -> None:
+        """Release backend ``name`` now, as the advice releases one (an operator's choice of
+        which; the advice's is the highest-numbered). Raises ValueError for a name that is not
+        a serving backend this autoscaler keeps."""
+        child = self.children.get(name)
+        if child is None or child.role != "backend" or child.retiring or not child.ready:
+            raise ValueError(f"{name} is not a serving backend (released already, or unknown)")
+        self._retire(now, child)
+
     def _retire(self, now: float, child: SupervisedChild) -> None:
+        """Tell every rank host and the backend itself: the backend says ``retiring`` in its
+        registrations from then on, so a standby that takes over mid-release (or a restarted
+        rank) grants it nothing either."""
         log.warning("autoscaler: releasing %s (draining it first)", child.name)
         child.retiring = True
         self._retiring[child.name] = _Retirement(child, now)
         self.events.append((now, RETIRE, child.name))
+        notice = RetireBackend(name=child.name)
+        self._send(child, notice)
         for host in rank_host_names(self.config):
             rank = self.children.get(host)
             if rank is not None and rank.ready and rank.alive:
-                self._send(rank, RetireBackend(name=child.name))
+                self._send(rank, notice)
 
     def _advance(self, retirement: _Retirement, now: float) -> None:
         """A released backend: asked whether it holds plans once quiet, shut down when it

@@ -810,6 +810,15 @@ class Cluster:
         scaler = self._sup.autoscaler
         return [] if scaler is None else self._sup.call(lambda: list(scaler.events))
 
+    def release_backend(self, name: str) -> None:
+        """Release backend ``name`` as the autoscaler does (``BackendAutoscaler.release``: no
+        new grants, drained, stopped, not restarted). Needs ``[autoscale]`` enabled and acting;
+        ValueError otherwise or for a name that is not a serving backend."""
+        scaler = self._sup.autoscaler
+        if scaler is None:
+            raise ValueError("releasing a backend needs [autoscale] enabled = true and act = true")
+        self._sup.call(lambda: scaler.release(time.monotonic(), name))
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""
         pid = self.pids()[name]
