@@ -187,6 +187,7 @@ class BackendHost:
         # Released by the autoscaler (``RetireBackend``): every registration says so, so a rank
         # that takes over (or restarts) mid-release grants this GPU nothing new either.
         self.retiring = False
+        self.kind = ""  # its device kind (backends.kinds), in its stats: the advice per kind
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
@@ -499,6 +500,7 @@ class BackendHost:
             "role": ROLE,
             "name": self.name,
             "device": self.device,
+            "kind": self.kind,
             "models": list(self.models),
             "warmed": {m: list(b) for m, b in self.warmed.items()},
             "profiles_ms": {m: p.latency_ms_list() for m, p in self.profiles.items()},
@@ -574,6 +576,7 @@ async def _serve(config: RoleConfig, control_address: str | None,
         session.serve_stats(host.stats)
         session.on_control(host.on_control_message)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
+        host.kind = config.kind  # its device kind, in its stats (per-kind autoscaling)
         host.load_and_warm(config.models)
         peers = {**config.peers, **await session.ready({"plan": plan_address})}
         if session.drain.requested:

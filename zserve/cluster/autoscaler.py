@@ -20,6 +20,11 @@ to ``min_backends .. max_backends``:
   ``Shutdown``. Its exit is announced like a death (``BackendGone``: the table drops it; it
   holds nothing to fail) and the supervisor does not restart it.
 
+Per device kind (``[autoscale.kinds.<kind>]``): each kind is brought to its own advice (the
+frontend's ``autoscale.kinds``) within its own bounds; a backend is added with its kind
+(``RoleConfig.kind``) and, under ``[orchestration]``, joins the sub-cluster with most backends of
+its kind and loads its models (``on_added``: ``OrchestratorHost.join``).
+
 Only backends frontend-0's table lists are released (one still registering could be granted
 after the rank heard ``RetireBackend``). ``events`` records every change (monotonic s, what,
 which backend) for the experiments' plots.
@@ -36,6 +41,7 @@ from typing import Any
 from zserve.cluster.child import SupervisedChild
 from zserve.config.cluster import STANDBY_NAME, ClusterConfig, process_name, role_config
 from zserve.core.liveness import HEARTBEAT_INTERVAL_S
+from zserve.orchestrator.autoscale_kinds import kind_targets
 from zserve.transport.messages import Message, RetireBackend, Shutdown
 
 log = logging.getLogger(__name__)
@@ -78,13 +84,20 @@ class BackendAutoscaler:
                  send: Callable[[SupervisedChild, Message], None],
                  stats: Callable[[str], Future[dict[str, Any]]],
                  ipc_dir: str | None,
-                 on_released: Callable[[], None] = lambda: None) -> None:
+                 on_released: Callable[[], None] = lambda: None,
+                 on_added: Callable[[SupervisedChild], None] = lambda child: None,
+                 on_gone: Callable[[str], None] = lambda name: None) -> None:
         self.config = config
         self.children = children
         self._spawn, self._send, self._stats = spawn, send, stats
         self._on_released = on_released  # `zserve up` rewrites its state file then
+        # the orchestrator places an added backend in a sub-cluster (before it is spawned) and
+        # forgets a released one
+        self._on_added, self._on_gone = on_added, on_gone
         self.ipc_dir = ipc_dir
         self.min_backends, self.max_backends = config.autoscale.bounds(config.backends.total)
+        # [autoscale.kinds]: each kind within its own bounds, on its own advice ({}: one kind)
+        self.kind_bounds = config.autoscale.kind_bounds(config.backends)
         self.interval_s = config.autoscale.interval_s
         longest_slo_s = max((m.slo_ms for m in config.models), default=0.0) / 1e3
         self.quiet_s = max(RETIRE_QUIET_MIN_S, 2 * longest_slo_s + 2 * HEARTBEAT_INTERVAL_S)
@@ -94,10 +107,11 @@ class BackendAutoscaler:
         self.events: list[tuple[float, str, str]] = []
         self.last_advice: int | None = None
 
-    def kept(self) -> list[SupervisedChild]:
-        """The backends not being released, in index order."""
+    def kept(self, kind: str | None = None) -> list[SupervisedChild]:
+        """The backends not being released (of ``kind``, if given), in index order."""
         return sorted((c for c in self.children.values()
-                       if c.role == "backend" and not c.retiring), key=lambda c: c.index)
+                       if c.role == "backend" and not c.retiring
+                       and (kind is None or c.config.kind == kind)), key=lambda c: c.index)
 
     def tick(self, now: float) -> None:
         """One turn: read the advice when due, act on it, move every release along."""
@@ -121,17 +135,37 @@ class BackendAutoscaler:
         if future.exception() is not None:
             return
         stats = future.result()
-        advice = (stats.get("autoscale") or {}).get("advice_backends")
-        if isinstance(advice, int):
+        autoscale = stats.get("autoscale") or {}
+        advice = autoscale.get("advice_backends")
+        registered = set(stats.get("backends") or ())
+        if self.kind_bounds:
+            kinds = autoscale.get("kinds") or {}
+            by_kind = {kind: int(entry["advice_backends"]) for kind, entry in kinds.items()
+                       if isinstance(entry.get("advice_backends"), int)}
+            self.last_advice = sum(by_kind.values()) if by_kind else None
+            self._act_by_kind(now, by_kind, registered)
+        elif isinstance(advice, int):
             self.last_advice = advice
             self._act(now, advice, set(stats.get("backends") or ()))
 
     def _act(self, now: float, advice: int, registered: set[str]) -> None:
         target = min(max(advice, self.min_backends), self.max_backends)
-        kept = self.kept()
+        self._move_to(now, target, self.kept(), registered, "")
+
+    def _act_by_kind(self, now: float, advice: dict[str, int], registered: set[str]) -> None:
+        """Each kind to its own advice within its bounds (``autoscale_kinds.kind_targets``)."""
+        kept = {kind: [c.name for c in self.kept(kind)] for kind in self.kind_bounds}
+        for kind, change in kind_targets(advice, kept, self.kind_bounds).items():
+            have = self.kept(kind)
+            self._move_to(now, len(have) + change, have, registered, kind)
+
+    def _move_to(self, now: float, target: int, kept: list[SupervisedChild],
+                 registered: set[str], kind: str) -> None:
+        """Add backends of ``kind`` up to ``target``, or release the highest-numbered of
+        ``kept`` down to it (only those the table lists)."""
         if target > len(kept):
             for _ in range(target - len(kept)):
-                self._add(now)
+                self._add(now, kind)
         elif target < len(kept):
             releasable = [c for c in kept if c.ready and c.name in registered]
             for child in releasable[::-1][:len(kept) - target]:
@@ -139,15 +173,17 @@ class BackendAutoscaler:
 
     # ------------------------------------------------------------------ adding
 
-    def _add(self, now: float) -> None:
+    def _add(self, now: float, kind: str = "") -> None:
         index = next(i for i in range(len(self.children) + 1)
                      if process_name("backend", i) not in self.children)
         name = process_name("backend", index)
-        child = SupervisedChild("backend", name, index, role_config(
-            self.config, "backend", index, ipc_dir=self.ipc_dir, name=name))
+        config = role_config(self.config, "backend", index, ipc_dir=self.ipc_dir, name=name)
+        config.kind = kind
+        child = SupervisedChild("backend", name, index, config)
         self.children[name] = child
-        log.warning("autoscaler: adding %s", name)
+        log.warning("autoscaler: adding %s%s", name, f" ({kind})" if kind else "")
         self.events.append((now, ADD, name))
+        self._on_added(child)
         self._spawn(child)
 
     # ------------------------------------------------------------------ releasing
@@ -185,6 +221,7 @@ class BackendAutoscaler:
             self.children.pop(child.name, None)
             self.events.append((now, EXIT, child.name))
             log.warning("autoscaler: %s released", child.name)
+            self._on_gone(child.name)
             self._on_released()
         elif retirement.shutdown_at is not None:
             if now - retirement.shutdown_at > RETIRE_DRAIN_S + RETIRE_EXIT_GRACE_S:
