@@ -74,6 +74,7 @@ from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
 from zserve.core.errors import ZServeError
 from zserve.core.hosting import DEST_FRONTEND, Outbox
+from zserve.core.request_ids import INCARNATIONS, incarnation_of
 from zserve.core.stats import Stats
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
@@ -108,6 +109,12 @@ PROFILE_REPEATS = 3
 # stale_epoch: plans (and announcements) of an older scheduler epoch than the newest seen,
 # refused (zserve.core.epochs)
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch")
+
+
+def _newer_incarnation(incarnation: int, than: int) -> bool:
+    """Whether frontend incarnation ``incarnation`` started after ``than`` (incarnations are
+    start milliseconds modulo ``INCARNATIONS``: compared on that circle)."""
+    return 0 < (incarnation - than) % INCARNATIONS < INCARNATIONS // 2
 
 
 # --------------------------------------------------------------------------- executors
@@ -189,6 +196,9 @@ class BackendHost:
         self.retiring = False
         self.kind = ""  # its device kind (backends.kinds), in its stats: the advice per kind
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
+        # The newest frontend incarnation (request ids' high bits) a plan named at each address:
+        # a newer one means the frontend there restarted (``_note_frontend_restarts``).
+        self._frontend_incarnations: dict[str, int] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
         self.warmed: dict[str, list[int]] = {}
@@ -309,6 +319,32 @@ class BackendHost:
                            on_chunk=functools.partial(self._on_data_chunk, address))
         self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
 
+    def _note_frontend_restarts(self, plan: BatchPlan) -> None:
+        """A plan naming a newer incarnation of a frontend than the last plan of its address
+        did: the frontend restarted at the same address (a pod's container restarted). Its
+        DEALER here is replaced by a fresh one, which connects at once and says Hello (with this
+        process's pid, which the new frontend has not heard). The old one reconnects only on
+        ZeroMQ's backoff, up to ``RECONNECT_INTERVAL_MAX_MS`` after the frontend bound again,
+        and this plan's InputFetch would wait on it that long: past the deadline of a batch
+        the deferred policy planned at its edge."""
+        newest: dict[int, int] = {}
+        for slot, rid in zip(plan.request_frontend, plan.request_ids, strict=False):
+            newest.setdefault(slot, incarnation_of(rid))
+        for slot, incarnation in newest.items():
+            if not 0 <= slot < len(plan.frontends):
+                continue
+            address = plan.frontends[slot]
+            last = self._frontend_incarnations.get(address)
+            if last is not None and not _newer_incarnation(incarnation, last):
+                continue
+            self._frontend_incarnations[address] = incarnation
+            sock = self.frontend_socks.pop(address, None) if last is not None else None
+            if sock is not None:
+                log.info("%s: frontend at %s restarted (incarnation %d): connecting afresh",
+                         self.name, address, incarnation)
+                self.reactor.unwatch(sock)
+                sock.close(linger=0)  # what it still queues is for the process that left
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self.loop.create_task(coro)
         self._tasks.add(task)  # a strong reference until it is done (one task per batch)
@@ -373,6 +409,7 @@ class BackendHost:
                 continue
             if isinstance(msg, BatchPlan):
                 self.lifecycle.note_plan(msg.model, now)
+                self._note_frontend_restarts(msg)
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
