@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from zserve.cluster import status
 from zserve.cluster.orchestrator_host import OrchestratorHost
 from zserve.cluster.repository import ModelRepository
 from zserve.config.cluster import ConfigError, OrchestrationConfig, parse_config
@@ -180,7 +181,8 @@ def stats(outcomes: dict[str, tuple[int, int]], busy: list[float]) -> dict[str, 
                         for i, b in enumerate(busy)}}
 
 
-def test_the_frontend_advises_each_kind_and_exports_it_labelled() -> None:
+def test_the_frontend_advises_each_kind_and_exports_it_labelled(
+        capsys: pytest.CaptureFixture[str]) -> None:
     tracker = AdviceTracker.for_cluster(parse_config(document()), 0.0)
     assert tracker is not None and tracker.kinds is not None
     for t in range(4):
@@ -196,3 +198,7 @@ def test_the_frontend_advises_each_kind_and_exports_it_labelled() -> None:
     samples = {s.labels["kind"]: s.value
                for s in families["zserve_autoscale_kind_backends_advice"].samples}
     assert samples == {"a100": 5.0, "t4": float(kinds["t4"]["advice_backends"])}
+    status._print_autoscale(answer)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("autoscale: advice ")
+    assert lines[1].startswith("  kind a100: advice 5 backends (serving 2, bounds 1..6)")
