@@ -191,13 +191,10 @@ class BackendHost:
         self.fence = EpochFence()
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
-        # Released by the autoscaler (``RetireBackend``): every registration says so, so a rank
-        # that takes over (or restarts) mid-release grants this GPU nothing new either.
-        self.retiring = False
+        self.retiring = False  # released by the autoscaler: said in every registration
         self.kind = ""  # its device kind (backends.kinds), in its stats: the advice per kind
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
-        # The newest frontend incarnation (request ids' high bits) a plan named at each address:
-        # a newer one means the frontend there restarted (``_note_frontend_restarts``).
+        # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
         self._frontend_incarnations: dict[str, int] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
