@@ -25,8 +25,11 @@ frontend's ``autoscale.kinds``) within its own bounds; a backend is added with i
 (``RoleConfig.kind``) and, under ``[orchestration]``, joins the sub-cluster with most backends of
 its kind and loads its models (``on_added``: ``OrchestratorHost.join``).
 
-Only backends frontend-0's table lists are released (one still registering could be granted
-after the rank heard ``RetireBackend``). ``events`` records every change (monotonic s, what,
+A backend is released once ready (its control link is up), whether or not the rank has its
+registration yet: the backend itself hears ``RetireBackend`` and registers as retiring, so a
+rank that had not heard of it yet grants it nothing either (or, if the registration raced
+ahead, for the few milliseconds until it registers again; the plans it got run before the
+release's quiet time ends). ``events`` records every change (monotonic s, what,
 which backend) for the experiments' plots.
 """
 
@@ -137,38 +140,38 @@ class BackendAutoscaler:
         stats = future.result()
         autoscale = stats.get("autoscale") or {}
         advice = autoscale.get("advice_backends")
-        registered = set(stats.get("backends") or ())
         if self.kind_bounds:
             kinds = autoscale.get("kinds") or {}
             by_kind = {kind: int(entry["advice_backends"]) for kind, entry in kinds.items()
                        if isinstance(entry.get("advice_backends"), int)}
             self.last_advice = sum(by_kind.values()) if by_kind else None
-            self._act_by_kind(now, by_kind, registered)
+            self._act_by_kind(now, by_kind)
         elif isinstance(advice, int):
             self.last_advice = advice
-            self._act(now, advice, set(stats.get("backends") or ()))
+            self._act(now, advice)
 
-    def _act(self, now: float, advice: int, registered: set[str]) -> None:
+    def _act(self, now: float, advice: int) -> None:
         target = min(max(advice, self.min_backends), self.max_backends)
-        self._move_to(now, target, self.kept(), registered, "")
+        self._move_to(now, target, self.kept(), "")
 
-    def _act_by_kind(self, now: float, advice: dict[str, int], registered: set[str]) -> None:
+    def _act_by_kind(self, now: float, advice: dict[str, int]) -> None:
         """Each kind to its own advice within its bounds (``autoscale_kinds.kind_targets``)."""
         kept = {kind: [c.name for c in self.kept(kind)] for kind in self.kind_bounds}
         for kind, change in kind_targets(advice, kept, self.kind_bounds).items():
             have = self.kept(kind)
-            self._move_to(now, len(have) + change, have, registered, kind)
+            self._move_to(now, len(have) + change, have, kind)
 
-    def _move_to(self, now: float, target: int, kept: list[SupervisedChild],
-                 registered: set[str], kind: str) -> None:
+    def _move_to(self, now: float, target: int, kept: list[SupervisedChild], kind: str) -> None:
         """Add backends of ``kind`` up to ``target``, or release the highest-numbered of
-        ``kept`` down to it (only those the table lists)."""
+        ``kept`` down to it: from the top, stopping at one still starting (it is released once
+        ready, at a later turn), so a lower one that serves is never released in its place."""
         if target > len(kept):
             for _ in range(target - len(kept)):
                 self._add(now, kind)
         elif target < len(kept):
-            releasable = [c for c in kept if c.ready and c.name in registered]
-            for child in releasable[::-1][:len(kept) - target]:
+            for child in kept[::-1][:len(kept) - target]:
+                if not child.ready:
+                    break
                 self._retire(now, child)
 
     # ------------------------------------------------------------------ adding
