@@ -74,6 +74,7 @@ from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
 from zserve.core.errors import ZServeError
 from zserve.core.hosting import DEST_FRONTEND, Outbox
+from zserve.core.request_ids import INCARNATIONS, incarnation_of
 from zserve.core.stats import Stats
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
@@ -92,6 +93,7 @@ from zserve.transport.messages import (
     Message,
     ModelReport,
     PlanAck,
+    RetireBackend,
     StatsReply,
     StatsRequest,
     UnloadModel,
@@ -109,6 +111,12 @@ PROFILE_REPEATS = 3
 # plans_unstaged: plans of a staged model admitted while every staging slot of their model was
 # held (their batch is assembled when it starts, zserve.backends.staging)
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
+
+
+def _newer_incarnation(incarnation: int, than: int) -> bool:
+    """Whether frontend incarnation ``incarnation`` started after ``than`` (incarnations are
+    start milliseconds modulo ``INCARNATIONS``: compared on that circle)."""
+    return 0 < (incarnation - than) % INCARNATIONS < INCARNATIONS // 2
 
 
 # --------------------------------------------------------------------------- executors
@@ -191,7 +199,11 @@ class BackendHost:
         self.fence = EpochFence()
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
+        self.retiring = False  # released by the autoscaler: said in every registration
+        self.kind = ""  # its device kind (backends.kinds), in its stats: the advice per kind
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
+        # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
+        self._frontend_incarnations: dict[str, int] = {}
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
         self.warmed: dict[str, list[int]] = {}
@@ -256,9 +268,14 @@ class BackendHost:
         self._spawn(self.liveness.heartbeat_loop())
 
     def on_control_message(self, msg: Any) -> None:
-        """The supervisor's commands: load or unload a model (``ModelLifecycle``)."""
+        """The supervisor's commands: load or unload a model (``ModelLifecycle``); the
+        autoscaler's release (``RetireBackend``: register again as retiring)."""
         if isinstance(msg, LoadModel | UnloadModel) and not self.follower.draining:
             self._spawn(self.lifecycle.handle(msg))
+        elif isinstance(msg, RetireBackend) and msg.name == self.name and not self.retiring:
+            log.info("%s: released by the autoscaler: registering as retiring", self.name)
+            self.retiring = True
+            self._announce()
         else:
             log.debug("%s: ignoring control %s", self.name, type(msg).__name__)
 
@@ -291,6 +308,7 @@ class BackendHost:
                 profiles_ms=profiles_ms,
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
                 device_free_at=self.follower.device_free_at(free_at),
+                retiring=self.retiring,
             ),
         )
 
@@ -305,6 +323,32 @@ class BackendHost:
         self.reactor.watch(sock, router=False, on_bad=self._on_bad,
                            on_chunk=functools.partial(self._on_data_chunk, address))
         self._send(sock, Hello(role=ROLE, name=self.name, pid=os.getpid()))
+
+    def _note_frontend_restarts(self, plan: BatchPlan) -> None:
+        """A plan naming a newer incarnation of a frontend than the last plan of its address
+        did: the frontend restarted at the same address (a pod's container restarted). Its
+        DEALER here is replaced by a fresh one, which connects at once and says Hello (with this
+        process's pid, which the new frontend has not heard). The old one reconnects only on
+        ZeroMQ's backoff, up to ``RECONNECT_INTERVAL_MAX_MS`` after the frontend bound again,
+        and this plan's InputFetch would wait on it that long: past the deadline of a batch
+        the deferred policy planned at its edge."""
+        newest: dict[int, int] = {}
+        for slot, rid in zip(plan.request_frontend, plan.request_ids, strict=False):
+            newest.setdefault(slot, incarnation_of(rid))
+        for slot, incarnation in newest.items():
+            if not 0 <= slot < len(plan.frontends):
+                continue
+            address = plan.frontends[slot]
+            last = self._frontend_incarnations.get(address)
+            if last is not None and not _newer_incarnation(incarnation, last):
+                continue
+            self._frontend_incarnations[address] = incarnation
+            sock = self.frontend_socks.pop(address, None) if last is not None else None
+            if sock is not None:
+                log.info("%s: frontend at %s restarted (incarnation %d): connecting afresh",
+                         self.name, address, incarnation)
+                self.reactor.unwatch(sock)
+                sock.close(linger=0)  # what it still queues is for the process that left
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self.loop.create_task(coro)
@@ -370,6 +414,7 @@ class BackendHost:
                 continue
             if isinstance(msg, BatchPlan):
                 self.lifecycle.note_plan(msg.model, now)
+                self._note_frontend_restarts(msg)
                 for address in msg.frontends:  # learned here, before the follower fetches
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
@@ -508,12 +553,14 @@ class BackendHost:
             "role": ROLE,
             "name": self.name,
             "device": self.device,
+            "kind": self.kind,
             "models": list(self.models),
             "warmed": {m: list(b) for m, b in self.warmed.items()},
             "profiles_ms": {m: p.latency_ms_list() for m, p in self.profiles.items()},
             "warm_s": self.warm_s,
             "warm_finished_at": self.warm_finished_at,
             "held_plans": self.follower.held_plans,
+            "retiring": self.retiring,
             # a batch overran its plan WEDGED_FACTOR times (at least WEDGED_MIN_S): no
             # heartbeats to the rank and no plan acknowledgements while it lasts
             "wedged": self.liveness.wedged(self.clock.now()),
@@ -585,6 +632,7 @@ async def _serve(config: RoleConfig, control_address: str | None,
         session.serve_stats(host.stats)
         session.on_control(host.on_control_message)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
+        host.kind = config.kind  # its device kind, in its stats (per-kind autoscaling)
         host.load_and_warm(config.models)
         peers = {**config.peers, **await session.ready({"plan": plan_address})}
         if session.drain.requested:

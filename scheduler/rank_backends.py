@@ -9,7 +9,9 @@
   the backend heartbeats again after the suspicion (``on_heartbeat``);
 - ``expire`` removes a backend silent for ``timeout_s``; ``on_gone`` one whose process died;
 - ``on_retire`` (the autoscaler's ``RetireBackend``) stops granting a backend's GPU but keeps it
-  in the table until its process exits, so the plans it holds are served;
+  in the table until its process exits, so the plans it holds are served; a backend that
+  registers saying it is ``retiring`` is treated the same, so a rank that takes over or
+  restarts mid-release learns the release from the backend itself;
 - ``table(epoch)`` is the ``BackendTable`` every shard and frontend hears.
 
 Membership: the RankThread matches each model's candidates only to the GPUs whose backend lists
@@ -150,15 +152,24 @@ class RankBackends:
             gpu_id = self._new_gpu_id(msg)
             self._gpu_by_name[msg.name] = gpu_id
         previous = self._by_gpu.get(gpu_id)
-        retired = previous is not None and previous.alive and previous.retired
+        was_retired = previous is not None and previous.alive and previous.retired
+        granted = previous is not None and previous.alive and not previous.retired
+        # Retiring: the rank heard RetireBackend, or the backend says so (it heard it first, or
+        # this rank took over or restarted mid-release and knows it only from the backend).
+        retired = msg.retiring or was_retired
         self._by_gpu[gpu_id] = _Backend(
             gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
             dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now,
             retired=retired)
         self._tell_members(now, outbox)
-        if (previous is None or not previous.alive) and not retired:
+        if retired and not was_retired:
+            self._note_retired(msg.name, gpu_id)
+        if retired and granted:
+            with contextlib.suppress(ValueError):
+                self.rank.remove_gpu(now, gpu_id, outbox)
+        elif not retired and not granted:
             self.rank.add_gpu(now, gpu_id, outbox)
-        if msg.device_free_at > now:  # busy with plans of an earlier epoch: free later
+        if msg.device_free_at > now and not retired:  # busy with an earlier epoch's plans
             self.rank.on_device_free_at(now, gpu_id, msg.device_free_at, outbox)
         log.info("%s: backend %s (%s, %s) is GPU %d", self.name, msg.name, msg.device,
                  msg.plan_address, gpu_id)
@@ -221,7 +232,7 @@ class RankBackends:
                      backend.name, backend.gpu_id)
             backend.suspect_since = -math.inf
         backend.alive = True
-        if backend.models:
+        if backend.models and not backend.retired:
             self.rank.add_gpu(now, backend.gpu_id, outbox)
         return True
 
@@ -263,12 +274,15 @@ class RankBackends:
         backend = self._by_gpu.get(gpu_id) if gpu_id is not None else None
         if backend is None or not backend.alive or backend.retired:
             return False
-        self.counters["retirements"] += 1
-        log.info("%s: backend %s (GPU %d) retires: no new grants", self.name, name, gpu_id)
+        self._note_retired(name, backend.gpu_id)
         backend.retired = True
         with contextlib.suppress(ValueError):
             self.rank.remove_gpu(now, backend.gpu_id, outbox)
         return True
+
+    def _note_retired(self, name: str, gpu_id: int) -> None:
+        self.counters["retirements"] += 1
+        log.info("%s: backend %s (GPU %d) retires: no new grants", self.name, name, gpu_id)
 
     def expire(self, now: float, outbox: Outbox) -> bool:
         """Remove every backend silent for more than ``timeout_s``; True when any was."""
@@ -317,10 +331,12 @@ class RankBackends:
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Every GPU the table has held: its backend, whether it is in use, whether suspect."""
+        """Every GPU the table has held: its backend, whether it is in use, whether suspect,
+        whether released by the autoscaler (granted nothing new)."""
         return {
             str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
-                            "suspect": not b.alive and b.suspect_since > -math.inf}
+                            "suspect": not b.alive and b.suspect_since > -math.inf,
+                            "retired": b.retired}
             for b in self._by_gpu.values()
         }
 

@@ -340,6 +340,9 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # When the backend's device frees (cluster clock; 0: free now): a scheduler that takes
     # over rebuilds each GPU's free time from it.
     device_free_at: float = 0.0
+    # Released by the autoscaler (``RetireBackend``): a rank grants it nothing new. Said in
+    # every registration, so a standby that takes over mid-release learns it too.
+    retiring: bool = False
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):
@@ -386,10 +389,12 @@ class BackendGone(Message, frozen=True, tag="bgone"):
 
 
 class RetireBackend(Message, frozen=True, tag="retire"):
-    """Supervisor -> the rank's host (control link): the autoscaler releases backend ``name``.
-    The rank grants its GPU nothing new but keeps it in the table, so the plans it already holds
-    run and are answered; the supervisor stops the process once it holds none (a plain drain
-    would answer new plans SHUTTING_DOWN, ``BackendGone`` would fail those it holds)."""
+    """Supervisor -> the rank's hosts and the backend itself (control links): the autoscaler
+    releases backend ``name``. The rank grants its GPU nothing new but keeps it in the table, so
+    the plans it already holds run and are answered; the supervisor stops the process once it
+    holds none (a plain drain would answer new plans SHUTTING_DOWN, ``BackendGone`` would fail
+    those it holds). The backend registers again saying it is ``retiring``, and says so to every
+    rank it registers with later: a standby that takes over mid-release grants it nothing."""
 
     name: str
 

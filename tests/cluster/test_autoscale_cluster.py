@@ -164,7 +164,9 @@ def test_the_cluster_grows_under_overload_and_shrinks_without_losing_a_request(
         wait_until(lambda: _backends(cluster) == ["backend-0"],
                    lambda: f"the added backends released; events "
                            f"{cluster.autoscale_events()}, backends {_backends(cluster)}")
-        assert _frontend_table(cluster) == ["backend-0"]
+        # the table follows the exit within a control hop (BackendGone, then the rank's table)
+        wait_until(lambda: _frontend_table(cluster) == ["backend-0"],
+                   lambda: f"the table lists only backend-0: {_frontend_table(cluster)}")
         events = {(what, name) for _, what, name in cluster.autoscale_events()}
     for name in grown[1:]:
         assert {("add", name), ("retire", name), ("exit", name)} <= events
@@ -180,3 +182,35 @@ def test_the_cluster_grows_under_overload_and_shrinks_without_losing_a_request(
 def _frontend_table(cluster: Cluster) -> list[str]:
     """The backends frontend-0's table lists (those registered with the rank)."""
     return list(cluster.stats("frontend-0")["backends"])
+
+
+def test_each_device_kind_grows_within_its_own_bounds(tmp_path: Path) -> None:
+    """``[autoscale.kinds]``: the advice is per kind and `zserve up` acts per kind. Under
+    overload both kinds are advised to grow, but kind ``b`` is held at its one backend, so
+    every backend added is of kind ``a`` (its stats say so) and kind ``a`` stops at its max."""
+    config = parse_config({
+        "cluster": {"drain_s": 2.0},
+        "scheduler": {"shards": 0},
+        "frontends": {"count": 1},
+        "backends": {"count": 2, "device": "emulated", "kinds": ["a", "b"]},
+        "autoscale": {"enabled": True, "max_backends": 4, "interval_s": 0.2,
+                      "up_window_s": 1.0, "min_requests": 20, "down_hold_s": 3600.0,
+                      "kinds": {"a": {"max_backends": 3}, "b": {"max_backends": 1}}},
+        "models": [{"name": "a", "emulated": {"alpha_ms": 5.0, "beta_ms": 20.0,
+                                              "input_shape": [4]},
+                    "slo_ms": 60.0, "max_batch": 4}],
+    })
+    with Cluster(config, ipc_base=tmp_path, restart=False) as cluster:
+        overload = _Load(cluster.client_address, burst=BURST_REQUESTS)
+        try:
+            wait_until(lambda: len(_frontend_table(cluster)) >= 4,
+                       lambda: f"kind a grown to 3; the autoscaler did "
+                               f"{cluster.autoscale_events()}")
+        finally:
+            overload.stop()
+        kinds = {name: cluster.stats(name)["kind"] for name in _backends(cluster)}
+        advice = cluster.stats("frontend-0")["autoscale"]["kinds"]
+        events = {(what, name) for _, what, name in cluster.autoscale_events()}
+    assert kinds == {"backend-0": "a", "backend-1": "b", "backend-2": "a", "backend-3": "a"}
+    assert advice["a"]["max_backends"] == 3 and advice["b"]["advice_backends"] == 1
+    assert events == {("add", "backend-2"), ("add", "backend-3")}

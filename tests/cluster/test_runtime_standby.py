@@ -25,13 +25,20 @@ RATE_RPS = 40.0
 REQUESTS = 200  # 5 s of load
 FAULT_AT = 40  # the fault comes after this many requests (1 s)
 SLO_MS = 2_000.0  # queued requests survive a ~1 s takeover on a loaded 2-core machine
+# The release's quiet time is twice the longest SLO plus two heartbeats: 9 s, so backend-0 is
+# still draining (and answers its stats) when the load's answers are checked.
+RELEASE_SLO_MS = 4_000.0
 WAIT_S = 20.0
 # Answers a request may get when the scheduler fails under it (none is lost silently).
 ALLOWED = {"OK", "DEADLINE", "UNAVAILABLE", "BACKEND_FAILED"}
 
 
 def standby_cluster(takeover_timeout_ms: float = 1000.0) -> ClusterConfig:
-    return parse_config({
+    return parse_config(_standby_table(takeover_timeout_ms))
+
+
+def _standby_table(takeover_timeout_ms: float = 1000.0) -> dict[str, Any]:
+    return {
         "cluster": {"drain_s": 1.0},
         # Eager: a batch runs as soon as a GPU is free, so a loaded machine's lateness of tens
         # of ms costs no request (the deferred policy holds a lone one to its deadline's edge).
@@ -41,7 +48,7 @@ def standby_cluster(takeover_timeout_ms: float = 1000.0) -> ClusterConfig:
         "backends": {"count": 2, "device": "emulated"},
         "models": [{"name": "m", "emulated": {"alpha_ms": 2.0, "beta_ms": 20.0},
                     "slo_ms": SLO_MS, "max_batch": 16}],
-    })
+    }
 
 
 def _inputs(i: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -197,3 +204,43 @@ def _old_plans(cluster: Cluster, epoch: int) -> list[int]:
     """Plans of ``epoch`` each backend has accepted."""
     return [int(cluster.stats(b)["scheduler"]["plans_by_epoch"].get(str(epoch), 0))
             for b in ("backend-0", "backend-1")]
+
+
+def test_a_release_in_progress_survives_a_takeover(tmp_path: Path) -> None:
+    """The autoscaler releases backend-0 (the lowest GPU id, the first a grant would take) and
+    the active scheduler is SIGKILLed mid-release. The standby that takes over learns the
+    release from backend-0's registration (``retiring``): it grants backend-0 nothing in its
+    epoch, backend-1 serves everything after the takeover, the release's drain goes on (backend-0
+    exits and is not restarted), and every request gets exactly one answer."""
+    # No advice acts here: nothing is ever bad enough to add (min_requests) or idle long
+    # enough to release (down_hold_s), and the advice is read once (interval_s).
+    config = parse_config({
+        **_standby_table(),
+        "models": [{"name": "m", "emulated": {"alpha_ms": 2.0, "beta_ms": 20.0},
+                    "slo_ms": RELEASE_SLO_MS, "max_batch": 16}],
+        "autoscale": {"enabled": True, "min_backends": 1, "interval_s": 3600.0,
+                      "min_requests": 1_000_000, "down_hold_s": 3600.0},
+    })
+    with Cluster(config, ipc_base=tmp_path) as cluster:
+        old_epoch = _active(cluster)[1]
+        with OpenLoop(cluster.client_address) as load:
+            assert load.fault_point.wait(WAIT_S)
+            cluster.release_backend("backend-0")
+            wait_until(lambda: cluster.stats("backend-0")["retiring"], "backend-0 retiring")
+            cluster.kill("shard-0")
+            wait_until(lambda: _active(cluster)[0] == STANDBY_NAME, "takeover", timeout_s=WAIT_S)
+            switched_at = time.monotonic()
+        epoch = _active(cluster)[1]
+        assert epoch > old_epoch
+        counts = _check_answers(load, switched_at)
+        # Still draining (the release waits 2 SLOs before it asks for held plans): backend-0
+        # took no plan of the new epoch, and the new active rank has it retired.
+        taken = cluster.stats("backend-0")["scheduler"]["plans_by_epoch"]
+        assert taken.get(str(epoch), 0) == 0, (taken, counts)
+        assert cluster.stats("backend-1")["scheduler"]["plans_by_epoch"].get(str(epoch), 0) > 0
+        gpus = cluster.stats(STANDBY_NAME)["rank"]["gpus"]
+        assert gpus["0"]["retired"] and not gpus["1"]["retired"], gpus
+        wait_until(lambda: ("exit", "backend-0") in {
+            (what, name) for _, what, name in cluster.autoscale_events()},
+            "backend-0 drained and released", timeout_s=WAIT_S + RELEASE_SLO_MS / 1e3 * 3)
+        assert "backend-0" not in cluster.pids()

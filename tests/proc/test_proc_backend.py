@@ -15,6 +15,7 @@ from proc_harness import Child, Harness, Peer, cluster_config, role_config_for
 from zserve.backends.follower import BACKEND_HISTOGRAMS
 from zserve.backends.host import BusyMeter
 from zserve.core.errors import ErrorKind
+from zserve.core.request_ids import INCARNATION_SHIFT
 from zserve.core.stats import merge_snapshots
 from zserve.transport.messages import (
     BackendRegister,
@@ -140,6 +141,39 @@ def test_proc_backend_connects_the_frontends_it_learns_before_any_plan(tmp_path:
         _, first = other.recv()
         assert isinstance(first, Hello)
         other.expect(InputFetch)
+    finally:
+        h.close()
+
+
+def test_proc_backend_connects_afresh_to_a_frontend_restarted_at_its_address(
+        tmp_path: Path) -> None:
+    """A frontend restarted at the same address (a pod's container: a new incarnation in its
+    request ids): the first plan naming the new incarnation gets a fresh connection, which says
+    Hello before its InputFetch. The old connection would reconnect on ZeroMQ's backoff (up to
+    RECONNECT_INTERVAL_MAX_MS after the frontend bound again) without a Hello, and the fetch
+    would wait for it: past a deferred batch's deadline."""
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, frontend_in_peers=True)
+        rig.frontend.expect(Hello)
+        old, new = 5, 6  # incarnations
+        rig.plan(1, [(old << INCARNATION_SHIFT) | 7], time.monotonic())
+        rig.serve_fetch()
+        rig.frontend.expect(BatchOutputs)
+        rig.frontend.sock.close(linger=0)  # the frontend's process leaves...
+        restarted = h.router("fe-data")  # ...and its successor binds the same address
+        assert restarted.endpoint == rig.frontend.endpoint
+        rig.frontend = restarted
+        rig.plan(2, [(new << INCARNATION_SHIFT) | 7], time.monotonic())
+        _, first = restarted.recv()
+        assert isinstance(first, Hello) and first.pid == rig.child.proc.pid, first
+        fetch = rig.serve_fetch()
+        assert fetch.request_ids == [(new << INCARNATION_SHIFT) | 7]
+        restarted.expect(BatchOutputs)
+        # a late plan of the old incarnation changes nothing: no second Hello
+        rig.plan(3, [(old << INCARNATION_SHIFT) | 8], time.monotonic())
+        rig.serve_fetch()
+        assert not restarted.drain_kind(Hello)
     finally:
         h.close()
 

@@ -221,6 +221,26 @@ def test_budgets_services_and_autoscalers_select_the_right_pods() -> None:
         assert ADVICE_GAUGE in json.dumps(scaler["spec"])
 
 
+def test_the_cluster_files_export_the_advice_the_autoscalers_read() -> None:
+    """The gauge KEDA and the HPA scale on exists only under ``[autoscale] enabled``; on
+    Kubernetes they act (``act = false``: zserve starts no backend), and the advice's bounds are
+    the scalers' replica bounds (an advice beyond them would not be followed)."""
+    for folder in ("overlays/gpu", "overlays/gpu-hpa", "overlays/cpu"):
+        docs = rendered(folder)
+        autoscale = cluster_file(docs).autoscale
+        assert autoscale.enabled and not autoscale.act, folder
+        bounds = autoscale.bounds(cluster_file(docs).backends.total)
+        for scaler in docs:
+            if scaler["kind"] == "ScaledObject":
+                replicas = (scaler["spec"]["minReplicaCount"], scaler["spec"]["maxReplicaCount"])
+            elif scaler["kind"] == "HorizontalPodAutoscaler":
+                replicas = (scaler["spec"]["minReplicas"], scaler["spec"]["maxReplicas"])
+            else:
+                continue
+            assert bounds == replicas, (folder, bounds, replicas)
+    assert cluster_file(podman_docs()).autoscale.enabled
+
+
 def test_the_podman_variant_runs_one_pod_per_instance_on_loopback() -> None:
     docs = podman_docs()
     names = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]

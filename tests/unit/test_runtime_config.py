@@ -178,7 +178,7 @@ def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
         ({"models": [{**MODEL, "slo": 5}]},
          r"^models\[0\]\.slo: unknown key \(did you mean 'slo_ms'"),
         ({"models": [MODEL], "backends": {"xyz": 1}},
-         r"^backends\.xyz: unknown key; allowed: count, device, devices, host, memory, "
+         r"^backends\.xyz: unknown key; allowed: count, device, devices, host, kinds, memory, "
          r"onnx_io, plan_addresses$"),
         ({"models": [{**MODEL, "emulated": {**MODEL["emulated"], "input_dtype": "f32"}}]},
          r"^models\[0\]\.emulated\.input_dtype: must be one of .*float32.*, got 'f32'$"),

@@ -23,10 +23,10 @@ TIMEOUT_S = 2.0
 
 
 def _register(name: str, *, protocol: int = WIRE_PROTOCOL_VERSION,
-              device_free_at: float = 0.0) -> BackendRegister:
+              device_free_at: float = 0.0, retiring: bool = False) -> BackendRegister:
     return BackendRegister(name=name, device="emulated", plan_address=f"ipc://{name}.plan",
                            models=["m"], profiles_ms={"m": [1.0, 2.0]}, protocol=protocol,
-                           device_free_at=device_free_at)
+                           device_free_at=device_free_at, retiring=retiring)
 
 
 def _table() -> tuple[RankBackends, RankThread, dict[str, int]]:
@@ -79,7 +79,7 @@ def test_a_suspect_gpu_is_taken_out_until_a_heartbeat_sent_after_the_suspicion()
     assert backends.on_suspect(2.0, suspect, outbox)
     assert rank.gpu_ids == [] and backends.table(1).gpu_ids == []
     assert backends.stats()["0"] == {"name": "backend-0", "alive": False,
-                                     "device": "emulated", "suspect": True}
+                                     "device": "emulated", "suspect": True, "retired": False}
     assert not backends.on_suspect(2.1, suspect, outbox)  # out already: nothing changes
     # a heartbeat sent before the suspicion (arriving after it) does not bring it back
     assert backends.on_heartbeat(2.2, b"backend-0", 1.9, outbox) is False
@@ -144,6 +144,33 @@ def test_a_retired_backend_keeps_its_table_entry_but_gets_no_grants_until_it_exi
     assert rank.gpu_ids == [0] and backends.table(1).names == ["backend-0"]
     backends.on_register(4.0, b"backend-1", _register("backend-1"), outbox, active=True)
     assert rank.gpu_ids == [0, 1] and backends.table(1).names == ["backend-0", "backend-1"]
+
+
+def test_a_backend_that_registers_as_retiring_is_in_the_table_but_never_granted() -> None:
+    """A rank that took over (or restarted) mid-release knows the release only from the
+    backend: its registration says ``retiring``. The GPU is in the table (its plans of the old
+    epoch are answered) but not the RankThread's, also when it is busy, suspected and revived;
+    a backend already granted that registers as retiring leaves the RankThread at once."""
+    backends, rank, counters = _table()
+    outbox: Outbox = []
+    backends.on_register(1.0, b"backend-0", _register("backend-0"), outbox, active=True)
+    assert backends.on_register(1.0, b"backend-1",
+                                _register("backend-1", retiring=True, device_free_at=1.5),
+                                outbox, active=True)
+    assert rank.gpu_ids == [0] and backends.table(1).names == ["backend-0", "backend-1"]
+    assert counters["retirements"] == 1
+    suspect = BackendSuspect(gpu_id=1, plan_id=1, sent_at=1.2, message="no ack")
+    assert backends.on_suspect(2.0, suspect, outbox)
+    assert backends.on_heartbeat(2.5, b"backend-1", 2.4, outbox) is True
+    assert rank.gpu_ids == [0]  # back in the table, still not granted
+    assert not backends.on_retire(2.6, "backend-1", outbox)  # retired already
+    # backend-0 hears the supervisor's RetireBackend before this rank does
+    backends.on_register(3.0, b"backend-0", _register("backend-0", retiring=True), outbox,
+                         active=True)
+    assert rank.gpu_ids == [] and counters["retirements"] == 2
+    rank.on_candidate(3.0, CandidateUpdate("m", 1, 3.0, 4.0, 0.0), outbox)
+    rank.on_timer(3.0, outbox)
+    assert not [msg for _, msg in outbox if isinstance(msg, GrantGpu)]
 
 
 def test_a_backend_that_withdraws_every_model_is_granted_nothing_until_it_serves_again() -> None:

@@ -13,13 +13,23 @@ to ``min_backends .. max_backends``:
 - **Releasing**: the highest-numbered backends first (deferred scheduling binds a batch to the
   first free GPU in id order, so they are the idlest). A released backend is drained, never
   killed with work: the rank gets ``RetireBackend`` (no new grants; the backend stays in the
-  table, so the plans it holds run and are answered), and once ``quiet_s`` has passed (longer
+  table, so the plans it holds run and are answered), and so does the backend, which says
+  ``retiring`` in every registration from then on (a standby that takes over mid-release
+  learns the release from it and grants it nothing), and once ``quiet_s`` has passed (longer
   than any plan in flight can take to arrive) and the backend reports no plan held, it gets
   ``Shutdown``. Its exit is announced like a death (``BackendGone``: the table drops it; it
   holds nothing to fail) and the supervisor does not restart it.
 
-Only backends frontend-0's table lists are released (one still registering could be granted
-after the rank heard ``RetireBackend``). ``events`` records every change (monotonic s, what,
+Per device kind (``[autoscale.kinds.<kind>]``): each kind is brought to its own advice (the
+frontend's ``autoscale.kinds``) within its own bounds; a backend is added with its kind
+(``RoleConfig.kind``) and, under ``[orchestration]``, joins the sub-cluster with most backends of
+its kind and loads its models (``on_added``: ``OrchestratorHost.join``).
+
+A backend is released once ready (its control link is up), whether or not the rank has its
+registration yet: the backend itself hears ``RetireBackend`` and registers as retiring, so a
+rank that had not heard of it yet grants it nothing either (or, if the registration raced
+ahead, for the few milliseconds until it registers again; the plans it got run before the
+release's quiet time ends). ``events`` records every change (monotonic s, what,
 which backend) for the experiments' plots.
 """
 
@@ -34,6 +44,7 @@ from typing import Any
 from zserve.cluster.child import SupervisedChild
 from zserve.config.cluster import STANDBY_NAME, ClusterConfig, process_name, role_config
 from zserve.core.liveness import HEARTBEAT_INTERVAL_S
+from zserve.orchestrator.autoscale_kinds import kind_targets
 from zserve.transport.messages import Message, RetireBackend, Shutdown
 
 log = logging.getLogger(__name__)
@@ -76,13 +87,20 @@ class BackendAutoscaler:
                  send: Callable[[SupervisedChild, Message], None],
                  stats: Callable[[str], Future[dict[str, Any]]],
                  ipc_dir: str | None,
-                 on_released: Callable[[], None] = lambda: None) -> None:
+                 on_released: Callable[[], None] = lambda: None,
+                 on_added: Callable[[SupervisedChild], None] = lambda child: None,
+                 on_gone: Callable[[str], None] = lambda name: None) -> None:
         self.config = config
         self.children = children
         self._spawn, self._send, self._stats = spawn, send, stats
         self._on_released = on_released  # `zserve up` rewrites its state file then
+        # the orchestrator places an added backend in a sub-cluster (before it is spawned) and
+        # forgets a released one
+        self._on_added, self._on_gone = on_added, on_gone
         self.ipc_dir = ipc_dir
         self.min_backends, self.max_backends = config.autoscale.bounds(config.backends.total)
+        # [autoscale.kinds]: each kind within its own bounds, on its own advice ({}: one kind)
+        self.kind_bounds = config.autoscale.kind_bounds(config.backends)
         self.interval_s = config.autoscale.interval_s
         longest_slo_s = max((m.slo_ms for m in config.models), default=0.0) / 1e3
         self.quiet_s = max(RETIRE_QUIET_MIN_S, 2 * longest_slo_s + 2 * HEARTBEAT_INTERVAL_S)
@@ -92,10 +110,11 @@ class BackendAutoscaler:
         self.events: list[tuple[float, str, str]] = []
         self.last_advice: int | None = None
 
-    def kept(self) -> list[SupervisedChild]:
-        """The backends not being released, in index order."""
+    def kept(self, kind: str | None = None) -> list[SupervisedChild]:
+        """The backends not being released (of ``kind``, if given), in index order."""
         return sorted((c for c in self.children.values()
-                       if c.role == "backend" and not c.retiring), key=lambda c: c.index)
+                       if c.role == "backend" and not c.retiring
+                       and (kind is None or c.config.kind == kind)), key=lambda c: c.index)
 
     def tick(self, now: float) -> None:
         """One turn: read the advice when due, act on it, move every release along."""
@@ -119,46 +138,82 @@ class BackendAutoscaler:
         if future.exception() is not None:
             return
         stats = future.result()
-        advice = (stats.get("autoscale") or {}).get("advice_backends")
-        if isinstance(advice, int):
+        autoscale = stats.get("autoscale") or {}
+        advice = autoscale.get("advice_backends")
+        if self.kind_bounds:
+            kinds = autoscale.get("kinds") or {}
+            by_kind = {kind: int(entry["advice_backends"]) for kind, entry in kinds.items()
+                       if isinstance(entry.get("advice_backends"), int)}
+            self.last_advice = sum(by_kind.values()) if by_kind else None
+            self._act_by_kind(now, by_kind)
+        elif isinstance(advice, int):
             self.last_advice = advice
-            self._act(now, advice, set(stats.get("backends") or ()))
+            self._act(now, advice)
 
-    def _act(self, now: float, advice: int, registered: set[str]) -> None:
+    def _act(self, now: float, advice: int) -> None:
         target = min(max(advice, self.min_backends), self.max_backends)
-        kept = self.kept()
+        self._move_to(now, target, self.kept(), "")
+
+    def _act_by_kind(self, now: float, advice: dict[str, int]) -> None:
+        """Each kind to its own advice within its bounds (``autoscale_kinds.kind_targets``)."""
+        kept = {kind: [c.name for c in self.kept(kind)] for kind in self.kind_bounds}
+        for kind, change in kind_targets(advice, kept, self.kind_bounds).items():
+            have = self.kept(kind)
+            self._move_to(now, len(have) + change, have, kind)
+
+    def _move_to(self, now: float, target: int, kept: list[SupervisedChild], kind: str) -> None:
+        """Add backends of ``kind`` up to ``target``, or release the highest-numbered of
+        ``kept`` down to it: from the top, stopping at one still starting (it is released once
+        ready, at a later turn), so a lower one that serves is never released in its place."""
         if target > len(kept):
             for _ in range(target - len(kept)):
-                self._add(now)
+                self._add(now, kind)
         elif target < len(kept):
-            releasable = [c for c in kept if c.ready and c.name in registered]
-            for child in releasable[::-1][:len(kept) - target]:
+            for child in kept[::-1][:len(kept) - target]:
+                if not child.ready:
+                    break
                 self._retire(now, child)
 
     # ------------------------------------------------------------------ adding
 
-    def _add(self, now: float) -> None:
+    def _add(self, now: float, kind: str = "") -> None:
         index = next(i for i in range(len(self.children) + 1)
                      if process_name("backend", i) not in self.children)
         name = process_name("backend", index)
-        child = SupervisedChild("backend", name, index, role_config(
-            self.config, "backend", index, ipc_dir=self.ipc_dir, name=name))
+        config = role_config(self.config, "backend", index, ipc_dir=self.ipc_dir, name=name)
+        config.kind = kind
+        child = SupervisedChild("backend", name, index, config)
         self.children[name] = child
-        log.warning("autoscaler: adding %s", name)
+        log.warning("autoscaler: adding %s%s", name, f" ({kind})" if kind else "")
         self.events.append((now, ADD, name))
+        self._on_added(child)
         self._spawn(child)
 
     # ------------------------------------------------------------------ releasing
 
+    def release(self, now: float, name: str) -> None:
+        """Release backend ``name`` now, as the advice releases one (an operator's choice of
+        which; the advice's is the highest-numbered). Raises ValueError for a name that is not
+        a serving backend this autoscaler keeps."""
+        child = self.children.get(name)
+        if child is None or child.role != "backend" or child.retiring or not child.ready:
+            raise ValueError(f"{name} is not a serving backend (released already, or unknown)")
+        self._retire(now, child)
+
     def _retire(self, now: float, child: SupervisedChild) -> None:
+        """Tell every rank host and the backend itself: the backend says ``retiring`` in its
+        registrations from then on, so a standby that takes over mid-release (or a restarted
+        rank) grants it nothing either."""
         log.warning("autoscaler: releasing %s (draining it first)", child.name)
         child.retiring = True
         self._retiring[child.name] = _Retirement(child, now)
         self.events.append((now, RETIRE, child.name))
+        notice = RetireBackend(name=child.name)
+        self._send(child, notice)
         for host in rank_host_names(self.config):
             rank = self.children.get(host)
             if rank is not None and rank.ready and rank.alive:
-                self._send(rank, RetireBackend(name=child.name))
+                self._send(rank, notice)
 
     def _advance(self, retirement: _Retirement, now: float) -> None:
         """A released backend: asked whether it holds plans once quiet, shut down when it
@@ -169,6 +224,7 @@ class BackendAutoscaler:
             self.children.pop(child.name, None)
             self.events.append((now, EXIT, child.name))
             log.warning("autoscaler: %s released", child.name)
+            self._on_gone(child.name)
             self._on_released()
         elif retirement.shutdown_at is not None:
             if now - retirement.shutdown_at > RETIRE_DRAIN_S + RETIRE_EXIT_GRACE_S:

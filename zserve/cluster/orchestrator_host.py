@@ -10,7 +10,8 @@ there: one loading or unloading holds memory too) and which have a call under wa
 the calls any frontend could make: ``load`` (every live backend) with one sub-cluster, else a
 ``move`` onto the chosen sub-cluster's backends (make-before-break; for a model loaded nowhere,
 a load there), and ``unload``. Sub-cluster j is the j-th contiguous block of the backends in
-their configured order.
+their configured order; a backend the autoscaler adds joins the sub-cluster with most backends
+of its device kind and loads that sub-cluster's models (``join``), a released one leaves it.
 
 A model's memory, for the eviction rule: its ``model.onnx`` file's size as static bytes (the
 weights), no dynamic bytes (not known before it runs); a built-in or emulated model counts 0.
@@ -22,10 +23,11 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from zserve.cluster.repository import Call, Effects, ModelRepository
 from zserve.config.cluster import ModelConfig, OrchestrationConfig
+from zserve.orchestrator.autoscale_kinds import group_for
 from zserve.orchestrator.memory import MIB_BYTES, ModelMemory
 from zserve.orchestrator.replanner import (
     SPREAD,
@@ -64,22 +66,52 @@ def settings_of(config: OrchestrationConfig) -> ReplanSettings:
 
 
 class OrchestratorHost:
-    """See the module docstring. ``backends``: the backends' names in configured order."""
+    """See the module docstring. ``backends``: the backends' names in configured order;
+    ``kinds``: each one's device kind (``backends.kinds``)."""
 
     def __init__(self, config: OrchestrationConfig, repository: ModelRepository,
-                 backends: list[str], models: Iterable[ModelConfig], now: float) -> None:
+                 backends: list[str], models: Iterable[ModelConfig], now: float, *,
+                 kinds: Mapping[str, str] | None = None) -> None:
         self.repository = repository
         self.core = Replanner(settings_of(config), {m.name: model_memory(m) for m in models},
                               now)
         count = config.subclusters
         self.groups = [backends[len(backends) * j // count: len(backends) * (j + 1) // count]
                        for j in range(count)]
+        self.kind_of = dict(kinds or {})  # backend -> its device kind
         self._ids = itertools.count(1)
         self._calls: dict[int, Action] = {}
         self._unservable_logged: set[str] = set()
         # (model, requests held for it) last told to the frontends as unservable
         self._unservable_told: dict[str, int] = {}
         self._notices: list[ModelUnservable] = []  # for the next step's effects
+
+    def join(self, backend: str, kind: str) -> list[str] | None:
+        """An added backend (the autoscaler's) of ``kind`` joins a sub-cluster: the one with
+        most backends of its kind (``autoscale_kinds.group_for``). Returns the models it is to
+        load at start, the ones resident in that sub-cluster, which are placed on it too (a
+        restart loads them again); None with one sub-cluster (every model, as any backend)."""
+        self.kind_of[backend] = kind
+        if len(self.groups) == 1:
+            self.groups[0].append(backend)
+            return None
+        group = group_for(kind, self.groups, self.kind_of)
+        self.groups[group].append(backend)
+        models = sorted(m for m, j in self.loaded().items() if j == group)
+        for model in models:
+            placed = self.repository.placement.get(model)
+            if placed is not None:
+                self.repository.placement[model] = placed | {backend}
+        log.info("orchestrator: %s (%s) joins sub-cluster %d: %s", backend, kind or "-", group,
+                 ", ".join(models) or "no model yet")
+        return models
+
+    def leave(self, backend: str) -> None:
+        """A released backend leaves its sub-cluster."""
+        self.kind_of.pop(backend, None)
+        for group in self.groups:
+            if backend in group:
+                group.remove(backend)
 
     def add_model(self, config: ModelConfig) -> None:
         self.core.add_model(config.name, model_memory(config))

@@ -135,11 +135,17 @@ def _print_autoscale(stats: dict[str, Any]) -> None:
     advice = stats.get("autoscale")
     if not advice:
         return
-    print(f"autoscale: advice {advice['advice_backends']} backends (serving "
-          f"{advice['backends']}, bounds {advice['min_backends']}..{advice['max_backends']}); "
-          f"last change {advice['change']:+d} ({advice['reason']}); bad rate "
-          f"{advice['bad_rate']:.2%}, idle {advice['idle_fraction']:.1%}, needed "
-          f"{advice['needed']:.2f}")
+    print(f"autoscale: {_advice_line(advice)}")
+    for kind, entry in sorted((advice.get("kinds") or {}).items()):  # [autoscale.kinds]
+        print(f"  kind {kind}: {_advice_line(entry)}")
+
+
+def _advice_line(advice: dict[str, Any]) -> str:
+    return (f"advice {advice['advice_backends']} backends (serving "
+            f"{advice['backends']}, bounds {advice['min_backends']}..{advice['max_backends']}); "
+            f"last change {advice['change']:+d} ({advice['reason']}); bad rate "
+            f"{advice['bad_rate']:.2%}, idle {advice['idle_fraction']:.1%}, needed "
+            f"{advice['needed']:.2f}")
 
 
 def main(argv: list[str]) -> int:

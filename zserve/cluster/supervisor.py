@@ -180,14 +180,20 @@ class Supervisor:
             {m.name: m.to_dict() for m in config.models},
             {c.name: self._serves(c) for c in self.children.values() if c.role == "backend"})
         # The orchestrator (``[orchestration]``): on-demand loads, idle unloads, re-plans.
-        self.orchestrator = None if config.orchestration is None else OrchestratorHost(
-            config.orchestration, self.repository,
-            [c.name for c in self.children.values() if c.role == "backend"], config.models,
-            time.monotonic())
+        self.orchestrator = self._orchestrator()
         # Repository calls made in this process (``repository_call``): request id -> its reply.
         self._local_replies: dict[int, Future[RepositoryReply]] = {}
         self._local_calls = 0
         self.autoscaler = self._autoscaler(ipc_dir)
+
+    def _orchestrator(self) -> OrchestratorHost | None:
+        """The orchestrator (``[orchestration]``): on-demand loads, idle unloads, re-plans."""
+        if self.config.orchestration is None:
+            return None
+        backends = [c for c in self.children.values() if c.role == "backend"]
+        return OrchestratorHost(self.config.orchestration, self.repository,
+                                [c.name for c in backends], self.config.models,
+                                time.monotonic(), kinds={c.name: c.config.kind for c in backends})
 
     def _autoscaler(self, ipc_dir: str | None) -> BackendAutoscaler | None:
         """Starts and releases backends on the frontends' advice ([autoscale] enabled and act);
@@ -197,7 +203,20 @@ class Supervisor:
         return BackendAutoscaler(
             self.config, self.children, spawn=self._spawn, send=self._send,
             stats=self.child_stats, ipc_dir=ipc_dir,
-            on_released=lambda: self.on_child_ready and self.on_child_ready())
+            on_released=lambda: self.on_child_ready and self.on_child_ready(),
+            on_added=self._backend_added, on_gone=self._backend_released)
+
+    def _backend_added(self, child: SupervisedChild) -> None:
+        """An added backend joins a sub-cluster of the orchestrator (its kind's) and loads
+        that sub-cluster's models at start."""
+        if self.orchestrator is not None:
+            serve = self.orchestrator.join(child.name, child.config.kind)
+            if serve is not None:
+                child.config.serve = tuple(serve)
+
+    def _backend_released(self, name: str) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.leave(name)
 
     # ------------------------------------------------------------------ helpers
 
@@ -814,6 +833,15 @@ class Cluster:
         """What the autoscaler did: (monotonic s, ``add``/``retire``/``exit``, backend name)."""
         scaler = self._sup.autoscaler
         return [] if scaler is None else self._sup.call(lambda: list(scaler.events))
+
+    def release_backend(self, name: str) -> None:
+        """Release backend ``name`` as the autoscaler does (``BackendAutoscaler.release``: no
+        new grants, drained, stopped, not restarted). Needs ``[autoscale]`` enabled and acting;
+        ValueError otherwise or for a name that is not a serving backend."""
+        scaler = self._sup.autoscaler
+        if scaler is None:
+            raise ValueError("releasing a backend needs [autoscale] enabled = true and act = true")
+        self._sup.call(lambda: scaler.release(time.monotonic(), name))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one child; returns its pid."""

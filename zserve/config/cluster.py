@@ -328,6 +328,9 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # default), "bound" (fixed-size sessions bound once to preallocated buffers), "graph" (bound,
     # plus CUDA graphs) or "tensorrt" (the TensorRT provider, fp16, before the CUDA one).
     onnx_io: str = "iobinding"
+    # Each started backend's device kind (a name: "a100", "t4"), one per backend; () : all of
+    # one kind (""). The autoscaler scales each kind within [autoscale.kinds.<kind>].
+    kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.onnx_io not in ONNX_IO_MODES:
@@ -335,6 +338,11 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                                         f"{self.onnx_io!r}")
         if not isinstance(self.memory, str):
             check_finite("memory", self.memory, positive=True)
+        if self.kinds and len(self.kinds) != self.total:
+            raise FieldError("kinds", f"names one kind per backend: {len(self.kinds)} kinds "
+                             f"for {self.total} backends")
+        for i, kind in enumerate(self.kinds):
+            _check_name(f"kinds[{i}]", kind)
         if not DEVICE_RE.match(self.device):
             raise FieldError("device",
                              f"must be cpu, emulated, cuda or cuda:N, got {self.device!r}")
@@ -354,6 +362,18 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def total(self) -> int:
         return len(self.devices) if self.devices else self.count
+
+    def kind_of(self, index: int) -> str:
+        """Started backend ``index``'s kind ("" with no ``kinds``, or past the started ones)."""
+        return self.kinds[index] if index < len(self.kinds) else ""
+
+    def started_by_kind(self) -> dict[str, int]:
+        """How many backends of each kind start, in the order the kinds first appear."""
+        counts: dict[str, int] = {}
+        for index in range(self.total):
+            kind = self.kind_of(index)
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
 
 
 class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -429,6 +449,22 @@ class RepositoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return msgspec.structs.replace(self, path=str((base / self.path).resolve()))
 
 
+class AutoscaleKindConfig(msgspec.Struct, frozen=True, kw_only=True,
+                          forbid_unknown_fields=True):
+    """``[autoscale.kinds.<kind>]``: the bounds of one device kind's backends."""
+
+    min_backends: Count = 1
+    max_backends: int = 0  # 0: as many as start of this kind
+
+    def __post_init__(self) -> None:
+        if self.max_backends < 0:
+            raise FieldError("max_backends", "must be >= 0 (0: the backends of this kind "
+                             "that start)")
+
+    def bounds(self, started: int) -> tuple[int, int]:
+        return self.min_backends, self.max_backends or started
+
+
 class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[autoscale]``: the autoscaling advice (``zserve.orchestrator.autoscale``; the frontends
     compute and export it while ``enabled``) and the bounds ``zserve up`` acts within
@@ -451,6 +487,9 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     down_hold_s: float = 600.0
     max_release_fraction: float = 0.25
     min_requests: Count = 200
+    # Per device kind (backends.kinds): each kind is advised and scaled on its own, within its
+    # bounds; {}: the cluster as one.
+    kinds: dict[str, AutoscaleKindConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("interval_s", "up_window_s", "down_window_s"):
@@ -473,8 +512,46 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """(min, max) backends, ``max_backends = 0`` meaning ``backends`` (the count started)."""
         return self.min_backends, self.max_backends or backends
 
+    def kind_bounds(self, backends: BackendsConfig) -> dict[str, tuple[int, int]]:
+        """(min, max) backends of each kind that starts: its table's, else as many as start
+        (a kind without a table keeps its count). {} without ``kinds``."""
+        if not self.kinds:
+            return {}
+        started = backends.started_by_kind()
+        return {kind: (self.kinds[kind].bounds(count) if kind in self.kinds
+                       else (count, count)) for kind, count in started.items()}
+
+
+def _check_autoscale_kinds(autoscale: AutoscaleConfig, backends: BackendsConfig) -> None:
+    """``[autoscale.kinds.<kind>]``: each names a kind that starts, its bounds hold what starts,
+    and the cluster's bounds hold the kinds' together."""
+    if not autoscale.kinds:
+        return
+    if not backends.kinds:
+        raise FieldError("autoscale.kinds", "per-kind bounds need backends.kinds (one kind "
+                         "per backend)")
+    started = backends.started_by_kind()
+    for kind, limits in autoscale.kinds.items():
+        key = f"autoscale.kinds.{kind}"
+        if kind not in started:
+            raise FieldError(key, f"no backend of kind {kind!r} starts (backends.kinds has "
+                             f"{', '.join(sorted(started))})")
+        low, high = limits.bounds(started[kind])
+        if low > high:
+            raise FieldError(f"{key}.min_backends", f"{low} is above max_backends {high}")
+        if not low <= started[kind] <= high:
+            raise FieldError(key, f"{started[kind]} backends of kind {kind!r} start, outside "
+                             f"min_backends..max_backends ({low}..{high})")
+    bounds = autoscale.kind_bounds(backends).values()
+    low, high = autoscale.bounds(backends.total)
+    if sum(b[1] for b in bounds) > high or sum(b[0] for b in bounds) < low:
+        raise FieldError("autoscale.kinds", f"the kinds' bounds add up to "
+                         f"{sum(b[0] for b in bounds)}..{sum(b[1] for b in bounds)} backends, "
+                         f"outside the cluster's min_backends..max_backends ({low}..{high})")
+
 
 def _check_autoscale(autoscale: AutoscaleConfig, backends: BackendsConfig) -> None:
+    _check_autoscale_kinds(autoscale, backends)
     low, high = autoscale.bounds(backends.total)
     if low > high:
         raise FieldError("autoscale.min_backends",
@@ -720,6 +797,7 @@ class RoleConfig(msgspec.Struct, kw_only=True):
     # (tcp://0.0.0.0:PORT); None: the host name.
     advertise_host: str | None = None
     device: str = "cpu"  # backend: cpu | cuda:N | emulated
+    kind: str = ""  # backend: its device kind (backends.kinds; "": one kind)
     # rank and shard: how long a silent backend stays registered (None: the role's default).
     backend_timeout_s: float | None = None
     # shard: how long past d_ctrl a plan may go unacknowledged before its backend is suspect
@@ -766,6 +844,7 @@ def role_config(
         embedded_rank=role == "shard" and shards == 0,
         advertise_host=advertise_host,
         device=cluster.backends.device_of(index) if role == "backend" else "cpu",
+        kind=cluster.backends.kind_of(index) if role == "backend" else "",
         standby=name == STANDBY_NAME,
         serve=tuple(m.name for m in cluster.startup_models) if role == "backend" else None,
     )
@@ -774,10 +853,25 @@ def role_config(
 # --------------------------------------------------------------------------- parsing
 
 
+def _decode_kind_tables(data: dict[str, Any]) -> None:
+    """Each ``[autoscale.kinds.<kind>]`` on its own first, so that an error names its kind
+    (``autoscale.kinds.a100.max_backends: ...``): msgspec's paths leave a table's keys out."""
+    autoscale = data.get("autoscale")
+    kinds = autoscale.get("kinds") if isinstance(autoscale, dict) else None
+    if not isinstance(kinds, dict):
+        return
+    for kind, table in kinds.items():
+        path = f"autoscale.kinds.{kind}"
+        if not isinstance(kind, str) or not _NAME_RE.match(kind):
+            raise SchemaError(path, f"a kind must match {_NAME_RE.pattern}")
+        decode(table, AutoscaleKindConfig, path=path)
+
+
 def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> ClusterConfig:
     """Validate a parsed TOML document (or an equivalent dict) into a ClusterConfig; relative
     model paths resolve against ``base_dir``."""
     try:
+        _decode_kind_tables(data)
         document = decode(data, ClusterFile)
     except SchemaError as exc:
         raise ConfigError(exc.path, exc.problem) from None

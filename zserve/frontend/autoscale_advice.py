@@ -14,6 +14,11 @@ table). The advice and its signals go into the frontend's stats under ``autoscal
 
 With several frontends each advises from its own requests (a share of the cluster's: the same
 bad rate when the load is spread) and every backend's busy time.
+
+With ``[autoscale.kinds.<kind>]`` each device kind is also advised on its own
+(``zserve.orchestrator.autoscale_kinds``): its backends (by the ``kind`` in their stats), their
+busy time, and its models' requests (``outcome/<model>/<o>`` counters); the snapshot's ``kinds``
+holds each kind's advice, which ``zserve up`` acts on per kind.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 
 from zserve.config.cluster import ClusterConfig
 from zserve.core.errors import ErrorKind
-from zserve.orchestrator.autoscale import AutoscalePolicy, Autoscaler, Signals
+from zserve.frontend.core import OUTCOME_OF_MODEL, OUTCOME_OK
+from zserve.orchestrator.autoscale import Advice, AutoscalePolicy, Autoscaler, Signals
+from zserve.orchestrator.autoscale_kinds import BackendSample, KindAutoscalers, kind_signals
 
 # Answers that are the cluster's failure to serve in time (the bad rate's numerator).
 BAD_KINDS = (ErrorKind.DEADLINE, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE,
@@ -63,6 +70,26 @@ def backend_busy(stats: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(peer, Mapping) and peer.get("role") == "backend"}
 
 
+def model_outcomes(counters: Mapping[str, int], models: list[str]) -> dict[str, tuple[int, int]]:
+    """(requests answered, bad answers) of each model, from ``outcome/<model>/<o>``."""
+    out: dict[str, tuple[int, int]] = {}
+    for model in models:
+        bad = sum(int(counters.get(OUTCOME_OF_MODEL.format(model, k.value), 0))
+                  for k in BAD_KINDS)
+        ok = int(counters.get(OUTCOME_OF_MODEL.format(model, OUTCOME_OK), 0))
+        out[model] = (ok + bad, bad)
+    return out
+
+
+def backend_samples(stats: Mapping[str, Any]) -> dict[str, tuple[str, float, tuple[str, ...]]]:
+    """Each backend's (kind, busy seconds so far, models), by name."""
+    cluster = stats.get("cluster") or {}
+    return {name: (str(peer.get("kind", "")), float(peer.get("busy_total_s", 0.0)),
+                   tuple(peer.get("models") or ()))
+            for name, peer in cluster.items()
+            if isinstance(peer, Mapping) and peer.get("role") == "backend"}
+
+
 def _increase(before: float, after: float) -> float:
     """A counter's increase; one that went back (reset, restarted process) counts from 0."""
     return after - before if after >= before else after
@@ -71,16 +98,26 @@ def _increase(before: float, after: float) -> float:
 class AdviceTracker:
     """The advice of one frontend (module docstring); ``snapshot`` is its stats entry."""
 
-    def __init__(self, policy: AutoscalePolicy, backends: int, now: float) -> None:
+    def __init__(self, policy: AutoscalePolicy, backends: int, now: float,
+                 kinds: KindAutoscalers | None = None, models: tuple[str, ...] = ()) -> None:
         self.autoscaler = Autoscaler(policy, backends, now)
         self._last: tuple[float, int, int, dict[str, float]] | None = None
         self.serving = backends
+        self.kinds = kinds
+        self.models = list(models)
+        self._last_kinds: tuple[dict[str, tuple[int, int]],
+                                dict[str, tuple[str, float, tuple[str, ...]]]] | None = None
 
     @classmethod
     def for_cluster(cls, cluster: ClusterConfig, now: float) -> AdviceTracker | None:
         if not cluster.autoscale.enabled:
             return None
-        return cls(autoscale_policy(cluster), cluster.backends.total, now)
+        policy = autoscale_policy(cluster)
+        bounds = cluster.autoscale.kind_bounds(cluster.backends)
+        kinds = KindAutoscalers(policy, bounds, cluster.backends.started_by_kind(),
+                                now) if bounds else None
+        return cls(policy, cluster.backends.total, now, kinds,
+                   tuple(m.name for m in cluster.models))
 
     def observe(self, now: float, stats: Mapping[str, Any]) -> None:
         """One stats answer: the interval since the previous one becomes a sample."""
@@ -96,20 +133,52 @@ class AdviceTracker:
             now - then, int(_increase(answered0, answered)), int(_increase(bad0, bad)), busy_s,
             self.serving))
         self.autoscaler.advise(now)
+        self._observe_kinds(now, now - then, stats)
+
+    def _observe_kinds(self, now: float, duration_s: float, stats: Mapping[str, Any]) -> None:
+        """Per kind (``[autoscale.kinds]``): the interval's signals of each kind's backends and
+        models. Only the backends of the frontend's table count as serving."""
+        if self.kinds is None:
+            return
+        outcomes = model_outcomes(stats.get("counters", {}), self.models)
+        table = set(stats.get("backends") or ())
+        samples = {n: s for n, s in backend_samples(stats).items() if n in table}
+        last, self._last_kinds = self._last_kinds, (outcomes, samples)
+        if last is None or duration_s <= 0:
+            return
+        outcomes0, samples0 = last
+        offered = {m: int(_increase(outcomes0.get(m, (0, 0))[0], a)) for m, (a, _) in
+                   outcomes.items()}
+        bad = {m: int(_increase(outcomes0.get(m, (0, 0))[1], b)) for m, (_, b) in
+               outcomes.items()}
+        backends = {name: BackendSample(kind, _increase(
+            samples0[name][1] if name in samples0 else 0.0, busy_s), models)
+            for name, (kind, busy_s, models) in samples.items()}
+        self.kinds.observe(now, kind_signals(duration_s, offered, bad, backends))
+        self.kinds.advise(now)
 
     def snapshot(self) -> dict[str, Any]:
-        """The advice now, its signals, and the newest change (its size and its rule)."""
-        advice = self.autoscaler.last
-        changed = self.autoscaler.last_change
-        policy = self.autoscaler.policy
-        return {"advice_backends": advice.backends, "backends": self.serving,
-                "change": changed.change if changed else 0,
-                "reason": changed.reason if changed else advice.reason,
-                "changes": len(self.autoscaler.changes),
-                "bad_rate": round(advice.bad_rate, 6),
-                "idle_fraction": round(advice.idle_fraction, 6),
-                "needed": round(advice.needed, 3),
-                "min_backends": policy.min_backends, "max_backends": policy.max_backends}
+        """The advice now, its signals, and the newest change (its size and its rule); with
+        kinds, each kind's the same under ``kinds``."""
+        out = _advice_entry(self.autoscaler, self.serving)
+        if self.kinds is not None:
+            out["kinds"] = {kind: _advice_entry(a, self.kinds.serving[kind])
+                            for kind, a in self.kinds.autoscalers.items()}
+        return out
+
+
+def _advice_entry(autoscaler: Autoscaler, serving: int) -> dict[str, Any]:
+    advice: Advice = autoscaler.last
+    changed = autoscaler.last_change
+    policy = autoscaler.policy
+    return {"advice_backends": advice.backends, "backends": serving,
+            "change": changed.change if changed else 0,
+            "reason": changed.reason if changed else advice.reason,
+            "changes": len(autoscaler.changes),
+            "bad_rate": round(advice.bad_rate, 6),
+            "idle_fraction": round(advice.idle_fraction, 6),
+            "needed": round(advice.needed, 3),
+            "min_backends": policy.min_backends, "max_backends": policy.max_backends}
 
 
 async def advise_every(tracker: AdviceTracker, interval_s: float, clock: Callable[[], float],

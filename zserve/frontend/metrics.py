@@ -281,6 +281,18 @@ AUTOSCALE_GAUGES = (
 )
 
 
+# Per device kind ([autoscale.kinds]): stats key of each kind's entry -> (metric, help).
+AUTOSCALE_KIND_GAUGES = (
+    ("advice_backends", "zserve_autoscale_kind_backends_advice", "The backends of this device "
+     "kind the cluster should have ([autoscale.kinds] advice)"),
+    ("backends", "zserve_autoscale_kind_backends", "The backends of this device kind serving"),
+    ("bad_rate", "zserve_autoscale_kind_bad_rate", "Share of this kind's models' requests of "
+     "the up window not answered with outputs in time"),
+    ("idle_fraction", "zserve_autoscale_kind_idle_fraction", "Share of this kind's backends' "
+     "time they ran no batch, over the down window"),
+)
+
+
 def autoscale_families(frontend: str, stats: Mapping[str, Any]) -> list[Metric]:
     """The frontend's autoscaling advice as gauges (none unless ``[autoscale] enabled``)."""
     advice = stats.get("autoscale")
@@ -291,6 +303,13 @@ def autoscale_families(frontend: str, stats: Mapping[str, Any]) -> list[Metric]:
         gauge = GaugeMetricFamily(metric, doc, labels=["frontend"])
         gauge.add_metric([frontend], float(advice.get(key, math.nan)))
         out.append(gauge)
+    kinds = advice.get("kinds")
+    if isinstance(kinds, Mapping):  # [autoscale.kinds]: each kind's advice, labelled
+        for key, metric, doc in AUTOSCALE_KIND_GAUGES:
+            gauge = GaugeMetricFamily(metric, doc, labels=["frontend", "kind"])
+            for kind, entry in sorted(kinds.items()):
+                gauge.add_metric([frontend, kind], float(entry.get(key, math.nan)))
+            out.append(gauge)
     return out
 
 
