@@ -156,6 +156,7 @@ class BackendHost:
         *,
         name: str,
         device: str,
+        kind: str = "",
         executor: Executor,
         ctx: zmq.Context[zmq.Socket[bytes]],
         plan_sock: zmq.Socket[Any],
@@ -170,6 +171,7 @@ class BackendHost:
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.device = device
+        self.kind = kind  # the device kind it announces to the rank ("": none)
         self.executor = executor
         self.ctx = ctx
         self.plan_sock = plan_sock
@@ -283,6 +285,7 @@ class BackendHost:
                 profiles_ms=profiles_ms,
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
                 device_free_at=self.follower.device_free_at(free_at),
+                kind=self.kind,
             ),
         )
 
@@ -554,6 +557,7 @@ async def _serve(config: RoleConfig, control_address: str | None,
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
         served = [m for m in config.models if config.serve is None or m.name in config.serve]
         host = BackendHost(name=name, device=config.device,
+                           kind=config.cluster.backends.kind_of(config.index),
                            executor=build_executor(config.device, served),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
                            reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,

@@ -331,6 +331,12 @@ def test_fleet_quick(tmp_path: Path) -> None:
     assert points["saving"] == pytest.approx(
         1 - best_mixed / min(points["a100 only"]["cost_per_hour"],
                              points["gtx1080ti only"]["cost_per_hour"]))
+    # the cost floor is below every fleet the simulator sized, so it bounds the saving
+    floors = points["cost_floor"]
+    for name in ("a100 only", "gtx1080ti only"):
+        assert floors[name]["cost"] <= points[name]["cost_per_hour"]
+    assert floors["mixed, each model on its cheapest kind"]["cost"] <= best_mixed
+    assert points["saving"] <= points["saving_bound"]
 
 
 def test_scale_quick(tmp_path: Path) -> None:

@@ -146,6 +146,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # file's size) and the peak activations of its largest batch (None: 0).
     memory_mib: float | None = None
     activation_mib: float | None = None
+    # The backends that load it at start, by name ("backend-0"); None: every backend.
+    backends: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -161,6 +163,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             if size > self.max_batch:
                 raise FieldError(f"session_batch_sizes[{i}]",
                                  f"{size} is above max_batch ({self.max_batch})")
+
+    def served_at_start_by(self, backend: str) -> bool:
+        """Whether backend ``backend`` (its process name) loads this model at start."""
+        return self.backends is None or backend in self.backends
 
     @property
     def kind(self) -> Literal["onnx", "builtin", "emulated"]:
@@ -323,6 +329,10 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # zserve.orchestrator.memory) or GiB; None: not checked. Preflight refuses the models
     # started on every backend if their weights + largest activations exceed it.
     memory: str | float | None = None
+    # The device kind each backend announces to the rank ("a100"): ``kinds`` per backend, else
+    # ``kind`` for all; none: no kind (every GPU plans with one profile per model).
+    kind: str | None = None
+    kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory, str):
@@ -335,6 +345,13 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise FieldError(f"devices[{i}]",
                                  f"must be cpu, emulated or cuda:N, got {device!r}")
         _check_addresses("plan_addresses", self.plan_addresses, self.total, "backends")
+        if self.kind is not None:
+            _check_name("kind", self.kind)
+        for i, kind in enumerate(self.kinds):
+            _check_name(f"kinds[{i}]", kind)
+        if self.kinds and len(self.kinds) != self.total:
+            raise FieldError("kinds", f"one kind per backend: {len(self.kinds)} kinds for "
+                             f"{self.total} backends")
 
     def device_of(self, index: int) -> str:
         if self.devices:
@@ -346,6 +363,13 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def total(self) -> int:
         return len(self.devices) if self.devices else self.count
+
+    def kind_of(self, index: int) -> str:
+        """The device kind backend ``index`` announces ("": none; one the autoscaler adds past
+        ``kinds`` announces ``kind``)."""
+        if index < len(self.kinds):
+            return self.kinds[index]
+        return self.kind or ""
 
 
 class ClusterTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -504,7 +528,8 @@ class OrchestrationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
                              f"models' bytes), got {self.disruption_budget}")
 
 
-def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
+def _check_models(models: tuple[ModelConfig, ...], backends: int, *,
+                  repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
                          "required")
@@ -513,6 +538,27 @@ def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) 
         if model.name in seen:
             raise FieldError(f"models[{i}].name", f"duplicate model {model.name!r}")
         seen.add(model.name)
+        problem = model_backends_problem(model.backends, backends)
+        if problem is not None:
+            raise FieldError(f"models[{i}].backends{problem[0]}", problem[1])
+
+
+def model_backends_problem(names: tuple[str, ...] | None,
+                           backends: int) -> tuple[str, str] | None:
+    """What is wrong with a model's ``backends`` (at least one, each a configured backend's
+    name, no repeats), as (the key below ``backends``: "" or "[j]", the problem), or None."""
+    if names is None:
+        return None
+    if not names:
+        return "", "name at least one backend (leave the key out: every backend)"
+    known = [process_name("backend", i) for i in range(backends)]
+    for j, name in enumerate(names):
+        if name not in known:
+            shown = f"{known[0]} .. {known[-1]}" if len(known) > 1 else known[0]
+            return f"[{j}]", f"no backend named {name!r} (the backends are {shown})"
+        if name in names[:j]:
+            return f"[{j}]", f"backend {name!r} named twice"
+    return None
 
 
 class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -529,7 +575,8 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     orchestration: OrchestrationConfig | None = None
 
     def __post_init__(self) -> None:
-        _check_models(self.models, repository=self.repository.path is not None)
+        _check_models(self.models, self.backends.total,
+                      repository=self.repository.path is not None)
         _check_autoscale(self.autoscale, self.backends)
         groups = self.orchestration.subclusters if self.orchestration is not None else 1
         if groups > self.backends.total:
@@ -583,8 +630,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     @property
     def startup_models(self) -> tuple[ModelConfig, ...]:
-        """The models every backend loads at start."""
+        """The models some backend loads at start (each on its ``backends``, else on all)."""
         return tuple(m for m in self.models if m.name not in self.unloaded_at_start)
+
+    def startup_models_of(self, backend: str) -> tuple[ModelConfig, ...]:
+        """The models backend ``backend`` (its process name) loads at start."""
+        return tuple(m for m in self.startup_models if m.served_at_start_by(backend))
 
     def d_data_ms_of(self, model: ModelConfig) -> float:
         """``model``'s data allowance per request row: its own ``d_data_ms``, else the
@@ -759,7 +810,8 @@ def role_config(
         advertise_host=advertise_host,
         device=cluster.backends.device_of(index) if role == "backend" else "cpu",
         standby=name == STANDBY_NAME,
-        serve=tuple(m.name for m in cluster.startup_models) if role == "backend" else None,
+        serve=tuple(m.name for m in cluster.startup_models_of(name)) if role == "backend"
+        else None,
     )
 
 
@@ -784,6 +836,11 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         except SchemaError as exc:
             raise ConfigError(exc.path, exc.problem) from None
         models, unloaded = _with_repository(models, found, repository.load)
+        for model in found:
+            problem = model_backends_problem(model.backends, document.backends.total)
+            if problem is not None:
+                raise ConfigError(f"repository.models.{model.name}.backends{problem[0]}",
+                                  problem[1])
     return ClusterConfig(
         **msgspec.structs.asdict(document.cluster),
         scheduler=document.scheduler,
