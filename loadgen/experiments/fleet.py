@@ -200,7 +200,8 @@ def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
                 say: Say) -> dict[str, dict[str, Any]]:
     """Each model on its cheapest kind: each kind's pool sized apart, then run together
     ("mixed"); then ("mixed, shared") the pricier kind's GPUs serve every model too (each
-    batch sized and timed by the granted GPU's profile), its count kept, the cheaper kind's
+    batch sized and timed by the granted GPU's profile; a GPU that frees goes first to the
+    models at home on its kind, ``RankThread.set_home``), its count kept, the cheaper kind's
     searched again."""
     pools: dict[str, list[str]] = {}
     for n, kind in choice.items():
@@ -220,7 +221,7 @@ def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
         cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
         try:
             count, report = smallest_count(
-                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared),
+                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared, home=True),
                 gpus[cheap], say, f"mixed, shared {shared}: {cheap}", limit=2 * gpus[cheap])
         except NotSized as exc:
             fleets["mixed, shared"] = {"kind_gpus": {}, "together_passes": False,
@@ -241,11 +242,12 @@ class MixedFleet:
     profiles: dict[str, dict[str, LatencyProfile]]
     rate: float
 
-    def run(self, gpus: dict[str, int], shared: str | None = None
+    def run(self, gpus: dict[str, int], shared: str | None = None, *, home: bool = False
             ) -> tuple[bool, dict[str, Any]]:
         """GPUs 0.. of the cheapest kind, then the next; each model on its pool's GPUs
         (``shared``: and on that kind's GPUs, where it meets its SLO), each GPU timing batches
-        by its kind's profile. Returns whether the rate passes, and the report."""
+        by its kind's profile; ``home``: a GPU that frees goes first to the models of its own
+        pool (``RankThread.set_home``). Returns whether the rate passes, and the report."""
         names = [n for members in self.pools.values() for n in members]
         own = {n: kind for kind, members in self.pools.items() for n in members}
         # the cheapest kind's GPUs take the lowest ids (the rank prefers the idle GPU of lowest
@@ -260,7 +262,9 @@ class MixedFleet:
             gpus=len(gpu_kind), rate=self.rate)
         gpu_profiles = [{n: self.profiles[k][n] for n in names if own[n] != k}
                         for k in gpu_kind]
-        return passes(w, SimConfig(gpu_profiles=gpu_profiles, model_gpus=model_gpus))
+        model_home = {n: [g for g, k in enumerate(gpu_kind) if k == own[n]] for n in names}
+        return passes(w, SimConfig(gpu_profiles=gpu_profiles, model_gpus=model_gpus,
+                                   model_home_gpus=model_home if home else None))
 
 
 def fleet_cost(kind_gpus: dict[str, int]) -> float:
