@@ -172,6 +172,7 @@ class BackendHost:
         *,
         name: str,
         device: str,
+        kind: str = "",
         executor: Executor,
         ctx: zmq.Context[zmq.Socket[bytes]],
         plan_sock: zmq.Socket[Any],
@@ -186,6 +187,7 @@ class BackendHost:
         self.clock = clock if clock is not None else ClusterClock()
         self.identity = name.encode()
         self.device = device
+        self.kind = kind  # the device kind it announces to the rank and reports in its stats
         self.executor = executor
         self.ctx = ctx
         self.plan_sock = plan_sock
@@ -200,7 +202,6 @@ class BackendHost:
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
         self.retiring = False  # released by the autoscaler: said in every registration
-        self.kind = ""  # its device kind (backends.kinds), in its stats: the advice per kind
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
         self._frontend_incarnations: dict[str, int] = {}
@@ -309,6 +310,7 @@ class BackendHost:
                 signatures={m: self.executor.signature(m).to_dict() for m in self.models},
                 device_free_at=self.follower.device_free_at(free_at),
                 retiring=self.retiring,
+                kind=self.kind,
             ),
         )
 
@@ -622,6 +624,7 @@ async def _serve(config: RoleConfig, control_address: str | None,
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
         served = [m for m in config.models if config.serve is None or m.name in config.serve]
         host = BackendHost(name=name, device=config.device,
+                           kind=config.kind,
                            executor=build_executor(config.device, served,
                                                    config.cluster.backends.onnx_io),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
@@ -632,7 +635,6 @@ async def _serve(config: RoleConfig, control_address: str | None,
         session.serve_stats(host.stats)
         session.on_control(host.on_control_message)
         # Loading blocks the loop on purpose: nothing else may happen before Ready.
-        host.kind = config.kind  # its device kind, in its stats (per-kind autoscaling)
         host.load_and_warm(config.models)
         peers = {**config.peers, **await session.ready({"plan": plan_address})}
         if session.drain.requested:

@@ -210,6 +210,11 @@ class SchedulerCore:
         self._reopen()
         self._after(now, outbox, None)
 
+    def set_home(self, home: Mapping[str, Iterable[int]] | None) -> None:
+        """The embedded rank's kind preference (``RankThread.set_home``)."""
+        assert self.rank is not None, "the embedded rank only"
+        self.rank.set_home(home)
+
     def set_members(self, now: float, members: Mapping[str, Iterable[int]] | None,
                     outbox: Outbox) -> None:
         """The embedded rank's GPUs serving each model (None: every GPU serves every model): the

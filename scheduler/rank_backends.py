@@ -82,6 +82,7 @@ class _Backend:
     signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Released by the autoscaler (``on_retire``): in the table, granted nothing new.
     retired: bool = False
+    kind: str = ""  # the device kind it announced ("": none)
 
 
 class RankBackends:
@@ -160,7 +161,7 @@ class RankBackends:
         self._by_gpu[gpu_id] = _Backend(
             gpu_id, msg.name, identity, msg.device, msg.plan_address, list(msg.models),
             dict(msg.profiles_ms), now, signatures=dict(msg.signatures), registered_at=now,
-            retired=retired)
+            retired=retired, kind=msg.kind)
         self._tell_members(now, outbox)
         if retired and not was_retired:
             self._note_retired(msg.name, gpu_id)
@@ -328,6 +329,7 @@ class RankBackends:
             profiles_ms=[dict(b.profiles_ms) for b in alive],
             signatures=[dict(b.signatures) for b in alive],
             epoch=epoch,
+            kinds=[b.kind for b in alive],
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -335,6 +337,7 @@ class RankBackends:
         whether released by the autoscaler (granted nothing new)."""
         return {
             str(b.gpu_id): {"name": b.name, "alive": b.alive, "device": b.device,
+                            "kind": b.kind,
                             "suspect": not b.alive and b.suspect_since > -math.inf,
                             "retired": b.retired}
             for b in self._by_gpu.values()

@@ -62,16 +62,17 @@ class RankRejoin:
         return self.latest
 
 
-# One backend's entry of a table: gpu id, name, address, models, profiles, signatures.
-_Row = tuple[int, str, str, list[str], dict[str, list[float]], dict[str, dict[str, Any]]]
+# One backend's entry of a table: gpu id, name, address, models, profiles, signatures, kind.
+_Row = tuple[int, str, str, list[str], dict[str, list[float]], dict[str, dict[str, Any]], str]
 
 
 def _rows(table: BackendTable) -> list[_Row]:
     n = len(table.gpu_ids)
     profiles = table.profiles_ms + [{}] * (n - len(table.profiles_ms))
     signatures = table.signatures + [{}] * (n - len(table.signatures))
+    kinds = table.kinds + [""] * (n - len(table.kinds))
     return list(zip(table.gpu_ids, table.names, table.addresses, table.models, profiles,
-                    signatures, strict=True))
+                    signatures, kinds, strict=True))
 
 
 def _merged(parts: list[list[_Row]]) -> BackendTable:
@@ -79,4 +80,4 @@ def _merged(parts: list[list[_Row]]) -> BackendTable:
     return BackendTable(
         gpu_ids=[r[0] for r in rows], names=[r[1] for r in rows], addresses=[r[2] for r in rows],
         models=[r[3] for r in rows], profiles_ms=[r[4] for r in rows],
-        signatures=[r[5] for r in rows])
+        signatures=[r[5] for r in rows], kinds=[r[6] for r in rows])

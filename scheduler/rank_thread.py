@@ -117,6 +117,9 @@ class RankThread:
     unanswered grant id) and ``_grants`` (grant id -> model and GPU).
     """
 
+    # kind preference (set_home): model -> the GPUs where it is at home; None: everywhere
+    _home: dict[str, frozenset[int]] | None = None
+
     def __init__(self, gpu_ids: list[int] | tuple[int, ...] = (), now: float = 0.0, *,
                  grant_order: str = GRANT_FIRST_DUE) -> None:
         """``grant_order`` (``zserve.config.policy_names``): ``GRANT_FIRST_DUE``, a candidate takes
@@ -258,6 +261,44 @@ class RankThread:
             self._gpu_models = {g: frozenset(models) for g, models in by_gpu.items()}
         self._rebuild_pools(now)
         self._fire_due(now, outbox)
+
+    def set_home(self, home: Mapping[str, Iterable[int]] | None) -> None:
+        """The GPUs where each model is at home (the device kind that serves it for least); its
+        other GPUs take it as a spill only: a GPU that frees goes to the most urgent candidate
+        at home there, and to one spilling only when none at home waits for it. A model not
+        listed is at home everywhere; None (the default): no preference."""
+        self._home = None if home is None else {m: frozenset(g) for m, g in home.items()}
+
+    def _home_first(self, pool: _Pool, model: str, gpu_id: int, free_at: float) -> str | None:
+        """``model``, the most urgent waiting there, unless it would spill onto ``gpu_id``: then
+        the most urgent candidate at home there waiting in time, else ``model`` if its batch
+        ends before any candidate at home there must start, else None (it stops waiting
+        there: the GPU is kept for the models at home on it)."""
+        home = self._home
+        assert home is not None
+        if gpu_id in home.get(model, (gpu_id,)):
+            return model
+        best, best_latest = model, _INF
+        candidates = self._candidates
+        for other in pool.pending:
+            latest = candidates[other][2]
+            if free_at <= latest < best_latest and gpu_id in home.get(other, (gpu_id,)):
+                best, best_latest = other, latest
+        if best != model:
+            return best
+        done = free_at + self._candidate_runs[model][0]
+        for other, (_, _, latest, _) in candidates.items():
+            if other != model and latest < done and gpu_id in home.get(other, (gpu_id,)):
+                return None
+        return model
+
+    def _home_pools(self, model: str, pools: list[_Pool]) -> list[_Pool]:
+        """``pools`` with a GPU at home for ``model`` (all of them when none has)."""
+        assert self._home is not None
+        home = self._home.get(model)
+        if home is None:
+            return pools
+        return [p for p in pools if not p.gpus.isdisjoint(home)] or pools
 
     def gpus_of(self, model: str) -> list[int]:
         """The GPUs (in use) that serve ``model``."""
@@ -475,6 +516,8 @@ class RankThread:
             pools = model_pools.get(model)
             if not pools:
                 return  # no GPU serves the model: its timer is armed again when one does
+            if self._home is not None:  # its own timer takes a GPU at home; a spill waits
+                pools = self._home_pools(model, pools)
             found = self._earliest_gpu(now, pools)
         # contention counts the candidates of models that share GPUs: a staggered model's
         # candidate finds its GPUs busy at about 40% of its aims by design (policy.py)
@@ -599,6 +642,16 @@ class RankThread:
                 heapq.heappop(heap)
                 self._purge(now, pool, model)
                 continue
+            if self._home is not None:
+                chosen = self._home_first(pool, model, gpu_id, free_at)
+                if chosen is None:  # its spill would block a model at home there
+                    heapq.heappop(heap)
+                    self._purge(now, pool, model)
+                    continue
+                if chosen != model:  # the spilling one keeps waiting (its heap entry stays)
+                    self.n_gpu_matches += 1
+                    self._grant(now, chosen, gpu_id, outbox)
+                    return
             if self._rescuing():
                 rival = self._most_urgent_deferring(now, free_at, pool.models)
                 # A waiting candidate is passed over only for a rival whose batch runs at least

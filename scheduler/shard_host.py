@@ -81,6 +81,7 @@ from zserve.runtime.runner import cancel_all, spawn
 from zserve.runtime.session import SOCKET_CLOSE_LINGER_MS
 from zserve.runtime.timers import WakeTimer
 from zserve.scheduler.core import SchedulerCore
+from zserve.scheduler.kind_profiles import served_profiles
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.rank_rejoin import RankRejoin
@@ -129,16 +130,6 @@ SHARD_HISTOGRAMS = {"meta_delay": "signed", "grant_slack": "signed"}
 PUBLISH_LEAD_S = 0.002
 # Plan ids carry the shard index in their low bits (plan_id = seq * MAX_SHARDS + index).
 MAX_SHARDS = 1024
-
-
-def merge_profiles(tables_ms: list[list[float]], max_batch: int) -> LatencyProfile | None:
-    """The slowest of several l(b) tables, element-wise, up to the smallest max batch."""
-    if not tables_ms:
-        return None
-    size = min([len(t) for t in tables_ms] + [max_batch])
-    if size < 1:
-        return None
-    return LatencyProfile.from_table_ms([max(t[b] for t in tables_ms) for b in range(size)])
 
 
 class ShardHost:
@@ -443,26 +434,24 @@ class ShardHost:
             self.driver.flush(outbox)
 
     def _serve_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
-        """The GPUs serving each model and their merged profiles, from the table."""
+        """The GPUs serving each model and its profiles, from the table: its own (the slowest
+        backend's, element-wise) and, for GPUs of another announced kind, that kind's
+        (``zserve.scheduler.kind_profiles``)."""
         self._last_table = table
-        served: dict[str, list[int]] = {}
-        tables: dict[str, list[list[float]]] = {}
-        for i, (gpu_id, models) in enumerate(zip(table.gpu_ids, table.models, strict=True)):
-            profiles = table.profiles_ms[i] if i < len(table.profiles_ms) else {}
-            for model in models:
-                served.setdefault(model, []).append(gpu_id)
-                if model in profiles:
-                    tables.setdefault(model, []).append(profiles[model])
-        self.core.set_served(now, served, outbox)
+        found = served_profiles(table, {n: c.max_batch for n, c in self.models.items()})
+        self.core.set_served(now, found.served, outbox)
         for name, config in self.models.items():
-            profile = merge_profiles(tables.get(name, []), config.max_batch)
+            profile = found.own.get(name)
             if name in self.core.threads:
                 if profile is not None:
                     self.core.set_profile(name, profile)
-                continue
-            profile = profile or configured_profile(config)
-            if profile is not None:
+            else:
+                profile = profile or configured_profile(config)
+                if profile is None:
+                    continue
                 self._make_thread(config, profile, now, outbox)
+            if name in self.core.threads:
+                self.core.threads[name].set_gpu_profiles(found.by_gpu.get(name, {}))
 
     # ------------------------------------------------------------------ acknowledgements
 

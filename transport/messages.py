@@ -37,7 +37,7 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
-WIRE_PROTOCOL_VERSION = 3  # 3: CandidateUpdate.shared
+WIRE_PROTOCOL_VERSION = 4  # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
@@ -240,6 +240,9 @@ class BackendTable(Message, frozen=True, tag="btable"):
     # The scheduler epoch of the rank that sent it: a frontend ignores a table of an older
     # epoch than the newest it has seen (``zserve.core.epochs``).
     epoch: int = 0
+    # Per backend, the device kind it announced ("a100"; "": none): a shard plans a model on a
+    # GPU with the profile that GPU's kind registered (``zserve.scheduler.kind_profiles``).
+    kinds: list[str] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- shard -> backend
@@ -343,6 +346,8 @@ class BackendRegister(Message, frozen=True, tag="breg"):
     # Released by the autoscaler (``RetireBackend``): a rank grants it nothing new. Said in
     # every registration, so a standby that takes over mid-release learns it too.
     retiring: bool = False
+    # Its device kind (``[backends] kind`` / ``kinds``; "": none announced).
+    kind: str = ""
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):

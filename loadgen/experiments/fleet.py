@@ -15,6 +15,12 @@ misses it cannot serve the model. Every fleet's size is searched in the simulato
 is the smallest at which the offered rate passes (worst model's bad rate <= 1%). The mixed fleet's
 two pools are sized apart (they share no model), then run together in one simulation, each GPU
 with its kind's profiles and each model on its kind's GPUs.
+
+The cost floor (``cost_floor``) bounds what any placement can reach: each model on the kind where
+its requests cost least, every batch at the largest size its own rate fills within its SLO
+(``busy_gpus_floor``), GPUs shared with no loss (fractional), 1% of the requests dropped for free.
+No mixed fleet costs less than that floor, so the saving any mix can reach over the best
+single-kind fleet found is at most one minus their ratio.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from zserve.loadgen.experiments.zoo import ZOO_WORKLOAD
 from zserve.loadgen.sim.simulator import SimConfig
 from zserve.loadgen.workload import ModelSpec, Workload, load_workload
 from zserve.loadgen.zoo import load_zoo_csv
-from zserve.orchestrator.placement import cheapest_kind, gpus_for_rate
+from zserve.orchestrator.placement import busy_gpus_floor, cheapest_kind, gpus_for_rate
 
 A100, GTX1080TI = "a100", "gtx1080ti"
 PRICE_PER_HOUR = {A100: 3.673, GTX1080TI: 0.526}
@@ -144,7 +150,33 @@ def run_fleet(opts: Options) -> Outcome:
         assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
         choice[n] = cheapest
     fleets.update(mixed_fleet(base, choice, slo, profiles, per_model, gpus_by_kind, say))
-    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets)
+    floors = cost_floor(names, slo, profiles, per_model)
+    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets, floors)
+
+
+def cost_floor(names: list[str], slo: dict[str, float],
+               profiles: dict[str, dict[str, LatencyProfile]],
+               per_model: float) -> dict[str, dict[str, float]]:
+    """The floors of each single kind and of the mix (see the module docstring): fleet ->
+    {kind: fractional GPUs} with its ``"cost"`` ($/h), each model's GPUs ``busy_gpus_floor``
+    less the 1% of its requests a fleet may drop."""
+    kept = 1 - MAX_BAD_RATE
+    need = {n: {k: kept * busy_gpus_floor(profiles[k][n].alpha_s * 1e3,
+                                          profiles[k][n].beta_s * 1e3, slo[n], per_model,
+                                          profiles[k][n].max_batch)
+                for k in profiles} for n in names}
+    floors: dict[str, dict[str, float]] = {}
+    for kind in profiles:
+        floors[f"{kind} only"] = {kind: sum(need[n][kind] for n in names)}
+    mixed: dict[str, float] = {k: 0.0 for k in profiles}
+    for n in names:
+        cheapest = cheapest_kind(need[n], PRICE_PER_HOUR)
+        assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
+        mixed[cheapest] += need[n][cheapest]
+    floors["mixed, each model on its cheapest kind"] = mixed
+    for gpus in floors.values():
+        gpus["cost"] = sum(PRICE_PER_HOUR[k] * g for k, g in gpus.items())  # inf: misses
+    return floors
 
 
 def single_kind_fleet(base: Workload, kind: str, names: list[str],  # noqa: PLR0917
@@ -168,7 +200,8 @@ def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
                 say: Say) -> dict[str, dict[str, Any]]:
     """Each model on its cheapest kind: each kind's pool sized apart, then run together
     ("mixed"); then ("mixed, shared") the pricier kind's GPUs serve every model too (each
-    batch sized and timed by the granted GPU's profile), its count kept, the cheaper kind's
+    batch sized and timed by the granted GPU's profile; a GPU that frees goes first to the
+    models at home on its kind, ``RankThread.set_home``), its count kept, the cheaper kind's
     searched again."""
     pools: dict[str, list[str]] = {}
     for n, kind in choice.items():
@@ -188,7 +221,7 @@ def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
         cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
         try:
             count, report = smallest_count(
-                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared),
+                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared, home=True),
                 gpus[cheap], say, f"mixed, shared {shared}: {cheap}", limit=2 * gpus[cheap])
         except NotSized as exc:
             fleets["mixed, shared"] = {"kind_gpus": {}, "together_passes": False,
@@ -209,11 +242,12 @@ class MixedFleet:
     profiles: dict[str, dict[str, LatencyProfile]]
     rate: float
 
-    def run(self, gpus: dict[str, int], shared: str | None = None
+    def run(self, gpus: dict[str, int], shared: str | None = None, *, home: bool = False
             ) -> tuple[bool, dict[str, Any]]:
         """GPUs 0.. of the cheapest kind, then the next; each model on its pool's GPUs
         (``shared``: and on that kind's GPUs, where it meets its SLO), each GPU timing batches
-        by its kind's profile. Returns whether the rate passes, and the report."""
+        by its kind's profile; ``home``: a GPU that frees goes first to the models of its own
+        pool (``RankThread.set_home``). Returns whether the rate passes, and the report."""
         names = [n for members in self.pools.values() for n in members]
         own = {n: kind for kind, members in self.pools.items() for n in members}
         # the cheapest kind's GPUs take the lowest ids (the rank prefers the idle GPU of lowest
@@ -228,7 +262,9 @@ class MixedFleet:
             gpus=len(gpu_kind), rate=self.rate)
         gpu_profiles = [{n: self.profiles[k][n] for n in names if own[n] != k}
                         for k in gpu_kind]
-        return passes(w, SimConfig(gpu_profiles=gpu_profiles, model_gpus=model_gpus))
+        model_home = {n: [g for g, k in enumerate(gpu_kind) if k == own[n]] for n in names}
+        return passes(w, SimConfig(gpu_profiles=gpu_profiles, model_gpus=model_gpus,
+                                   model_home_gpus=model_home if home else None))
 
 
 def fleet_cost(kind_gpus: dict[str, int]) -> float:
@@ -237,7 +273,7 @@ def fleet_cost(kind_gpus: dict[str, int]) -> float:
 
 def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0917
              choice: dict[str, str], gpus_by_kind: dict[str, dict[str, float]],
-             fleets: dict[str, dict[str, Any]]) -> Outcome:
+             fleets: dict[str, dict[str, Any]], floors: dict[str, dict[str, float]]) -> Outcome:
     rows: list[list[Any]] = []
     for name, fleet in fleets.items():
         kind_gpus = fleet["kind_gpus"]
@@ -256,6 +292,8 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
     mixed = min((f["cost"] for n, f in fleets.items()
                  if n.startswith("mixed") and f["together_passes"]), default=math.inf)
     saving = 1 - mixed / best_single
+    mixed_floor = floors["mixed, each model on its cheapest kind"]["cost"]
+    saving_bound = 1 - mixed_floor / best_single
     table = Table(
         f"{len(names)} zoo models at {rate:,.0f} r/s (equal popularity, Poisson), each at the "
         f"A100 zoo's SLO: the smallest fleet that serves it with every model <= 1% bad "
@@ -275,7 +313,9 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
               Check(f"the best mixed fleet >= {SAVING_GOAL:.0%} cheaper than the best single "
                     "kind",
                     saving >= SAVING_GOAL,
-                    f"${mixed:.2f}/h vs ${best_single:.2f}/h: {saving:.1%} lower"),
+                    f"${mixed:.2f}/h vs ${best_single:.2f}/h: {saving:.1%} lower; the cost "
+                    f"floor of any mix, ${mixed_floor:.2f}/h, allows at most "
+                    f"{saving_bound:.1%}"),
               Check("the mixed fleet serves the rate in one simulation",
                     bool(fleets["mixed"]["together_passes"]),
                     f"worst bad rate {fleets['mixed']['report']['bad_rate']:.3%}")]
@@ -283,6 +323,19 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
                      "bad_rate": None if f.get("report") is None else f["report"]["bad_rate"]}
               for name, f in fleets.items()}
     points["saving"] = saving
+    points["cost_floor"] = floors
+    points["saving_bound"] = saving_bound
     config = {"models": names, "rate_rps": rate, "prices_per_hour": PRICE_PER_HOUR,
               "slo_ms": slo, "max_bad_rate": MAX_BAD_RATE}
-    return Outcome(config, [table, kinds], checks, points)
+    return Outcome(config, [table, kinds, _floor_table(floors, best_single)], checks, points)
+
+
+def _floor_table(floors: dict[str, dict[str, float]], best_single: float) -> Table:
+    rows = [[name] + [round(f.get(k, 0.0), 2) if math.isfinite(f.get(k, 0.0)) else
+                      "misses an SLO" for k in (A100, GTX1080TI)]
+            + [round(f["cost"], 2), f"{1 - f['cost'] / best_single:.1%}"]
+            for name, f in floors.items()]
+    return Table("cost floor: every batch at the largest size its model's rate fills within "
+                 "its SLO, GPUs shared with no loss, 1% dropped free (no fleet costs less)",
+                 ["fleet", "A100 GPUs", "GTX 1080 Ti GPUs", "floor $/h",
+                  "below the best single-kind fleet found"], rows)

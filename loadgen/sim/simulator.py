@@ -116,6 +116,9 @@ class SimConfig:
     # A placement: the GPU ids serving each model (the embedded rank matches a model's candidates
     # to them only: SchedulerCore.set_members); None: every GPU serves every model.
     model_gpus: Mapping[str, Sequence[int]] | None = None
+    # Mixed kinds: the GPUs where each model is at home (its cheap kind); its other GPUs take
+    # it only when no candidate at home there waits (RankThread.set_home). None: no preference.
+    model_home_gpus: Mapping[str, Sequence[int]] | None = None
 
 
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
@@ -277,6 +280,8 @@ class Simulator:
             if unknown:
                 raise ValueError(f"model_gpus names {unknown[0]!r}, not a workload model")
             core.set_members(0.0, self.config.model_gpus, [])
+        if self.config.model_home_gpus is not None:
+            core.set_home(self.config.model_home_gpus)
         return models, rank, core, followers
 
     def request_indexes(self, rids: list[int]) -> np.ndarray[Any, Any]:

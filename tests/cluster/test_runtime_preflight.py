@@ -409,6 +409,24 @@ def test_the_models_every_backend_loads_must_fit_its_memory(tmp_path: Path) -> N
     assert [str(p) for p in check_cluster(parse_config(unknown)) if "memory" in str(p)] == [
         "backends.memory: device kind 'tpu' has no memory budget (known: a100, a100-80gb, "
         "gtx1080ti, h200)"]
+    # placed on named backends, each backend's own models count: three 2 GiB models overcommit
+    # a 5 GiB backend that loads them all, not two backends that share them out
+    spread = [_one_model(name=f"s{i}", memory_mib=2048.0, backends=where)
+              for i, where in enumerate([["backend-0"], ["backend-1"], ["backend-1"]])]
+    shared = _emulated({"backends": {"memory": 5.0, "count": 2}, "models": spread})
+    assert [str(p) for p in check_cluster(parse_config(shared)) if "memory" in str(p)] == []
+    spread[0]["backends"] = ["backend-0", "backend-1"]
+    assert [str(p) for p in check_cluster(parse_config(shared)) if "memory" in str(p)] == [
+        "backends.memory: device backend-1 overcommitted: 3 models need 6.00 GiB (weights "
+        "6.00 GiB + the largest activations 0.00 GiB, s0), budget 5.00 GiB; place fewer models "
+        "on it"]
+    # a model named as a zoo model needs no declaration: the zoo's figures count (VGG19: 143.7
+    # M parameters, 575 MB, plus 32 samples of 224 x 224 at 512 bytes a pixel, 822 MB)
+    vgg = _emulated({"backends": {"memory": 1.0}, "models": [_one_model(name="VGG19")]})
+    assert [str(p) for p in check_cluster(parse_config(vgg)) if "memory" in str(p)] == [
+        "backends.memory: device backend-0 overcommitted: 1 models need 1.30 GiB (weights "
+        "0.54 GiB + the largest activations 0.77 GiB, VGG19), budget 1.00 GiB; place fewer "
+        "models on it"]
 
 
 @pytest.mark.parametrize("key", ["addresses", "http_addresses", "grpc_addresses",

@@ -101,7 +101,7 @@ def _table(*gpus: tuple[int, str]) -> BackendTable:
     return BackendTable(gpu_ids=[g for g, _ in gpus], names=[n for _, n in gpus],
                         addresses=[f"ipc:///{n}" for _, n in gpus],
                         models=[[MODEL] for _ in gpus], profiles_ms=[{} for _ in gpus],
-                        signatures=[{} for _ in gpus])
+                        signatures=[{} for _ in gpus], kinds=["" for _ in gpus])
 
 
 def test_the_grace_keeps_missing_gpus_then_the_rank_s_table_applies() -> None:

@@ -3,8 +3,13 @@ largest batch under the SLO, device budgets, and the overcommit check's one-line
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
 import pytest
 
+from zserve.cluster.orchestrator_host import model_memory
+from zserve.config.cluster import EmulatedConfig, ModelConfig
 from zserve.loadgen.experiments.common import EXAMPLES_DIR
 from zserve.loadgen.zoo import load_zoo_csv
 from zserve.orchestrator import memory
@@ -61,3 +66,51 @@ def test_unknown_models_and_device_kinds_are_one_line_errors() -> None:
     with pytest.raises(memory.UnknownDeviceKindError, match=r"'tpu' has no memory budget "
                        r"\(known: a100, a100-80gb, gtx1080ti, h200\)"):
         memory.device_budget_bytes("tpu")
+
+
+def _known(config: ModelConfig, file_bytes: int | None = None) -> ModelMemory:
+    found = memory.configured_memory(config, file_bytes)
+    assert found is not None
+    return found
+
+
+def test_a_cluster_model_is_counted_declared_then_zoo_then_file() -> None:
+    """``configured_memory``: what a model declares wins, a model named as a zoo model has the
+    zoo's figures, an ONNX file's size is the last resort for the weights; none: None."""
+    zoo = ModelConfig(name="resnet50", emulated=EmulatedConfig(alpha_ms=0.268, beta_ms=5.172),
+                      slo_ms=20.0, max_batch=64)
+    # named as a zoo model (case aside): its weights, and activations at its largest batch
+    # (55 under the 20 ms SLO with this profile, as the zoo's own figure; max_batch caps it)
+    assert memory.configured_memory(zoo, None) == ModelMemory(
+        "resnet50", 25_600_000 * 4, 55 * 128 * 224 * 224)
+    capped = msgspec.structs.replace(zoo, max_batch=32)
+    assert _known(capped).dynamic_bytes == 32 * 128 * 224 * 224
+    # a file's size never overrides the zoo; a declared figure overrides either, part by part
+    assert memory.configured_memory(zoo, 7) == memory.configured_memory(zoo, None)
+    declared = msgspec.structs.replace(zoo, memory_mib=10.0)
+    assert memory.configured_memory(declared, 7) == ModelMemory(
+        "resnet50", 10 * memory.MIB_BYTES, 55 * 128 * 224 * 224)
+    # not in the zoo: the file's size as weights, no activations; nothing known: None
+    onnx = ModelConfig(name="mine", onnx="/models/mine.onnx", max_batch=8)
+    assert memory.configured_memory(onnx, 123_456) == ModelMemory("mine", 123_456, 0)
+    assert memory.configured_memory(onnx, None) is None
+    with_activations = msgspec.structs.replace(onnx, activation_mib=2.0)
+    assert memory.configured_memory(with_activations, 100) == ModelMemory(
+        "mine", 100, 2 * memory.MIB_BYTES)
+    # an onnx zoo model's activations take its max_batch (no profile to size the batch)
+    vgg = ModelConfig(name="VGG16", onnx="/models/vgg16.onnx", max_batch=4)
+    assert _known(vgg, 1).dynamic_bytes == 4 * 512 * 224 * 224
+
+
+def test_the_orchestrator_counts_a_file_only_where_nothing_else_is_known(tmp_path: Path) -> None:
+    """The supervisor's orchestrator (``orchestrator_host.model_memory``): an unknown ONNX model
+    is its file's size, a zoo-named one the zoo's figures, one with no source 0 bytes."""
+    weights = tmp_path / "model.onnx"
+    weights.write_bytes(b"\0" * 4096)
+    assert model_memory(ModelConfig(name="mine", onnx=str(weights))) == ModelMemory(
+        "mine", 4096, 0)
+    zoo = model_memory(ModelConfig(name="bert", onnx=str(weights), max_batch=8))
+    assert zoo == ModelMemory("bert", 110_000_000 * 4, 8 * memory.BERT_ACTIVATION_BYTES)
+    assert model_memory(ModelConfig(name="gone", onnx=str(tmp_path / "missing.onnx"))) == \
+        ModelMemory("gone", 0, 0)
+    assert model_memory(ModelConfig(name="mlp", builtin="mlp")) == ModelMemory("mlp", 0, 0)

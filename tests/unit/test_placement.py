@@ -17,6 +17,7 @@ from zserve.orchestrator.placement import (
     ModelDemand,
     Placement,
     PlacementError,
+    busy_gpus_floor,
     cheapest_kind,
     check_placement,
     gpus_for_rate,
@@ -156,6 +157,23 @@ def test_a_rate_needs_the_gpus_its_largest_timely_batch_keeps_busy() -> None:
     # a kind whose batch of one misses the SLO cannot serve the model at all
     assert gpus_for_rate(1.0, 25.0, 25.0, 10.0) == float("inf")
     assert gpus_for_rate(1.0, 5.0, 25.0, 0.0) == 0.0
+
+
+def test_the_floor_batches_as_large_as_the_rate_can_fill_in_time() -> None:
+    # l(b) = b + 5 ms, SLO 26 ms, 1,000 r/s: the batch's first request waits for the b - 1
+    # after it, b + 5 + (b - 1) <= 26 gives b = 11 (the sizing estimate's b + 5 + b: 10), and
+    # 1,000 r/s at l(11) / 11 ms each keeps 16 / 11 GPUs busy
+    assert busy_gpus_floor(1.0, 5.0, 26.0, 1000.0) == pytest.approx(16 / 11)
+    assert gpus_for_rate(1.0, 5.0, 26.0, 1000.0) == pytest.approx(1.5)
+    # never above the estimate, for any rate; a rate split in two (over two kinds, or two
+    # pools) fills smaller batches, so the halves together need no less
+    for rate in (10.0, 300.0, 1000.0, 7000.0):
+        floor = busy_gpus_floor(0.4, 3.0, 30.0, rate)
+        assert floor <= gpus_for_rate(0.4, 3.0, 30.0, rate)
+        assert 2 * busy_gpus_floor(0.4, 3.0, 30.0, rate / 2) >= floor
+    # the profile's cap on the batch holds; a batch of one that misses the SLO: inf
+    assert busy_gpus_floor(1.0, 5.0, 26.0, 1000.0, max_batch=2) == pytest.approx(3.5)
+    assert busy_gpus_floor(1.0, 25.0, 25.0, 10.0) == float("inf")
 
 
 def test_the_cheapest_kind_that_meets_the_slo_wins() -> None:

@@ -72,6 +72,22 @@ def config(**tables: Any) -> ClusterConfig:
         ({"models": [MODEL], "cluster": "x"}, r"^cluster: must be a table"),
         ({"models": [{**MODEL, "d_data_ms": -0.1}]},
          r"^models\[0\]\.d_data_ms: must be a finite number >= 0"),
+        ({"models": [{**MODEL, "backends": ["backend-0", "backend-2"]}],
+          "backends": {"count": 2}},
+         r"^models\[0\]\.backends\[1\]: no backend named 'backend-2' \(the backends are "
+         r"backend-0 \.\. backend-1\)$"),
+        ({"models": [{**MODEL, "backends": ["backend-0", "backend-0"]}]},
+         r"^models\[0\]\.backends\[1\]: backend 'backend-0' named twice$"),
+        ({"models": [{**MODEL, "backends": []}]},
+         r"^models\[0\]\.backends: name at least one backend \(leave the key out: every "
+         r"backend\)$"),
+        ({"models": [MODEL], "backends": {"count": 2, "kinds": ["a100"]}},
+         r"^backends\.kinds: names one kind per backend: 1 kinds for 2 backends$"),
+        ({"models": [MODEL], "backends": {"kind": "a 100"}}, r"^backends\.kind: must match "),
+        ({"models": [MODEL], "backends": {"count": 2, "kinds": ["a100", ""]}},
+         r"^backends\.kinds\[1\]: must match "),
+        ({"models": [{**MODEL, "backends": "backend-0"}]},
+         r"^models\[0\]\.backends: must be a list, got 'backend-0'$"),
     ],
 )
 def test_errors_name_the_key(document: dict[str, Any], message: str) -> None:
@@ -159,6 +175,26 @@ def test_a_named_standby_is_in_the_static_peers_of_roles_started_alone() -> None
         config(scheduler={"standby": True, "standby_shard_address": "b:7200"})
 
 
+def test_a_model_on_named_backends_is_loaded_there_at_start() -> None:
+    """``[[models]] backends``: each backend's start-up list (``RoleConfig.serve``, what it
+    loads and registers with the rank) has the models that name it and those that name none."""
+    other = {**MODEL, "name": "n", "backends": ["backend-0", "backend-2"]}
+    cluster = config(models=[MODEL, other], backends={"count": 3})
+    serve = [role_config(cluster, "backend", i, ipc_dir=None).serve for i in range(3)]
+    assert serve == [("m", "n"), ("m",), ("m", "n")]
+    assert [m.name for m in cluster.startup_models_of("backend-1")] == ["m"]
+    assert cluster.model("n").backends == ("backend-0", "backend-2")
+
+
+def test_each_backend_announces_its_kind() -> None:
+    """``[backends] kinds`` per backend, else ``kind`` for all (one the autoscaler adds past
+    ``kinds`` too), else none ("")."""
+    per_backend = config(backends={"count": 2, "kinds": ["a100", "gtx1080ti"], "kind": "a100"})
+    assert [per_backend.backends.kind_of(i) for i in range(3)] == ["a100", "gtx1080ti", "a100"]
+    assert config(backends={"kind": "h200"}).backends.kind_of(0) == "h200"
+    assert config().backends.kind_of(0) == ""
+
+
 def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
     good = tmp_path / "c.toml"
     good.write_text('[[models]]\nname = "r"\nonnx = "models/r.onnx"\nprofile = "p.json"\n')
@@ -178,8 +214,8 @@ def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
         ({"models": [{**MODEL, "slo": 5}]},
          r"^models\[0\]\.slo: unknown key \(did you mean 'slo_ms'"),
         ({"models": [MODEL], "backends": {"xyz": 1}},
-         r"^backends\.xyz: unknown key; allowed: count, device, devices, host, kinds, memory, "
-         r"onnx_io, plan_addresses$"),
+         r"^backends\.xyz: unknown key; allowed: count, device, devices, host, kind, kinds, "
+         r"memory, onnx_io, plan_addresses$"),
         ({"models": [{**MODEL, "emulated": {**MODEL["emulated"], "input_dtype": "f32"}}]},
          r"^models\[0\]\.emulated\.input_dtype: must be one of .*float32.*, got 'f32'$"),
         ({"models": [MODEL], "cluster": {"transport": "udp"}},

@@ -79,7 +79,8 @@ def test_a_suspect_gpu_is_taken_out_until_a_heartbeat_sent_after_the_suspicion()
     assert backends.on_suspect(2.0, suspect, outbox)
     assert rank.gpu_ids == [] and backends.table(1).gpu_ids == []
     assert backends.stats()["0"] == {"name": "backend-0", "alive": False,
-                                     "device": "emulated", "suspect": True, "retired": False}
+                                     "device": "emulated", "kind": "",
+                                     "suspect": True, "retired": False}
     assert not backends.on_suspect(2.1, suspect, outbox)  # out already: nothing changes
     # a heartbeat sent before the suspicion (arriving after it) does not bring it back
     assert backends.on_heartbeat(2.2, b"backend-0", 1.9, outbox) is False

@@ -257,3 +257,35 @@ def test_a_backends_registration_is_the_one_step_that_changes_its_models_gpus() 
     assert rank.gpus_of("a") == [0, 1]
     backends.on_register(0.0, b"backend-0", _register("backend-0", ["b"]), out, active=True)
     assert rank.gpus_of("a") == [1] and backends.members() == {"a": [1], "b": [0, 1]}
+
+
+@pytest.mark.parametrize("home", [False, True])
+def test_a_freed_gpu_goes_to_the_models_at_home_there_before_one_spilling(home: bool) -> None:
+    """GPU 0 is the cheap kind (home of "small"), GPU 1 the pricier one (home of "big"; "small"
+    may spill there). Both busy; "small" is more urgent than "big". Without a preference the
+    freed GPU 1 goes to "small"; with one (``set_home``) to "big", and "small" keeps waiting
+    for its own GPU. With nobody at home waiting, "small" spills onto GPU 1."""
+    rank = RankThread([0, 1], 0.0)
+    out: Outbox = []
+    rank.set_members(0.0, {"small": [0, 1], "big": [1], "fill0": [0], "fill1": [1]}, out)
+    if home:
+        rank.set_home({"small": [0], "big": [1]})
+    for fill, until in (("fill0", 3.0), ("fill1", 1.0)):
+        rank.on_candidate(0.0, _cand(fill, 1, 0.0, 1.0), out)
+        (grant,) = _grants(out)
+        _answer(rank, 0.0, grant, until, out)
+        out.clear()
+    rank.on_candidate(0.5, _cand("small", 4, exec_at=0.5, latest=3.5), out)
+    rank.on_candidate(0.5, _cand("big", 4, exec_at=0.5, latest=4.0), out)
+    rank.on_timer(0.5, out)
+    assert _grants(out) == [] and sorted(rank.pending_models()) == ["big", "small"]
+    rank.on_timer(rank.wake_at, out)  # GPU 1 frees at 1.0
+    (grant,) = _grants(out)
+    assert (grant.model, grant.gpu_id) == (("big", 1) if home else ("small", 1))
+    if home:
+        assert rank.pending_models() == ["small"]  # it waits for GPU 0 (free at 3.0)
+        _answer(rank, 1.0, grant, 2.0, out)
+        out.clear()
+        rank.on_timer(rank.wake_at, out)  # GPU 1 frees at 2.0, before GPU 0: nobody at home
+        (spill,) = _grants(out)
+        assert (spill.model, spill.gpu_id) == ("small", 1)

@@ -13,8 +13,10 @@ a load there), and ``unload``. Sub-cluster j is the j-th contiguous block of the
 their configured order; a backend the autoscaler adds joins the sub-cluster with most backends
 of its device kind and loads that sub-cluster's models (``join``), a released one leaves it.
 
-A model's memory, for the eviction rule: its ``model.onnx`` file's size as static bytes (the
-weights), no dynamic bytes (not known before it runs); a built-in or emulated model counts 0.
+A model's memory, for the eviction rule and the partitioner: ``memory.configured_memory`` (its
+declared ``memory_mib`` / ``activation_mib``, else the zoo's figures for a model named as a zoo
+model, else its ``model.onnx`` file's size as weights and no activations); a model none of them
+knows counts 0.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from zserve.cluster.repository import Call, Effects, ModelRepository
 from zserve.config.cluster import ModelConfig, OrchestrationConfig
 from zserve.orchestrator.autoscale_kinds import group_for
-from zserve.orchestrator.memory import MIB_BYTES, ModelMemory
+from zserve.orchestrator.memory import MIB_BYTES, ModelMemory, configured_memory
 from zserve.orchestrator.replanner import (
     SPREAD,
     Action,
@@ -47,13 +49,18 @@ ORCHESTRATOR_CALLER = "orchestrator"
 
 def model_memory(config: ModelConfig) -> ModelMemory:
     """``config``'s memory as the orchestrator counts it (see the module docstring)."""
-    size = 0
-    if config.onnx is not None:
-        try:
-            size = os.path.getsize(config.onnx)
-        except OSError:
-            size = 0
-    return ModelMemory(config.name, size, 0)
+    known = configured_memory(config, onnx_file_bytes(config))
+    return ModelMemory(config.name, 0, 0) if known is None else known
+
+
+def onnx_file_bytes(config: ModelConfig) -> int | None:
+    """The size of ``config``'s ONNX file (None: no file, or not readable)."""
+    if config.onnx is None:
+        return None
+    try:
+        return os.path.getsize(config.onnx)
+    except OSError:
+        return None
 
 
 def settings_of(config: OrchestrationConfig) -> ReplanSettings:
@@ -180,4 +187,5 @@ class OrchestratorHost:
             log.info("orchestrator: done: %s", action)
 
 
-__all__ = ["ORCHESTRATOR_CALLER", "OrchestratorHost", "model_memory", "settings_of"]
+__all__ = ["ORCHESTRATOR_CALLER", "OrchestratorHost", "model_memory", "onnx_file_bytes",
+           "settings_of"]

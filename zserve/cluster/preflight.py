@@ -31,13 +31,14 @@ import zmq
 from zserve.backends.builtin import builtin_names
 from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import read_signature
-from zserve.config.cluster import ClusterConfig, ModelConfig
+from zserve.cluster.orchestrator_host import onnx_file_bytes
+from zserve.config.cluster import ClusterConfig, ModelConfig, process_name
 from zserve.config.profiles import configured_profile
 from zserve.orchestrator.memory import (
     GIB_BYTES,
-    MIB_BYTES,
     ModelMemory,
     UnknownDeviceKindError,
+    configured_memory,
     device_budget_bytes,
     overcommit_error,
 )
@@ -198,10 +199,11 @@ def check_devices(config: ClusterConfig) -> list[Problem]:
 
 
 def check_memory(config: ClusterConfig) -> list[Problem]:
-    """``[backends] memory``: the models every backend loads at start (weights + the largest
-    activations, ``zserve.orchestrator.memory``) within the budget, or its one-line refusal.
-    A model's weights are its ``memory_mib``, else its onnx file's size; a builtin or emulated
-    model without ``memory_mib`` is a problem (its memory is not known)."""
+    """``[backends] memory``: the models each backend loads at start (its ``startup_models_of``:
+    weights + the largest activations, ``zserve.orchestrator.memory``) within the budget, or
+    one line for the first backend overcommitted.
+    A model's memory is ``memory.configured_memory``'s (declared, else the zoo's figures, else
+    its onnx file's size as weights); a model none of them knows is a problem."""
     budget_setting = config.backends.memory
     if budget_setting is None:
         return []
@@ -213,23 +215,24 @@ def check_memory(config: ClusterConfig) -> list[Problem]:
     else:
         budget = round(budget_setting * GIB_BYTES)
     problems: list[Problem] = []
-    memories: list[ModelMemory] = []
+    memories: dict[str, ModelMemory] = {}
     index = {m.name: i for i, m in enumerate(config.models)}
     for model in config.startup_models:
-        static = model.memory_mib
-        if static is None and model.onnx is not None:
-            with contextlib.suppress(OSError):  # a missing file is check_model's problem
-                static = os.path.getsize(model.onnx) / MIB_BYTES
-        if static is None:
+        memory = configured_memory(model, onnx_file_bytes(model))
+        if memory is None:
             problems.append(Problem(f"models[{index.get(model.name, '?')}].memory_mib",
                                     f"model {model.name!r}: declare its weights in MiB to "
                                     "check them against backends.memory"))
             continue
-        memories.append(ModelMemory(model.name, round(static * MIB_BYTES),
-                                    round((model.activation_mib or 0.0) * MIB_BYTES)))
-    error = overcommit_error("backend-0", budget, memories) if memories else None
-    if error is not None:
-        problems.append(Problem("backends.memory", error))
+        memories[model.name] = memory
+    for i in range(config.backends.total):
+        backend = process_name("backend", i)
+        held = [memories[m.name] for m in config.startup_models_of(backend)
+                if m.name in memories]
+        error = overcommit_error(backend, budget, held) if held else None
+        if error is not None:
+            problems.append(Problem("backends.memory", error))
+            break  # one line: the first backend over its budget
     return problems
 
 

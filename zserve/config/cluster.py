@@ -147,6 +147,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # file's size) and the peak activations of its largest batch (None: 0).
     memory_mib: float | None = None
     activation_mib: float | None = None
+    # The backends that load it at start, by name ("backend-0"); None: every backend.
+    backends: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -162,6 +164,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             if size > self.max_batch:
                 raise FieldError(f"session_batch_sizes[{i}]",
                                  f"{size} is above max_batch ({self.max_batch})")
+
+    def served_at_start_by(self, backend: str) -> bool:
+        """Whether backend ``backend`` (its process name) loads this model at start."""
+        return self.backends is None or backend in self.backends
 
     @property
     def kind(self) -> Literal["onnx", "builtin", "emulated"]:
@@ -328,8 +334,11 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # default), "bound" (fixed-size sessions bound once to preallocated buffers), "graph" (bound,
     # plus CUDA graphs) or "tensorrt" (the TensorRT provider, fp16, before the CUDA one).
     onnx_io: str = "iobinding"
-    # Each started backend's device kind (a name: "a100", "t4"), one per backend; () : all of
-    # one kind (""). The autoscaler scales each kind within [autoscale.kinds.<kind>].
+    # The device kind each backend announces to the rank ("a100"): ``kinds`` per started
+    # backend, else ``kind`` for all (and for those the autoscaler adds); none: no kind (every
+    # GPU plans with one profile per model). The autoscaler scales each kind within
+    # [autoscale.kinds.<kind>].
+    kind: str | None = None
     kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -351,6 +360,8 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise FieldError(f"devices[{i}]",
                                  f"must be cpu, emulated or cuda:N, got {device!r}")
         _check_addresses("plan_addresses", self.plan_addresses, self.total, "backends")
+        if self.kind is not None:
+            _check_name("kind", self.kind)
 
     def device_of(self, index: int) -> str:
         if self.devices:
@@ -364,8 +375,11 @@ class BackendsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return len(self.devices) if self.devices else self.count
 
     def kind_of(self, index: int) -> str:
-        """Started backend ``index``'s kind ("" with no ``kinds``, or past the started ones)."""
-        return self.kinds[index] if index < len(self.kinds) else ""
+        """The device kind backend ``index`` announces ("": none; one past ``kinds``, such as
+        one the autoscaler adds, announces ``kind``)."""
+        if index < len(self.kinds):
+            return self.kinds[index]
+        return self.kind or ""
 
     def started_by_kind(self) -> dict[str, int]:
         """How many backends of each kind start, in the order the kinds first appear."""
@@ -589,7 +603,8 @@ class OrchestrationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
                              f"models' bytes), got {self.disruption_budget}")
 
 
-def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) -> None:
+def _check_models(models: tuple[ModelConfig, ...], backends: int, *,
+                  repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
                          "required")
@@ -598,6 +613,27 @@ def _check_models(models: tuple[ModelConfig, ...], *, repository: bool = False) 
         if model.name in seen:
             raise FieldError(f"models[{i}].name", f"duplicate model {model.name!r}")
         seen.add(model.name)
+        problem = model_backends_problem(model.backends, backends)
+        if problem is not None:
+            raise FieldError(f"models[{i}].backends{problem[0]}", problem[1])
+
+
+def model_backends_problem(names: tuple[str, ...] | None,
+                           backends: int) -> tuple[str, str] | None:
+    """What is wrong with a model's ``backends`` (at least one, each a configured backend's
+    name, no repeats), as (the key below ``backends``: "" or "[j]", the problem), or None."""
+    if names is None:
+        return None
+    if not names:
+        return "", "name at least one backend (leave the key out: every backend)"
+    known = [process_name("backend", i) for i in range(backends)]
+    for j, name in enumerate(names):
+        if name not in known:
+            shown = f"{known[0]} .. {known[-1]}" if len(known) > 1 else known[0]
+            return f"[{j}]", f"no backend named {name!r} (the backends are {shown})"
+        if name in names[:j]:
+            return f"[{j}]", f"backend {name!r} named twice"
+    return None
 
 
 class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -614,7 +650,8 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     orchestration: OrchestrationConfig | None = None
 
     def __post_init__(self) -> None:
-        _check_models(self.models, repository=self.repository.path is not None)
+        _check_models(self.models, self.backends.total,
+                      repository=self.repository.path is not None)
         _check_autoscale(self.autoscale, self.backends)
         groups = self.orchestration.subclusters if self.orchestration is not None else 1
         if groups > self.backends.total:
@@ -668,8 +705,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     @property
     def startup_models(self) -> tuple[ModelConfig, ...]:
-        """The models every backend loads at start."""
+        """The models some backend loads at start (each on its ``backends``, else on all)."""
         return tuple(m for m in self.models if m.name not in self.unloaded_at_start)
+
+    def startup_models_of(self, backend: str) -> tuple[ModelConfig, ...]:
+        """The models backend ``backend`` (its process name) loads at start."""
+        return tuple(m for m in self.startup_models if m.served_at_start_by(backend))
 
     def d_data_ms_of(self, model: ModelConfig) -> float:
         """``model``'s data allowance per request row: its own ``d_data_ms``, else the
@@ -846,7 +887,8 @@ def role_config(
         device=cluster.backends.device_of(index) if role == "backend" else "cpu",
         kind=cluster.backends.kind_of(index) if role == "backend" else "",
         standby=name == STANDBY_NAME,
-        serve=tuple(m.name for m in cluster.startup_models) if role == "backend" else None,
+        serve=tuple(m.name for m in cluster.startup_models_of(name)) if role == "backend"
+        else None,
     )
 
 
@@ -886,6 +928,11 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         except SchemaError as exc:
             raise ConfigError(exc.path, exc.problem) from None
         models, unloaded = _with_repository(models, found, repository.load)
+        for model in found:
+            problem = model_backends_problem(model.backends, document.backends.total)
+            if problem is not None:
+                raise ConfigError(f"repository.models.{model.name}.backends{problem[0]}",
+                                  problem[1])
     return ClusterConfig(
         **msgspec.structs.asdict(document.cluster),
         scheduler=document.scheduler,

@@ -20,6 +20,9 @@ batch is the largest b with alpha*b + beta <= SLO (the default cap of a zoo mode
 zserve.loadgen.workload), at most ``DEFAULT_MAX_BATCH``. Symphony's Table 1 measured 1.5-6.2 GB of
 dynamic memory under TensorFlow's allocator; this estimate is lower (no allocator slack): it ranks
 the models and bounds the peak, it is not a promise of what a runtime allocates.
+
+A cluster file's model (:func:`configured_memory`) counts what it declares first, then these zoo
+figures when it is named as a zoo model, then its ONNX file's size as its weights.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zserve.config.cluster import ModelConfig
 from zserve.config.profiles import DEFAULT_MAX_BATCH
 
 FP32_BYTES = 4
@@ -60,6 +64,7 @@ ZOO_PARAMETERS_M: dict[str, tuple[float, int]] = {
     "SSDMobilenet": (6.8, 300), "BERT": (110.0, 0),
 }
 """Every model of the papers' zoo profiles (examples/profiles/model_zoo_*.csv); sources above."""
+_ZOO_BY_LOWER = {name.lower(): name for name in ZOO_PARAMETERS_M}
 
 DEVICE_MEMORY_BUDGET_BYTES: dict[str, int] = {
     # the card's memory less 1 GiB for the CUDA context and the runtime's workspace
@@ -116,6 +121,38 @@ def zoo_model_memory(name: str, alpha_ms: float, beta_ms: float, slo_ms: float) 
     return ModelMemory(name, static, dynamic)
 
 
+def zoo_name(name: str) -> str | None:
+    """The zoo model ``name`` denotes (case aside: ``resnet50`` is ResNet50), or None."""
+    return _ZOO_BY_LOWER.get(name.lower())
+
+
+def configured_memory(config: ModelConfig, file_bytes: int | None) -> ModelMemory | None:
+    """A cluster file model's memory, each part from the first source that knows it: weights
+    from its ``memory_mib``, else the zoo's parameter count (a model named as a zoo model), else
+    ``file_bytes`` (its ONNX file's size); activations from its ``activation_mib``, else the
+    zoo's estimate per sample times its largest batch (an emulated model's from its profile and
+    SLO, else its ``max_batch``), else 0. None when no source knows its weights."""
+    zoo = zoo_name(config.name)
+    static: int | None = None
+    if config.memory_mib is not None:
+        static = round(config.memory_mib * MIB_BYTES)
+    elif zoo is not None:
+        static = round(_zoo_entry(zoo)[0] * 1e6) * FP32_BYTES
+    elif file_bytes is not None:
+        static = file_bytes
+    if static is None:
+        return None
+    dynamic = 0
+    if config.activation_mib is not None:
+        dynamic = round(config.activation_mib * MIB_BYTES)
+    elif zoo is not None:
+        batch = config.max_batch
+        if config.alpha_ms is not None and config.beta_ms is not None:
+            batch = largest_batch(config.alpha_ms, config.beta_ms, config.slo_ms, batch)
+        dynamic = activation_bytes_per_sample(zoo) * batch
+    return ModelMemory(config.name, static, dynamic)
+
+
 def _zoo_entry(name: str) -> tuple[float, int]:
     entry = ZOO_PARAMETERS_M.get(name)
     if entry is None:
@@ -160,9 +197,11 @@ __all__ = [
     "UnknownDeviceKindError",
     "UnknownModelError",
     "activation_bytes_per_sample",
+    "configured_memory",
     "device_budget_bytes",
     "largest_batch",
     "overcommit_error",
     "placement_bytes",
     "zoo_model_memory",
+    "zoo_name",
 ]

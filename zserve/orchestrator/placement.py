@@ -96,6 +96,24 @@ def gpus_for_rate(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: floa
     the largest batch b with l(b) + b / rate <= SLO (gathered at the rate, then run: the
     scheduler's target batch size, zserve.scheduler.policy), at least 1, rate l(b) / b.
     ``inf`` when l(1) > SLO: the kind cannot meet the SLO at all."""
+    return _busy_gpus(alpha_ms, beta_ms, slo_ms, rate_rps, max_batch, gathered=0)
+
+
+def busy_gpus_floor(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: float,
+                    max_batch: int = DEFAULT_MAX_BATCH) -> float:
+    """A floor on the GPUs a model's rate keeps busy on a device kind, whatever the placement
+    or packing: every batch at the largest b with l(b) + (b - 1) / rate <= SLO (the batch's
+    first request waits, on average, for the b - 1 after it at the model's whole rate, then
+    the batch runs), rate l(b) / b. l(b) / b falls with b, so no batch the rate fills in time
+    costs less per request; splitting a model's rate over kinds only shrinks its batches.
+    (Poisson bursts fill a larger batch now and then: a floor for the mean, not for luck.)"""
+    return _busy_gpus(alpha_ms, beta_ms, slo_ms, rate_rps, max_batch, gathered=-1)
+
+
+def _busy_gpus(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: float,
+               max_batch: int, *, gathered: int) -> float:
+    """rate l(b) / b at the largest b <= ``max_batch`` with l(b) + (b + ``gathered``) / rate
+    <= SLO (b >= 1); ``inf`` when l(1) > SLO."""
     if alpha_ms + beta_ms > slo_ms:
         return math.inf
     if rate_rps <= 0:
@@ -104,7 +122,7 @@ def gpus_for_rate(alpha_ms: float, beta_ms: float, slo_ms: float, rate_rps: floa
     lo, hi = 1, max_batch
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if alpha_ms * mid + beta_ms + mid * per_request_ms <= slo_ms:
+        if alpha_ms * mid + beta_ms + (mid + gathered) * per_request_ms <= slo_ms:
             lo = mid
         else:
             hi = mid - 1
@@ -274,6 +292,7 @@ __all__ = [
     "ModelDemand",
     "Placement",
     "PlacementError",
+    "busy_gpus_floor",
     "cheapest_kind",
     "check_placement",
     "gpus_for_rate",
