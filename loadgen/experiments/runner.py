@@ -29,6 +29,7 @@ from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.fleet import run_fleet
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
 from zserve.loadgen.experiments.model_move import run_model_move
+from zserve.loadgen.experiments.nexus import run_nexus
 from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.placement import run_placement
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
@@ -66,6 +67,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "goodput, partitioned placement vs round-robin vs random search"),
     "fleet": (run_fleet, "35 zoo models on A100s, GTX 1080 Tis or both: cost per hour of the "
               "smallest fleet that serves one rate"),
+    "nexus": (run_nexus, "the papers' baselines: Symphony Table 2's Nexus column, and the flat "
+              "top (10 models, 24 GPUs) with Nexus and Clockwork-like beside the default"),
 }
 
 
