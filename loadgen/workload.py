@@ -15,7 +15,7 @@ name the key path (``workload.arival``, ``models[2].slo``)::
     measure_s = 10.0           # counted: bad rate, latency, goodput
     cooldown_s = 1.0           # load keeps flowing, not counted
     policy = "deferred"        # deferred | frontrun | latest | eager | eager-edf | eager-lsf
-                               # | timeout:F
+                               # | timeout:F; simulator only: nexus | nexus:F | shepherd-flex
     drop = "window"            # window | suffix | alone | fcfs
     d_ctrl_ms = 0.0            # plan delivery allowance before a batch can start
     d_data_ms = 0.0            # per-request input-fetch allowance
@@ -57,7 +57,11 @@ import msgspec
 import numpy as np
 
 from zserve.config.decode import FieldError, SchemaError, check_finite, decode
-from zserve.config.policy_names import DEFAULT_KEEP_TOLERANCE, SchedulePolicy
+from zserve.config.policy_names import (
+    DEFAULT_KEEP_TOLERANCE,
+    SchedulePolicy,
+    sim_baseline_frontends,
+)
 from zserve.config.profiles import LatencyProfile, load_profiles
 from zserve.loadgen.arrivals import popularity_shares
 from zserve.loadgen.zoo import load_zoo_csv
@@ -430,6 +434,15 @@ def _file_profile(
     return profile
 
 
+def _validate_policy(w: Workload, source: str) -> None:
+    """The policy and drop names: the scheduler's, or a simulator baseline's (``nexus`` ...)."""
+    try:
+        if sim_baseline_frontends(w.policy) is None:
+            SchedulePolicy.parse(w.policy, w.drop)
+    except ValueError as exc:
+        raise WorkloadError(f"{source}: workload.policy/drop: {exc}") from None
+
+
 def _validate(w: Workload, source: str) -> None:
     if w.gpus < 1:
         raise WorkloadError(f"{source}: workload.gpus must be >= 1")
@@ -455,10 +468,7 @@ def _validate(w: Workload, source: str) -> None:
             raise WorkloadError(
                 f"{source}: workload.request_rows: a request of {w.request_rows.largest} rows "
                 f"exceeds model {m.name}'s max_batch of {m.profile.max_batch}")
-    try:
-        SchedulePolicy.parse(w.policy, w.drop)
-    except ValueError as exc:
-        raise WorkloadError(f"{source}: workload.policy/drop: {exc}") from None
+    _validate_policy(w, source)
     try:
         w.shares()
     except ValueError as exc:

@@ -63,6 +63,15 @@ the full runs and says how to read them.
     >= 99% of minutes, at most one change of direction per 10 minutes, the hour's GPU-seconds
     within 10%.
 
+``nexus``
+    The papers' baselines in the simulator (``zserve.loadgen.sim.baselines``): Symphony Table 2's
+    Nexus column (ResNet50 and InceptionResNetV2 on 8 GPUs; the check: ``nexus-fill`` within 5% of
+    4,027 and 618 r/s, ResNet50's median batch about 6) beside the rate-sized ``nexus`` plan,
+    Shepherd's Flex, the Clockwork-like ``eager-edf`` and the default; and the second paper's
+    section 5.3 flat top (10 ResNet-like models, 24 GPUs, 0.1x to 2x of the default's goodput)
+    with Nexus and ``eager-edf`` beside the default (the check: the default's and Nexus's good
+    rate beyond their peak stays >= 95% of it).
+
 ``--quick`` shrinks every experiment to well under 30 s (fewer points, a smaller shape, short
 windows, coarser search): the same code path, for the tests. ``--live`` adds the live parts
 (fig6a, flattop); they start clusters of emulated backends on this machine.

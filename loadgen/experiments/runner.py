@@ -29,6 +29,7 @@ from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.fleet import run_fleet
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
 from zserve.loadgen.experiments.model_move import run_model_move
+from zserve.loadgen.experiments.nexus import run_nexus
 from zserve.loadgen.experiments.partition import run_partition
 from zserve.loadgen.experiments.placement import run_placement
 from zserve.loadgen.experiments.policy_grid import run_policy_grid
@@ -69,6 +70,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
               "smallest fleet that serves one rate"),
     "prefix": (run_prefix, "prefix batching (Nexus): numerics of grouped CNN variants, simulated "
                "goodput of 10 ResNet50 variants apart and grouped, the CPU figure"),
+    "nexus": (run_nexus, "the papers' baselines: Symphony Table 2's Nexus column, and the flat "
+              "top (10 models, 24 GPUs) with Nexus and Clockwork-like beside the default"),
 }
 
 

@@ -46,10 +46,11 @@ import numpy as np
 
 from zserve.backends.follower import DEST_DEVICE, SHED_GRACE_FRACTION, PlanFollower, RunBatch
 from zserve.config.cluster import ClusterConfig
-from zserve.config.policy_names import SchedulePolicy
+from zserve.config.policy_names import SchedulePolicy, sim_baseline_frontends
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, Outbox
 from zserve.loadgen.arrivals import arrival_times, model_rng
+from zserve.loadgen.sim.baselines import simulate_baseline
 from zserve.loadgen.sim.elastic import ElasticConfig, ElasticGpus
 from zserve.loadgen.sim.frontends import (
     PENDING,
@@ -647,5 +648,8 @@ class Simulator:
         return False
 
 def simulate(workload: Workload, config: SimConfig | None = None) -> dict[str, Any]:
-    """Run one simulation and return its report."""
+    """Run one simulation and return its report. The papers' baselines (``nexus``,
+    ``shepherd-flex``) replace the scheduler, and run in their own host (``sim.baselines``)."""
+    if sim_baseline_frontends(workload.policy) is not None:
+        return simulate_baseline(workload, (config or SimConfig()).bail_bad_rate)
     return Simulator(workload, config).run()
