@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import experiments
+from zserve.loadgen.experiments.apps import run_apps
 from zserve.loadgen.experiments.autoscale import run_autoscale
 from zserve.loadgen.experiments.common import (
     DEFAULT_OUT_DIR,
@@ -69,6 +70,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
               "smallest fleet that serves one rate"),
     "prefix": (run_prefix, "prefix batching (Nexus): numerics of grouped CNN variants, simulated "
                "goodput of 10 ResNet50 variants apart and grouped, the CPU figure"),
+    "apps": (run_apps, "a three-stage app (Nexus/Harpagon) served end to end by a live cluster, "
+             "called through tritonclient: every request answered within the app's SLO"),
 }
 
 
