@@ -54,8 +54,8 @@ class _Harness:
     """A FrontendCore with the scheduler's and a backend's side played by hand: each stage
     request's metadata is read from the tick, and its outputs are the emulated executor's."""
 
-    def __init__(self, fan_out: int = 2) -> None:
-        cluster = _cluster(fan_out)
+    def __init__(self, fan_out: int = 2, cluster: ClusterConfig | None = None) -> None:
+        cluster = _cluster(fan_out) if cluster is None else cluster
         self.core = FrontendCore(name="frontend-0", cluster=cluster, index=0,
                                  data_address="ipc://data", profiles={})
         self.executor = EmulatedExecutor([EmulatedModel.from_config(m) for m in cluster.models])
@@ -126,7 +126,7 @@ def test_a_three_stage_app_chains_outputs_with_fan_out_and_answers_once() -> Non
         x = h.executor.expected_outputs(model, {"x": x})["y"]
     np.testing.assert_array_equal(reply.outputs["y"], np.concatenate([x, x]))
     assert not h.core.pending and h.core.apps.in_flight == 0
-    assert h.core.apps.counters["app_replied"] == 1
+    assert h.core.stats()["counters"]["app_replied"] == 1  # stage requests count apart
 
 
 def test_each_stage_gets_its_share_of_the_slo_and_early_finish_passes_slack_on() -> None:
@@ -192,3 +192,29 @@ def test_cancel_disconnect_and_bad_inputs_each_end_an_app_request_once() -> None
     assert not h.core.pending and h.core.apps.in_flight == 0
     assert h.finish(0.01) == [] and len(h.answers) == 2
     assert APP_CLIENT not in h.core.requests.by_client
+
+
+def test_a_join_stage_waits_for_every_stage_it_follows() -> None:
+    models = [{"name": name, "emulated": {"alpha_ms": 0.0, "beta_ms": 5.0, "output_shape": [4]}}
+              for name in ("m1", "m2", "m3", "m4")]
+    stages = [{"name": "src", "model": "m1", "inputs": {"x": "app.image"}},
+              {"name": "left", "model": "m2", "after": {"src": 1}, "inputs": {"x": "src.y"}},
+              {"name": "right", "model": "m3", "after": {"src": 1}, "inputs": {"x": "src.y"}},
+              {"name": "join", "model": "m4", "after": {"left": 1, "right": 1},
+               "inputs": {"x": "right.y"}}]
+    h = _Harness(cluster=parse_config({
+        "backends": {"count": 1, "device": "emulated"}, "models": models,
+        "frontends": {"reply_allowance_ms": REPLY_ALLOWANCE_S * 1e3},
+        "apps": [{"name": "pipe", "slo_ms": 100.0, "stages": stages}]}))
+    h.submit(0.0, 1)
+    h.finish(0.005, "m1")
+    assert sorted(m for m, _ in h.deadlines.values()) == ["m2", "m3"]
+    # Both branches weigh 5 ms: each gets 5 / (5 + 5) of what is left, as does the join after.
+    (left,) = _stage_deadlines(h, "m2")
+    assert left == pytest.approx(0.005 + 0.095 / 2 - REPLY_ALLOWANCE_S)
+    h.finish(0.010, "m3")
+    assert _stage_deadlines(h, "m4") == []  # still waiting for the left branch
+    h.finish(0.020, "m2")
+    assert len(_stage_deadlines(h, "m4")) == 1
+    h.finish(0.030, "m4")
+    assert len(h.answers) == 1 and isinstance(h.answers[0], InferReply)

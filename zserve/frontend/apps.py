@@ -40,6 +40,9 @@ Splitter = Callable[[AppPlan, Mapping[str, float]], Mapping[str, float]]
 
 APP_COUNTERS = ("app_received", "app_admitted", "app_replied", "app_failed", "app_rejected",
                 "app_cancelled", "app_abandoned")
+"""App requests received, admitted, answered with outputs or a stage's error, refused, cancelled
+by their client and abandoned (its connection closed). Each stage request is also counted as a
+model request in the core's own counters (``received``, ``replied``, ``error_<KIND>``, ...)."""
 
 
 def proportional_split(plan: AppPlan, latency_s: Mapping[str, float]) -> Mapping[str, float]:
@@ -81,12 +84,14 @@ class AppDriver:
     """Every app request in flight at one frontend; see the module docstring."""
 
     def __init__(self, plans: Mapping[str, AppPlan], latency_s: Mapping[str, float],
-                 sink: StageSink, splitter: Splitter = proportional_split) -> None:
-        """``latency_s``: each model's l(1) in seconds (a stage of an unprofiled model: 1)."""
+                 sink: StageSink, splitter: Splitter = proportional_split,
+                 counters: dict[str, int] | None = None) -> None:
+        """``latency_s``: each model's l(1) in seconds (a stage of an unprofiled model: 1);
+        ``counters``: where ``APP_COUNTERS`` are counted (the core's, so they reach its stats)."""
         self.plans = dict(plans)
         self.names = frozenset(plans)
         self.sink = sink
-        self.counters = dict.fromkeys(APP_COUNTERS, 0)
+        self.counters = dict.fromkeys(APP_COUNTERS, 0) if counters is None else counters
         self._weight: dict[str, dict[str, float]] = {}
         self._path: dict[str, dict[str, float]] = {}
         for plan in self.plans.values():

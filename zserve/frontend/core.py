@@ -39,7 +39,7 @@ from zserve.core.request_ids import RequestIds, incarnation_of
 from zserve.core.stats import Histogram, Stats
 from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
-from zserve.frontend.apps import APP_CLIENT, AppDriver
+from zserve.frontend.apps import APP_CLIENT, APP_COUNTERS, AppDriver
 from zserve.frontend.backend_view import FrontendBackends, LostBackends
 from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
 from zserve.frontend.on_demand import OnDemandHolds, Usage
@@ -99,6 +99,7 @@ FRONTEND_COUNTERS = (
     "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
     "reply_unroutable",
     *_REJECTED_COUNTERS.values(), *_ERROR_COUNTERS.values(),
+    *APP_COUNTERS,  # app requests (zserve.frontend.apps)
 )
 """The core's counters: requests received and admitted, answers (``replied`` with outputs,
 ``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
@@ -232,7 +233,8 @@ class FrontendCore:
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
         self.wake_at = math.inf
-        self.apps = AppDriver(cluster.app_plans(), _stage_latency_s(cluster, profiles), self)
+        self.apps = AppDriver(cluster.app_plans(), _stage_latency_s(cluster, profiles), self,
+                              counters=self.counters)
 
     def _init_stats(self, host_counters: Iterable[str]) -> None:
         """The counters and histograms, the per-request ones bound to attributes once."""
