@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 # (``zserve.loadgen.experiments.runner.EXPERIMENTS`` is the registry; a test keeps them equal).
 EXPERIMENT_NAMES = ("fig6a", "zoo", "flattop", "eager-floor", "policy-grid", "random-family",
                     "protocols", "scale", "failover", "model-cycles", "model-move",
-                    "partition", "autoscale", "day", "placement", "fleet", "prefix", "nexus")
+                    "partition", "autoscale", "day", "placement", "fleet", "prefix", "nexus",
+                    "apps")
 SIGPIPE_EXIT_STATUS = 128 + signal.SIGPIPE
 
 # name -> (module, function, one-line help)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zserve.loadgen import experiments
+from zserve.loadgen.experiments.apps import run_apps
 from zserve.loadgen.experiments.autoscale import run_autoscale
 from zserve.loadgen.experiments.common import (
     DEFAULT_OUT_DIR,
@@ -72,6 +73,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                "goodput of 10 ResNet50 variants apart and grouped, the CPU figure"),
     "nexus": (run_nexus, "the papers' baselines: Symphony Table 2's Nexus column, and the flat "
               "top (10 models, 24 GPUs) with Nexus and Clockwork-like beside the default"),
+    "apps": (run_apps, "a three-stage app (Nexus/Harpagon) served end to end by a live cluster, "
+             "called through tritonclient: every request answered within the app's SLO"),
 }
 
 

@@ -29,9 +29,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from zserve.config.apps import AppConfig, AppPlan, check_apps
 from zserve.config.decode import FieldError, SchemaError, check_finite, decode
 from zserve.config.policy_names import PolicyError, SchedulePolicy
 from zserve.config.repository import scan_repository
+from zserve.config.signature import ModelSignature, TensorSpec
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
@@ -648,6 +650,7 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     repository: RepositoryConfig = RepositoryConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
     orchestration: OrchestrationConfig | None = None
+    apps: tuple[AppConfig, ...] = ()
 
     def __post_init__(self) -> None:
         _check_models(self.models, self.backends.total,
@@ -684,6 +687,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     unloaded_at_start: tuple[str, ...] = ()
     # The names of the models the ``[repository]`` folder holds (its index lists them).
     repository_models: tuple[str, ...] = ()
+    # ``[[apps]]``: applications over the models (zserve.config.apps), validated at load.
+    apps: tuple[AppConfig, ...] = ()
 
     # ------------------------------------------------------------------ conversions
 
@@ -696,6 +701,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return msgspec.convert(data, cls)
 
     # ------------------------------------------------------------------ layout
+
+    def app_plans(self) -> dict[str, AppPlan]:
+        """Each ``[[apps]]`` app's validated plan, by name (``parse_config`` checked them)."""
+        return check_apps(self.apps, {m.name: declared_signature(m) for m in self.models})
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -933,7 +942,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
             if problem is not None:
                 raise ConfigError(f"repository.models.{model.name}.backends{problem[0]}",
                                   problem[1])
-    return ClusterConfig(
+    return _checked_apps(ClusterConfig(
         **msgspec.structs.asdict(document.cluster),
         scheduler=document.scheduler,
         frontends=document.frontends,
@@ -945,7 +954,26 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         orchestration=document.orchestration,
         unloaded_at_start=unloaded,
         repository_models=tuple(m.name for m in found),
-    )
+        apps=document.apps,
+    ))
+
+
+def _checked_apps(config: ClusterConfig) -> ClusterConfig:
+    """``config`` once its apps fit its models (``ConfigError`` naming the key otherwise)."""
+    try:
+        config.app_plans()
+    except SchemaError as exc:
+        raise ConfigError(exc.path, exc.problem) from None
+    return config
+
+
+def declared_signature(model: ModelConfig) -> ModelSignature | None:
+    """The signature the config fixes: an emulated model's (``backends/emulated.py``: input
+    ``x``, output ``y``); None for the others (known once a backend loads them)."""
+    if model.emulated is None:
+        return None
+    return ModelSignature(model.name, (TensorSpec("x", model.input_dtype, model.input_shape),),
+                          (TensorSpec("y", "float32", model.output_shape),))
 
 
 def _with_repository(models: tuple[ModelConfig, ...], found: tuple[ModelConfig, ...],

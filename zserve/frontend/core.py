@@ -12,6 +12,8 @@ that cannot deliver a message says so with ``on_send_failed``. Hosted by ``zserv
 (the process) and drivable by a simulator.
 
 Two parts, built by the core and each testable alone:
+``zserve.frontend.apps.AppDriver`` drives ``[[apps]]`` requests through their stages (the core is
+its ``StageSink``: a stage is a request of the core under the client ``APP_CLIENT``);
 ``zserve.frontend.cancel.FrontendCancellation`` notes what shards and backends must hear of
 cancelled and abandoned requests, and ``zserve.frontend.backend_view.FrontendBackends`` follows
 the backends (their table, hellos and deaths) and says which lost the requests they fetched; the
@@ -29,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
-from zserve.config.profiles import LatencyProfile
+from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.config.signature import quoted
 from zserve.core.errors import ErrorKind, ZServeError, bounded_message
 from zserve.core.hosting import Destination, Outbox
@@ -37,6 +39,7 @@ from zserve.core.request_ids import RequestIds, incarnation_of
 from zserve.core.stats import Histogram, Stats
 from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
+from zserve.frontend.apps import APP_CLIENT, APP_COUNTERS, AppDriver
 from zserve.frontend.backend_view import FrontendBackends, LostBackends
 from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
 from zserve.frontend.on_demand import OnDemandHolds, Usage
@@ -96,6 +99,7 @@ FRONTEND_COUNTERS = (
     "fetch_reply_failed", "meta_send_failed", "cancel_notice_failed", "reply_dropped_hwm",
     "reply_unroutable",
     *_REJECTED_COUNTERS.values(), *_ERROR_COUNTERS.values(),
+    *APP_COUNTERS,  # app requests (zserve.frontend.apps)
 )
 """The core's counters: requests received and admitted, answers (``replied`` with outputs,
 ``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
@@ -153,6 +157,17 @@ def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | Non
     reply_s = cluster.frontends.reply_allowance_ms / 1e3
     return {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(m.name),
                                    reply_s, share) for m in cluster.models}
+
+
+def _stage_latency_s(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | None]
+                     ) -> dict[str, float]:
+    """Each model's l(1) in seconds where a profile is known (the app driver's SLO split)."""
+    out: dict[str, float] = {}
+    for model in cluster.models:
+        profile = profiles.get(model.name) or configured_profile(model)
+        if profile is not None:
+            out[model.name] = profile.latency(1)
+    return out
 
 
 class _ShardMeta:
@@ -218,6 +233,8 @@ class FrontendCore:
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
         self.wake_at = math.inf
+        self.apps = AppDriver(cluster.app_plans(), _stage_latency_s(cluster, profiles), self,
+                              counters=self.counters)
 
     def _init_stats(self, host_counters: Iterable[str]) -> None:
         """The counters and histograms, the per-request ones bound to attributes once."""
@@ -304,6 +321,9 @@ class FrontendCore:
 
     def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
         self.counters["received"] += 1
+        if self.apps.names and req.model in self.apps.names:
+            self._on_app_infer(now, client, req, outbox)
+            return
         try:
             model, rows, hold = self._admit(now, client, req)
         except _Rejected as rejected:
@@ -330,6 +350,48 @@ class FrontendCore:
             return
         self._queue_meta(model.shard, rid, req.model, now, answer_by - self.reply_allowance_s,
                          rows=rows)
+
+    # ------------------------------------------------------------------ apps (StageSink)
+
+    def _on_app_infer(self, now: float, client: bytes, req: InferRequest,
+                      outbox: Outbox) -> None:
+        """An app request: refused as a model request would be, else the driver's."""
+        refusal = (self.refused_clients.get(client) if self.refused_clients else None)
+        kind = ErrorKind.BAD_REQUEST
+        if refusal is None and self.draining:
+            kind, refusal = ErrorKind.SHUTTING_DOWN, f"frontend {self.name} is shutting down"
+        if refusal is not None:
+            self.counters[_REJECTED_COUNTERS[kind]] += 1
+            self._send_error(client, req.request_id, kind, refusal, outbox)
+            return
+        self.apps.on_infer(now, client, req, outbox)
+
+    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox) -> None:
+        """One stage instance of an app request: a request of its model, admitted like a
+        client's, answered to the driver."""
+        self.on_infer(now, APP_CLIENT, stage, outbox)
+
+    def cancel_stage(self, stage_rid: int) -> None:
+        """Withdraw a stage request whose app has its answer: unanswered, as a client's that
+        disconnected."""
+        rid = self.requests.by_client.get(APP_CLIENT, {}).get(stage_rid)
+        p = None if rid is None else self.requests.pending.get(rid)
+        if p is not None:
+            self.cancels.cancelled(p)
+            p.client = None
+            self._finish(p)
+
+    def answer_app(self, client: bytes, client_rid: int, outputs: dict[str, Any] | None,
+                   error: tuple[ErrorKind, str] | None, outbox: Outbox) -> None:
+        """The one answer of an app request: its outputs or its failing stage's error."""
+        if error is not None:
+            self._send_error(client, client_rid, error[0], error[1], outbox)
+        elif client in self.batched_clients:
+            answers = self._answers_to(client)
+            answers.request_ids.append(client_rid)
+            answers.outputs.append(outputs or {})
+        else:
+            outbox.append(((TO_CLIENT, client), InferReply(client_rid, outputs or {})))
 
     def _queue_meta(self, shard: int, rid: int, model: str, arrival: float, deadline: float,
                     *, rows: int) -> None:
@@ -487,6 +549,8 @@ class FrontendCore:
     def on_cancel(self, now: float, client: bytes, client_rid: int, outbox: Outbox) -> None:
         """Cancel one request of ``client`` (answered ``CANCELLED``), or with ``client_rid`` < 0
         every request it has in flight, unanswered (a client closing its connection)."""
+        if self.apps.names and self.apps.on_cancel(client, client_rid, outbox):
+            return
         client_reqs = self.requests.by_client.get(client)
         if not client_reqs:
             return
@@ -509,6 +573,8 @@ class FrontendCore:
         self.batched_clients.discard(client)
         self.refused_clients.pop(client, None)
         self._answers.pop(client, None)
+        if self.apps.names:
+            self.apps.client_gone(client)
         client_reqs = self.requests.by_client.get(client)
         if not client_reqs:
             return
@@ -609,7 +675,9 @@ class FrontendCore:
                     outbox: Outbox) -> None:
         """Answer ``request_id`` of ``client`` with an error: in this tick's InferAnswers for a
         client that accepts it, else in an InferError of its own."""
-        if client in self.batched_clients:
+        if client == APP_CLIENT:  # a stage of an app request
+            self.apps.on_stage_error(request_id, kind, message, outbox)
+        elif client in self.batched_clients:
             answers = self._answers_to(client)
             answers.error_ids.append(request_id)
             answers.errors.append(_WIRE_ERRORS[kind])
@@ -652,6 +720,9 @@ class FrontendCore:
         self.counters[self._outcome_names[p.model][OUTCOME_OK]] += 1
         if client is None:
             return
+        if client == APP_CLIENT:  # a stage of an app request: its outputs go on
+            self.apps.on_stage_outputs(now, p.client_rid, outputs, outbox)
+            return
         if client in self.batched_clients:
             answers = self._answers_to(client)
             answers.request_ids.append(p.client_rid)
@@ -668,6 +739,9 @@ class FrontendCore:
         """Append what this tick produced to be sent once: the admitted requests' metadata (one
         message per shard), queued cancellations (one CancelQueued per shard), cancellation notes
         (one CancelFetched per backend), answers (one per client)."""
+        if self.apps.names:  # stage requests whose app has its answer
+            for stage_rid in self.apps.take_cancels():
+                self.cancel_stage(stage_rid)
         for shard, meta in enumerate(self._meta_by_shard):
             if meta.ids:
                 self._meta_by_shard[shard] = _ShardMeta()

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from zserve.config.apps import app_signature
 from zserve.config.signature import ModelSignature, named_list, quoted
 from zserve.core.errors import (
     BadRequestError,
@@ -109,7 +110,7 @@ class OipBridge:
             if self._closed_because is not None:
                 raise ShuttingDownError(self._closed_because)
             raise UnavailableError(f"frontend {self.core.name} is not serving yet")
-        if model not in self.core.models:
+        if model not in self.core.models and model not in self.core.apps.names:
             raise UnknownModelError(f"unknown model {quoted(model)}")
         rid = self._next_id
         self._next_id += 1
@@ -181,11 +182,15 @@ class OipBridge:
                                         self.core.backend_models)
 
     def model_ready(self, model: str, version: str = "") -> bool:
+        """Whether ``model`` is served; an app, when every model of its stages is."""
         self.check_model(model, version)
-        return self.admitting and readiness.model_ready(model, self.core.backend_models)
+        plan = self.core.apps.plans.get(model)
+        models = [model] if plan is None else [s.model for s in plan.stages.values()]
+        return self.admitting and all(readiness.model_ready(m, self.core.backend_models)
+                                      for m in models)
 
     def check_model(self, model: str, version: str = "") -> None:
-        if model not in self.core.models:
+        if model not in self.core.models and model not in self.core.apps.names:
             raise UnknownModelError(f"unknown model {quoted(model)} (this cluster serves "
                                     f"{named_list(sorted(self.core.models))})")
         if version not in MODEL_VERSIONS:
@@ -195,14 +200,20 @@ class OipBridge:
     def signature(self, model: str, version: str = "") -> ModelSignature:
         """The signature ``model``'s backends registered (UNAVAILABLE before one did)."""
         self.check_model(model, version)
-        signature = self.core.models[model].signature
+        plan = self.core.apps.plans.get(model)
+        signature = (self.core.models[model].signature if plan is None else app_signature(
+            plan, {name: m.signature for name, m in self.core.models.items()}))
         if signature is None:
             raise UnavailableError(f"model {quoted(model)}: no backend has registered it yet, so "
                                    "its inputs and outputs are not known")
         return signature
 
     def max_batch(self, model: str) -> int:
-        return self.core.models[model].config.max_batch
+        """An app's: the smallest of its stages' models'."""
+        plan = self.core.apps.plans.get(model)
+        if plan is None:
+            return self.core.models[model].config.max_batch
+        return min(self.core.models[s.model].config.max_batch for s in plan.stages.values())
 
     # ------------------------------------------------------------------ model repository
 

@@ -191,7 +191,10 @@ class BodyLimits:
     def of(self, model: str) -> int:
         if self.override is not None:
             return self.override
-        signature = self.models[model].signature
+        state = self.models.get(model)
+        if state is None:  # an app (zserve.frontend.apps): its stages check their inputs
+            return self.unknown_signature_bytes
+        signature = state.signature
         cached = self._cached.get(model)
         if cached is not None and cached[0] is signature:
             return cached[1]
