@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 # (``zserve.loadgen.experiments.runner.EXPERIMENTS`` is the registry; a test keeps them equal).
 EXPERIMENT_NAMES = ("fig6a", "zoo", "flattop", "eager-floor", "policy-grid", "random-family",
                     "protocols", "scale", "failover", "model-cycles", "model-move",
-                    "partition", "autoscale", "day", "placement", "fleet")
+                    "partition", "autoscale", "day", "placement", "fleet", "harpagon")
 SIGPIPE_EXIT_STATUS = 128 + signal.SIGPIPE
 
 # name -> (module, function, one-line help)

@@ -27,6 +27,7 @@ from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.fleet import run_fleet
+from zserve.loadgen.experiments.harpagon import run_harpagon
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
 from zserve.loadgen.experiments.model_move import run_model_move
 from zserve.loadgen.experiments.partition import run_partition
@@ -66,6 +67,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
                   "goodput, partitioned placement vs round-robin vs random search"),
     "fleet": (run_fleet, "35 zoo models on A100s, GTX 1080 Tis or both: cost per hour of the "
               "smallest fleet that serves one rate"),
+    "harpagon": (run_harpagon, "Harpagon's DAG-app planner: the paper's toy examples, and "
+                 "cost vs Nexus/Scrooge/InferLine/Clipper-like planners and the optimum"),
 }
 
 
