@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 EXPERIMENT_NAMES = ("fig6a", "zoo", "flattop", "eager-floor", "policy-grid", "random-family",
                     "protocols", "scale", "failover", "model-cycles", "model-move",
                     "partition", "autoscale", "day", "placement", "fleet", "prefix", "nexus",
-                    "apps")
+                    "apps", "harpagon")
 SIGPIPE_EXIT_STATUS = 128 + signal.SIGPIPE
 
 # name -> (module, function, one-line help)

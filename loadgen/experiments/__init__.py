@@ -62,6 +62,12 @@ the full runs and says how to read them.
     request level against the fluid model. Checks: GPU-hours <= 1.1x the oracle's, <= 1% bad in
     >= 99% of minutes, at most one change of direction per 10 minutes, the hour's GPU-seconds
     within 10%.
+``harpagon``
+    Harpagon's planner for DAG applications (``zserve.apps``): the paper's toy examples value for
+    value; 1,100 generated (app, rate, SLO) workloads over the zoo's A100 and GTX 1080 Ti at
+    fleet's prices, each baseline's (Nexus-, Scrooge-, InferLine-, Clipper-like) cost normalised
+    to Harpagon's, ablations, planner run time; Harpagon against the brute-force optimum on small
+    cases; every plan's stages simulated with the TC dispatcher. Pure computation.
 
 ``nexus``
     The papers' baselines in the simulator (``zserve.loadgen.sim.baselines``): Symphony Table 2's

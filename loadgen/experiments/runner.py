@@ -28,6 +28,7 @@ from zserve.loadgen.experiments.failover import run_failover
 from zserve.loadgen.experiments.fig6a import run_fig6a
 from zserve.loadgen.experiments.flattop import run_flattop
 from zserve.loadgen.experiments.fleet import run_fleet
+from zserve.loadgen.experiments.harpagon import run_harpagon
 from zserve.loadgen.experiments.model_cycles import run_model_cycles
 from zserve.loadgen.experiments.model_move import run_model_move
 from zserve.loadgen.experiments.nexus import run_nexus
@@ -75,6 +76,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
               "top (10 models, 24 GPUs) with Nexus and Clockwork-like beside the default"),
     "apps": (run_apps, "a three-stage app (Nexus/Harpagon) served end to end by a live cluster, "
              "called through tritonclient: every request answered within the app's SLO"),
+    "harpagon": (run_harpagon, "Harpagon's DAG-app planner: the paper's toy examples, and "
+                 "cost vs Nexus/Scrooge/InferLine/Clipper-like planners and the optimum"),
 }
 
 

@@ -341,6 +341,18 @@ def test_fleet_quick(tmp_path: Path) -> None:
     assert points["saving"] <= points["saving_bound"]
 
 
+def test_harpagon_quick(tmp_path: Path) -> None:
+    # the stage-by-stage simulation is a measurement: the priority-stride TC dispatcher exceeds
+    # Theorem 1 on some heterogeneous plans (docs/performance.md, "Harpagon")
+    result = _quick("harpagon", tmp_path, may_fail=("simulated stages stay within",))
+    assert _check(result, "the toy examples equal")["detail"] == "20/20 equal"
+    planners = result["points"]["planners"]
+    assert planners["harpagon"]["mean"] == 1.0 and planners["harpagon"]["no_plan"] == 0
+    for name in ("nexus", "scrooge", "inferline", "clipper"):
+        assert planners[name]["mean"] > 1.0, name
+    assert result["points"]["optimum"]["below_optimum"] == 0
+
+
 def test_scale_quick(tmp_path: Path) -> None:
     result = _quick("scale", tmp_path)
     probes = result["points"]["probes"]

@@ -35,7 +35,7 @@ def _error(stages: list[dict[str, Any]], **app: Any) -> str:
 def test_a_valid_app_has_its_order_counts_and_signature() -> None:
     stages = [{"name": "classify", "model": "cls", "after": {"detect": 3},
                "inputs": {"x": "detect.y"}}, DETECT]
-    plan = parse_config(_document(stages)).app_plans()["pipe"]
+    plan = parse_config(_document(stages)).app_graphs()["pipe"]
     assert plan.order == ("detect", "classify") and plan.last == "classify"
     assert dict(plan.count) == {"detect": 1, "classify": 3}
     assert plan.signature is not None

@@ -6,7 +6,7 @@ and maps each of its model's inputs (``inputs``) from an app input (``"app.<name
 output of a stage it follows (``"<stage>.<output>"``). An app ends in exactly one stage (one that
 no stage follows): the app's answer is its outputs. ``check_apps``
 validates the apps against the models at load; every problem is a one-line error naming the key
-path. ``AppPlan`` is the validated form the frontend drives (``zserve.frontend.apps``).
+path. ``AppGraph`` is the validated form the frontend drives (``zserve.frontend.apps``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class AppConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 @dataclass(frozen=True, slots=True)
-class AppPlan:
+class AppGraph:
     """A validated app: stages in an order where each follows the ones it names (``order``),
     each stage's instances per app request (``count``: the product of fan-outs on its way),
     the downstream stages of each (``next``), its last stage, and its signature as a model
@@ -84,10 +84,10 @@ class AppPlan:
 
 
 def check_apps(apps: tuple[AppConfig, ...],
-               models: Mapping[str, ModelSignature | None]) -> dict[str, AppPlan]:
+               models: Mapping[str, ModelSignature | None]) -> dict[str, AppGraph]:
     """Each app's plan; ``models``: each model's signature where the config fixes it (None: it
     is known once a backend loads the model). Raises ``SchemaError`` naming the key path."""
-    plans: dict[str, AppPlan] = {}
+    plans: dict[str, AppGraph] = {}
     for i, app in enumerate(apps):
         if app.name in models:
             raise SchemaError(f"apps[{i}].name", f"a model is named {app.name!r} too")
@@ -100,7 +100,7 @@ def check_apps(apps: tuple[AppConfig, ...],
     return plans
 
 
-def _plan(app: AppConfig, models: Mapping[str, ModelSignature | None]) -> AppPlan:
+def _plan(app: AppConfig, models: Mapping[str, ModelSignature | None]) -> AppGraph:
     stages = {s.name: s for s in app.stages}
     for j, stage in enumerate(app.stages):
         if stage.model not in models:
@@ -118,7 +118,7 @@ def _plan(app: AppConfig, models: Mapping[str, ModelSignature | None]) -> AppPla
         raise _AppError("stages", f"an app ends in exactly one stage, got {', '.join(last)}")
     for j, stage in enumerate(app.stages):
         _check_inputs(j, stage, stages, models)
-    plan = AppPlan(app, order, stages, count, following, last[0], None)
+    plan = AppGraph(app, order, stages, count, following, last[0], None)
     return dataclasses.replace(plan, signature=app_signature(plan, models))
 
 
@@ -193,7 +193,7 @@ def _check_inputs(j: int, stage: StageConfig, stages: Mapping[str, StageConfig],
                          f"{stage.model!r} is not mapped")
 
 
-def app_signature(plan: AppPlan, models: Mapping[str, ModelSignature | None]
+def app_signature(plan: AppGraph, models: Mapping[str, ModelSignature | None]
                   ) -> ModelSignature | None:
     """The app as a model: its inputs (each with the spec of the stage input it feeds) and its
     last stage's outputs; None unless every stage that reads an app input is known."""

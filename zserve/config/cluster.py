@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from zserve.config.apps import AppConfig, AppPlan, check_apps
+from zserve.config.apps import AppConfig, AppGraph, check_apps
 from zserve.config.decode import FieldError, SchemaError, check_finite, decode
 from zserve.config.policy_names import PolicyError, SchedulePolicy
 from zserve.config.repository import scan_repository
@@ -702,7 +702,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # ------------------------------------------------------------------ layout
 
-    def app_plans(self) -> dict[str, AppPlan]:
+    def app_graphs(self) -> dict[str, AppGraph]:
         """Each ``[[apps]]`` app's validated plan, by name (``parse_config`` checked them)."""
         return check_apps(self.apps, {m.name: declared_signature(m) for m in self.models})
 
@@ -961,7 +961,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
 def _checked_apps(config: ClusterConfig) -> ClusterConfig:
     """``config`` once its apps fit its models (``ConfigError`` naming the key otherwise)."""
     try:
-        config.app_plans()
+        config.app_graphs()
     except SchemaError as exc:
         raise ConfigError(exc.path, exc.problem) from None
     return config

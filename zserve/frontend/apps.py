@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from zserve.config.apps import APP_INPUT, AppPlan
+from zserve.config.apps import APP_INPUT, AppGraph
 from zserve.config.signature import named_list
 from zserve.core.errors import ErrorKind
 from zserve.core.hosting import Outbox
@@ -35,7 +35,7 @@ from zserve.transport.messages import InferRequest
 # five bytes, and the OIP bridge's is another name).
 APP_CLIENT = b"\x00zserve-app-stages"
 
-Splitter = Callable[[AppPlan, Mapping[str, float]], Mapping[str, float]]
+Splitter = Callable[[AppGraph, Mapping[str, float]], Mapping[str, float]]
 """(app, each stage's l(1) in seconds) -> each stage's weight in the SLO split (any unit)."""
 
 APP_COUNTERS = ("app_received", "app_admitted", "app_replied", "app_failed", "app_rejected",
@@ -45,7 +45,7 @@ by their client and abandoned (its connection closed). Each stage request is als
 model request in the core's own counters (``received``, ``replied``, ``error_<KIND>``, ...)."""
 
 
-def proportional_split(plan: AppPlan, latency_s: Mapping[str, float]) -> Mapping[str, float]:
+def proportional_split(plan: AppGraph, latency_s: Mapping[str, float]) -> Mapping[str, float]:
     """Each stage weighs its l(1): on the critical path the SLO is split in proportion to it."""
     return {name: latency_s[name] for name in plan.order}
 
@@ -67,7 +67,7 @@ class _Run:
 
     __slots__ = ("answer_by", "client", "client_rid", "done", "inputs", "live", "outputs", "plan")
 
-    def __init__(self, plan: AppPlan, client: bytes, client_rid: int, inputs: dict[str, Any],
+    def __init__(self, plan: AppGraph, client: bytes, client_rid: int, inputs: dict[str, Any],
                  answer_by: float) -> None:
         self.plan = plan
         self.client = client
@@ -83,7 +83,7 @@ class _Run:
 class AppDriver:
     """Every app request in flight at one frontend; see the module docstring."""
 
-    def __init__(self, plans: Mapping[str, AppPlan], latency_s: Mapping[str, float],
+    def __init__(self, plans: Mapping[str, AppGraph], latency_s: Mapping[str, float],
                  sink: StageSink, splitter: Splitter = proportional_split,
                  counters: dict[str, int] | None = None) -> None:
         """``latency_s``: each model's l(1) in seconds (a stage of an unprofiled model: 1);
@@ -102,7 +102,7 @@ class AppDriver:
         self._next_rid = 0
         self._owed_cancels: list[int] = []
 
-    def _set_split(self, plan: AppPlan, weights: Mapping[str, float]) -> None:
+    def _set_split(self, plan: AppGraph, weights: Mapping[str, float]) -> None:
         """Each stage's weight and the heaviest weighted path from it to the end."""
         weight = {s: max(float(weights[s]), 1e-9) for s in plan.order}
         path: dict[str, float] = {}
@@ -139,7 +139,7 @@ class AppDriver:
             if not plan.stages[stage].after and not run.done:
                 self._submit(now, run, stage, 0, outbox)
 
-    def _refusal(self, plan: AppPlan, client: bytes, req: InferRequest) -> str | None:
+    def _refusal(self, plan: AppGraph, client: bytes, req: InferRequest) -> str | None:
         if req.request_id in self._runs.get(client, {}):
             return f"request id {req.request_id} is already in flight on this connection"
         if not 0.0 <= req.slo_ms < float("inf"):

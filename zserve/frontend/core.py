@@ -233,7 +233,7 @@ class FrontendCore:
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
         self.wake_at = math.inf
-        self.apps = AppDriver(cluster.app_plans(), _stage_latency_s(cluster, profiles), self,
+        self.apps = AppDriver(cluster.app_graphs(), _stage_latency_s(cluster, profiles), self,
                               counters=self.counters)
 
     def _init_stats(self, host_counters: Iterable[str]) -> None:
