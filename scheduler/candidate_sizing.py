@@ -55,6 +55,7 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_STAGGER_ALONE_MIN_GPUS,
     DEFER_STAGGER_MIN_GPUS,
     RESCUE_SHARED_FLOOR,
     DeferralYield,
@@ -94,6 +95,7 @@ class CandidateSizing:
         "_drop",
         "_kind",
         "_rescue_from",
+        "alone",
         "arrived_requests",
         "budget_s",
         "by_deadline",
@@ -155,6 +157,8 @@ class CandidateSizing:
         # the model shares its GPUs, and the metered rate the joiner rule reads (inf: none yet)
         self._defer_below = self._rescue_from = self._defer_rate = math.inf
         self.defer_shared = False
+        # no other model is served on the model's GPUs (DEFER_STAGGER_ALONE_MIN_GPUS)
+        self.alone = False
         # deferred-bl: the margin learned after missed grant windows (DEFER_MISS_WIDEN_S);
         # deferred: the estimate of lost windows and its back-off (policy.py)
         self.miss_margin_s = 0.0
@@ -189,6 +193,7 @@ class CandidateSizing:
         sibling = CandidateSizing(profile, self.policy, slo_s=self.slo_s, d_ctrl_s=self.d_ctrl_s,
                                   d_data_s=self.d_data_s, jitter_s=self.jitter_s,
                                   budget_s=self.budget_s, keep_tolerance=self.keep_tolerance)
+        sibling.alone = self.alone
         sibling.set_meter(self.meter)
         sibling.retarget()
         return sibling
@@ -197,6 +202,13 @@ class CandidateSizing:
         """Read the rate from ``meter`` from now on (the target stays until it seals a bucket)."""
         self.meter = meter
         self._refresh_defer_below()
+
+    def set_alone(self, alone: bool) -> None:
+        """Whether the model has its GPUs to itself: it then runs staggered from one GPU's worth
+        of load on (DEFER_STAGGER_ALONE_MIN_GPUS), not two."""
+        if alone != self.alone:
+            self.alone = alone
+            self._refresh_defer_below()
 
     def note_arrivals(self, now: float, rows: int, requests: int) -> None:
         """``requests`` of ``rows`` rows in all arrived at ``now``: the meter counts the rows; a
@@ -229,8 +241,9 @@ class CandidateSizing:
     def _refresh_defer_below(self) -> None:
         """The batch size from which the ``deferred`` policy stops deferring (policy.py), from
         the metered rate lambda, beta, and the GPUs the model's load needs at its target batch
-        size b (n = lambda*l(b)/b), and the rate the joiner rule reads. Cached: it changes only
-        when the meter seals a bucket or the target or profile changes."""
+        size b (n = lambda*l(b)/b; staggered from two, or one when ``alone``), and the rate the
+        joiner rule reads. Cached: it changes only when the meter seals a bucket or the target
+        or profile changes."""
         rate = self.meter.rate()
         self.defer_shared = False
         self._defer_rate = math.inf if rate is None else rate  # no rate yet: plain frontrun
@@ -240,7 +253,8 @@ class CandidateSizing:
         beta_lambda = self.profile.beta_s * rate
         self._rescue_from = beta_lambda - 1.0
         target = self.target
-        if beta_lambda >= 1.0 and rate * self.table[target] / target >= DEFER_STAGGER_MIN_GPUS:
+        stagger_from = DEFER_STAGGER_ALONE_MIN_GPUS if self.alone else DEFER_STAGGER_MIN_GPUS
+        if beta_lambda >= 1.0 and rate * self.table[target] / target >= stagger_from:
             self._defer_below = max(beta_lambda, target)
         else:  # shares GPUs: deferred: rescued by the rank; deferred-bl: beta*lambda - 1
             self._defer_below = math.inf if self.rescue else beta_lambda - 1.0

@@ -185,6 +185,7 @@ class SchedulerCore:
             self._moved.extend(self._order)
         if self.rank is None:
             thread.set_gpus(now, self.served.get(thread.model, []), outbox)
+        self._note_sharing()
         self._reopen()
         self._after(now, outbox, thread)
 
@@ -207,6 +208,7 @@ class SchedulerCore:
                 self._shed(now, thread, ErrorKind.UNAVAILABLE, f"no backend serves {name!r}",
                            counter="unavailable", outbox=outbox)
             self._moved.append(thread)
+        self._note_sharing()
         self._reopen()
         self._after(now, outbox, None)
 
@@ -225,6 +227,7 @@ class SchedulerCore:
         assert rank is not None, "a remote rank's membership comes with its table (set_served)"
         self.members = None if members is None else {m: sorted(g) for m, g in members.items()}
         rank.set_members(now, self.members, outbox)
+        self._note_sharing()
         if self.members is not None:
             for name, thread in self.threads.items():
                 if not self.members.get(name) and thread.queue_length:
@@ -234,6 +237,28 @@ class SchedulerCore:
                     self._moved.append(thread)
         self._reopen()
         self._after(now, outbox, None)
+
+    def _note_sharing(self) -> None:
+        """Tell every ModelThread whether another model is served on any of its GPUs, from the
+        table the core has: a remote rank's ``served`` (every model's, this shard's or not), or
+        the embedded rank's ``members`` (None: every GPU serves every model, all of them here)."""
+        table: Mapping[str, list[int]]
+        if self.rank is None:
+            table = self.served
+        elif self.members is None:
+            alone = len(self.threads) == 1
+            for thread in self.threads.values():
+                thread.set_alone(alone)
+            return
+        else:
+            table = self.members
+        models_on: dict[int, int] = {}
+        for gpus in table.values():
+            for gpu_id in set(gpus):
+                models_on[gpu_id] = models_on.get(gpu_id, 0) + 1
+        for name, thread in self.threads.items():
+            served = table.get(name) or []
+            thread.set_alone(bool(served) and all(models_on[g] == 1 for g in served))
 
     def rank_add_gpu(self, now: float, gpu_id: int, outbox: Outbox, free_at: float) -> None:
         """The embedded rank gains ``gpu_id``, free from ``free_at`` (a backend that joined)."""

@@ -11,6 +11,7 @@ Inputs (host -> ModelThread):
 - ``on_grant(now, grant: GrantGpu, outbox)``: the RankThread granted a GPU.
 - ``on_timer(now, outbox)``: ``now >= wake_at``.
 - ``set_gpus(now, gpu_ids, outbox)``: the GPUs that exist (grants for other GPUs are returned).
+- ``set_alone(alone)``: whether no other model is served on this model's GPUs.
 - ``set_gpu_profiles(profiles)``: GPUs of another device kind, with this model's profile there
   (a batch granted one is sized and timed with it; ``on_grant``).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
@@ -431,6 +432,13 @@ class ModelThread:
     def set_gpus(self, now: float, gpu_ids: Iterable[int], outbox: Outbox) -> None:
         """The GPUs that exist; a grant for any other GPU is returned unused."""
         self.gpu_ids = set(gpu_ids)
+
+    def set_alone(self, alone: bool) -> None:
+        """Whether no other model is served on this model's GPUs (``CandidateSizing.set_alone``:
+        it then runs staggered from one GPU's worth of load)."""
+        self.sizing.set_alone(alone)
+        for sibling in (self._kind_sizing or {}).values():
+            sibling.set_alone(alone)
 
     def set_gpu_profiles(self, profiles: Mapping[int, LatencyProfile]) -> None:
         """GPUs of other device kinds and this model's profile on each (GPUs not listed run the

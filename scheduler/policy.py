@@ -11,8 +11,9 @@ runs through the same ModelThread/RankThread code paths:
     target batch size and n = lambda*l(b*)/b* the GPUs its load needs, a candidate of ``bs``
     requests aims at ``d - jitter - l(bs + 1)``, the last moment one more request could join:
 
-    - a model with the load of several GPUs (n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1)
-      runs staggered over GPUs of its own (DESIGN section 3) and defers while
+    - a model with the load of several GPUs (n >= DEFER_STAGGER_MIN_GPUS and beta*lambda >= 1;
+      a model no other shares its GPUs with from n >= DEFER_STAGGER_ALONE_MIN_GPUS) runs
+      staggered over GPUs of its own (DESIGN section 3) and defers while
       ``bs < max(beta*lambda, b*)``, starting at once from there;
     - a model that shares its GPUs starts at once when fewer than DEFER_MIN_JOINERS requests
       are expected before its aim (lambda * (aim - now)): waiting would buy nothing but latency
@@ -55,10 +56,11 @@ runs through the same ModelThread/RankThread code paths:
       InceptionResNetV2 on the 3-model mix on 4 GPUs, a rescue would run a batch of 1 for 23 ms. A
       staggered model's candidate that finds its GPUs busy is not contention: it does so at about
       40% of its aims by design (counted, Figure 6a's ten staggered models at beta 5 ms were rescued
-      into smaller batches and lost 13%). One model alone is rescued too: its own batches are the
-      contention (one GPU, beta/alpha 0.25: deferral left the GPU idle at 0.868 of eager, rescued
-      1.000). An early_ok candidate is published to the rank at once (publish-ahead holds back only
-      the others), since the rescue can only choose among candidates it has seen;
+      into smaller batches and lost 13%). One model alone with at most one GPU's worth of load is
+      rescued too: its own batches are the contention (one GPU, beta/alpha 0.25: deferral left
+      the GPU idle at 0.868 of eager, rescued 1.000). An early_ok candidate is published to the
+      rank at once (publish-ahead holds back only the others), since the rescue can only choose
+      among candidates it has seen;
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
@@ -161,6 +163,7 @@ __all__ = [
     "DEFER_MISS_MAX_S",
     "DEFER_MISS_RELAX_S",
     "DEFER_MISS_WIDEN_S",
+    "DEFER_STAGGER_ALONE_MIN_GPUS",
     "DEFER_STAGGER_MIN_GPUS",
     "DEFER_YIELD_BACKOFF_MAX",
     "DEFER_YIELD_DECAY",
@@ -183,6 +186,19 @@ DEFER_STAGGER_MIN_GPUS = 2.0
 target batch size) is treated as running staggered over GPUs of its own and defers at least to
 its target batch size; below it the model shares GPUs (``deferred``: defers, rescued by the
 rank; ``deferred-bl``: defers only while beta*lambda - 1 exceeds its batch)."""
+
+DEFER_STAGGER_ALONE_MIN_GPUS = 1.0
+"""``deferred`` and ``deferred-bl``: DEFER_STAGGER_MIN_GPUS for a model that has its GPUs to
+itself (no other model is served on any of them). Above one GPU's worth of load its batches run
+side by side on several GPUs, and the only batches its windows can meet are its own: spacing
+them is the stagger, not contention. Counted as shared, its own candidates found its GPUs busy,
+the rescue started them early and kept itself on: ResNet50 alone on 2 GPUs with d_ctrl 0.5 ms
+(about 1.7 GPUs' worth at 1,050 r/s) ran batches of 6 with the GPUs 0.99 busy and read 1.2-2.2%
+bad at 1,040 r/s over two seeds, as eager does, against frontrun's 1.0-1.6% with batches of 9
+at 0.84 busy; staggered, it reads as frontrun. At or below one GPU's worth a lone model's batches
+run one after another and the rescue keeps the GPU busy (one GPU, beta/alpha 0.25). The trade:
+where batching gains little (the eager floor's one model on 2 GPUs, beta/alpha 1, SLO 4 and 8
+l(1)) the stagger reads 0.967 and 0.950 of eager, against 1.000 and 0.983 counted as shared."""
 
 RESCUE_SHARED_FLOOR = 0.5
 """``deferred``: a shared model's deferring candidate is ``early_ok`` (the rank may rescue it)

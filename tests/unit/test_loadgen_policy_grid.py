@@ -32,6 +32,8 @@ def test_policy_grid_quick(tmp_path: Path) -> None:
             found["deferred"]["goodput_rps"] / found["eager"]["goodput_rps"], abs=1e-4)
     check = next(c for c in result["checks"] if c["name"].startswith("default >="))
     assert check["passed"] == all(c["passes"] for c in cells)
+    # the quick run must pass as the full one must: a failing check fails the run (exit 1)
+    assert [(c["name"], c["detail"]) for c in result["checks"] if not c["passed"]] == []
     (light,) = result["points"]["light"]
     assert [p["fraction"] for p in light["points"]] == list(policy_grid.LIGHT_QUICK_FRACTIONS)
     low, full = light["points"]

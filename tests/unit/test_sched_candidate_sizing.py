@@ -161,6 +161,32 @@ def test_deferred_defers_a_shared_model_and_lets_the_rank_start_it_early() -> No
     assert _sizing("eager").published_duration(0.0, 4, 10 * MS) == 0.0
 
 
+def test_a_model_alone_on_its_gpus_runs_staggered_from_one_gpus_worth_of_load() -> None:
+    # about 1,260 r/s: n = lambda x l(32)/32 = 1.46 GPUs, beta*lambda = 6.3
+    shared, alone = _sizing("deferred"), _sizing("deferred")
+    alone.set_alone(True)
+    for sizing in (shared, alone):
+        sizing.set_meter(_meter_at(60))
+    aims = [s.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 1, False) for s in (shared, alone)]
+    frontrun_moment = 50 * MS - PROFILE.latency(5)
+    # shared with other models: rescued from half of beta*lambda - 1 rows, its misses a loss
+    assert shared.defer_shared and aims[0][0] == pytest.approx(frontrun_moment)
+    assert aims[0][3] and aims[0][4]
+    # alone: its own batches are the only ones it meets; staggered, rescued only from
+    # beta*lambda - 1 rows, a missed window the stagger at work
+    assert not alone.defer_shared and aims[1][0] == pytest.approx(frontrun_moment)
+    assert not aims[1][3] and not aims[1][4]
+    # at one GPU's worth or less a lone model's batches run one after another: shared, rescued
+    light = _sizing("deferred")
+    light.set_alone(True)
+    light.set_meter(_meter_at(40))  # n = 0.97
+    assert light.defer_shared
+    # a sibling for another device kind keeps the flag
+    assert alone.for_profile(LatencyProfile.linear(2.0, 5.0, 32)).alone
+    alone.set_alone(False)
+    assert alone.defer_shared
+
+
 def test_deferred_starts_a_lone_request_at_once_and_tells_the_rank_where_it_would_aim() -> None:
     sizing = _sizing("deferred", d_ctrl_s=1 * MS, d_data_s=0.5 * MS)
     sizing.set_meter(_meter_at(1))  # about 20 r/s: 0.5 joiners expected in the 23 ms to the aim

@@ -275,6 +275,31 @@ def test_the_queue_of_a_model_no_gpu_serves_any_more_is_answered_unavailable() -
     assert core.queued() == 1 and core.counters["unavailable"] == 2
 
 
+def test_every_thread_learns_whether_another_model_is_served_on_its_gpus() -> None:
+    """A model alone on its GPUs runs staggered from one GPU's worth of load (policy.py,
+    DEFER_STAGGER_ALONE_MIN_GPUS): the core tells each thread from the table it has."""
+    def alone(core: SchedulerCore) -> dict[str, bool]:
+        return {name: t.sizing.alone for name, t in core.threads.items()}
+
+    outbox: Outbox = []
+    core = _embedded("a", gpus=2)  # every GPU serves every model, and there is one
+    assert alone(core) == {"a": True}
+    core.add_thread(0.0, _thread("b"), outbox)
+    assert alone(core) == {"a": False, "b": False}
+    core.set_members(0.0, {"a": [0], "b": [1]}, outbox)
+    assert alone(core) == {"a": True, "b": True}
+    core.set_members(0.0, {"a": [0, 1], "b": [1]}, outbox)
+    assert alone(core) == {"a": False, "b": False}
+    # a remote rank's table lists every model, this shard's or another's
+    remote = SchedulerCore("shard-t", ["m"])
+    remote.add_thread(0.0, _thread("m"), outbox)
+    assert alone(remote) == {"m": False}  # no GPU serves it yet
+    remote.set_served(0.0, {"m": [0, 1], "elsewhere": [2]}, outbox)
+    assert alone(remote) == {"m": True}
+    remote.set_served(0.0, {"m": [0, 1], "elsewhere": [1, 2]}, outbox)
+    assert alone(remote) == {"m": False}
+
+
 def test_a_cold_models_first_lone_request_is_planned_well_before_its_last_moment() -> None:
     """The demo cluster's shape (one scheduler core, 2 backends, ``cnn`` at about 5 ms a batch,
     SLO 200 ms, 10 ms reply allowance, 1 ms jitter allowance), on a virtual clock: a fresh

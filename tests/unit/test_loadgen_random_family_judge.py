@@ -1,0 +1,50 @@
+"""The random family's judge reads a policy's goodput on its bad-rate curve made monotone, so
+that a single probe's noise near 1% does not decide a member (``curve_goodput``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from zserve.loadgen.experiments import random_family
+from zserve.loadgen.experiments.random_family import curve_goodput, monotone_bad_rates
+
+# r10 (3 GTX 1080 Ti models on 2 GPUs, Gamma(0.6)): the worst model's bad rate (%) at the common
+# rates, as measured for the default and eager. Their curves are within 0.07 point everywhere.
+R10_RATES = (102.4, 107.9, 113.4, 118.9, 124.3, 129.8, 135.3, 140.8)
+R10_DEFERRED = (1.14, 1.05, 1.29, 1.47, 1.80, 1.66, 1.89, 2.12)
+R10_EAGER = (1.14, 0.99, 1.29, 1.39, 1.80, 1.73, 1.89, 2.19)
+SEARCHED_RPS = 128.0
+
+
+def _curve(rates: tuple[float, ...], bad_percent: tuple[float, ...]) -> list[dict[str, Any]]:
+    return [{"rate_rps": r, "bad_rate": b / 100, "bailed": False, "passes": b <= 1.0}
+            for r, b in zip(rates, bad_percent, strict=True)]
+
+
+def _read(bad_percent: tuple[float, ...]) -> tuple[float, str]:
+    # no probe was stopped early, so the judge probes nothing more on r10's workload
+    r10 = random_family.draw_member(random_family.FAMILY_SEED, 10)
+    assert r10.describe().startswith("GTX1080Ti 3m/2g")
+    workload = r10.workload("eager", random_family.QUICK_CURVE_WINDOWS_S)
+    rps, how, _ = curve_goodput(_curve(R10_RATES, bad_percent), workload, SEARCHED_RPS)
+    return rps, how
+
+
+def test_one_passing_probe_above_a_failing_one_does_not_decide_the_member() -> None:
+    # eager's 0.99% at 107.9 r/s sits above its 1.14% at 102.4: pooled, 1.06%, failing
+    assert _read(R10_EAGER) == _read(R10_DEFERRED) == (102.4, "below the common rates")
+
+
+def test_a_monotone_curve_reads_as_the_plain_interpolation() -> None:
+    bad = (0.2, 0.5, 0.8, 1.4, 2.0, 2.5, 3.0, 4.0)
+    assert monotone_bad_rates(_curve(R10_RATES, bad)) == pytest.approx([b / 100 for b in bad])
+    rps, how = _read(bad)
+    assert how == "interpolated"
+    assert rps == pytest.approx(113.4 + (1.0 - 0.8) / (1.4 - 0.8) * (118.9 - 113.4), abs=0.05)
+
+
+def test_a_dip_is_pooled_with_the_probes_before_it_weighted_by_rate() -> None:
+    fitted = monotone_bad_rates(_curve((100.0, 200.0, 300.0), (1.2, 0.6, 2.0)))
+    assert fitted == pytest.approx([0.008, 0.008, 0.02])  # (1.2 x 100 + 0.6 x 200) / 300
