@@ -59,6 +59,19 @@ runs through the same ModelThread/RankThread code paths:
       contention (one GPU, beta/alpha 0.25: deferral left the GPU idle at 0.868 of eager, rescued
       1.000). An early_ok candidate is published to the rank at once (publish-ahead holds back only
       the others), since the rescue can only choose among candidates it has seen;
+    - a model whose arrivals are its own answers' echoes starts at once (``AnswerEchoes``):
+      closed-loop clients (a sync loop, perf_analyzer) send their next request one round trip
+      after their answer, so nothing can join a batch held back while they wait, and the rate
+      meter's rate promises joiners they never send. The echo share compares the rows that
+      arrive right after a batch's expected finish with what a stream independent of the answers
+      brings in the same span (the rows just before the finish, or the rate times the span,
+      whichever is more); while at least ECHO_SHARE_MIN of the answered rows echo, the model
+      does not defer. It needs no deferred window: a sync client is seen at its second request
+      (before, the 2nd and 3rd waited to their aim, about 180 ms on the demo cluster, until the
+      yield below had learned), and a Poisson stream's share is about 0 at any rate (Table 2
+      and the demo workload's open-loop runs are unchanged). The yield (DEFER_YIELD_MIN) stays:
+      it covers what the echoes miss (answers later than ECHO_WINDOW_S, many clients whose echoes
+      overlap the next batch's span);
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
@@ -147,6 +160,7 @@ Drop policies decide *which* requests leave the queue unserved (DESIGN section 3
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 
 from zserve.config.profiles import LatencyProfile
 
@@ -168,10 +182,15 @@ __all__ = [
     "DEFER_YIELD_MIN",
     "DEFER_YIELD_MIN_EXPECTED",
     "DEFER_YIELD_RETRY_BATCHES",
+    "ECHO_DECAY",
+    "ECHO_SHARE_KEEP",
+    "ECHO_SHARE_MIN",
+    "ECHO_WINDOW_S",
     "RESCUE_CONTENTION",
     "RESCUE_CONTENTION_EWMA",
     "RESCUE_SHARED_FLOOR",
     "RESCUE_SPACING_S_PER_CANDIDATE",
+    "AnswerEchoes",
     "DeferralYield",
     "RpsMeter",
     "largest_batch_at_rate",
@@ -373,6 +392,132 @@ class DeferralYield:
         """A batch started without deferring."""
         if self.paused_for:
             self.paused_for -= 1
+
+ECHO_WINDOW_S = 0.02
+"""``deferred``: how long after a batch's expected finish (``AnswerEchoes``) its answers' echoes
+are looked for at most: a closed-loop client's next request reaches the scheduler one round trip
+after its answer (0.5-2 ms on the demo host, more when a stalled host answers late). The window
+ends sooner, at as many rows as the batch answered, so its length adapts to the rate."""
+
+ECHO_SHARE_MIN = 0.5
+"""``deferred``: a model starts its batches at once while at least this share of its answered
+rows came back as echoes (``AnswerEchoes.closed_loop``): its arrivals are its own answers'
+consequences, and waiting for them only delays them. A Poisson stream's share is about 0."""
+
+ECHO_SHARE_KEEP = 0.25
+"""``deferred``: once its arrivals were found to be echoes, a model keeps starting at once until
+its echo share falls below this (hysteresis): every verdict that flips back costs the closed
+loop's clients one wait to the aim."""
+
+ECHO_DECAY = 0.05
+"""The weight each looked-at batch carries in a model's echo share (decayed sums over about its
+last 20 such batches)."""
+
+_ECHO_TRIM_MIN = 64  # arrivals kept before the old ones are cut away
+
+
+class AnswerEchoes:
+    """Whether a model's arrivals come right after its answers (closed-loop clients), from the
+    timing alone, without a single deferred window (``deferred``).
+
+    For a batch of k rows executed at x and expected to finish at f = x + l(k) (its profile),
+    count the rows that arrive from f on, until k have come or ECHO_WINDOW_S has passed (a span
+    tau), against what a stream that does not depend on the answers brings in tau: the rows that
+    arrived in the span tau before f (clipped at x, since the batch's own rows came before it,
+    and scaled back up to tau), or the metered rate times tau, whichever is more (before the
+    meter's first sample, the rate of the arrivals kept here). A Poisson (open-loop) stream
+    brings as many in expectation at any rate (f is fixed before the rows come, and tau is a
+    stopping time: the count after it is the rate times its mean length, and so is the count
+    before); closed-loop clients are waiting during the span before (their requests are in the
+    batch) and send one round trip after their answer. The echo share is the decayed sum of
+    (after - expected), each capped at k, over the decayed sum of k; from ECHO_SHARE_MIN on the
+    model's arrivals are its answers' echoes and it does not defer (``closed_loop``), until the
+    share falls below ECHO_SHARE_KEEP. Taking the larger of the two expectations keeps a gap in
+    a stream just before a finish from passing for an echo (Symphony section 3.3's three missing
+    requests: a stream at 1,333 r/s, none in the 2.25 ms before a finish and four after). The
+    finish is the profile's: a backend much faster or slower than its profile moves the echoes
+    out of their window, and the yield (``DeferralYield``) is what stops the deferral then. One
+    batch is looked at a time (the next one planned once the last window closed): O(log n) per
+    arrival chunk and per decision. Pure."""
+
+    __slots__ = ("_anchor", "_closed", "_cum", "_rows", "_start_at", "_times", "answered",
+                 "echo")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []  # arrival times of recent chunks, in order
+        self._cum: list[int] = [0]  # _cum[i]: the rows of the chunks before _times[i]
+        self._anchor = math.inf  # the looked-at batch's expected finish (inf: none)
+        self._start_at = -math.inf  # and its exec time
+        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
+        self._rows = 0
+        self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
+        self.answered = 0.0  # and the looked-at batches' rows
+
+    def note_answer(self, exec_at: float, run_s: float, rows: int) -> None:
+        """A batch of ``rows`` rows was planned at ``exec_at``, to run ``run_s`` by its profile:
+        looked at unless one is already."""
+        if self._anchor == math.inf:
+            self._start_at = exec_at
+            self._anchor = exec_at + run_s
+            self._rows = rows
+
+    def note_arrivals(self, now: float, rows: int, rate: float) -> None:
+        """``rows`` rows arrived at ``now`` (not before the last call's ``now``); ``rate``: the
+        model's metered rate in rows/s (inf: none yet)."""
+        times = self._times
+        times.append(now)
+        self._cum.append(self._cum[-1] + rows)
+        if now >= self._anchor:
+            self._span(now, rate, close=True)
+        # what a window can still need: from ECHO_WINDOW_S before a finish at most that far back
+        if len(times) >= _ECHO_TRIM_MIN and times[0] < now - 2 * ECHO_WINDOW_S:
+            cut = bisect_left(times, now - 2 * ECHO_WINDOW_S)
+            if 2 * cut >= len(times):  # cut a long prefix at once: amortized O(1)
+                base = self._cum[cut]
+                del times[:cut]
+                self._cum = [total - base for total in self._cum[cut:]]
+
+    def closed_loop(self, now: float, rate: float) -> bool:
+        """Whether the echo share is at least ECHO_SHARE_MIN at ``now``, the looked-at batch's
+        window as far as it has come counted in (its rows in full: one early echo of a large
+        batch does not decide)."""
+        echo, answered = self.echo, self.answered
+        if now >= self._anchor:
+            echo += self._span(now, rate, close=False)
+            answered += self._rows
+        bar = ECHO_SHARE_KEEP if self._closed else ECHO_SHARE_MIN
+        self._closed = answered > 0.0 and echo >= bar * answered
+        return self._closed
+
+    def _span(self, now: float, rate: float, *, close: bool) -> float:
+        """The looked-at window's echo at ``now``: its rows after its anchor less those before
+        (or the metered ``rate`` times its span, when more); with ``close``, fold it into the
+        sums once the window is over (k rows came, or ECHO_WINDOW_S)."""
+        anchor = self._anchor
+        end = anchor + ECHO_WINDOW_S
+        end = now if now < end else end
+        times, cum, cap = self._times, self._cum, self._rows
+        at_anchor = cum[bisect_left(times, anchor)]
+        after = cum[bisect_right(times, end)] - at_anchor
+        # the span before, clipped at the exec time (the batch's own rows came before it), and
+        # its rows scaled up to the full span
+        start = anchor - (end - anchor)
+        clipped = self._start_at if self._start_at > start else start
+        before = at_anchor - cum[bisect_left(times, clipped)]
+        if clipped > start and before:
+            before = round(before * (end - anchor) / (anchor - clipped))
+        after = after if after < cap else cap
+        if rate == math.inf:  # no metered rate yet: the arrivals kept here, n - 1 over their span
+            span = times[-1] - times[0]
+            rate = (cum[-1] - cum[1]) / span if span > 0.0 else 0.0
+        expected = max(float(before), rate * (end - anchor))
+        echo = after - (expected if expected < cap else cap)
+        if close and (after >= cap or now >= anchor + ECHO_WINDOW_S):
+            keep = 1.0 - ECHO_DECAY
+            self.echo = keep * self.echo + echo
+            self.answered = keep * self.answered + cap
+            self._anchor = math.inf
+        return echo
 
 
 class RpsMeter:
