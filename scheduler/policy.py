@@ -182,7 +182,10 @@ __all__ = [
     "DEFER_YIELD_MIN",
     "DEFER_YIELD_MIN_EXPECTED",
     "DEFER_YIELD_RETRY_BATCHES",
+    "ECHO_ANCHOR",
     "ECHO_DECAY",
+    "ECHO_DELAY_WEIGHT",
+    "ECHO_FASTEST",
     "ECHO_SHARE_KEEP",
     "ECHO_SHARE_MIN",
     "ECHO_WINDOW_S",
@@ -393,7 +396,7 @@ class DeferralYield:
         if self.paused_for:
             self.paused_for -= 1
 
-ECHO_WINDOW_S = 0.02
+ECHO_WINDOW_S = 0.05
 """``deferred``: how long after a batch's expected finish (``AnswerEchoes``) its answers' echoes
 are looked for at most: a closed-loop client's next request reaches the scheduler one round trip
 after its answer (0.5-2 ms on the demo host, more when a stalled host answers late). The window
@@ -413,53 +416,128 @@ ECHO_DECAY = 0.05
 """The weight each looked-at batch carries in a model's echo share (decayed sums over about its
 last 20 such batches)."""
 
+ECHO_ANCHOR = 0.75
+"""Where a looked-at batch's window starts (``AnswerEchoes``): this fraction of the model's echo
+delay past the batch's exec time. The echo delay is learned: the time from a looked-at batch's
+exec time to the first arrival after it (ECHO_DELAY_WEIGHT), the profile's l(b) before the first.
+A closed loop's echoes come at the delay itself, a quarter of it into the window, however much
+faster or slower than its profile the backend runs (a profile measured on a loaded host is
+slow); a stream that does not depend on the answers is as likely to arrive anywhere."""
+
+ECHO_FASTEST = 0.5
+"""The earliest a learned window starts, as a fraction of the batch's l(b) by its profile: no
+answer comes before its batch has run, and a backend is not taken to run more than twice as
+fast as its profile. Without it a stream whose arrivals lock in phase with at-once batches (one
+every 2 ms, each batch planned as its request came, l(1) 6 ms) passed for a closed loop: its next
+arrival always came 2 ms after an exec time."""
+
+ECHO_DELAY_WEIGHT = 0.25
+"""The weight of each looked-at batch's echo delay in the model's estimate (an EWMA)."""
+
 _ECHO_TRIM_MIN = 64  # arrivals kept before the old ones are cut away
+
+
+class _EchoWindow:
+    """One way of anchoring ``AnswerEchoes``' windows, and the echo share it measured: at the
+    batch's expected finish by its profile (``learned`` False), or ECHO_ANCHOR of the learned
+    echo delay past its exec time (``learned`` True)."""
+
+    __slots__ = ("_closed", "_delay_s", "_timing", "anchor", "answered", "echo", "learned",
+                 "rows", "start_at")
+
+    def __init__(self, learned: bool) -> None:
+        self.learned = learned
+        self.anchor = math.inf  # where the looked-at batch's window starts (inf: none)
+        self.start_at = -math.inf  # and the batch's exec time
+        self.rows = 0
+        self._timing = math.inf  # the exec time, until the first arrival after it
+        self._delay_s = 0.0  # the echo delay's estimate (0: none yet)
+        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
+        self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
+        self.answered = 0.0  # and the looked-at batches' rows
+
+    def look_at(self, exec_at: float, run_s: float, rows: int) -> None:
+        if self.anchor == math.inf:
+            delay = run_s
+            if self.learned:  # no sooner than the fastest a batch is taken to run
+                delay = ECHO_ANCHOR * (self._delay_s if self._delay_s > 0.0 else run_s)
+                delay = max(delay, ECHO_FASTEST * run_s)
+            self.start_at = self._timing = exec_at
+            self.anchor = exec_at + delay
+            self.rows = rows
+
+    def time_delay(self, now: float) -> None:
+        """An arrival at ``now``: the first after the looked-at batch's exec time times the
+        echo delay."""
+        if now >= self._timing:
+            delay = now - self._timing
+            known = self._delay_s
+            self._delay_s = delay if known == 0.0 else known + ECHO_DELAY_WEIGHT * (delay - known)
+            self._timing = math.inf
+
+    def fold(self, echo: float) -> None:
+        """The looked-at window is over: its ``echo`` goes into the sums."""
+        keep = 1.0 - ECHO_DECAY
+        self.echo = keep * self.echo + echo
+        self.answered = keep * self.answered + self.rows
+        self.anchor = math.inf
+
+    def verdict(self, echo: float, answered: float) -> bool:
+        bar = ECHO_SHARE_KEEP if self._closed else ECHO_SHARE_MIN
+        self._closed = answered > 0.0 and echo >= bar * answered
+        return self._closed
 
 
 class AnswerEchoes:
     """Whether a model's arrivals come right after its answers (closed-loop clients), from the
     timing alone, without a single deferred window (``deferred``).
 
-    For a batch of k rows executed at x and expected to finish at f = x + l(k) (its profile),
-    count the rows that arrive from f on, until k have come or ECHO_WINDOW_S has passed (a span
-    tau), against what a stream that does not depend on the answers brings in tau: the rows that
-    arrived in the span tau before f (clipped at x, since the batch's own rows came before it,
-    and scaled back up to tau), or the metered rate times tau, whichever is more (before the
+    For a batch of k rows executed at x, a window starts at an anchor a: the batch's expected
+    finish x + l(k) by its profile, and, in a second window, x + ECHO_ANCHOR times the learned
+    echo delay (the time from a looked-at batch's exec time to the first arrival after it). It
+    counts the rows that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span
+    tau), against what a stream that does not depend on the answers brings in tau: the rows
+    that arrived in the span tau before a (clipped at x, since the batch's own rows came before
+    it, and scaled back up to tau), or the metered rate times tau, whichever is more (before the
     meter's first sample, the rate of the arrivals kept here). A Poisson (open-loop) stream
-    brings as many in expectation at any rate (f is fixed before the rows come, and tau is a
+    brings as many in expectation at any rate (a is fixed before the rows come, and tau is a
     stopping time: the count after it is the rate times its mean length, and so is the count
     before); closed-loop clients are waiting during the span before (their requests are in the
-    batch) and send one round trip after their answer. The echo share is the decayed sum of
-    (after - expected), each capped at k, over the decayed sum of k; from ECHO_SHARE_MIN on the
-    model's arrivals are its answers' echoes and it does not defer (``closed_loop``), until the
-    share falls below ECHO_SHARE_KEEP. Taking the larger of the two expectations keeps a gap in
-    a stream just before a finish from passing for an echo (Symphony section 3.3's three missing
-    requests: a stream at 1,333 r/s, none in the 2.25 ms before a finish and four after). The
-    finish is the profile's: a backend much faster or slower than its profile moves the echoes
-    out of their window, and the yield (``DeferralYield``) is what stops the deferral then. One
-    batch is looked at a time (the next one planned once the last window closed): O(log n) per
-    arrival chunk and per decision. Pure."""
+    batch) and send one round trip after their answer. Each window's echo share is the decayed
+    sum of (after - expected), each capped at k, over the decayed sum of k; from ECHO_SHARE_MIN
+    on the model's arrivals are its answers' echoes and it does not defer (``closed_loop``),
+    until the share falls below ECHO_SHARE_KEEP. Either window's verdict is enough: the
+    profile's finish is exact when the backend runs as profiled (many clients, whose echoes
+    overlap other batches' runs, confuse the learned delay), the learned delay follows a backend
+    faster or slower than its profile (a profile measured on a loaded host). Taking the larger
+    of the two expectations keeps a gap in a stream just before an anchor from passing for an
+    echo (Symphony section 3.3's three missing requests: a stream at 1,333 r/s, none in the
+    2.25 ms before a finish and four after). One batch is looked at a time per window (the next
+    one planned once its last window closed): O(log n) per arrival chunk and per decision.
+    Pure."""
 
-    __slots__ = ("_anchor", "_closed", "_cum", "_rows", "_start_at", "_times", "answered",
-                 "echo")
+    __slots__ = ("_cum", "_times", "_windows")
 
     def __init__(self) -> None:
         self._times: list[float] = []  # arrival times of recent chunks, in order
         self._cum: list[int] = [0]  # _cum[i]: the rows of the chunks before _times[i]
-        self._anchor = math.inf  # the looked-at batch's expected finish (inf: none)
-        self._start_at = -math.inf  # and its exec time
-        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
-        self._rows = 0
-        self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
-        self.answered = 0.0  # and the looked-at batches' rows
+        self._windows = (_EchoWindow(learned=False), _EchoWindow(learned=True))
+
+    @property
+    def echo(self) -> float:
+        """The profile-anchored window's decayed echoed rows."""
+        return self._windows[0].echo
+
+    @property
+    def answered(self) -> float:
+        """The profile-anchored window's decayed answered rows."""
+        return self._windows[0].answered
 
     def note_answer(self, exec_at: float, run_s: float, rows: int) -> None:
         """A batch of ``rows`` rows was planned at ``exec_at``, to run ``run_s`` by its profile:
-        looked at unless one is already."""
-        if self._anchor == math.inf:
-            self._start_at = exec_at
-            self._anchor = exec_at + run_s
-            self._rows = rows
+        looked at by each window not looking at one already."""
+        for window in self._windows:
+            window.look_at(exec_at, run_s, rows)
 
     def note_arrivals(self, now: float, rows: int, rate: float) -> None:
         """``rows`` rows arrived at ``now`` (not before the last call's ``now``); ``rate``: the
@@ -467,9 +545,11 @@ class AnswerEchoes:
         times = self._times
         times.append(now)
         self._cum.append(self._cum[-1] + rows)
-        if now >= self._anchor:
-            self._span(now, rate, close=True)
-        # what a window can still need: from ECHO_WINDOW_S before a finish at most that far back
+        for window in self._windows:
+            window.time_delay(now)
+            if now >= window.anchor:
+                self._span(window, now, rate, close=True)
+        # what a window can still need: from ECHO_WINDOW_S before an anchor at most that far back
         if len(times) >= _ECHO_TRIM_MIN and times[0] < now - 2 * ECHO_WINDOW_S:
             cut = bisect_left(times, now - 2 * ECHO_WINDOW_S)
             if 2 * cut >= len(times):  # cut a long prefix at once: amortized O(1)
@@ -478,45 +558,43 @@ class AnswerEchoes:
                 self._cum = [total - base for total in self._cum[cut:]]
 
     def closed_loop(self, now: float, rate: float) -> bool:
-        """Whether the echo share is at least ECHO_SHARE_MIN at ``now``, the looked-at batch's
-        window as far as it has come counted in (its rows in full: one early echo of a large
-        batch does not decide)."""
-        echo, answered = self.echo, self.answered
-        if now >= self._anchor:
-            echo += self._span(now, rate, close=False)
-            answered += self._rows
-        bar = ECHO_SHARE_KEEP if self._closed else ECHO_SHARE_MIN
-        self._closed = answered > 0.0 and echo >= bar * answered
-        return self._closed
+        """Whether either window's echo share is at or above its bar at ``now``, its looked-at
+        batch's window as far as it has come counted in (its rows in full: one early echo of a
+        large batch does not decide)."""
+        closed = False
+        for window in self._windows:
+            echo, answered = window.echo, window.answered
+            if now >= window.anchor:
+                echo += self._span(window, now, rate, close=False)
+                answered += window.rows
+            closed = window.verdict(echo, answered) or closed
+        return closed
 
-    def _span(self, now: float, rate: float, *, close: bool) -> float:
-        """The looked-at window's echo at ``now``: its rows after its anchor less those before
+    def _span(self, window: _EchoWindow, now: float, rate: float, *, close: bool) -> float:
+        """``window``'s looked-at echo at ``now``: the rows after its anchor less those before
         (or the metered ``rate`` times its span, when more); with ``close``, fold it into the
-        sums once the window is over (k rows came, or ECHO_WINDOW_S)."""
-        anchor = self._anchor
+        window's sums once it is over (k rows came, or ECHO_WINDOW_S)."""
+        anchor = window.anchor
         end = anchor + ECHO_WINDOW_S
         end = now if now < end else end
-        times, cum, cap = self._times, self._cum, self._rows
+        times, cum, cap = self._times, self._cum, window.rows
         at_anchor = cum[bisect_left(times, anchor)]
         after = cum[bisect_right(times, end)] - at_anchor
+        after = after if after < cap else cap
         # the span before, clipped at the exec time (the batch's own rows came before it), and
         # its rows scaled up to the full span
         start = anchor - (end - anchor)
-        clipped = self._start_at if self._start_at > start else start
-        before = at_anchor - cum[bisect_left(times, clipped)]
+        clipped = window.start_at if window.start_at > start else start
+        before = float(at_anchor - cum[bisect_left(times, clipped)])
         if clipped > start and before:
-            before = round(before * (end - anchor) / (anchor - clipped))
-        after = after if after < cap else cap
+            before *= (end - anchor) / (anchor - clipped)
         if rate == math.inf:  # no metered rate yet: the arrivals kept here, n - 1 over their span
             span = times[-1] - times[0]
             rate = (cum[-1] - cum[1]) / span if span > 0.0 else 0.0
-        expected = max(float(before), rate * (end - anchor))
+        expected = max(before, rate * (end - anchor))
         echo = after - (expected if expected < cap else cap)
         if close and (after >= cap or now >= anchor + ECHO_WINDOW_S):
-            keep = 1.0 - ECHO_DECAY
-            self.echo = keep * self.echo + echo
-            self.answered = keep * self.answered + cap
-            self._anchor = math.inf
+            window.fold(echo)
         return echo
 
 
