@@ -583,16 +583,18 @@ class CandidateSizing:
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
 
     def on_planned(self, now: float, exec_at: float, *, deadlines: list[float], ids: list[int],
-                   arrivals: list[float], rows: list[int] | None, head: int, stop: int) -> None:
-        """The candidate granted at ``now`` became a plan at ``exec_at``: the batch
-        ``[head:stop]`` of the ModelThread's queue (its parallel lists; ``rows`` None: one row
-        each). ``deferred`` notes what its wait yielded (``_note_yield``); ``deferred-bl`` gives
-        back DEFER_MISS_RELAX_S of its margin."""
+                   arrivals: list[float], rows: list[int] | None, head: int, stop: int,
+                   gpu_id: int = 0) -> None:
+        """The candidate granted at ``now`` became a plan at ``exec_at`` on GPU ``gpu_id``: the
+        batch ``[head:stop]`` of the ModelThread's queue (its parallel lists; ``rows`` None: one
+        row each). ``deferred`` notes what its wait yielded (``_note_yield``) and looks for its
+        answers' echoes (``AnswerEchoes``); ``deferred-bl`` gives back DEFER_MISS_RELAX_S of its
+        margin."""
         if self.rescue:
             self._note_yield(now, exec_at, deadlines=deadlines, ids=ids, arrivals=arrivals,
                              rows=rows, head=head, stop=stop)
             batch_rows = stop - head if rows is None else sum(rows[head:stop])
-            self.answer_echoes.note_answer(exec_at, self.table[batch_rows], batch_rows)
+            self.answer_echoes.note_answer(exec_at, self.table[batch_rows], batch_rows, gpu_id)
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0

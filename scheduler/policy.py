@@ -442,8 +442,8 @@ class _EchoWindow:
     batch's expected finish by its profile (``learned`` False), or ECHO_ANCHOR of the learned
     echo delay past its exec time (``learned`` True)."""
 
-    __slots__ = ("_closed", "_delay_s", "_timing", "anchor", "answered", "echo", "learned",
-                 "rows", "start_at")
+    __slots__ = ("_closed", "_delay_s", "_gpu", "_timing", "anchor", "answered", "echo",
+                 "learned", "rows", "start_at")
 
     def __init__(self, learned: bool) -> None:
         self.learned = learned
@@ -451,17 +451,19 @@ class _EchoWindow:
         self.start_at = -math.inf  # and the batch's exec time
         self.rows = 0
         self._timing = math.inf  # the exec time, until the first arrival after it
-        self._delay_s = 0.0  # the echo delay's estimate (0: none yet)
+        self._gpu = 0  # the looked-at batch's GPU
+        self._delay_s: dict[int, float] = {}  # the echo delay's estimate, by GPU
         self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
         self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
         self.answered = 0.0  # and the looked-at batches' rows
 
-    def look_at(self, exec_at: float, run_s: float, rows: int) -> None:
+    def look_at(self, exec_at: float, run_s: float, rows: int, gpu_id: int) -> None:
         if self.anchor == math.inf:
             delay = run_s
             if self.learned:  # no sooner than the fastest a batch is taken to run
-                delay = ECHO_ANCHOR * (self._delay_s if self._delay_s > 0.0 else run_s)
+                delay = ECHO_ANCHOR * self._delay_s.get(gpu_id, run_s)
                 delay = max(delay, ECHO_FASTEST * run_s)
+            self._gpu = gpu_id
             self.start_at = self._timing = exec_at
             self.anchor = exec_at + delay
             self.rows = rows
@@ -471,8 +473,9 @@ class _EchoWindow:
         echo delay."""
         if now >= self._timing:
             delay = now - self._timing
-            known = self._delay_s
-            self._delay_s = delay if known == 0.0 else known + ECHO_DELAY_WEIGHT * (delay - known)
+            known = self._delay_s.get(self._gpu)
+            self._delay_s[self._gpu] = (
+                delay if known is None else known + ECHO_DELAY_WEIGHT * (delay - known))
             self._timing = math.inf
 
     def fold(self, echo: float) -> None:
@@ -494,7 +497,9 @@ class AnswerEchoes:
 
     For a batch of k rows executed at x, a window starts at an anchor a: the batch's expected
     finish x + l(k) by its profile, and, in a second window, x + ECHO_ANCHOR times the learned
-    echo delay (the time from a looked-at batch's exec time to the first arrival after it). It
+    echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
+    arrival after it; backends differ: on a loaded host one answered in 6 ms, the other in 16).
+    It
     counts the rows that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span
     tau), against what a stream that does not depend on the answers brings in tau: the rows
     that arrived in the span tau before a (clipped at x, since the batch's own rows came before
@@ -533,11 +538,11 @@ class AnswerEchoes:
         """The profile-anchored window's decayed answered rows."""
         return self._windows[0].answered
 
-    def note_answer(self, exec_at: float, run_s: float, rows: int) -> None:
-        """A batch of ``rows`` rows was planned at ``exec_at``, to run ``run_s`` by its profile:
-        looked at by each window not looking at one already."""
+    def note_answer(self, exec_at: float, run_s: float, rows: int, gpu_id: int = 0) -> None:
+        """A batch of ``rows`` rows was planned at ``exec_at`` on GPU ``gpu_id``, to run
+        ``run_s`` by its profile: looked at by each window not looking at one already."""
         for window in self._windows:
-            window.look_at(exec_at, run_s, rows)
+            window.look_at(exec_at, run_s, rows, gpu_id)
 
     def note_arrivals(self, now: float, rows: int, rate: float) -> None:
         """``rows`` rows arrived at ``now`` (not before the last call's ``now``); ``rate``: the
