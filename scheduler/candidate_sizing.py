@@ -594,7 +594,8 @@ class CandidateSizing:
             self._note_yield(now, exec_at, deadlines=deadlines, ids=ids, arrivals=arrivals,
                              rows=rows, head=head, stop=stop)
             batch_rows = stop - head if rows is None else sum(rows[head:stop])
-            self.answer_echoes.note_answer(exec_at, self.table[batch_rows], batch_rows, gpu_id)
+            self.answer_echoes.note_answer(exec_at, self.table[batch_rows], batch_rows,
+                                           self._defer_rate, gpu_id)
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0

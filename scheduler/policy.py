@@ -402,7 +402,7 @@ are looked for at most: a closed-loop client's next request reaches the schedule
 after its answer (0.5-2 ms on the demo host, more when a stalled host answers late). The window
 ends sooner, at as many rows as the batch answered, so its length adapts to the rate."""
 
-ECHO_SHARE_MIN = 0.5
+ECHO_SHARE_MIN = 0.6
 """``deferred``: a model starts its batches at once while at least this share of its answered
 rows came back as echoes (``AnswerEchoes.closed_loop``): its arrivals are its own answers'
 consequences, and waiting for them only delays them. A Poisson stream's share is about 0."""
@@ -461,8 +461,10 @@ class _EchoWindow:
         if self.anchor == math.inf:
             delay = run_s
             if self.learned:  # no sooner than the fastest a batch is taken to run
-                delay = ECHO_ANCHOR * self._delay_s.get(gpu_id, run_s)
-                delay = max(delay, ECHO_FASTEST * run_s)
+                known = self._delay_s.get(gpu_id)
+                delay = ECHO_FASTEST * run_s  # none learned yet: as early as a batch may end
+                if known is not None and ECHO_ANCHOR * known > delay:
+                    delay = ECHO_ANCHOR * known
             self._gpu = gpu_id
             self.start_at = self._timing = exec_at
             self.anchor = exec_at + delay
@@ -538,10 +540,15 @@ class AnswerEchoes:
         """The profile-anchored window's decayed answered rows."""
         return self._windows[0].answered
 
-    def note_answer(self, exec_at: float, run_s: float, rows: int, gpu_id: int = 0) -> None:
+    def note_answer(self, exec_at: float, run_s: float, rows: int, rate: float,
+                    gpu_id: int = 0) -> None:
         """A batch of ``rows`` rows was planned at ``exec_at`` on GPU ``gpu_id``, to run
-        ``run_s`` by its profile: looked at by each window not looking at one already."""
+        ``run_s`` by its profile: looked at by each window not looking at one already, or whose
+        looked-at window is over (no arrival closed it: a deferred batch's)."""
         for window in self._windows:
+            over = window.anchor + ECHO_WINDOW_S
+            if over <= exec_at:
+                self._span(window, over, rate, close=True)
             window.look_at(exec_at, run_s, rows, gpu_id)
 
     def note_arrivals(self, now: float, rows: int, rate: float) -> None:

@@ -18,7 +18,7 @@ from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import Outbox
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import AnswerEchoes
+from zserve.scheduler.policy import ECHO_SHARE_MIN, AnswerEchoes
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import BatchPlan, DropNotice
 
@@ -145,12 +145,12 @@ def test_an_open_loop_stream_at_the_closed_loops_rate_keeps_deferring() -> None:
 
 def test_answer_echoes_weigh_arrivals_after_an_answer_against_a_stream_in_the_same_span(
 ) -> None:
-    """The statistic itself: a batch of 2 planned to finish at 1.0 s; the rows that arrive just
-    after it against what a stream brings in the same span: the rows just before it, or the
-    rate times the span, whichever is more."""
+    """The statistic itself: a batch of 2 rows executed at 0.996 s, expected to finish at 1.0 s
+    (l = 4 ms); the rows that arrive just after its windows' anchors against what a stream brings
+    in the same span: the rows just before, or the rate times the span, whichever is more."""
     echoes = AnswerEchoes()
     echoes.note_arrivals(0.9, 1, INF)
-    echoes.note_answer(0.996, 0.004, 2)  # expected to finish at 1.0
+    echoes.note_answer(0.996, 0.004, 2, INF)
     assert not echoes.closed_loop(1.0, INF)  # nothing known yet
     echoes.note_arrivals(1.0005, 1, INF)
     assert not echoes.closed_loop(1.0005, INF)  # one row of two: not yet half
@@ -158,16 +158,28 @@ def test_answer_echoes_weigh_arrivals_after_an_answer_against_a_stream_in_the_sa
     # no meter yet: the kept arrivals' rate, 2 rows in 0.1006 s, expects 0.012 rows
     assert echoes.closed_loop(1.001, INF) and echoes.echo == pytest.approx(2.0, abs=0.02)
     assert echoes.answered == 2.0
-    stream = AnswerEchoes()
-    for at in (0.9995, 0.9998):
-        stream.note_arrivals(at, 1, INF)
-    stream.note_answer(0.996, 0.004, 2)  # expected to finish at 1.0
-    stream.note_arrivals(1.0003, 1, INF)
-    stream.note_arrivals(1.0006, 1, INF)  # as many came in the 0.6 ms before the answer
-    assert not stream.closed_loop(1.001, INF) and stream.echo == 0.0
-    gap = AnswerEchoes()  # a stream at 4,000 r/s with a gap just before the finish
+    stream = AnswerEchoes()  # a row every 0.3 ms: about as many before each anchor as after it
+    stream.note_answer(0.996, 0.004, 2, 1 / 0.0003)
+    for i in range(40):
+        stream.note_arrivals(0.99615 + 0.0003 * i, 1, 1 / 0.0003)
+        assert not stream.closed_loop(0.99615 + 0.0003 * i, 1 / 0.0003)
+    assert stream.answered == 2.0 and stream.echo < ECHO_SHARE_MIN * stream.answered
+    gap = AnswerEchoes()  # a stream at 4,000 r/s with a gap before the finish
     gap.note_arrivals(0.99, 1, 4000.0)
-    gap.note_answer(0.996, 0.004, 2)  # expected to finish at 1.0
+    gap.note_answer(0.996, 0.004, 2, 4000.0)
     gap.note_arrivals(1.0003, 1, 4000.0)
     gap.note_arrivals(1.0006, 1, 4000.0)  # the rate expects 2.4 rows in 0.6 ms
     assert not gap.closed_loop(1.001, 4000.0) and gap.echo == 0.0
+
+
+def test_a_window_no_arrival_closed_is_judged_when_the_next_batch_is_planned() -> None:
+    """A sync client whose second request deferred (before the echoes had been judged) sends
+    its third one only after that batch: the first window is judged when the second batch is
+    planned, so the second batch is looked at, and the third request, its echo, is seen."""
+    echoes = AnswerEchoes()
+    echoes.note_arrivals(1.0, 1, INF)
+    echoes.note_answer(1.05, 0.006, 1, 20.0)  # the cold first request, at the first sample
+    echoes.note_arrivals(1.0575, 1, 20.0)  # its echo, 1.5 ms after the answer
+    echoes.note_answer(1.24, 0.006, 1, 20.0)  # the echo deferred to its aim, then planned
+    echoes.note_arrivals(1.2475, 1, 20.0)  # the second batch's echo
+    assert echoes.closed_loop(1.2475, 20.0) and echoes.answered > 1.0
