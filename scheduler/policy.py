@@ -63,15 +63,16 @@ runs through the same ModelThread/RankThread code paths:
       closed-loop clients (a sync loop, perf_analyzer) send their next request one round trip
       after their answer, so nothing can join a batch held back while they wait, and the rate
       meter's rate promises joiners they never send. The echo share compares the rows that
-      arrive right after a batch's expected finish with what a stream independent of the answers
-      brings in the same span (the rows just before the finish, or the rate times the span,
-      whichever is more); while at least ECHO_SHARE_MIN of the answered rows echo, the model
-      does not defer. It needs no deferred window: a sync client is seen at its second request
-      (before, the 2nd and 3rd waited to their aim, about 180 ms on the demo cluster, until the
-      yield below had learned), and a Poisson stream's share is about 0 at any rate (Table 2
-      and the demo workload's open-loop runs are unchanged). The yield (DEFER_YIELD_MIN) stays:
-      it covers what the echoes miss (answers later than ECHO_WINDOW_S, many clients whose echoes
-      overlap the next batch's span);
+      arrive right after a batch's answer (anchored at its expected finish by the profile, and
+      at a per-GPU learned echo delay) with what a stream independent of the answers brings in
+      the same span (the rows just before, or the rate times the span, whichever is more); from
+      ECHO_SHARE_MIN of the answered rows on the model does not defer, until the share falls
+      below ECHO_SHARE_KEEP. It needs no deferred window: a sync client is seen at its second
+      request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo cluster,
+      until the yield below had learned), and a Poisson stream's share is about 0 at any rate
+      (Table 2 and the demo workload's open-loop runs are unchanged). The yield
+      (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
+      ECHO_WINDOW_S, a backend far off its profile before its delay is learned);
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted

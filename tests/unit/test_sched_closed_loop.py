@@ -118,7 +118,8 @@ def test_closed_loop_clients_start_within_l1_plus_the_allowances_from_their_seco
 ) -> None:
     """Before, the second and third requests of each client still waited to their frontrun aim
     (about 180 ms) until the deferral yield had learned that nothing joins; the answers' echoes
-    (``AnswerEchoes``) show it from the first answer on."""
+    (``AnswerEchoes``) show it from the first answer on, for 1, 4 and 16 clients, and the loop
+    answers at least 0.9 of what it answers under eager."""
     run = _closed_loop("deferred", clients, gpus)
     waits = _waits_after_first(run)
     assert len(waits) > 100 * clients  # ~5 ms a round: the loop ran
