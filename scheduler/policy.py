@@ -501,10 +501,9 @@ class AnswerEchoes:
     For a batch of k rows executed at x, a window starts at an anchor a: the batch's expected
     finish x + l(k) by its profile, and, in a second window, x + ECHO_ANCHOR times the learned
     echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
-    arrival after it; backends differ: on a loaded host one answered in 6 ms, the other in 16).
-    It
-    counts the rows that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span
-    tau), against what a stream that does not depend on the answers brings in tau: the rows
+    arrival after it; backends differ: on a loaded host a sync client's answers alternated between
+    6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at the earliest). It counts the rows
+    that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against what a stream that does not depend on the answers brings in tau: the rows
     that arrived in the span tau before a (clipped at x, since the batch's own rows came before
     it, and scaled back up to tau), or the metered rate times tau, whichever is more (before the
     meter's first sample, the rate of the arrivals kept here). A Poisson (open-loop) stream
@@ -521,8 +520,8 @@ class AnswerEchoes:
     of the two expectations keeps a gap in a stream just before an anchor from passing for an
     echo (Symphony section 3.3's three missing requests: a stream at 1,333 r/s, none in the
     2.25 ms before a finish and four after). One batch is looked at a time per window (the next
-    one planned once its last window closed): O(log n) per arrival chunk and per decision.
-    Pure."""
+    one planned once its last window closed, or judged when a batch is planned after it is
+    over): O(log n) per arrival chunk and per decision. Pure."""
 
     __slots__ = ("_cum", "_times", "_windows")
 
