@@ -503,9 +503,10 @@ class AnswerEchoes:
     echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
     arrival after it; backends differ: on a loaded host a sync client's answers alternated between
     6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at the earliest). It counts the rows
-    that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against what a stream that does not depend on the answers brings in tau: the rows
-    that arrived in the span tau before a (clipped at x, since the batch's own rows came before
-    it, and scaled back up to tau), or the metered rate times tau, whichever is more (before the
+    that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against
+    what a stream that does not depend on the answers brings in tau: the rows that arrived in
+    the span tau before a (clipped at x, since the batch's own rows came before it, and scaled
+    back up to tau), or the metered rate times tau, whichever is more (before the
     meter's first sample, the rate of the arrivals kept here). A Poisson (open-loop) stream
     brings as many in expectation at any rate (a is fixed before the rows come, and tau is a
     stopping time: the count after it is the rate times its mean length, and so is the count
