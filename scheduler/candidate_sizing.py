@@ -4,9 +4,10 @@
 profile and schedule policy, its delays, SLO and planning budget, the rate meter and the target
 batch size and ``keep_min`` that follow from it, the deferred policies' rate bounds, and what they
 learn from their grants (the miss margin, the window-loss estimate and its back-off, the
-``DeferralYield``). The ModelThread (``zserve.scheduler.model_thread``) owns the queue and the
-candidate: it hands the part its deadline-ordered lists and head index, and stores what the part
-returns. The calls, in the order of a ModelThread's event:
+``DeferralYield``) and from their arrivals (the ``AnswerEchoes``). The ModelThread
+(``zserve.scheduler.model_thread``) owns the queue and the candidate: it hands the part its
+deadline-ordered lists and head index, and stores what the part returns. The calls, in the
+order of a ModelThread's event:
 
 - ``note_arrivals(now, rows, requests)``: a chunk's rows feed the meter (and the target, when it
   seals a bucket), its requests ``arrived_requests`` (the cold rule's evidence);
@@ -58,6 +59,7 @@ from zserve.scheduler.policy import (
     DEFER_STAGGER_ALONE_MIN_GPUS,
     DEFER_STAGGER_MIN_GPUS,
     RESCUE_SHARED_FLOOR,
+    AnswerEchoes,
     DeferralYield,
     RpsMeter,
     target_batch_size,
@@ -96,6 +98,7 @@ class CandidateSizing:
         "_kind",
         "_rescue_from",
         "alone",
+        "answer_echoes",
         "arrived_requests",
         "budget_s",
         "by_deadline",
@@ -167,6 +170,8 @@ class CandidateSizing:
         # deferred: whether waiting pays (its joiners), and when the candidate headed by request
         # ``_defer_head_id`` first deferred: the moment it could have started instead
         self.deferral_yield = DeferralYield()
+        # deferred: whether its arrivals come right after its answers (closed-loop clients)
+        self.answer_echoes = AnswerEchoes()
         # deferred: where the last candidate that starts at once for want of joiners would
         # have aimed (0.0: none), the moment the rank may hold it back to (RankThread)
         self.early_aim = 0.0
@@ -195,6 +200,7 @@ class CandidateSizing:
                                   budget_s=self.budget_s, keep_tolerance=self.keep_tolerance)
         sibling.alone = self.alone
         sibling.set_meter(self.meter)
+        sibling.answer_echoes = self.answer_echoes  # one model, one stream of answers
         sibling.retarget()
         return sibling
 
@@ -214,6 +220,8 @@ class CandidateSizing:
         """``requests`` of ``rows`` rows in all arrived at ``now``: the meter counts the rows; a
         sealed bucket moves the target."""
         self.arrived_requests += requests
+        if self.rescue:
+            self.answer_echoes.note_arrivals(now, rows, self._defer_rate)
         if self.meter.add(now, rows):
             self.retarget()
 
@@ -514,13 +522,17 @@ class CandidateSizing:
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
         (light load: nothing would join). Before the meter's first sample (no rate: the joiner
         rule cannot count) a model's lone first request waits no later than that sample, and
-        from its DEFER_COLD_MIN_REQUESTS-th request on the model defers as frontrun does.
+        from its DEFER_COLD_MIN_REQUESTS-th request on the model defers as frontrun does. A
+        model whose arrivals echo its answers (closed-loop clients, ``AnswerEchoes``) or whose
+        deferred windows gained nothing (``DeferralYield``) starts at once.
         Contention is the rank's: a deferring candidate is published ``early_ok`` (``aim``) and
         the rank starts it early while the cluster is short of GPUs (``RankThread``, rescue). A
         candidate started at once for want of joiners notes its aim (clamped to ``latest``) in
         ``early_aim``: the rank may hold it back to there."""
-        if bs >= self._defer_below or not self.deferral_yield.pays:
-            # past the stagger, or deferral has not been paying (closed-loop clients)
+        if (bs >= self._defer_below or not self.deferral_yield.pays
+                or self.answer_echoes.closed_loop(now, self._defer_rate)):
+            # past the stagger, or deferral has not been paying, or the arrivals are the
+            # answers' echoes (closed-loop clients: nothing can join while they wait)
             return earliest
         if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
             # its deferred windows are being lost (to other models' batches): waiting costs
@@ -585,14 +597,19 @@ class CandidateSizing:
         self.miss_margin_s = margin if margin < DEFER_MISS_MAX_S else DEFER_MISS_MAX_S
 
     def on_planned(self, now: float, exec_at: float, *, deadlines: list[float], ids: list[int],
-                   arrivals: list[float], rows: list[int] | None, head: int, stop: int) -> None:
-        """The candidate granted at ``now`` became a plan at ``exec_at``: the batch
-        ``[head:stop]`` of the ModelThread's queue (its parallel lists; ``rows`` None: one row
-        each). ``deferred`` notes what its wait yielded (``_note_yield``); ``deferred-bl`` gives
-        back DEFER_MISS_RELAX_S of its margin."""
+                   arrivals: list[float], rows: list[int] | None, head: int, stop: int,
+                   gpu_id: int = 0) -> None:
+        """The candidate granted at ``now`` became a plan at ``exec_at`` on GPU ``gpu_id``: the
+        batch ``[head:stop]`` of the ModelThread's queue (its parallel lists; ``rows`` None: one
+        row each). ``deferred`` notes what its wait yielded (``_note_yield``) and looks for its
+        answers' echoes (``AnswerEchoes``); ``deferred-bl`` gives back DEFER_MISS_RELAX_S of its
+        margin."""
         if self.rescue:
             self._note_yield(now, exec_at, deadlines=deadlines, ids=ids, arrivals=arrivals,
                              rows=rows, head=head, stop=stop)
+            batch_rows = stop - head if rows is None else sum(rows[head:stop])
+            self.answer_echoes.note_answer(exec_at, self.table[batch_rows], batch_rows,
+                                           self._defer_rate, gpu_id)
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0

@@ -512,7 +512,8 @@ class ModelThread:
         stop = head + count
         exec_at = self.cand_exec
         sizing.on_planned(now, exec_at, deadlines=self._deadlines, ids=self._ids,
-                          arrivals=self._arrivals, rows=sizes, head=head, stop=stop)
+                          arrivals=self._arrivals, rows=sizes, head=head, stop=stop,
+                          gpu_id=gpu_id)
         request_ids = self._ids[head:stop]
         frontend_indexes = self._frontend_indexes[head:stop]
         finish_by = self._deadlines[head:stop]  # each request's deadline d (latest = d - l(bs))

@@ -61,6 +61,20 @@ runs through the same ModelThread/RankThread code paths:
       the GPU idle at 0.868 of eager, rescued 1.000). An early_ok candidate is published to the
       rank at once (publish-ahead holds back only the others), since the rescue can only choose
       among candidates it has seen;
+    - a model whose arrivals are its own answers' echoes starts at once (``AnswerEchoes``):
+      closed-loop clients (a sync loop, perf_analyzer) send their next request one round trip
+      after their answer, so nothing can join a batch held back while they wait, and the rate
+      meter's rate promises joiners they never send. The echo share compares the rows that
+      arrive right after a batch's answer (anchored at its expected finish by the profile, and
+      at a per-GPU learned echo delay) with what a stream independent of the answers brings in
+      the same span (the rows just before, or the rate times the span, whichever is more); from
+      ECHO_SHARE_MIN of the answered rows on the model does not defer, until the share falls
+      below ECHO_SHARE_KEEP. It needs no deferred window: a sync client is seen at its second
+      request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo cluster,
+      until the yield below had learned), and a Poisson stream's share is about 0 at any rate
+      (Table 2 and the demo workload's open-loop runs are unchanged). The yield
+      (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
+      ECHO_WINDOW_S, a backend far off its profile before its delay is learned);
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
@@ -149,6 +163,7 @@ Drop policies decide *which* requests leave the queue unserved (DESIGN section 3
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 
 from zserve.config.profiles import LatencyProfile
 
@@ -171,10 +186,18 @@ __all__ = [
     "DEFER_YIELD_MIN",
     "DEFER_YIELD_MIN_EXPECTED",
     "DEFER_YIELD_RETRY_BATCHES",
+    "ECHO_ANCHOR",
+    "ECHO_DECAY",
+    "ECHO_DELAY_WEIGHT",
+    "ECHO_FASTEST",
+    "ECHO_SHARE_KEEP",
+    "ECHO_SHARE_MIN",
+    "ECHO_WINDOW_S",
     "RESCUE_CONTENTION",
     "RESCUE_CONTENTION_EWMA",
     "RESCUE_SHARED_FLOOR",
     "RESCUE_SPACING_S_PER_CANDIDATE",
+    "AnswerEchoes",
     "DeferralYield",
     "RpsMeter",
     "largest_batch_at_rate",
@@ -389,6 +412,219 @@ class DeferralYield:
         """A batch started without deferring."""
         if self.paused_for:
             self.paused_for -= 1
+
+ECHO_WINDOW_S = 0.05
+"""``deferred``: how long after a batch's expected finish (``AnswerEchoes``) its answers' echoes
+are looked for at most: a closed-loop client's next request reaches the scheduler one round trip
+after its answer (0.5-2 ms on the demo host, more when a stalled host answers late). The window
+ends sooner, at as many rows as the batch answered, so its length adapts to the rate."""
+
+ECHO_SHARE_MIN = 0.6
+"""``deferred``: a model starts its batches at once while at least this share of its answered
+rows came back as echoes (``AnswerEchoes.closed_loop``): its arrivals are its own answers'
+consequences, and waiting for them only delays them. A Poisson stream's share is about 0."""
+
+ECHO_SHARE_KEEP = 0.25
+"""``deferred``: once its arrivals were found to be echoes, a model keeps starting at once until
+its echo share falls below this (hysteresis): every verdict that flips back costs the closed
+loop's clients one wait to the aim."""
+
+ECHO_DECAY = 0.05
+"""The weight each looked-at batch carries in a model's echo share (decayed sums over about its
+last 20 such batches)."""
+
+ECHO_ANCHOR = 0.75
+"""Where a looked-at batch's window starts (``AnswerEchoes``): this fraction of the model's echo
+delay past the batch's exec time. The echo delay is learned: the time from a looked-at batch's
+exec time to the first arrival after it (ECHO_DELAY_WEIGHT), the profile's l(b) before the first.
+A closed loop's echoes come at the delay itself, a quarter of it into the window, however much
+faster or slower than its profile the backend runs (a profile measured on a loaded host is
+slow); a stream that does not depend on the answers is as likely to arrive anywhere."""
+
+ECHO_FASTEST = 0.5
+"""The earliest a learned window starts, as a fraction of the batch's l(b) by its profile: no
+answer comes before its batch has run, and a backend is not taken to run more than twice as
+fast as its profile. Without it a stream whose arrivals lock in phase with at-once batches (one
+every 2 ms, each batch planned as its request came, l(1) 6 ms) passed for a closed loop: its next
+arrival always came 2 ms after an exec time."""
+
+ECHO_DELAY_WEIGHT = 0.25
+"""The weight of each looked-at batch's echo delay in the model's estimate (an EWMA)."""
+
+_ECHO_TRIM_MIN = 64  # arrivals kept before the old ones are cut away
+
+
+class _EchoWindow:
+    """One way of anchoring ``AnswerEchoes``' windows, and the echo share it measured: at the
+    batch's expected finish by its profile (``learned`` False), or ECHO_ANCHOR of the learned
+    echo delay past its exec time (``learned`` True)."""
+
+    __slots__ = ("_closed", "_delay_s", "_gpu", "_timing", "anchor", "answered", "echo",
+                 "learned", "rows", "start_at")
+
+    def __init__(self, learned: bool) -> None:
+        self.learned = learned
+        self.anchor = math.inf  # where the looked-at batch's window starts (inf: none)
+        self.start_at = -math.inf  # and the batch's exec time
+        self.rows = 0
+        self._timing = math.inf  # the exec time, until the first arrival after it
+        self._gpu = 0  # the looked-at batch's GPU
+        self._delay_s: dict[int, float] = {}  # the echo delay's estimate, by GPU
+        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
+        self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
+        self.answered = 0.0  # and the looked-at batches' rows
+
+    def look_at(self, exec_at: float, run_s: float, rows: int, gpu_id: int) -> None:
+        if self.anchor == math.inf:
+            delay = run_s
+            if self.learned:  # no sooner than the fastest a batch is taken to run
+                known = self._delay_s.get(gpu_id)
+                delay = ECHO_FASTEST * run_s  # none learned yet: as early as a batch may end
+                if known is not None and ECHO_ANCHOR * known > delay:
+                    delay = ECHO_ANCHOR * known
+            self._gpu = gpu_id
+            self.start_at = self._timing = exec_at
+            self.anchor = exec_at + delay
+            self.rows = rows
+
+    def time_delay(self, now: float) -> None:
+        """An arrival at ``now``: the first after the looked-at batch's exec time times the
+        echo delay."""
+        if now >= self._timing:
+            delay = now - self._timing
+            known = self._delay_s.get(self._gpu)
+            self._delay_s[self._gpu] = (
+                delay if known is None else known + ECHO_DELAY_WEIGHT * (delay - known))
+            self._timing = math.inf
+
+    def fold(self, echo: float) -> None:
+        """The looked-at window is over: its ``echo`` goes into the sums."""
+        keep = 1.0 - ECHO_DECAY
+        self.echo = keep * self.echo + echo
+        self.answered = keep * self.answered + self.rows
+        self.anchor = math.inf
+
+    def verdict(self, echo: float, answered: float) -> bool:
+        bar = ECHO_SHARE_KEEP if self._closed else ECHO_SHARE_MIN
+        self._closed = answered > 0.0 and echo >= bar * answered
+        return self._closed
+
+
+class AnswerEchoes:
+    """Whether a model's arrivals come right after its answers (closed-loop clients), from the
+    timing alone, without a single deferred window (``deferred``).
+
+    For a batch of k rows executed at x, a window starts at an anchor a: the batch's expected
+    finish x + l(k) by its profile, and, in a second window, x + ECHO_ANCHOR times the learned
+    echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
+    arrival after it; backends differ: on a loaded host a sync client's answers alternated between
+    6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at the earliest). It counts the rows
+    that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against
+    what a stream that does not depend on the answers brings in tau: the rows that arrived in
+    the span tau before a (clipped at x, since the batch's own rows came before it, and scaled
+    back up to tau), or the metered rate times tau, whichever is more (before the
+    meter's first sample, the rate of the arrivals kept here). A Poisson (open-loop) stream
+    brings as many in expectation at any rate (a is fixed before the rows come, and tau is a
+    stopping time: the count after it is the rate times its mean length, and so is the count
+    before); closed-loop clients are waiting during the span before (their requests are in the
+    batch) and send one round trip after their answer. Each window's echo share is the decayed
+    sum of (after - expected), each capped at k, over the decayed sum of k; from ECHO_SHARE_MIN
+    on the model's arrivals are its answers' echoes and it does not defer (``closed_loop``),
+    until the share falls below ECHO_SHARE_KEEP. Either window's verdict is enough: the
+    profile's finish is exact when the backend runs as profiled (many clients, whose echoes
+    overlap other batches' runs, confuse the learned delay), the learned delay follows a backend
+    faster or slower than its profile (a profile measured on a loaded host). Taking the larger
+    of the two expectations keeps a gap in a stream just before an anchor from passing for an
+    echo (Symphony section 3.3's three missing requests: a stream at 1,333 r/s, none in the
+    2.25 ms before a finish and four after). One batch is looked at a time per window (the next
+    one planned once its last window closed, or judged when a batch is planned after it is
+    over): O(log n) per arrival chunk and per decision. Pure."""
+
+    __slots__ = ("_cum", "_times", "_windows")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []  # arrival times of recent chunks, in order
+        self._cum: list[int] = [0]  # _cum[i]: the rows of the chunks before _times[i]
+        self._windows = (_EchoWindow(learned=False), _EchoWindow(learned=True))
+
+    @property
+    def echo(self) -> float:
+        """The profile-anchored window's decayed echoed rows."""
+        return self._windows[0].echo
+
+    @property
+    def answered(self) -> float:
+        """The profile-anchored window's decayed answered rows."""
+        return self._windows[0].answered
+
+    def note_answer(self, exec_at: float, run_s: float, rows: int, rate: float,
+                    gpu_id: int = 0) -> None:
+        """A batch of ``rows`` rows was planned at ``exec_at`` on GPU ``gpu_id``, to run
+        ``run_s`` by its profile: looked at by each window not looking at one already, or whose
+        looked-at window is over (no arrival closed it: a deferred batch's)."""
+        for window in self._windows:
+            over = window.anchor + ECHO_WINDOW_S
+            if over <= exec_at:
+                self._span(window, over, rate, close=True)
+            window.look_at(exec_at, run_s, rows, gpu_id)
+
+    def note_arrivals(self, now: float, rows: int, rate: float) -> None:
+        """``rows`` rows arrived at ``now`` (not before the last call's ``now``); ``rate``: the
+        model's metered rate in rows/s (inf: none yet)."""
+        times = self._times
+        times.append(now)
+        self._cum.append(self._cum[-1] + rows)
+        for window in self._windows:
+            window.time_delay(now)
+            if now >= window.anchor:
+                self._span(window, now, rate, close=True)
+        # what a window can still need: from ECHO_WINDOW_S before an anchor at most that far back
+        if len(times) >= _ECHO_TRIM_MIN and times[0] < now - 2 * ECHO_WINDOW_S:
+            cut = bisect_left(times, now - 2 * ECHO_WINDOW_S)
+            if 2 * cut >= len(times):  # cut a long prefix at once: amortized O(1)
+                base = self._cum[cut]
+                del times[:cut]
+                self._cum = [total - base for total in self._cum[cut:]]
+
+    def closed_loop(self, now: float, rate: float) -> bool:
+        """Whether either window's echo share is at or above its bar at ``now``, its looked-at
+        batch's window as far as it has come counted in (its rows in full: one early echo of a
+        large batch does not decide)."""
+        closed = False
+        for window in self._windows:
+            echo, answered = window.echo, window.answered
+            if now >= window.anchor:
+                echo += self._span(window, now, rate, close=False)
+                answered += window.rows
+            closed = window.verdict(echo, answered) or closed
+        return closed
+
+    def _span(self, window: _EchoWindow, now: float, rate: float, *, close: bool) -> float:
+        """``window``'s looked-at echo at ``now``: the rows after its anchor less those before
+        (or the metered ``rate`` times its span, when more); with ``close``, fold it into the
+        window's sums once it is over (k rows came, or ECHO_WINDOW_S)."""
+        anchor = window.anchor
+        end = anchor + ECHO_WINDOW_S
+        end = now if now < end else end
+        times, cum, cap = self._times, self._cum, window.rows
+        at_anchor = cum[bisect_left(times, anchor)]
+        after = cum[bisect_right(times, end)] - at_anchor
+        after = after if after < cap else cap
+        # the span before, clipped at the exec time (the batch's own rows came before it), and
+        # its rows scaled up to the full span
+        start = anchor - (end - anchor)
+        clipped = window.start_at if window.start_at > start else start
+        before = float(at_anchor - cum[bisect_left(times, clipped)])
+        if clipped > start and before:
+            before *= (end - anchor) / (anchor - clipped)
+        if rate == math.inf:  # no metered rate yet: the arrivals kept here, n - 1 over their span
+            span = times[-1] - times[0]
+            rate = (cum[-1] - cum[1]) / span if span > 0.0 else 0.0
+        expected = max(before, rate * (end - anchor))
+        echo = after - (expected if expected < cap else cap)
+        if close and (after >= cap or now >= anchor + ECHO_WINDOW_S):
+            window.fold(echo)
+        return echo
 
 
 class RpsMeter:
