@@ -80,7 +80,7 @@ builtin = "resnet9000"
     assert result.stderr.splitlines() == [
         f"zserve up: models[0].onnx: no such file: {missing}",
         "zserve up: models[1].builtin: unknown built-in model 'resnet9000' "
-        "(built-in: cnn, mlp)",
+        "(built-in: cnn, mlp, cnn-u8, cnn-f16)",
         f"zserve up: frontends.addresses[0]: cannot bind tcp://127.0.0.1:{occupied_port}: "
         "Address already in use",
     ]
@@ -297,7 +297,8 @@ def test_demo_reports_problems_like_up(tmp_path: Path) -> None:
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        "zserve demo: models[0].builtin: unknown built-in model 'cnm' (built-in: cnn, mlp)",
+        "zserve demo: models[0].builtin: unknown built-in model 'cnm' "
+        "(built-in: cnn, mlp, cnn-u8, cnn-f16)",
     ]
 
 

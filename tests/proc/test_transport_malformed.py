@@ -56,7 +56,7 @@ MALFORMED: dict[str, tuple[list[bytes], type[Exception], str]] = {
     "str-for-float": ([_pack("hb", "n", 1, "x", 0)], ProtocolError, "Heartbeat.sent_at"),
     "int-for-bool": ([_pack("statsreq", 1)], ProtocolError, "expected bool"),
     "nested-list-wrong": (
-        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [], 0)],
+        [_pack("btable", [1], ["a"], ["x"], [["m", 2]], [], [], 0, [])],
         ProtocolError,
         "BackendTable.models",
     ),
