@@ -401,13 +401,16 @@ class RankHost:
         if self.on_superseded is not None:
             self.on_superseded()
 
-    def activate(self, epoch: int, expected_backends: set[str]) -> None:
-        """Become the active scheduler in ``epoch`` (a standby taking over): the known
-        backends hear the epoch and re-register; the frontends hear it once they have. Those
-        expected are the ones named (the peer map) and the ones heard lately: roles started
-        alone (Kubernetes) name no backend, and a frontend told the new epoch before any had
-        registered would have its re-sent requests answered UNAVAILABLE."""
-        self.counters["takeovers"] += 1
+    def activate(self, epoch: int, expected_backends: set[str], *, takeover: bool = True
+                 ) -> None:
+        """Become the active scheduler in ``epoch`` (a standby taking over, or, ``takeover``
+        False, a pair's primary starting): the known backends hear the epoch and re-register;
+        the frontends hear it once they have. Those expected are the ones named (the peer map)
+        and the ones heard lately: roles started alone (Kubernetes) name no backend, and a
+        frontend told the new epoch before any had registered would have its re-sent requests
+        answered UNAVAILABLE."""
+        if takeover:
+            self.counters["takeovers"] += 1
         self.epoch = self.rank.epoch = epoch
         self._rebuilding = set()
         for identity in self.backends.identities:

@@ -176,11 +176,14 @@ def _build(proc: _ShardProcess, config: RoleConfig) -> tuple[ShardHost, dict[str
 
 def _watch(config: RoleConfig) -> SchedulerWatch:
     """The epoch watch of an embedded scheduler: a pair's member, or alone (never takes over,
-    still steps down on hearing a newer epoch)."""
+    still steps down on hearing a newer epoch). A pair's primary starts as a joining standby
+    (``SchedulerWatch``): active once its partner answers as a standby, the standby of a
+    partner that is active (a restarted primary), or active after the takeover timeout."""
     scheduler = config.cluster.scheduler
     timeout_s = scheduler.takeover_timeout_ms / 1e3 if scheduler.standby else math.inf
-    return SchedulerWatch(active=not config.standby, epoch=next_epoch(0, now_ms()),
-                          takeover_timeout_s=timeout_s, now=time.monotonic())
+    return SchedulerWatch(active=not config.standby and not scheduler.standby,
+                          epoch=next_epoch(0, now_ms()), takeover_timeout_s=timeout_s,
+                          now=time.monotonic(), primary=not config.standby)
 
 
 def _start_pair(proc: _ShardProcess, config: RoleConfig) -> None:
@@ -197,6 +200,9 @@ def _start_pair(proc: _ShardProcess, config: RoleConfig) -> None:
     address = host.peers.get(peer_map.peer_key(partner, "rank"))
     if address is None:
         log.error("%s: no address for its partner %s: no watch link", config.name, partner)
+        if rank.watch.joining:  # a primary with nobody to ask: active alone
+            host.active = True
+            rank.activate(rank.watch.claim(now_ms()), expected, takeover=False)
         return
     proc.pair = PairLink(name=config.name, ctx=proc.ctx, reactor=proc.reactor, rank=rank,
                          host=host, watch=rank.watch, expected_backends=expected)

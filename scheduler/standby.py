@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -82,8 +83,11 @@ class PairLink:
             return
         now = time.monotonic()
         try:
+            joining = self.watch.joining
             epoch = self.watch.take_over(now, now_ms())
-            if epoch is not None:
+            if epoch is not None and joining:
+                self._start_active(epoch)
+            elif epoch is not None:
                 self._take_over(now, epoch)
             assert self.sock is not None
             self.reactor.send_nowait(self.sock, SchedulerPing(self.name, self.watch.epoch,
@@ -109,6 +113,14 @@ class PairLink:
         self._partner_gone = self.watch.partner_active
         self.watch.on_partner_gone(time.monotonic())
         self._tick_now()  # a standby whose partner was active takes over at once
+
+    def _start_active(self, epoch: int) -> None:
+        """A primary starting: its partner answered as a standby (or never answered)."""
+        log.info("%s: active of the scheduler pair in epoch %d (its partner %s)", self.name,
+                 epoch, "is a standby" if self.watch.partner_seen_at > -math.inf
+                 else "did not answer")
+        self.host.active = True
+        self.rank.activate(epoch, self.expected_backends, takeover=False)
 
     def _take_over(self, now: float, epoch: int) -> None:
         why = ("its connection closed" if self._partner_gone else

@@ -170,3 +170,33 @@ def test_an_active_scheduler_hands_over_only_to_a_partner_heard_within_the_timeo
     standby = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0)
     standby.on_ping(1.0, 10, active=True)
     assert not standby.can_hand_over(1.1)  # a standby has nothing to hand over
+
+
+def test_a_primary_takes_over_at_once_from_a_standby_partner_at_the_clusters_start() -> None:
+    primary = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0,
+                             primary=True)
+    primary.start(0.0)
+    assert primary.take_over(0.05, 1_000) is None  # nobody heard yet: not before the timeout
+    primary.on_ping(0.1, 0, active=False)  # the partner answers: a standby
+    assert primary.takeover_at == 0.1
+    assert primary.take_over(0.15, 1_000) == 1_000 and primary.active
+    assert not primary.joining
+
+
+def test_a_primary_restarted_while_its_partner_is_active_joins_as_its_standby() -> None:
+    primary = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0,
+                             primary=True)
+    primary.start(0.0)
+    assert not primary.on_ping(0.1, 500, active=True)  # the partner took over: it is active
+    assert not primary.joining and not primary.active
+    assert primary.take_over(0.1 + TIMEOUT_S / 2, 2_000) is None  # never supersedes it
+    # from now on an ordinary standby: it takes over only once the active one falls silent
+    assert primary.take_over(0.1 + TIMEOUT_S, 2_000) == 2_000
+
+
+def test_a_primary_whose_partner_is_silent_takes_over_after_the_timeout() -> None:
+    primary = SchedulerWatch(active=False, epoch=0, takeover_timeout_s=TIMEOUT_S, now=0.0,
+                             primary=True)
+    primary.start(0.0)
+    assert primary.take_over(TIMEOUT_S - 0.01, 3_000) is None
+    assert primary.take_over(TIMEOUT_S, 3_000) == 3_000

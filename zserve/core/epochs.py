@@ -92,8 +92,13 @@ class SchedulerWatch:
     """One scheduler process's side of the watch link (pure: ``now`` is passed in)."""
 
     def __init__(self, *, active: bool, epoch: int, takeover_timeout_s: float,
-                 now: float) -> None:
+                 now: float, primary: bool = False) -> None:
         self.active = active
+        # A pair's primary (``shard-0``) starts as a standby that takes over as soon as its
+        # partner answers as a standby (the cluster's start), else as any standby does: a
+        # primary restarted while its partner is active joins as the standby instead of
+        # superseding a healthy active one (whose plans in flight would be lost).
+        self.joining = primary and not active
         self.epoch = epoch if active else 0
         self.seen = epoch  # the newest epoch seen anywhere
         self.takeover_timeout_s = takeover_timeout_s
@@ -107,6 +112,8 @@ class SchedulerWatch:
         """When a standby takes over unless its active partner pings (inf: not a standby)."""
         if self.active or self.superseded:
             return math.inf
+        if self.joining and self.partner_seen_at > -math.inf and not self.partner_active:
+            return self.partner_seen_at  # the partner said it is a standby: take over now
         return self.partner_active_at + self.takeover_timeout_s
 
     def start(self, now: float) -> None:
@@ -119,6 +126,7 @@ class SchedulerWatch:
         self.partner_seen_at = now
         if active:
             self.partner_active_at = now
+            self.joining = False  # the partner is active: this one is its standby
         self.partner_active = active
         return self.on_epoch(epoch if active else 0)
 
@@ -151,6 +159,12 @@ class SchedulerWatch:
         """At or after ``takeover_at``: become active; the new epoch (None: not due)."""
         if now < self.takeover_at:
             return None
+        return self.claim(wall_ms)
+
+    def claim(self, wall_ms: int) -> int:
+        """Become active now (a primary with no partner to ask, or a takeover that is due);
+        the new epoch."""
         self.active = True
+        self.joining = False
         self.epoch = self.seen = next_epoch(self.seen, wall_ms)
         return self.epoch
