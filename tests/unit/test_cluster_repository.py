@@ -253,3 +253,21 @@ def test_a_restarted_backend_loads_a_model_only_where_it_is_placed() -> None:
     assert repo.on_backend_started("backend-1", []).commands == []  # a is not placed there
     repo.on_backend_gone("backend-0")
     assert repo.on_backend_started("backend-0", []).commands == []  # nothing READY to copy
+
+
+def test_a_load_of_a_model_that_names_its_backends_goes_to_those_alone() -> None:
+    placed = {"name": "c", "onnx": "/r/c/1/model.onnx", "backends": ["backend-1"]}
+    repo = ModelRepository({**MODELS, "c": placed}, {"backend-0": ["a"], "backend-1": ["a"]})
+    effects = repo.call(CALL, "load", "c")
+    assert effects.commands == [("backend-1", LoadModel("c", placed, announce=False))]
+    repo.on_report("backend-1", "c", "WARM")
+    assert _answers(repo.on_report("backend-1", "c", "READY")) == [("", "")]
+    assert repo.served_by("backend-0") == ["a"] and repo.served_by("backend-1") == ["a", "c"]
+    # a restarted backend it does not name does not load it
+    assert repo.on_backend_started("backend-0", ["a"]).commands == []
+    # none of its backends live: refused in one line
+    repo.on_backend_gone("backend-1")
+    repo.call(Call("frontend-0", 9), "unload", "c")
+    refused = repo.call(Call("frontend-0", 10), "load", "c")
+    assert _answers(refused) == [
+        ("UNAVAILABLE", "no live backend to load it on (it names backend-1)")]

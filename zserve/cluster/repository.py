@@ -217,11 +217,16 @@ class ModelRepository:
         return bool(old)
 
     def _load(self, call: Call, model: str, effects: Effects) -> None:
-        self.placement[model] = None
+        """Load ``model`` on every live backend, or on the live ones of those its config names
+        (``[[models]] backends``)."""
+        named = self.models[model].get("backends")
+        self.placement[model] = frozenset(named) if named else None
         states = self.states[model]
-        targets = sorted(b for b in self.backends if states.get(b) != READY)
-        if not self.backends:
-            effects.answer(call, ErrorKind.UNAVAILABLE, "no live backend to load it on")
+        live = self.backends & set(named) if named else self.backends
+        targets = sorted(b for b in live if states.get(b) != READY)
+        if not live:
+            effects.answer(call, ErrorKind.UNAVAILABLE, "no live backend to load it on" + (
+                f" (it names {', '.join(sorted(named))})" if named else ""))
             return
         if not targets:
             effects.answer(call)
