@@ -14,6 +14,7 @@ from zserve.config.cluster import ClusterConfig, parse_config
 from zserve.core.hosting import Outbox
 from zserve.frontend.apps import APP_CLIENT
 from zserve.frontend.core import TO_SHARD, FrontendCore
+from zserve.frontend.metrics import cluster_families
 from zserve.transport.messages import (
     BatchFailed,
     BatchOutputs,
@@ -127,6 +128,12 @@ def test_a_three_stage_app_chains_outputs_with_fan_out_and_answers_once() -> Non
     np.testing.assert_array_equal(reply.outputs["y"], np.concatenate([x, x]))
     assert not h.core.pending and h.core.apps.in_flight == 0
     assert h.core.stats()["counters"]["app_replied"] == 1  # stage requests count apart
+    # and the Prometheus endpoint reads them
+    families = {f.name: f for f in cluster_families("frontend-0", h.core.stats(),
+                                                    frozenset(L1_MS))}
+    steps = {s.labels["step"]: s.value for s in families["zserve_app_requests"].samples}
+    assert steps["received"] == steps["admitted"] == steps["replied"] == 1
+    assert steps["failed"] == steps["rejected"] == 0
 
 
 def test_each_stage_gets_its_share_of_the_slo_and_early_finish_passes_slack_on() -> None:

@@ -36,8 +36,10 @@ from prometheus_client.registry import Collector
 
 from zserve.core.errors import ErrorKind
 from zserve.core.stats import BOUNDS, Histogram
+from zserve.frontend.apps import APP_COUNTERS
 
 log = logging.getLogger(__name__)
+APP_COUNTER_PREFIX = "app_"  # the frontend core's counters of application requests
 
 # The frontend's stats round ends within its peers' bound (0.5 s); a scrape waits this long
 # for it (a loop busy with a burst of requests), then reports zserve_up 0 for the frontend.
@@ -145,6 +147,12 @@ def frontend_families(name: str, stats: Mapping[str, Any],
     for reason in HTTP_REFUSAL_REASONS:
         refused.add_metric([name, reason], counters.get(HTTP_REFUSED_COUNTER.format(reason), 0))
     out: list[Metric] = [total, received, by_model, in_flight, refused]
+    apps = CounterMetricFamily("zserve_app_requests", "Application requests (``[[apps]]``) "
+                               "by step: received, admitted, then one of replied, failed, "
+                               "rejected, cancelled, abandoned", labels=["frontend", "step"])
+    for key in APP_COUNTERS:
+        apps.add_metric([name, key.removeprefix(APP_COUNTER_PREFIX)], counters.get(key, 0))
+    out.append(apps)
     for metric, key, doc in (
             ("zserve_request_latency_seconds", "latency", "Admission to answer, per request"),
             ("zserve_queue_wait_seconds", "queueing", "Admission to its batch's start"),
