@@ -20,12 +20,14 @@ from zserve.backends.prefix import (
     HEAD_INPUT,
     NoCommonPrefix,
     PrefixGroup,
+    backend_groups,
     cnn_variants,
     find_prefix,
     group_model_file,
     merge_group,
     split_models,
 )
+from zserve.config.cluster import parse_config
 from zserve.loadgen.experiments import prefix as prefix_experiment
 
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
@@ -149,3 +151,22 @@ def test_the_group_file_is_built_once_per_set_of_models(tmp_path: Path) -> None:
     assert first.stat().st_mtime_ns == built_at  # the cached file, not a rebuild
     assert group_model_file(paths[::-1], tmp_path / "cache") != first  # heads in another order
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_backend_loads_a_group_it_serves_whole_as_one_merged_model(tmp_path: Path) -> None:
+    paths = cnn_variants(2, tmp_path / "variants")
+    config = parse_config({
+        "backends": {"count": 1, "device": "cpu"},
+        "models": [{"name": "solo", "builtin": "mlp"},
+                   *({"name": f"v{i}", "onnx": str(p), "max_queue": 10}
+                     for i, p in enumerate(paths))],
+        "prefix_groups": [{"name": "heads", "models": ["v0", "v1"]}]})
+    loaded = backend_groups(config.prefix_groups, config.models, tmp_path / "cache")
+    assert [m.name for m in loaded.models] == ["solo", "heads"]
+    heads = loaded.models[1]
+    assert heads.onnx is not None and heads.max_queue == 20
+    assert set(loaded.grouped) == {"v0", "v1"}
+    group, wire = loaded.grouped["v1"]
+    assert group == "heads" and [i["name"] for i in wire["inputs"]] == ["image"]
+    partial = backend_groups(config.prefix_groups, config.models[:2], tmp_path / "cache")
+    assert [m.name for m in partial.models] == ["solo", "v0"] and partial.grouped == {}
