@@ -51,13 +51,15 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import zmq
 
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
+from zserve.backends.builtin import cache_dir
 from zserve.backends.executor import Executor
 from zserve.backends.follower import (
     DEST_DEVICE,
@@ -69,6 +71,7 @@ from zserve.backends.follower import (
 )
 from zserve.backends.liveness import BackendLiveness
 from zserve.backends.model_lifecycle import ModelLifecycle, Report
+from zserve.backends.prefix import backend_groups
 from zserve.config.cluster import DEVICE_RE, ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
@@ -166,6 +169,11 @@ class BackendHost:
     that hosts a rank, by scheduler name) and ``frontend_socks`` (a DEALER to every frontend's
     ``data`` ROUTER, by address).
     """
+
+    # A prefix group's models -> (the group, their own signature): announced as served, by the
+    # group's profile, so frontends admit them (zserve.backends.prefix.backend_groups; the
+    # host's builder sets it before the host registers).
+    grouped: Mapping[str, tuple[str, dict[str, Any]]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -296,6 +304,8 @@ class BackendHost:
 
     def _register(self, sock: zmq.Socket[Any]) -> None:
         profiles_ms = {m: p.latency_ms_list() for m, p in self.profiles.items()}
+        grouped = {m: v for m, v in self.grouped.items() if v[0] in profiles_ms}
+        profiles_ms.update({m: profiles_ms[group] for m, (group, _) in grouped.items()})
         running = self.follower.running
         now = self.clock.now()
         free_at = max(now, running.started_at + running.planned_s) if running else now
@@ -305,9 +315,10 @@ class BackendHost:
                 name=self.name,
                 device=self.device,
                 plan_address=self.plan_address,
-                models=list(self.models),
+                models=[*self.models, *grouped],
                 profiles_ms=profiles_ms,
-                signatures={m: self.executor.signature(m).to_dict() for m in self.models},
+                signatures={**{m: self.executor.signature(m).to_dict() for m in self.models},
+                            **{m: wire for m, (_, wire) in grouped.items()}},
                 device_free_at=self.follower.device_free_at(free_at),
                 retiring=self.retiring,
                 kind=self.kind,
@@ -623,13 +634,16 @@ async def _serve(config: RoleConfig, control_address: str | None,
                                               advertise_host=config.advertise_host)
         reply_allowance_s = config.cluster.frontends.reply_allowance_ms / 1e3
         served = [m for m in config.models if config.serve is None or m.name in config.serve]
+        groups = backend_groups(config.cluster.prefix_groups, served,
+                                cache_dir() / "prefix-groups")
         host = BackendHost(name=name, device=config.device,
                            kind=config.kind,
-                           executor=build_executor(config.device, served,
+                           executor=build_executor(config.device, groups.models,
                                                    config.cluster.backends.onnx_io),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
                            reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,
                            report=session.link.send)
+        host.grouped = groups.grouped
         built.append(host)
         session.closing(host.close)
         session.serve_stats(host.stats)

@@ -18,10 +18,12 @@ per variant. This module finds the prefix and runs a group:
 - ``cnn_variants``: the built-in ``cnn`` with its last layer re-drawn per variant (seeded), the
   models the experiment and the tests group.
 
-What is not here: the live cluster does not group variants yet (a client's request names one
-variant; the scheduler would plan the group as one model with the summed rate, Nexus's NX-12, and
-the backend run ``PrefixGroup``). ``zserve experiment prefix`` measures what grouping gives, in
-the simulator and on this machine's CPU (docs/performance.md, "Prefix batching").
+- ``merge_group`` / ``group_model_file`` / ``backend_groups``: what a backend serves for a
+  ``[[prefix_groups]]`` group: one ONNX model holding the prefix once and every head, each row
+  routed to its head by the ``HEAD_INPUT`` the frontend adds (docs/runtime.md, "Prefix groups").
+
+``zserve experiment prefix [--live]`` measures what grouping gives, in the simulator, on this
+machine's CPU and in a live cluster (docs/performance.md, "Prefix batching").
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from zserve.config.cluster import ModelConfig
+from zserve.config.prefix_groups import HEAD_INPUT, PrefixGroupConfig, group_model
 
 # A cut tensor is read from a model's own layers; a prefix needs at least this many shared nodes.
 MIN_PREFIX_NODES = 1
@@ -180,6 +185,162 @@ class PrefixGroup:
         return out
 
 
+GROUP_OPSET = 13  # Unsqueeze with an axes input; NonZero, ScatterND and Gather are older
+
+
+def _const(name: str, values: Sequence[int]) -> Any:
+    from onnx import helper, numpy_helper
+
+    return helper.make_node("Constant", [], [name],
+                            value=numpy_helper.from_array(np.array(values, np.int64), name))
+
+
+def _output_specs(model: Any) -> list[tuple[str, int, list[int]]]:
+    """(name, element type, per-row dims) of each output; the per-row dims must be fixed, since
+    the group's outputs start as zeros of that shape that each head scatters its rows into."""
+    specs = []
+    for out in model.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        rest = [d.dim_value for d in list(dims)[1:]]
+        if any(v <= 0 for v in rest):
+            raise NoCommonPrefix(f"output {out.name!r} has a dynamic per-row dimension")
+        specs.append((out.name, out.type.tensor_type.elem_type, rest))
+    return specs
+
+
+def _route_head(v: int, split: PrefixSplit, head: Any, acc: dict[str, str]) -> list[Any]:
+    """The nodes that run head ``v`` on its rows: select them (Equal, NonZero), gather the cut
+    tensors' rows, run the head's own nodes (names prefixed ``h<v>_``), and scatter its
+    outputs into the group's (``acc``: output -> the tensor holding it so far, updated)."""
+    from onnx import helper
+
+    tag = f"h{v}_"
+    nodes = [_const(f"{tag}id", [v]),
+             helper.make_node("Equal", [HEAD_INPUT, f"{tag}id"], [f"{tag}mask"]),
+             helper.make_node("NonZero", [f"{tag}mask"], [f"{tag}nz"]),
+             helper.make_node("Reshape", [f"{tag}nz", "zs_flat"], [f"{tag}rows"]),
+             helper.make_node("Unsqueeze", [f"{tag}rows", "zs_axis1"], [f"{tag}where"])]
+    for prefix_name, own_name in zip(split.cut.cut_names[0], split.cut.cut_names[v],
+                                     strict=True):
+        nodes.append(helper.make_node("Gather", [prefix_name, f"{tag}rows"],
+                                      [tag + own_name], axis=0))
+    nodes.extend(head.graph.node)
+    for out, so_far in list(acc.items()):
+        nodes.append(helper.make_node("ScatterND", [so_far, f"{tag}where", tag + out],
+                                      [f"{tag}acc_{out}"]))
+        acc[out] = f"{tag}acc_{out}"
+    return nodes
+
+
+def merge_group(split: PrefixSplit, out_path: Path) -> Path:
+    """One ONNX model for a split group: the prefix once on every row, then each head on the
+    rows whose ``HEAD_INPUT`` names it (gathered, run, scattered back into row order). Every
+    head's nodes run on every batch, on zero rows when none is its own, so the model's l(b)
+    does not depend on the mix: the scheduler plans the group as one model by it. The heads'
+    outputs must agree in names, types and per-row shapes (a variant's answer has its model's
+    outputs)."""
+    import onnx
+    from onnx import TensorProto, helper
+    from onnx.compose import add_prefix
+
+    prefix = onnx.load(str(split.prefix_path))
+    heads = [onnx.load(str(p)) for p in split.head_paths]
+    specs = _output_specs(heads[0])
+    for v, head in enumerate(heads[1:], start=1):
+        if _output_specs(head) != specs:
+            raise NoCommonPrefix(f"model {v}'s outputs differ from model 0's: {specs}")
+    nodes = list(prefix.graph.node)
+    nodes += [_const("zs_flat", [-1]), _const("zs_axis1", [1]),
+              helper.make_node("Shape", [HEAD_INPUT], ["zs_rows"])]
+    acc: dict[str, str] = {}
+    for name, elem, rest in specs:
+        nodes += [_const(f"zs_rest_{name}", rest),
+                  helper.make_node("Concat", ["zs_rows", f"zs_rest_{name}"],
+                                   [f"zs_shape_{name}"], axis=0),
+                  helper.make_node("ConstantOfShape", [f"zs_shape_{name}"], [f"zs_zero_{name}"],
+                                   value=helper.make_tensor("zero", elem, [1], [0]))]
+        acc[name] = f"zs_zero_{name}"
+    initializers = list(prefix.graph.initializer)
+    for v, head in enumerate(heads):
+        renamed = add_prefix(head, f"h{v}_")
+        initializers += list(renamed.graph.initializer)
+        nodes += _route_head(v, split, renamed, acc)
+    nodes += [helper.make_node("Identity", [acc[name]], [name]) for name, _, _ in specs]
+    inputs = [i for i in prefix.graph.input if i.name in split.input_names]
+    inputs.append(helper.make_tensor_value_info(HEAD_INPUT, TensorProto.INT64, ["N"]))
+    graph = helper.make_graph(nodes, "prefix_group", inputs, list(heads[0].graph.output),
+                              initializer=initializers)
+    opset = max([GROUP_OPSET] + [o.version for o in prefix.opset_import if o.domain == ""])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = prefix.ir_version
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out_path))
+    return out_path
+
+
+def group_model_file(paths: Sequence[Path], cache: Path) -> Path:
+    """The merged model (``merge_group``) of the ONNX files ``paths``, in order, built once and
+    cached under ``cache`` by a digest of the files' bytes; written atomically (a temporary
+    folder, then ``os.replace``), so backends that build it at once are safe."""
+    import os
+    import tempfile
+
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    target = cache / f"prefix-group-{digest.hexdigest()[:20]}.onnx"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".group-") as tmp:
+        split = split_models(paths, Path(tmp))
+        os.replace(merge_group(split, Path(tmp) / "group.onnx"), target)
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class BackendGroups:
+    """What a backend loads for its prefix groups: ``models``, its models with each group whose
+    every model it serves replaced by the group's merged model; ``grouped``: each such model ->
+    (its group, its own signature in wire form, which the frontends validate its requests by)."""
+
+    models: list[ModelConfig]
+    grouped: dict[str, tuple[str, dict[str, Any]]]
+
+
+def model_file(config: ModelConfig) -> Path:
+    """The ONNX file of an ``onnx`` or ``builtin`` model (a built-in one generated first)."""
+    from zserve.backends.builtin import ensure_builtin
+
+    if config.builtin is not None:
+        return ensure_builtin(config.builtin)
+    if config.onnx is None:
+        raise NoCommonPrefix(f"model {config.name!r} has no ONNX file")
+    return Path(config.onnx)
+
+
+def backend_groups(groups: Sequence[PrefixGroupConfig], served: Sequence[ModelConfig],
+                   cache: Path) -> BackendGroups:
+    """Replace in ``served`` each group of ``groups`` whose every model it holds by the group's
+    merged model (``group_model_file``, cached under ``cache``)."""
+    from zserve.backends.onnx_executor import read_signature
+
+    by_name = {m.name: m for m in served}
+    models = list(served)
+    grouped: dict[str, tuple[str, dict[str, Any]]] = {}
+    for group in groups:
+        if not all(name in by_name for name in group.models):
+            continue
+        paths = [model_file(by_name[name]) for name in group.models]
+        merged = group_model(group, served, onnx=str(group_model_file(paths, cache)))
+        at = min(models.index(by_name[name]) for name in group.models)
+        models = [m for m in models if m.name not in group.models]
+        models.insert(min(at, len(models)), merged)
+        for name, path in zip(group.models, paths, strict=True):
+            grouped[name] = (group.name, read_signature(path, name).to_dict())
+    return BackendGroups(models, grouped)
+
+
 def cnn_variants(count: int, out_dir: Path) -> list[Path]:
     """``count`` variants of the built-in ``cnn``: its layers, with the last layer's weights and
     bias re-drawn per variant (seeded), as fine-tuned classifiers are; files in ``out_dir``."""
@@ -208,5 +369,19 @@ def cnn_variants(count: int, out_dir: Path) -> list[Path]:
     return paths
 
 
-__all__ = ["NoCommonPrefix", "PrefixCut", "PrefixGroup", "PrefixSplit", "cnn_variants",
-           "find_prefix", "split_models", "structural_digests"]
+__all__ = [
+    "HEAD_INPUT",
+    "BackendGroups",
+    "NoCommonPrefix",
+    "PrefixCut",
+    "PrefixGroup",
+    "PrefixSplit",
+    "backend_groups",
+    "cnn_variants",
+    "find_prefix",
+    "group_model_file",
+    "merge_group",
+    "model_file",
+    "split_models",
+    "structural_digests",
+]

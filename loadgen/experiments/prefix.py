@@ -7,18 +7,22 @@
    ``MAX_ABS_DIFF`` of the full model's; a head's file is the memory one more variant adds.
 2. **Goodput in the simulator**: ``VARIANTS`` variants of Symphony's Table 2 ResNet50 (alpha
    1.053 ms, beta 5.072 ms, SLO 25 ms), equal rates, Poisson arrivals, scheduled apart (each its
-   own model) and grouped (one model with the summed rate, Nexus's NX-12, whose l(b) adds one
-   head's fixed cost per variant present in the batch beyond the first:
-   ``HEAD_BETA_MS``, an assumed 50 us per head per batch for a 2048 x 1000 layer on a GPU). On
-   1, 2 and 8 GPUs; the check: grouped at least ``GOAL_RATIO`` x apart on one GPU, the setting
-   of Nexus's Figure 15 (+110% with 10 ResNet-50 variants). On 8 GPUs Symphony's staggering
-   already lets each variant batch, and grouping gains less (the table shows how much).
+   own model) and grouped (one model with the summed rate, Nexus's NX-12). The grouped l(b) is
+   the live rule (``zserve.backends.prefix.merge_group``: every head's nodes run on every batch,
+   on zero rows when none is its own): the full model's l(b) plus the fixed cost of the
+   ``VARIANTS - 1`` other heads, ``HEAD_BETA_MS`` each (an assumed 50 us per head per batch for
+   a 2048 x 1000 layer on a GPU), whatever the batch's mix. On 1, 2 and 8 GPUs; the check:
+   grouped at least ``GOAL_RATIO`` x apart on one GPU, the setting of Nexus's Figure 15 (+110%
+   with 10 ResNet-50 variants). On 8 GPUs Symphony's staggering already lets each variant batch,
+   and grouping gains less (the table shows how much).
 3. **CPU figure** (real ONNX Runtime, one thread): one request per variant, ``VARIANTS``
    variants: the full models run one after another against the group's run; median time of
    ``CPU_REPEATS`` repetitions, and the ratio of throughputs.
-
-The live cluster does not group variants yet (``zserve.backends.prefix``'s docstring says what
-is missing).
+4. **Live** (``--live``): a cluster of one CPU backend serving ``LIVE_VARIANTS`` CNN variants,
+   declared as a ``[[prefix_groups]]`` group or not, driven by ``LIVE_CLIENTS`` closed-loop
+   clients (requests spread evenly over the variants) in alternating rounds: answers per
+   second, latency, the mean batch and the backend's CPU time per request
+   (``zserve.loadgen.experiments.prefix_live``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from zserve.backends.prefix import PrefixGroup, cnn_variants, split_models
 from zserve.config.profiles import LatencyProfile
 from zserve.loadgen.experiments.common import Check, Options, Outcome, Table
+from zserve.loadgen.experiments.prefix_live import MAX_GROUPED_ERROR_FRACTION, live_table
 from zserve.loadgen.experiments.simulated import (
     FULL_PRECISION,
     QUICK_PRECISION,
@@ -57,6 +62,11 @@ QUICK_CPU_REPEATS = 3
 IMAGE_SHAPE = (3, 64, 64)
 
 
+def grouped_latency_ms(batch: int) -> float:
+    """The grouped model's l(b) in ms: the live rule (module docstring, part 2)."""
+    return ALPHA_MS * batch + BETA_MS + (VARIANTS - 1) * HEAD_BETA_MS
+
+
 def variants_workload(gpus: int, *, grouped: bool, quick: bool) -> Workload:
     """``VARIANTS`` ResNet50 variants on ``gpus`` GPUs, apart or as one grouped model."""
     names = ["group"] if grouped else [f"variant{i}" for i in range(VARIANTS)]
@@ -69,8 +79,7 @@ def variants_workload(gpus: int, *, grouped: bool, quick: bool) -> Workload:
     workload = parse_workload(data, source="prefix")
     if grouped:
         spec = workload.models[0]
-        table = [ALPHA_MS * b + BETA_MS + (min(b, VARIANTS) - 1) * HEAD_BETA_MS
-                 for b in range(1, spec.profile.max_batch + 1)]
+        table = [grouped_latency_ms(b) for b in range(1, spec.profile.max_batch + 1)]
         grouped_spec = dataclasses.replace(spec, profile=LatencyProfile.from_table_ms(table))
         workload = dataclasses.replace(workload, models=[grouped_spec])
     return with_windows(workload, QUICK_WINDOWS_S if quick else None)
@@ -160,9 +169,23 @@ def run_prefix(opts: Options) -> Outcome:
               cpu["head_bytes"] < 0.05 * cpu["model_bytes"],
               f"head {cpu['head_bytes']} B of a {cpu['model_bytes']} B model"),
     ]
+    tables = [sim_table, cpu_table]
+    points: dict[str, Any] = {"simulated": sim_rows, "cpu": cpu}
+    if opts.live:
+        opts.say("live: a CPU cluster of CNN variants, apart and grouped, alternating")
+        with tempfile.TemporaryDirectory(prefix="zserve-prefix-live-") as tmp:
+            live, rounds = live_table(opts, Path(tmp))
+        tables.append(live)
+        points["live"] = rounds
+        grouped = [r for r in rounds if r["grouped"]]
+        errors, answers = (sum(r[k] for r in grouped) for k in ("errors", "answers"))
+        checks.append(Check(f"live: the grouped variants answered, at most "
+                            f"{MAX_GROUPED_ERROR_FRACTION:.0%} with an error",
+                            answers > 0 and errors <= MAX_GROUPED_ERROR_FRACTION * answers,
+                            f"{errors} errors in {answers} answers"))
     config = {"variants": VARIANTS, "alpha_ms": ALPHA_MS, "beta_ms": BETA_MS, "slo_ms": SLO_MS,
               "head_beta_ms": HEAD_BETA_MS, "gpus": [r["gpus"] for r in sim_rows]}
-    return Outcome(config, [sim_table, cpu_table], checks, {"simulated": sim_rows, "cpu": cpu})
+    return Outcome(config, tables, checks, points)
 
 
 __all__ = ["run_prefix", "variants_workload"]

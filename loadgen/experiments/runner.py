@@ -71,7 +71,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[Options], Outcome], str]] = {
     "fleet": (run_fleet, "35 zoo models on A100s, GTX 1080 Tis or both: cost per hour of the "
               "smallest fleet that serves one rate"),
     "prefix": (run_prefix, "prefix batching (Nexus): numerics of grouped CNN variants, simulated "
-               "goodput of 10 ResNet50 variants apart and grouped, the CPU figure"),
+               "goodput of 10 ResNet50 variants apart and grouped, the CPU figure; --live: "
+               "CNN variants apart and as a [[prefix_groups]] group in a CPU cluster"),
     "nexus": (run_nexus, "the papers' baselines: Symphony Table 2's Nexus column, and the flat "
               "top (10 models, 24 GPUs) with Nexus and Clockwork-like beside the default"),
     "apps": (run_apps, "a three-stage app (Nexus/Harpagon) served end to end by a live cluster, "

@@ -24,6 +24,7 @@ from zserve.loadgen.experiments import (
     partition,
     placement,
     prefix,
+    prefix_live,
     random_family,
     runner,
     scale,
@@ -474,3 +475,14 @@ def test_prefix_quick(tmp_path: Path) -> None:
     [one_gpu] = result["points"]["simulated"]
     assert one_gpu["gpus"] == 1
     assert one_gpu["grouped_rps"] >= prefix.GOAL_RATIO * one_gpu["apart_rps"]
+
+
+def test_prefix_live_rounds_serve_the_variants_apart_and_grouped(tmp_path: Path) -> None:
+    opts = common.Options(quick=True, live=True, out_dir=tmp_path / "prefix", plots=False,
+                          say=lambda _line: None)
+    table, rounds = prefix_live.live_table(opts, tmp_path)
+    assert [r["grouped"] for r in rounds] == [False, True]  # one round of each, alternating
+    assert [row[0] for row in table.rows] == ["apart", "grouped"]
+    for record in rounds:
+        assert record["answers"] > 0 and record["mean_batch"] >= 1.0
+        assert record["backend_cpu_us"] is not None and record["backend_cpu_us"] > 0

@@ -2,7 +2,8 @@
 computes each tensor, not by names; models that share no layer are refused; a group run (the
 prefix once on every variant's rows, then each head on its own) gives each model's own outputs,
 with real ONNX Runtime sessions; the built-in CNN's variants share all but their last layer;
-the simulated grouped model's l(b) adds a head's fixed cost per variant present."""
+the merged model (what a backend loads for a ``[[prefix_groups]]`` group) runs each row through
+its own head; the simulated grouped model's l(b) follows the merged model's rule."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from zserve.backends.prefix import (
+    HEAD_INPUT,
     NoCommonPrefix,
     PrefixGroup,
+    backend_groups,
     cnn_variants,
     find_prefix,
+    group_model_file,
+    merge_group,
     split_models,
 )
+from zserve.config.cluster import parse_config
 from zserve.loadgen.experiments import prefix as prefix_experiment
 
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
@@ -93,15 +99,74 @@ def test_the_builtin_cnn_variants_share_all_but_their_last_layer(tmp_path: Path)
     assert cut.prefix_nodes == len(models[0].graph.node) - 1
 
 
-def test_the_grouped_model_pays_a_head_per_variant_present() -> None:
+def test_the_simulated_group_pays_every_heads_fixed_cost_on_every_batch() -> None:
+    """The live rule: the merged model runs every head's nodes on every batch (on zero rows when
+    none is its own), so l(b) of the group is the full model's plus the other heads' fixed cost,
+    whatever the mix."""
     apart = prefix_experiment.variants_workload(1, grouped=False, quick=True)
     grouped = prefix_experiment.variants_workload(1, grouped=True, quick=True)
     assert len(apart.models) == prefix_experiment.VARIANTS and len(grouped.models) == 1
     single = apart.models[0].profile
     group = grouped.models[0].profile
-    head_s = prefix_experiment.HEAD_BETA_MS / 1e3
-    assert group.latency(1) == pytest.approx(single.latency(1))
-    assert group.latency(4) == pytest.approx(single.latency(4) + 3 * head_s)
-    batch = prefix_experiment.VARIANTS + 2
-    assert group.latency(batch) == pytest.approx(
-        single.latency(batch) + (prefix_experiment.VARIANTS - 1) * head_s)
+    others_s = (prefix_experiment.VARIANTS - 1) * prefix_experiment.HEAD_BETA_MS / 1e3
+    for batch in (1, 4, prefix_experiment.VARIANTS + 2):
+        assert group.latency(batch) == pytest.approx(single.latency(batch) + others_s)
+
+
+def _merged_session(paths: list[Path], tmp_path: Path) -> Any:
+    merged = merge_group(split_models(paths, tmp_path / "split"), tmp_path / "group.onnx")
+    return ort.InferenceSession(str(merged), providers=["CPUExecutionProvider"])
+
+
+def test_the_merged_model_runs_each_row_through_its_own_head(tmp_path: Path) -> None:
+    paths = _save([_mlp(1, 10 + i, names=f"m{i}_") for i in range(3)], tmp_path)
+    session = _merged_session(paths, tmp_path)
+    assert [i.name for i in session.get_inputs()] == ["features", HEAD_INPUT]
+    full = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in paths]
+    rng = np.random.default_rng(9)
+    features = rng.standard_normal((7, FEATURES)).astype(np.float32)
+    heads = np.array([2, 0, 2, 2, 0, 0, 2], np.int64)  # head 1 has no row in this batch
+    (logits,) = session.run(None, {"features": features, HEAD_INPUT: heads})
+    for row, head in enumerate(heads):
+        want = full[head].run(None, {"features": features[row:row + 1]})[0]
+        np.testing.assert_array_equal(logits[row:row + 1], want)  # exactly its model's row
+    (one,) = session.run(None, {"features": features[:1], HEAD_INPUT: heads[:1]})
+    assert one.shape == (1, CLASSES)
+
+
+def test_a_group_whose_outputs_differ_is_refused(tmp_path: Path) -> None:
+    other = _mlp(1, 11)
+    other.graph.output[0].name = "scores"
+    other.graph.node[-1].output[0] = "scores"
+    paths = _save([_mlp(1, 10), other], tmp_path)
+    with pytest.raises(NoCommonPrefix, match="outputs differ"):
+        merge_group(split_models(paths, tmp_path / "split"), tmp_path / "group.onnx")
+
+
+def test_the_group_file_is_built_once_per_set_of_models(tmp_path: Path) -> None:
+    paths = cnn_variants(2, tmp_path / "variants")
+    first = group_model_file(paths, tmp_path / "cache")
+    built_at = first.stat().st_mtime_ns
+    assert group_model_file(paths, tmp_path / "cache") == first
+    assert first.stat().st_mtime_ns == built_at  # the cached file, not a rebuild
+    assert group_model_file(paths[::-1], tmp_path / "cache") != first  # heads in another order
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_backend_loads_a_group_it_serves_whole_as_one_merged_model(tmp_path: Path) -> None:
+    paths = cnn_variants(2, tmp_path / "variants")
+    config = parse_config({
+        "backends": {"count": 1, "device": "cpu"},
+        "models": [{"name": "solo", "builtin": "mlp"},
+                   *({"name": f"v{i}", "onnx": str(p), "max_queue": 10}
+                     for i, p in enumerate(paths))],
+        "prefix_groups": [{"name": "heads", "models": ["v0", "v1"]}]})
+    loaded = backend_groups(config.prefix_groups, config.models, tmp_path / "cache")
+    assert [m.name for m in loaded.models] == ["solo", "heads"]
+    heads = loaded.models[1]
+    assert heads.onnx is not None and heads.max_queue == 20
+    assert set(loaded.grouped) == {"v0", "v1"}
+    group, wire = loaded.grouped["v1"]
+    assert group == "heads" and [i["name"] for i in wire["inputs"]] == ["image"]
+    partial = backend_groups(config.prefix_groups, config.models[:2], tmp_path / "cache")
+    assert [m.name for m in partial.models] == ["solo", "v0"] and partial.grouped == {}

@@ -32,6 +32,12 @@ import msgspec
 from zserve.config.apps import AppConfig, AppGraph, check_apps
 from zserve.config.decode import FieldError, SchemaError, check_finite, decode
 from zserve.config.policy_names import PolicyError, SchedulePolicy
+from zserve.config.prefix_groups import (
+    PrefixGroupConfig,
+    check_prefix_groups,
+    group_heads,
+    scheduled_models,
+)
 from zserve.config.repository import scan_repository
 from zserve.config.signature import ModelSignature, TensorSpec
 
@@ -651,6 +657,7 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     autoscale: AutoscaleConfig = AutoscaleConfig()
     orchestration: OrchestrationConfig | None = None
     apps: tuple[AppConfig, ...] = ()
+    prefix_groups: tuple[PrefixGroupConfig, ...] = ()
 
     def __post_init__(self) -> None:
         _check_models(self.models, self.backends.total,
@@ -689,6 +696,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     repository_models: tuple[str, ...] = ()
     # ``[[apps]]``: applications over the models (zserve.config.apps), validated at load.
     apps: tuple[AppConfig, ...] = ()
+    # ``[[prefix_groups]]``: models scheduled and run as one group (zserve.config.prefix_groups).
+    prefix_groups: tuple[PrefixGroupConfig, ...] = ()
 
     # ------------------------------------------------------------------ conversions
 
@@ -711,6 +720,16 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    @property
+    def scheduled_models(self) -> tuple[ModelConfig, ...]:
+        """The models the scheduler plans: each prefix group's models as the group."""
+        return scheduled_models(self.prefix_groups, self.models)
+
+    @property
+    def group_heads(self) -> dict[str, tuple[str, int]]:
+        """Each model of a prefix group -> (the group's name, its head's index)."""
+        return group_heads(self.prefix_groups)
 
     @property
     def startup_models(self) -> tuple[ModelConfig, ...]:
@@ -879,7 +898,8 @@ def role_config(
     shards = cluster.scheduler.shards
     models = cluster.models
     if role == "shard":
-        models = tuple(m for m in models if shard_for_model(m.name, shards) == index)
+        models = tuple(m for m in cluster.scheduled_models
+                       if shard_for_model(m.name, shards) == index)
     name = name or process_name(role, index)
     return RoleConfig(
         role=role,
@@ -942,7 +962,7 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
             if problem is not None:
                 raise ConfigError(f"repository.models.{model.name}.backends{problem[0]}",
                                   problem[1])
-    return _checked_apps(ClusterConfig(
+    return _checked_groups(ClusterConfig(
         **msgspec.structs.asdict(document.cluster),
         scheduler=document.scheduler,
         frontends=document.frontends,
@@ -955,7 +975,20 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
         unloaded_at_start=unloaded,
         repository_models=tuple(m.name for m in found),
         apps=document.apps,
+        prefix_groups=document.prefix_groups,
     ))
+
+
+def _checked_groups(config: ClusterConfig) -> ClusterConfig:
+    """``config`` once its apps and prefix groups fit its models (``ConfigError`` naming the
+    key otherwise)."""
+    try:
+        check_prefix_groups(config.prefix_groups, config.models,
+                            orchestrated=config.orchestration is not None,
+                            unloaded=config.unloaded_at_start)
+    except SchemaError as exc:
+        raise ConfigError(exc.path, exc.problem) from None
+    return _checked_apps(config)
 
 
 def _checked_apps(config: ClusterConfig) -> ClusterConfig:

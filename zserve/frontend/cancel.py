@@ -44,13 +44,15 @@ class FetchedCancels(NamedTuple):
 class FrontendCancellation:
     """The cancellation notices one frontend owes, until the tick's end (module docstring)."""
 
-    __slots__ = ("_counters", "_fetched", "_queued", "_shard_of", "owed")
+    __slots__ = ("_counters", "_fetched", "_queued", "_scheduled_as", "_shard_of", "owed")
 
     def __init__(self, *, shard_of: dict[str, int], shards: int,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], scheduled_as: dict[str, str] | None = None) -> None:
         """``shard_of``: each configured model's shard (of ``shards``); ``counters``: where
-        ``CANCEL_COUNTERS`` are counted (the core's)."""
+        ``CANCEL_COUNTERS`` are counted (the core's); ``scheduled_as``: a prefix group's model
+        -> the group, the model its shard queues the request under."""
         self._shard_of = shard_of
+        self._scheduled_as = scheduled_as or {}
         self._counters = counters
         # per shard: (request ids, their models) taken out while still queued there
         self._queued: list[tuple[list[int], list[str]]] = [([], []) for _ in range(shards)]
@@ -101,7 +103,7 @@ class FrontendCancellation:
     def _note_queued(self, request: Pending) -> None:
         ids, models = self._queued[self._shard_of[request.model]]
         ids.append(request.rid)
-        models.append(request.model)
+        models.append(self._scheduled_as.get(request.model, request.model))
         self.owed = True
 
     def _note_fetched(self, request: Pending) -> None:

@@ -30,7 +30,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
+from zserve.config.prefix_groups import HEAD_INPUT
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.config.signature import quoted
 from zserve.core.errors import ErrorKind, ZServeError, bounded_message
@@ -155,8 +158,11 @@ def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | Non
     frontends (clients spread over them)."""
     shards, share = cluster.scheduler.shards, 1.0 / cluster.frontends.count
     reply_s = cluster.frontends.reply_allowance_ms / 1e3
-    return {m.name: ModelAdmission(m, shard_for_model(m.name, shards), profiles.get(m.name),
-                                   reply_s, share) for m in cluster.models}
+    heads = cluster.group_heads  # a prefix group's models live on the group's shard
+    return {m.name: ModelAdmission(m, shard_for_model(heads.get(m.name, (m.name, 0))[0],
+                                                      shards),
+                                   profiles.get(m.name), reply_s, share)
+            for m in cluster.models}
 
 
 def _stage_latency_s(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | None]
@@ -218,9 +224,13 @@ class FrontendCore:
         self._init_stats(host_counters)
         self.backends = FrontendBackends(name=name, models=self.models,
                                          max_request_bytes=self.max_request_bytes)
+        # A prefix group's model -> (the group, its head): queued and planned as the group,
+        # its fetched inputs carry its head (zserve.config.prefix_groups).
+        self.group_heads = cluster.group_heads
+        self.scheduled_as = {model: group for model, (group, _) in self.group_heads.items()}
         self.cancels = FrontendCancellation(
             shard_of={model: state.shard for model, state in self.models.items()},
-            shards=shards, counters=self.counters)
+            shards=shards, counters=self.counters, scheduled_as=self.scheduled_as)
         orchestration = cluster.orchestration
         self.on_demand = OnDemandHolds(
             enabled=orchestration is not None and orchestration.load_on_demand,
@@ -401,7 +411,7 @@ class FrontendCore:
             meta.rows.extend([1] * (len(meta.ids) - len(meta.rows)))
             meta.rows.append(rows)
         meta.ids.append(rid)
-        meta.models.append(model)
+        meta.models.append(self.scheduled_as.get(model, model) if self.scheduled_as else model)
         meta.arrivals.append(arrival)
         meta.deadlines.append(deadline)
 
@@ -467,6 +477,10 @@ class FrontendCore:
             p, request_inputs = taken
             self.models[p.model].queued -= p.rows
             ids.append(rid)
+            head = self.group_heads.get(p.model) if self.group_heads else None
+            if head is not None:  # the group's model runs each row through its own head
+                request_inputs = {**request_inputs,
+                                  HEAD_INPUT: np.full(p.rows, head[1], np.int64)}
             inputs.append(request_inputs)
             observe(now - p.arrival)
         outbox.append(((TO_BACKEND, backend), InputReply(msg.plan_id, ids, inputs, missing)))
