@@ -237,3 +237,22 @@ def test_rates_within_a_rate_step_keep_the_split_and_a_larger_change_moves_it() 
         seen.append(dict(splits.weights["pipe"]))
     assert seen[1] == seen[0]  # the same split: a period's noise does not make it flap
     assert seen[2] != seen[0]
+
+
+def test_an_app_of_an_unprofiled_model_is_re_split_once_its_profile_is_learnt() -> None:
+    plans = _cluster(_app("harpagon")).app_graphs()
+    tables = {m: [1e-3 * (a * b + c) for b in range(1, 17)] for m, (a, c) in MODELS.items()}
+    splits = AppSplits(plans, {**tables, "cls": None}, frontends=1, overhead_s=OVERHEAD_S)
+    assert splits.weights["pipe"] == {"detect": 1.0, "classify": 1.0, "track": 1.0}
+    splits.start(0.0)
+
+    def period(at: float) -> list[str]:
+        for model, count in (("det", 100), ("cls", 200), ("trk", 200)):
+            for _ in range(count):
+                splits.note(model)
+        return splits.on_timer(at)
+
+    assert period(PERIOD_S) == []  # nothing to weigh the rates against: kept
+    splits.learn("cls", tables["cls"])
+    assert period(2 * PERIOD_S) == ["pipe"] and splits.splitter_used["pipe"]
+    assert splits.weights["pipe"]["classify"] != 1.0

@@ -31,7 +31,9 @@ its 1/count share of each bound), so one frontend's count scaled up is the clust
 round of messages between frontends, and each frontend decides only its own app requests'
 deadlines. A period with no request of some stage's model keeps the split; a split the splitter
 finds infeasible (no budget fits l(1)) falls back to ``proportional``. Each rate is rounded to the
-nearest power of ``RATE_STEP`` before it is split, and the splits are remembered.
+nearest power of ``RATE_STEP`` before it is split, and the splits are remembered. A model's
+profile as its backends measured it replaces the configured one from the next re-split on
+(``learn``; the core hands it over before each).
 """
 
 from __future__ import annotations
@@ -178,16 +180,14 @@ class AppSplits:
         self.splitter_used: dict[str, bool] = {}  # False: its splitter fell back
         self._counts: dict[str, dict[str, int]] = {}  # app -> model -> requests this period
         self._apps_of: dict[str, list[dict[str, int]]] = {}  # model -> its apps' counts
-        self._measured: dict[str, bool] = {}
+        self._measured: dict[str, bool] = {}  # every stage's model has a profile
         self._memo: dict[str, dict[tuple[int, ...], tuple[dict[str, float], bool]]] = {
             name: {} for name in self.plans}
         self._since: dict[str, float] = {}
         self._due: dict[str, float] = {}
+        self._model_latency_s = {m: t for m, t in latency_s.items() if t}
         for plan in self.plans.values():
-            tables = {s: latency_s.get(plan.stages[s].model) for s in plan.order}
-            profiled = all(t is not None and len(t) > 0 for t in tables.values())
-            self._latency_s[plan.name] = {s: (t if profiled and t is not None else (1.0,))
-                                          for s, t in tables.items()}
+            self._set_tables(plan)
             self.weights[plan.name] = dict(proportional_split(
                 plan, self._latency_s[plan.name], {}, plan.slo_s))
             self.splitter_used[plan.name] = plan.config.splitter == "proportional"
@@ -195,17 +195,40 @@ class AppSplits:
             self._counts[plan.name] = counts
             for model in counts:
                 self._apps_of.setdefault(model, []).append(counts)
-            self._measured[plan.name] = profiled  # else nothing to weigh the rates against
         self.started = False
         self.next_at = math.inf
+
+    def _set_tables(self, plan: AppGraph) -> None:
+        """``plan``'s stages' l(b) tables; an app with a stage of no known profile has nothing
+        to weigh rates against: its stages weigh 1 and it is not re-split."""
+        tables = {s: self._model_latency_s.get(plan.stages[s].model) for s in plan.order}
+        profiled = all(t is not None for t in tables.values())
+        self._latency_s[plan.name] = {s: (t if profiled and t is not None else (1.0,))
+                                      for s, t in tables.items()}
+        self._measured[plan.name] = profiled
+        self._memo[plan.name].clear()
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models some app's stage runs."""
+        return tuple(self._apps_of)
+
+    def learn(self, model: str, latency_s: Sequence[float]) -> None:
+        """``model``'s l(1..max_batch) as its backends measured it (used from the next
+        re-split on)."""
+        if not latency_s or self._model_latency_s.get(model) == latency_s:
+            return
+        self._model_latency_s[model] = list(latency_s)
+        for plan in self.plans.values():
+            if any(plan.stages[s].model == model for s in plan.order):
+                self._set_tables(plan)
 
     def start(self, now: float) -> None:
         """The first period of every app starts at ``now``."""
         self.started = True
         for name, plan in self.plans.items():
             self._since[name] = now
-            self._due[name] = (now + plan.config.resplit_every_s if self._measured[name]
-                               else math.inf)
+            self._due[name] = now + plan.config.resplit_every_s
         self.next_at = min(self._due.values(), default=math.inf)
 
     def note(self, model: str) -> None:
@@ -233,8 +256,8 @@ class AppSplits:
         seen = dict(counts)
         for model in counts:
             counts[model] = 0
-        if elapsed_s <= 0 or not all(seen.values()):
-            return False  # some stage's model had no request: nothing to measure, keep it
+        if elapsed_s <= 0 or not all(seen.values()) or not self._measured[plan.name]:
+            return False  # no profile, or some stage's model had no request: keep the split
         rates = {s: seen[plan.stages[s].model] / elapsed_s * self.frontends for s in plan.order}
         steps = tuple(round(math.log(rates[s], RATE_STEP)) for s in plan.order)
         memo = self._memo[plan.name]

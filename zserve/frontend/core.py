@@ -816,6 +816,10 @@ class FrontendCore:
         timers.compact_if(len(pending), factor=TIMER_COMPACT_FACTOR, minimum=TIMER_COMPACT_MIN)
         splits = self.app_splits
         if now >= splits.next_at:
+            for name in splits.models:  # the profiles its backends measured, once learnt
+                profile = self.models[name].profile
+                if profile is not None:
+                    splits.learn(name, profile.table_s[1:profile.max_batch + 1])
             for app in splits.on_timer(now):
                 self.apps.set_split(app, splits.weights[app])
                 self.counters["app_resplits"] += 1
