@@ -16,10 +16,9 @@ where ``w`` is its stage's weight, ``W`` the heaviest weighted path from it to t
 stage and ``o`` the stage overhead (the reply allowance and the scheduler's jitter: a stage's
 batch is planned to end that much before its deadline, and only the last stage's reply uses the
 allowance), so the time the stages use is split by weight, a stage that finishes early passes
-its slack on and the last stage gets all that is left. The
-weights are the app's splitter's (``zserve.frontend.app_split``, which the core re-runs every
-period from the measured rates and hands here with ``set_split``); a run keeps the weights it
-was admitted under.
+its slack on and the last stage gets all that is left. The weights are the app's splitter's
+(``zserve.frontend.app_split``, which the core re-runs every period from the measured rates and
+hands here with ``set_split``); a run keeps the weights it was admitted under.
 """
 
 from __future__ import annotations
