@@ -52,48 +52,57 @@ REPLY_ALLOWANCE_MS = 10.0
 CLIENT_TIMEOUT_S = 30.0
 
 
-def apps_cluster_toml() -> str:
-    """Two emulated GPUs, the three models and the app; the OIP HTTP server on a loopback port
-    the kernel picks."""
+def apps_cluster_toml(models: tuple[tuple[str, float, float, int], ...] = MODELS,
+                      fan_out: int = FAN_OUT, splitter: str | None = None,
+                      resplit_every_s: float | None = None) -> str:
+    """Two emulated GPUs, the three models and the app (its splitter and period: the
+    defaults unless given); the OIP HTTP server on a loopback port the kernel picks."""
     lines = ["# written by zserve experiment apps (loadgen/experiments/apps.py)",
              "[cluster]", 'name = "apps"', "",
              "[scheduler]", "shards = 0", "d_ctrl_ms = 3.0", f"jitter_ms = {JITTER_MS}", "",
              "[frontends]", "count = 1", f"reply_allowance_ms = {REPLY_ALLOWANCE_MS}",
              'http_addresses = ["127.0.0.1:0"]', "",
              "[backends]", f"count = {GPUS}", 'device = "emulated"', ""]
-    for name, alpha, beta, out in MODELS:
+    for name, alpha, beta, out in models:
         lines += ["[[models]]", f'name = "{name}"',
                   f"emulated = {{ alpha_ms = {alpha}, beta_ms = {beta}, input_shape = [4], "
                   f"output_shape = [{out}] }}", f"slo_ms = {APP_SLO_MS}", "max_batch = 16", ""]
-    lines += ["[[apps]]", f'name = "{APP}"', f"slo_ms = {APP_SLO_MS}", "",
-              "[[apps.stages]]", 'name = "detect"', 'model = "detector"',
+    lines += ["[[apps]]", f'name = "{APP}"', f"slo_ms = {APP_SLO_MS}"]
+    lines += [f'splitter = "{splitter}"'] if splitter is not None else []
+    lines += [f"resplit_every_s = {resplit_every_s}"] if resplit_every_s is not None else []
+    lines += ["", "[[apps.stages]]", 'name = "detect"', 'model = "detector"',
               'inputs = { x = "app.image" }', "",
               "[[apps.stages]]", 'name = "classify"', 'model = "classifier"',
-              f"after = {{ detect = {FAN_OUT} }}", 'inputs = { x = "detect.y" }', "",
+              f"after = {{ detect = {fan_out} }}", 'inputs = { x = "detect.y" }', "",
               "[[apps.stages]]", 'name = "track"', 'model = "tracker"',
               "after = { classify = 1 }", 'inputs = { x = "classify.y" }', ""]
     return "\n".join(lines)
 
 
+Models = tuple[tuple[str, float, float, int], ...]
+
+
 @functools.cache
-def _executor() -> Any:
+def _executor(models: Models) -> Any:
     from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
     return EmulatedExecutor([EmulatedModel(name, alpha, beta, output_shape=(out,))
-                             for name, alpha, beta, out in MODELS])
+                             for name, alpha, beta, out in models])
 
 
-def expected_outputs(image: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def expected_outputs(image: np.ndarray[Any, Any], models: Models = MODELS,
+                     fan_out: int = FAN_OUT) -> np.ndarray[Any, Any]:
     """What the app answers for ``image``: the three emulated models one after the other, the
-    track stage's FAN_OUT answers joined along the batch dimension."""
-    executor = _executor()
+    track stage's ``fan_out`` answers joined along the batch dimension."""
+    executor = _executor(models)
     x = image
-    for name, *_ in MODELS:
+    for name, *_ in models:
         x = np.asarray(executor.expected_outputs(name, {"x": x})["y"])
-    return np.concatenate([x] * FAN_OUT)
+    return np.concatenate([x] * fan_out)
 
 
-async def _drive(address: str, rate_rps: float, duration_s: float) -> dict[str, Any]:
+async def _drive(address: str, rate_rps: float, duration_s: float, models: Models = MODELS,
+                 fan_out: int = FAN_OUT) -> dict[str, Any]:
     """Poisson arrivals at ``rate_rps`` for ``duration_s``; each request's latency (s), or its
     error, and whether its outputs were the expected ones."""
     import tritonclient.http.aio as httpaio
@@ -116,7 +125,7 @@ async def _drive(address: str, rate_rps: float, duration_s: float) -> dict[str, 
             errors.append(str(exc).splitlines()[0][:200])
             return
         latencies.append(time.perf_counter() - began)
-        if not np.array_equal(result.as_numpy("y"), expected_outputs(image)):
+        if not np.array_equal(result.as_numpy("y"), expected_outputs(image, models, fan_out)):
             wrong += 1
 
     try:
@@ -144,24 +153,32 @@ def _native_check(address: str) -> bool:
     return bool(np.array_equal(outputs["y"], expected_outputs(image)))
 
 
-def _percentile_ms(values: list[float], q: float) -> float:
+def percentile_ms(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
     return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(rate_rps: float, duration_s: float) -> dict[str, Any]:
-    """Start the cluster, check the native client, then drive the app over HTTP."""
+def measure(rate_rps: float, duration_s: float, toml: str | None = None,
+            models: Models = MODELS, fan_out: int = FAN_OUT) -> dict[str, Any]:
+    """Start the cluster (``toml``: the pipeline's unless given), check the native client (the
+    pipeline's only), then drive the app over HTTP."""
     from zserve.cluster.supervisor import Cluster
     from zserve.config.cluster import parse_config
 
-    config = parse_config(tomllib.loads(apps_cluster_toml()))
+    config = parse_config(tomllib.loads(apps_cluster_toml() if toml is None else toml))
     with tempfile.TemporaryDirectory(prefix="zs-apps-") as folder, Cluster(
             config, ipc_base=folder) as cluster:
-        native_ok = _native_check(cluster.client_address)
-        run = asyncio.run(_drive(cluster.http_addresses[0], rate_rps, duration_s))
+        native_ok = _native_check(cluster.client_address) if toml is None else True
+        run = asyncio.run(_drive(cluster.http_addresses[0], rate_rps, duration_s, models,
+                                 fan_out))
     return {**run, "native_ok": native_ok}
+
+
+def bad_count(points: dict[str, Any]) -> int:
+    """Requests answered with an error or past the app's SLO as the client measured it."""
+    return len(points["errors"]) + sum(1 for x in points["latencies_s"] if 1e3 * x > APP_SLO_MS)
 
 
 def run_apps(opts: Options) -> Outcome:
@@ -172,7 +189,7 @@ def run_apps(opts: Options) -> Outcome:
     points = measure(rate, duration)
     latencies, errors = points["latencies_s"], points["errors"]
     answered = len(latencies) + len(errors)
-    p50, p99 = _percentile_ms(latencies, 0.5), _percentile_ms(latencies, 0.99)
+    p50, p99 = percentile_ms(latencies, 0.5), percentile_ms(latencies, 0.99)
     worst = 1e3 * max(latencies, default=float("nan"))
     table = Table(f"app {APP!r}: detect -> classify (x{FAN_OUT}) -> track, SLO "
                   f"{APP_SLO_MS:g} ms, {GPUS} emulated GPUs, Poisson {rate:g} r/s for "
@@ -183,7 +200,7 @@ def run_apps(opts: Options) -> Outcome:
                     p50, p99, worst,
                     1e3 * statistics.fmean(latencies) if latencies else float("nan"),
                     round(os.getloadavg()[0], 1)]])
-    bad = len(errors) + sum(1 for x in latencies if 1e3 * x > APP_SLO_MS)
+    bad = bad_count(points)
     allowed = QUICK_MAX_BAD_FRACTION if opts.quick else MAX_BAD_FRACTION
     # 504: a stage's DEADLINE; 503: UNAVAILABLE (its inputs reached the backend too late) or
     # OVERLOADED: timing, counted bad above; any other kind is a fault of the app path.
@@ -204,7 +221,11 @@ def run_apps(opts: Options) -> Outcome:
               "zserve.Client.infer(app, inputs) gave the expected outputs"),
     ]
     points["latencies_ms"] = [round(1e3 * x, 3) for x in points.pop("latencies_s")]
+    from zserve.loadgen.experiments.apps_split import compare_splitters  # it imports this
+
+    split_tables, split_checks, split_points = compare_splitters(opts)
     config = {"app": APP, "slo_ms": APP_SLO_MS, "fan_out": FAN_OUT, "gpus": GPUS,
               "rate_rps": rate, "duration_s": duration, "models": [list(m) for m in MODELS],
               "cluster_toml": apps_cluster_toml()}
-    return Outcome(config, [table], checks, points)
+    return Outcome(config, [table, *split_tables], checks + split_checks,
+                   {**points, "splitters": split_points})

@@ -30,6 +30,10 @@ from zserve.transport.messages import (
 CLIENT = b"client-1"
 APP_SLO_MS = 100.0
 REPLY_ALLOWANCE_S = 0.003
+JITTER_S = 0.001
+# What every stage's share adds to its part of the time the stages use: only the last stage's
+# reply uses the allowance, and each batch is planned to end the jitter before its deadline.
+OVERHEAD_S = REPLY_ALLOWANCE_S + JITTER_S
 # l(1) of each stage's model, ms: the split gives stage k a share l_k / (sum of l on the rest).
 L1_MS = {"det": 10.0, "cls": 20.0, "trk": 10.0}
 SHAPES = {"det": [4], "cls": [4], "trk": [1]}  # output shapes: each chains into the next's x
@@ -48,6 +52,7 @@ def _cluster(fan_out: int = 2) -> ClusterConfig:
          "inputs": {"x": "classify.y"}}]}
     return parse_config({"backends": {"count": 1, "device": "emulated"},
                          "frontends": {"reply_allowance_ms": REPLY_ALLOWANCE_S * 1e3},
+                         "scheduler": {"jitter_ms": JITTER_S * 1e3},
                          "models": models, "apps": [app]})
 
 
@@ -140,14 +145,18 @@ def test_each_stage_gets_its_share_of_the_slo_and_early_finish_passes_slack_on()
     h = _Harness(fan_out=1)
     h.submit(0.0, 1)
     answer_by = APP_SLO_MS / 1e3
-    # detect: 10 / (10 + 20 + 10) of the SLO (minus the reply allowance, the scheduler's).
+    # detect: 10 / (10 + 20 + 10) of the SLO less the overhead, plus the overhead (less the
+    # reply allowance: the scheduler's deadline).
     (det,) = _stage_deadlines(h, "det")
-    assert det == pytest.approx(answer_by * 10 / 40 - REPLY_ALLOWANCE_S)
+    assert det == pytest.approx(OVERHEAD_S + (answer_by - OVERHEAD_S) * 10 / 40
+                                - REPLY_ALLOWANCE_S)
     h.finish(0.005, "det")  # 20 ms before its deadline
     (cls,) = _stage_deadlines(h, "cls")
-    assert cls == pytest.approx(0.005 + (answer_by - 0.005) * 20 / 30 - REPLY_ALLOWANCE_S)
+    assert cls == pytest.approx(0.005 + OVERHEAD_S + (answer_by - 0.005 - OVERHEAD_S) * 20 / 30
+                                - REPLY_ALLOWANCE_S)
     budget_s = cls + REPLY_ALLOWANCE_S - 0.005
-    assert budget_s > answer_by * 20 / 40  # more than its static share: detect's slack
+    # more than its static share: detect's slack
+    assert budget_s > OVERHEAD_S + (answer_by - OVERHEAD_S) * 20 / 40
     h.finish(0.020, "cls")
     (trk,) = _stage_deadlines(h, "trk")  # the last stage gets all that is left
     assert trk == pytest.approx(answer_by - REPLY_ALLOWANCE_S)
@@ -158,10 +167,11 @@ def test_a_stage_that_misses_its_deadline_fails_the_app_once_naming_the_stage() 
     h.submit(0.0, 3)
     h.finish(0.010, "det")
     assert len(_stage_deadlines(h, "cls")) == 3
-    # classify's share: 0.01 + 0.09 * 20 / 30 = 0.07; its three deadlines pass together.
-    h.timer(0.0699)
+    # classify's share: 0.01 + o + (0.09 - o) * 20 / 30; its three deadlines pass together.
+    ends = 0.010 + OVERHEAD_S + (0.090 - OVERHEAD_S) * 20 / 30
+    h.timer(ends - 0.0001)
     assert h.answers == []
-    h.timer(0.0701)
+    h.timer(ends + 0.0001)
     assert len(h.answers) == 1
     error = h.answers[0]
     assert isinstance(error, InferError) and error.request_id == 3
@@ -212,13 +222,15 @@ def test_a_join_stage_waits_for_every_stage_it_follows() -> None:
     h = _Harness(cluster=parse_config({
         "backends": {"count": 1, "device": "emulated"}, "models": models,
         "frontends": {"reply_allowance_ms": REPLY_ALLOWANCE_S * 1e3},
+        "scheduler": {"jitter_ms": JITTER_S * 1e3},
         "apps": [{"name": "pipe", "slo_ms": 100.0, "stages": stages}]}))
     h.submit(0.0, 1)
     h.finish(0.005, "m1")
     assert sorted(m for m, _ in h.deadlines.values()) == ["m2", "m3"]
     # Both branches weigh 5 ms: each gets 5 / (5 + 5) of what is left, as does the join after.
     (left,) = _stage_deadlines(h, "m2")
-    assert left == pytest.approx(0.005 + 0.095 / 2 - REPLY_ALLOWANCE_S)
+    assert left == pytest.approx(0.005 + OVERHEAD_S + (0.095 - OVERHEAD_S) / 2
+                                 - REPLY_ALLOWANCE_S)
     h.finish(0.010, "m3")
     assert _stage_deadlines(h, "m4") == []  # still waiting for the left branch
     h.finish(0.020, "m2")

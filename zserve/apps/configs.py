@@ -16,6 +16,9 @@ next batch collects requests, and depends on how requests are dispatched:
   at their aggregate rate;
 - ``rr`` (Nexus, Clipper, InferLine): requests go one by one round-robin and each machine
   collects its own batch at its own rate (``2 d`` when full).
+- ``deferred`` (zserve's central scheduler, the live split of ``zserve.frontend.app_split``): as
+  ``tc``, but a batch is sent when its last request has arrived, so its first request waits
+  for ``batch - 1`` more (a batch of one runs at once): ``duration + (batch - 1) / w``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Dispatch = Literal["tc", "dt", "rr"]
-DISPATCHES: tuple[Dispatch, ...] = ("tc", "dt", "rr")
+Dispatch = Literal["tc", "dt", "rr", "deferred"]
+DISPATCHES: tuple[Dispatch, ...] = ("tc", "dt", "rr")  # the planners' (the papers')
 EPSILON = 1e-9  # rates and machine counts closer than this are equal (4.999999 machines is 5)
 
 
@@ -120,7 +123,7 @@ class ModulePlan:
 def group_wcl_s(groups: Sequence[Group], index: int, dispatch: Dispatch) -> float:
     """Worst-case latency of ``groups[index]`` under ``dispatch`` (module docstring)."""
     group = groups[index]
-    if dispatch == "tc":
+    if dispatch in ("tc", "deferred"):
         collect_rps = sum(g.rate_rps for g in groups[index:])
     elif dispatch == "dt":
         collect_rps = sum(g.rate_rps for g in groups if g.config == group.config)
@@ -128,7 +131,7 @@ def group_wcl_s(groups: Sequence[Group], index: int, dispatch: Dispatch) -> floa
         collect_rps = group.load * group.config.throughput_rps
     if collect_rps <= EPSILON:
         return math.inf
-    return group.config.duration_s + group.config.batch / collect_rps
+    return group.config.duration_s + _waited_for(group.config.batch, dispatch) / collect_rps
 
 
 def plan_wcl_s(groups: Sequence[Group], dispatch: Dispatch) -> float:
@@ -141,7 +144,12 @@ def single_wcl_s(config: Config, rate_rps: float, dispatch: Dispatch) -> float:
     dispatch, one group) the stream collects at ``rate_rps``; under RR each machine collects at
     its own rate, at most its throughput (``2 d`` once the module fills a machine)."""
     collect = rate_rps if dispatch != "rr" else min(rate_rps, config.throughput_rps)
-    return config.duration_s + config.batch / collect
+    return config.duration_s + _waited_for(config.batch, dispatch) / collect
+
+
+def _waited_for(batch: int, dispatch: Dispatch) -> int:
+    """Requests a batch's first request waits for (module docstring)."""
+    return batch - 1 if dispatch == "deferred" else batch
 
 
 def full_and_partial(config: Config, rate_rps: float) -> list[Group]:

@@ -4,7 +4,9 @@ An app names its stages; each stage runs one model of the cluster, follows the s
 ``after`` (each with its fan-out factor: the stage runs that many requests per upstream answer),
 and maps each of its model's inputs (``inputs``) from an app input (``"app.<name>"``) or an
 output of a stage it follows (``"<stage>.<output>"``). An app ends in exactly one stage (one that
-no stage follows): the app's answer is its outputs. ``check_apps``
+no stage follows): the app's answer is its outputs. ``splitter`` names how its SLO is split over
+its stages, recomputed every ``resplit_every_s`` from the measured rates
+(``zserve.frontend.app_split``). ``check_apps``
 validates the apps against the models at load; every problem is a one-line error naming the key
 path. ``AppGraph`` is the validated form the frontend drives (``zserve.frontend.apps``).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -23,6 +25,10 @@ from zserve.config.signature import ModelSignature, TensorSpec
 
 APP_INPUT = "app"  # the source prefix naming the app's own inputs: "app.<name>"
 FanOut = Annotated[int, msgspec.Meta(ge=1)]
+SplitterName = Literal["proportional", "nexus", "harpagon"]
+SPLITTERS: tuple[SplitterName, ...] = ("proportional", "nexus", "harpagon")
+DEFAULT_SPLITTER: SplitterName = "harpagon"  # docs/apps.md, "Choosing a splitter"
+DEFAULT_RESPLIT_EVERY_S = 5.0
 
 
 class _AppError(ValueError):
@@ -46,14 +52,18 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 class AppConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[[apps]]``: one application: its name (clients call it like a model), its end-to-end
-    SLO and its stages."""
+    SLO, its stages, the splitter of its SLO over them and how often the split is recomputed
+    from the measured rates."""
 
     name: str
     slo_ms: float
     stages: tuple[StageConfig, ...]
+    splitter: SplitterName = DEFAULT_SPLITTER
+    resplit_every_s: float = DEFAULT_RESPLIT_EVERY_S
 
     def __post_init__(self) -> None:
         check_finite("slo_ms", self.slo_ms, positive=True)
+        check_finite("resplit_every_s", self.resplit_every_s, positive=True)
         if not self.stages:
             raise FieldError("stages", "an app needs at least one stage")
 
@@ -118,6 +128,11 @@ def _plan(app: AppConfig, models: Mapping[str, ModelSignature | None]) -> AppGra
         raise _AppError("stages", f"an app ends in exactly one stage, got {', '.join(last)}")
     for j, stage in enumerate(app.stages):
         _check_inputs(j, stage, stages, models)
+    joins = [s.name for s in app.stages if len(s.after) > 1]
+    if app.splitter == "nexus" and joins:
+        raise _AppError("splitter", f"'nexus' (a dynamic program over a tree) needs every stage "
+                         f"to follow at most one stage; {joins[0]!r} follows "
+                         f"{len(stages[joins[0]].after)}: use 'harpagon' or 'proportional'")
     plan = AppGraph(app, order, stages, count, following, last[0], None)
     return dataclasses.replace(plan, signature=app_signature(plan, models))
 

@@ -11,16 +11,19 @@ trip to the client. The app request ends with exactly one answer: the last stage
 instances' outputs joined along the batch dimension), or the first failing stage's typed error
 naming that stage; the other stage requests still in flight are then cancelled.
 
-Deadlines: a stage instance submitted at ``now`` gets ``(answer_by - now) * w / W`` where ``w``
-is its stage's weight and ``W`` the heaviest weighted path from it to the app's last stage, so a
-stage that finishes early passes its slack on and the last stage gets all that is left. The
-weights come from a ``Splitter`` (the seam for other splitting policies): by default each stage's
-l(1) from its model's profile (``proportional_split``).
+Deadlines: a stage instance submitted at ``now`` gets ``(answer_by - now - o) * w / W + o``
+where ``w`` is its stage's weight, ``W`` the heaviest weighted path from it to the app's last
+stage and ``o`` the stage overhead (the reply allowance and the scheduler's jitter: a stage's
+batch is planned to end that much before its deadline, and only the last stage's reply uses the
+allowance), so the time the stages use is split by weight, a stage that finishes early passes
+its slack on and the last stage gets all that is left. The weights are the app's splitter's
+(``zserve.frontend.app_split``, which the core re-runs every period from the measured rates and
+hands here with ``set_split``); a run keeps the weights it was admitted under.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,19 +38,11 @@ from zserve.transport.messages import InferRequest
 # five bytes, and the OIP bridge's is another name).
 APP_CLIENT = b"\x00zserve-app-stages"
 
-Splitter = Callable[[AppGraph, Mapping[str, float]], Mapping[str, float]]
-"""(app, each stage's l(1) in seconds) -> each stage's weight in the SLO split (any unit)."""
-
 APP_COUNTERS = ("app_received", "app_admitted", "app_replied", "app_failed", "app_rejected",
                 "app_cancelled", "app_abandoned")
 """App requests received, admitted, answered with outputs or a stage's error, refused, cancelled
 by their client and abandoned (its connection closed). Each stage request is also counted as a
 model request in the core's own counters (``received``, ``replied``, ``error_<KIND>``, ...)."""
-
-
-def proportional_split(plan: AppGraph, latency_s: Mapping[str, float]) -> Mapping[str, float]:
-    """Each stage weighs its l(1): on the critical path the SLO is split in proportion to it."""
-    return {name: latency_s[name] for name in plan.order}
 
 
 class StageSink(Protocol):
@@ -65,11 +60,13 @@ class _Run:
     """One admitted app request: its inputs, each stage instance's outputs, its live stage
     requests."""
 
-    __slots__ = ("answer_by", "client", "client_rid", "done", "inputs", "live", "outputs", "plan")
+    __slots__ = ("answer_by", "client", "client_rid", "done", "inputs", "live", "outputs", "path",
+                 "plan", "weight")
 
     def __init__(self, plan: AppGraph, client: bytes, client_rid: int, inputs: dict[str, Any],
-                 answer_by: float) -> None:
+                 *, answer_by: float, split: tuple[dict[str, float], dict[str, float]]) -> None:
         self.plan = plan
+        self.weight, self.path = split  # the app's split when it was admitted
         self.client = client
         self.client_rid = client_rid
         self.inputs = inputs
@@ -83,37 +80,45 @@ class _Run:
 class AppDriver:
     """Every app request in flight at one frontend; see the module docstring."""
 
-    def __init__(self, plans: Mapping[str, AppGraph], latency_s: Mapping[str, float],
-                 sink: StageSink, splitter: Splitter = proportional_split,
+    def __init__(self, plans: Mapping[str, AppGraph], weights: Mapping[str, Mapping[str, float]],
+                 sink: StageSink, *, overhead_s: float = 0.0,
                  counters: dict[str, int] | None = None) -> None:
-        """``latency_s``: each model's l(1) in seconds (a stage of an unprofiled model: 1);
-        ``counters``: where ``APP_COUNTERS`` are counted (the core's, so they reach its stats)."""
+        """``weights``: each app's stages' weights (``zserve.frontend.app_split``);
+        ``overhead_s``: each stage's overhead (module docstring); ``counters``: where
+        ``APP_COUNTERS`` are counted (the core's, so they reach its stats)."""
         self.plans = dict(plans)
+        self.overhead_s = overhead_s
         self.names = frozenset(plans)
         self.sink = sink
         self.counters = dict.fromkeys(APP_COUNTERS, 0) if counters is None else counters
-        self._weight: dict[str, dict[str, float]] = {}
-        self._path: dict[str, dict[str, float]] = {}
+        self._split: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
         for plan in self.plans.values():
-            stage_l1 = {s: latency_s.get(plan.stages[s].model, 1.0) for s in plan.order}
-            self._set_split(plan, splitter(plan, stage_l1))
+            self.set_split(plan.name, weights[plan.name])
         self._runs: dict[bytes, dict[int, _Run]] = {}  # client -> its request id -> run
         self._stage_of: dict[int, tuple[_Run, str, int]] = {}  # stage rid -> run, stage, instance
         self._next_rid = 0
         self._owed_cancels: list[int] = []
 
-    def _set_split(self, plan: AppGraph, weights: Mapping[str, float]) -> None:
-        """Each stage's weight and the heaviest weighted path from it to the end."""
+    def set_split(self, app: str, weights: Mapping[str, float]) -> None:
+        """``app``'s stages' weights from now on (requests admitted before keep theirs); with
+        each stage, the heaviest weighted path from it to the end."""
+        plan = self.plans[app]
         weight = {s: max(float(weights[s]), 1e-9) for s in plan.order}
         path: dict[str, float] = {}
         for stage in reversed(plan.order):
             path[stage] = weight[stage] + max((path[d] for d in plan.next[stage]), default=0.0)
-        self._weight[plan.name] = weight
-        self._path[plan.name] = path
+        self._split[app] = (weight, path)
 
     def budget_s(self, app: str, stage: str, remaining_s: float) -> float:
-        """The share of ``remaining_s`` that ``stage`` of ``app`` gets when it starts."""
-        return remaining_s * self._weight[app][stage] / self._path[app][stage]
+        """The share of ``remaining_s`` that ``stage`` of ``app`` gets when it starts now."""
+        weight, path = self._split[app]
+        return self._share(remaining_s, weight[stage] / path[stage])
+
+    def _share(self, remaining_s: float, fraction: float) -> float:
+        """``fraction`` of the time the stages use (``remaining_s`` less the overhead), plus
+        the overhead; never past the app's answer."""
+        overhead_s = self.overhead_s
+        return min(remaining_s, max(remaining_s - overhead_s, 0.0) * fraction + overhead_s)
 
     @property
     def in_flight(self) -> int:
@@ -132,7 +137,8 @@ class AppDriver:
                                  (ErrorKind.BAD_REQUEST, refusal), outbox)
             return
         slo_s = plan.slo_s if req.slo_ms <= 0 else min(plan.slo_s, req.slo_ms / 1e3)
-        run = _Run(plan, client, req.request_id, req.inputs, now + slo_s)
+        run = _Run(plan, client, req.request_id, req.inputs, answer_by=now + slo_s,
+                   split=self._split[plan.name])
         self._runs.setdefault(client, {})[req.request_id] = run
         self.counters["app_admitted"] += 1
         for stage in plan.order:
@@ -157,7 +163,7 @@ class AppDriver:
         """Submit one stage instance with its share of what is left of the app's SLO."""
         plan = run.plan
         config = plan.stages[stage]
-        budget_s = self.budget_s(plan.name, stage, run.answer_by - now)
+        budget_s = self._share(run.answer_by - now, run.weight[stage] / run.path[stage])
         if budget_s <= 0.0:
             self._fail(run, stage, ErrorKind.DEADLINE, "no time left of the app's SLO",
                        outbox)

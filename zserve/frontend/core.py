@@ -34,7 +34,7 @@ import numpy as np
 
 from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
 from zserve.config.prefix_groups import HEAD_INPUT
-from zserve.config.profiles import LatencyProfile, configured_profile
+from zserve.config.profiles import LatencyProfile
 from zserve.config.signature import quoted
 from zserve.core.errors import ErrorKind, ZServeError, bounded_message
 from zserve.core.hosting import Destination, Outbox
@@ -42,6 +42,12 @@ from zserve.core.request_ids import RequestIds, incarnation_of
 from zserve.core.stats import Histogram, Stats
 from zserve.core.timer_heap import LazyTimerHeap
 from zserve.frontend.admission import ModelAdmission
+from zserve.frontend.app_split import (
+    AppSplits,
+    latency_tables_s,
+    scheduling_allowances_s,
+    stage_overhead_s,
+)
 from zserve.frontend.apps import APP_CLIENT, APP_COUNTERS, AppDriver
 from zserve.frontend.backend_view import FrontendBackends, LostBackends
 from zserve.frontend.cancel import CANCEL_COUNTERS, FrontendCancellation
@@ -103,6 +109,7 @@ FRONTEND_COUNTERS = (
     "reply_unroutable",
     *_REJECTED_COUNTERS.values(), *_ERROR_COUNTERS.values(),
     *APP_COUNTERS,  # app requests (zserve.frontend.apps)
+    "app_resplits",  # apps' SLO splits recomputed from measured rates (zserve.frontend.app_split)
 )
 """The core's counters: requests received and admitted, answers (``replied`` with outputs,
 ``error_<KIND>`` with an error, ``rejected_<KIND>`` at admission), cancellations, fetches and
@@ -163,17 +170,6 @@ def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | Non
                                                       shards),
                                    profiles.get(m.name), reply_s, share)
             for m in cluster.models}
-
-
-def _stage_latency_s(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | None]
-                     ) -> dict[str, float]:
-    """Each model's l(1) in seconds where a profile is known (the app driver's SLO split)."""
-    out: dict[str, float] = {}
-    for model in cluster.models:
-        profile = profiles.get(model.name) or configured_profile(model)
-        if profile is not None:
-            out[model.name] = profile.latency(1)
-    return out
 
 
 class _ShardMeta:
@@ -243,8 +239,15 @@ class FrontendCore:
         # pending with that deadline (most are answered first: lazily deleted).
         self._timers: LazyTimerHeap[int] = LazyTimerHeap(self._deadline_is_live)
         self.wake_at = math.inf
-        self.apps = AppDriver(cluster.app_graphs(), _stage_latency_s(cluster, profiles), self,
-                              counters=self.counters)
+        plans = cluster.app_graphs()
+        # Each app's SLO split, re-run every period from the rates admitted here (the first
+        # period starts at the first app request).
+        self.app_splits = AppSplits(plans, latency_tables_s(cluster, profiles),
+                                    frontends=cluster.frontends.count,
+                                    overhead_s=stage_overhead_s(cluster),
+                                    delay_s=scheduling_allowances_s(cluster))
+        self.apps = AppDriver(plans, self.app_splits.weights, self,
+                              overhead_s=stage_overhead_s(cluster), counters=self.counters)
 
     def _init_stats(self, host_counters: Iterable[str]) -> None:
         """The counters and histograms, the per-request ones bound to attributes once."""
@@ -351,6 +354,8 @@ class FrontendCore:
         model.pending += rows
         model.queued += rows
         self.counters["admitted"] += 1
+        if self.apps.names:  # the rates the apps' splits are recomputed from
+            self.app_splits.note(req.model)
         self._timers.push(answer_by, rid)
         self.wake_at = min(self.wake_at, answer_by + TIMER_COALESCE_S)
         if self.on_demand.report:  # with [orchestration] only: no call per request otherwise
@@ -374,6 +379,9 @@ class FrontendCore:
             self.counters[_REJECTED_COUNTERS[kind]] += 1
             self._send_error(client, req.request_id, kind, refusal, outbox)
             return
+        if not self.app_splits.started:
+            self.app_splits.start(now)
+            self.wake_at = min(self.wake_at, self.app_splits.next_at)
         self.apps.on_infer(now, client, req, outbox)
 
     def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox) -> None:
@@ -805,8 +813,9 @@ class FrontendCore:
     # ------------------------------------------------------------------ deadlines
 
     def on_timer(self, now: float, outbox: Outbox) -> None:
-        """Answer ``DEADLINE`` to every request whose SLO has passed by ``now``; the next
-        wake-up is ``TIMER_COALESCE_S`` after the earliest deadline still pending."""
+        """Answer ``DEADLINE`` to every request whose SLO has passed by ``now``, and re-split
+        the apps whose period has ended; the next wake-up is ``TIMER_COALESCE_S`` after the
+        earliest deadline still pending, or the next re-split if sooner."""
         timers = self._timers
         pending = self.requests.pending
         while (rid := timers.pop_due(now)) is not None:
@@ -819,7 +828,16 @@ class FrontendCore:
                                f"no answer within the SLO (request was {where})", outbox)
         # Lazy deletion keeps the heap proportional to the pending requests this way.
         timers.compact_if(len(pending), factor=TIMER_COMPACT_FACTOR, minimum=TIMER_COMPACT_MIN)
-        self.wake_at = timers.next_at() + TIMER_COALESCE_S
+        splits = self.app_splits
+        if now >= splits.next_at:
+            for name in splits.models:  # the profiles its backends measured, once learnt
+                profile = self.models[name].profile
+                if profile is not None:
+                    splits.learn(name, profile.table_s[1:profile.max_batch + 1])
+            for app in splits.on_timer(now):
+                self.apps.set_split(app, splits.weights[app])
+                self.counters["app_resplits"] += 1
+        self.wake_at = min(timers.next_at() + TIMER_COALESCE_S, splits.next_at)
 
     def _deadline_is_live(self, answer_by: float, rid: int) -> bool:
         p = self.requests.pending.get(rid)
@@ -841,7 +859,17 @@ class FrontendCore:
             "fetched_by": self.requests.fetched_counts(),
             "models": {name: m.pending for name, m in self.models.items()},
             **self._stats.snapshot(reset),
+            **({"app_splits": self._app_split_stats()} if self.apps.names else {}),
         }
+
+    def _app_split_stats(self) -> dict[str, dict[str, Any]]:
+        """Each app's splitter, whether it (not the fallback) made the current split, each
+        stage's share of the SLO (ms) and the rates (r/s) it was made from."""
+        splits = self.app_splits
+        return {app: {"splitter": plan.config.splitter, "by_splitter": splits.splitter_used[app],
+                      "budgets_ms": splits.budgets_ms(app),
+                      "rates_rps": splits.rates_rps.get(app, {})}
+                for app, plan in splits.plans.items()}
 
     def _sum_per_model(self) -> None:
         """``admit_to_answer`` and ``queueing`` are the sums of their per-model histograms
