@@ -505,3 +505,25 @@ def test_the_twin_runs_each_kinds_profile_file(tmp_path: Path) -> None:
     plain = tmp_path / "plain.toml"
     plain.write_text('[[models]]\nname = "a"\nemulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
     assert cli.cluster_gpu_profiles(load_config(plain), load_workload(path))[1] is None
+
+
+def test_a_model_whose_every_gpu_is_slower_than_its_own_profile_is_refused(
+        tmp_path: Path) -> None:
+    """Every grant of such a model would be given back and granted again at the same instant
+    (the run never ended): refused in one line before it starts; one GPU that runs its own
+    profile, or is as fast, is enough."""
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[workload]\ngpus = 2\nrate = 300.0\nwarmup_s = 0.2\nmeasure_s = 1.0\ncooldown_s = 0.1\n"
+        '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n')
+    w = load_workload(path)
+    slower = LatencyProfile.linear(2.0, 9.0, 18)
+    capped = w.models[0].profile.truncated(8)  # the same line, but no batch above 8
+    for kinds in ([{"a": slower}, {"a": slower}], [{"a": capped}, {"a": slower}]):
+        with pytest.raises(ValueError, match=r"^gpu_profiles: every GPU serving 'a' runs it "
+                           r"slower than its own profile at some batch size"):
+            Simulator(w, SimConfig(gpu_profiles=kinds))
+    # a GPU of its own profile, or one as fast everywhere, serves it: it runs
+    faster = LatencyProfile.linear(0.9, 4.0, 18)
+    for kinds in ([{}, {"a": slower}], [{"a": faster}, {"a": slower}]):
+        assert Simulator(w, SimConfig(gpu_profiles=kinds)).run()["good_rps"] > 0
