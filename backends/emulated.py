@@ -104,10 +104,11 @@ class EmulatedModel:
         )
 
     @classmethod
-    def from_config(cls, model: ModelConfig) -> EmulatedModel:
-        """From a cluster file's model: its configured profile (emulated alpha/beta or a
-        profile file), input and output shapes."""
-        profile = configured_profile(model)
+    def from_config(cls, model: ModelConfig, kind: str = "") -> EmulatedModel:
+        """From a cluster file's model: its configured profile on a device of ``kind`` (its
+        ``profiles`` file for the kind, else its profile file or emulated alpha/beta), input and
+        output shapes."""
+        profile = configured_profile(model, kind)
         if profile is None:
             raise ValueError(f"model {model.name!r} on an emulated device needs emulated "
                              "alpha_ms/beta_ms or a profile file")

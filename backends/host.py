@@ -126,15 +126,17 @@ def _newer_incarnation(incarnation: int, than: int) -> bool:
 
 
 def build_executor(device: str, models: Sequence[ModelConfig],
-                   onnx_io: str = "iobinding") -> Executor:
+                   onnx_io: str = "iobinding", kind: str = "") -> Executor:
     """The executor for ``device``: emulated for ``emulated`` (every model then needs a profile:
     emulated alpha/beta or a profile file), else ONNX Runtime on the device (``cpu``, ``cuda:N``)
     for the ``builtin`` and ``onnx`` models, run as ``onnx_io`` says (``[backends] onnx_io``:
-    ``iobinding``, ``bound``, ``graph`` or ``tensorrt``; ``zserve.backends.onnx_binding``)."""
+    ``iobinding``, ``bound``, ``graph`` or ``tensorrt``; ``zserve.backends.onnx_binding``). An
+    emulated device of ``kind`` runs each model's profile for that kind (``[[models]]
+    profiles``)."""
     if device == "emulated":
         from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
-        return EmulatedExecutor([EmulatedModel.from_config(m) for m in models])
+        return EmulatedExecutor([EmulatedModel.from_config(m, kind) for m in models])
     from zserve.backends.builtin import ModelSpec, ensure_builtin
     from zserve.backends.onnx_executor import OnnxExecutor
     from zserve.backends.onnx_session import SessionConfig
@@ -234,7 +236,7 @@ class BackendHost:
         self.lifecycle = ModelLifecycle(
             name=name, executor=executor, follower=self.follower, runner=self.runner,
             clock=self.clock, served=self.models, profiles=self.profiles, warmed=self.warmed,
-            announce=self._announce, report=report or _no_report)
+            announce=self._announce, report=report or _no_report, kind=kind)
 
     # ------------------------------------------------------------------ start-up
 
@@ -249,7 +251,8 @@ class BackendHost:
             self.runner.allocate(model)
         by_name = {m.name: m for m in models}
         for model in self.models:
-            profile = configured_profile(by_name[model]) if model in by_name else None
+            profile = (configured_profile(by_name[model], self.kind) if model in by_name
+                       else None)
             if profile is None:
                 measured = self.executor.profile(model, repeats=PROFILE_REPEATS, warmup=0)
                 profile = LatencyProfile.from_table_ms(measured.table_ms())
@@ -639,7 +642,7 @@ async def _serve(config: RoleConfig, control_address: str | None,
         host = BackendHost(name=name, device=config.device,
                            kind=config.kind,
                            executor=build_executor(config.device, groups.models,
-                                                   config.cluster.backends.onnx_io),
+                                                   config.cluster.backends.onnx_io, config.kind),
                            ctx=session.ctx, plan_sock=plan_sock, plan_address=plan_address,
                            reactor=reactor, shed_grace_s=SHED_GRACE_FRACTION * reply_allowance_s,
                            report=session.link.send)

@@ -70,14 +70,14 @@ def release_free_heap() -> bool:
         return False
 
 
-def model_spec(config: ModelConfig, executor: Executor | None = None) -> Any:
-    """What ``executor.add_model`` loads: an ``EmulatedModel`` (its profile) on an emulated
-    device, else the ``ModelSpec`` of an ONNX or built-in model."""
+def model_spec(config: ModelConfig, executor: Executor | None = None, kind: str = "") -> Any:
+    """What ``executor.add_model`` loads: an ``EmulatedModel`` (its profile on a device of
+    ``kind``) on an emulated device, else the ``ModelSpec`` of an ONNX or built-in model."""
     from zserve.backends.builtin import ModelSpec, ensure_builtin
     from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
 
     if isinstance(executor, EmulatedExecutor):
-        return EmulatedModel.from_config(config)
+        return EmulatedModel.from_config(config, kind)
 
     if config.kind == "builtin" and config.builtin:
         return ModelSpec(config.name, ensure_builtin(config.builtin))
@@ -94,7 +94,7 @@ class ModelLifecycle:
     def __init__(self, *, name: str, executor: Executor, follower: PlanFollower,
                  runner: BatchRunner, clock: ClusterClock, served: list[str],
                  profiles: dict[str, LatencyProfile], warmed: dict[str, list[int]],
-                 announce: Callable[[], None], report: Report) -> None:
+                 announce: Callable[[], None], report: Report, kind: str = "") -> None:
         self.name = name
         self.executor = executor
         self.follower = follower
@@ -105,6 +105,7 @@ class ModelLifecycle:
         self.warmed = warmed
         self.announce = announce
         self.report = report
+        self.kind = kind  # the device kind the backend announces: its models' profiles there
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_plan_at: dict[str, float] = {}
         # loaded and warmed, not announced yet (a LoadModel without ``announce``): its profile
@@ -163,14 +164,15 @@ class ModelLifecycle:
     async def _open_and_warm(self, config: ModelConfig) -> LatencyProfile:
         """Open the sessions, warm every batch size, fix the profile; raises on failure."""
         model = config.name
-        await asyncio.to_thread(self.executor.add_model, model_spec(config, self.executor),
+        await asyncio.to_thread(self.executor.add_model,
+                                model_spec(config, self.executor, self.kind),
                                 max_batch=config.max_batch,
                                 session_batch_sizes=config.session_batch_sizes)
         for size in range(1, self.executor.max_batch(model) + 1):
             if not self.executor.holds_runtime_state:
                 break
             await self.executor.run_async(model, self.executor.synthetic_requests(model, size))
-        profile = configured_profile(config)
+        profile = configured_profile(config, self.kind)
         if profile is None:
             measured = await asyncio.to_thread(self.executor.profile, model,
                                                repeats=PROFILE_REPEATS, warmup=0)

@@ -6,7 +6,9 @@ slowest of every serving backend's registered l(b), element-wise (``merge_profil
 every GPU. Where backends announce kinds, each kind's backends' profiles are merged the same way,
 and a GPU whose kind's profile differs from the model's own is listed with it
 (``ModelThread.set_gpu_profiles``): a batch granted there is sized and timed by that kind. With one
-kind, or none announced, the map is empty and planning is what it was.
+kind, or none announced, the map is empty and planning is what it was. Each backend registers the
+l(b) it runs: its kind's file where the cluster file gives the model one per kind (``[[models]]
+profiles``), so that is the profile its kind is planned with here.
 """
 
 from __future__ import annotations

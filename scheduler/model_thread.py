@@ -440,6 +440,12 @@ class ModelThread:
         for sibling in (self._kind_sizing or {}).values():
             sibling.set_alone(alone)
 
+    @property
+    def gpu_profiles(self) -> dict[int, LatencyProfile]:
+        """The GPUs of other device kinds and this model's profile on each (``set_gpu_profiles``;
+        empty: one kind)."""
+        return {gpu_id: sizing.profile for gpu_id, sizing in (self._kind_sizing or {}).items()}
+
     def set_gpu_profiles(self, profiles: Mapping[int, LatencyProfile]) -> None:
         """GPUs of other device kinds and this model's profile on each (GPUs not listed run the
         thread's own profile, which sizes the candidate the rank sees). Empty: one kind."""

@@ -597,6 +597,10 @@ class ShardHost:
                     "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
                     "max_batch": t.profile.max_batch,
                     "gpus": list(self.core.served.get(name, [])),
+                    # l(1) of its own profile, and of its profile on GPUs of another kind
+                    "l1_ms": t.profile.latency(1) * 1e3,
+                    "gpu_l1_ms": {str(g): p.latency(1) * 1e3
+                                  for g, p in t.gpu_profiles.items()},
                 }
                 for name, t in self.core.threads.items()
             },

@@ -10,17 +10,22 @@ price pages in 2024, not re-checked here): an A100 40 GB is Google Cloud's a2-hi
 priced as AWS's g4dn.xlarge (one T4, 4 vCPUs, 16 GiB), $0.526/h in us-east-1, a card of the same
 class (8.1 fp32 TFLOPS against the 1080 Ti's 11.3).
 
-Each model keeps one SLO, the A100 zoo's (the tighter of the two files'); a kind whose batch of one
-misses it cannot serve the model. Every fleet's size is searched in the simulator: its GPU count
-is the smallest at which the offered rate passes (worst model's bad rate <= 1%). The mixed fleet's
-two pools are sized apart (they share no model), then run together in one simulation, each GPU
-with its kind's profiles and each model on its kind's GPUs.
+Each model keeps one SLO, the A100 zoo's (the tighter of the two files' for all but BERT, 59 ms
+against 56); a kind whose batch of one misses it cannot serve the model (none of the 35 on either
+kind). The papers set each kind's SLO so that the model runs batches of at least 4 there (both
+files: max(20 ms, 2 l(4) rounded down to the ms) on that kind): the A100's SLO is the workload's,
+and the looser reading, each model's batch of 4 fitting on both kinds (the larger of the two
+files' SLOs), is costed by the floor beside it (``slo_readings``). Every fleet's size is searched
+in the simulator: its GPU count is the smallest at which the offered rate passes (worst model's
+bad rate <= 1%). The mixed fleet's two pools are sized apart (they share no model), then run
+together in one simulation, each GPU with its kind's profiles and each model on its kind's GPUs.
 
 The cost floor (``cost_floor``) bounds what any placement can reach: each model on the kind where
 its requests cost least, every batch at the largest size its own rate fills within its SLO
 (``busy_gpus_floor``), GPUs shared with no loss (fractional), 1% of the requests dropped for free.
 No mixed fleet costs less than that floor, so the saving any mix can reach over the best
-single-kind fleet found is at most one minus their ratio.
+single-kind fleet found is at most one minus their ratio; the goal's check says so when the floor
+puts the goal out of reach, and another checks that the floor is below every fleet simulated.
 """
 
 from __future__ import annotations
@@ -55,14 +60,30 @@ SAVING_GOAL = 0.20  # the mixed fleet at least this much cheaper an hour than th
 MAX_FLEET_GPUS = 1024  # a pool that needs more is reported as not sized
 BRACKET_STEP = 1.2  # a pool's size search moves from its estimate by this factor to a bracket
 FLEET_WINDOWS_S = (2.0, 5.0, 0.5)  # warmup, measure, cooldown: 50,000 measured requests
+PAPER_MIN_BATCH = 4  # the zoo's SLOs let every model batch at least this many on its own kind
 
 
-def kind_profiles() -> tuple[dict[str, float], dict[str, dict[str, LatencyProfile]]]:
-    """The models profiled on both kinds: each model's SLO (the A100 zoo's) and its profile on
-    each kind (batches capped where l(b) <= SLO, as a zoo workload caps them)."""
+def a100_slo(a100_ms: float, _gtx1080ti_ms: float) -> float:
+    """The A100 zoo's SLO: the workload's (the tighter for 34 of the 35 models; BERT's two
+    SLOs are 59 and 56 ms, each 2 l(4) on its own kind)."""
+    return a100_ms
+
+
+SLO_READINGS: dict[str, Callable[[float, float], float]] = {
+    "the A100 zoo's (the workload's)": a100_slo,
+    "the looser of the two files' (a batch of 4 fits on both kinds)": max}
+"""How one SLO per model can be read from the two files (each file sets a model's SLO on its
+kind to max(20 ms, 2 l(4))): the experiment runs the first; the floor costs both."""
+
+
+def kind_profiles(pick: Callable[[float, float], float] = a100_slo
+                  ) -> tuple[dict[str, float], dict[str, dict[str, LatencyProfile]]]:
+    """The models profiled on both kinds: each model's SLO (``pick`` of the A100 and GTX 1080
+    Ti files' SLOs) and its profile on each kind (batches capped where l(b) <= SLO, as a zoo
+    workload caps them)."""
     rows = {kind: {r.name: r for r in load_zoo_csv(path)} for kind, path in ZOO_CSVS.items()}
     names = [n for n in rows[A100] if n in rows[GTX1080TI]]
-    slo = {n: rows[A100][n].slo_ms for n in names}
+    slo = {n: pick(rows[A100][n].slo_ms, rows[GTX1080TI][n].slo_ms) for n in names}
     profiles = {kind: {n: LatencyProfile.linear_for_slo(rows[kind][n].alpha_ms,
                                                         rows[kind][n].beta_ms, slo[n])
                        for n in names} for kind in rows}
@@ -151,7 +172,36 @@ def run_fleet(opts: Options) -> Outcome:
         choice[n] = cheapest
     fleets.update(mixed_fleet(base, choice, slo, profiles, per_model, gpus_by_kind, say))
     floors = cost_floor(names, slo, profiles, per_model)
-    return _outcome(names, rate, slo, choice, gpus_by_kind, fleets, floors)
+    outcome = _outcome(names, rate, slo, choice, gpus_by_kind, fleets, floors)
+    readings = slo_readings(names, per_model)
+    outcome.tables.append(readings)
+    outcome.points["slo_readings"] = readings.rows
+    return outcome
+
+
+MIXED_FLOOR = "mixed, each model on its cheapest kind"
+
+
+def slo_readings(names: list[str], per_model: float) -> Table:
+    """The cost floors under each reading of one SLO per model (``SLO_READINGS``): how many
+    models a kind cannot serve at all, how many a GTX 1080 Ti cannot batch 4 of, and how far
+    below the cheaper single kind's floor the mix's floor lies."""
+    rows: list[list[Any]] = []
+    for label, pick in SLO_READINGS.items():
+        slo, profiles = kind_profiles(pick)
+        floors = cost_floor(names, slo, profiles, per_model)
+        single = min(floors[f"{kind} only"]["cost"] for kind in profiles)
+        mixed = floors[MIXED_FLOOR]["cost"]
+        unserved = sum(1 for n in names for k in profiles if not meets_slo(profiles[k][n], slo[n]))
+        small = sum(1 for n in names if profiles[GTX1080TI][n].max_batch < PAPER_MIN_BATCH)
+        rows.append([label, unserved, small, round(floors[f"{A100} only"]["cost"], 2),
+                     round(floors[f"{GTX1080TI} only"]["cost"], 2), round(mixed, 2),
+                     f"{1 - mixed / single:.1%}"])
+    return Table("cost floors by how one SLO per model is read from the two zoo files (each "
+                 "sets a model's SLO on its kind to max(20 ms, 2 l(4)))",
+                 ["SLO", "models a kind cannot serve", "models a GTX 1080 Ti cannot batch 4 of",
+                  "A100 only floor $/h", "GTX 1080 Ti only floor $/h", "mixed floor $/h",
+                  "mixed below the cheaper single kind's floor"], rows)
 
 
 def cost_floor(names: list[str], slo: dict[str, float],
@@ -173,7 +223,7 @@ def cost_floor(names: list[str], slo: dict[str, float],
         cheapest = cheapest_kind(need[n], PRICE_PER_HOUR)
         assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
         mixed[cheapest] += need[n][cheapest]
-    floors["mixed, each model on its cheapest kind"] = mixed
+    floors[MIXED_FLOOR] = mixed
     for gpus in floors.values():
         gpus["cost"] = sum(PRICE_PER_HOUR[k] * g for k, g in gpus.items())  # inf: misses
     return floors
@@ -286,14 +336,17 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
                      None if report is None else round(100 * report["bad_rate"], 3),
                      None if cost is None else round(cost / (rate * 3600) * 1e6, 3),
                      fleet.get("note", "")])
-    singles = [f["cost"] for n, f in fleets.items()
-               if not n.startswith("mixed") and f["cost"] is not None]
+    single_names = [n for n, f in fleets.items()
+                    if not n.startswith("mixed") and f["cost"] is not None]
+    singles = [fleets[n]["cost"] for n in single_names]
     best_single = min(singles)
     mixed = min((f["cost"] for n, f in fleets.items()
                  if n.startswith("mixed") and f["together_passes"]), default=math.inf)
     saving = 1 - mixed / best_single
-    mixed_floor = floors["mixed, each model on its cheapest kind"]["cost"]
+    mixed_floor = floors[MIXED_FLOOR]["cost"]
     saving_bound = 1 - mixed_floor / best_single
+    floor_holds = mixed_floor <= mixed and all(
+        floors[n]["cost"] <= fleets[n]["cost"] for n in single_names)
     table = Table(
         f"{len(names)} zoo models at {rate:,.0f} r/s (equal popularity, Poisson), each at the "
         f"A100 zoo's SLO: the smallest fleet that serves it with every model <= 1% bad "
@@ -311,11 +364,11 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
                     mixed <= best_single,
                     f"${mixed:.2f}/h vs ${best_single:.2f}/h"),
               Check(f"the best mixed fleet >= {SAVING_GOAL:.0%} cheaper than the best single "
-                    "kind",
-                    saving >= SAVING_GOAL,
-                    f"${mixed:.2f}/h vs ${best_single:.2f}/h: {saving:.1%} lower; the cost "
-                    f"floor of any mix, ${mixed_floor:.2f}/h, allows at most "
-                    f"{saving_bound:.1%}"),
+                    "kind", saving >= SAVING_GOAL,
+                    _goal_detail(mixed, best_single, floors)),
+              Check("the cost floor is below every fleet simulated", floor_holds,
+                    f"floors ${floors[MIXED_FLOOR]['cost']:.2f}/h (mixed) and "
+                    + ", ".join(f"${floors[n]['cost']:.2f}/h ({n})" for n in single_names)),
               Check("the mixed fleet serves the rate in one simulation",
                     bool(fleets["mixed"]["together_passes"]),
                     f"worst bad rate {fleets['mixed']['report']['bad_rate']:.3%}")]
@@ -328,6 +381,21 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
     config = {"models": names, "rate_rps": rate, "prices_per_hour": PRICE_PER_HOUR,
               "slo_ms": slo, "max_bad_rate": MAX_BAD_RATE}
     return Outcome(config, [table, kinds, _floor_table(floors, best_single)], checks, points)
+
+
+def _goal_detail(mixed: float, best_single: float, floors: dict[str, dict[str, float]]) -> str:
+    """The goal's figures, and where the cost floor puts the goal out of reach, that it does:
+    no mix costs less than its floor, so none can save more than the floor allows."""
+    floor = floors[MIXED_FLOOR]["cost"]
+    single_floor = min(f["cost"] for n, f in floors.items() if n != MIXED_FLOOR)
+    detail = (f"${mixed:.2f}/h vs ${best_single:.2f}/h: {1 - mixed / best_single:.1%} lower; "
+              f"no mix costs less than its floor, ${floor:.2f}/h: at most "
+              f"{1 - floor / best_single:.1%} below the best single-kind fleet found, "
+              f"{1 - floor / single_floor:.1%} below the cheaper single kind's own floor")
+    if 1 - floor / best_single < SAVING_GOAL:
+        detail += (f"; out of reach on this workload at these prices "
+                   f"({SAVING_GOAL:.0%} would need ${(1 - SAVING_GOAL) * best_single:.2f}/h)")
+    return detail
 
 
 def _floor_table(floors: dict[str, dict[str, float]], best_single: float) -> Table:

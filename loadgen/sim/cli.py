@@ -15,7 +15,11 @@ model's own ``d_data_ms`` for the workload's model of its name) instead of the w
 frontends' admission (``[frontends]`` count and ``max_request_bytes``, each model's ``max_queue``
 and ``max_wait_ms``): the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which schedules
 and admits as the live cluster does. ``--jitter-ms`` still wins over it. Without it no admission
-bound applies (the workload file has no cluster to take them from).
+bound applies (the workload file has no cluster to take them from). Where the cluster's backends
+announce device kinds and a model of the workload's name has a profile file per kind (``[[models]]
+profiles``), simulated GPU i has backend i's kind and runs (and is planned with) the model's
+profile for that kind, and the model's own profile is the slowest of its GPUs', as in a live shard
+(``cluster_gpu_profiles``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zserve.config.profiles import LatencyProfile, profile_from_file, slowest_profile
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
 from zserve.loadgen.sim.simulator import InvariantError, SimConfig, simulate, workload_bound_rps
@@ -78,6 +83,38 @@ def cluster_model_allowances(config: ClusterConfig, models: list[ModelSpec]) -> 
     return [replace(m, d_data_ms=own[m.name]) if m.name in own else m for m in models]
 
 
+def cluster_gpu_profiles(config: ClusterConfig, workload: Workload
+                         ) -> tuple[Workload, list[dict[str, LatencyProfile]] | None]:
+    """The twin's device kinds: simulated GPU i has the kind backend i announces
+    (``backends.kind_of(i)``), and runs each workload model whose cluster model of the same name
+    has a profile file for that kind with that file's l(b) (up to the workload model's max
+    batch); its other GPUs run the workload's profile. As a live shard does
+    (``zserve.scheduler.kind_profiles``), the model's own profile becomes the slowest of those,
+    batch by batch, and ``SimConfig.gpu_profiles`` lists the GPUs whose profile differs from it.
+    Returns the workload (those models' profiles replaced) and the list; None where no workload
+    model has per-kind files."""
+    given = {m.name: m for m in config.models if m.profiles}
+    if not any(m.name in given for m in workload.models):
+        return workload, None
+    kinds = [config.backends.kind_of(gpu) for gpu in range(workload.gpus)]
+    models: list[ModelSpec] = []
+    out: list[dict[str, LatencyProfile]] = [{} for _ in kinds]
+    for spec in workload.models:
+        model = given.get(spec.name)
+        if model is None:
+            models.append(spec)
+            continue
+        cap, files = spec.profile.max_batch, model.profiles or {}
+        runs = [spec.profile if kind not in files else
+                profile_from_file(model, files[kind]).truncated(cap) for kind in kinds]
+        own = slowest_profile(list({id(p): p for p in runs}.values()))
+        for gpu, profile in enumerate(runs):
+            if profile.table_s != own.table_s:
+                out[gpu][spec.name] = profile
+        models.append(replace(spec, profile=own))
+    return workload.with_overrides(models=models), out
+
+
 def _load(args: argparse.Namespace) -> tuple[Workload, ClusterConfig | None]:
     """The workload with the command line's overrides, and the cluster of --allowances-from."""
     from zserve.config.cluster import load_config  # its ConfigError is a ValueError: exit status 2
@@ -107,6 +144,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         workload, cluster = _load(args)
+        kinds = None
+        if cluster is not None:
+            workload, kinds = cluster_gpu_profiles(cluster, workload)
     except (OSError, ValueError) as exc:
         print(f"zserve sim: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +156,8 @@ def main(argv: list[str]) -> int:
 
             def probe(rate: float) -> dict[str, Any]:
                 probed: dict[str, Any] = simulate(workload.with_overrides(rate=rate),
-                                                  SimConfig(bail_bad_rate=bail, frontend=cluster))
+                                                  SimConfig(bail_bad_rate=bail, frontend=cluster,
+                                                            gpu_profiles=kinds))
                 if not args.quiet:
                     print(f"  probe {rate:10.1f} r/s: worst bad rate {probed['bad_rate']:.3%}"
                           f"{' (bailed)' if probed['bailed'] else ''}", file=sys.stderr)
@@ -130,7 +171,7 @@ def main(argv: list[str]) -> int:
                                     rel_precision=args.precision)
             set_fraction_of_bound(report)
         else:
-            report = simulate(workload, SimConfig(frontend=cluster))
+            report = simulate(workload, SimConfig(frontend=cluster, gpu_profiles=kinds))
     except InvariantError as exc:
         print(f"zserve sim: INVARIANT BROKEN: {exc}", file=sys.stderr)
         return 1

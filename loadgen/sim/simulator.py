@@ -122,6 +122,24 @@ class SimConfig:
     model_home_gpus: Mapping[str, Sequence[int]] | None = None
 
 
+def _check_some_gpu_as_fast(model: str, own: LatencyProfile,
+                            listed: list[LatencyProfile | None]) -> None:
+    """A model's ModelThread gives a grant back where the GPU's profile would drop requests its
+    own profile could still serve: were every GPU serving it slower than its own profile at some
+    batch size (``listed``: each GPU's profile, None where it runs the model's own), every grant
+    would come back and the rank would grant it again at the same instant, forever. Refused in
+    one line (a live shard's own profile is the slowest of its GPUs', so it never is)."""
+    if not listed or any(p is None for p in listed):
+        return
+    for profile in listed:
+        assert profile is not None
+        if all(profile.latency(b) <= own.latency(b) for b in range(1, own.max_batch + 1)):
+            return
+    raise ValueError(f"gpu_profiles: every GPU serving {model!r} runs it slower than its own "
+                     "profile at some batch size, so each grant would be given back; give the "
+                     "model the slowest of its GPUs' profiles as its own")
+
+
 def _arrivals_of(w: Workload, replayed: list[np.ndarray[Any, Any]] | None,
                  ) -> list[np.ndarray[Any, Any]]:
     """One sorted array of arrival times per model: ``replayed``, else drawn from the workload's
@@ -230,6 +248,11 @@ class Simulator:
         if len(kinds) != self.w.gpus:
             raise ValueError(f"gpu_profiles lists {len(kinds)} GPUs, the workload has "
                              f"{self.w.gpus}")
+        for m in self.w.models:
+            _check_some_gpu_as_fast(m.name, m.profile, [
+                own.get(m.name) for gpu, own in enumerate(kinds)
+                if self.config.model_gpus is None or gpu in self.config.model_gpus.get(
+                    m.name, range(len(kinds)))])
         return [[own.get(m.name, m.profile) for m in self.w.models] for own in kinds]
 
     def profile_on(self, model: int, gpu: int) -> LatencyProfile:

@@ -340,6 +340,12 @@ def test_fleet_quick(tmp_path: Path) -> None:
         assert floors[name]["cost"] <= points[name]["cost_per_hour"]
     assert floors["mixed, each model on its cheapest kind"]["cost"] <= best_mixed
     assert points["saving"] <= points["saving_bound"]
+    # both readings of one SLO per model: every model served by both kinds; under the looser
+    # one a 1080 Ti batches 4 of every model; a mix's floor is never above a single kind's
+    tighter, looser = points["slo_readings"]
+    assert tighter[1] == looser[1] == 0 and looser[2] == 0 < tighter[2]
+    for reading in (tighter, looser):
+        assert reading[5] <= min(reading[3], reading[4])
 
 
 def test_harpagon_quick(tmp_path: Path) -> None:

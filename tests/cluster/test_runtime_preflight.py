@@ -156,10 +156,11 @@ def test_profile_files_are_checked(tmp_path: Path) -> None:
     other = tmp_path / "other.json"
     other.write_text('{"format": "zserve-profile/1", "models": '
                      '{"x": {"alpha_ms": 1.0, "beta_ms": 2.0, "max_batch": 4}}}')
-    document = {"models": [
+    document = {"backends": {"count": 2, "kinds": ["a100", "t4"]}, "models": [
         _one_model(name="a", profile=str(absent)),
         _one_model(name="b", profile=str(broken)),
         _one_model(name="c", profile=str(other)),
+        _one_model(name="d", profiles={"a100": str(other), "t4": str(absent)}),
     ]}
     (tmp_path / "run").mkdir()
     problems = _problems(_emulated(document), tmp_path / "run")
@@ -167,7 +168,10 @@ def test_profile_files_are_checked(tmp_path: Path) -> None:
     assert problems[1].startswith(f"models[1].profile: {broken}: ")
     assert problems[2] == (f"models[2].profile: profile file {other} has no entry for 'c' "
                            "(it has x)")
-    assert len(problems) == 3
+    assert problems[3] == (f"models[3].profiles.a100: profile file {other} has no entry for "
+                           "'d' (it has x)")
+    assert problems[4] == f"models[3].profiles.t4: no such file: {absent}"
+    assert len(problems) == 5
 
 
 def test_onnx_files_that_cannot_serve(tmp_path: Path) -> None:
@@ -384,7 +388,8 @@ def test_each_model_against_each_device(tmp_path: Path) -> None:
         '"emulated" runs, but backends.devices[0] is "cpu" (ONNX Runtime, for onnx and builtin '
         "models)",
         "models[1].builtin: model 'b' has no l(b) for the emulated device of "
-        "backends.devices[1]: give it a profile file (models[].profile), or a cpu or cuda device",
+        "backends.devices[1]: give it a profile file (models[].profile, or one for every "
+        "backend's kind: models[].profiles), or a cpu or cuda device",
     ]
 
 

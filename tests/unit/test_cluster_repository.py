@@ -173,14 +173,28 @@ def test_the_repository_folder_becomes_the_clusters_models(tmp_path: Path) -> No
     ({"a": "sloms = 1.0\n"}, [], "repository.models.a.sloms: unknown key"),
     ({"a": 'onnx = "x.onnx"\n'}, [], "repository.models.a.onnx: given by the folder"),
     ({"a": None}, ["z"], "repository.load[0]: no model 'z' in the repository (it holds a)"),
+    ({"a": 'profiles = { h100 = "h.json" }\n'}, [],
+     "repository.models.a.profiles.h100: no backend announces kind 'h100' (the backends "
+     "announce a100)"),
+    ({"a": "profiles = { a100 = 1 }\n"}, [],
+     "repository.models.a.profiles.a100: must be a profile file's path, got 1"),
 ])
 def test_repository_problems_are_one_line_errors_naming_the_key(
         tmp_path: Path, layout: dict[str, str | None], load: list[str], error: str) -> None:
     for name, settings in layout.items():
         _folder(tmp_path, name, settings)
     with pytest.raises(ConfigError) as info:
-        parse_config({"repository": {"path": str(tmp_path), "load": load}})
+        parse_config({"repository": {"path": str(tmp_path), "load": load},
+                      "backends": {"kind": "a100"}})
     assert str(info.value).startswith(error) and "\n" not in str(info.value)
+
+
+def test_a_folders_profile_per_kind_resolves_against_the_folder(tmp_path: Path) -> None:
+    _folder(tmp_path, "a", 'profiles = { a100 = "a100.json", t4 = "/abs/t4.json" }\n')
+    config = parse_config({"repository": {"path": str(tmp_path)},
+                           "backends": {"count": 2, "kinds": ["a100", "t4"]}})
+    assert config.model("a").profiles == {"a100": str(tmp_path / "a" / "a100.json"),
+                                          "t4": "/abs/t4.json"}
 
 
 def test_a_folder_without_a_model_file_or_no_folder_is_refused(tmp_path: Path) -> None:

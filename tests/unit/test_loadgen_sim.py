@@ -461,3 +461,69 @@ def test_bench_scheduler_fixed_trace_is_the_same_schedule_every_run(tmp_path: Pa
     assert first["plans"] > 0 and first["planned"] > 0.7 * first["requests"]
     for key in ("requests", "plans", "planned", "messages"):
         assert first[key] == second[key], key
+
+
+def test_the_twin_runs_each_kinds_profile_file(tmp_path: Path) -> None:
+    """``--allowances-from`` a cluster whose backends announce kinds and whose model has a
+    profile file per kind: simulated GPU i has backend i's kind, and its batches take that
+    kind's l(b) (``cli.cluster_gpu_profiles``)."""
+    from zserve.config.cluster import load_config
+
+    save_profiles(tmp_path / "a100.json", {"a": LatencyProfile.linear(1.053, 5.072, 64)}, "a100")
+    save_profiles(tmp_path / "gtx.json", {"a": LatencyProfile.linear(2.0, 9.0, 64)}, "gtx1080ti")
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(
+        '[backends]\ncount = 2\ndevice = "emulated"\nkinds = ["a100", "gtx1080ti"]\n'
+        '[[models]]\nname = "a"\nslo_ms = 25.0\n'
+        "emulated = { alpha_ms = 1.053, beta_ms = 5.072 }\n"
+        'profiles = { a100 = "a100.json", gtx1080ti = "gtx.json" }\n'
+        '[[models]]\nname = "b"\nslo_ms = 25.0\nemulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[workload]\ngpus = 2\nrate = 300.0\nwarmup_s = 0.2\nmeasure_s = 1.0\ncooldown_s = 0.1\n"
+        '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n')
+    twin, kinds = cli.cluster_gpu_profiles(load_config(cluster), load_workload(path))
+    # the model's own profile is the slowest of its GPUs' (the GTX's, which GPU 1 runs), as a
+    # live shard's is; GPU 0 (the A100) is listed with its file's
+    (model,) = twin.models
+    assert kinds is not None and kinds[1] == {} and sorted(kinds[0]) == ["a"]
+    assert model.profile.latency(1) == pytest.approx(0.011)
+    assert kinds[0]["a"].latency(1) == pytest.approx(0.006125)
+    assert model.profile.max_batch == kinds[0]["a"].max_batch == 18  # the workload's cap
+    sim = Simulator(twin, SimConfig(gpu_profiles=kinds))
+    sim.run()
+    took = {(gpu, bs): end - start for _, gpu, start, end, bs in sim.batches}
+    assert {gpu for gpu, _ in took} == {0, 1}
+    for (gpu, bs), seconds in took.items():
+        profile = kinds[gpu].get("a", model.profile)
+        assert seconds == pytest.approx(profile.latency(bs))
+    out = tmp_path / "r.json"
+    assert cli.main([str(path), "--allowances-from", str(cluster), "--quiet",
+                     "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["good_rps"] > 0
+    # without per-kind files (or kinds) the twin is what it was
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[[models]]\nname = "a"\nemulated = { alpha_ms = 1.0, beta_ms = 1.0 }\n')
+    assert cli.cluster_gpu_profiles(load_config(plain), load_workload(path))[1] is None
+
+
+def test_a_model_whose_every_gpu_is_slower_than_its_own_profile_is_refused(
+        tmp_path: Path) -> None:
+    """Every grant of such a model would be given back and granted again at the same instant
+    (the run never ended): refused in one line before it starts; one GPU that runs its own
+    profile, or is as fast, is enough."""
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[workload]\ngpus = 2\nrate = 300.0\nwarmup_s = 0.2\nmeasure_s = 1.0\ncooldown_s = 0.1\n"
+        '[[models]]\nname = "a"\nslo_ms = 25.0\nalpha_ms = 1.053\nbeta_ms = 5.072\n')
+    w = load_workload(path)
+    slower = LatencyProfile.linear(2.0, 9.0, 18)
+    capped = w.models[0].profile.truncated(8)  # the same line, but no batch above 8
+    for kinds in ([{"a": slower}, {"a": slower}], [{"a": capped}, {"a": slower}]):
+        with pytest.raises(ValueError, match=r"^gpu_profiles: every GPU serving 'a' runs it "
+                           r"slower than its own profile at some batch size"):
+            Simulator(w, SimConfig(gpu_profiles=kinds))
+    # a GPU of its own profile, or one as fast everywhere, serves it: it runs
+    faster = LatencyProfile.linear(0.9, 4.0, 18)
+    for kinds in ([{}, {"a": slower}], [{"a": faster}, {"a": slower}]):
+        assert Simulator(w, SimConfig(gpu_profiles=kinds)).run()["good_rps"] > 0

@@ -88,6 +88,23 @@ def config(**tables: Any) -> ClusterConfig:
          r"^backends\.kinds\[1\]: must match "),
         ({"models": [{**MODEL, "backends": "backend-0"}]},
          r"^models\[0\]\.backends: must be a list, got 'backend-0'$"),
+        # a profile file per device kind: kinds the backends announce, one path each
+        ({"models": [{**MODEL, "profiles": {}}], "backends": {"kind": "a100"}},
+         r"^models\[0\]\.profiles: name at least one device kind \(leave the key out: one "
+         r"profile for every kind\)$"),
+        ({"models": [{**MODEL, "profiles": {"a 100": "a.json"}}], "backends": {"kind": "a100"}},
+         r"^models\[0\]\.profiles\.a 100: must match "),
+        ({"models": [{**MODEL, "profiles": {"a100": ""}}], "backends": {"kind": "a100"}},
+         r"^models\[0\]\.profiles\.a100: must be a profile file's path, got ''$"),
+        ({"models": [{**MODEL, "profiles": {"a100": 3}}], "backends": {"kind": "a100"}},
+         r"^models\[0\]\.profiles\.a100: must be a profile file's path, got 3$"),
+        ({"models": [MODEL, {**MODEL, "name": "n", "profiles": {"h100": "h.json"}}],
+          "backends": {"count": 2, "kinds": ["a100", "gtx1080ti"]}},
+         r"^models\[1\]\.profiles\.h100: no backend announces kind 'h100' \(the backends "
+         r"announce a100, gtx1080ti\)$"),
+        ({"models": [{**MODEL, "profiles": {"a100": "a.json"}}]},
+         r"^models\[0\]\.profiles: per-kind profiles need backends that announce a kind "
+         r"\(backends\.kind or backends\.kinds\)$"),
     ],
 )
 def test_errors_name_the_key(document: dict[str, Any], message: str) -> None:
@@ -201,6 +218,12 @@ def test_load_config_resolves_paths_and_reports_syntax(tmp_path: Path) -> None:
     (model,) = load_config(good).models
     assert model.onnx == str(tmp_path / "models" / "r.onnx")
     assert model.profile == str(tmp_path / "p.json")
+    per_kind = tmp_path / "k.toml"
+    per_kind.write_text('[backends]\ncount = 2\nkinds = ["a100", "gtx1080ti"]\n'
+                        '[[models]]\nname = "r"\nonnx = "r.onnx"\n'
+                        'profiles = { a100 = "a100.json", gtx1080ti = "/abs/g.json" }\n')
+    assert load_config(per_kind).model("r").profiles == {
+        "a100": str(tmp_path / "a100.json"), "gtx1080ti": "/abs/g.json"}
     bad = tmp_path / "bad.toml"
     bad.write_text("[[models]\n")
     with pytest.raises(ConfigError, match=r"bad\.toml"):

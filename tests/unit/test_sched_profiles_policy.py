@@ -175,6 +175,31 @@ def test_configured_profile_one_rule(tmp_path: Path) -> None:
         configured_profile(_model(emulated=emulated, profile=str(path)))
 
 
+def test_configured_profile_per_device_kind(tmp_path: Path) -> None:
+    """``profiles``: a backend of a listed kind gets that kind's file; another kind the model's
+    ``profile`` (or line); no kind at all (a shard before its table, a frontend) the slowest of
+    every profile given, batch by batch, up to the smallest max batch."""
+    fast, slow = tmp_path / "a100.json", tmp_path / "gtx.json"
+    save_profiles(fast, {"m": LatencyProfile.from_table_ms([1.0, 1.2, 1.4])}, "a100")
+    save_profiles(slow, {"m": LatencyProfile.from_table_ms([0.5, 3.0])}, "gtx1080ti")
+    (model,) = parse_config({
+        "backends": {"count": 3, "kinds": ["a100", "gtx1080ti", "t4"]},
+        "models": [{"name": "m", "emulated": {"alpha_ms": 1.0, "beta_ms": 1.0}, "max_batch": 4,
+                    "profiles": {"a100": str(fast), "gtx1080ti": str(slow)}}]}).models
+    on_a100 = configured_profile(model, "a100")
+    on_gtx = configured_profile(model, "gtx1080ti")
+    on_t4 = configured_profile(model, "t4")  # no file for the kind: the emulated line
+    assert on_a100 is not None and on_a100.latency_ms_list() == pytest.approx([1.0, 1.2, 1.4])
+    assert on_gtx is not None and on_gtx.latency_ms_list() == pytest.approx([0.5, 3.0])
+    assert on_t4 is not None and on_t4.latency_ms_list() == pytest.approx([2.0, 3.0, 4.0, 5.0])
+    anywhere = configured_profile(model)
+    assert anywhere is not None and anywhere.latency_ms_list() == pytest.approx([2.0, 3.0])
+    # a kind's file without the model's entry is an error, as for ``profile``
+    save_profiles(slow, {"other": LatencyProfile.linear(1.0, 1.0, 2)}, "gtx1080ti")
+    with pytest.raises(ValueError, match=r"gtx\.json has no entry for 'm' \(it has other\)"):
+        configured_profile(model, "gtx1080ti")
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

@@ -33,7 +33,7 @@ from zserve.backends.executor import ModelLoadError
 from zserve.backends.onnx_executor import read_signature
 from zserve.cluster.orchestrator_host import onnx_file_bytes
 from zserve.config.cluster import ClusterConfig, ModelConfig, process_name
-from zserve.config.profiles import configured_profile
+from zserve.config.profiles import profile_from_file
 from zserve.orchestrator.memory import (
     GIB_BYTES,
     ModelMemory,
@@ -127,15 +127,17 @@ def check_model(key: str, model: ModelConfig) -> list[Problem]:
             f"{key}.builtin",
             f"unknown built-in model {model.builtin!r} (built-in: {', '.join(builtin_names())})",
         ))
-    if model.profile is not None:
-        problem = _file_problem(model.profile)
+    files = [("profile", model.profile)] if model.profile is not None else []
+    files += [(f"profiles.{kind}", path) for kind, path in (model.profiles or {}).items()]
+    for subkey, path in files:
+        problem = _file_problem(path)
         if not problem:
             try:
-                configured_profile(model)
+                profile_from_file(model, path)
             except (OSError, ValueError) as exc:
                 problem = _one_line(exc)
         if problem:
-            problems.append(Problem(f"{key}.profile", problem))
+            problems.append(Problem(f"{key}.{subkey}", problem))
     return problems
 
 
@@ -191,10 +193,12 @@ def check_devices(config: ClusterConfig) -> list[Problem]:
                 f"model {model.name!r} is emulated, which only a backend with device = "
                 f'"{EMULATED_DEVICE}" runs, but {onnx_runtime} (ONNX Runtime, for onnx and '
                 "builtin models)")))
-        elif model.kind != "emulated" and emulated and model.profile is None:
+        elif model.kind != "emulated" and emulated and model.profile is None and not all(
+                backends.kind_of(i) in (model.profiles or {}) for i in range(backends.total)):
             problems.append(Problem(key, (
                 f"model {model.name!r} has no l(b) for the emulated device of {emulated}: "
-                "give it a profile file (models[].profile), or a cpu or cuda device")))
+                "give it a profile file (models[].profile, or one for every backend's kind: "
+                "models[].profiles), or a cpu or cuda device")))
     return problems
 
 

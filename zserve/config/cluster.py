@@ -138,6 +138,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     builtin: str | None = None
     emulated: EmulatedConfig | None = None
     profile: str | None = None
+    # A profile file per device kind (kind -> path): a backend announcing one of these kinds
+    # runs and registers that file's l(b); a backend of another kind, ``profile``'s (or the
+    # emulated line, or its measurement). docs/orchestration.md, "Device kinds and prices".
+    # (Values typed Any: a wrong one is refused by __post_init__ naming its kind's key, which
+    # msgspec's own error, ``profiles[...]``, would not.)
+    profiles: dict[str, Any] | None = None
     slo_ms: float = DEFAULT_SLO_MS
     max_batch: Count = DEFAULT_MAX_BATCH
     max_queue: Count = DEFAULT_MAX_QUEUE
@@ -164,6 +170,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if len(sources) != 1:
             raise FieldError("", "exactly one of onnx, builtin, emulated is required")
         check_finite("slo_ms", self.slo_ms, positive=True)
+        _check_kind_profiles(self.profiles)
         check_finite("max_wait_ms", self.max_wait_ms, positive=True)
         check_finite("d_data_ms", self.d_data_ms)
         check_finite("memory_mib", self.memory_mib)
@@ -224,8 +231,23 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 return path
             return str((base / path).resolve())
 
+        profiles = None if self.profiles is None else {
+            kind: str(resolve(path)) for kind, path in self.profiles.items()}
         return msgspec.structs.replace(self, onnx=resolve(self.onnx),
-                                       profile=resolve(self.profile))
+                                       profile=resolve(self.profile), profiles=profiles)
+
+
+def _check_kind_profiles(profiles: dict[str, Any] | None) -> None:
+    """A model's ``profiles``: at least one, each keyed by a kind name, each a path."""
+    if profiles is None:
+        return
+    if not profiles:
+        raise FieldError("profiles", "name at least one device kind (leave the key out: one "
+                         "profile for every kind)")
+    for kind, path in profiles.items():
+        _check_name(f"profiles.{kind}", kind)
+        if not isinstance(path, str) or not path:
+            raise FieldError(f"profiles.{kind}", f"must be a profile file's path, got {path!r}")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -611,7 +633,7 @@ class OrchestrationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
                              f"models' bytes), got {self.disruption_budget}")
 
 
-def _check_models(models: tuple[ModelConfig, ...], backends: int, *,
+def _check_models(models: tuple[ModelConfig, ...], backends: BackendsConfig, *,
                   repository: bool = False) -> None:
     if not models and not repository:
         raise FieldError("models", "at least one [[models]] table (or a [repository]) is "
@@ -621,9 +643,30 @@ def _check_models(models: tuple[ModelConfig, ...], backends: int, *,
         if model.name in seen:
             raise FieldError(f"models[{i}].name", f"duplicate model {model.name!r}")
         seen.add(model.name)
-        problem = model_backends_problem(model.backends, backends)
+        problem = model_backends_problem(model.backends, backends.total)
         if problem is not None:
             raise FieldError(f"models[{i}].backends{problem[0]}", problem[1])
+        problem = model_kinds_problem(model.profiles, backends)
+        if problem is not None:
+            raise FieldError(f"models[{i}].profiles{problem[0]}", problem[1])
+
+
+def model_kinds_problem(profiles: dict[str, Any] | None,
+                        backends: BackendsConfig) -> tuple[str, str] | None:
+    """What is wrong with a model's per-kind ``profiles`` against the kinds the backends
+    announce (``backends.kinds``, ``backends.kind``): a kind none announces is a typo or a
+    profile no GPU would run. As (the key below ``profiles``: "" or ".<kind>", the problem)."""
+    if profiles is None:
+        return None
+    announced = set(backends.kinds) | ({backends.kind} if backends.kind else set())
+    if not announced:
+        return "", "per-kind profiles need backends that announce a kind (backends.kind or " \
+            "backends.kinds)"
+    for kind in profiles:
+        if kind not in announced:
+            return f".{kind}", (f"no backend announces kind {kind!r} (the backends announce "
+                                f"{', '.join(sorted(announced))})")
+    return None
 
 
 def model_backends_problem(names: tuple[str, ...] | None,
@@ -660,7 +703,7 @@ class ClusterFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prefix_groups: tuple[PrefixGroupConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_models(self.models, self.backends.total,
+        _check_models(self.models, self.backends,
                       repository=self.repository.path is not None)
         _check_autoscale(self.autoscale, self.backends)
         groups = self.orchestration.subclusters if self.orchestration is not None else 1
@@ -961,6 +1004,10 @@ def parse_config(data: dict[str, Any], *, base_dir: str | Path = ".") -> Cluster
             problem = model_backends_problem(model.backends, document.backends.total)
             if problem is not None:
                 raise ConfigError(f"repository.models.{model.name}.backends{problem[0]}",
+                                  problem[1])
+            problem = model_kinds_problem(model.profiles, document.backends)
+            if problem is not None:
+                raise ConfigError(f"repository.models.{model.name}.profiles{problem[0]}",
                                   problem[1])
     return _checked_groups(ClusterConfig(
         **msgspec.structs.asdict(document.cluster),

@@ -308,21 +308,53 @@ def _write_atomically(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------- configured profile
 
 
-def configured_profile(model: ModelConfig) -> LatencyProfile | None:
-    """The profile cluster.toml gives ``model``, by one rule every role follows:
+def configured_profile(model: ModelConfig, kind: str | None = None) -> LatencyProfile | None:
+    """The profile cluster.toml gives ``model`` on a device of ``kind``, by one rule every role
+    follows:
 
-    1. its ``profile`` file, when it names one: the file's entry for the model (a measured l(b)
-       beats a configured line); a file that cannot be read or has no entry for the model is a
-       ValueError/OSError, never a silent fallback to another l(b);
-    2. else its emulated ``alpha_ms``/``beta_ms``: the line up to the model's ``max_batch``;
-    3. else None: the backends measure l(b) when they load the model.
+    1. its ``profiles`` file for ``kind``, when it names one for that kind;
+    2. else its ``profile`` file, when it names one: the file's entry for the model (a
+       measured l(b) beats a configured line);
+    3. else its emulated ``alpha_ms``/``beta_ms``: the line up to the model's ``max_batch``;
+    4. else None: the backends measure l(b) when they load the model.
+
+    A file that cannot be read or has no entry for the model is a ValueError/OSError, never a
+    silent fallback to another l(b). ``kind`` None (a role that plans or admits for every
+    GPU: a shard before its first table, a frontend) gets the slowest of every profile the
+    model is given, element-wise (``slowest_profile``): safe on any kind.
     """
+    if kind is not None and model.profiles and kind in model.profiles:
+        return profile_from_file(model, model.profiles[kind])
     if model.profile:
-        profiles = load_profiles(model.profile)
-        if model.name not in profiles:
-            raise ValueError(f"profile file {model.profile} has no entry for {model.name!r} "
-                             f"(it has {', '.join(sorted(profiles)) or 'none'})")
-        return profiles[model.name]
-    if model.alpha_ms is not None and model.beta_ms is not None:
-        return LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
-    return None
+        base: LatencyProfile | None = profile_from_file(model, model.profile)
+    elif model.alpha_ms is not None and model.beta_ms is not None:
+        base = LatencyProfile.linear(model.alpha_ms, model.beta_ms, model.max_batch)
+    else:
+        base = None
+    if kind is not None or not model.profiles:
+        return base
+    every = [profile_from_file(model, path) for path in model.profiles.values()]
+    return slowest_profile(every + ([base] if base is not None else []))
+
+
+def profile_from_file(model: ModelConfig, path: str) -> LatencyProfile:
+    """The entry for ``model`` of the profile file at ``path`` (ValueError when it has none)."""
+    profiles = load_profiles(path)
+    if model.name not in profiles:
+        raise ValueError(f"profile file {path} has no entry for {model.name!r} "
+                         f"(it has {', '.join(sorted(profiles)) or 'none'})")
+    return profiles[model.name]
+
+
+def slowest_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
+    """The slowest of ``profiles`` (at least one) at every batch size, up to the smallest max
+    batch: a profile no device of theirs runs slower than. Where one of them is that, it is
+    returned as it is (a linear profile stays linear)."""
+    size = min(p.max_batch for p in profiles)
+    for candidate in profiles:  # one of them is the slowest already: itself, as it is
+        if candidate.max_batch == size and all(
+                candidate.table_s[b] >= other.table_s[b]
+                for other in profiles for b in range(1, size + 1)):
+            return candidate
+    return LatencyProfile.from_table_ms(
+        [max(p.table_s[b] for p in profiles) * 1e3 for b in range(1, size + 1)])

@@ -57,6 +57,11 @@ def _settings(model_dir: Path, key: str) -> dict[str, Any]:
     profile = settings.get("profile")
     if isinstance(profile, str) and not Path(profile).is_absolute():
         settings["profile"] = str((model_dir / profile).resolve())
+    kinds = settings.get("profiles")
+    if isinstance(kinds, dict):  # a profile file per device kind: the same rule
+        settings["profiles"] = {kind: str((model_dir / path).resolve())
+                                if isinstance(path, str) and path and not Path(path).is_absolute()
+                                else path for kind, path in kinds.items()}
     return settings
 
 
