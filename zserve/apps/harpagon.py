@@ -1,7 +1,8 @@
 """Planners: for an app, its stages' rates and each stage's configurations (device kinds with
 prices), how many machines of which kind at which batch sizes serve it within its SLO, and the
-cost. Harpagon and four baselines as the Harpagon paper models them (its Table III), and the
-brute-force optimum of Harpagon's plan family for small apps.
+cost. Harpagon and four baselines as the Harpagon paper models them (its Table III), and two
+brute-force optima: the best latency split for Harpagon's own module scheduler (the paper's
+"optimal"), and the optimum of Harpagon's whole plan family for small apps.
 
 =========  ========  =======  =======================  ==============================
 planner    dispatch  configs  split                    residual
