@@ -11,7 +11,8 @@ A report is a JSON-able dict::
      "bound_rps": analytic staggered bound (when computable), "fraction_of_bound": ...,
      "gpu_busy_fraction": busy GPU-time / (G * measure_s),
      "latency_ms": {"p50", "p90", "p99", "p99.9"}   over served requests of every model,
-     "queueing_ms": {"p50", "p99"}   exec start - arrival,
+     "queueing_ms": {"p50", "p99", "max", "histogram": {ms: requests}}   exec start - arrival,
+                    (served requests; the histogram in QUEUE_BIN_MS bins named by their start),
      "batch_size": {"median", "mean", "histogram": {bs: batches}},
      "per_model": {NAME: {"slo_ms", "offered_rps", "total", "good", "late", "dropped", "bad_rate",
                           "p50_ms", "p90_ms", "p99_ms", "p99.9_ms", "queueing_p50_ms",
@@ -68,6 +69,17 @@ def _histogram(sizes: np.ndarray[Any, Any] | None) -> dict[str, int]:
         return {}
     values, counts = np.unique(sizes, return_counts=True)
     return {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+QUEUE_BIN_MS = 1.0  # the queueing-delay histogram's bin width
+
+
+def _queue_histogram(values: Floats | None) -> dict[str, int]:
+    """{bin start ms: served requests} of the queueing delays (NX-09: every policy's)."""
+    if values is None or len(values) == 0:
+        return {}
+    bins, counts = np.unique(np.floor(np.asarray(values) / QUEUE_BIN_MS), return_counts=True)
+    return {f"{b * QUEUE_BIN_MS:g}": int(c) for b, c in zip(bins, counts, strict=True)}
 
 
 def _pct(values: Floats | None, q: float) -> float | None:
@@ -159,7 +171,8 @@ def build_report(
         "bound_rps": None if bound_rps is None else round(bound_rps, 1),
         "fraction_of_bound": None,
         "latency_ms": _percentiles(all_lat, _LAT_QS),
-        "queueing_ms": _percentiles(all_q, (("p50", 50.0), ("p99", 99.0))),
+        "queueing_ms": {**_percentiles(all_q, (("p50", 50.0), ("p99", 99.0), ("max", 100.0))),
+                        "histogram": _queue_histogram(all_q)},
         "batch_size": {
             "median": float(np.median(all_bs)) if len(all_bs) else None,
             "mean": round(float(np.mean(all_bs)), 3) if len(all_bs) else None,

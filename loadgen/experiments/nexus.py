@@ -10,6 +10,12 @@ planned throughput; ``nexus-fill`` plans every model at the largest multiple of 
 GPUs hold, so no GPU idles. Table 2's check is on ``nexus-fill``: a whole cluster given to one
 model is what Symphony's figure measures (its goodput is the data path's: batch B on every GPU,
 deficit round robin over all of them); the rate-sized plan's figure is printed beside it.
+
+Two more rows of the research notes: the queueing delay (NX-09, arrival to batch start of served
+requests) at each Table 2 model's Nexus goodput, Nexus's against the default's on the same
+arrivals (Symphony: Nexus's longest is "around half the latency SLO", the default's 2-3x
+shorter); and Nexus's backup backends (NX-17, ``nexus-backup``: a GPU relays what overflows its
+batch to its least utilized backup) against plain Nexus on bursty (Gamma) arrivals.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from zserve.loadgen.experiments.simulated import (
     sim_probe,
     with_windows,
 )
-from zserve.loadgen.workload import Workload, load_workload, parse_workload
+from zserve.loadgen.workload import ArrivalSpec, Workload, load_workload, parse_workload
 
 # Symphony (second paper) Table 2, Nexus column: goodput r/s and median batch.
 TABLE2 = (("table2-resnet50", "ResNet50", 4027.0, 6), ("table2-irv2", "InceptionResNetV2",
@@ -43,18 +49,89 @@ FLAT_WINDOWS_S = (2.0, 5.0, 1.0)
 FLAT_POLICIES = ("deferred", "nexus-fill", "nexus", "eager-edf")
 FLAT_CHECKED = ("deferred", "nexus-fill")  # Symphony: both keep a flat top
 FLAT_PEAK_FRACTION = 0.95  # good rate beyond the peak stays at least this share of it
+QUEUE_POLICIES = ("nexus-fill", "deferred")  # NX-09: probed at nexus-fill's goodput
+QUEUE_HALF_SLO_TOLERANCE = 0.15  # Nexus's p99 queueing within this of SLO / 2
+BACKUP_WORKLOAD = "table2-resnet50"  # NX-17's burst test: ResNet50 on 8 GPUs ...
+BACKUP_ARRIVAL = ArrivalSpec("gamma", 0.5)  # ... Gamma arrivals, burstier than Poisson ...
+BACKUP_RATE_RPS = 2500.0  # ... at this rate (the rate-sized plan leaves GPUs partly loaded)
+BACKUP_POLICIES = ("nexus", "nexus-backup")
 
 
 def run_nexus(opts: Options) -> Outcome:
     table2, t2_points, checks = _table2(opts)
+    queueing, q_points, q_checks = _queueing(opts, t2_points)
+    backups, b_points, b_checks = _backups(opts)
     flat, flat_points, flat_checks = _flat_top(opts)
     config = {"table2_policies": list(TABLE2_QUICK_POLICIES if opts.quick else TABLE2_POLICIES),
               "flat_policies": list(FLAT_POLICIES),
               "flat_models": FLAT_QUICK_MODELS if opts.quick else FLAT_MODELS,
               "flat_gpus": FLAT_QUICK_GPUS if opts.quick else FLAT_GPUS,
-              "flat_profile_ms": list(FLAT_PROFILE_MS)}
-    return Outcome(config, [table2, flat], checks + flat_checks,
-                   {"table2": t2_points, "flat_top": flat_points})
+              "flat_profile_ms": list(FLAT_PROFILE_MS),
+              "backup_test": {"workload": BACKUP_WORKLOAD, "arrival": str(BACKUP_ARRIVAL),
+                              "rate_rps": BACKUP_RATE_RPS}}
+    return Outcome(config, [table2, queueing, backups, flat],
+                   checks + q_checks + b_checks + flat_checks,
+                   {"table2": t2_points, "queueing": q_points, "backups": b_points,
+                    "flat_top": flat_points})
+
+
+def _table2_base(file: str, quick: bool) -> Workload:
+    base = load_workload(WORKLOADS_DIR / f"{file}.toml")
+    return with_windows(base, QUICK_WINDOWS_S) if quick else base
+
+
+def _queueing(opts: Options, t2_points: list[dict[str, Any]],
+              ) -> tuple[Table, list[dict[str, Any]], list[Check]]:
+    """NX-09: each Table 2 model probed at nexus-fill's goodput under QUEUE_POLICIES."""
+    table = Table("Queueing delay (arrival to batch start, served requests) at Nexus's goodput, "
+                  "8 GPUs, Poisson", ["model", "policy", "rate", "p50 ms", "p99 ms", "max ms",
+                                      "SLO/2 ms", "p99 / (SLO/2)", "bad rate"])
+    points, checks = [], []
+    for file, model, _, _ in TABLE2:
+        found = next(p for p in t2_points if p["model"] == model and p["policy"] == "nexus-fill")
+        rate = found["goodput_rps"]
+        base = _table2_base(file, opts.quick)
+        half_ms = base.models[0].slo_ms / 2
+        for policy in QUEUE_POLICIES:
+            report = sim_probe(base.with_overrides(policy=policy), rate, bail=False)
+            q = report["queueing_ms"]
+            share = q["p99"] / half_ms
+            table.rows.append([model, policy, rate, q["p50"], q["p99"], q["max"], half_ms,
+                               share, report["bad_rate"]])
+            points.append({"model": model, "policy": policy, "rate_rps": rate,
+                           "queueing_ms": q, "bad_rate": report["bad_rate"]})
+            if policy == "nexus-fill":
+                checks.append(Check(
+                    f"{model}: Nexus's p99 queueing delay at its goodput within "
+                    f"{QUEUE_HALF_SLO_TOLERANCE:.0%} of SLO/2 ({half_ms:g} ms)",
+                    abs(share - 1) <= QUEUE_HALF_SLO_TOLERANCE, f"p99 {q['p99']} ms"))
+        opts.say(f"  {model} queueing p99 at {rate:.0f} r/s: " + ", ".join(
+            f"{p['policy']} {p['queueing_ms']['p99']} ms" for p in points[-2:]))
+    return table, points, checks
+
+
+def _backups(opts: Options) -> tuple[Table, list[dict[str, Any]], list[Check]]:
+    """NX-17: plain Nexus and Nexus with backup backends on the same bursty arrivals."""
+    base = _table2_base(BACKUP_WORKLOAD, opts.quick).with_overrides(arrival=BACKUP_ARRIVAL)
+    table = Table(f"Backup backends: ResNet50 on 8 GPUs, {BACKUP_ARRIVAL.kind} arrivals (shape "
+                  f"{BACKUP_ARRIVAL.shape:g}) at {BACKUP_RATE_RPS:g} r/s, Nexus planned at the "
+                  "offered rate", ["policy", "good r/s", "bad rate", "relayed requests",
+                                   "queueing p99 ms"])
+    points = []
+    for policy in BACKUP_POLICIES:
+        report = sim_probe(base.with_overrides(policy=policy), BACKUP_RATE_RPS, bail=False)
+        relayed = report["nexus"]["relayed"]
+        table.rows.append([policy, report["good_rps"], report["bad_rate"], relayed,
+                           report["queueing_ms"]["p99"]])
+        points.append({"policy": policy, "good_rps": report["good_rps"],
+                       "bad_rate": report["bad_rate"], "relayed": relayed})
+    plain, backed = points
+    opts.say(f"  backups: bad rate {plain['bad_rate']:.2%} plain, {backed['bad_rate']:.2%} with")
+    check = Check("Nexus's backup backends lower its bad rate on bursty arrivals",
+                  backed["bad_rate"] < plain["bad_rate"],
+                  f"{plain['bad_rate']:.2%} plain, {backed['bad_rate']:.2%} with backups "
+                  f"({backed['relayed']} relayed)")
+    return table, points, [check]
 
 
 def _table2(opts: Options) -> tuple[Table, list[dict[str, Any]], list[Check]]:
@@ -64,9 +141,7 @@ def _table2(opts: Options) -> tuple[Table, list[dict[str, Any]], list[Check]]:
     points, checks = [], []
     policies = TABLE2_QUICK_POLICIES if opts.quick else TABLE2_POLICIES
     for file, model, paper_rps, paper_batch in TABLE2:
-        base = load_workload(WORKLOADS_DIR / f"{file}.toml")
-        if opts.quick:
-            base = with_windows(base, QUICK_WINDOWS_S)
+        base = _table2_base(file, opts.quick)
         for policy in policies:
             found = sim_goodput(base.with_overrides(policy=policy),
                                 precision=QUICK_PRECISION if opts.quick else FULL_PRECISION,

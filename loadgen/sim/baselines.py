@@ -6,7 +6,9 @@ goodput`` and the experiments search them as they search Symphony.
 
 Nexus's data path has no central scheduler: a request goes from its frontend (chosen at random,
 so each of F frontends sees a Poisson share) straight to the GPU its router picks, and waits in
-that GPU's queue. Every BEACON_S the frontends' counts reach the epoch controller, whose new plan
+that GPU's queue (with ``-backup``, a GPU whose queue of the model already holds its batch
+relays the request to its least utilized backup: ``nexus_gpu.BackupRelay``). Every BEACON_S the
+frontends' counts reach the epoch controller, whose new plan
 (if an epoch runs) is loaded into every GPU and router. The workload's ``d_ctrl_ms`` and
 ``d_data_ms`` are not modelled (Nexus plans with its own 2 ms network reserve); a request's
 deadline is arrival + SLO - ``reply_ms`` as in the main simulator.
@@ -28,7 +30,14 @@ from zserve.loadgen.sim.frontends import InvariantError
 from zserve.loadgen.sim.report import workload_bound_rps
 from zserve.loadgen.workload import Workload
 from zserve.scheduler.baselines.flex import DropFlex, FlexCore, PreemptFlexBatch, StartFlexBatch
-from zserve.scheduler.baselines.nexus_gpu import DropNexus, DrrRouter, NexusGpuCore, RunNexusBatch
+from zserve.scheduler.baselines.nexus_gpu import (
+    BackupRelay,
+    DropNexus,
+    DrrRouter,
+    NexusGpuCore,
+    RunNexusBatch,
+    backup_gpus,
+)
 from zserve.scheduler.baselines.nexus_plan import BEACON_S, NexusEpochs, NexusPlan, Session
 
 __all__ = ["BaselineSimulator", "simulate_baseline"]
@@ -93,17 +102,23 @@ class BaselineSimulator:
         self.epochs = NexusEpochs(sessions, self.w.gpus,
                                   fill=self.w.policy.startswith("nexus-fill"))
         self.gpus = [NexusGpuCore(self.profiles) for _ in range(self.w.gpus)]
+        self.with_backups = self.w.policy.partition(":")[0].endswith("-backup")
+        self.relay: BackupRelay | None = None
         self._beacon_counts = dict.fromkeys(self.names, 0)
         self._load_plan(0.0, self.epochs.plan)
 
     def _load_plan(self, now: float, plan: NexusPlan) -> None:
         weights: dict[str, dict[int, float]] = {name: {} for name in self.names}
+        lists, runs = backup_gpus(plan) if self.with_backups else ({}, {})
+        self.relay = BackupRelay(lists) if self.with_backups else None
         for gpu, core in enumerate(self.gpus):
-            slots = plan.gpus[gpu].slots if gpu < len(plan.gpus) else []
+            held = plan.gpus[gpu] if gpu < len(plan.gpus) else None
+            slots = held.slots if held else []
             for slot in slots:
                 weights[slot.name][gpu] = weights[slot.name].get(gpu, 0.0) + slot.rate_rps
             outbox: list[object] = []
-            core.load_table(now, slots, outbox)
+            core.load_table(now, slots, outbox, duty_cycle_s=held.duty_cycle_s if held else 0.0,
+                            backups=runs.get(gpu, []))
             self._apply(now, gpu, outbox)
         self.routers = [{name: DrrRouter(w) if w else None for name, w in weights.items()}
                         for _ in range(self.frontends)]
@@ -116,6 +131,8 @@ class BaselineSimulator:
             self._answer_dropped([rid])
             return
         gpu = router.pick()
+        if self.relay is not None:
+            gpu = self.relay.place(model, gpu, self.gpus, now)
         outbox: list[object] = []
         self.gpus[gpu].on_request(now, model, rid, float(self.deadline[rid]), outbox)
         self._apply(now, gpu, outbox)
@@ -291,7 +308,8 @@ class BaselineSimulator:
                 "gpus_planned": len(plan.gpus),
                 "plan": [[[s.name, s.batch, round(s.rate_rps, 1)] for s in g.slots]
                          for g in plan.gpus],
-                "unassigned_rps": {k: round(v, 1) for k, v in plan.unassigned_rps.items()}}
+                "unassigned_rps": {k: round(v, 1) for k, v in plan.unassigned_rps.items()},
+                "relayed": self.relay.relayed if self.relay is not None else None}
         else:
             assert self.flex is not None
             extra["flex"] = {"preemptions": self.flex.preemptions,

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zserve sim", description=__doc__.split("\n\n")[0])
     p.add_argument("workload", help="workload TOML file")
     p.add_argument("--policy", help="deferred | frontrun | latest | eager | eager-edf | "
-                   "eager-lsf | timeout:F; the papers' baselines: nexus[:F] | nexus-fill[:F] | "
+                   "eager-lsf | timeout:F; the papers' baselines: nexus[-fill][-backup][:F] | "
                    "shepherd-flex")
     p.add_argument("--drop", help="window | suffix | alone | fcfs")
     p.add_argument("--arrival", help="constant | poisson | gamma:K")

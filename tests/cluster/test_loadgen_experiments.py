@@ -349,8 +349,9 @@ def test_fleet_quick(tmp_path: Path) -> None:
 
 
 def test_harpagon_quick(tmp_path: Path) -> None:
-    # the stage-by-stage simulation is a measurement: the priority-stride TC dispatcher exceeds
-    # Theorem 1 on some heterogeneous plans (docs/performance.md, "Harpagon")
+    # Theorem 1 treats the stream a lower group collects from as a fluid; on plans whose lower
+    # group collects between a zero-slack group's runs no dispatcher meets it (docs/performance.md,
+    # "Harpagon"), so that one check may fail, but only on a few stages, by a little.
     result = _quick("harpagon", tmp_path, may_fail=("simulated stages stay within",))
     assert _check(result, "the toy examples equal")["detail"] == "20/20 equal"
     planners = result["points"]["planners"]
@@ -358,6 +359,10 @@ def test_harpagon_quick(tmp_path: Path) -> None:
     for name in ("nexus", "scrooge", "inferline", "clipper"):
         assert planners[name]["mean"] > 1.0, name
     assert result["points"]["optimum"]["below_optimum"] == 0
+    assert result["points"]["family_optimum"]["below_optimum"] == 0
+    validation = result["points"]["validation"]
+    assert validation["stages_over_bound"] <= 0.02 * validation["stages"]
+    assert validation["worst_sim_over_wcl"] < 1.2
 
 
 def test_scale_quick(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """zserve.apps on hand-checked cases: the DAG model, the worst-case latency estimators, the
 module planners (the Harpagon paper's Table I/II values), the splitters, the planners, the
-brute-force optimum and the TC dispatcher."""
+brute-force optima (the plan family's, and the best split for Harpagon's own module scheduler)
+and the TC dispatcher."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from zserve.apps.harpagon import (
     brute_force,
     module_frontier,
     plan_app,
+    scheduler_frontier,
+    split_optimum,
 )
 from zserve.apps.module_plan import (
     exact_module,
@@ -166,6 +169,35 @@ def test_harpagon_is_no_dearer_than_the_baselines_and_not_below_the_optimum() ->
     best = brute_force(app, rates, configs)
     assert best is not None and best.e2e_wcl_s <= app.slo_s + 1e-9
     assert best.cost <= ours.cost + 1e-9
+    # the paper's optimum (the best split for Algorithm 1 and dummies) lies between
+    split = split_optimum(app, rates, configs)
+    assert split is not None and split.e2e_wcl_s <= app.slo_s + 1e-9
+    assert best.cost - 1e-9 <= split.cost <= ours.cost + 1e-9
+
+
+def test_the_split_optimum_beats_a_greedy_split_that_misjudges_a_partial_machine() -> None:
+    """Two stages in a chain at 150 r/s, SLO 40 ms. Algorithm 2 judges each switch by one
+    configuration's fractional cost; the sweep over each stage's actual plans finds a split at
+    least as cheap, and every split it returns fits the SLO."""
+    configs = {s: by_ratio(_linear("fast", 0.0009, 0.0085, 7.0)
+                           + _linear("cheap", 0.004, 0.012, 1.0)) for s in ("a", "b")}
+    app = chain("two", ["a", "b"], 0.040)
+    rates = {"a": 150.0, "b": 150.0}
+    ours, best = plan_app(app, rates, configs), split_optimum(app, rates, configs)
+    assert ours is not None and best is not None
+    assert best.cost <= ours.cost + 1e-9 and best.e2e_wcl_s <= app.slo_s + 1e-9
+
+
+def test_the_scheduler_frontier_bounds_algorithm_one_at_every_budget() -> None:
+    points = scheduler_frontier(198, 1.0, M3)
+    assert points[-1][1].cost == pytest.approx(5.0)  # S4 at the loosest budget
+    assert all(a[0] < b[0] and a[1].cost > b[1].cost for a, b in itertools.pairwise(points))
+    # whatever Algorithm 1 and dummies give at any budget, a point as fast is as cheap
+    for budget in (0.05 + 0.005 * i for i in range(191)):
+        plan = harpagon_module(198, budget, M3)
+        if plan is not None:
+            wcl = plan_wcl_s(plan.groups, "tc")
+            assert plan.cost >= min(p.cost for w, p in points if w <= wcl + 1e-9) - 1e-9
 
 
 def test_the_planner_picks_the_cheaper_kind_when_the_slo_allows_and_the_faster_when_not() -> None:
@@ -189,3 +221,16 @@ def test_the_tc_dispatcher_stays_within_theorem_one_on_the_papers_plans() -> Non
     assert simulate_stage(ModulePlan(M4), 8.0) <= 2.75
     s4 = harpagon_module(198, 1.0, M3)
     assert s4 is not None and simulate_stage(s4, 198.0) <= 0.96 + 1e-9
+
+
+def test_a_full_machine_is_not_held_up_by_a_lower_groups_run() -> None:
+    """One full b8 machine (Theorem 1: 21.8 + 8/618.7 = 34.7 ms, the module's worst case) and
+    a partly loaded b4 one. A dispatcher that lets the b4 run finish before the due b8 batch
+    starts it up to 3 arrivals late, and a full machine never catches up (39.2 ms); the due
+    group takes the stream over instead."""
+    full, partial = Config("k", 8, 0.0218, 1.0), Config("k", 4, 0.0136, 1.0)
+    plan = ModulePlan((Group(full, 1), Group(partial, 1, 0.853)))
+    rate = plan.rate_rps
+    bound = plan_wcl_s(plan.groups, "tc")
+    assert bound == pytest.approx(0.0218 + 8 / rate)
+    assert simulate_stage(plan, rate) <= bound * 1.01 + 1 / rate

@@ -1,27 +1,37 @@
 """Nexus's pure cores: squishy bin packing (the paper's worked example, and the plan's
 invariants over random session sets), the epoch controller's triggers, the sliding-window early
-drop, a GPU's round robin, and the frontends' deficit round robin."""
+drop, a GPU's round robin, the frontends' deficit round robin, and the backup backends (a GPU's
+utilization, the static backup lists, the relay rule, backup sessions in leftover time, and the
+simulator relaying under overload)."""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
 from zserve.config.profiles import LatencyProfile
+from zserve.loadgen.sim.baselines import simulate_baseline
+from zserve.loadgen.workload import parse_workload
 from zserve.scheduler.baselines.nexus_gpu import (
+    BackupRelay,
     DropNexus,
     DrrRouter,
     NexusGpuCore,
     RunNexusBatch,
+    backup_gpus,
     early_drop_batch,
 )
 from zserve.scheduler.baselines.nexus_plan import (
     EPOCH_PERIOD_S,
     HISTORY_SAMPLES,
+    GpuPlan,
     NexusEpochs,
+    NexusPlan,
     Session,
+    Slot,
     plan_filling,
     plan_sessions,
 )
@@ -170,3 +180,89 @@ def test_drr_shares_are_exact_per_cycle() -> None:
     assert sorted(picks[:6]) == [0, 0, 0, 1, 1, 2]
     with pytest.raises(ValueError, match="positive weight"):
         DrrRouter({0: 0.0})
+
+
+def _queued(core: NexusGpuCore, model: str, count: int, now: float = 0.0) -> None:
+    for rid in range(count):
+        core.on_request(now, model, 100 + rid, 1.0, [])
+
+
+def test_utilization_is_queued_work_over_the_duty_cycle() -> None:
+    """l(b) = b + 5 ms, batch 2, duty cycle 20 ms. A batch of 1 runs (6 ms); then 3 waiting are
+    one batch of 2 (7 ms) and one of 1 (6 ms): (6 + 7 + 6) / 20 at time 0, less as it runs."""
+    profile = LatencyProfile.linear(1.0, 5.0, 16)
+    core = NexusGpuCore({"a": profile})
+    core.load_table(0.0, [Slot("a", 2, 100.0)], [], duty_cycle_s=0.020)
+    _queued(core, "a", 4)
+    assert core.open_requests("a") == 3 and core.assigned_batch("a") == 2
+    assert core.utilization(0.0) == pytest.approx(19 / 20)
+    assert core.utilization(0.004) == pytest.approx(15 / 20)
+    bare = NexusGpuCore({"a": profile})
+    assert bare.utilization(0.0) == math.inf and bare.assigned_batch("a") is None
+
+
+def test_relay_keeps_home_until_the_batch_is_held_then_picks_the_least_utilized() -> None:
+    profile = LatencyProfile.linear(1.0, 5.0, 16)
+    cores = [NexusGpuCore({"a": profile}) for _ in range(3)]
+    for core in cores:
+        core.load_table(0.0, [Slot("a", 2, 100.0)], [], duty_cycle_s=0.020)
+    relay = BackupRelay({"a": [0, 1, 2]})
+    _queued(cores[0], "a", 3)  # 1 running, 2 open: the assigned batch is held
+    _queued(cores[1], "a", 2)  # 1 running (6 ms), 1 waiting: 12 / 20
+    _queued(cores[2], "a", 1)  # 1 running: 6 / 20
+    assert relay.place("a", 1, cores, 0.0) == 1  # 1 open + 1 fits GPU 1's batch of 2
+    assert relay.place("a", 0, cores, 0.0) == 2 and relay.relayed == 1
+    _queued(cores[2], "a", 30)
+    _queued(cores[1], "a", 30)  # every backup full: the request stays home
+    assert relay.place("a", 0, cores, 0.0) == 0 and relay.relayed == 1
+    assert BackupRelay({}).place("a", 0, cores, 0.0) == 0  # no backups listed
+
+
+def test_backup_lists_hold_the_other_holders_and_the_least_occupied_others() -> None:
+    plan = NexusPlan([GpuPlan([Slot("a", 4, 100.0)], 0.02), GpuPlan([Slot("a", 2, 50.0)], 0.02),
+                      GpuPlan([Slot("b", 8, 400.0)], 0.02), GpuPlan([Slot("c", 2, 10.0)], 0.02),
+                      GpuPlan([Slot("d", 2, 20.0)], 0.02)])
+    lists, runs = backup_gpus(plan, per_model=2)
+    assert lists["a"] == [0, 1, 3, 4]  # c's and d's GPUs are the least occupied others
+    assert lists["b"] == [2, 3, 4]
+    assert runs[3] == [Slot("a", 4, 0.0), Slot("b", 8, 0.0), Slot("d", 2, 0.0)]
+
+
+def test_backup_sessions_run_only_in_the_time_the_table_leaves() -> None:
+    profile = LatencyProfile.linear(1.0, 5.0, 16)
+    core = NexusGpuCore({"a": profile, "x": profile})
+    out: list[object] = []
+    core.load_table(0.0, [Slot("a", 2, 100.0)], out, duty_cycle_s=0.02,
+                    backups=[Slot("x", 4, 0.0), Slot("a", 9, 0.0)])  # a is held: no backup
+    assert [b.name for b in core.backups] == ["x"]
+    core.on_request(0.0, "a", 1, 1.0, out)
+    core.on_request(0.001, "x", 2, 1.0, out)
+    core.on_request(0.001, "a", 3, 1.0, out)
+    assert out == [RunNexusBatch("a", [1], 0.006)]
+    out.clear()
+    core.on_timer(0.006, out)  # the table's session first, although x waited longer
+    assert out == [RunNexusBatch("a", [3], 0.012)]
+    out.clear()
+    core.on_timer(0.012, out)
+    (run,) = out
+    assert isinstance(run, RunNexusBatch) and (run.model, run.request_ids) == ("x", [2])
+    assert run.finish_at == pytest.approx(0.018)
+
+
+def _overloaded(policy: str) -> dict[str, Any]:
+    data = {"workload": {"name": "nexus-backup", "policy": policy, "rate": 2500.0, "gpus": 8,
+                         "arrival": "gamma:0.5", "warmup_s": 0.5, "measure_s": 1.5,
+                         "cooldown_s": 0.3, "seed": 3},
+            "models": [{"name": "ResNet50", "slo_ms": 25.0, "alpha_ms": 1.053,
+                        "beta_ms": 5.072}]}
+    return simulate_baseline(parse_workload(data, source="test"))
+
+
+def test_the_simulator_relays_overflow_to_backups_and_answers_every_request() -> None:
+    plain, backed = _overloaded("nexus"), _overloaded("nexus-backup")
+    assert plain["nexus"]["relayed"] is None
+    assert backed["nexus"]["relayed"] > 0
+    assert backed["bad_rate"] < plain["bad_rate"]
+    queueing = backed["queueing_ms"]
+    assert sum(queueing["histogram"].values()) > 0
+    assert queueing["max"] >= queueing["p99"]

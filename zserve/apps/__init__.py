@@ -11,7 +11,7 @@ Pure logic, no I/O (the import contract keeps zmq, asyncio and the runtime out):
 - :mod:`zserve.apps.split`: the SLO splitters (Harpagon's latency-cost greedy with node merging
   and cost-direct, throughput-greedy, even, Nexus's quantised dynamic program).
 - :mod:`zserve.apps.harpagon`: the planners (Harpagon and the Nexus-, Scrooge-, InferLine- and
-  Clipper-like baselines) and the brute-force optimum.
+  Clipper-like baselines) and the brute-force optima (best split; whole plan family).
 - :mod:`zserve.apps.tc_dispatch`: the throughput-cost batch dispatcher and a per-stage
   discrete-event check of a plan's worst-case latency.
 

@@ -1,7 +1,8 @@
 """Planners: for an app, its stages' rates and each stage's configurations (device kinds with
 prices), how many machines of which kind at which batch sizes serve it within its SLO, and the
-cost. Harpagon and four baselines as the Harpagon paper models them (its Table III), and the
-brute-force optimum of Harpagon's plan family for small apps.
+cost. Harpagon and four baselines as the Harpagon paper models them (its Table III), and two
+brute-force optima: the best latency split for Harpagon's own module scheduler (the paper's
+"optimal"), and the optimum of Harpagon's whole plan family for small apps.
 
 =========  ========  =======  =======================  ==============================
 planner    dispatch  configs  split                    residual
@@ -180,12 +181,7 @@ def module_frontier(rate_rps: float, max_budget_s: float,
                             - rate_rps, 9) for c in configs}
     plans = [ModulePlan(p.groups, p.dummy_rps + extra) for extra in sorted(extras)
              for p in exact_frontier(rate_rps + extra, max_budget_s, configs)]
-    points: list[tuple[float, ModulePlan]] = []
-    for wcl, plan in sorted(((plan_wcl_s(p.groups, "tc"), p) for p in plans),
-                            key=lambda x: (x[0], x[1].cost)):
-        if not points or plan.cost < points[-1][1].cost - EPSILON:
-            points.append((wcl, plan))
-    return points
+    return _pareto_points(plans)
 
 
 def brute_force(app: App, rates: Mapping[str, float],
@@ -195,15 +191,59 @@ def brute_force(app: App, rates: Mapping[str, float],
     otherwise). None when none does; :class:`SearchTooLarge` when a stage's search is too
     large (a large case)."""
     frontiers = {s: module_frontier(rates[s], app.slo_s, configs[s]) for s in app.names}
+    return _optimum_plan(app, frontiers, "optimum")
+
+
+Frontiers = Mapping[str, Sequence[tuple[float, ModulePlan]]]
+
+
+def scheduler_frontier(rate_rps: float, max_budget_s: float,
+                       configs: Sequence[Config]) -> list[tuple[float, ModulePlan]]:
+    """Every (worst-case latency, plan) step of Harpagon's own module scheduler (Algorithm 1
+    and dummies, :func:`harpagon_module`) as its budget grows to ``max_budget_s``, cheaper at
+    each step: its plan changes only where the budget reaches a step it rejected, so the
+    sweep visits exactly those budgets. The plans no other beats on both, fastest first."""
+    plans: list[ModulePlan] = []
+    budget_s = 0.0
+    while budget_s <= max_budget_s + EPSILON:
+        rejected: list[float] = []
+        plan = harpagon_module(rate_rps, budget_s, configs, rejected_s=rejected)
+        if plan is not None:
+            plans.append(plan)
+        above = [r for r in rejected if r > budget_s + EPSILON]
+        if not above:
+            break
+        budget_s = min(above)
+    return _pareto_points(plans)
+
+
+def _pareto_points(plans: Sequence[ModulePlan]) -> list[tuple[float, ModulePlan]]:
+    points: list[tuple[float, ModulePlan]] = []
+    for wcl, plan in sorted(((plan_wcl_s(p.groups, "tc"), p) for p in plans),
+                            key=lambda x: (x[0], x[1].cost)):
+        if not points or plan.cost < points[-1][1].cost - EPSILON:
+            points.append((wcl, plan))
+    return points
+
+
+def split_optimum(app: App, rates: Mapping[str, float],
+                  configs: Mapping[str, Sequence[Config]]) -> AppPlan | None:
+    """The best latency split for Harpagon's own module scheduler, found exhaustively: the
+    cheapest combination of each stage's :func:`scheduler_frontier` points whose critical path
+    meets the SLO. The Harpagon paper's "optimal" (its brute force searches the split, the
+    NP-complete part; its Harp-q0.01 is "another kind of brute force search"), and a lower
+    bound on every plan :func:`plan_app` can return."""
+    frontiers = {s: scheduler_frontier(rates[s], app.slo_s, configs[s]) for s in app.names}
+    return _optimum_plan(app, frontiers, "split-optimum")
+
+
+def _optimum_plan(app: App, frontiers: Frontiers, name: str) -> AppPlan | None:
     choice = _tree_optimum(app, frontiers) if is_tree(app) else _product_optimum(app, frontiers)
     if choice is None:
         return None
     modules = {s: frontiers[s][i][1] for s, i in choice.items()}
     wcl = {s: frontiers[s][i][0] for s, i in choice.items()}
-    return AppPlan("optimum", modules, dict(wcl), wcl, critical_path_s(app, wcl))
-
-
-Frontiers = Mapping[str, Sequence[tuple[float, ModulePlan]]]
+    return AppPlan(name, modules, dict(wcl), wcl, critical_path_s(app, wcl))
 
 
 def _tree_optimum(app: App, frontiers: Frontiers) -> dict[str, int] | None:
@@ -265,5 +305,7 @@ __all__ = [
     "module_frontier",
     "module_planner",
     "plan_app",
+    "scheduler_frontier",
     "split_for",
+    "split_optimum",
 ]

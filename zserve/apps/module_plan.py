@@ -40,10 +40,13 @@ def _step_wcl_s(group: Group, remaining_rps: float, dispatch: Dispatch) -> float
 
 
 def generate_config(rate_rps: float, budget_s: float, configs: Sequence[Config],
-                    dispatch: Dispatch = "tc") -> ModulePlan | None:
+                    dispatch: Dispatch = "tc",
+                    rejected_s: list[float] | None = None) -> ModulePlan | None:
     """Harpagon's Algorithm 1 (GenerateConfig): walk the configurations from the highest ratio;
     while the current one meets the budget at the rate still unplaced, give it as many whole
-    machines as that rate fills, then one partly loaded machine; else move to the next."""
+    machines as that rate fills, then one partly loaded machine; else move to the next.
+    ``rejected_s`` collects the worst cases of the steps the budget rejected: the plan is the
+    same for every budget below the smallest of them (the split optimum sweeps budgets so)."""
     remaining = rate_rps
     groups: list[Group] = []
     k = 0
@@ -54,10 +57,13 @@ def generate_config(rate_rps: float, budget_s: float, configs: Sequence[Config],
         machines = remaining / config.throughput_rps
         whole = math.floor(machines + EPSILON)
         step = Group(config, whole) if whole >= 1 else Group(config, 1, machines)
-        if _step_wcl_s(step, remaining, dispatch) <= budget_s + EPSILON:
+        step_s = _step_wcl_s(step, remaining, dispatch)
+        if step_s <= budget_s + EPSILON:
             groups.append(step)
             remaining = max(0.0, remaining - step.rate_rps)
         else:
+            if rejected_s is not None:
+                rejected_s.append(step_s)
             k += 1
     return ModulePlan(tuple(groups))
 
@@ -79,12 +85,13 @@ def dummy_candidates_rps(plan: ModulePlan) -> list[float]:
 
 
 def harpagon_module(rate_rps: float, budget_s: float, configs: Sequence[Config],
-                    dispatch: Dispatch = "tc", dummies: bool = True) -> ModulePlan | None:
+                    dispatch: Dispatch = "tc", dummies: bool = True, *,
+                    rejected_s: list[float] | None = None) -> ModulePlan | None:
     """Algorithm 1 and then (``dummies``) each dummy candidate re-planned, the cheapest kept
     (the dummy load is paid for). When Algorithm 1 finds nothing (its last, partly loaded
     machine collects too slowly), the rate topped up to whole machines of each configuration
-    is tried instead."""
-    best = generate_config(rate_rps, budget_s, configs, dispatch)
+    is tried instead. ``rejected_s``: as :func:`generate_config`'s, over every run."""
+    best = generate_config(rate_rps, budget_s, configs, dispatch, rejected_s)
     if not dummies:
         return best
     if best is None:
@@ -92,12 +99,13 @@ def harpagon_module(rate_rps: float, budget_s: float, configs: Sequence[Config],
         # stream up to whole machines of one configuration (the dummies' other use)
         for config in configs:
             whole = math.ceil(rate_rps / config.throughput_rps - EPSILON)
-            trial = generate_config(whole * config.throughput_rps, budget_s, configs, dispatch)
+            trial = generate_config(whole * config.throughput_rps, budget_s, configs, dispatch,
+                                    rejected_s)
             if trial is not None and (best is None or trial.cost < best.cost - EPSILON):
                 best = ModulePlan(trial.groups, whole * config.throughput_rps - rate_rps)
         return best
     for extra in dummy_candidates_rps(best):
-        trial = generate_config(rate_rps + extra, budget_s, configs, dispatch)
+        trial = generate_config(rate_rps + extra, budget_s, configs, dispatch, rejected_s)
         if trial is not None and trial.cost < best.cost - EPSILON:
             best = ModulePlan(trial.groups, extra)
     return best

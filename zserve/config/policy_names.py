@@ -19,10 +19,12 @@ raises the Poisson goodput of Table 2 from 5234 to 5430 r/s (ResNet50) and from 
 SCHEDULE_POLICIES = ("deferred", "deferred-bl", "frontrun", "latest", "eager", "eager-edf",
                      "eager-lsf", "timeout")
 DROP_POLICIES = ("window", "suffix", "alone", "fcfs")
-SIM_BASELINE_POLICIES = ("nexus", "nexus-fill", "shepherd-flex")
+SIM_BASELINE_POLICIES = ("nexus", "nexus-fill", "nexus-backup", "nexus-fill-backup",
+                         "shepherd-flex")
 """The papers' other systems, which only the simulator runs (``zserve.loadgen.sim.baselines``):
 they replace the scheduler rather than tune it. ``nexus:F`` runs Nexus with F frontends;
-``nexus-fill`` plans every model at the largest multiple of its rate the GPUs hold."""
+``nexus-fill`` plans every model at the largest multiple of its rate the GPUs hold; ``-backup``
+adds the public code's backup backends (a GPU relays what overflows its batch)."""
 
 
 def sim_baseline_frontends(spec: str) -> int | None:
@@ -35,7 +37,7 @@ def sim_baseline_frontends(spec: str) -> int | None:
         return 1
     if base.startswith("nexus") and arg.isdigit() and int(arg) >= 1:
         return int(arg)
-    raise PolicyError("policy", f"policy {spec!r}: only nexus and nexus-fill take an argument, "
+    raise PolicyError("policy", f"policy {spec!r}: only the nexus policies take an argument, "
                       "a frontend count >= 1 (nexus:8)")
 
 # Schedule kinds as small ints: compared on the hot path.
