@@ -281,7 +281,7 @@ def test_a_request_batch_is_served_request_by_request_and_a_malformed_one_answer
                                                             pytest.approx(24.0)]
         # A batch that does not decode (a model that is no string): each of its ids is answered.
         raw.send_multipart([msgpack.packb(["infers", [210, 211], ["m", 5], [{}, {}], [0.0, 0.0]])])
-        errors = {}
+        errors: dict[int, str] = {}
         while len(errors) < 2:
             _, answer = recv(raw, router=False)
             assert isinstance(answer, InferError)
