@@ -67,6 +67,8 @@ from zserve.loadgen.bench.max_rate import MAX_RATE_CHECK_S, max_rate_check
 from zserve.loadgen.closed_loop import run_closed_loop
 from zserve.loadgen.live_report import bound_rps
 from zserve.loadgen.live_run import (
+    AUTO_GRPC_WORKER_RATE_RPS,
+    AUTO_HTTP_WORKER_RATE_RPS,
     AUTO_WORKER_RATE_RPS,
     MIN_MEASURED_REQUESTS,
     BenchOptions,
@@ -120,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cooldown", type=float, help="cooldown seconds")
     p.add_argument("--workers", default="auto",
                    help="generator processes, or 'auto' (default): one per "
-                   f"{AUTO_WORKER_RATE_RPS:.0f} r/s of peak planned rate, at most one per CPU")
+                   f"{AUTO_WORKER_RATE_RPS:.0f} r/s of peak planned rate (native; "
+                   f"{AUTO_HTTP_WORKER_RATE_RPS:.0f} over HTTP, "
+                   f"{AUTO_GRPC_WORKER_RATE_RPS:.0f} over gRPC), at most one per CPU")
     p.add_argument("--protocol", default="native", choices=PROTOCOLS,
                    help="send through zserve's client socket (native, default) or the cluster's "
                    "Open Inference Protocol servers ([frontends] http_addresses / "

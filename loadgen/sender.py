@@ -148,27 +148,27 @@ Monitor = Callable[[IntArray, float], str | None]
 current lag behind schedule in seconds; returns a reason to stop, or None."""
 
 
-def _encoders(spec: WorkerSpec) -> tuple[list[Callable[[int], codec.Frames]], list[int]]:
-    """The request templates' encoders and each request's template: one per model, or with
-    the plan's ``rows`` one per (model, rows), whose inputs repeat the model's one-row inputs
-    that many times along the leading dimension."""
+def _templates(spec: WorkerSpec) -> tuple[list[InferRequest], list[int]]:
+    """The request templates and each request's template: one per model, or with the plan's
+    ``rows`` one per (model, rows), whose inputs repeat the model's one-row inputs that many
+    times along the leading dimension."""
     plan = spec.plan
 
-    def encoder(m: int, rows: int) -> Callable[[int], codec.Frames]:
+    def template(m: int, rows: int) -> InferRequest:
         name = plan.models[m]
         inputs = spec.inputs.get(name, {})
         if rows != 1:
             inputs = {k: np.ascontiguousarray(np.repeat(a[:1], rows, axis=0))
                       for k, a in inputs.items()}
-        return codec.encoder_for_ids(InferRequest(0, name, inputs, plan.slo_ms[m]))
+        return InferRequest(0, name, inputs, plan.slo_ms[m])
 
     if plan.rows is None:
-        return [encoder(m, 1) for m in range(len(plan.models))], plan.model_index.tolist()
+        return [template(m, 1) for m in range(len(plan.models))], plan.model_index.tolist()
     keys = list(zip(plan.model_index.tolist(), plan.rows.tolist(), strict=True))
     index: dict[tuple[int, int], int] = {}
     for key in keys:
         index.setdefault(key, len(index))
-    return [encoder(m, rows) for m, rows in index], [index[key] for key in keys]
+    return [template(m, rows) for m, rows in index], [index[key] for key in keys]
 
 
 class _Sender:
@@ -193,8 +193,11 @@ class _Sender:
         self.request_slo_s = slo_s[plan.model_index].tolist()
         self.max_slo_s = float(slo_s.max()) if len(slo_s) else 0.0
         # One request template per model (and rows per request): each request is its template
-        # with its own id, encoded for the cost of packing that id (the same arrays every time).
-        self.encoders, self.template = _encoders(spec)
+        # with its own id, encoded for the cost of packing that id (the same arrays every time);
+        # the requests due at once go as one InferRequests, for the cost of packing their ids.
+        templates, self.template = _templates(spec)
+        self.encoders = [codec.encoder_for_ids(t) for t in templates]
+        self.encode_batch = codec.encoder_for_request_batches(templates)
         self.sent = [math.nan] * n
         self.replied = [math.nan] * n
         self.outcome = [int(Outcome.UNSENT)] * n
@@ -214,30 +217,40 @@ class _Sender:
         self.end_at = math.inf
 
     # 1. Send what is due (at most SEND_BURST, so that reply times stay accurate while
-    #    catching up). Never wait for a reply to send.
+    #    catching up), in one message: one InferRequest, or one InferRequests when several are
+    #    due (one send, one frontend wake-up for all of them). Never wait for a reply to send.
     def send_due(self, sock: zmq.Socket[Any], now: float) -> None:
         if self.stopped is not None:
             return
-        t0, times, n, i = self.t0, self.times, self.n, self.i
-        model_index, measured, counters = self.model_index, self.measured, self.counters
-        sent, encoders, send_frames = self.sent, self.encoders, socket_io.send_frames_nowait
-        template = self.template
-        monotonic = time.monotonic
-        burst_end = i + SEND_BURST
-        while i < n and i < burst_end and t0 + times[i] <= now:
-            m = model_index[i]
-            sent[i] = monotonic() - t0
-            try:
-                send_frames(sock, encoders[template[i]](i))
-                self.outstanding += 1
-            except zmq.Again:
-                self._refused(i, m)
-            if measured[i]:
-                counters[m][SENT] += 1
+        t0, times, n, first = self.t0, self.times, self.n, self.i
+        i, burst_end = first, min(n, first + SEND_BURST)
+        while i < burst_end and t0 + times[i] <= now:
             i += 1
-            if i == n:
-                self.end_at = monotonic() + self.max_slo_s + self.spec.reply_grace_s
+        if i == first:
+            return
+        sent_at = time.monotonic() - t0
+        template = self.template
+        frames = (self.encoders[template[first]](first) if i == first + 1
+                  else self.encode_batch(list(range(first, i)), template[first:i]))
+        try:
+            socket_io.send_frames_nowait(sock, frames)
+            refused = False
+        except zmq.Again:
+            refused = True
+        model_index, measured, counters, sent = (self.model_index, self.measured, self.counters,
+                                                 self.sent)
+        for k in range(first, i):
+            m = model_index[k]
+            sent[k] = sent_at
+            if refused:
+                self._refused(k, m)
+            else:
+                self.outstanding += 1
+            if measured[k]:
+                counters[m][SENT] += 1
         self.i = i
+        if i == n:
+            self.end_at = time.monotonic() + self.max_slo_s + self.spec.reply_grace_s
 
     def _refused(self, i: int, m: int) -> None:
         """The socket's queue is full: the request ends at once as an error."""

@@ -37,9 +37,16 @@ import zmq
 
 from zserve.core.errors import ProtocolError, TooLargeError, WireVersionError
 from zserve.transport import field_types
-from zserve.transport.arrays import EncodedFrames, decode_array
+from zserve.transport.arrays import INLINE_BUDGET_BYTES, EncodedFrames, decode_array
 from zserve.transport.field_types import ArrayFieldEncoder, array_field_encoders, wire_fields
-from zserve.transport.messages import ALL_MESSAGES, HANDSHAKES, Message, protocol_mismatch
+from zserve.transport.messages import (
+    ALL_MESSAGES,
+    HANDSHAKES,
+    InferRequest,
+    InferRequests,
+    Message,
+    protocol_mismatch,
+)
 
 Frames = list[bytes | memoryview]
 FrameLike = zmq.Frame | bytes | bytearray | memoryview
@@ -209,6 +216,57 @@ def encoder_for_ids(template: Message) -> Callable[[int], Frames]:
     return encode_id
 
 
+RequestBatchEncoder = Callable[[list[int], list[int]], Frames]
+
+
+def _array_prefix(length: int) -> bytes:
+    """The msgpack header of an array of ``length`` items (what precedes its items)."""
+    return _pack([None] * length)[:-length] if length else _pack([])
+
+
+_ARRAY_PREFIXES = [_array_prefix(n) for n in range(128)]
+_INT_TYPE = {int}
+
+
+def encoder_for_request_batches(templates: Sequence[InferRequest]) -> RequestBatchEncoder:
+    """An encoder of ``InferRequests`` built from request templates: ``encode_batch(ids,
+    which)`` gives the frames ``encode`` gives for the requests ``replace(templates[which[i]],
+    request_id=ids[i])``, for the cost of packing the ids and joining bytes packed once per
+    template (the load generator sends the same few requests over and over). A template whose
+    arrays would not all ride inline, or a batch whose inline bytes would exceed one header's
+    budget, is encoded by ``encode``."""
+    models, inputs, slos, inline_bytes = [], [], [], []
+    for template in templates:
+        out = EncodedFrames()
+        descriptors = _ARRAY_FIELDS[InferRequest][0][1](template.inputs, out)
+        models.append(_pack(template.model))
+        inputs.append(_pack(descriptors) if len(out.frames) == 1 else b"")  # b"": has frames
+        slos.append(_pack(float(template.slo_ms)))
+        inline_bytes.append(INLINE_BUDGET_BYTES - out.inline_left if len(out.frames) == 1
+                            else INLINE_BUDGET_BYTES + 1)
+    head = _array_prefix(5) + _pack(InferRequests.KIND)
+
+    def encode_batch(request_ids: list[int], which: list[int]) -> Frames:
+        count = len(which)
+        if len(request_ids) != count or set(map(type, request_ids)) - _INT_TYPE:
+            raise ProtocolError("cannot encode InferRequests: ids must be ints, one per request")
+        if sum([inline_bytes[t] for t in which]) > INLINE_BUDGET_BYTES:
+            return encode(InferRequests(
+                list(request_ids), [templates[t].model for t in which],
+                [templates[t].inputs for t in which], [templates[t].slo_ms for t in which]))
+        try:
+            parts = [head, _pack(request_ids)]
+        except OverflowError as exc:  # an int beyond msgpack's 64 bits
+            raise ProtocolError(f"cannot encode InferRequests: {exc}") from exc
+        prefix = _ARRAY_PREFIXES[count] if count < len(_ARRAY_PREFIXES) else _array_prefix(count)
+        for column in (models, inputs, slos):
+            parts.append(prefix)
+            parts.extend([column[t] for t in which])
+        return [b"".join(parts)]
+
+    return encode_batch
+
+
 # --------------------------------------------------------------------------- decode
 
 
@@ -361,6 +419,28 @@ def _version_problem(items: Any) -> WireVersionError | None:
 def recover_request_id(header: Any) -> int | None:
     """The request id of a message that failed to decode, if its header still names one (so a
     frontend can answer that request with a typed error)."""
+    ids = recover_request_ids(header)
+    return ids[0] if len(ids) == 1 and not _names_id_list(header) else None
+
+
+def recover_request_ids(header: Any) -> list[int]:
+    """The request ids a message that failed to decode still names: its int id
+    (``InferRequest``) or its list of int ids (``InferRequests``); empty if none can be read."""
+    value = _second_item(header)
+    if type(value) is int:
+        return [value]
+    if type(value) is list and value and all(type(v) is int for v in value):
+        return value
+    return []
+
+
+def _names_id_list(header: Any) -> bool:
+    return type(_second_item(header)) is list
+
+
+def _second_item(header: Any) -> Any:
+    """The header's second item (a request's id field), read from its first 4 KiB; None when
+    it cannot be read."""
     try:
         data = header.bytes if isinstance(header, zmq.Frame) else bytes(header)
         if len(data) > 4096:
@@ -371,10 +451,9 @@ def recover_request_id(header: Any) -> int | None:
         if size < 2:
             return None
         unpacker.skip()
-        value = unpacker.unpack()
+        return unpacker.unpack()
     except Exception:
         return None
-    return value if type(value) is int else None
 
 
 def _header_arity(header: bytes | memoryview) -> int:

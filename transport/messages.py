@@ -37,7 +37,8 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
-WIRE_PROTOCOL_VERSION = 4  # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds
+WIRE_PROTOCOL_VERSION = 5  # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds;
+# 5: InferRequests
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
@@ -76,6 +77,28 @@ class InferRequest(Message, frozen=True, tag="infer"):
     model: str
     inputs: TensorMap
     slo_ms: float = 0.0
+
+
+class InferRequests(Message, frozen=True, tag="infers"):
+    """Client -> frontend: several requests in one message, as parallel lists (struct of
+    arrays): request ``request_ids[i]`` runs ``models[i]`` on ``inputs[i]`` with ``slo_ms[i]``,
+    each exactly as the ``InferRequest`` of those fields would (admitted, refused and answered
+    one by one). A client that has several requests to send at once (an open-loop generator's
+    due sends) sends them in one message: one receive, one decode and one wake-up of the
+    frontend instead of one per request."""
+
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("request_ids", "models", "inputs", "slo_ms"),
+    )
+    request_ids: list[int]
+    models: list[str]
+    inputs: list[TensorMap]
+    slo_ms: list[float]
+
+    def requests(self) -> list[InferRequest]:
+        """The requests it carries, each as its own ``InferRequest`` (in order)."""
+        return [InferRequest(rid, model, tensors, slo) for rid, model, tensors, slo in zip(
+            self.request_ids, self.models, self.inputs, self.slo_ms, strict=True)]
 
 
 class InferReply(Message, frozen=True, tag="reply"):
@@ -611,6 +634,7 @@ class ModelUnservable(Message, frozen=True, tag="munserv"):
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     InferRequest,
+    InferRequests,
     InferReply,
     InferError,
     ClientHello,

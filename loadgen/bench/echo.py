@@ -36,6 +36,7 @@ from zserve.transport.messages import (
     InferError,
     InferReply,
     InferRequest,
+    InferRequests,
     StatsReply,
     StatsRequest,
 )
@@ -86,20 +87,21 @@ def serve(config: EchoConfig, ready: Any, stop: Any) -> None:
                 except zmq.Again:
                     break
                 arrived = time.monotonic()
-                rid = _peek_request_id(frames[1])
-                if rid is None:
+                rids = _peek_request_ids(frames[1])
+                if not rids:
                     _maybe_answer_stats(sock, frames, served)
                     continue
-                seq += 1
-                served.append(service_s)
-                if config.servers > 0:
-                    k = min(range(config.servers), key=free_at.__getitem__)
-                    free_at[k] = max(arrived, free_at[k]) + service_s
-                    at = free_at[k]
-                else:
-                    at = arrived + service_s
-                error = config.error_every > 0 and seq % config.error_every == 0
-                heapq.heappush(due, (at, seq, frames[0].bytes, rid, error))
+                for rid in rids:
+                    seq += 1
+                    served.append(service_s)
+                    if config.servers > 0:
+                        k = min(range(config.servers), key=free_at.__getitem__)
+                        free_at[k] = max(arrived, free_at[k]) + service_s
+                        at = free_at[k]
+                    else:
+                        at = arrived + service_s
+                    error = config.error_every > 0 and seq % config.error_every == 0
+                    heapq.heappush(due, (at, seq, frames[0].bytes, rid, error))
             timeout = min(due[0][0] - time.monotonic(), 0.05) if due else 0.05
             if timeout > 0 and not (cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN):
                 select.select([fd], [], [], timeout)
@@ -126,16 +128,22 @@ def _maybe_answer_stats(
         sock.send_multipart([frames[0].bytes, *codec.encode(StatsReply("echo", stats))])
 
 
-def _peek_request_id(header: Any) -> int | None:
-    """The request id of an ``InferRequest`` header (``[KIND, request_id, ...]``): the echo server
-    reads nothing else, so that it costs less per request than the generator it measures."""
+def _peek_request_ids(header: Any) -> list[int]:
+    """The request ids of an ``InferRequest`` or ``InferRequests`` header (``[KIND, request_id
+    or ids, ...]``; empty for anything else): the echo server reads nothing else, so that it
+    costs less per request than the generator it measures."""
     try:
         fields = msgpack.unpackb(header, raw=False, strict_map_key=False)
     except Exception:
-        return None
-    if isinstance(fields, list) and len(fields) >= 2 and fields[0] == InferRequest.KIND:
-        return fields[1] if type(fields[1]) is int else None
-    return None
+        return []
+    if not isinstance(fields, list) or len(fields) < 2:
+        return []
+    ids = fields[1]
+    if fields[0] == InferRequest.KIND:
+        return [ids] if type(ids) is int else []
+    if fields[0] == InferRequests.KIND and type(ids) is list:
+        return [rid for rid in ids if type(rid) is int]
+    return []
 
 
 class EchoServer:

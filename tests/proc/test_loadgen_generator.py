@@ -29,6 +29,7 @@ from zserve.transport.messages import (
     InferError,
     InferReply,
     InferRequest,
+    InferRequests,
     Message,
     StatsReply,
 )
@@ -194,6 +195,7 @@ class _BatchingFrontend:
         self.sock, self.address = make_router(self.ctx, f"ipc://{tmp}/batching")
         self.hello: ClientHello | None = None
         self.answers_sent = 0
+        self.batched_requests = 0  # those that came in an InferRequests
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -211,6 +213,9 @@ class _BatchingFrontend:
                     self.hello = message
                 elif isinstance(message, InferRequest):
                     burst.append(message.request_id)
+                elif isinstance(message, InferRequests):  # requests due at once: one message
+                    burst.extend(message.request_ids)
+                    self.batched_requests += len(message.request_ids)
             if burst:
                 ok = [i for i in burst if i % 5]
                 failed = [i for i in burst if not i % 5]
@@ -241,3 +246,17 @@ def test_answers_coalesced_per_batch_settle_every_request(tmp_path: Path) -> Non
     assert np.all(result.outcome[failed] == Outcome.ERROR)
     assert np.all(result.outcome[~failed] == Outcome.GOOD)
     assert set(result.error_counts()) == {"OVERLOADED"}
+
+
+def test_requests_due_at_once_go_in_one_message_and_each_is_settled(tmp_path: Path) -> None:
+    server = _BatchingFrontend(tmp_path)
+    try:
+        # 5,000 r/s: a timer pass finds several requests due (the loop wakes in ~1 ms steps).
+        plan = _plan(5_000.0, 0.2)
+        result = run_load(plan, server.address, inputs=INPUTS, lateness_bound_ms=RELAXED_BOUND_MS)
+    finally:
+        server.close()
+    assert server.batched_requests > 0
+    failed = np.arange(len(plan)) % 5 == 0
+    assert np.all(result.outcome[failed] == Outcome.ERROR)
+    assert np.all(result.outcome[~failed] == Outcome.GOOD)

@@ -34,6 +34,7 @@ from zserve.transport.messages import (
     InferError,
     InferReply,
     InferRequest,
+    InferRequests,
     Shutdown,
     StatsReply,
     StatsRequest,
@@ -256,6 +257,36 @@ def test_a_batch_is_answered_in_one_message_to_a_client_that_accepts_it(
         _, answers = recv(raw, router=False)
         assert isinstance(answers, InferAnswers)
         assert answers.error_ids == [7] and answers.errors == ["BAD_REQUEST"]
+    finally:
+        raw.close(linger=0)
+
+
+def test_a_request_batch_is_served_request_by_request_and_a_malformed_one_answered_per_id(
+    frontend: FrontendHarness,
+) -> None:
+    frontend.backend_table(["backend-0"], [["m"]])
+    backend = frontend.backend()
+    raw = make_dealer(frontend.ctx, frontend.client_address, identity=b"batching-client")
+    try:
+        socket_io.sync_send(raw, ClientHello(accepts=[InferAnswers.KIND]))
+        socket_io.sync_send(raw, InferRequests([200, 201, 202], ["m", "nope", "m"],
+                                               [sample(1), sample(2), sample(3)],
+                                               [0.0, 0.0, 0.0]))
+        _, refused = recv(raw, router=False)  # the unknown model, answered in its tick
+        assert isinstance(refused, InferAnswers) and refused.error_ids == [201]
+        run_batch(backend, meta_ids(frontend, 2))
+        _, answers = recv(raw, router=False)
+        assert isinstance(answers, InferAnswers) and answers.request_ids == [200, 202]
+        assert [o["y"][0, 0] for o in answers.outputs] == [pytest.approx(8.0),
+                                                            pytest.approx(24.0)]
+        # A batch that does not decode (a model that is no string): each of its ids is answered.
+        raw.send_multipart([msgpack.packb(["infers", [210, 211], ["m", 5], [{}, {}], [0.0, 0.0]])])
+        errors: dict[int, str] = {}
+        while len(errors) < 2:
+            _, answer = recv(raw, router=False)
+            assert isinstance(answer, InferError)
+            errors[answer.request_id] = answer.error
+        assert errors == {210: "BAD_REQUEST", 211: "BAD_REQUEST"}
     finally:
         raw.close(linger=0)
 

@@ -38,6 +38,7 @@ from zserve.transport.messages import (
     InferError,
     InferReply,
     InferRequest,
+    InferRequests,
     InputFetch,
     InputReply,
     Message,
@@ -401,6 +402,20 @@ def test_a_client_that_accepts_it_gets_one_message_per_tick() -> None:
     assert destination == (TO_CLIENT, CLIENT) and isinstance(answers, InferAnswers)
     assert answers.request_ids == [0, 1] and answers.error_ids == [2]
     assert answers.errors == ["CANCELLED"]
+
+
+def test_a_request_batch_is_admitted_and_refused_request_by_request() -> None:
+    core = _core(max_queue=2)
+    outbox: Outbox = []
+    batch = InferRequests([7, 8, 9, 10], ["m", "nope", "m", "m"],
+                          [_sample(1.0), _sample(2.0), _sample(3.0), _sample(4.0)],
+                          [0.0, 0.0, 0.0, 0.0])
+    core.on_client_message(0.0, CLIENT, batch, outbox)
+    # The unknown model and the one over max_queue are refused, each with its own error.
+    assert _errors(outbox) == {8: "BAD_REQUEST", 10: "OVERLOADED"}
+    rids = _meta_ids(core)
+    assert len(rids) == 2 and core.counters["received"] == 4 and core.counters["admitted"] == 2
+    assert sorted(p.client_rid for p in core.pending.values()) == [7, 9]
 
 
 @pytest.mark.parametrize("full", [True, False])

@@ -12,6 +12,7 @@ import zmq
 from transport_helpers import (
     SAMPLE_MESSAGES,
     assert_messages_equal,
+    assert_values_equal,
     buffer_owner,
     recv_within,
     wait_readable,
@@ -28,6 +29,7 @@ from zserve.transport.messages import (
     InferAnswers,
     InferReply,
     InferRequest,
+    InferRequests,
     InputReply,
     Message,
     RequestMetaBatch,
@@ -232,6 +234,44 @@ def test_encoder_for_ids_matches_encode() -> None:
         encode_id(True)
     with pytest.raises(TypeError):
         codec.encoder_for_ids(StatsReply("p", {}))
+
+
+def test_request_batch_encoder_matches_encode() -> None:
+    small = InferRequest(0, "m", {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}, 25.0)
+    rows = InferRequest(0, "r", {"x": np.ones((3, 4), np.float32), "k": np.arange(3)}, 0.0)
+    large = InferRequest(0, "big", {"x": np.arange(FRAMED_INT16, dtype=np.int16)}, 5.0)
+    templates = [small, rows, large]
+    encode_batch = codec.encoder_for_request_batches(templates)
+    for which in ([0], [0, 1, 0], [1, 1], [2, 0], [0] * 100):
+        ids = [2**40 - k if k % 2 else k for k in range(len(which))]
+        frames = encode_batch(ids, which)
+        expected = codec.encode(InferRequests(ids, [templates[t].model for t in which],
+                                              [templates[t].inputs for t in which],
+                                              [templates[t].slo_ms for t in which]))
+        assert [bytes(f) for f in frames] == [bytes(f) for f in expected]
+        decoded = codec.decode([bytes(f) for f in frames])
+        assert isinstance(decoded, InferRequests)
+        for request, t, rid in zip(decoded.requests(), which, ids, strict=True):
+            assert request.request_id == rid and request.model == templates[t].model
+            assert_values_equal(request.inputs, templates[t].inputs)
+    # The inline budget is per header: past it, the batch is encoded with frames.
+    many = INLINE_BUDGET_BYTES // INLINE_MAX_BYTES + 1
+    wide = InferRequest(0, "w", {"x": np.zeros(INLINE_MAX_BYTES // 4, np.float32)}, 0.0)
+    frames = codec.encoder_for_request_batches([wide])(list(range(many)), [0] * many)
+    assert len(frames) > 1 and len(codec.decode(frames).request_ids) == many  # type: ignore[attr-defined]
+    for ids in ([1, True], [2**70], [1, 2, 3]):
+        with pytest.raises(ProtocolError):
+            encode_batch(ids, [0, 0])
+
+
+def test_request_ids_are_recovered_from_a_batch_that_fails_to_decode() -> None:
+    batch = codec.encode(InferRequests([4, 5], ["m", "m"], [{}, {}], [0.0, 0.0]))[0]
+    assert codec.recover_request_ids(batch) == [4, 5]
+    assert codec.recover_request_id(batch) is None  # not one request's id
+    single = codec.encode(InferRequest(6, "m", {}))[0]
+    assert codec.recover_request_ids(single) == [6] and codec.recover_request_id(single) == 6
+    assert codec.recover_request_ids(b"\x92\xa1x\x92\x01\xa1y") == []  # a str among the ids
+    assert codec.recover_request_ids(b"garbage") == []
 
 
 def test_big_endian_arrays_are_sent_in_native_order(transport_pair: Pair) -> None:

@@ -68,6 +68,7 @@ from zserve.transport.messages import (
     InferError,
     InferReply,
     InferRequest,
+    InferRequests,
     InputFetch,
     InputReply,
     Message,
@@ -307,9 +308,12 @@ class FrontendCore:
 
     def on_client_message(self, now: float, client: bytes, msg: Message,
                           outbox: Outbox) -> bool:
-        """Handle a client's InferRequest, CancelRequest or ClientHello; False for any other."""
+        """Handle a client's InferRequest(s), CancelRequest or ClientHello; False for any other."""
         if type(msg) is InferRequest:
             self.on_infer(now, client, msg, outbox)
+        elif type(msg) is InferRequests:  # several at once: each as its own InferRequest
+            for request in msg.requests():
+                self.on_infer(now, client, request, outbox)
         elif type(msg) is CancelRequest:
             self.on_cancel(now, client, msg.request_id, outbox)
         elif type(msg) is ClientHello:

@@ -363,11 +363,10 @@ class FrontendHost:
             msg = codec.decode(frames[1:])
         except ProtocolError as exc:
             self._malformed("client", exc)
-            request_id = codec.recover_request_id(frames[1])
-            if request_id is not None:
-                kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
-                    ErrorKind.BAD_REQUEST
-                )
+            kind = ErrorKind.TOO_LARGE if isinstance(exc, codec.MessageTooLargeError) else (
+                ErrorKind.BAD_REQUEST
+            )
+            for request_id in codec.recover_request_ids(frames[1]):  # one, or a batch's
                 outbox.append(((TO_CLIENT, identity), InferError(request_id, kind.value,
                                                                  str(exc))))
             return
