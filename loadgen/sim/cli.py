@@ -16,6 +16,10 @@ frontends' admission (``[frontends]`` count and ``max_request_bytes``, each mode
 and ``max_wait_ms``): the simulated twin of ``zserve bench CLUSTER.toml WORKLOAD``, which schedules
 and admits as the live cluster does. ``--jitter-ms`` still wins over it. Without it no admission
 bound applies (the workload file has no cluster to take them from).
+
+``--hops ready=P50/P99,late=P50/P99,reply=P50/P99`` draws those hops' latencies (ms, log-normal)
+instead of giving each exactly its allowance, and ``--learned-allowances`` then replays the
+learned-allowance rule (``zserve.core.allowances``) on them: loadgen/sim/hops.py.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sim.hops import HopLatencies
 from zserve.loadgen.sim.simulator import InvariantError, SimConfig, simulate, workload_bound_rps
 from zserve.loadgen.workload import ArrivalSpec, ModelSpec, Workload, load_workload
 
@@ -48,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter-ms", type=float, help="timer lateness allowance (see workload)")
     p.add_argument("--allowances-from", metavar="CLUSTER.toml",
                    help="take d_ctrl, d_data, reply and jitter allowances from this cluster file")
+    p.add_argument("--hops", metavar="SPEC",
+                   help="draw hop latencies: ready=P50/P99,late=P50/P99,reply=P50/P99 (ms; "
+                   "loadgen/sim/hops.py)")
+    p.add_argument("--learned-allowances", action="store_true",
+                   help="with --hops: learn d_ctrl, jitter and reply from the drawn hops, as "
+                   "[scheduler] allowances = \"learned\" does live")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--rate", type=float, help="total offered rate (r/s)")
     group.add_argument("--search", choices=["goodput"], help="binary-search the goodput")
@@ -107,16 +118,22 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         workload, cluster = _load(args)
+        hops = None if args.hops is None else HopLatencies.parse(args.hops)
+        if args.learned_allowances and hops is None:
+            raise ValueError("--learned-allowances needs --hops (what the rule learns from)")
     except (OSError, ValueError) as exc:
         print(f"zserve sim: {exc}", file=sys.stderr)
         return 2
+    sim_config = SimConfig(frontend=cluster, hops=hops,
+                           learned_allowances=args.learned_allowances)
     try:
         if args.search:
             bail = args.max_bad_rate  # exact: a bailed probe could only have failed
 
             def probe(rate: float) -> dict[str, Any]:
-                probed: dict[str, Any] = simulate(workload.with_overrides(rate=rate),
-                                                  SimConfig(bail_bad_rate=bail, frontend=cluster))
+                probed: dict[str, Any] = simulate(
+                    workload.with_overrides(rate=rate),
+                    replace(sim_config, bail_bad_rate=bail))
                 if not args.quiet:
                     print(f"  probe {rate:10.1f} r/s: worst bad rate {probed['bad_rate']:.3%}"
                           f"{' (bailed)' if probed['bailed'] else ''}", file=sys.stderr)
@@ -130,7 +147,7 @@ def main(argv: list[str]) -> int:
                                     rel_precision=args.precision)
             set_fraction_of_bound(report)
         else:
-            report = simulate(workload, SimConfig(frontend=cluster))
+            report = simulate(workload, sim_config)
     except InvariantError as exc:
         print(f"zserve sim: INVARIANT BROKEN: {exc}", file=sys.stderr)
         return 1
