@@ -26,6 +26,10 @@ Inputs (host -> core):
   RankThread.
 - ``shed_queued(now, outbox)``: answer every queued request ``SHUTTING_DOWN`` (the end of a
   drain).
+- With ``allowances`` set (``scheduler.learned_allowances.ShardAllowances``, ``[scheduler]
+  allowances = "learned"``): ``note_ready(now, model, delay_s, rows, outbox)``, a backend's
+  ready delay; the core itself notes its timer's lateness in ``on_timer`` (and a remote rank's
+  grant's in ``on_grant``), and hands moved allowances to every ModelThread.
 
 The dispatch loop: what a ModelThread sends the rank (``TO_RANK``) goes to the embedded
 RankThread, and what the RankThread sends a model (``(DEST_MODEL, name)``) to that ModelThread,

@@ -18,7 +18,10 @@ frontend's core, like the live backend) and reports the device-free time, which 
 drift correction reads. Each batch runs for
 exactly l(bs) (the emulated executor) and its outputs go to the core, which answers the client;
 drops, backend failures and deadlines (the core's ``wake_at`` timer) are answered by the core
-too. The report counts outcomes by those answers.
+too. The report counts outcomes by those answers. With ``SimConfig.hops`` the plan delivery and
+input fetch, the scheduler timer's lateness and the reply take drawn latencies instead of their
+allowances (``loadgen/sim/hops.py``; a request is then good when answered within its whole SLO),
+and with ``learned_allowances`` the core and the frontends learn their allowances from them.
 
 Invariants, checked on every run (an :class:`InvariantError` stops the run loudly):
 

@@ -13,6 +13,7 @@ from zserve.config.cluster import ClusterConfig, ConfigError, SchedulerConfig, p
 from zserve.config.profiles import LatencyProfile
 from zserve.core.allowances import (
     DECREASE_FRACTION_PER_S,
+    FLOOR_JITTER_S,
     MIN_SAMPLES,
     RECOMPUTE_S,
     WINDOW_S,
@@ -137,10 +138,24 @@ def test_the_scheduler_core_plans_with_what_it_learned() -> None:
     assert core.allowances is not None
     d_ctrl_s, jitter_s = core.allowances.applied
     assert d_ctrl_s == pytest.approx(0.5 * MS, rel=0.07)
-    assert jitter_s == 3 * MS  # no timer fired late: nothing learned, the start kept
+    # no input came later than the d_ctrl planned with (still coming down from 3 ms) ...
+    assert FLOOR_JITTER_S <= core.allowances.overrun.value_s < 0.5 * MS
+    assert jitter_s == 3 * MS  # ... but no timer fired yet: the timers' part keeps its start
     assert thread.sizing.d_ctrl_s == d_ctrl_s
     # the budget keeps its reply part and gives back what d_ctrl no longer takes
     assert thread.sizing.budget_s == pytest.approx(budget + 3 * MS - d_ctrl_s)
+
+
+def test_a_fetch_tail_over_the_d_ctrl_cap_keeps_the_jitter_slack() -> None:
+    core, thread = _core(0.0)
+    outbox: Outbox = []
+    now = 0.0
+    for i in range(8000):  # 2% of the batches ready 8 ms after their grant, over the 3 ms cap
+        core.note_ready(now, "m", 8 * MS if i % 50 == 0 else 0.4 * MS, 1, outbox)
+        now += 0.005
+    assert core.allowances is not None
+    assert core.allowances.applied == (3 * MS, 3 * MS)  # both held at their caps
+    assert (thread.sizing.d_ctrl_s, thread.sizing.jitter_s) == (3 * MS, 3 * MS)
 
 
 def test_late_timers_teach_the_jitter() -> None:
@@ -149,9 +164,27 @@ def test_late_timers_teach_the_jitter() -> None:
     now = 0.0
     for _ in range(8000):  # 40 s: from 3 ms down by 10% a second at most
         core.allowances.note_late(now, 0.2 * MS)  # type: ignore[union-attr]
-        core.apply_allowances(now, outbox)
+        core.note_ready(now, "m", 0.1 * MS, 1, outbox)  # inputs never later than planned
         now += 0.005
     assert thread.sizing.jitter_s == pytest.approx(0.3 * MS, rel=0.07)  # p99 + margin
+    # until the inputs have been seen, their overrun keeps the jitter at its start
+    core, thread = _core(0.0)
+    for i in range(8000):
+        core.allowances.note_late(i * 0.005, 0.2 * MS)  # type: ignore[union-attr]
+        core.apply_allowances(i * 0.005, outbox)
+    assert thread.sizing.jitter_s == 3 * MS
+
+
+def test_a_few_overrunning_batches_are_not_hidden_by_many_timer_samples() -> None:
+    core, thread = _core(0.0)
+    outbox: Outbox = []
+    for i in range(8000):  # 20 timer samples per batch; 2% of the batches overrun by 2 ms
+        now = i * 0.005
+        for _ in range(20):
+            core.allowances.note_late(now, 0.05 * MS)  # type: ignore[union-attr]
+        core.note_ready(now, "m", 0.4 * MS if i % 50 else 5 * MS, 1, outbox)
+    assert thread.sizing.d_ctrl_s == 3 * MS  # p99 5 ms: at the cap
+    assert thread.sizing.jitter_s == pytest.approx(2.1 * MS, rel=0.07)  # the overrun's p99
 
 
 def test_hop_spec_parses_and_draws_its_quantiles() -> None:
