@@ -93,6 +93,9 @@ FETCH_FLOOR_QUANTILE = 0.99
 FETCH_FLOOR_FACTOR = 2.0
 FETCH_FLOOR_MIN_S = 0.005
 FETCH_FLOOR_MIN_SAMPLES = 16
+# Ready-delay samples held for the next PlanAck at most (a backend that gets no plans for a
+# while keeps the first ones: the shard needs a sample of the tail, not every batch).
+READY_SAMPLES_MAX = 64
 # The give-up moment is taken this much before the deadline-derived bounds, so that float rounding
 # never makes late shedding drop, at that moment, a request the bound meant to keep.
 BOUND_ROUNDING_S = 1e-9
@@ -290,6 +293,9 @@ class PlanFollower:
         self._running: HeldPlan | None = None
         self._fetch_times: deque[float] = deque(maxlen=FETCH_WINDOW)  # seconds, most recent
         self._fetch_floor_s: float | None = None  # computed from _fetch_times when needed
+        # (model, ready delay s, rows) of batches started since the host last took them: it
+        # sends them on its next PlanAck (the shard's learned d_ctrl)
+        self.ready_samples: list[tuple[str, float, int]] = []
 
     def add_model(self, model: str, latency_s: Sequence[float], max_batch: int) -> None:
         """Serve ``model``: ``latency_s[b]`` is l(b) in seconds for ``1 <= b <= max_batch``
@@ -595,6 +601,9 @@ class PlanFollower:
             self.counters["late_plans"] += 1
         self.histograms["fetch"].observe((held.inputs_at or now) - held.received_at)
         held.batch_size = sum(plan.rows[i] for i in rows) if plan.rows else len(rows)
+        if plan.sent_at and len(self.ready_samples) < READY_SAMPLES_MAX:
+            self.ready_samples.append(
+                (plan.model, (held.inputs_at or now) - plan.sent_at, held.batch_size))
         held.requests_run = len(rows)
         self._running = held
         keys = [(plan.request_frontend[i], plan.request_ids[i]) for i in rows]

@@ -442,8 +442,13 @@ class BackendHost:
                 self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif not isinstance(msg, Hello | Heartbeat):
                 log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
+        samples = self.follower.ready_samples
+        ready: tuple[list[str], list[float], list[int]] = ([], [], [])
+        if acks and samples:
+            ready = ([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
+            samples.clear()
         for identity, plan_ids in (acks or {}).items():
-            self._send(self.plan_sock, PlanAck(plan_ids, now), identity)
+            self._send(self.plan_sock, PlanAck(plan_ids, now, *ready), identity)
         self.driver.flush(outbox)
 
     def _claim_slot(self, plan: BatchPlan) -> None:

@@ -268,6 +268,11 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(breakdown.format_table(
             [breakdown.HopRow(**row) for row in hops["rows"]],
             hops["scheduler_cpu_ms_per_1000_requests"]))
+    for name, kinds in report.get("allowances", {}).items():
+        values = "  ".join(f"{kind} {entry['value_ms']:.2f} ms"
+                           + (f" (p99 {entry['p99_ms']:.2f})" if entry.get("p99_ms") else "")
+                           for kind, entry in kinds.items() if isinstance(entry, dict))
+        print(f"allowances at the end, {name}: {values}")
     for line in report["stats"]["missing"]:
         print(f"missing: {line}")
 

@@ -191,8 +191,24 @@ def live_report(
         report["hops"] = _hops(target, latest=_latest_stats(at_marks), samples=samples, plan=plan,
                                client_latency_ms=result.latency_s[served] * 1e3,
                                cpu=report.get("cpu"))
+    if at_marks and "end" in at_marks:
+        in_use = allowances_in_use(_latest_stats(at_marks))
+        if in_use:
+            report["allowances"] = in_use
     _add_batch_histogram(report, window, len(plan.models) == 1)
     return report
+
+
+def allowances_in_use(stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The allowances each shard and frontend planned with just after the window (ms; learned
+    ones with their window's p99 and sample count): ``[scheduler] allowances``."""
+    out: dict[str, Any] = {}
+    for name, peer in sorted(stats.items()):
+        if isinstance(peer.get("allowances"), dict):
+            out[name] = peer["allowances"]
+        elif isinstance(peer.get("reply_allowance"), dict):
+            out[name] = {"reply": peer["reply_allowance"]}
+    return out
 
 
 # Levels of the latency CDF kept in a live report (fraction, latency ms): every percent, then the

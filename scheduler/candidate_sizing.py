@@ -192,6 +192,14 @@ class CandidateSizing:
         self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
         self.retarget()
 
+    def set_allowances(self, d_ctrl_s: float, jitter_s: float) -> None:
+        """New learned allowances (``zserve.core.allowances``): the budget keeps its reply
+        part and follows ``d_ctrl``; the target follows the budget."""
+        self.budget_s += self.d_ctrl_s - d_ctrl_s
+        self.d_ctrl_s, self.jitter_s = d_ctrl_s, jitter_s
+        self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
+        self.retarget()
+
     def for_profile(self, profile: LatencyProfile) -> CandidateSizing:
         """A sibling for GPUs of another device kind: ``profile`` (that kind's), this one's
         policy, SLO, delays and budget, and this one's meter (one rate per model)."""

@@ -26,6 +26,10 @@ Inputs (host -> core):
   RankThread.
 - ``shed_queued(now, outbox)``: answer every queued request ``SHUTTING_DOWN`` (the end of a
   drain).
+- With ``allowances`` set (``scheduler.learned_allowances.ShardAllowances``, ``[scheduler]
+  allowances = "learned"``): ``note_ready(now, model, delay_s, rows, outbox)``, a backend's
+  ready delay; the core itself notes its timer's lateness in ``on_timer`` (and a remote rank's
+  grant's in ``on_grant``), and hands moved allowances to every ModelThread.
 
 The dispatch loop: what a ModelThread sends the rank (``TO_RANK``) goes to the embedded
 RankThread, and what the RankThread sends a model (``(DEST_MODEL, name)``) to that ModelThread,
@@ -58,6 +62,7 @@ from zserve.core.errors import ErrorKind
 from zserve.core.groups import group_by_frontend
 from zserve.core.hosting import DEST_FRONTEND, DEST_MODEL, DEST_RANK, Outbox
 from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
+from zserve.scheduler.learned_allowances import ShardAllowances
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
@@ -97,8 +102,9 @@ class SchedulerCore:
     """
 
     __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_moved", "_open",
-                 "_order", "_pending", "_scan", "_scan_threads_max", "_seen", "_seq", "counters",
-                 "known", "members", "n_timer_fires", "name", "rank", "served", "threads")
+                 "_order", "_pending", "_scan", "_scan_threads_max", "_seen", "_seq",
+                 "allowances", "counters", "known", "members", "n_timer_fires", "name", "rank",
+                 "served", "threads")
 
     def __init__(self, name: str, models: Iterable[str] = (), *, rank: RankThread | None = None,
                  counters: MutableMapping[str, int] | None = None,
@@ -138,6 +144,8 @@ class SchedulerCore:
         self._scan_threads_max = scan_threads_max
         self._scan = True
         self._order: list[ModelThread] = []
+        # Learned d_ctrl and jitter (None: the configured ones, fixed); a host sets it
+        self.allowances: ShardAllowances | None = None
 
     @property
     def wake_at(self) -> float:
@@ -391,6 +399,9 @@ class SchedulerCore:
         thread = self.threads.get(grant.model)
         if thread is None:
             return False
+        if self.allowances is not None and thread.cand_bs and not grant.early:
+            # how long after the later of the aim and the GPU's freeing the grant came
+            self.allowances.note_late(now, now - max(thread.cand_exec, grant.free_at))
         thread.epoch = grant.epoch  # its plan carries the granting rank's epoch
         thread.on_grant(now, grant, outbox)
         self._after(now, outbox, thread)
@@ -407,8 +418,31 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ timers
 
+    def note_ready(self, now: float, model: str, delay_s: float, rows: int,
+                   outbox: Outbox) -> None:
+        """A backend's report: a batch of ``model`` of ``rows`` rows had its inputs
+        ``delay_s`` after its plan was sent (``ShardAllowances.note_ready``)."""
+        thread = self.threads.get(model)
+        if self.allowances is not None and thread is not None:
+            self.allowances.note_ready(now, delay_s, rows, thread.d_data_s)
+            self.apply_allowances(now, outbox)
+
+    def apply_allowances(self, now: float, outbox: Outbox) -> None:
+        """The learned allowances to every ModelThread when they moved (then the dispatch)."""
+        allowances = self.allowances
+        if allowances is not None and allowances.apply(now, self._order, outbox):
+            self._moved.extend(self._order)
+            if outbox and self.rank is not None:
+                self._dispatch(now, outbox)
+
     def on_timer(self, now: float, outbox: Outbox) -> None:
         """Fire every thread due at ``now``, earliest first, each followed by the dispatch."""
+        allowances = self.allowances
+        if allowances is not None:
+            due = self.wake_at
+            if due <= now:
+                allowances.note_late(now, now - due)  # the host's timer lateness
+                self.apply_allowances(now, outbox)
         if self._scan:
             self._fire_scanned(now, outbox)
             return

@@ -446,6 +446,16 @@ class ModelThread:
         empty: one kind)."""
         return {gpu_id: sizing.profile for gpu_id, sizing in (self._kind_sizing or {}).items()}
 
+    def set_allowances(self, now: float, d_ctrl_s: float, jitter_s: float,
+                       outbox: Outbox) -> None:
+        """New learned allowances (``SchedulerCore``'s ``zserve.core.allowances``): the sizing
+        (and every kind's) plans with them, and the candidate is computed again with them."""
+        self.sizing.set_allowances(d_ctrl_s, jitter_s)
+        for sibling in (self._kind_sizing or {}).values():
+            sibling.set_allowances(d_ctrl_s, jitter_s)
+        self._update(now, _NEG_INF, outbox)
+        self._publish(now, outbox)
+
     def set_gpu_profiles(self, profiles: Mapping[int, LatencyProfile]) -> None:
         """GPUs of other device kinds and this model's profile on each (GPUs not listed run the
         thread's own profile, which sizes the candidate the rank sees). Empty: one kind."""
@@ -540,6 +550,7 @@ class ModelThread:
             finish_by=finish_by,
             rows=plan_rows,
             epoch=self.epoch,
+            sent_at=now,
         )
         self.n_planned += count
         self.n_batches += 1

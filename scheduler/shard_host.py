@@ -70,6 +70,7 @@ import zmq
 from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile, configured_profile
+from zserve.core.allowances import LEARNED
 from zserve.core.errors import ErrorKind, ProtocolError, ZServeError
 from zserve.core.groups import group_by_frontend
 from zserve.core.hosting import DEST_BACKEND, DEST_FRONTEND, TO_RANK, Outbox
@@ -82,6 +83,7 @@ from zserve.runtime.session import SOCKET_CLOSE_LINGER_MS
 from zserve.runtime.timers import WakeTimer
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.kind_profiles import served_profiles
+from zserve.scheduler.learned_allowances import ShardAllowances
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_host import RankHost
 from zserve.scheduler.rank_rejoin import RankRejoin
@@ -165,7 +167,7 @@ class ShardHost:
         self.models = {m.name: m for m in models}
         self._stats = Stats(SHARD_COUNTERS, SHARD_HISTOGRAMS)
         self.counters = self._stats.counters
-        self.core = SchedulerCore(name, self.models, counters=self.counters)
+        self.core = self._make_core(name, cluster)
         self.driver = CoreDriver(self.core, loop=self.loop, clock=self.clock,
                                  deliver=self._deliver)
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
@@ -218,14 +220,24 @@ class ShardHost:
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.cluster = cluster
 
+    def _make_core(self, name: str, cluster: ClusterConfig) -> SchedulerCore:
+        """The scheduling core, learning its allowances unless ``allowances = "fixed"``."""
+        core = SchedulerCore(name, self.models, counters=self.counters)
+        if cluster.scheduler.allowances == LEARNED:
+            core.allowances = ShardAllowances(self.clock.now(), self.d_ctrl_s, self.jitter_s)
+        return core
+
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float,
                      outbox: Outbox) -> None:
         slo_s = model.slo_ms / 1e3
+        # a model added late plans with the allowances learned so far
+        learned = self.core.allowances
+        d_ctrl_s, jitter_s = (self.d_ctrl_s, self.jitter_s) if learned is None else learned.applied
         thread = ModelThread(
-            model.name, profile, slo_s, self.policy, d_ctrl_s=self.d_ctrl_s,
+            model.name, profile, slo_s, self.policy, d_ctrl_s=d_ctrl_s,
             d_data_s=self.cluster.d_data_ms_of(model) / 1e3,
-            jitter_s=self.jitter_s,
-            budget_s=slo_s - self.reply_allowance_s - self.d_ctrl_s,
+            jitter_s=jitter_s,
+            budget_s=slo_s - self.reply_allowance_s - d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )
         self.core.add_thread(now, thread, outbox)
@@ -467,10 +479,22 @@ class ShardHost:
             if type(msg) is PlanAck:
                 assert isinstance(msg, PlanAck)
                 self.acks.acknowledge(msg.plan_ids)
+                if msg.ready_models and self.core.allowances is not None:
+                    self._note_ready(msg)
             elif type(msg) is not Hello:
                 log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
                             gpu_id)
         self._ack_timer.sync()
+
+    def _note_ready(self, msg: PlanAck) -> None:
+        """A backend's ready-delay samples (the learned d_ctrl); those of other shards' models
+        are ignored by the core."""
+        now = self.clock.now()
+        outbox: Outbox = []
+        for model, delay_s, rows in zip(msg.ready_models, msg.ready_delays, msg.ready_rows,
+                                        strict=True):
+            self.core.note_ready(now, model, delay_s, rows, outbox)
+        self.driver.flush(outbox)
 
     def _on_ack_timer(self) -> None:
         """A plan's acknowledgement is due. Read what the backends sent before judging: after a
@@ -607,5 +631,14 @@ class ShardHost:
         }
         if self.rank_local is not None:
             out["rank"] = self.rank_local.stats(reset)
+        out["allowances"] = self._allowances_summary()
         out.update(self._stats.snapshot(reset))
         return out
+
+    def _allowances_summary(self) -> dict[str, Any]:
+        """The allowances the ModelThreads plan with (ms), learned or fixed."""
+        learned = self.core.allowances
+        if learned is None:
+            return {"mode": "fixed", "d_ctrl": {"value_ms": self.d_ctrl_s * 1e3},
+                    "jitter": {"value_ms": self.jitter_s * 1e3}}
+        return learned.summary(self.clock.now())

@@ -37,8 +37,9 @@ TensorMap = dict[str, Array]
 
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
-WIRE_PROTOCOL_VERSION = 5  # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds;
-# 5: InferRequests
+# 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds; 5: InferRequests;
+# 6: BatchPlan.sent_at, PlanAck.ready_models / ready_delays / ready_rows (learned allowances)
+WIRE_PROTOCOL_VERSION = 6
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
@@ -294,6 +295,9 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     # The scheduler epoch that made the plan: a backend that has seen a newer epoch refuses it
     # (``zserve.core.epochs``: a superseded scheduler never dispatches).
     epoch: int = 0
+    # When the shard made (and sent) it, on the cluster clock; 0: not said. The backend reports
+    # the plan's ready delay from it (``PlanAck.ready_delays``).
+    sent_at: float = 0.0
 
 
 # --------------------------------------------------------------------------- backend <-> frontend
@@ -510,6 +514,13 @@ class PlanAck(Message, frozen=True, tag="pack"):
 
     plan_ids: list[int]
     received_at: float
+    # Started batches since the last acknowledgement: each one's model, the delay from its plan's
+    # ``sent_at`` to its last input's arrival, and its rows; the shard learns its ``d_ctrl`` from
+    # them (``zserve.scheduler.learned_allowances``). Each shard gets every sample and keeps
+    # those of its own models.
+    ready_models: list[str] = msgspec.field(default_factory=list)
+    ready_delays: list[float] = msgspec.field(default_factory=list)
+    ready_rows: list[int] = msgspec.field(default_factory=list)
 
 
 class BackendSuspect(Message, frozen=True, tag="bsuspect"):

@@ -20,6 +20,10 @@ announce device kinds and a model of the workload's name has a profile file per 
 profiles``), simulated GPU i has backend i's kind and runs (and is planned with) the model's
 profile for that kind, and the model's own profile is the slowest of its GPUs', as in a live shard
 (``cluster_gpu_profiles``).
+
+``--hops ready=P50/P99,late=P50/P99,reply=P50/P99`` draws those hops' latencies (ms, log-normal)
+instead of giving each exactly its allowance, and ``--learned-allowances`` then replays the
+learned-allowance rule (``zserve.core.allowances``) on them: loadgen/sim/hops.py.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from zserve.config.profiles import LatencyProfile, profile_from_file, slowest_profile
 from zserve.loadgen.report import set_fraction_of_bound, summary_text
 from zserve.loadgen.search import search_goodput
+from zserve.loadgen.sim.hops import HopLatencies
 from zserve.loadgen.sim.simulator import InvariantError, SimConfig, simulate, workload_bound_rps
 from zserve.loadgen.workload import ArrivalSpec, ModelSpec, Workload, load_workload
 
@@ -53,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter-ms", type=float, help="timer lateness allowance (see workload)")
     p.add_argument("--allowances-from", metavar="CLUSTER.toml",
                    help="take d_ctrl, d_data, reply and jitter allowances from this cluster file")
+    p.add_argument("--hops", metavar="SPEC",
+                   help="draw hop latencies: ready=P50/P99,late=P50/P99,reply=P50/P99 (ms; "
+                   "loadgen/sim/hops.py)")
+    p.add_argument("--learned-allowances", action="store_true",
+                   help="with --hops: learn d_ctrl, jitter and reply from the drawn hops, as "
+                   "[scheduler] allowances = \"learned\" does live")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--rate", type=float, help="total offered rate (r/s)")
     group.add_argument("--search", choices=["goodput"], help="binary-search the goodput")
@@ -147,17 +158,22 @@ def main(argv: list[str]) -> int:
         kinds = None
         if cluster is not None:
             workload, kinds = cluster_gpu_profiles(cluster, workload)
+        hops = None if args.hops is None else HopLatencies.parse(args.hops)
+        if args.learned_allowances and hops is None:
+            raise ValueError("--learned-allowances needs --hops (what the rule learns from)")
     except (OSError, ValueError) as exc:
         print(f"zserve sim: {exc}", file=sys.stderr)
         return 2
+    sim_config = SimConfig(frontend=cluster, gpu_profiles=kinds, hops=hops,
+                           learned_allowances=args.learned_allowances)
     try:
         if args.search:
             bail = args.max_bad_rate  # exact: a bailed probe could only have failed
 
             def probe(rate: float) -> dict[str, Any]:
-                probed: dict[str, Any] = simulate(workload.with_overrides(rate=rate),
-                                                  SimConfig(bail_bad_rate=bail, frontend=cluster,
-                                                            gpu_profiles=kinds))
+                probed: dict[str, Any] = simulate(
+                    workload.with_overrides(rate=rate),
+                    replace(sim_config, bail_bad_rate=bail))
                 if not args.quiet:
                     print(f"  probe {rate:10.1f} r/s: worst bad rate {probed['bad_rate']:.3%}"
                           f"{' (bailed)' if probed['bailed'] else ''}", file=sys.stderr)
@@ -171,7 +187,7 @@ def main(argv: list[str]) -> int:
                                     rel_precision=args.precision)
             set_fraction_of_bound(report)
         else:
-            report = simulate(workload, SimConfig(frontend=cluster, gpu_profiles=kinds))
+            report = simulate(workload, sim_config)
     except InvariantError as exc:
         print(f"zserve sim: INVARIANT BROKEN: {exc}", file=sys.stderr)
         return 1

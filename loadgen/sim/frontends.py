@@ -23,7 +23,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from zserve.config.cluster import BackendsConfig, ClusterConfig, EmulatedConfig, ModelConfig
+from zserve.config.cluster import (
+    BackendsConfig,
+    ClusterConfig,
+    EmulatedConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from zserve.core.allowances import FIXED, LEARNED
 from zserve.core.errors import ErrorKind
 from zserve.core.hosting import Outbox
 from zserve.frontend.core import TO_BACKEND, TO_CLIENT, TO_SHARD, FrontendCore
@@ -57,13 +64,15 @@ def frontend_address(index: int) -> str:
     return "sim" if index == 0 else f"sim-{index}"
 
 
-def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> ClusterConfig:
+def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None, *,
+                     learned: bool = False) -> ClusterConfig:
     """The cluster the simulated frontends admit by: the workload's models, SLOs, GPUs and reply
     allowance (the scheduler's deadlines leave exactly that) with ``cluster``'s ``[frontends]``
     and its models' ``max_queue``, ``max_wait_ms`` and ``shed_past_capacity`` (matched by name
     as ``zserve bench`` matches them: exactly, else case-insensitively; a model it lacks gets a
     default cluster's). Without ``cluster`` no admission rule applies (queue and wait bounds
-    open: a workload file has no cluster to take them from); the rest is a default cluster's."""
+    open: a workload file has no cluster to take them from); the rest is a default cluster's.
+    ``learned``: the reply allowance is learned (``[scheduler] allowances``), else fixed."""
     base = cluster if cluster is not None else ClusterConfig()
     frontends = msgspec.structs.replace(base.frontends, reply_allowance_ms=w.reply_ms,
                                         addresses=(), data_addresses=())
@@ -83,7 +92,8 @@ def frontend_cluster(w: Workload, cluster: ClusterConfig | None = None) -> Clust
                 model, max_queue=configured.max_queue, max_wait_ms=configured.max_wait_ms,
                 shed_past_capacity=configured.shed_past_capacity)
         models.append(model)
-    return ClusterConfig(frontends=frontends, models=tuple(models),
+    scheduler = SchedulerConfig(allowances=LEARNED if learned else FIXED)
+    return ClusterConfig(frontends=frontends, models=tuple(models), scheduler=scheduler,
                          backends=BackendsConfig(count=w.gpus, device="emulated"))
 
 

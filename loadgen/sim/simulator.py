@@ -18,7 +18,10 @@ frontend's core, like the live backend) and reports the device-free time, which 
 drift correction reads. Each batch runs for
 exactly l(bs) (the emulated executor) and its outputs go to the core, which answers the client;
 drops, backend failures and deadlines (the core's ``wake_at`` timer) are answered by the core
-too. The report counts outcomes by those answers.
+too. The report counts outcomes by those answers. With ``SimConfig.hops`` the plan delivery and
+input fetch, the scheduler timer's lateness and the reply take drawn latencies instead of their
+allowances (``loadgen/sim/hops.py``; a request is then good when answered within its whole SLO),
+and with ``learned_allowances`` the core and the frontends learn their allowances from them.
 
 Invariants, checked on every run (an :class:`InvariantError` stops the run loudly):
 
@@ -60,10 +63,12 @@ from zserve.loadgen.sim.frontends import (
     frontend_address,
     frontend_cluster,
 )
+from zserve.loadgen.sim.hops import HopLatencies
 from zserve.loadgen.sim.report import simulation_report, workload_bound_rps
 from zserve.loadgen.workload import Workload, draw_request_rows
 from zserve.scheduler.common import FEASIBILITY_EPS_S
 from zserve.scheduler.core import SchedulerCore
+from zserve.scheduler.learned_allowances import ShardAllowances
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
 from zserve.scheduler.sent_plans import PLAN_ACK_MARGIN_S
@@ -89,6 +94,9 @@ _EV_PLAN, _EV_INPUTS, _EV_GPU_TIMER, _EV_DONE = 2, 3, 4, 5
 _EV_FRONTEND_TIMER, _EV_TICK = 6, 7
 # The autoscaler's control tick; a started GPU joins the rank (idx = gpu id).
 _EV_AUTOSCALE, _EV_JOIN = 8, 9
+# A batch's outputs reach their frontend (with drawn hops: the reply's draw after its end).
+_EV_OUTPUTS = 10
+HOP_SEED_SALT = 0x40B5  # the hop draws' stream, apart from the arrivals'
 BAIL_CHECK_INTERVAL_S = 0.25
 BAIL_MIN_BAD = 200
 """A bailing run stops once a model has at least this many bad requests in the measure window
@@ -120,6 +128,10 @@ class SimConfig:
     # Mixed kinds: the GPUs where each model is at home (its cheap kind); its other GPUs take
     # it only when no candidate at home there waits (RankThread.set_home). None: no preference.
     model_home_gpus: Mapping[str, Sequence[int]] | None = None
+    # Hop latencies drawn per event (loadgen/sim/hops.py; None: each hop takes its allowance),
+    # and whether the scheduler core and the frontends learn their allowances from them.
+    hops: HopLatencies | None = None
+    learned_allowances: bool = False
 
 
 def _check_some_gpu_as_fast(model: str, own: LatencyProfile,
@@ -175,6 +187,7 @@ class Simulator:
         self.busy_started_s = 0.0  # GPU-seconds of the batches started so far
         self._gpu_profiles = self._profiles_by_gpu()
         self.models, self.rank, self.core, self.followers = self._build_roles(d_ctrl_s)
+        self._init_hops(d_ctrl_s)
         self.index = {m.name: i for i, m in enumerate(w.models)}
         self.d_ctrl_s, self.d_data_s = d_ctrl_s, d_data_s
         self._build_requests(_arrivals_of(w, arrivals))
@@ -189,11 +202,8 @@ class Simulator:
         self.planned = np.zeros(self.n_requests, dtype=np.bool_)
         self.finish = np.full(self.n_requests, np.nan)
         self.exec = np.full(self.n_requests, np.nan)
-        self.frontend_cluster = frontend_cluster(w, self.config.frontend)
         self.index_of_rid: dict[int, int] = {}  # the cores' request ids -> request index
-        self.frontends = [
-            SimFrontend(i, self.frontend_cluster, w, self.answers, self.index_of_rid)
-            for i in range(self.frontend_cluster.frontends.count)]
+        self.frontends = self._build_frontends()
         self.frontend_at = {f.address: f for f in self.frontends}
         self.gpu_planned_until = [0.0] * w.gpus  # the grants' view
         self.gpu_busy_until = [0.0] * w.gpus  # the batches the followers ran
@@ -216,6 +226,22 @@ class Simulator:
         self._meta_unsent = False  # an admission this instant: end the tick before time moves
         self._now = 0.0
 
+    def _build_frontends(self) -> list[SimFrontend]:
+        """The frontends' cores, admitting by ``SimConfig.frontend`` (learning their reply
+        allowance with ``learned_allowances``)."""
+        self.frontend_cluster = frontend_cluster(self.w, self.config.frontend,
+                                                 learned=self.config.learned_allowances)
+        return [SimFrontend(i, self.frontend_cluster, self.w, self.answers, self.index_of_rid)
+                for i in range(self.frontend_cluster.frontends.count)]
+
+    def _init_hops(self, d_ctrl_s: float) -> None:
+        """Drawn hops (``SimConfig.hops``) and the core's learned allowances."""
+        self._ready_plans: dict[int, BatchPlan] = {}  # learned: plans whose inputs are awaited
+        self.hops = self.config.hops
+        self._hop_rng = np.random.default_rng((self.w.seed, HOP_SEED_SALT))
+        if self.config.learned_allowances:
+            self.core.allowances = ShardAllowances(0.0, d_ctrl_s, self.w.jitter_ms / 1e3)
+
     def _build_requests(self, arrivals: list[np.ndarray[Any, Any]]) -> None:
         """Request ``i``'s arrival, model and deadline (indexes run model by model), and the
         order in which they reach the frontends."""
@@ -229,7 +255,9 @@ class Simulator:
             [np.full(len(a), i, dtype=np.int32) for i, a in enumerate(arrivals)]
         ) if total else np.empty(0, dtype=np.int32)
         slo_by_model = np.array([m.slo_s for m in w.models])
-        self.deadline_all = self.arrival_all + slo_by_model[self.model_of] - w.reply_ms / 1e3
+        # with drawn hops the reply takes its draw: a request is good when answered in its SLO
+        reply_s = 0.0 if self.config.hops is not None else w.reply_ms / 1e3
+        self.deadline_all = self.arrival_all + slo_by_model[self.model_of] - reply_s
         order = np.argsort(self.arrival_all, kind="stable")
         names = [m.name for m in w.models]
         self._arrival_order: list[int] = order.tolist()
@@ -325,8 +353,9 @@ class Simulator:
         wake = self.core.wake_at
         if wake != self._scheduler_wake:
             self._scheduler_wake = wake
-            if wake < math.inf:
-                self._push(wake, _EV_SCHEDULER, -1)
+            if wake < math.inf:  # (the payload: the moment, when the timer fires late)
+                late = 0.0 if self.hops is None else self.hops.late.draw(self._hop_rng)
+                self._push(wake + late, _EV_SCHEDULER, -1, wake if late else None)
 
     def _resched_gpu(self, gpu: int) -> None:
         wake = self.followers[gpu].wake_at
@@ -471,12 +500,17 @@ class Simulator:
             self.plans.append(plan)
         slo_s = self.w.models[self.index[plan.model]].slo_s
         self.plan_acks.remember(now, plan.gpu_id, plan, slo_s)
-        self._push(now + self.d_ctrl_s, _EV_PLAN, plan.gpu_id, plan)
+        # drawn: the plan arrives after half of the ready delay, the inputs after all of it
+        ready_s = self.d_ctrl_s if self.hops is None else self.hops.ready.draw(self._hop_rng)
+        self._push(now + (self.d_ctrl_s if self.hops is None else ready_s / 2), _EV_PLAN,
+                   plan.gpu_id, plan)
         # The inputs are in at grant + delay(bs), summed as the ModelThread sums it (so an
         # on-time plan's inputs are never an ulp late).
         rows = sum(plan.rows) if plan.rows else len(ids)
         d_data_s = self.models[self.index[plan.model]].d_data_s  # the model's own allowance
-        self._inputs_due[plan.plan_id] = now + (self.d_ctrl_s + d_data_s * rows)
+        self._inputs_due[plan.plan_id] = now + (ready_s + d_data_s * rows)
+        if self.core.allowances is not None:
+            self._ready_plans[plan.plan_id] = plan
 
     def _check_plan(self, now: float, plan: BatchPlan, ids: np.ndarray[Any, Any]) -> None:
         eps = FEASIBILITY_EPS_S
@@ -515,6 +549,11 @@ class Simulator:
         elif kind == _EV_INPUTS:
             address, reply = self._payloads.pop(seq)
             follower.on_input_reply(now, address, reply, outbox)
+            if self.core.allowances is not None:
+                self._note_ready(now, self._ready_plans.pop(reply.plan_id, None))
+        elif kind == _EV_OUTPUTS:
+            address, outputs = self._payloads.pop(seq)
+            self._answer_outputs(now, address, outputs)
         elif kind == _EV_DONE:
             run = self._payloads.pop(seq)
             follower.on_batch_finished(now, run, [{}] * len(run.rows), "", finished_at=now,
@@ -538,6 +577,9 @@ class Simulator:
                 self._run_batch(now, gpu, msg)
             elif type(msg) is InputFetch:
                 self._fetch(now, gpu, str(target), msg)
+            elif type(msg) is BatchOutputs and self.hops is not None:
+                self._push(now + self.hops.reply.draw(self._hop_rng), _EV_OUTPUTS, gpu,
+                           (str(target), msg))
             elif type(msg) is BatchOutputs:
                 self._answer_outputs(now, str(target), msg)
             elif type(msg) is BatchFailed:
@@ -546,6 +588,16 @@ class Simulator:
                 self.core.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
         self._resched_gpu(gpu)
         self._deliver_scheduler(now, rank_outbox)
+
+    def _note_ready(self, now: float, plan: BatchPlan | None) -> None:
+        """A plan's inputs are in: its ready delay to the learned d_ctrl (as a live backend
+        reports it on its next acknowledgement)."""
+        if plan is None:
+            return
+        outbox: Outbox = []
+        rows = sum(plan.rows) if plan.rows else len(plan.request_ids)
+        self.core.note_ready(now, plan.model, now - plan.sent_at, rows, outbox)
+        self._deliver_scheduler(now, outbox)
 
     def _run_batch(self, now: float, gpu: int, run: RunBatch) -> None:
         """The emulated executor: the batch runs for exactly l(bs) from its start; its outputs
@@ -605,6 +657,10 @@ class Simulator:
         if not self.bailed and self.config.check:
             self._check_all_answered()
         report: dict[str, Any] = simulation_report(self, wall)
+        if self.core.allowances is not None:
+            report["learned_allowances"] = {
+                **self.core.allowances.summary(self._now),
+                "reply": [f.core.stats()["reply_allowance"] for f in self.frontends]}
         if self.elastic is not None:
             report["autoscale"] = {
                 "timeline": self.elastic.timeline,
@@ -615,7 +671,8 @@ class Simulator:
     def _on_event(self, now: float, kind: int, idx: int, seq: int) -> None:
         """Any event but an arrival."""
         if kind == _EV_SCHEDULER:
-            if self.core.wake_at != now or self._scheduler_wake != now:
+            due = self._payloads.pop(seq, now)
+            if self.core.wake_at != due or self._scheduler_wake != due:
                 return
             self._scheduler_wake = math.inf
             outbox: Outbox = []

@@ -130,6 +130,29 @@ def _print_requests(before: dict[str, Any], stats: dict[str, Any], interval_s: f
           + ", ".join(parts) + " r/s")
 
 
+def _print_allowances(stats: dict[str, Any]) -> None:
+    """The allowances the scheduler and this frontend plan with (``[scheduler] allowances``:
+    learned ones with their window's p99 and their bounds)."""
+    parts = []
+    for peer_name, peer in sorted(stats.get("cluster", {}).items()):
+        if peer.get("role") == "shard" and isinstance(peer.get("allowances"), dict):
+            for key in ("d_ctrl", "jitter"):
+                parts.append(f"{peer_name} {key} {_allowance_text(peer['allowances'][key])}")
+    if isinstance(stats.get("reply_allowance"), dict):
+        parts.append(f"reply {_allowance_text(stats['reply_allowance'])}")
+    if parts:
+        print("allowances: " + "; ".join(parts))
+
+
+def _allowance_text(entry: dict[str, Any]) -> str:
+    text = f"{entry['value_ms']:.2f} ms"
+    if "cap_ms" in entry:  # learned
+        p99 = entry.get("p99_ms")
+        seen = "no samples" if p99 is None else f"p99 {p99:.2f} ms of {entry['samples']}"
+        text += f" (learned: {seen}; floor {entry['floor_ms']:g}, cap {entry['cap_ms']:g})"
+    return text
+
+
 def _print_autoscale(stats: dict[str, Any]) -> None:
     """The frontend's autoscaling advice (``[autoscale] enabled``; its autoscale_advice)."""
     advice = stats.get("autoscale")
@@ -174,5 +197,6 @@ def main(argv: list[str]) -> int:
     _print_models(before, stats, args.interval)
     _print_backends(before, stats, args.interval)
     _print_requests(before, stats, args.interval)
+    _print_allowances(stats)
     _print_autoscale(stats)
     return 0

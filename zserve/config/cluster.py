@@ -40,6 +40,7 @@ from zserve.config.prefix_groups import (
 )
 from zserve.config.repository import scan_repository
 from zserve.config.signature import ModelSignature, TensorSpec
+from zserve.core.allowances import ALLOWANCE_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SLO_MS = 100.0
@@ -259,6 +260,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     d_ctrl_ms: float = DEFAULT_D_CTRL_MS
     d_data_ms: float = DEFAULT_D_DATA_MS
     jitter_ms: float = DEFAULT_JITTER_MS
+    # "learned": d_ctrl, jitter and the frontends' reply allowance follow the hops' measured
+    # p99, started at and capped by the values above (zserve.core.allowances); "fixed": the
+    # values above as they are.
+    allowances: str = "learned"
     rank_address: str | None = None
     shard_addresses: tuple[str, ...] = ()
     # A hot-spare scheduler process (``shards = 0`` only; docs/runtime.md, "Hot spare").
@@ -281,6 +286,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise FieldError(exc.key, str(exc)) from None
         for key in ("d_ctrl_ms", "d_data_ms", "jitter_ms"):
             check_finite(key, getattr(self, key))
+        if self.allowances not in ALLOWANCE_MODES:
+            raise FieldError("allowances", f"must be one of {', '.join(ALLOWANCE_MODES)}, got "
+                             f"{self.allowances!r}")
         _check_address("rank_address", self.rank_address)
         _check_addresses("shard_addresses", self.shard_addresses, max(1, self.shards),
                          "scheduler processes")

@@ -36,6 +36,13 @@ from zserve.config.cluster import ClusterConfig, ModelConfig, shard_for_model
 from zserve.config.prefix_groups import HEAD_INPUT
 from zserve.config.profiles import LatencyProfile
 from zserve.config.signature import quoted
+from zserve.core.allowances import (
+    FLOOR_REPLY_S,
+    LEARNED,
+    MARGIN_REPLY_S,
+    AllowanceRule,
+    LearnedAllowance,
+)
 from zserve.core.errors import ErrorKind, ZServeError, bounded_message
 from zserve.core.hosting import Destination, Outbox
 from zserve.core.request_ids import RequestIds, incarnation_of
@@ -207,6 +214,14 @@ class FrontendCore:
         self.cluster = cluster
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
+        # Learned (``[scheduler] allowances = "learned"``): the reply path's p99 (a batch's end
+        # -> this frontend's answer, plus a margin for the hop to the client), started at and
+        # capped by the configured value; the deadlines sent to the scheduler follow it.
+        self.reply: LearnedAllowance | None = None
+        self._reply_seen_at = 0.0  # the last outputs' time (the summary's clock)
+        if cluster.scheduler.allowances == LEARNED:
+            self.reply = LearnedAllowance(AllowanceRule.from_configured(
+                self.reply_allowance_s, FLOOR_REPLY_S, MARGIN_REPLY_S), 0.0)
         self.max_request_bytes = cluster.frontends.max_request_bytes
         self.models = _admissions(cluster, profiles)
         # the names, replaced whole on an addition: read from the metrics thread at a scrape
@@ -506,6 +521,10 @@ class FrontendCore:
         if timed:
             self._execution.observe(execution)
             self._finish_to_answer.observe(now - msg.finished_at)
+            if self.reply is not None:
+                self.reply.observe(now, now - msg.finished_at)
+                self.reply_allowance_s = self.reply.value(now)
+                self._reply_seen_at = now
         fetch_to_outputs = self._fetch_to_outputs.observe
         batch_model: str | None = None
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
@@ -862,6 +881,9 @@ class FrontendCore:
             "backends": sorted(self.backends.table or {}),
             "fetched_by": self.requests.fetched_counts(),
             "models": {name: m.pending for name, m in self.models.items()},
+            "reply_allowance": (
+                {"mode": "fixed", "value_ms": self.reply_allowance_s * 1e3} if self.reply is None
+                else {"mode": "learned", **self.reply.summary(self._reply_seen_at)}),
             **self._stats.snapshot(reset),
             **({"app_splits": self._app_split_stats()} if self.apps.names else {}),
         }
