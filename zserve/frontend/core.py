@@ -180,6 +180,16 @@ def _admissions(cluster: ClusterConfig, profiles: dict[str, LatencyProfile | Non
             for m in cluster.models}
 
 
+def _learned_reply(cluster: ClusterConfig, configured_s: float) -> LearnedAllowance | None:
+    """Under ``[scheduler] allowances = "learned"``: the reply path's p99 (a batch's end -> this
+    frontend's answer, plus a margin for the hop to the client), started at and capped by the
+    configured value; the deadlines sent to the scheduler follow it. None: ``fixed``."""
+    if cluster.scheduler.allowances != LEARNED:
+        return None
+    return LearnedAllowance(AllowanceRule.from_configured(
+        configured_s, FLOOR_REPLY_S, MARGIN_REPLY_S), 0.0)
+
+
 class _ShardMeta:
     """The metadata one shard gets at the end of this tick (one ``RequestMetaBatch``)."""
 
@@ -214,14 +224,8 @@ class FrontendCore:
         self.cluster = cluster
         self.data_address = data_address  # where backends fetch this frontend's inputs
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
-        # Learned (``[scheduler] allowances = "learned"``): the reply path's p99 (a batch's end
-        # -> this frontend's answer, plus a margin for the hop to the client), started at and
-        # capped by the configured value; the deadlines sent to the scheduler follow it.
-        self.reply: LearnedAllowance | None = None
+        self.reply = _learned_reply(cluster, self.reply_allowance_s)
         self._reply_seen_at = 0.0  # the last outputs' time (the summary's clock)
-        if cluster.scheduler.allowances == LEARNED:
-            self.reply = LearnedAllowance(AllowanceRule.from_configured(
-                self.reply_allowance_s, FLOOR_REPLY_S, MARGIN_REPLY_S), 0.0)
         self.max_request_bytes = cluster.frontends.max_request_bytes
         self.models = _admissions(cluster, profiles)
         # the names, replaced whole on an addition: read from the metrics thread at a scrape
