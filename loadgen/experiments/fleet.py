@@ -1,8 +1,9 @@
 """``fleet``: the zoo's 35 models profiled on two device kinds (A100 and GTX 1080 Ti), at one
-offered rate: the cheapest fleet of each single kind that serves it within 1% bad, against a mixed
-fleet where each model runs on the kind that serves its load for least (``cheapest_kind``).
-Cost per hour at equal goodput and bad rate; the goal is a mixed fleet at least 20% cheaper than
-the best single-kind one.
+offered rate: the cheapest fleet of each single kind that serves it within 1% bad, against the
+mixed fleet the kind planner chooses (``zserve.orchestrator.kind_plan.plan_kinds``: each model's
+kind, priced at whole GPUs per kind's pool by the ``gpus_for_rate`` estimate, improved by a greedy
+search, the all-one-kind plans its floor). Cost per hour at equal goodput and bad rate; the goal
+is a mixed fleet at least 20% cheaper than the best single-kind one.
 
 Prices are an assumption (on-demand list prices per GPU-hour, as read from the providers' public
 price pages in 2024, not re-checked here): an A100 40 GB is Google Cloud's a2-highgpu-1g (one A100,
@@ -17,8 +18,13 @@ files: max(20 ms, 2 l(4) rounded down to the ms) on that kind): the A100's SLO i
 and the looser reading, each model's batch of 4 fitting on both kinds (the larger of the two
 files' SLOs), is costed by the floor beside it (``slo_readings``). Every fleet's size is searched
 in the simulator: its GPU count is the smallest at which the offered rate passes (worst model's
-bad rate <= 1%). The mixed fleet's two pools are sized apart (they share no model), then run
-together in one simulation, each GPU with its kind's profiles and each model on its kind's GPUs.
+bad rate <= 1%). The simulator validates the planner's cheapest mixed plans (the first, and up to
+``VALIDATED_MIXES`` in all that the estimate prices no dearer than one kind alone): each plan's
+two pools sized apart (they share no model), then run together in one simulation, each GPU with
+its kind's profiles and each model on its kind's GPUs. The planner's pick is the cheapest fleet
+the simulator passed, the single-kind fleets among them, so it is never dearer than one kind;
+the check that can fail is on the estimate: the planner's cheapest plan by the estimate, as the
+simulator sizes it, against the single-kind fleets sized apart.
 
 The cost floor (``cost_floor``) bounds what any placement can reach: each model on the kind where
 its requests cost least, every batch at the largest size its own rate fills within its SLO
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zserve.config.profiles import LatencyProfile
@@ -47,6 +53,7 @@ from zserve.loadgen.experiments.zoo import ZOO_WORKLOAD
 from zserve.loadgen.sim.simulator import SimConfig
 from zserve.loadgen.workload import ModelSpec, Workload, load_workload
 from zserve.loadgen.zoo import load_zoo_csv
+from zserve.orchestrator.kind_plan import KindPlan, per_model_choice, plan_kinds
 from zserve.orchestrator.placement import busy_gpus_floor, cheapest_kind, gpus_for_rate
 
 A100, GTX1080TI = "a100", "gtx1080ti"
@@ -60,6 +67,8 @@ SAVING_GOAL = 0.20  # the mixed fleet at least this much cheaper an hour than th
 MAX_FLEET_GPUS = 1024  # a pool that needs more is reported as not sized
 BRACKET_STEP = 1.2  # a pool's size search moves from its estimate by this factor to a bracket
 FLEET_WINDOWS_S = (2.0, 5.0, 0.5)  # warmup, measure, cooldown: 50,000 measured requests
+VALIDATED_MIXES = 2  # mixed plans the simulator sizes at most (each costs a pool search)
+LISTED_MODELS = 6  # the plans table names a pool's models up to this many
 PAPER_MIN_BATCH = 4  # the zoo's SLOs let every model batch at least this many on its own kind
 
 
@@ -161,24 +170,35 @@ def run_fleet(opts: Options) -> Outcome:
     gpus_by_kind = {n: {k: gpus_for_rate(profiles[k][n].alpha_s * 1e3,
                                          profiles[k][n].beta_s * 1e3, slo[n], per_model)
                         for k in profiles} for n in names}
+    plans = plan_kinds(gpus_by_kind, PRICE_PER_HOUR)
     fleets: dict[str, dict[str, Any]] = {}
     for kind in profiles:
         fleets[f"{kind} only"] = single_kind_fleet(base, kind, names, slo, profiles, rate,
                                                    gpus_by_kind, say)
-    choice: dict[str, str] = {}
-    for n in names:
-        cheapest = cheapest_kind(gpus_by_kind[n], PRICE_PER_HOUR)
-        assert cheapest is not None, n  # the A100 meets every A100-zoo SLO
-        choice[n] = cheapest
-    fleets.update(mixed_fleet(base, choice, slo, profiles, per_model, gpus_by_kind, say))
+    # a pool's search starts at its estimate scaled as the simulator scaled its kind's fleet
+    scale = {k: f["kind_gpus"][k] / math.ceil(sum(gpus_by_kind[n][k] for n in names))
+             for k in profiles if (f := fleets[f"{k} only"])["kind_gpus"]}
+    sizing = PoolSizing(base, slo, profiles, per_model, gpus_by_kind, scale, say)
+    for i, plan in enumerate(validated_mixes(plans)):
+        fleets.update(mixed_fleet(sizing, plan, MIXED if i == 0 else f"{MIXED}, plan {i + 1}"))
     floors = cost_floor(names, slo, profiles, per_model)
-    outcome = _outcome(names, rate, slo, choice, gpus_by_kind, fleets, floors)
+    outcome = _outcome(names, rate, slo, plans, gpus_by_kind, fleets, floors)
     readings = slo_readings(names, per_model)
     outcome.tables.append(readings)
     outcome.points["slo_readings"] = readings.rows
     return outcome
 
 
+def validated_mixes(plans: list[KindPlan]) -> list[KindPlan]:
+    """The mixed plans the simulator sizes: the cheapest at whole GPUs by the estimate, and up
+    to VALIDATED_MIXES in all of those the estimate prices no dearer than its cheapest
+    all-one-kind plan (the others the estimate already rules out)."""
+    mixed = [p for p in plans if p.is_mixed()]
+    single = min((p.cost_per_hour for p in plans if not p.is_mixed()), default=math.inf)
+    return mixed[:1] + [p for p in mixed[1:VALIDATED_MIXES] if p.cost_per_hour <= single]
+
+
+MIXED = "mixed"
 MIXED_FLOOR = "mixed, each model on its cheapest kind"
 
 
@@ -244,41 +264,57 @@ def single_kind_fleet(base: Workload, kind: str, names: list[str],  # noqa: PLR0
     return {"kind_gpus": {kind: gpus}, "report": report}
 
 
-def mixed_fleet(base: Workload, choice: dict[str, str],  # noqa: PLR0917
-                slo: dict[str, float], profiles: dict[str, dict[str, LatencyProfile]],
-                per_model: float, gpus_by_kind: dict[str, dict[str, float]],
-                say: Say) -> dict[str, dict[str, Any]]:
-    """Each model on its cheapest kind: each kind's pool sized apart, then run together
-    ("mixed"); then ("mixed, shared") the pricier kind's GPUs serve every model too (each
-    batch sized and timed by the granted GPU's profile; a GPU that frees goes first to the
-    models at home on its kind, ``RankThread.set_home``), its count kept, the cheaper kind's
-    searched again."""
-    pools: dict[str, list[str]] = {}
-    for n, kind in choice.items():
-        pools.setdefault(kind, []).append(n)
-    gpus: dict[str, int] = {}
-    for kind, members in pools.items():
-        w = pool_workload(base, members, kind, slo=slo, profiles=profiles,
-                          rate_rps=per_model * len(members))
-        need = math.ceil(sum(gpus_by_kind[n][kind] for n in members))
-        gpus[kind], _ = smallest_pool(w, need, say, f"mixed, {kind} pool")
-    mix = MixedFleet(base, pools, slo, profiles, per_model * len(choice))
+@dataclass
+class PoolSizing:
+    """Sizes one kind's pool of models in the simulator (``smallest_pool``), its search started
+    at the pool's summed estimate times ``scale[kind]`` (how the simulator sized that kind's
+    whole fleet against its estimate); each pool sized once."""
+
+    base: Workload
+    slo: dict[str, float]
+    profiles: dict[str, dict[str, LatencyProfile]]
+    per_model: float
+    gpus_by_kind: dict[str, dict[str, float]]
+    scale: dict[str, float]
+    say: Say
+    sized: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
+
+    def gpus(self, kind: str, members: list[str], label: str) -> int:
+        key = (kind, tuple(members))
+        if key not in self.sized:
+            w = pool_workload(self.base, members, kind, slo=self.slo, profiles=self.profiles,
+                              rate_rps=self.per_model * len(members))
+            estimate = sum(self.gpus_by_kind[n][kind] for n in members)
+            start = max(1, round(estimate * self.scale.get(kind, 1.0)))
+            self.sized[key], _ = smallest_pool(w, start, self.say, f"{label}, {kind} pool")
+        return self.sized[key]
+
+
+def mixed_fleet(sizing: PoolSizing, plan: KindPlan, label: str) -> dict[str, dict[str, Any]]:
+    """A mixed plan's fleet: each kind's pool sized apart, then run together (``label``); then
+    (``label``, shared) the pricier kind's GPUs serve every model too (each batch sized and
+    timed by the granted GPU's profile; a GPU that frees goes first to the models at home on
+    its kind, ``RankThread.set_home``), its count kept, the cheaper kind's searched again at
+    most up to the pools' count (more would cost more than the pools apart)."""
+    pools = plan.pools()
+    gpus = {kind: sizing.gpus(kind, members, label) for kind, members in pools.items()}
+    mix = MixedFleet(sizing.base, pools, sizing.slo, sizing.profiles,
+                     sizing.per_model * len(plan.kind_of))
     ok, report = mix.run(gpus)
-    say(f"fleet mixed, together: worst bad rate {report['bad_rate']:.3%}")
-    fleets = {"mixed": {"kind_gpus": gpus, "report": report, "together_passes": ok}}
-    if len(pools) == 2:
-        shared = max(pools, key=lambda k: PRICE_PER_HOUR[k])
-        cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
-        try:
-            count, report = smallest_count(
-                lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared, home=True),
-                gpus[cheap], say, f"mixed, shared {shared}: {cheap}", limit=2 * gpus[cheap])
-        except NotSized as exc:
-            fleets["mixed, shared"] = {"kind_gpus": {}, "together_passes": False,
-                                       "note": f"not sized: {exc}"}
-        else:
-            fleets["mixed, shared"] = {"kind_gpus": {shared: gpus[shared], cheap: count},
-                                       "report": report, "together_passes": True}
+    sizing.say(f"fleet {label}, together: worst bad rate {report['bad_rate']:.3%}")
+    fleets = {label: {"kind_gpus": gpus, "report": report, "together_passes": ok, "plan": plan}}
+    shared = max(pools, key=lambda k: PRICE_PER_HOUR[k])
+    cheap = min(pools, key=lambda k: PRICE_PER_HOUR[k])
+    try:
+        count, report = smallest_count(
+            lambda n: mix.run({shared: gpus[shared], cheap: n}, shared=shared, home=True),
+            gpus[cheap], sizing.say, f"{label}, shared {shared}: {cheap}", limit=gpus[cheap])
+    except NotSized as exc:
+        fleets[f"{label}, shared"] = {"kind_gpus": {}, "together_passes": False,
+                                      "note": f"not sized: {exc}"}
+    else:
+        fleets[f"{label}, shared"] = {"kind_gpus": {shared: gpus[shared], cheap: count},
+                                      "report": report, "together_passes": True}
     return fleets
 
 
@@ -322,8 +358,64 @@ def fleet_cost(kind_gpus: dict[str, int]) -> float:
 
 
 def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0917
-             choice: dict[str, str], gpus_by_kind: dict[str, dict[str, float]],
+             plans: list[KindPlan], gpus_by_kind: dict[str, dict[str, float]],
              fleets: dict[str, dict[str, Any]], floors: dict[str, dict[str, float]]) -> Outcome:
+    rows = _fleet_rows(rate, fleets)
+    single_names = [n for n, f in fleets.items()
+                    if not n.startswith(MIXED) and f["cost"] is not None]
+    best_single = min(fleets[n]["cost"] for n in single_names)
+    mixed = min((f["cost"] for n, f in fleets.items()
+                 if n.startswith(MIXED) and f["together_passes"]), default=math.inf)
+    saving = 1 - mixed / best_single
+    mixed_floor = floors[MIXED_FLOOR]["cost"]
+    floor_holds = mixed_floor <= mixed and all(
+        floors[n]["cost"] <= fleets[n]["cost"] for n in single_names)
+    chosen_name, chosen_cost = _estimate_choice(plans[0], fleets)
+    planned = min((n for n, f in fleets.items() if _passing_cost(f) < math.inf),
+                  key=lambda n: _passing_cost(fleets[n]))
+    order = list(fleets)
+    for name, note in ((chosen_name, "the estimate's pick"),
+                       (planned, "the planner's pick (simulated)")):
+        row = rows[order.index(name)]
+        row[-1] = "; ".join(filter(None, [row[-1], note]))
+    table = Table(
+        f"{len(names)} zoo models at {rate:,.0f} r/s (equal popularity, Poisson), each at the "
+        f"A100 zoo's SLO: the smallest fleet that serves it with every model <= 1% bad "
+        f"(prices: A100 ${PRICE_PER_HOUR[A100]}/h, GTX 1080 Ti ${PRICE_PER_HOUR[GTX1080TI]}/h)",
+        ["fleet", "A100", "GTX 1080 Ti", "cost $/h", "goodput r/s", "worst bad %",
+         "$ per million requests", "note"], rows)
+    checks = [Check("the estimate-planned fleet no dearer than the best single kind",
+                    chosen_cost <= best_single,
+                    f"the planner's cheapest plan at whole GPUs by the estimate ({chosen_name}, "
+                    f"estimated ${plans[0].cost_per_hour:.2f}/h), simulated: "
+                    f"${chosen_cost:.2f}/h vs ${best_single:.2f}/h; after the simulator's "
+                    f"validation the planner picks {planned} "
+                    f"(${_passing_cost(fleets[planned]):.2f}/h)"),
+              Check(f"the best mixed fleet >= {SAVING_GOAL:.0%} cheaper than the best single "
+                    "kind", saving >= SAVING_GOAL,
+                    _goal_detail(mixed, best_single, floors)),
+              Check("the cost floor is below every fleet simulated", floor_holds,
+                    f"floors ${floors[MIXED_FLOOR]['cost']:.2f}/h (mixed) and "
+                    + ", ".join(f"${floors[n]['cost']:.2f}/h ({n})" for n in single_names)),
+              Check("the mixed fleet serves the rate in one simulation",
+                    bool(fleets[MIXED]["together_passes"]),
+                    f"worst bad rate {fleets[MIXED]['report']['bad_rate']:.3%}")]
+    points: dict[str, Any] = {
+        name: {"kind_gpus": f["kind_gpus"], "cost_per_hour": f["cost"],
+               "bad_rate": None if f.get("report") is None else f["report"]["bad_rate"]}
+        for name, f in fleets.items()}
+    points.update(saving=saving, cost_floor=floors, saving_bound=1 - mixed_floor / best_single,
+                  estimate_choice=chosen_name, estimate_choice_cost=chosen_cost,
+                  planned=planned, plans=[_plan_point(p) for p in plans])
+    config = {"models": names, "rate_rps": rate, "prices_per_hour": PRICE_PER_HOUR,
+              "slo_ms": slo, "max_bad_rate": MAX_BAD_RATE}
+    tables = [table, _kinds_table(names, slo, gpus_by_kind, fleets[MIXED]["plan"]),
+              _plans_table(plans, fleets), _floor_table(floors, best_single)]
+    return Outcome(config, tables, checks, points)
+
+
+def _fleet_rows(rate: float, fleets: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """The fleets table's rows; sets each fleet's ``cost`` ($/h, None: not sized)."""
     rows: list[list[Any]] = []
     for name, fleet in fleets.items():
         kind_gpus = fleet["kind_gpus"]
@@ -336,51 +428,71 @@ def _outcome(names: list[str], rate: float, slo: dict[str, float],  # noqa: PLR0
                      None if report is None else round(100 * report["bad_rate"], 3),
                      None if cost is None else round(cost / (rate * 3600) * 1e6, 3),
                      fleet.get("note", "")])
-    single_names = [n for n, f in fleets.items()
-                    if not n.startswith("mixed") and f["cost"] is not None]
-    singles = [fleets[n]["cost"] for n in single_names]
-    best_single = min(singles)
-    mixed = min((f["cost"] for n, f in fleets.items()
-                 if n.startswith("mixed") and f["together_passes"]), default=math.inf)
-    saving = 1 - mixed / best_single
-    mixed_floor = floors[MIXED_FLOOR]["cost"]
-    saving_bound = 1 - mixed_floor / best_single
-    floor_holds = mixed_floor <= mixed and all(
-        floors[n]["cost"] <= fleets[n]["cost"] for n in single_names)
-    table = Table(
-        f"{len(names)} zoo models at {rate:,.0f} r/s (equal popularity, Poisson), each at the "
-        f"A100 zoo's SLO: the smallest fleet that serves it with every model <= 1% bad "
-        f"(prices: A100 ${PRICE_PER_HOUR[A100]}/h, GTX 1080 Ti ${PRICE_PER_HOUR[GTX1080TI]}/h)",
-        ["fleet", "A100", "GTX 1080 Ti", "cost $/h", "goodput r/s", "worst bad %",
-         "$ per million requests", "note"], rows)
-    kinds = Table("each model's kind in the mixed fleet (GPUs its load needs on each kind, "
-                  "estimated)",
-                  ["model", "SLO ms", "A100 GPUs", "GTX 1080 Ti GPUs", "kind"],
-                  [[n, slo[n], round(gpus_by_kind[n][A100], 3),
-                    round(gpus_by_kind[n][GTX1080TI], 3) if math.isfinite(
-                        gpus_by_kind[n][GTX1080TI]) else "misses SLO", choice[n]]
-                   for n in names])
-    checks = [Check("the best mixed fleet no dearer than the best single kind",
-                    mixed <= best_single,
-                    f"${mixed:.2f}/h vs ${best_single:.2f}/h"),
-              Check(f"the best mixed fleet >= {SAVING_GOAL:.0%} cheaper than the best single "
-                    "kind", saving >= SAVING_GOAL,
-                    _goal_detail(mixed, best_single, floors)),
-              Check("the cost floor is below every fleet simulated", floor_holds,
-                    f"floors ${floors[MIXED_FLOOR]['cost']:.2f}/h (mixed) and "
-                    + ", ".join(f"${floors[n]['cost']:.2f}/h ({n})" for n in single_names)),
-              Check("the mixed fleet serves the rate in one simulation",
-                    bool(fleets["mixed"]["together_passes"]),
-                    f"worst bad rate {fleets['mixed']['report']['bad_rate']:.3%}")]
-    points = {name: {"kind_gpus": f["kind_gpus"], "cost_per_hour": f["cost"],
-                     "bad_rate": None if f.get("report") is None else f["report"]["bad_rate"]}
-              for name, f in fleets.items()}
-    points["saving"] = saving
-    points["cost_floor"] = floors
-    points["saving_bound"] = saving_bound
-    config = {"models": names, "rate_rps": rate, "prices_per_hour": PRICE_PER_HOUR,
-              "slo_ms": slo, "max_bad_rate": MAX_BAD_RATE}
-    return Outcome(config, [table, kinds, _floor_table(floors, best_single)], checks, points)
+    return rows
+
+
+def _passing_cost(fleet: dict[str, Any]) -> float:
+    """A fleet's $/h where it served the rate (a mix: run together), else ``inf``."""
+    if fleet["cost"] is None or not fleet.get("together_passes", True):
+        return math.inf
+    return float(fleet["cost"])
+
+
+def _estimate_choice(plan: KindPlan, fleets: dict[str, dict[str, Any]]) -> tuple[str, float]:
+    """The simulated fleet of the planner's cheapest plan by the estimate, and its $/h
+    (``inf`` where it failed): the mixed plan sized apart and run together, or a single kind's
+    fleet."""
+    if plan.is_mixed():
+        name = next(n for n, f in fleets.items() if f.get("plan") is plan)
+    else:
+        name = f"{next(iter(plan.pool_gpus))} only"
+    return name, _passing_cost(fleets[name])
+
+
+def _plan_point(plan: KindPlan) -> dict[str, Any]:
+    return {"pool_gpus": dict(plan.pool_gpus), "cost_per_hour": plan.cost_per_hour,
+            "load_cost_per_hour": plan.load_cost_per_hour,
+            "a100_models": [n for n, k in plan.kind_of.items() if k == A100]}
+
+
+def _plans_table(plans: list[KindPlan], fleets: dict[str, dict[str, Any]]) -> Table:
+    """The planner's plans at whole GPUs by the estimate, beside what the simulator sized."""
+    simulated = {id(f["plan"]): n for n, f in fleets.items() if "plan" in f}
+    rows: list[list[Any]] = []
+    for plan in plans:
+        name = (simulated.get(id(plan)) if plan.is_mixed()
+                else f"{next(iter(plan.pool_gpus))} only")
+        a100 = [n for n, k in plan.kind_of.items() if k == A100]
+        rows.append([plan.pool_gpus.get(A100, 0), plan.pool_gpus.get(GTX1080TI, 0),
+                     round(plan.cost_per_hour, 2), round(plan.load_cost_per_hour, 2),
+                     _listed(a100, len(plan.kind_of)),
+                     name or "not simulated (the estimate rules it out)",
+                     None if name is None else _passing_cost(fleets[name])])
+    return Table("the planner's plans (greedy search from each model's own cheapest kind and "
+                 "from each single kind, priced at whole GPUs per pool by the estimate), "
+                 "cheapest first",
+                 ["A100 GPUs", "GTX 1080 Ti GPUs", "estimate $/h", "at fractional GPUs $/h",
+                  "models on A100s", "simulated as", "simulated $/h"], rows)
+
+
+def _listed(models: list[str], of: int) -> str:
+    """A pool's models by name, or how many where that says more ("all", "none", "18 of 35")."""
+    if not models or len(models) == of:
+        return "all" if models else "none"
+    return ", ".join(models) if len(models) <= LISTED_MODELS else f"{len(models)} of {of}"
+
+
+def _kinds_table(names: list[str], slo: dict[str, float],
+                 gpus_by_kind: dict[str, dict[str, float]], plan: KindPlan) -> Table:
+    own = per_model_choice(gpus_by_kind, PRICE_PER_HOUR)
+    return Table("each model's kind: on its own (its load costs least, fractional GPUs) and in "
+                 "the cheapest mixed plan (GPUs its load needs on each kind, estimated)",
+                 ["model", "SLO ms", "A100 GPUs", "GTX 1080 Ti GPUs", "on its own",
+                  "in the mixed plan"],
+                 [[n, slo[n], round(gpus_by_kind[n][A100], 3),
+                   round(gpus_by_kind[n][GTX1080TI], 3) if math.isfinite(
+                       gpus_by_kind[n][GTX1080TI]) else "misses SLO", own[n], plan.kind_of[n]]
+                  for n in names])
 
 
 def _goal_detail(mixed: float, best_single: float, floors: dict[str, dict[str, float]]) -> str:
