@@ -201,14 +201,12 @@ class BackendHost:
         self.loop = asyncio.get_running_loop()
         self.reactor = reactor
         self.follower = PlanFollower(name, shed_grace_s=shed_grace_s)
-        # An active/standby pair of schedulers: two; the fence says which one is active
-        # (zserve.core.epochs).
+        # An active/standby pair of schedulers: two; the fence (zserve.core.epochs) says which
         self.rank_socks: dict[str, zmq.Socket[Any]] = {}
         self.fence = EpochFence()
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
-        # plan id -> the DEALER identity of the shard that sent it, until its BatchStats
-        self._plan_shards: dict[int, bytes] = {}
+        self._plan_shards: dict[int, bytes] = {}  # plan id -> its shard, until its BatchStats
         self.retiring = False  # released by the autoscaler: said in every registration
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)

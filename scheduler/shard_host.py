@@ -466,16 +466,18 @@ class ShardHost:
 
     def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
         """Acknowledgements and batch reports from the backend of ``gpu_id``."""
+        outbox: Outbox = []
         for _, msg in chunk:
             if type(msg) is PlanAck:
                 assert isinstance(msg, PlanAck)
                 self.acks.acknowledge(msg.plan_ids)
             elif type(msg) is BatchStats:
                 assert isinstance(msg, BatchStats)
-                self.core.on_batch_stats(self.clock.now(), msg)
+                self.core.on_batch_stats(self.clock.now(), msg, outbox)
             elif type(msg) is not Hello:
                 log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
                             gpu_id)
+        self.driver.flush(outbox)
         self._ack_timer.sync()
 
     def _on_ack_timer(self) -> None:

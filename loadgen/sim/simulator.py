@@ -520,7 +520,7 @@ class Simulator:
             elif type(msg) is BatchFailed:
                 self._answer_failed(now, str(target), msg)
             elif type(msg) is BatchStats:  # to the rank and the shard, as a live backend
-                self.core.on_batch_stats(now, msg)
+                self.core.on_batch_stats(now, msg, rank_outbox)
                 if msg.device_free_at > 0.0:
                     self.core.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
         self._resched_gpu(gpu)

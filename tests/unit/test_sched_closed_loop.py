@@ -1,9 +1,11 @@
 """Closed-loop clients on a virtual clock: the scheduler's pure core (ModelThread and RankThread)
-driven by N clients that each send their next request a moment after their last answer, and a
-GPU that runs each plan as planned. Deferral cannot pay there (nothing can join a batch held
-back while every client waits for its answer), so from each client's second request on every
-request must start within l(1) plus the allowances of its arrival, under ``deferred`` as under
-``eager``; an open-loop Poisson stream at the same rate still batches."""
+driven by N clients that each send their next request a moment after their last answer, and
+GPUs that run each plan as planned (or slower or faster than their profile) and report when
+each batch ended (``BatchStats``, as a backend reports to the shard that planned it). Deferral
+cannot pay there (nothing can join a batch held back while every client waits for its answer),
+so from each client's second request on every request must start within l(1) plus the
+allowances of its arrival, under ``deferred`` as under ``eager``; an open-loop Poisson stream at
+the same rate still batches, and an evenly spaced one that brings no joiner stops waiting."""
 
 from __future__ import annotations
 
@@ -42,17 +44,19 @@ class _Run:
     ``spread_s`` (uniform), and tells the rank when it frees (its drift correction) and, with
     ``reports``, the core when each batch ended (``BatchStats``, as a backend tells its shard);
     each answer reaches its client up to ``spread_s`` later, which sends again ``round_trip_s``
-    (plus ROUND_TRIP_STEP_S per client number) after that."""
+    (plus ROUND_TRIP_STEP_S per client number) after that; a report reaches the core
+    ``report_delay_s`` after its batch ended."""
 
     def __init__(self, policy: str, gpus: int, *, slow: float = 1.0,
                  reports: bool = True, spread_s: float = 0.0,
-                 round_trip_s: float = ROUND_TRIP_S) -> None:
+                 round_trip_s: float = ROUND_TRIP_S, report_delay_s: float = 0.0) -> None:
         self.core = SchedulerCore("shard", rank=RankThread(list(range(gpus)), 0.0))
         self.thread = ModelThread("m", PROFILE, SLO_S, SchedulePolicy.parse(policy),
                                   d_ctrl_s=D_CTRL_S, d_data_s=D_DATA_S, jitter_s=JITTER_S)
         self.core.add_thread(0.0, self.thread, [])
         self.slow, self.reports = slow, reports
         self.spread_s, self.round_trip_s = spread_s, round_trip_s
+        self.report_delay_s = report_delay_s
         self.rng = random.Random(1)
         self.gpu_free_at = [0.0] * gpus
         # (time, seq, client): a client sends; client -1: a batch's end is reported
@@ -89,7 +93,7 @@ class _Run:
                 for rid in msg.request_ids:
                     self.start[rid] = msg.exec_at
                     self.answers.append((finish + self.rng.uniform(0.0, self.spread_s), rid))
-                self.send_at(finish, -1)
+                self.send_at(finish + self.report_delay_s, -1)
                 self.ended[self.seq] = BatchStats(msg.plan_id, "m", msg.gpu_id, rows,
                                                   msg.exec_at, began, finish, True)
         outbox.clear()
@@ -108,7 +112,7 @@ class _Run:
                 if client < 0:  # to the shard, and the device's free time to the rank
                     stats = self.ended.pop(seq)
                     if self.reports:
-                        self.core.on_batch_stats(now, stats)
+                        self.core.on_batch_stats(now, stats, outbox)
                     if self.gpu_free_at[stats.gpu_id] > now:
                         self.core.on_device_free_at(now, stats.gpu_id,
                                                     self.gpu_free_at[stats.gpu_id], outbox)
@@ -201,6 +205,20 @@ def test_clients_joining_one_by_one_on_two_gpus_never_wait_for_their_aim(
     waits = _waits_after_first(run)
     assert len(waits) > 2000
     assert max(waits) < 30 * MS, sorted(waits)[-5:]
+
+
+def test_a_report_that_comes_after_the_echo_still_starts_the_waiting_request_at_once() -> None:
+    """A backend 4x faster than its profile (a profile measured at start-up on a loaded host):
+    the profile's finish lies after the sync client's echo, so its 2nd request reads as a stream
+    and defers (the cold rule: frontrun's aim, 190 ms). The batch's end is reported 1 ms after
+    the echo came; the report shows the echo, and the waiting candidate is computed again and
+    starts at once."""
+    run = _Run("deferred", 1, slow=0.25, report_delay_s=1 * MS)
+    run.send_at(1.0, 0)
+    run.run(1.5, closed_loop=True)
+    waits = _waits_after_first(run)
+    assert len(waits) > 20
+    assert max(waits) <= PROFILE.latency(1) + ALLOWANCES_S, max(waits)
 
 
 def _steady(run: _Run) -> int:
