@@ -405,8 +405,8 @@ class BackendHost:
                 if type(msg) is BatchStats:
                     assert isinstance(msg, BatchStats)
                     shard = self._plan_shards.pop(msg.plan_id, None)
-                    if shard is not None:
-                        self._send(self.plan_sock, msg, shard)
+                    if shard is not None:  # best effort: a shard that left needs no report
+                        self.reactor.send_nowait(self.plan_sock, msg, shard)
                 if self.rank_sock is not None:
                     self._send(self.rank_sock, msg)
         outbox.clear()

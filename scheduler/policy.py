@@ -65,16 +65,18 @@ runs through the same ModelThread/RankThread code paths:
       closed-loop clients (a sync loop, perf_analyzer) send their next request one round trip
       after their answer, so nothing can join a batch held back while they wait, and the rate
       meter's rate promises joiners they never send. The echo share compares the rows that
-      arrive right after a batch's answer (anchored at its expected finish by the profile, and
-      at a per-GPU learned echo delay) with what a stream independent of the answers brings in
-      the same span (the rows just before, or the rate times the span, whichever is more); from
-      ECHO_SHARE_MIN of the answered rows on the model does not defer, until the share falls
-      below ECHO_SHARE_KEEP. It needs no deferred window: a sync client is seen at its second
-      request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo cluster,
-      until the yield below had learned), and a Poisson stream's share is about 0 at any rate
-      (Table 2 and the demo workload's open-loop runs are unchanged). The yield
+      arrive right after a batch's answer (anchored at the batch's end as its backend reports
+      it, the profile's finish until the report comes, and at a per-GPU learned echo delay)
+      with what a stream independent of the answers brings in the same span (the rows just
+      before, or the rate times the span, whichever is more; a span that may hold another
+      batch's echoes is not judged); from ECHO_SHARE_MIN of the answered rows on the model
+      does not defer, until the share falls below ECHO_SHARE_KEEP, and a report that turns it
+      replans the waiting candidate. It needs no deferred window: a sync client is seen at its
+      second request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo
+      cluster, until the yield below had learned), and a Poisson stream's share is about 0 at
+      any rate (Table 2 and the demo workload's open-loop runs are unchanged). The yield
       (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
-      ECHO_WINDOW_S, a backend far off its profile before its delay is learned);
+      ECHO_WINDOW_S, a model whose backends do not report and run far off its profile);
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
@@ -532,10 +534,10 @@ class AnswerEchoes:
     shard that planned the batch; the simulator replays it at the simulated end), its expected
     finish x + l(k) by its profile while no report has come (a model whose backends never
     reported, ``bench-scheduler``, or a report ECHO_WINDOW_S late), and, in a second window,
-    x + ECHO_ANCHOR times the learned
-    echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
-    arrival after it; backends differ: on a loaded host a sync client's answers alternated between
-    6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at the earliest). It counts the rows
+    x + ECHO_ANCHOR times the learned echo delay of the batch's GPU (the time from a looked-at
+    batch's exec time to the first arrival after it; backends differ: on a loaded host a sync
+    client's answers alternated between 6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at
+    the earliest). It counts the rows
     that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against
     what a stream that does not depend on the answers brings in tau: the rows that arrived in
     the span tau before a (clipped at x, since the batch's own rows came before it, and scaled
@@ -551,13 +553,14 @@ class AnswerEchoes:
     reported end is exact however fast the backend runs (many clients, whose echoes overlap
     other batches' runs, confuse the learned delay, and an anchor off the real end puts the
     other GPU's echoes into the span before it: a backend twice as slow as its profile read a
-    sync loop as a stream), the learned delay covers a model whose ends are not reported.
-    Taking the larger
-    of the two expectations keeps a gap in a stream just before an anchor from passing for an
-    echo (Symphony section 3.3's three missing requests: a stream at 1,333 r/s, none in the
-    2.25 ms before a finish and four after). One batch is looked at a time per window (the next
-    one planned once its last window closed, or judged when a batch is planned after it is
-    over): O(log n) per arrival chunk and per decision. Pure."""
+    sync loop as a stream), the learned delay covers a model whose ends are not reported. A
+    finish window whose span before the end may hold another batch's echoes is not judged
+    (``_tangled``). Taking the larger of the two expectations keeps a gap in a stream just
+    before an anchor from passing for an echo (Symphony section 3.3's three missing requests: a
+    stream at 1,333 r/s, none in the 2.25 ms before a finish and four after). One batch is
+    looked at a time per window (the next one planned once its last window closed, or judged
+    when a batch is planned after it is over): O(log n + ECHO_ENDS_KEPT) per arrival chunk and
+    per decision. Pure."""
 
     __slots__ = ("_cum", "_ends", "_reported", "_times", "_windows")
 
