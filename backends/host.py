@@ -22,7 +22,9 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
    before. A ``RunBatch`` is run by the ``BatchRunner``; the follower answers what it gave
    (``on_batch_finished``: ``BatchOutputs`` or ``BatchFailed`` per frontend), the host sends
    that, then ``on_batch_done`` frees the device.
-   Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop.
+   Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop, and its
+   ``BatchStats`` goes to that shard too, besides the rank (the shard learns when its batch
+   really ended: ``zserve.scheduler.policy.AnswerEchoes``).
    Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
    ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
    batch in the executor's worker thread, so the loop itself keeps running and must say so.
@@ -87,6 +89,7 @@ from zserve.runtime.session import EXIT_DRAINED, SOCKET_CLOSE_LINGER_MS, RoleSes
 from zserve.transport.messages import (
     BackendRegister,
     BatchPlan,
+    BatchStats,
     CancelFetched,
     Heartbeat,
     Hello,
@@ -113,6 +116,9 @@ PROFILE_REPEATS = 3
 # refused (zserve.core.epochs)
 # plans_unstaged: plans of a staged model admitted while every staging slot of their model was
 # held (their batch is assembled when it starts, zserve.backends.staging)
+# Plans whose shard is remembered for their BatchStats at most (a plan that ends without one,
+# in a drain, is forgotten once this many newer plans came).
+PLAN_SHARDS_MAX = 4096
 HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
 
 
@@ -205,12 +211,12 @@ class BackendHost:
         self.loop = asyncio.get_running_loop()
         self.reactor = reactor
         self.follower = PlanFollower(name, shed_grace_s=shed_grace_s)
-        # An active/standby pair of schedulers: two; the fence says which one is active
-        # (zserve.core.epochs).
+        # An active/standby pair of schedulers: two; the fence (zserve.core.epochs) says which
         self.rank_socks: dict[str, zmq.Socket[Any]] = {}
         self.fence = EpochFence()
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
+        self._plan_shards: dict[int, bytes] = {}  # plan id -> its shard, until its BatchStats
         self.retiring = False  # released by the autoscaler: said in every registration
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
@@ -409,8 +415,14 @@ class BackendHost:
                 if not self._send(self.frontend_socks[address], msg) and isinstance(
                         msg, InputFetch):
                     lost.append((msg.plan_id, address))
-            elif self.rank_sock is not None:
-                self._send(self.rank_sock, msg)
+            else:
+                if type(msg) is BatchStats:
+                    assert isinstance(msg, BatchStats)
+                    shard = self._plan_shards.pop(msg.plan_id, None)
+                    if shard is not None:  # best effort: a shard that left needs no report
+                        self.reactor.send_nowait(self.plan_sock, msg, shard)
+                if self.rank_sock is not None:
+                    self._send(self.rank_sock, msg)
         outbox.clear()
         for plan_id, address in lost:  # nothing will come: run without them
             self.follower.on_fetch_lost(self.clock.now(), plan_id, address, outbox)
@@ -435,8 +447,10 @@ class BackendHost:
                     self._connect_frontend(address)
                 self.follower.on_plan(now, msg, outbox)
                 self._claim_slot(msg)
-                if acks is not None and identity is not None:
-                    acks.setdefault(identity, []).append(msg.plan_id)
+                if identity is not None:
+                    self._note_plan_shard(msg.plan_id, identity)
+                    if acks is not None:
+                        acks.setdefault(identity, []).append(msg.plan_id)
             elif isinstance(msg, StatsRequest):
                 assert identity is not None
                 self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
@@ -450,6 +464,14 @@ class BackendHost:
         for identity, plan_ids in (acks or {}).items():
             self._send(self.plan_sock, PlanAck(plan_ids, now, *ready), identity)
         self.driver.flush(outbox)
+
+    def _note_plan_shard(self, plan_id: int, identity: bytes) -> None:
+        """Where plan ``plan_id``'s ``BatchStats`` goes besides the rank. Bounded: a plan that
+        ends without one (a drain) is forgotten once PLAN_SHARDS_MAX newer ones came."""
+        shards = self._plan_shards
+        shards[plan_id] = identity
+        if len(shards) > PLAN_SHARDS_MAX:
+            del shards[next(iter(shards))]  # the oldest (insertion order)
 
     def _claim_slot(self, plan: BatchPlan) -> None:
         """A staging slot for a plan the follower now holds: its inputs are copied into their

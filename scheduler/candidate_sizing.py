@@ -233,6 +233,17 @@ class CandidateSizing:
         if self.meter.add(now, rows):
             self.retarget()
 
+    def note_finish(self, now: float, exec_at: float, finished_at: float, gpu_id: int) -> bool:
+        """``deferred``: the batch planned at ``exec_at`` on GPU ``gpu_id`` ended at
+        ``finished_at`` (its backend's report): where its answers' echoes are looked for
+        (``AnswerEchoes``). True when that turned the model's arrivals into echoes."""
+        if not self.rescue:
+            return False
+        echoes, rate = self.answer_echoes, self._defer_rate
+        before = echoes.closed_loop(now, rate)
+        echoes.note_finish(now, exec_at, finished_at, gpu_id, rate)
+        return not before and echoes.closed_loop(now, rate)
+
     def retarget(self) -> None:
         """The target batch size at the meter's current rate."""
         self.set_target(target_batch_size(self.profile, self.budget_s, self.meter.rate(),

@@ -30,6 +30,10 @@ Inputs (host -> core):
   allowances = "learned"``): ``note_ready(now, model, delay_s, rows, outbox)``, a backend's
   ready delay; the core itself notes its timer's lateness in ``on_timer`` (and a remote rank's
   grant's in ``on_grant``), and hands moved allowances to every ModelThread.
+- ``on_batch_stats(now, stats, outbox)``: a backend's ``BatchStats`` for a plan of this core's,
+  sent to the shard that planned it: a batch that ran tells its ModelThread when it ended (where
+  its answers' echoes are looked for, ``AnswerEchoes``); a report that shows the model's
+  arrivals to be its answers' echoes replans a candidate that waits.
 
 The dispatch loop: what a ModelThread sends the rank (``TO_RANK``) goes to the embedded
 RankThread, and what the RankThread sends a model (``(DEST_MODEL, name)``) to that ModelThread,
@@ -67,6 +71,7 @@ from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchPlan,
+    BatchStats,
     CandidateUpdate,
     DropNotice,
     GrantAnswer,
@@ -406,6 +411,15 @@ class SchedulerCore:
         thread.on_grant(now, grant, outbox)
         self._after(now, outbox, thread)
         return True
+
+    def on_batch_stats(self, now: float, stats: BatchStats, outbox: Outbox) -> None:
+        """A backend's report of one of this core's plans: a batch that ran (``batch_size``
+        above 0) tells its ModelThread when it ended."""
+        thread = self.threads.get(stats.model)
+        if thread is not None and stats.batch_size > 0 and stats.ok:
+            thread.on_batch_finished(now, stats.gpu_id, stats.exec_at, stats.finished_at,
+                                     outbox)
+            self._after(now, outbox, thread)
 
     def on_device_free_at(self, now: float, gpu_id: int, free_at: float,
                           outbox: Outbox) -> bool:

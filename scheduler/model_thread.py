@@ -14,6 +14,9 @@ Inputs (host -> ModelThread):
 - ``set_alone(alone)``: whether no other model is served on this model's GPUs.
 - ``set_gpu_profiles(profiles)``: GPUs of another device kind, with this model's profile there
   (a batch granted one is sized and timed with it; ``on_grant``).
+- ``on_batch_finished(now, gpu_id, exec_at, finished_at, outbox)``: a backend reported the end of
+  a batch of this model (``BatchStats``): where its answers' echoes are looked for
+  (``AnswerEchoes``).
 - ``on_cancel(now, frontend, request_ids, outbox)``: a frontend's cancelled requests leave the
   queue and the candidate (``CancelQueued``, coalesced per tick by the host).
 - ``on_replan(now, frontend, request_ids, deadlines, outbox)``: requests of a plan whose backend
@@ -485,6 +488,16 @@ class ModelThread:
         if refresh:
             self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
+
+    def on_batch_finished(self, now: float, gpu_id: int, exec_at: float,
+                          finished_at: float, outbox: Outbox) -> None:
+        """The batch planned at ``exec_at`` on GPU ``gpu_id`` ended at ``finished_at``, as its
+        backend reported at ``now``. When the report shows the arrivals to be its answers'
+        echoes, a candidate computed before it (the report may come after the echo it judges:
+        a sync client's 2nd request) is computed again, and starts at once."""
+        if self.sizing.note_finish(now, exec_at, finished_at, gpu_id) and self.cand_bs:
+            self._update(now, _NEG_INF, outbox)
+            self._publish(now, outbox)
 
     def _plan_on_kind(self, now: float, grant: GrantGpu, sizing: CandidateSizing,
                       outbox: Outbox) -> bool:

@@ -65,16 +65,18 @@ runs through the same ModelThread/RankThread code paths:
       closed-loop clients (a sync loop, perf_analyzer) send their next request one round trip
       after their answer, so nothing can join a batch held back while they wait, and the rate
       meter's rate promises joiners they never send. The echo share compares the rows that
-      arrive right after a batch's answer (anchored at its expected finish by the profile, and
-      at a per-GPU learned echo delay) with what a stream independent of the answers brings in
-      the same span (the rows just before, or the rate times the span, whichever is more); from
-      ECHO_SHARE_MIN of the answered rows on the model does not defer, until the share falls
-      below ECHO_SHARE_KEEP. It needs no deferred window: a sync client is seen at its second
-      request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo cluster,
-      until the yield below had learned), and a Poisson stream's share is about 0 at any rate
-      (Table 2 and the demo workload's open-loop runs are unchanged). The yield
+      arrive right after a batch's answer (anchored at the batch's end as its backend reports
+      it, the profile's finish until the report comes, and at a per-GPU learned echo delay)
+      with what a stream independent of the answers brings in the same span (the rows just
+      before, or the rate times the span, whichever is more; a span that may hold another
+      batch's echoes is not judged); from ECHO_SHARE_MIN of the answered rows on the model
+      does not defer, until the share falls below ECHO_SHARE_KEEP, and a report that turns it
+      replans the waiting candidate. It needs no deferred window: a sync client is seen at its
+      second request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo
+      cluster, until the yield below had learned), and a Poisson stream's share is about 0 at
+      any rate (Table 2 and the demo workload's open-loop runs are unchanged). The yield
       (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
-      ECHO_WINDOW_S, a backend far off its profile before its delay is learned);
+      ECHO_WINDOW_S, a model whose backends do not report and run far off its profile);
     - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
       their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
       granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
@@ -164,6 +166,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 
 from zserve.config.profiles import LatencyProfile
 
@@ -189,6 +192,7 @@ __all__ = [
     "ECHO_ANCHOR",
     "ECHO_DECAY",
     "ECHO_DELAY_WEIGHT",
+    "ECHO_ENDS_KEPT",
     "ECHO_FASTEST",
     "ECHO_SHARE_KEEP",
     "ECHO_SHARE_MIN",
@@ -451,21 +455,27 @@ arrival always came 2 ms after an exec time."""
 ECHO_DELAY_WEIGHT = 0.25
 """The weight of each looked-at batch's echo delay in the model's estimate (an EWMA)."""
 
+ECHO_ENDS_KEPT = 32
+"""How many of a model's latest reported batch ends ``AnswerEchoes`` keeps to tell whether a
+finish window is tangled (``AnswerEchoes._tangled``)."""
+
 _ECHO_TRIM_MIN = 64  # arrivals kept before the old ones are cut away
 
 
 class _EchoWindow:
     """One way of anchoring ``AnswerEchoes``' windows, and the echo share it measured: at the
-    batch's expected finish by its profile (``learned`` False), or ECHO_ANCHOR of the learned
-    echo delay past its exec time (``learned`` True)."""
+    batch's finish (``learned`` False: its real end once its backend reported it, by its profile
+    until then), or ECHO_ANCHOR of the learned echo delay past its exec time (``learned``
+    True)."""
 
     __slots__ = ("_closed", "_delay_s", "_gpu", "_timing", "anchor", "answered", "echo",
-                 "learned", "rows", "start_at")
+                 "finished", "learned", "rows", "start_at")
 
     def __init__(self, learned: bool) -> None:
         self.learned = learned
         self.anchor = math.inf  # where the looked-at batch's window starts (inf: none)
         self.start_at = -math.inf  # and the batch's exec time
+        self.finished = False  # the anchor is the batch's reported end (not its profile's)
         self.rows = 0
         self._timing = math.inf  # the exec time, until the first arrival after it
         self._gpu = 0  # the looked-at batch's GPU
@@ -486,6 +496,11 @@ class _EchoWindow:
             self.start_at = self._timing = exec_at
             self.anchor = exec_at + delay
             self.rows = rows
+            self.finished = False
+
+    def looks_at(self, exec_at: float, gpu_id: int) -> bool:
+        """Whether the looked-at batch is the one planned at ``exec_at`` on GPU ``gpu_id``."""
+        return self.anchor != math.inf and self.start_at == exec_at and self._gpu == gpu_id
 
     def time_delay(self, now: float) -> None:
         """An arrival at ``now``: the first after the looked-at batch's exec time times the
@@ -514,11 +529,15 @@ class AnswerEchoes:
     """Whether a model's arrivals come right after its answers (closed-loop clients), from the
     timing alone, without a single deferred window (``deferred``).
 
-    For a batch of k rows executed at x, a window starts at an anchor a: the batch's expected
-    finish x + l(k) by its profile, and, in a second window, x + ECHO_ANCHOR times the learned
-    echo delay of the batch's GPU (the time from a looked-at batch's exec time to the first
-    arrival after it; backends differ: on a loaded host a sync client's answers alternated between
-    6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at the earliest). It counts the rows
+    For a batch of k rows executed at x, a window starts at an anchor a: the batch's end, as its
+    backend reports it (``note_finish``: ``BatchStats.finished_at``, which the backend sends the
+    shard that planned the batch; the simulator replays it at the simulated end), its expected
+    finish x + l(k) by its profile while no report has come (a model whose backends never
+    reported, ``bench-scheduler``, or a report ECHO_WINDOW_S late), and, in a second window,
+    x + ECHO_ANCHOR times the learned echo delay of the batch's GPU (the time from a looked-at
+    batch's exec time to the first arrival after it; backends differ: on a loaded host a sync
+    client's answers alternated between 6 and 16 ms, one backend each; ECHO_FASTEST of l(k) at
+    the earliest). It counts the rows
     that arrive from a on, until k have come or ECHO_WINDOW_S has passed (a span tau), against
     what a stream that does not depend on the answers brings in tau: the rows that arrived in
     the span tau before a (clipped at x, since the batch's own rows came before it, and scaled
@@ -531,21 +550,51 @@ class AnswerEchoes:
     sum of (after - expected), each capped at k, over the decayed sum of k; from ECHO_SHARE_MIN
     on the model's arrivals are its answers' echoes and it does not defer (``closed_loop``),
     until the share falls below ECHO_SHARE_KEEP. Either window's verdict is enough: the
-    profile's finish is exact when the backend runs as profiled (many clients, whose echoes
-    overlap other batches' runs, confuse the learned delay), the learned delay follows a backend
-    faster or slower than its profile (a profile measured on a loaded host). Taking the larger
-    of the two expectations keeps a gap in a stream just before an anchor from passing for an
-    echo (Symphony section 3.3's three missing requests: a stream at 1,333 r/s, none in the
-    2.25 ms before a finish and four after). One batch is looked at a time per window (the next
-    one planned once its last window closed, or judged when a batch is planned after it is
-    over): O(log n) per arrival chunk and per decision. Pure."""
+    reported end is exact however fast the backend runs (many clients, whose echoes overlap
+    other batches' runs, confuse the learned delay, and an anchor off the real end puts the
+    other GPU's echoes into the span before it: a backend twice as slow as its profile read a
+    sync loop as a stream), the learned delay covers a model whose ends are not reported. A
+    finish window whose span before the end may hold another batch's echoes is not judged
+    (``_tangled``). Taking the larger of the two expectations keeps a gap in a stream just
+    before an anchor from passing for an echo (Symphony section 3.3's three missing requests: a
+    stream at 1,333 r/s, none in the 2.25 ms before a finish and four after). One batch is
+    looked at a time per window (the next one planned once its last window closed, or judged
+    when a batch is planned after it is over): O(log n + ECHO_ENDS_KEPT) per arrival chunk and
+    per decision. Pure."""
 
-    __slots__ = ("_cum", "_times", "_windows")
+    __slots__ = ("_cum", "_ends", "_reported", "_times", "_windows")
 
     def __init__(self) -> None:
         self._times: list[float] = []  # arrival times of recent chunks, in order
         self._cum: list[int] = [0]  # _cum[i]: the rows of the chunks before _times[i]
         self._windows = (_EchoWindow(learned=False), _EchoWindow(learned=True))
+        self._reported = False  # the model's backends report when their batches end
+        self._ends: deque[float] = deque(maxlen=ECHO_ENDS_KEPT)  # the latest reported ends
+
+    def note_finish(self, now: float, exec_at: float, finished_at: float, gpu_id: int,
+                    rate: float) -> None:
+        """The batch planned at ``exec_at`` on GPU ``gpu_id`` ended at ``finished_at``, as its
+        backend reported at ``now`` (``BatchStats``): the finish window's anchor moves there from
+        the profile's guess, and the window is judged as far as the arrivals kept here have
+        come (the report may come after the answer's echoes)."""
+        self._reported = True
+        self._ends.append(finished_at)
+        window = self._windows[0]
+        if window.looks_at(exec_at, gpu_id) and not window.finished:
+            window.anchor = finished_at
+            window.finished = True
+            if now >= finished_at:
+                self._span(window, now, rate, close=True)
+
+    def _open(self, window: _EchoWindow, now: float) -> bool:
+        """Whether ``window``'s span has begun at ``now``: past its anchor, and, for the finish
+        window of a model whose backends report their ends, once that report came (or the
+        profile's guess is ECHO_WINDOW_S behind: none will)."""
+        anchor = window.anchor
+        if now < anchor:
+            return False
+        return (window.learned or window.finished or not self._reported
+                or now >= anchor + ECHO_WINDOW_S)
 
     @property
     def echo(self) -> float:
@@ -576,7 +625,7 @@ class AnswerEchoes:
         self._cum.append(self._cum[-1] + rows)
         for window in self._windows:
             window.time_delay(now)
-            if now >= window.anchor:
+            if self._open(window, now):
                 self._span(window, now, rate, close=True)
         # what a window can still need: from ECHO_WINDOW_S before an anchor at most that far back
         if len(times) >= _ECHO_TRIM_MIN and times[0] < now - 2 * ECHO_WINDOW_S:
@@ -593,16 +642,36 @@ class AnswerEchoes:
         closed = False
         for window in self._windows:
             echo, answered = window.echo, window.answered
-            if now >= window.anchor:
-                echo += self._span(window, now, rate, close=False)
-                answered += window.rows
+            if self._open(window, now):
+                span_echo = self._span(window, now, rate, close=False)
+                if span_echo is not None:
+                    echo += span_echo
+                    answered += window.rows
             closed = window.verdict(echo, answered) or closed
         return closed
 
-    def _span(self, window: _EchoWindow, now: float, rate: float, *, close: bool) -> float:
+    def _tangled(self, window: _EchoWindow, start: float, span_s: float) -> bool:
+        """Whether the finish window's span before its reported end (from ``start``) may hold
+        the echoes of another batch: one reported to end less than ``span_s`` before ``start``,
+        or within it. Such a window is not judged, and the verdict stays as it was.
+        Closed-loop clients on several GPUs (perf_analyzer from concurrency 2 on) answer in
+        batches that interleave: the other GPU's echoes arrive while this batch runs, the span
+        before counts them as a stream's, and at 4-16 clients on two GPUs, with answers spread
+        over 2-4 ms, the share fell below ECHO_SHARE_KEEP and batches waited to their aim (on
+        the pure core, 46-87 of 3,000-5,000 requests, 180 ms each). A lone client's windows, a
+        cold burst's and a deferred batch's are not tangled, so the verdict is made there; an
+        open stream's untangled windows keep its share about 0."""
+        if not window.finished:
+            return False
+        anchor, since = window.anchor, start - span_s
+        return any(since < end < anchor for end in self._ends)
+
+    def _span(self, window: _EchoWindow, now: float, rate: float, *,
+              close: bool) -> float | None:
         """``window``'s looked-at echo at ``now``: the rows after its anchor less those before
         (or the metered ``rate`` times its span, when more); with ``close``, fold it into the
-        window's sums once it is over (k rows came, or ECHO_WINDOW_S)."""
+        window's sums once it is over (k rows came, or ECHO_WINDOW_S). None, and with ``close``
+        the window dropped unjudged once over, when it is tangled (``_tangled``)."""
         anchor = window.anchor
         end = anchor + ECHO_WINDOW_S
         end = now if now < end else end
@@ -614,6 +683,11 @@ class AnswerEchoes:
         # its rows scaled up to the full span
         start = anchor - (end - anchor)
         clipped = window.start_at if window.start_at > start else start
+        over = after >= cap or now >= anchor + ECHO_WINDOW_S
+        if self._tangled(window, clipped, end - anchor):
+            if close and over:
+                window.anchor = math.inf  # not judged: the next planned batch is looked at
+            return None
         before = float(at_anchor - cum[bisect_left(times, clipped)])
         if clipped > start and before:
             before *= (end - anchor) / (anchor - clipped)
@@ -622,7 +696,7 @@ class AnswerEchoes:
             rate = (cum[-1] - cum[1]) / span if span > 0.0 else 0.0
         expected = max(before, rate * (end - anchor))
         echo = after - (expected if expected < cap else cap)
-        if close and (after >= cap or now >= anchor + ECHO_WINDOW_S):
+        if close and over:
             window.fold(echo)
         return echo
 

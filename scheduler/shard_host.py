@@ -23,8 +23,10 @@ straight there.
   the plans it sent to a backend that then left the ``BackendTable``: the frontends fail the
   requests a backend had fetched, but only the shard knows those planned onto it and not yet
   fetched, e.g. plans queued for a backend that died).
-- Backends -> shard: ``PlanAck`` over the same DEALERs, sent by each backend's batch loop on
-  receipt of a plan. A plan not acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the shard
+- Backends -> shard: ``BatchStats`` of each plan the shard sent, once the batch's answer went
+  out (its ModelThread learns when the batch really ended: ``AnswerEchoes``), and ``PlanAck``
+  over the same DEALERs, sent by each backend's batch loop on receipt of a plan. A plan not
+  acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the shard
   suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which stops
   granting the GPU and broadcasts the table without it), takes the GPU out of its ModelThreads,
   and puts the requests of every plan the backend never acknowledged back into their queue
@@ -92,6 +94,7 @@ from zserve.scheduler.shard_acks import ShardPlanAcks
 from zserve.transport.messages import (
     BackendTable,
     BatchPlan,
+    BatchStats,
     CancelQueued,
     DropNotice,
     GrantGpu,
@@ -171,7 +174,7 @@ class ShardHost:
         self.driver = CoreDriver(self.core, loop=self.loop, clock=self.clock,
                                  deliver=self._deliver)
         self.frontends: dict[str, bytes] = {}  # frontend data address -> DEALER identity
-        # Plans out, PlanAcks in (backends send their outputs to the frontends, not here).
+        # Plans out, PlanAcks and BatchStats in (outputs go to the frontends, not here).
         self.backend_socks: dict[int, tuple[str, zmq.Socket[Any]]] = {}
         # so that a backend leaving the table fails the requests planned onto it, and one that
         # does not acknowledge a plan in time is suspected (its timer: the earliest ack due)
@@ -474,16 +477,21 @@ class ShardHost:
             self.core.replan(now, plan, why, outbox)
 
     def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
-        """Acknowledgements from the backend of ``gpu_id``."""
+        """Acknowledgements and batch reports from the backend of ``gpu_id``."""
+        outbox: Outbox = []
         for _, msg in chunk:
             if type(msg) is PlanAck:
                 assert isinstance(msg, PlanAck)
                 self.acks.acknowledge(msg.plan_ids)
                 if msg.ready_models and self.core.allowances is not None:
                     self._note_ready(msg)
+            elif type(msg) is BatchStats:
+                assert isinstance(msg, BatchStats)
+                self.core.on_batch_stats(self.clock.now(), msg, outbox)
             elif type(msg) is not Hello:
                 log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
                             gpu_id)
+        self.driver.flush(outbox)
         self._ack_timer.sync()
 
     def _note_ready(self, msg: PlanAck) -> None:

@@ -378,7 +378,9 @@ class BackendRegister(Message, frozen=True, tag="breg"):
 
 
 class BatchStats(Message, frozen=True, tag="bstats"):
-    """Backend -> scheduler: what happened to one plan (for reports and lateness accounting)."""
+    """Backend -> scheduler: what happened to one plan (for reports and lateness accounting),
+    to the rank and to the shard that sent the plan (over the backend's ``plan`` ROUTER): a batch
+    that ran tells its ModelThread when it ended (``zserve.scheduler.policy.AnswerEchoes``)."""
 
     plan_id: int
     model: str

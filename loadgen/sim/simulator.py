@@ -569,7 +569,7 @@ class Simulator:
 
     def _deliver_follower(self, now: float, gpu: int, outbox: Outbox) -> None:
         """A follower's outbox: fetches go to the cores, requests it answered end through
-        them, batches run, and device-free reports reach the rank."""
+        them, batches run, device-free reports reach the rank and batch ends the shard."""
         rank_outbox: Outbox = []
         for (kind, target), msg in outbox:
             if kind == DEST_DEVICE:
@@ -584,8 +584,10 @@ class Simulator:
                 self._answer_outputs(now, str(target), msg)
             elif type(msg) is BatchFailed:
                 self._answer_failed(now, str(target), msg)
-            elif type(msg) is BatchStats and msg.device_free_at > 0.0:
-                self.core.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
+            elif type(msg) is BatchStats:  # to the rank and the shard, as a live backend
+                self.core.on_batch_stats(now, msg, rank_outbox)
+                if msg.device_free_at > 0.0:
+                    self.core.on_device_free_at(now, gpu, msg.device_free_at, rank_outbox)
         self._resched_gpu(gpu)
         self._deliver_scheduler(now, rank_outbox)
 

@@ -193,6 +193,9 @@ def test_proc_backend_runs_a_plan_and_pushes_outputs(rig: BackendRig) -> None:
     assert stats.ok and stats.batch_size == 3
     assert stats.started_at >= exec_at
     assert stats.finished_at - stats.started_at >= (ALPHA_MS * 3 + BETA_MS) / 1e3 - 1e-3
+    # the shard that sent the plan hears the same report (where its answers' echoes begin)
+    _, to_shard = rig.shard.expect(BatchStats)
+    assert to_shard == stats
 
 
 def test_proc_backend_stages_each_input_into_its_row_as_it_arrives(tmp_path: Path) -> None:
