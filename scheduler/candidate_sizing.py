@@ -586,11 +586,13 @@ class CandidateSizing:
 
     # ------------------------------------------------------------------ learning
 
-    def on_grant(self, deferred: bool) -> None:
+    def on_grant(self, deferred: bool, waited: bool = False) -> None:
         """``deferred``: a grant came for the candidate (``deferred``: as ``aim`` returned it): a
         deferred one kept its window (the loss estimate falls by DEFER_LOSS_WEIGHT), one started
         at once lets the estimate decay (DEFER_LOSS_DECAY), so a model that stopped deferring
-        tries again (policy.py). Other policies learn nothing here."""
+        tries again (policy.py), unless it ``waited`` for its GPU: a candidate that would start
+        at once and found every GPU busy is no evidence that a deferred window would now be
+        kept. Other policies learn nothing here."""
         if not self.rescue:
             return
         loss = self.defer_loss
@@ -598,7 +600,7 @@ class CandidateSizing:
             loss -= DEFER_LOSS_WEIGHT * loss
             if loss < DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # the losses are behind it
                 self.defer_backoff = 1
-        else:
+        elif not waited:
             loss -= DEFER_LOSS_DECAY / self.defer_backoff * loss
         self.defer_loss = loss
 

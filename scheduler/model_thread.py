@@ -94,6 +94,10 @@ from zserve.transport.messages import (
 
 _NEG_INF = -math.inf
 DEFAULT_PUBLISH_LEAD_S = 0.002
+# A grant that comes more than this after the moment its candidate asked for a GPU (its exec
+# time less its delay) found every GPU busy: the candidate waited (``CandidateSizing.on_grant``).
+# Above a grant's round trip through a remote rank on a quiet host, below a batch's run time.
+GRANT_WAITED_S = 0.0002
 COMPACT_AT = 4096
 """Compact the queue's lists once this many popped entries precede the head (and they are at
 least half of them)."""
@@ -527,7 +531,11 @@ class ModelThread:
         the candidate needs recomputing), or the decline when nothing can run (False: the
         candidate as computed for the grant stands)."""
         sizing = self.sizing
-        sizing.on_grant(self._cand_deferred)
+        # the grant came after the moment the candidate asked for (its exec time less its
+        # delay): the candidate waited for a GPU
+        asked_at = self.cand_exec - sizing.d_ctrl_s - sizing.d_data_s * self.cand_bs
+        waited = now > asked_at + GRANT_WAITED_S
+        sizing.on_grant(self._cand_deferred, waited)
         # grant.early: the rank's rescue: start at once, not at the aim
         self._update(now, grant.free_at, outbox, grant.early)
         bs = self.cand_bs

@@ -16,6 +16,7 @@ from zserve.config.profiles import LatencyProfile
 from zserve.scheduler.candidate_sizing import CandidateSizing
 from zserve.scheduler.common import TIMER_SLACK_S
 from zserve.scheduler.policy import (
+    DEFER_LOSS_DECAY,
     DEFER_LOSS_MAX,
     DEFER_LOSS_RECENT,
     DEFER_LOSS_WEIGHT,
@@ -239,6 +240,20 @@ def test_deferred_raises_its_loss_estimate_backs_off_and_recovers_on_kept_window
     frontrun.on_grant(True)
     frontrun.on_window_missed()
     assert (frontrun.defer_loss, frontrun.defer_backoff) == (0.0, 1)
+
+
+def test_deferred_retries_deferral_only_on_batches_that_found_a_gpu_free() -> None:
+    sizing = _sizing("deferred")
+    sizing.on_window_missed()
+    lost = sizing.defer_loss
+    for _ in range(50):  # batches started at once that waited for a GPU: no room to defer in
+        sizing.on_grant(False, waited=True)
+    assert sizing.defer_loss == lost
+    sizing.on_grant(False)  # one that found a GPU free decays the estimate
+    assert sizing.defer_loss == pytest.approx(lost * (1 - DEFER_LOSS_DECAY))
+    frontrun = _sizing("frontrun")
+    frontrun.on_grant(False, waited=True)
+    assert frontrun.defer_loss == 0.0
 
 
 def test_a_deferred_plan_weighs_the_rows_that_joined_in_the_second_half_of_its_wait() -> None:
