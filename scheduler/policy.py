@@ -672,6 +672,19 @@ class AnswerEchoes:
         anchor, since = window.anchor, start - span_s
         return any(since < end < anchor for end in self._ends)
 
+    @staticmethod
+    def _drowned(window: _EchoWindow, rate: float) -> bool:
+        """Whether the finish window's batch is so small against the metered ``rate`` that a
+        stream at that rate brings its rows while it runs (rate x run >= rows): its echoes,
+        a round trip past its end, cannot stand out from the rate's expectation and read as
+        none. Such a window is not judged, as a tangled one is not: closed-loop clients on two
+        GPUs (7 on the pure core, round trips of 4-8 ms, 1-2 rows a batch) had a few untangled
+        windows judged so, their share fell below ECHO_SHARE_KEEP, and every client waited to
+        its aim (65 of 2,900 requests). It depends only on what is known before the anchor, so
+        a stream's judged windows keep its share about 0."""
+        return (window.finished and rate != math.inf
+                and rate * (window.anchor - window.start_at) >= window.rows)
+
     def _span(self, window: _EchoWindow, now: float, rate: float, *,
               close: bool) -> float | None:
         """``window``'s looked-at echo at ``now``: the rows after its anchor less those before
@@ -690,7 +703,7 @@ class AnswerEchoes:
         start = anchor - (end - anchor)
         clipped = window.start_at if window.start_at > start else start
         over = after >= cap or now >= anchor + ECHO_WINDOW_S
-        if self._tangled(window, clipped, end - anchor):
+        if self._tangled(window, clipped, end - anchor) or self._drowned(window, rate):
             if close and over:
                 window.anchor = math.inf  # not judged: the next planned batch is looked at
             return None
