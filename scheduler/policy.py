@@ -69,11 +69,12 @@ runs through the same ModelThread/RankThread code paths:
       it, the profile's finish until the report comes, and at a per-GPU learned echo delay)
       with what a stream independent of the answers brings in the same span (the rows just
       before, or the rate times the span, whichever is more; a span that may hold another
-      batch's echoes is not judged); from ECHO_SHARE_MIN of the answered rows on the model
-      does not defer, until the share falls below ECHO_SHARE_KEEP, and a report that turns it
-      replans the waiting candidate. It needs no deferred window: a sync client is seen at its
-      second request (before, its 2nd and 3rd waited to their aim, about 180 ms on the demo
-      cluster, until the yield below had learned), and a Poisson stream's share is about 0 at
+      batch's echoes is not judged, nor a batch the rate fills while it runs); from
+      ECHO_SHARE_MIN of the answered rows on the model does not defer, until the share falls
+      below ECHO_SHARE_KEEP, and a report that turns it replans the waiting candidate. It
+      needs no deferred window: a sync client is seen at its second request (before, its 2nd
+      and 3rd waited to their aim, about 180 ms on the demo cluster, until the yield below had
+      learned), and a Poisson stream's share is about 0 at
       any rate (Table 2 and the demo workload's open-loop runs are unchanged). The yield
       (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
       ECHO_WINDOW_S, a model whose backends do not report and run far off its profile);
@@ -561,7 +562,8 @@ class AnswerEchoes:
     other GPU's echoes into the span before it: a backend twice as slow as its profile read a
     sync loop as a stream), the learned delay covers a model whose ends are not reported. A
     finish window whose span before the end may hold another batch's echoes is not judged
-    (``_tangled``). Taking the larger of the two expectations keeps a gap in a stream just
+    (``_tangled``), nor one whose batch the metered rate fills while it runs (``_drowned``).
+    Taking the larger of the two expectations keeps a gap in a stream just
     before an anchor from passing for an echo (Symphony section 3.3's three missing requests: a
     stream at 1,333 r/s, none in the 2.25 ms before a finish and four after). One batch is
     looked at a time per window (the next one planned once its last window closed, or judged
