@@ -484,7 +484,7 @@ class ShardHost:
                 assert isinstance(msg, PlanAck)
                 self.acks.acknowledge(msg.plan_ids)
                 if msg.ready_models and self.core.allowances is not None:
-                    self._note_ready(msg)
+                    self._note_ready(self.clock.now(), msg, outbox)
             elif type(msg) is BatchStats:
                 assert isinstance(msg, BatchStats)
                 self.core.on_batch_stats(self.clock.now(), msg, outbox)
@@ -494,15 +494,12 @@ class ShardHost:
         self.driver.flush(outbox)
         self._ack_timer.sync()
 
-    def _note_ready(self, msg: PlanAck) -> None:
+    def _note_ready(self, now: float, msg: PlanAck, outbox: Outbox) -> None:
         """A backend's ready-delay samples (the learned d_ctrl); those of other shards' models
-        are ignored by the core."""
-        now = self.clock.now()
-        outbox: Outbox = []
+        are ignored by the core. What they send goes out with the chunk's other replies."""
         for model, delay_s, rows in zip(msg.ready_models, msg.ready_delays, msg.ready_rows,
                                         strict=True):
             self.core.note_ready(now, model, delay_s, rows, outbox)
-        self.driver.flush(outbox)
 
     def _on_ack_timer(self) -> None:
         """A plan's acknowledgement is due. Read what the backends sent before judging: after a
