@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from zserve.apps.configs import Config, Group, ModulePlan, by_ratio, plan_wcl_s
+from zserve.apps.configs import Config, Group, ModulePlan, by_ratio, group_wcl_s, plan_wcl_s
 from zserve.apps.dag import App, AppError, Edge, Stage, chain, critical_path_s, stage_rates
 from zserve.apps.harpagon import (
     BASELINES,
@@ -28,7 +28,7 @@ from zserve.apps.module_plan import (
     two_tuple,
 )
 from zserve.apps.split import dp_split, even_split, greedy_split, latency_cost_efficiency
-from zserve.apps.tc_dispatch import simulate_stage
+from zserve.apps.tc_dispatch import simulate_group, simulate_stage, simulate_stage_poisson
 
 M1 = by_ratio([Config("x", 2, 0.160, 1.0), Config("x", 4, 0.200, 1.0),
                Config("x", 8, 0.320, 1.0)])
@@ -234,3 +234,55 @@ def test_a_full_machine_is_not_held_up_by_a_lower_groups_run() -> None:
     bound = plan_wcl_s(plan.groups, "tc")
     assert bound == pytest.approx(0.0218 + 8 / rate)
     assert simulate_stage(plan, rate) <= bound * 1.01 + 1 / rate
+
+
+# pose-89's `activity` stage of the experiment's suite: three full GTX 1080 Ti machines at b32
+# and a partly loaded b16 (docs/performance.md, "Harpagon")
+POSE_89 = ModulePlan((Group(Config("gtx", 32, 0.034678, 0.526), 3),
+                      Group(Config("gtx", 16, 0.018534, 0.526), 1, 0.738421866541769)))
+
+
+def test_each_group_fed_theorem_ones_stream_meets_its_bound() -> None:
+    """Theorem 1 takes a group's w as its batch collection rate: fed an evenly spaced stream at
+    its w (shared with the groups after it), every group stays within d + b / w."""
+    for plan in (POSE_89, ModulePlan(M4), harpagon_module(198, 1.0, M3)):
+        assert plan is not None
+        for i in range(len(plan.groups)):
+            w = sum(g.rate_rps for g in plan.groups[i:])
+            assert simulate_group(plan, i) <= group_wcl_s(plan.groups, i, "tc") + 1 / w, (plan, i)
+
+
+def test_one_stream_reaches_a_later_group_in_lumps() -> None:
+    """One evenly spaced stream through the whole plan: the b16 batch collects between the b32
+    runs, which leave 7.4 arrivals at a time, and sometimes spans three of them, beyond the
+    theorem's steady stream at w (the measure the experiment reports beside the check)."""
+    rate = POSE_89.rate_rps
+    bound = plan_wcl_s(POSE_89.groups, "tc")
+    assert simulate_stage(POSE_89, rate) > bound * 1.1
+    assert max(simulate_group(POSE_89, i) for i in range(2)) <= bound + 1 / rate
+
+
+def test_held_to_the_modules_bound_a_first_group_lends_its_slack_and_misses_its_own() -> None:
+    """actdet-81's `act` stage: a full b8 machine and a partly loaded one of the same kind. Held
+    to its own bound (Theorem 1's statement is per machine), the first group meets it; held to
+    the module's (the serving target), it lets the later group interrupt its runs and misses."""
+    config = Config("gtx", 8, 0.021778, 0.526)
+    plan = ModulePlan((Group(config, 1), Group(config, 1, 0.9210012437496259)))
+    bound = group_wcl_s(plan.groups, 0, "tc")
+    assert simulate_group(plan, 0) <= bound + 1 / plan.rate_rps
+    assert simulate_group(plan, 0, target="module") > bound * 1.5
+
+
+def test_the_theorem_check_fails_a_group_without_the_machines_for_its_rate() -> None:
+    """A group loaded past its machines (load 1.5 of one b8 machine) queues behind itself:
+    the check sees it (it is not a check that cannot fail)."""
+    plan = ModulePlan((Group(by_ratio(M1)[0], 1, 1.5),))
+    assert simulate_group(plan, 0) > plan_wcl_s(plan.groups, "tc") * 1.5
+
+
+def test_poisson_arrivals_are_seeded_and_exceed_the_bound_on_a_full_machine() -> None:
+    plan = ModulePlan((Group(by_ratio(M1)[0], 4),))
+    first = simulate_stage_poisson(plan, 100.0, seed=1)
+    assert first == simulate_stage_poisson(plan, 100.0, seed=1)
+    assert first != simulate_stage_poisson(plan, 100.0, seed=2)
+    assert max(first) > plan_wcl_s(plan.groups, "tc")

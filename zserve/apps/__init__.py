@@ -12,8 +12,8 @@ Pure logic, no I/O (the import contract keeps zmq, asyncio and the runtime out):
   and cost-direct, throughput-greedy, even, Nexus's quantised dynamic program).
 - :mod:`zserve.apps.harpagon`: the planners (Harpagon and the Nexus-, Scrooge-, InferLine- and
   Clipper-like baselines) and the brute-force optima (best split; whole plan family).
-- :mod:`zserve.apps.tc_dispatch`: the throughput-cost batch dispatcher and a per-stage
-  discrete-event check of a plan's worst-case latency.
+- :mod:`zserve.apps.tc_dispatch`: the throughput-cost batch dispatcher and per-stage
+  discrete-event runs of a plan (Theorem 1's case, one stream, Poisson arrivals).
 
 docs/apps.md explains them for a newcomer.
 """

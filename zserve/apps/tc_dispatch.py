@@ -1,42 +1,48 @@
-"""The throughput-cost (TC) batch dispatcher, and a per-stage discrete-event check of a plan.
+"""The throughput-cost (TC) batch dispatcher, and per-stage discrete-event runs of a plan.
 
 Harpagon sends runs of ``batch`` consecutive requests to one machine, visiting groups in plan
 order (highest throughput per price first, a partly loaded machine after the full ones of its
 configuration). The paper gives no steady-state rule; this realisation keeps its priority
-meaning, that a group collects from the stream the groups before it leave (Theorem 1's ``w``):
+meaning, that a group collects from the stream the groups before it leave (Theorem 1's ``w``).
+Each group is held to a *target* latency: the module's worst case (the stage's budget) when it
+serves a stage, its own Theorem 1 bound when the theorem is checked; its *slack* is the target
+less its own bound, how long its batch may lose to other groups:
 
 - each group is due a batch every ``batch / group rate`` seconds (its stride); when it is due it
   opens a batch, which takes the next arrivals until full, round-robin over its machines;
 - a group that falls due while a later group is collecting takes the stream over at once
   (preemption: the later group's batch resumes afterwards), unless the later run ends within
-  the due group's slack, its module worst case less its own (then the run finishes first);
+  the due group's slack (then the run finishes first);
 - a later group that falls due while an earlier one collects takes over only if it cannot wait
   for the run within its own slack and the earlier batch's slack covers the interruption;
 - an arrival no open batch wants opens the batch of the group due soonest.
 
-Without preemption (the research notes' first realisation: a run of ``batch`` consecutive
-requests, never interrupted) a full machine's batch waits behind a lower group's run; a full
-machine has no idle time to catch that up, so it exceeded Theorem 1 on 7% of the generated
-stages (2% now). Lower groups still see the stream in lumps (a higher group's run at a time),
-which Theorem 1's fluid ``w`` does not model; behind a group with no slack no dispatcher can meet
-the bound there (docs/performance.md, "Harpagon", works one case).
-
-:func:`simulate_stage` plays deterministic arrivals at the plan's rate (dummy requests
-included) through the dispatcher and machines that take ``duration_s`` per batch, and returns
-the largest latency any request saw. It checks one stage at a time: the DAG's end-to-end figure
-is the critical path of the stages' maxima, not a simulation of requests flowing through it.
+Theorem 1's proof takes a group's ``w`` as "its equivalent batch collection rate": the group
+collects from a steady stream at ``w``. :func:`simulate_group` checks exactly that: the groups
+from one on, fed an evenly spaced stream at that group's ``w``, each held to its own bound; the
+first of them has no slack, so nothing delays it, and it meets the bound to within one arrival.
+:func:`simulate_stage` plays one evenly spaced stream at the plan's rate (dummy requests
+included) through the whole plan, and :func:`simulate_stage_poisson` Poisson arrivals: there a
+later group collects between the earlier groups' runs, a stream in lumps rather than the
+theorem's steady one, and may exceed the bound (docs/performance.md, "Harpagon", works a case).
+Machines take ``duration_s`` per batch and run one batch at a time. Each checks one stage: the
+DAG's end-to-end figure is the critical path of the stages' figures, not a simulation of
+requests flowing through it.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
+from typing import Literal
 
-from zserve.apps.configs import ModulePlan, group_wcl_s, plan_wcl_s
+from zserve.apps.configs import ModulePlan, group_wcl_s
 
 SIMULATED_BATCHES_PER_GROUP = 60  # the check runs until the slowest group has had this many
 SIMULATED_REQUESTS_MAX = 50_000  # ... or this many requests have arrived, if sooner
 DUE_EPSILON_S = 1e-12  # a due time this close to an arrival counts as reached
+Target = Literal["module", "group"]  # what a group is held to: the module's bound, or its own
 
 
 @dataclass
@@ -44,7 +50,8 @@ class _GroupState:
     batch: int
     duration_s: float
     period_s: float
-    slack_s: float  # module worst case less this group's: how long it may wait for a run
+    bound_s: float  # Theorem 1's worst case of this group: duration + batch / w
+    target_s: float  # the latency its batches are held to: its bound, or the module's
     due_s: float = 0.0
     next_machine: int = 0
     machine_free_s: list[float] = field(default_factory=list)
@@ -53,17 +60,23 @@ class _GroupState:
     opened: bool = False
     interrupted_s: float = 0.0  # time other groups took the stream while this batch was open
 
+    @property
+    def slack_s(self) -> float:
+        """How long its batch may lose to other groups: its target less its own bound."""
+        return max(0.0, self.target_s - self.bound_s)
+
 
 class TcDispatcher:
     """Decides which group's batch the next arrivals join (module docstring)."""
 
-    def __init__(self, plan: ModulePlan) -> None:
-        module_s = plan_wcl_s(plan.groups, "tc")
+    def __init__(self, plan: ModulePlan, target: Target = "module") -> None:
+        live = [g for g in plan.groups if g.rate_rps > 0]
+        bounds = [group_wcl_s(live, i, "tc") for i in range(len(live))]
         self.groups = [
             _GroupState(g.config.batch, g.config.duration_s, g.config.batch / g.rate_rps,
-                        module_s - group_wcl_s(plan.groups, i, "tc"),
+                        bound, max(bounds) if target == "module" else bound,
                         machine_free_s=[0.0] * g.count)
-            for i, g in enumerate(plan.groups) if g.rate_rps > 0]
+            for g, bound in zip(live, bounds, strict=True)]
         self._active: int | None = None
 
     def _open(self, index: int) -> None:
@@ -88,10 +101,10 @@ class TcDispatcher:
             return True
         return run.interrupted_s + self.groups[due].batch * gap_s <= run.slack_s
 
-    def next_run(self, now_s: float, gap_s: float) -> tuple[int, int]:
-        """(group, n): the next ``n`` arrivals, the first at ``now_s`` and then one every
-        ``gap_s``, join that group's open batch (n stops at the batch's end or at the next
-        due time of a group not collecting)."""
+    def next_run(self, now_s: float, gap_s: float, most: int | None = None) -> tuple[int, int]:
+        """(group, n): the next ``n`` arrivals (at most ``most``), the first at ``now_s`` and
+        then about one every ``gap_s``, join that group's open batch (n stops at the batch's end
+        or at the next due time of a group not collecting)."""
         for i, group in enumerate(self.groups):
             if not group.opened and group.due_s <= now_s + DUE_EPSILON_S \
                     and self._takes_over(i, gap_s):
@@ -101,7 +114,7 @@ class TcDispatcher:
         index = self._active
         assert index is not None
         group = self.groups[index]
-        count = group.batch - group.collected
+        count = group.batch - group.collected if most is None else most
         for other in self.groups:
             if not other.opened:
                 count = min(count, max(1, math.ceil((other.due_s - now_s) / gap_s - 1e-9)))
@@ -126,29 +139,63 @@ class TcDispatcher:
         return machine, first
 
 
-def simulate_stage(plan: ModulePlan, rate_rps: float) -> float:
-    """Largest request latency (seconds) when requests arrive every ``1 / (rate + dummies)``
-    seconds and are dispatched by :class:`TcDispatcher` to machines that run one batch at a
-    time."""
-    gap_s = 1.0 / (rate_rps + plan.dummy_rps)
-    dispatcher = TcDispatcher(plan)
+def _horizon_requests(dispatcher: TcDispatcher, gap_s: float) -> int:
     longest_period = max(g.period_s for g in dispatcher.groups)
-    horizon_s = min(SIMULATED_BATCHES_PER_GROUP * longest_period,
-                    SIMULATED_REQUESTS_MAX * gap_s)
+    return math.ceil(min(SIMULATED_BATCHES_PER_GROUP * longest_period / gap_s,
+                         SIMULATED_REQUESTS_MAX))
+
+
+def _batch_latencies(plan: ModulePlan, rate_rps: float, arrivals_s: list[float] | None = None,
+                     target: Target = "module") -> list[list[float]]:
+    """Per group (plan order, groups with a rate), each batch's largest latency (its first
+    request's): ``rate_rps`` arrives evenly spaced, or at ``arrivals_s`` if given."""
+    gap_s = 1.0 / rate_rps
+    dispatcher = TcDispatcher(plan, target)
+    total = len(arrivals_s) if arrivals_s is not None else _horizon_requests(dispatcher, gap_s)
+    out: list[list[float]] = [[] for _ in dispatcher.groups]
     arrival = 0  # index of the next request
-    worst_s = 0.0
-    while arrival * gap_s < horizon_s:
-        index, count = dispatcher.next_run(arrival * gap_s, gap_s)
+    while arrival < total:
+        now_s = arrival * gap_s if arrivals_s is None else arrivals_s[arrival]
+        index, count = dispatcher.next_run(now_s, gap_s, None if arrivals_s is None else 1)
         arrival += count
         group = dispatcher.groups[index]
         if group.collected < group.batch:
             continue
         machine, first_s = dispatcher.close(index)
-        start_s = max((arrival - 1) * gap_s, group.machine_free_s[machine])
+        last_s = (arrival - 1) * gap_s if arrivals_s is None else arrivals_s[arrival - 1]
+        start_s = max(last_s, group.machine_free_s[machine])
         group.machine_free_s[machine] = start_s + group.duration_s
-        worst_s = max(worst_s, start_s + group.duration_s - first_s)
-    return worst_s
+        out[index].append(start_s + group.duration_s - first_s)
+    return out
 
 
-__all__ = ["SIMULATED_BATCHES_PER_GROUP", "SIMULATED_REQUESTS_MAX", "TcDispatcher",
-           "simulate_stage"]
+def simulate_stage(plan: ModulePlan, rate_rps: float) -> float:
+    """Largest request latency (seconds) when requests arrive every ``1 / (rate + dummies)``
+    seconds through the whole plan."""
+    latencies = _batch_latencies(plan, rate_rps + plan.dummy_rps)
+    return max((max(g, default=0.0) for g in latencies), default=0.0)
+
+
+def simulate_group(plan: ModulePlan, index: int, target: Target = "group") -> float:
+    """Theorem 1's case for ``plan.groups[index]``: it and the groups after it fed an evenly
+    spaced stream at its ``w`` (their rates, dummies included), each held to ``target``; its
+    largest latency."""
+    rest = ModulePlan(tuple(g for g in plan.groups[index:] if g.rate_rps > 0))
+    return max(_batch_latencies(rest, rest.rate_rps, target=target)[0], default=0.0)
+
+
+def simulate_stage_poisson(plan: ModulePlan, rate_rps: float, seed: int) -> list[float]:
+    """Each batch's largest latency (seconds, all groups) when ``rate + dummies`` arrive as a
+    Poisson stream (seeded), as many requests as the evenly spaced check plays."""
+    stream_rps = rate_rps + plan.dummy_rps
+    rng = random.Random(seed)
+    count = _horizon_requests(TcDispatcher(plan), 1.0 / stream_rps)
+    arrivals_s, now_s = [], 0.0
+    for _ in range(count):
+        arrivals_s.append(now_s)
+        now_s += rng.expovariate(stream_rps)
+    return [x for g in _batch_latencies(plan, stream_rps, arrivals_s) for x in g]
+
+
+__all__ = ["SIMULATED_BATCHES_PER_GROUP", "SIMULATED_REQUESTS_MAX", "Target", "TcDispatcher",
+           "simulate_group", "simulate_stage", "simulate_stage_poisson"]
