@@ -9,8 +9,9 @@ learn from their grants (the miss margin, the window-loss estimate and its back-
 deadline-ordered lists and head index, and stores what the part returns. The calls, in the
 order of a ModelThread's event:
 
-- ``note_arrivals(now, rows, requests)``: a chunk's rows feed the meter (and the target, when it
-  seals a bucket), its requests ``arrived_requests`` (the cold rule's evidence);
+- ``note_arrivals(now, rows, requests, groups)``: a chunk's rows feed the meter (and the target,
+  when it seals a bucket), its requests ``arrived_requests`` (the cold rule's evidence), its
+  distinct arrival times the rows one arrival brings (the joiner rule's unit);
 - ``size_batch`` / ``size_rows``: the drop policies' new head and batch size over the queue
   (``size_rows`` while requests hold several rows);
 - ``aim``: the candidate's exec time by the schedule policy (Symphony Appendix D,
@@ -65,6 +66,30 @@ from zserve.scheduler.policy import (
     target_batch_size,
 )
 
+# ``deferred``: why a planned batch started when it did (``CandidateSizing.decisions``, in the
+# scheduler's stats): waited for its aim, or started at once because the rank rescued it, it
+# reached its stagger, its waits gained no joiners, its arrivals echo its answers, its windows
+# were being lost, it is a cold lone request (waits for the first rate sample), the cluster is
+# lightly loaded (DEFER_LIGHT_LOAD), or fewer than DEFER_MIN_JOINERS arrivals were expected
+# before its aim.
+REASON_DEFERRED = "deferred"
+REASON_AT_ONCE = "at_once"  # a policy that never defers
+REASON_RESCUED = "rescued"
+REASON_STAGGER = "stagger_reached"
+REASON_NO_YIELD = "no_yield"
+REASON_ECHOES = "echoes"
+REASON_LOSING = "losing_windows"
+REASON_COLD = "cold_lone"
+REASON_FEW_JOINERS = "few_joiners"
+REASON_LIGHT = "light_load"
+DECISION_REASONS = (REASON_DEFERRED, REASON_AT_ONCE, REASON_RESCUED, REASON_STAGGER,
+                    REASON_NO_YIELD, REASON_ECHOES, REASON_LOSING, REASON_COLD,
+                    REASON_LIGHT, REASON_FEW_JOINERS)
+
+# ``deferred``: the weight of one arrival chunk in the decayed rows-per-arrival average that
+# the joiner rule divides the row rate by (about the last 64 chunks count).
+ARRIVAL_GROUP_DECAY = 1.0 / 64
+
 DEFAULT_RATE_BUCKET_S = 0.05
 DEFAULT_RATE_WINDOW = 100
 
@@ -95,7 +120,10 @@ class CandidateSizing:
         "_defer_head_id",
         "_defer_rate",
         "_drop",
+        "_group_rows",
+        "_groups",
         "_kind",
+        "_reason",
         "_rescue_from",
         "alone",
         "answer_echoes",
@@ -104,15 +132,18 @@ class CandidateSizing:
         "by_deadline",
         "d_ctrl_s",
         "d_data_s",
+        "decisions",
         "defer_backoff",
         "defer_loss",
         "defer_shared",
         "deferral_yield",
+        "deferred_wait_s",
         "early_aim",
         "jitter_s",
         "keep_min",
         "keep_tolerance",
         "keeps_target",
+        "light",
         "lone_wait_s",
         "max_batch",
         "meter",
@@ -177,9 +208,24 @@ class CandidateSizing:
         self.early_aim = 0.0
         self._defer_head_id = -1
         self._defer_from = math.inf
+        self._init_arrivals_and_decisions()
         self.target = self.keep_min = 1
         self.lone_wait_s = self.budget_s - d_data_s - self.table[1]
         self.set_target(target_batch_size(profile, self.budget_s, None, d_data_s))
+
+    def _init_arrivals_and_decisions(self) -> None:
+        """``deferred``: what it counts of its decisions and of how its rows arrive."""
+        # why each planned batch started when it did (DECISION_REASONS, counted at plan time),
+        # the reason of the last aim computed, and the deferred batches' waits, summed
+        self.decisions: dict[str, int] = dict.fromkeys(DECISION_REASONS, 0)
+        self._reason = REASON_AT_ONCE
+        self.deferred_wait_s = 0.0
+        # decayed sums of the rows that arrived and of their arrival groups (the requests of one
+        # chunk stamped with one arrival time: a fan-out's, a client's InferRequests), whose
+        # ratio is the rows one joining arrival brings
+        self._group_rows = self._groups = 0.0
+        # the cluster's load run at once is under DEFER_LIGHT_LOAD (set by the SchedulerCore)
+        self.light = False
 
     # ------------------------------------------------------------------ the target
 
@@ -224,10 +270,14 @@ class CandidateSizing:
             self.alone = alone
             self._refresh_defer_below()
 
-    def note_arrivals(self, now: float, rows: int, requests: int) -> None:
-        """``requests`` of ``rows`` rows in all arrived at ``now``: the meter counts the rows; a
-        sealed bucket moves the target."""
+    def note_arrivals(self, now: float, rows: int, requests: int, groups: int = 0) -> None:
+        """``requests`` of ``rows`` rows in all arrived at ``now``, in ``groups`` distinct
+        arrival times (0: one per request): the meter counts the rows; a sealed bucket moves
+        the target; the joiner rule learns the rows an arrival brings (``rows_per_arrival``)."""
         self.arrived_requests += requests
+        keep = 1.0 - ARRIVAL_GROUP_DECAY
+        self._group_rows = keep * self._group_rows + rows
+        self._groups = keep * self._groups + (groups if groups > 0 else requests)
         if self.rescue:
             self.answer_echoes.note_arrivals(now, rows, self._defer_rate)
         if self.meter.add(now, rows):
@@ -489,8 +539,10 @@ class CandidateSizing:
         kind = self._kind
         deferred = False
         self.early_aim = 0.0
+        self._reason = REASON_AT_ONCE
         if start_now:
             exec_at = earliest
+            self._reason = REASON_RESCUED
         elif self.rescue:
             exec_at = self._aim_rescue(now, earliest, deadline, bs, grow, latest)
         elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
@@ -548,28 +600,67 @@ class CandidateSizing:
         the rank starts it early while the cluster is short of GPUs (``RankThread``, rescue). A
         candidate started at once for want of joiners notes its aim (clamped to ``latest``) in
         ``early_aim``: the rank may hold it back to there."""
-        if (bs >= self._defer_below or not self.deferral_yield.pays
-                or self.answer_echoes.closed_loop(now, self._defer_rate)):
-            # past the stagger, or deferral has not been paying, or the arrivals are the
-            # answers' echoes (closed-loop clients: nothing can join while they wait)
-            return earliest
-        if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
-            # its deferred windows are being lost (to other models' batches): waiting costs
-            # more heads than it buys joiners, so it starts at once while the estimate is high
-            return earliest
+        reason = self._no_wait_reason(now, bs)
+        if reason is not None:
+            return self._at_once(reason, earliest)
         rate = self._defer_rate
         aim = deadline - self.jitter_s - self.table[bs + grow]
         if rate == math.inf and self.arrived_requests < DEFER_COLD_MIN_REQUESTS:
             # cold, and nothing says a second request will come: wait for one no later than
             # the meter's first sample (-inf with no arrival yet, only replanned requests: now)
             first = self.meter.first_sample_at()
+            self._reason = REASON_COLD
             return first if first < aim else aim
-        if self.defer_shared and (aim - now) * rate < DEFER_MIN_JOINERS:
-            held = latest if latest < aim else aim
-            if held > earliest:  # the rank may hold it back to here (RankThread)
-                self.early_aim = held
-            return earliest
+        if self.defer_shared:
+            # the GPUs have the time a wait would save (DEFER_LIGHT_LOAD); a model without a
+            # rate yet (a cold burst) defers as above
+            light = self.light and rate != math.inf
+            if light or (aim - now) * rate < DEFER_MIN_JOINERS * self.rows_per_arrival:
+                held = latest if latest < aim else aim
+                if held > earliest:  # the rank may hold it back to here (RankThread)
+                    self.early_aim = held
+                return self._at_once(REASON_LIGHT if light else REASON_FEW_JOINERS, earliest)
+        self._reason = REASON_DEFERRED
         return aim
+
+    def at_once_load(self) -> float:
+        """The GPU seconds a second this model's load takes run at once (each arrival's rows
+        alone, at the metered rate); 0 before the meter's first sample."""
+        rate = self.meter.rate()
+        if rate is None:
+            return 0.0
+        per_arrival = self.rows_per_arrival
+        rows = round(per_arrival)
+        rows = 1 if rows < 1 else (self.max_batch if rows > self.max_batch else rows)
+        return rate / per_arrival * self.table[rows]
+
+    @property
+    def rows_per_arrival(self) -> float:
+        """The rows one arrival brings, on the decayed average (1 before any): the joiner rule
+        counts arrivals, since rows that come together join together or not at all."""
+        groups = self._groups
+        return self._group_rows / groups if groups > 0.0 else 1.0
+
+    def _no_wait_reason(self, now: float, bs: int) -> str | None:
+        """Why the candidate of ``bs`` rows starts at once whatever its aim (None: the aim
+        decides): past the stagger, or deferral has not been paying, or the arrivals are the
+        answers' echoes (closed-loop clients: nothing can join while they wait), or its
+        deferred windows are being lost (to other models' batches: waiting costs more heads
+        than it buys joiners, so it starts at once while the estimate is high)."""
+        if bs >= self._defer_below:
+            return REASON_STAGGER
+        if not self.deferral_yield.pays:
+            return REASON_NO_YIELD
+        if self.answer_echoes.closed_loop(now, self._defer_rate):
+            return REASON_ECHOES
+        if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
+            return REASON_LOSING
+        return None
+
+    def _at_once(self, reason: str, earliest: float) -> float:
+        """Start at ``earliest``, noting why (``decisions``)."""
+        self._reason = reason
+        return earliest
 
     def published_duration(self, now: float, bs: int, exec_at: float) -> float:
         """The duration a ``CandidateUpdate`` of ``bs`` rows at ``exec_at`` carries: deferred's
@@ -626,6 +717,7 @@ class CandidateSizing:
         answers' echoes (``AnswerEchoes``); ``deferred-bl`` gives back DEFER_MISS_RELAX_S of its
         margin."""
         if self.rescue:
+            self._note_decision(exec_at, ids[head])
             self._note_yield(now, exec_at, deadlines=deadlines, ids=ids, arrivals=arrivals,
                              rows=rows, head=head, stop=stop)
             batch_rows = stop - head if rows is None else sum(rows[head:stop])
@@ -634,6 +726,17 @@ class CandidateSizing:
         if self.miss_margin_s:
             margin = self.miss_margin_s - DEFER_MISS_RELAX_S
             self.miss_margin_s = margin if margin > 0.0 else 0.0
+
+    def _note_decision(self, exec_at: float, head_id: int) -> None:
+        """Count why the batch starting at ``exec_at`` started then: a head that deferred
+        (waited for its aim at some point, ``_deferring_from``) is ``deferred``, with its wait
+        from the moment it could have started; otherwise the last aim's reason."""
+        if head_id == self._defer_head_id and exec_at > self._defer_from:
+            self.decisions[REASON_DEFERRED] += 1
+            self.deferred_wait_s += exec_at - self._defer_from
+        else:
+            self.decisions[REASON_AT_ONCE if self._reason == REASON_DEFERRED
+                           else self._reason] += 1
 
     def _note_yield(self, now: float, exec_at: float, *, deadlines: list[float], ids: list[int],
                     arrivals: list[float], rows: list[int] | None, head: int,
@@ -668,4 +771,5 @@ class CandidateSizing:
             self.deferral_yield.note_deferred(float(joined), promised)
 
 
-__all__ = ["DEFAULT_RATE_BUCKET_S", "DEFAULT_RATE_WINDOW", "Aim", "CandidateSizing"]
+__all__ = ["DECISION_REASONS", "DEFAULT_RATE_BUCKET_S", "DEFAULT_RATE_WINDOW", "Aim",
+           "CandidateSizing"]

@@ -68,6 +68,7 @@ from zserve.core.hosting import DEST_FRONTEND, DEST_MODEL, DEST_RANK, Outbox
 from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
 from zserve.scheduler.learned_allowances import ShardAllowances
 from zserve.scheduler.model_thread import ModelThread
+from zserve.scheduler.policy import DEFER_LIGHT_LOAD
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchPlan,
@@ -90,6 +91,10 @@ a plan that could not be put back and of a shed queue), and requests ``cancelled
 _HEAP_COMPACT_FACTOR = 3
 _HEAP_COMPACT_MIN = 256
 _INF = math.inf
+_NEG_INF = -math.inf
+# How often the light-load flag (DEFER_LIGHT_LOAD) is recomputed from the models' rates: the
+# meters average 5 s, so a quarter second follows them closely at a loop over the models.
+LIGHT_LOAD_REFRESH_S = 0.25
 # Up to this many ModelThreads the core scans their moments instead of keeping a heap (see the
 # module docstring). `bench-scheduler --models 20`: the heap cost 15% more CPU per request than
 # the scan (the fixed-trace A/B in docs/performance.md, "Scheduler scale").
@@ -106,8 +111,9 @@ class SchedulerCore:
     ``scan_threads_max``: scan the threads' moments up to this many threads, keep a heap past it.
     """
 
-    __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_moved", "_open",
-                 "_order", "_pending", "_scan", "_scan_threads_max", "_seen", "_seq",
+    __slots__ = ("_compact_above", "_draining", "_entry", "_first", "_heap", "_light_due",
+                 "_moved", "_open", "_order", "_pending", "_scan", "_scan_threads_max", "_seen",
+                 "_seq",
                  "allowances", "counters", "known", "members", "n_timer_fires", "name", "rank",
                  "served", "threads")
 
@@ -151,6 +157,7 @@ class SchedulerCore:
         self._order: list[ModelThread] = []
         # Learned d_ctrl and jitter (None: the configured ones, fixed); a host sets it
         self.allowances: ShardAllowances | None = None
+        self._light_due = _NEG_INF  # when the light-load flag is next recomputed
 
     @property
     def wake_at(self) -> float:
@@ -273,6 +280,31 @@ class SchedulerCore:
             served = table.get(name) or []
             thread.set_alone(bool(served) and all(models_on[g] == 1 for g in served))
 
+    def _note_light_load(self, now: float) -> None:
+        """Tell every ModelThread whether the cluster is lightly loaded (DEFER_LIGHT_LOAD): its
+        models' load run at once against its GPUs, every LIGHT_LOAD_REFRESH_S. Only where this
+        core schedules every model the GPUs serve (the rank here, or a rank's table naming no
+        model of another shard): otherwise the load is not all seen and the models keep
+        deferring as before. Never while a model that has requests has no rate yet (a cold
+        burst must batch, policy.py)."""
+        self._light_due = now + LIGHT_LOAD_REFRESH_S
+        threads = self.threads
+        if self.rank is not None:
+            gpus = len(self.rank.gpu_ids)
+        elif all(name in threads for name, served in self.served.items() if served):
+            gpus = len({g for served in self.served.values() for g in served})
+        else:
+            return
+        load = 0.0
+        for thread in threads.values():
+            if thread.n_arrived and thread.meter.rate() is None:
+                load = _INF
+                break
+            load += thread.sizing.at_once_load()
+        light = load < DEFER_LIGHT_LOAD * gpus
+        for thread in threads.values():
+            thread.set_light(light)
+
     def rank_add_gpu(self, now: float, gpu_id: int, outbox: Outbox, free_at: float) -> None:
         """The embedded rank gains ``gpu_id``, free from ``free_at`` (a backend that joined)."""
         assert self.rank is not None
@@ -322,6 +354,8 @@ class SchedulerCore:
             self._refuse(model, frontend, request_ids, outbox)
             return
         thread.on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox, rows)
+        if now >= self._light_due:
+            self._note_light_load(now)
         if outbox and self.rank is not None:
             self._dispatch(now, outbox)
         self._moved.append(thread)  # _after(now, outbox, thread), written out: the hot path

@@ -187,6 +187,7 @@ class ModelThread:
         self.n_dropped = 0
         self.n_cancelled = 0
         self.n_replanned = self.n_planned = self.n_batches = 0  # replanned: by on_replan
+        self.budget_sum_s = 0.0  # arrival -> deadline, summed over the requests arrived
         # The scheduler epoch its plans carry (zserve.core.epochs); the host sets it.
         self.epoch = 0
 
@@ -324,7 +325,11 @@ class ModelThread:
             rows, arrived = self._note_rows(rows, count)
         self._enqueue(frontend, request_ids, arrivals, deadlines, rows)
         self.n_arrived += count
-        self.sizing.note_arrivals(now, arrived, count)  # the meter, and the cold rule's count
+        self.budget_sum_s += sum(deadlines) - sum(arrivals)
+        # the meter, the cold rule's count, and the arrivals the rows came in (requests stamped
+        # alike came together: a fan-out's, one client message's)
+        groups = len(set(arrivals)) if count > 1 else 1
+        self.sizing.note_arrivals(now, arrived, count, groups)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -446,6 +451,13 @@ class ModelThread:
         self.sizing.set_alone(alone)
         for sibling in (self._kind_sizing or {}).values():
             sibling.set_alone(alone)
+
+    def set_light(self, light: bool) -> None:
+        """Whether the cluster's load run at once is light (``CandidateSizing.light``,
+        DEFER_LIGHT_LOAD): the model then starts at once."""
+        self.sizing.light = light
+        for sibling in (self._kind_sizing or {}).values():
+            sibling.light = light
 
     @property
     def gpu_profiles(self) -> dict[int, LatencyProfile]:

@@ -285,9 +285,17 @@ class RankBackends:
         self.counters["retirements"] += 1
         log.info("%s: backend %s (GPU %d) retires: no new grants", self.name, name, gpu_id)
 
-    def expire(self, now: float, outbox: Outbox) -> bool:
-        """Remove every backend silent for more than ``timeout_s``; True when any was."""
+    def expire(self, now: float, outbox: Outbox, stalled_s: float = 0.0) -> bool:
+        """Remove every backend silent for more than ``timeout_s``; True when any was.
+        ``stalled_s``: how long the rank's own loop was stalled before this call (the host's
+        ``stall_credit_s``): credited to every live backend first, since on a loaded host their
+        heartbeats are late for the same reason (two backends were removed at once after the
+        rank's loop stalled 2 s, at a load average of 15-17)."""
         changed = False
+        if stalled_s > 0.0:
+            for backend in self._by_gpu.values():
+                seen = backend.last_seen + stalled_s
+                backend.last_seen = seen if seen < now else now
         for backend in self._by_gpu.values():
             if backend.alive and now - backend.last_seen > self.timeout_s:
                 log.warning("%s: backend %s (GPU %d) silent for %.1f s: removed", self.name,

@@ -76,6 +76,7 @@ from zserve.config.policy_names import GRANT_FIRST_DUE, SchedulePolicy
 from zserve.core.epochs import REBUILD_MAX_S, SchedulerWatch, next_epoch, now_ms
 from zserve.core.errors import ZServeError
 from zserve.core.hosting import DEST_MODEL, Outbox
+from zserve.core.liveness import stall_credit_s
 from zserve.core.stats import Stats
 from zserve.runtime import peer_map, runner
 from zserve.runtime.args import role_config_from_args, role_parser
@@ -108,6 +109,9 @@ from zserve.transport.sockets import make_router
 log = logging.getLogger(__name__)
 
 ROLE = "rank"
+# Before judging the backends' silence the liveness loop lets the reactor drain the rank socket
+# this many times (each pass reads up to a chunk): a stall's backlog of heartbeats is read first.
+LIVENESS_DRAIN_PASSES = 4
 RANK_COUNTERS = (
     "candidates", "late_candidates", "grants", "grant_answers", "batches", "batches_failed",
     "late_batches", "registrations", "removals", "send_dropped", "bad_messages",
@@ -337,10 +341,19 @@ class RankHost:
             self._send(self.table(), identity)
 
     async def _liveness_loop(self) -> None:
+        interval_s = self.backends.check_interval_s
         while True:
-            await asyncio.sleep(self.backends.check_interval_s)
+            asked_at = self.clock.now() + interval_s
+            await asyncio.sleep(interval_s)
+            # Read what the backends sent before judging: after a stall of this process the
+            # timer and the heartbeats that came meanwhile are ready together, and the timer
+            # may run first. Its own stall is credited to them (``stall_credit_s``).
+            stalled_s = stall_credit_s(self.clock.now() - asked_at)
+            for _ in range(LIVENESS_DRAIN_PASSES):
+                self.reactor.kick(self.sock)
+                await asyncio.sleep(0)
             outbox: Outbox = []
-            if self.backends.expire(self.clock.now(), outbox):
+            if self.backends.expire(self.clock.now(), outbox, stalled_s):
                 self._broadcast_table()
             self.driver.flush(outbox)
 
@@ -518,6 +531,7 @@ class RankHost:
                 "grants": self.rank.n_grants,
                 "model_matches": self.rank.n_model_matches,
                 "rescues": self.rank.n_rescues,
+                "holds": self.rank.n_holds,
                 "gpu_matches": self.rank.n_gpu_matches,
                 "stale": self.rank.n_stale,
                 "purged": self.rank.n_purged,

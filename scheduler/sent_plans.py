@@ -107,6 +107,14 @@ class SentPlans:
                 found[entry[0]] = (entry[0], plan_id, entry[1])
         return list(found.values())
 
+    def postpone(self, by_s: float) -> None:
+        """Every awaited acknowledgement becomes due ``by_s`` later (the judge's own stall,
+        ``zserve.core.liveness.stall_credit_s``)."""
+        self._unacked = {plan_id: (gpu_id, sent_at, due + by_s)
+                         for plan_id, (gpu_id, sent_at, due) in self._unacked.items()}
+        self._due = [(due + by_s, plan_id) for due, plan_id in self._due]  # order kept
+        self._prune_due()
+
     def forget_expired(self, now: float) -> None:
         """Drop the plans whose requests have all been answered by ``now``."""
         expiry = self._expiry

@@ -21,6 +21,7 @@ from collections.abc import Iterable, MutableMapping
 
 from zserve.core.errors import ErrorKind
 from zserve.core.hosting import DEST_FRONTEND, TO_RANK, Outbox
+from zserve.core.liveness import stall_credit_s
 from zserve.scheduler.sent_plans import SentPlans
 from zserve.transport.messages import BackendSuspect, BatchPlan, DropNotice
 
@@ -64,6 +65,17 @@ class ShardPlanAcks:
         count = self.sent.acknowledge(plan_ids)
         self.counters["plan_acks"] += count
         return count
+
+    def credit_stall(self, now: float) -> float:
+        """The shard's own stall, judged at ``now`` against the earliest acknowledgement due
+        (its timer's moment): from JUDGE_STALL_MIN_S on, every awaited acknowledgement becomes
+        due that much later plus the allowance, so the backends, stalled with the host, get
+        the allowance again from the end of the stall (both GPUs were suspected at once, 290
+        ms after their plans, at a load average of 15-17). Returns the stall (0: none)."""
+        stall = stall_credit_s(now - self.sent.wake_at) if self.sent.unacked else 0.0
+        if stall > 0.0:
+            self.sent.postpone(stall + self.ack_allowance_s)
+        return stall
 
     def overdue(self, now: float) -> list[tuple[int, int, float]]:
         """``(gpu_id, plan_id, sent_at)`` per GPU with a plan unacknowledged past its due time."""

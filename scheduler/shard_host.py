@@ -118,6 +118,8 @@ SHARD_COUNTERS = (
     "meta_batches", "requests", "plans", "planned_requests", "dropped", "unavailable",
     "shutting_down", "send_dropped", "bad_messages", "unknown_model", "backend_failed",
     "cancelled", "replanned", "suspects", "plan_acks", "gpus_kept",
+    # the ack timer ran late by a stall of this process, credited to the awaited acknowledgements
+    "ack_stall_credits",
     # a standby's: metadata it ignored (the frontends re-send it to the active scheduler);
     # a superseded one's: plans it made but never sent (zserve.core.epochs)
     "standby_ignored", "fenced_plans",
@@ -504,8 +506,12 @@ class ShardHost:
     def _on_ack_timer(self) -> None:
         """A plan's acknowledgement is due. Read what the backends sent before judging: after a
         stall of this process the timer and an acknowledgement that came meanwhile are ready
-        together, and the timer may run first."""
-        for gpu_id, _, _ in self.acks.overdue(self.clock.now()):
+        together, and the timer may run first. A timer that ran late by a stall credits it to
+        the backends first (``ShardPlanAcks.credit_stall``)."""
+        now = self.clock.now()
+        if self.acks.credit_stall(now) > 0.0:
+            self.counters["ack_stall_credits"] += 1
+        for gpu_id, _, _ in self.acks.overdue(now):
             entry = self.backend_socks.get(gpu_id)
             if entry is not None:
                 self.reactor.kick(entry[1])
@@ -622,6 +628,13 @@ class ShardHost:
                     "window_misses": t.n_window_misses,
                     "miss_margin_ms": t.miss_margin_s * 1e3,
                     "defer_loss": round(t.defer_loss, 4),
+                    # deferred: why each batch started when it did (candidate_sizing.py)
+                    "decisions": {k: n for k, n in t.sizing.decisions.items() if n},
+                    "deferred_wait_ms": round(t.sizing.deferred_wait_s * 1e3, 3),
+                    # the mean time its requests had from arrival to deadline (an app stage's:
+                    # its share of what was left of the app's SLO)
+                    "mean_budget_ms": (round(t.budget_sum_s / t.n_arrived * 1e3, 3)
+                                       if t.n_arrived else None),
                     "target": t.target,
                     "rate_rps": t.meter.rate(),  # the rate meter's; None before its first bucket
                     "max_batch": t.profile.max_batch,

@@ -63,7 +63,8 @@ class _Recorder:
         self.submitted: list[tuple[float, InferRequest]] = []
         self.answered = False
 
-    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox) -> None:
+    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox, *,
+                     expire_at: float) -> None:
         self.submitted.append((now, stage))
 
     def cancel_stage(self, stage_rid: int) -> None:

@@ -42,8 +42,9 @@ def _app(splitter: str, *, join: bool = False) -> dict[str, Any]:
     if join:  # track follows both: a DAG that is not a tree
         stages[2] = {"name": "track", "model": "trk", "after": {"classify": 1, "detect": 2},
                      "inputs": {"x": "classify.y"}}
+    # no client allowance: the whole SLO is split (its part is the frontend tests')
     return {"name": "pipe", "slo_ms": APP_SLO_MS, "splitter": splitter,
-            "resplit_every_s": PERIOD_S, "stages": stages}
+            "resplit_every_s": PERIOD_S, "client_allowance_ms": 0.0, "stages": stages}
 
 
 def _cluster(app: dict[str, Any], frontends: int = 1) -> ClusterConfig:
@@ -87,7 +88,7 @@ def test_a_stage_whose_rate_rises_gets_more_of_the_slo_and_every_path_fits(
         assert used  # the splitter's own split, not the fallback
         sums = [sum(weights[s] for s in path) for path in _paths(plan)]
         # the budgets fit the time the stages use, and the time no cost needs is shared out
-        assert max(sums) == pytest.approx(plan.slo_s - OVERHEAD_S)
+        assert max(sums) == pytest.approx(plan.stages_slo_s - OVERHEAD_S)
         for stage, weight in weights.items():  # each stage's batch of one fits its budget
             assert weight >= _tables(plan)[stage][0] + 0.003 + 0.00005 - 1e-9
         split[classify_rps] = weights
@@ -203,6 +204,8 @@ def test_rates_are_scaled_by_the_frontends_that_share_the_clients() -> None:
 @pytest.mark.parametrize(("change", "message"), [
     ({"splitter": "dp"}, "apps[0].splitter: "),
     ({"resplit_every_s": 0.0}, "apps[0].resplit_every_s: "),
+    ({"client_allowance_ms": -1.0}, "apps[0].client_allowance_ms: "),
+    ({"client_allowance_ms": APP_SLO_MS}, "apps[0].client_allowance_ms: must be below slo_ms"),
 ])
 def test_a_bad_splitter_key_is_one_line_naming_it(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -219,7 +222,7 @@ def test_nexus_refuses_an_app_that_is_not_a_tree_and_harpagon_splits_it() -> Non
     weights, used = split_weights(plan, _tables(plan), rates, OVERHEAD_S)
     assert used
     for path in _paths(plan):
-        assert sum(weights[s] for s in path) <= plan.slo_s - OVERHEAD_S + 1e-9
+        assert sum(weights[s] for s in path) <= plan.stages_slo_s - OVERHEAD_S + 1e-9
 
 
 def test_rates_within_a_rate_step_keep_the_split_and_a_larger_change_moves_it() -> None:

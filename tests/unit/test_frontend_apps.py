@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from zserve.backends.emulated import EmulatedExecutor, EmulatedModel
+from zserve.config.apps import DEFAULT_CLIENT_ALLOWANCE_MS
 from zserve.config.cluster import ClusterConfig, parse_config
 from zserve.core.hosting import Outbox
 from zserve.frontend.apps import APP_CLIENT
@@ -34,6 +35,10 @@ JITTER_S = 0.001
 # What every stage's share adds to its part of the time the stages use: only the last stage's
 # reply uses the allowance, and each batch is planned to end the jitter before its deadline.
 OVERHEAD_S = REPLY_ALLOWANCE_S + JITTER_S
+# The app's default client allowance: the stages share the SLO less it (the client's side of
+# the call is outside the frontend's clock).
+CLIENT_ALLOWANCE_S = DEFAULT_CLIENT_ALLOWANCE_MS / 1e3
+STAGES_SLO_S = APP_SLO_MS / 1e3 - CLIENT_ALLOWANCE_S
 # l(1) of each stage's model, ms: the split gives stage k a share l_k / (sum of l on the rest).
 L1_MS = {"det": 10.0, "cls": 20.0, "trk": 10.0}
 SHAPES = {"det": [4], "cls": [4], "trk": [1]}  # output shapes: each chains into the next's x
@@ -144,8 +149,8 @@ def test_a_three_stage_app_chains_outputs_with_fan_out_and_answers_once() -> Non
 def test_each_stage_gets_its_share_of_the_slo_and_early_finish_passes_slack_on() -> None:
     h = _Harness(fan_out=1)
     h.submit(0.0, 1)
-    answer_by = APP_SLO_MS / 1e3
-    # detect: 10 / (10 + 20 + 10) of the SLO less the overhead, plus the overhead (less the
+    answer_by = STAGES_SLO_S  # the SLO less the client allowance
+    # detect: 10 / (10 + 20 + 10) of that less the overhead, plus the overhead (less the
     # reply allowance: the scheduler's deadline).
     (det,) = _stage_deadlines(h, "det")
     assert det == pytest.approx(OVERHEAD_S + (answer_by - OVERHEAD_S) * 10 / 40
@@ -160,18 +165,27 @@ def test_each_stage_gets_its_share_of_the_slo_and_early_finish_passes_slack_on()
     h.finish(0.020, "cls")
     (trk,) = _stage_deadlines(h, "trk")  # the last stage gets all that is left
     assert trk == pytest.approx(answer_by - REPLY_ALLOWANCE_S)
+    # ... and the client's side of the call keeps its allowance before the client's SLO
+    assert trk + REPLY_ALLOWANCE_S + CLIENT_ALLOWANCE_S == pytest.approx(APP_SLO_MS / 1e3)
 
 
 def test_a_stage_that_misses_its_deadline_fails_the_app_once_naming_the_stage() -> None:
+    """A stage request with no answer is answered DEADLINE by the frontend's timer at the app's
+    answer-by (not at its own deadline: a stage answered late still serves its app), and the
+    app fails once, naming the stage."""
     h = _Harness(fan_out=3)
     h.submit(0.0, 3)
     h.finish(0.010, "det")
     assert len(_stage_deadlines(h, "cls")) == 3
-    # classify's share: 0.01 + o + (0.09 - o) * 20 / 30; its three deadlines pass together.
-    ends = 0.010 + OVERHEAD_S + (0.090 - OVERHEAD_S) * 20 / 30
-    h.timer(ends - 0.0001)
+    # classify's share: 0.01 + o + (left - o) * 20 / 30, left = what the stages share less the
+    # 10 ms detect took; its deadline passes with the app still waiting ...
+    left = STAGES_SLO_S - 0.010
+    h.timer(0.010 + OVERHEAD_S + (left - OVERHEAD_S) * 20 / 30 + 0.001)
     assert h.answers == []
-    h.timer(ends + 0.0001)
+    # ... until the app's own answer-by, where its three instances fail it once.
+    h.timer(STAGES_SLO_S - 0.0001)
+    assert h.answers == []
+    h.timer(STAGES_SLO_S + 0.0001)
     assert len(h.answers) == 1
     error = h.answers[0]
     assert isinstance(error, InferError) and error.request_id == 3
@@ -179,6 +193,22 @@ def test_a_stage_that_misses_its_deadline_fails_the_app_once_naming_the_stage() 
     h.finish(0.2)  # nothing runs: the stage requests were answered
     assert len(h.answers) == 1 and not h.core.pending
     assert h.core.apps.counters["app_failed"] == 1
+
+
+def test_a_stage_answered_past_its_deadline_still_serves_its_app() -> None:
+    """detect's outputs come 10 ms past its deadline (a batch a host stall made late): the next
+    stages get what is left of the app's SLO, and the app is answered with outputs."""
+    h = _Harness(fan_out=1)
+    h.submit(0.0, 5)
+    (det,) = _stage_deadlines(h, "det")
+    h.timer(det + REPLY_ALLOWANCE_S + 0.005)  # past the stage's own answer-by: still waiting
+    assert h.answers == []
+    h.finish(det + REPLY_ALLOWANCE_S + 0.010, "det")
+    assert h.answers == [] and len(_stage_deadlines(h, "cls")) == 1
+    h.finish(0.060, "cls")
+    h.finish(0.070, "trk")
+    assert len(h.answers) == 1 and isinstance(h.answers[0], InferReply)
+    assert h.core.apps.counters["app_replied"] == 1 and not h.core.pending
 
 
 def test_siblings_of_a_failed_stage_instance_are_withdrawn() -> None:
@@ -229,7 +259,7 @@ def test_a_join_stage_waits_for_every_stage_it_follows() -> None:
     assert sorted(m for m, _ in h.deadlines.values()) == ["m2", "m3"]
     # Both branches weigh 5 ms: each gets 5 / (5 + 5) of what is left, as does the join after.
     (left,) = _stage_deadlines(h, "m2")
-    assert left == pytest.approx(0.005 + OVERHEAD_S + (0.095 - OVERHEAD_S) / 2
+    assert left == pytest.approx(0.005 + OVERHEAD_S + (STAGES_SLO_S - 0.005 - OVERHEAD_S) / 2
                                  - REPLY_ALLOWANCE_S)
     h.finish(0.010, "m3")
     assert _stage_deadlines(h, "m4") == []  # still waiting for the left branch

@@ -19,6 +19,7 @@ import pytest
 from zserve.config.policy_names import SchedulePolicy
 from zserve.config.profiles import LatencyProfile
 from zserve.core.hosting import Outbox
+from zserve.scheduler import core as core_module
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import ECHO_DECAY, ECHO_SHARE_MIN, AnswerEchoes
@@ -68,18 +69,20 @@ class _Run:
         self.client_of: dict[int, int] = {}
         self.answers: list[tuple[float, int]] = []  # (answered at, request id)
         self.next_id = 1
+        self.group = 1  # requests per send, stamped with one arrival time (a fan-out's)
 
     def send_at(self, when: float, client: int) -> None:
         self.seq += 1
         heapq.heappush(self.events, (when, self.seq, client))
 
     def _arrive(self, now: float, client: int, outbox: Outbox) -> None:
-        rid = self.next_id
-        self.next_id += 1
-        self.arrival[rid] = now
-        self.client_of[rid] = client
-        self.core.on_arrivals(now, "m", "fe", [rid], [now], [now + SLO_S - REPLY_ALLOWANCE_S],
-                              outbox)
+        rids = list(range(self.next_id, self.next_id + self.group))
+        self.next_id += self.group
+        for rid in rids:
+            self.arrival[rid] = now
+            self.client_of[rid] = client
+        self.core.on_arrivals(now, "m", "fe", rids, [now] * self.group,
+                              [now + SLO_S - REPLY_ALLOWANCE_S] * self.group, outbox)
 
     def _deliver(self, outbox: Outbox) -> None:
         for _, msg in outbox:
@@ -266,11 +269,14 @@ def test_an_open_loop_stream_at_the_closed_loops_rate_keeps_deferring() -> None:
     assert run.thread.n_planned == 600 and batches < 600 / 4  # batches of 4 and more
 
 
-def test_an_evenly_spaced_stream_that_brings_no_joiner_stops_waiting() -> None:
+def test_an_evenly_spaced_stream_that_brings_no_joiner_stops_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One request every 250 ms (open loop): its rate promises 0.76 joiners within a wait of
     about 190 ms, so the joiner rule defers, but the next request always comes after the batch
     has started. What the waits gained (``DeferralYield``) stops them after its first dozen;
-    a stream every 20 ms, whose requests do join, keeps its batches."""
+    a stream every 20 ms, whose requests do join, keeps its batches. (The light-load rule,
+    which starts such a stream at once anyway, is off here: the yield is what is tested.)"""
+    monkeypatch.setattr(core_module, "DEFER_LIGHT_LOAD", 0.0)
     sparse = _Run("deferred", 1)
     for i in range(100):
         sparse.send_at(1.0 + 0.25 * i, 0)
@@ -284,6 +290,46 @@ def test_an_evenly_spaced_stream_that_brings_no_joiner_stops_waiting() -> None:
         dense.send_at(1.0 + 0.02 * i, 0)
     dense.run(22.0, closed_loop=False)
     assert dense.thread.n_planned == 1000 and dense.thread.n_batches < 1000 / 4
+
+
+def _poisson_run(rate: float, *, group: int = 1, seconds: float = 40.0) -> _Run:
+    """An open-loop Poisson stream of ``rate`` sends a second (each of ``group`` requests stamped
+    alike) to one model on one GPU."""
+    run = _Run("deferred", 1)
+    run.group = group
+    rng = np.random.default_rng(11)
+    for when in 1.0 + np.cumsum(rng.exponential(1 / rate, int(rate * seconds))):
+        run.send_at(float(when), 0)
+    run.run(1.0 + seconds + 1.0, closed_loop=False)
+    return run
+
+
+def test_a_lightly_loaded_cluster_starts_at_once_from_its_first_rate_sample() -> None:
+    """20 r/s of a 5.3 ms model on one GPU keep 0.1 of it busy run at once (under
+    DEFER_LIGHT_LOAD): a wait would save GPU time nobody needs, so every request from the
+    second second on starts within l(1) plus the allowances of its arrival (the joiner rule
+    alone would wait about 180 ms for the 3.6 joiners the rate promises)."""
+    run = _poisson_run(20.0)
+    waits = [run.start[rid] - at for rid, at in run.arrival.items() if at >= 2.0]
+    assert len(waits) > 500 and max(waits) <= PROFILE.latency(1) + ALLOWANCES_S, max(waits)
+    decisions = run.thread.sizing.decisions
+    assert decisions["light_load"] > 500 and decisions["deferred"] < 5, decisions
+
+
+def test_rows_that_arrive_together_count_as_one_joiner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the light-load rule off, 1.5 groups of 4 requests a second (6 rows/s, each group
+    stamped alike: a fan-out's) promise 1.1 rows but 0.27 arrivals within a wait of ~180 ms,
+    under the joiner rule's ln 2: the groups start at once; 6 single requests a second defer as
+    before."""
+    monkeypatch.setattr(core_module, "DEFER_LIGHT_LOAD", 0.0)
+    groups = _poisson_run(1.5, group=4, seconds=60.0)
+    assert groups.thread.sizing.rows_per_arrival == pytest.approx(4.0)
+    decided = groups.thread.sizing.decisions
+    assert decided["few_joiners"] > 60 and decided["deferred"] < 5, decided
+    singles = _poisson_run(6.0)
+    assert singles.thread.sizing.rows_per_arrival == pytest.approx(1.0)
+    decided = singles.thread.sizing.decisions
+    assert decided["deferred"] > decided["few_joiners"], decided
 
 
 def test_answer_echoes_weigh_arrivals_after_an_answer_against_a_stream_in_the_same_span(

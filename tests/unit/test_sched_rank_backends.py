@@ -89,6 +89,23 @@ def test_a_suspect_gpu_is_taken_out_until_a_heartbeat_sent_after_the_suspicion()
     assert backends.on_heartbeat(2.4, b"stranger", 2.4, outbox) is None
 
 
+def test_a_stall_of_the_rank_is_credited_to_the_backends_and_a_silent_one_still_goes() -> None:
+    """The rank's loop ran 2 s late (a loaded host: its backends were stalled with it): the
+    stall is credited before the silence is judged, so neither backend is removed for it; the
+    one whose heartbeats then come stays, the other is removed once silent for the timeout on
+    the rank's running time."""
+    backends, rank, _ = _table()
+    outbox: Outbox = []
+    backends.on_register(0.0, b"backend-0", _register("backend-0"), outbox, active=True)
+    backends.on_register(0.0, b"backend-1", _register("backend-1"), outbox, active=True)
+    assert not backends.expire(2.1, outbox, stalled_s=2.0)  # last seen at 0.0, 2.1 s ago
+    backends.on_heartbeat(2.2, b"backend-0", 2.2, outbox)
+    assert not backends.expire(2.0 + TIMEOUT_S, outbox)  # backend-1 credited to 2.0
+    backends.on_heartbeat(3.5, b"backend-0", 3.5, outbox)
+    assert backends.expire(2.0 + TIMEOUT_S + 0.1, outbox)
+    assert backends.alive_names() == {"backend-0"} and rank.gpu_ids == [0]
+
+
 def test_a_silent_backend_expires_and_a_dead_one_goes_at_once() -> None:
     backends, rank, counters = _table()
     outbox: Outbox = []

@@ -48,6 +48,24 @@ def test_an_overdue_plan_makes_its_backend_suspect_and_the_rank_hears_first() ->
     assert acks.overdue(0.15) == [(3, 7, 0.0)]  # still held: the host releases it
 
 
+def test_a_stall_of_the_shard_is_credited_before_it_judges_and_a_hung_backend_still_goes(
+) -> None:
+    """The ack timer (due at 0.1) ran at 1.1: the shard itself was stalled a second, and on a
+    loaded host its backends with it; the acknowledgements get the allowance again from the
+    end of the stall, so nothing is overdue yet, and one that comes after the stall keeps its
+    backend. A backend that never acknowledges is suspected once that allowance has passed."""
+    acks = ShardPlanAcks(ALLOWANCE_S)
+    acks.remember(0.0, 0, _plan(1, 0, [1], [0]), slo_s=5.0)
+    acks.remember(0.0, 1, _plan(2, 1, [2], [0]), slo_s=5.0)
+    assert acks.overdue(1.1) == [(0, 1, 0.0), (1, 2, 0.0)]  # judged without the credit
+    assert acks.credit_stall(1.1) == pytest.approx(1.0)
+    assert acks.overdue(1.1) == [] and acks.wake_at == pytest.approx(1.1 + ALLOWANCE_S)
+    assert acks.acknowledge([1]) == 1  # backend 0's acknowledgement, late with the stall
+    later = acks.wake_at + 0.001
+    assert acks.credit_stall(later) == 0.0  # a timer on time credits nothing
+    assert acks.overdue(later) == [(1, 2, 0.0)]  # backend 1 never acknowledged
+
+
 def test_a_lost_backends_unacknowledged_plans_come_back_and_acknowledged_ones_fail() -> None:
     acks = ShardPlanAcks(ALLOWANCE_S)
     unacked = _plan(1, 0, [1, 2], [0, 1])

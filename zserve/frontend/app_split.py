@@ -130,14 +130,15 @@ def split_weights(plan: AppGraph, latency_s: Mapping[str, Sequence[float]],
     ``overhead_s``: the stage overhead (module docstring); ``delay_s``: each stage's
     scheduling allowances (``with_allowances``; none if omitted)."""
     name = plan.config.splitter
-    usable_s = plan.slo_s - overhead_s
+    usable_s = plan.stages_slo_s - overhead_s
     if name != "proportional" and usable_s > 0:
         scheduled = {s: with_allowances(latency_s[s], (delay_s or {}).get(s, (0.0, 0.0)))
                      for s in plan.order}
         budgets = SPLIT_FNS[name](plan, scheduled, rates_rps, usable_s)
         if budgets is not None:
             return share_spare(plan, budgets, usable_s), True
-    return dict(proportional_split(plan, latency_s, rates_rps, plan.slo_s)), name == "proportional"
+    return (dict(proportional_split(plan, latency_s, rates_rps, plan.stages_slo_s)),
+            name == "proportional")
 
 
 def share_spare(plan: AppGraph, budgets_s: Mapping[str, float], usable_s: float
@@ -189,7 +190,7 @@ class AppSplits:
         for plan in self.plans.values():
             self._set_tables(plan)
             self.weights[plan.name] = dict(proportional_split(
-                plan, self._latency_s[plan.name], {}, plan.slo_s))
+                plan, self._latency_s[plan.name], {}, plan.stages_slo_s))
             self.splitter_used[plan.name] = plan.config.splitter == "proportional"
             counts = {plan.stages[s].model: 0 for s in plan.order}
             self._counts[plan.name] = counts
@@ -279,7 +280,7 @@ class AppSplits:
         heaviest path, in ms (the stats'; a stage's deadline adds the overhead to it)."""
         plan, weight = self.plans[app], self.weights[app]
         path = heaviest_paths(plan, weight)
-        usable_ms = max(plan.config.slo_ms - 1e3 * self.overhead_s, 0.0)
+        usable_ms = max(1e3 * (plan.stages_slo_s - self.overhead_s), 0.0)
         return {s: round(usable_ms * weight[s] / path[s], 3) for s in plan.order}
 
 

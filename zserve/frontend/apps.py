@@ -11,19 +11,23 @@ trip to the client. The app request ends with exactly one answer: the last stage
 instances' outputs joined along the batch dimension), or the first failing stage's typed error
 naming that stage; the other stage requests still in flight are then cancelled.
 
-Deadlines: a stage instance submitted at ``now`` gets ``(answer_by - now - o) * w / W + o``
+Deadlines: the app's ``answer_by`` is its admission plus its SLO less the app's client allowance
+(the client's side of the call, outside the frontend's clock); a stage instance submitted at
+``now`` gets ``(answer_by - now - o) * w / W + o``
 where ``w`` is its stage's weight, ``W`` the heaviest weighted path from it to the app's last
 stage and ``o`` the stage overhead (the reply allowance and the scheduler's jitter: a stage's
 batch is planned to end that much before its deadline, and only the last stage's reply uses the
 allowance), so the time the stages use is split by weight, a stage that finishes early passes
 its slack on and the last stage gets all that is left. The weights are the app's splitter's
 (``zserve.frontend.app_split``, which the core re-runs every period from the measured rates and
-hands here with ``set_split``); a run keeps the weights it was admitted under.
+hands here with ``set_split``); a run keeps the weights it was admitted under. A stage request's
+deadline is its share, but the frontend waits for its outputs until the app's own answer-by: a
+stage answered late (a batch a host stall delayed) leaves the next stages less, not the app failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,7 +52,8 @@ model request in the core's own counters (``received``, ``replied``, ``error_<KI
 class StageSink(Protocol):
     """What the driver asks of the core it is composed into."""
 
-    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox) -> None: ...
+    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox, *,
+                     expire_at: float) -> None: ...
 
     def cancel_stage(self, stage_rid: int) -> None: ...
 
@@ -60,17 +65,19 @@ class _Run:
     """One admitted app request: its inputs, each stage instance's outputs, its live stage
     requests."""
 
-    __slots__ = ("answer_by", "client", "client_rid", "done", "inputs", "live", "outputs", "path",
-                 "plan", "weight")
+    __slots__ = ("admitted", "answer_by", "client", "client_rid", "done", "inputs", "live",
+                 "outputs", "path", "plan", "weight")
 
     def __init__(self, plan: AppGraph, client: bytes, client_rid: int, inputs: dict[str, Any],
-                 *, answer_by: float, split: tuple[dict[str, float], dict[str, float]]) -> None:
+                 *, answer_by: float, admitted: float,
+                 split: tuple[dict[str, float], dict[str, float]]) -> None:
         self.plan = plan
         self.weight, self.path = split  # the app's split when it was admitted
         self.client = client
         self.client_rid = client_rid
         self.inputs = inputs
         self.answer_by = answer_by
+        self.admitted = admitted
         self.outputs: dict[str, list[dict[str, Any] | None]] = {
             name: [None] * plan.count[name] for name in plan.order}
         self.live: set[int] = set()  # stage request ids in flight
@@ -82,15 +89,19 @@ class AppDriver:
 
     def __init__(self, plans: Mapping[str, AppGraph], weights: Mapping[str, Mapping[str, float]],
                  sink: StageSink, *, overhead_s: float = 0.0,
-                 counters: dict[str, int] | None = None) -> None:
+                 counters: dict[str, int] | None = None,
+                 observe_answered: Callable[[float], None] | None = None) -> None:
         """``weights``: each app's stages' weights (``zserve.frontend.app_split``);
         ``overhead_s``: each stage's overhead (module docstring); ``counters``: where
-        ``APP_COUNTERS`` are counted (the core's, so they reach its stats)."""
+        ``APP_COUNTERS`` are counted (the core's, so they reach its stats);
+        ``observe_answered``: given each app request's admission -> answer (s) when it is
+        answered with outputs."""
         self.plans = dict(plans)
         self.overhead_s = overhead_s
         self.names = frozenset(plans)
         self.sink = sink
         self.counters = dict.fromkeys(APP_COUNTERS, 0) if counters is None else counters
+        self.observe_answered = observe_answered
         self._split: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
         for plan in self.plans.values():
             self.set_split(plan.name, weights[plan.name])
@@ -137,8 +148,11 @@ class AppDriver:
                                  (ErrorKind.BAD_REQUEST, refusal), outbox)
             return
         slo_s = plan.slo_s if req.slo_ms <= 0 else min(plan.slo_s, req.slo_ms / 1e3)
-        run = _Run(plan, client, req.request_id, req.inputs, answer_by=now + slo_s,
-                   split=self._split[plan.name])
+        # the client's side of the call (its parse before now, the answer's way back) is
+        # outside this clock: the stages share what it leaves
+        run = _Run(plan, client, req.request_id, req.inputs,
+                   answer_by=now + max(slo_s - plan.client_allowance_s, 0.0),
+                   admitted=now, split=self._split[plan.name])
         self._runs.setdefault(client, {})[req.request_id] = run
         self.counters["app_admitted"] += 1
         for stage in plan.order:
@@ -181,7 +195,10 @@ class AppDriver:
         self._next_rid += 1
         self._stage_of[rid] = (run, stage, instance)
         run.live.add(rid)
-        self.sink.submit_stage(now, InferRequest(rid, config.model, inputs, budget_s * 1e3), outbox)
+        # The stage's deadline is its share; its outputs are still taken until the app's own
+        # answer-by (a batch a host stall made late leaves the next stages less, not nothing).
+        self.sink.submit_stage(now, InferRequest(rid, config.model, inputs, budget_s * 1e3), outbox,
+                               expire_at=run.answer_by)
 
     # ------------------------------------------------------------------ stage answers
 
@@ -199,6 +216,8 @@ class AppDriver:
         run.outputs[stage][instance] = outputs
         if stage == plan.last:
             if all(o is not None for o in run.outputs[stage]):
+                if self.observe_answered is not None:
+                    self.observe_answered(now - run.admitted)
                 self._answer(run, outbox)
             return
         for downstream in plan.next[stage]:

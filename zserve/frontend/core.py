@@ -134,6 +134,7 @@ FRONTEND_HISTOGRAMS = {
     "execution": "delay",
     "finish_to_answer": "signed",
     "overhead": "signed",
+    "app_answered": "delay",  # an app request's admission -> its answer with outputs
 }
 """The core's latency histograms (seconds), by bounds scheme; plus, per configured model,
 ``queueing/<model>`` (the ``queueing`` hop of one model), ``execution/<model>`` (one value per
@@ -267,7 +268,8 @@ class FrontendCore:
                                     overhead_s=stage_overhead_s(cluster),
                                     delay_s=scheduling_allowances_s(cluster))
         self.apps = AppDriver(plans, self.app_splits.weights, self,
-                              overhead_s=stage_overhead_s(cluster), counters=self.counters)
+                              overhead_s=stage_overhead_s(cluster), counters=self.counters,
+                              observe_answered=self._stats.histograms["app_answered"].observe)
 
     def _init_stats(self, host_counters: Iterable[str]) -> None:
         """The counters and histograms, the per-request ones bound to attributes once."""
@@ -355,7 +357,10 @@ class FrontendCore:
             log.warning("%s: refusing %s", self.name, refusal)
             self.refused_clients[client] = refusal
 
-    def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox) -> None:
+    def on_infer(self, now: float, client: bytes, req: InferRequest, outbox: Outbox, *,
+                 expire_at: float = -math.inf) -> None:
+        """Admit ``req`` of ``client`` (or answer why not); ``expire_at``: the frontend answers
+        it ``DEADLINE`` no earlier than this (an app's stage request: the app's answer-by)."""
         self.counters["received"] += 1
         if self.apps.names and req.model in self.apps.names:
             self._on_app_infer(now, client, req, outbox)
@@ -372,15 +377,17 @@ class FrontendCore:
         slo_s = model.slo_s if req.slo_ms <= 0 else min(model.slo_s, req.slo_ms / 1e3)
         answer_by = now + slo_s
         rid = self.ids.take()
-        self.requests.add(Pending(rid, client, req.request_id, req.model, req.inputs, now,
-                                  answer_by, rows))
+        pending = Pending(rid, client, req.request_id, req.model, req.inputs, now, answer_by,
+                          rows)
+        pending.expire_at = expire_at = max(expire_at, answer_by)
+        self.requests.add(pending)
         model.pending += rows
         model.queued += rows
         self.counters["admitted"] += 1
         if self.apps.names:  # the rates the apps' splits are recomputed from
             self.app_splits.note(req.model)
-        self._timers.push(answer_by, rid)
-        self.wake_at = min(self.wake_at, answer_by + TIMER_COALESCE_S)
+        self._timers.push(expire_at, rid)
+        self.wake_at = min(self.wake_at, expire_at + TIMER_COALESCE_S)
         if self.on_demand.report:  # with [orchestration] only: no call per request otherwise
             self.on_demand.note_admitted(req.model)
         if hold:  # no backend serves it: held until one does (an on-demand load)
@@ -407,10 +414,12 @@ class FrontendCore:
             self.wake_at = min(self.wake_at, self.app_splits.next_at)
         self.apps.on_infer(now, client, req, outbox)
 
-    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox) -> None:
+    def submit_stage(self, now: float, stage: InferRequest, outbox: Outbox, *,
+                     expire_at: float) -> None:
         """One stage instance of an app request: a request of its model, admitted like a
-        client's, answered to the driver."""
-        self.on_infer(now, APP_CLIENT, stage, outbox)
+        client's, answered to the driver; the frontend's timer waits for its outputs until
+        ``expire_at`` (its app's answer-by), past the stage's own deadline."""
+        self.on_infer(now, APP_CLIENT, stage, outbox, expire_at=expire_at)
 
     def cancel_stage(self, stage_rid: int) -> None:
         """Withdraw a stage request whose app has its answer: unanswered, as a client's that
@@ -866,9 +875,9 @@ class FrontendCore:
                 self.counters["app_resplits"] += 1
         self.wake_at = min(timers.next_at() + TIMER_COALESCE_S, splits.next_at)
 
-    def _deadline_is_live(self, answer_by: float, rid: int) -> bool:
+    def _deadline_is_live(self, expire_at: float, rid: int) -> bool:
         p = self.requests.pending.get(rid)
-        return p is not None and p.answer_by == answer_by
+        return p is not None and p.expire_at == expire_at
 
     # ------------------------------------------------------------------ stats
 

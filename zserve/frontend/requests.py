@@ -20,13 +20,15 @@ class Pending:
     the cluster's frontends and this frontend's restarts, ``zserve.core.request_ids``);
     ``client_rid``: the id its client gave it (unique per connection); ``owner``: the client
     connection's identity it was admitted on, ``client`` the same until the client is gone (then
-    None: it is answered to nobody); ``answer_by``: the moment its SLO ends; ``rows``: its batch
-    dimension; ``state``: ``QUEUED`` or ``FETCHED``, with ``backend``, ``fetched_at`` and
+    None: it is answered to nobody); ``answer_by``: the moment its SLO ends; ``expire_at``: when
+    the frontend answers it ``DEADLINE`` if nothing else has (``answer_by``, or for an app's stage
+    request the app's own answer-by: a stage answered late still serves its app); ``rows``: its
+    batch dimension; ``state``: ``QUEUED`` or ``FETCHED``, with ``backend``, ``fetched_at`` and
     ``plan_id`` once fetched.
     """
 
-    __slots__ = ("answer_by", "arrival", "backend", "client", "client_rid", "fetched_at",
-                 "inputs", "model", "owner", "plan_id", "rid", "rows", "state")
+    __slots__ = ("answer_by", "arrival", "backend", "client", "client_rid", "expire_at",
+                 "fetched_at", "inputs", "model", "owner", "plan_id", "rid", "rows", "state")
 
     def __init__(self, rid: int, client: bytes, client_rid: int, model: str,  # noqa: PLR0917
                  inputs: dict[str, Any] | None, arrival: float, answer_by: float,
@@ -38,7 +40,7 @@ class Pending:
         self.model = model
         self.inputs = inputs
         self.arrival = arrival
-        self.answer_by = answer_by
+        self.answer_by = self.expire_at = answer_by
         self.rows = rows
         self.state = QUEUED
         self.backend = ""
