@@ -528,9 +528,17 @@ class PlanFollower:
             here = [i for i, key in enumerate(keys) if key in held.inputs]
             own = min(own, latest_start_keeping_all(here, plan.finish_by,
                                                     self.latency_s[plan.model],
-                                                    self.shed_grace_s, sizes=plan.rows))
+                                                    self.grace_s(plan), sizes=plan.rows))
         bound = min(own, self._queue_bound(held)) - BOUND_ROUNDING_S
         return max(held.received_at + self._fetch_floor(), bound)
+
+    def grace_s(self, plan: BatchPlan) -> float:
+        """How far past its ``finish_by`` a row of ``plan`` may finish and still run: the
+        configured grace, or ``SHED_GRACE_FRACTION`` of the reply allowance the plan was made
+        with when that is smaller (a learned one: the grace stays inside what it leaves)."""
+        if plan.reply_allowance > 0.0:
+            return min(self.shed_grace_s, SHED_GRACE_FRACTION * plan.reply_allowance)
+        return self.shed_grace_s
 
     def _queue_bound(self, head: HeldPlan) -> float:
         """The latest start of ``head`` at which every plan held behind it, run in exec_at order
@@ -551,7 +559,7 @@ class PlanFollower:
         if held.latest_starts is None:
             plan = held.plan
             every = list(range(len(plan.request_ids)))
-            args = (every, plan.finish_by, self.latency_s[plan.model], self.shed_grace_s)
+            args = (every, plan.finish_by, self.latency_s[plan.model], self.grace_s(plan))
             held.latest_starts = (latest_start_keeping_all(*args, sizes=plan.rows),
                                   latest_start_keeping_some(*args, sizes=plan.rows))
         return held.latest_starts
@@ -580,7 +588,7 @@ class PlanFollower:
         shed: list[int] = []
         if rows and plan.finish_by:
             rows, shed = shed_late_rows(rows, plan.finish_by, now,
-                                        self.latency_s[plan.model], self.shed_grace_s,
+                                        self.latency_s[plan.model], self.grace_s(plan),
                                         sizes=plan.rows)
             if shed:
                 self.counters["requests_shed_late"] += len(shed)

@@ -74,6 +74,7 @@ from zserve.backends.follower import (
 from zserve.backends.liveness import BackendLiveness
 from zserve.backends.model_lifecycle import ModelLifecycle, Report
 from zserve.backends.prefix import backend_groups
+from zserve.backends.ready_routing import ReadyRouting
 from zserve.config.cluster import DEVICE_RE, ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
@@ -217,6 +218,7 @@ class BackendHost:
         self._stale_epochs_logged: set[int] = set()
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
         self._plan_shards: dict[int, bytes] = {}  # plan id -> its shard, until its BatchStats
+        self.ready_routing = ReadyRouting()  # the follower's ready samples, by their shard
         self.retiring = False  # released by the autoscaler: said in every registration
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
@@ -224,8 +226,7 @@ class BackendHost:
         self.profiles: dict[str, LatencyProfile] = {}
         self.models = list(executor.models)
         self.warmed: dict[str, list[int]] = {}
-        self.warm_s = 0.0
-        self.warm_finished_at = 0.0
+        self.warm_s = self.warm_finished_at = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._stuck = False
         self._host_stats = Stats(HOST_COUNTER_NAMES)
@@ -449,6 +450,7 @@ class BackendHost:
                 self._claim_slot(msg)
                 if identity is not None:
                     self._note_plan_shard(msg.plan_id, identity)
+                    self.ready_routing.note_plan(msg.model, identity)
                     if acks is not None:
                         acks.setdefault(identity, []).append(msg.plan_id)
             elif isinstance(msg, StatsRequest):
@@ -456,13 +458,12 @@ class BackendHost:
                 self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif not isinstance(msg, Hello | Heartbeat):
                 log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
-        samples = self.follower.ready_samples
-        ready: tuple[list[str], list[float], list[int]] = ([], [], [])
-        if acks and samples:
-            ready = ([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
-            samples.clear()
+        # each shard hears the ready samples of its own models (backends/ready_routing.py)
+        self.ready_routing.hold(self.follower.ready_samples)
+        self.follower.ready_samples.clear()
         for identity, plan_ids in (acks or {}).items():
-            self._send(self.plan_sock, PlanAck(plan_ids, now, *ready), identity)
+            self._send(self.plan_sock, PlanAck(plan_ids, now, *self.ready_routing.take(identity)),
+                       identity)
         self.driver.flush(outbox)
 
     def _note_plan_shard(self, plan_id: int, identity: bytes) -> None:

@@ -150,6 +150,7 @@ class CandidateSizing:
         "miss_margin_s",
         "policy",
         "profile",
+        "reply_s",
         "rescue",
         "size_batch",
         "slo_s",
@@ -184,6 +185,7 @@ class CandidateSizing:
         self.d_data_s = d_data_s
         self.jitter_s = jitter_s
         self.budget_s = slo_s - d_ctrl_s if budget_s is None else budget_s
+        self.reply_s = slo_s - d_ctrl_s - self.budget_s  # the reply allowance the budget keeps
         self.keep_tolerance = keep_tolerance
         self.meter = RpsMeter(rate_bucket_s, rate_window)
         self.arrived_requests = 0  # deferred, before a rate: DEFER_COLD_MIN_REQUESTS
@@ -238,10 +240,14 @@ class CandidateSizing:
         self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
         self.retarget()
 
-    def set_allowances(self, d_ctrl_s: float, jitter_s: float) -> None:
-        """New learned allowances (``zserve.core.allowances``): the budget keeps its reply
-        part and follows ``d_ctrl``; the target follows the budget."""
-        self.budget_s += self.d_ctrl_s - d_ctrl_s
+    def set_allowances(self, d_ctrl_s: float, jitter_s: float,
+                       reply_s: float | None = None) -> None:
+        """New learned allowances (``zserve.core.allowances``): the budget follows ``d_ctrl``
+        and the reply allowance (None: its reply part as it was); the target follows the
+        budget."""
+        if reply_s is not None:
+            self.reply_s = reply_s
+        self.budget_s = self.slo_s - self.reply_s - d_ctrl_s
         self.d_ctrl_s, self.jitter_s = d_ctrl_s, jitter_s
         self.lone_wait_s = self.budget_s - self.d_data_s - self.table[1]
         self.retarget()
@@ -253,6 +259,7 @@ class CandidateSizing:
                                   d_data_s=self.d_data_s, jitter_s=self.jitter_s,
                                   budget_s=self.budget_s, keep_tolerance=self.keep_tolerance)
         sibling.alone = self.alone
+        sibling.reply_s = self.reply_s  # exactly (budget - ... would round)
         sibling.set_meter(self.meter)
         sibling.answer_echoes = self.answer_echoes  # one model, one stream of answers
         sibling.retarget()

@@ -356,6 +356,9 @@ class SchedulerCore:
         thread.on_arrivals(now, frontend, request_ids, arrivals, deadlines, outbox, rows)
         if now >= self._light_due:
             self._note_light_load(now)
+        allowances = self.allowances
+        if allowances is not None:  # the frontend's learned reply allowance, for the budget
+            allowances.note_deadlines(now, frontend, thread.slo_s, arrivals, deadlines)
         if outbox and self.rank is not None:
             self._dispatch(now, outbox)
         self._moved.append(thread)  # _after(now, outbox, thread), written out: the hot path

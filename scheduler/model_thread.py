@@ -466,12 +466,13 @@ class ModelThread:
         return {gpu_id: sizing.profile for gpu_id, sizing in (self._kind_sizing or {}).items()}
 
     def set_allowances(self, now: float, d_ctrl_s: float, jitter_s: float,
-                       outbox: Outbox) -> None:
+                       outbox: Outbox, reply_s: float | None = None) -> None:
         """New learned allowances (``SchedulerCore``'s ``zserve.core.allowances``): the sizing
-        (and every kind's) plans with them, and the candidate is computed again with them."""
-        self.sizing.set_allowances(d_ctrl_s, jitter_s)
+        (and every kind's) plans with them, its budget with the frontends' learned reply
+        allowance ``reply_s`` (None: as before), and the candidate is computed again."""
+        self.sizing.set_allowances(d_ctrl_s, jitter_s, reply_s)
         for sibling in (self._kind_sizing or {}).values():
-            sibling.set_allowances(d_ctrl_s, jitter_s)
+            sibling.set_allowances(d_ctrl_s, jitter_s, reply_s)
         self._update(now, _NEG_INF, outbox)
         self._publish(now, outbox)
 
@@ -584,6 +585,7 @@ class ModelThread:
             rows=plan_rows,
             epoch=self.epoch,
             sent_at=now,
+            reply_allowance=sizing.reply_s,
         )
         self.n_planned += count
         self.n_batches += 1

@@ -229,7 +229,8 @@ class ShardHost:
         """The scheduling core, learning its allowances unless ``allowances = "fixed"``."""
         core = SchedulerCore(name, self.models, counters=self.counters)
         if cluster.scheduler.allowances == LEARNED:
-            core.allowances = ShardAllowances(self.clock.now(), self.d_ctrl_s, self.jitter_s)
+            core.allowances = ShardAllowances(self.clock.now(), self.d_ctrl_s, self.jitter_s,
+                                              self.reply_allowance_s)
         return core
 
     def _make_thread(self, model: ModelConfig, profile: LatencyProfile, now: float,
@@ -237,12 +238,13 @@ class ShardHost:
         slo_s = model.slo_ms / 1e3
         # a model added late plans with the allowances learned so far
         learned = self.core.allowances
-        d_ctrl_s, jitter_s = (self.d_ctrl_s, self.jitter_s) if learned is None else learned.applied
+        d_ctrl_s, jitter_s, reply_s = ((self.d_ctrl_s, self.jitter_s, self.reply_allowance_s)
+                                       if learned is None else learned.applied)
         thread = ModelThread(
             model.name, profile, slo_s, self.policy, d_ctrl_s=d_ctrl_s,
             d_data_s=self.cluster.d_data_ms_of(model) / 1e3,
             jitter_s=jitter_s,
-            budget_s=slo_s - self.reply_allowance_s - d_ctrl_s,
+            budget_s=slo_s - reply_s - d_ctrl_s,
             plan_ids=self._plan_ids, publish_lead_s=PUBLISH_LEAD_S,
         )
         self.core.add_thread(now, thread, outbox)

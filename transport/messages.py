@@ -38,8 +38,9 @@ TensorMap = dict[str, Array]
 # gc=False: a message holds lists, dicts and arrays but never a reference cycle, so the cyclic
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
 # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds; 5: InferRequests;
-# 6: BatchPlan.sent_at, PlanAck.ready_models / ready_delays / ready_rows (learned allowances)
-WIRE_PROTOCOL_VERSION = 6
+# 6: BatchPlan.sent_at, PlanAck.ready_models / ready_delays / ready_rows (learned allowances);
+# 7: BatchPlan.reply_allowance
+WIRE_PROTOCOL_VERSION = 7
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
@@ -298,6 +299,11 @@ class BatchPlan(Message, frozen=True, tag="plan"):
     # When the shard made (and sent) it, on the cluster clock; 0: not said. The backend reports
     # the plan's ready delay from it (``PlanAck.ready_delays``).
     sent_at: float = 0.0
+    # The reply allowance ``finish_by`` was planned with (seconds; the learned one under
+    # learned allowances); 0: not said. The backend's late shedding keeps a row finishing at
+    # most ``SHED_GRACE_FRACTION`` of it past its ``finish_by``, so a learned allowance smaller
+    # than the configured one is not overrun by the configured one's grace.
+    reply_allowance: float = 0.0
 
 
 # --------------------------------------------------------------------------- backend <-> frontend
@@ -518,8 +524,8 @@ class PlanAck(Message, frozen=True, tag="pack"):
     received_at: float
     # Started batches since the last acknowledgement: each one's model, the delay from its plan's
     # ``sent_at`` to its last input's arrival, and its rows; the shard learns its ``d_ctrl`` from
-    # them (``zserve.scheduler.learned_allowances``). Each shard gets every sample and keeps
-    # those of its own models.
+    # them (``zserve.scheduler.learned_allowances``). Each sample goes to the shard that sent
+    # the newest plan of its model (``zserve.backends.ready_routing``).
     ready_models: list[str] = msgspec.field(default_factory=list)
     ready_delays: list[float] = msgspec.field(default_factory=list)
     ready_rows: list[int] = msgspec.field(default_factory=list)

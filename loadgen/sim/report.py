@@ -83,7 +83,8 @@ def _outcome(sim: Simulator, i: int, in_window: np.ndarray[Any, Any],
     status = sim.status[sl][mask]
     a = sim.arrival_all[sl][mask]
     served = (status == GOOD) | (status == LATE)
-    reply_s = sim.w.reply_ms / 1e3
+    # with drawn hops the answer already includes the reply's draw (hops.py); else its allowance
+    reply_s = 0.0 if sim.config.hops is not None else sim.w.reply_ms / 1e3
     latencies = (sim.answers.answered_at[sl][mask][served] + reply_s - a[served]) * 1e3
     queueing = (sim.exec[sl][mask][served] - a[served]) * 1e3
     mine = batches[(batches[:, 0] == i) & (batches[:, 2] >= lo_w) & (batches[:, 2] < hi_w)]

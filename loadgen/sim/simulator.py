@@ -240,7 +240,8 @@ class Simulator:
         self.hops = self.config.hops
         self._hop_rng = np.random.default_rng((self.w.seed, HOP_SEED_SALT))
         if self.config.learned_allowances:
-            self.core.allowances = ShardAllowances(0.0, d_ctrl_s, self.w.jitter_ms / 1e3)
+            self.core.allowances = ShardAllowances(0.0, d_ctrl_s, self.w.jitter_ms / 1e3,
+                                                   self.w.reply_ms / 1e3)
 
     def _build_requests(self, arrivals: list[np.ndarray[Any, Any]]) -> None:
         """Request ``i``'s arrival, model and deadline (indexes run model by model), and the

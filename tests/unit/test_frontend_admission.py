@@ -219,3 +219,32 @@ def test_a_slow_models_burst_that_one_batch_serves_is_not_past_its_capacity() ->
                         profiles={"m": LatencyProfile.linear(1.0, 3000.0, 8)})
     assert _offer(core, 0.0, 1, 2) == {}
     assert _offer(core, 0.5, 3, 7) == {9: "OVERLOADED"}
+
+
+def _burst_admitted(admission: ModelAdmission, gpus: int) -> int:
+    """Rows of one burst at t = 0 the gate admits (before any rate: past the capacity)."""
+    gate = admission.gate(gpus)
+    assert gate is not None
+    admitted = 0
+    while gate.admit(0.0, 1) and admitted < 10_000:
+        admitted += 1
+    return admitted
+
+
+def test_the_gate_bucket_follows_the_learned_reply_allowance() -> None:
+    """A slow model on 8 GPUs (l(b) = 10 b + 10 ms, SLO 1 s): its bucket is the rows that,
+    waiting at capacity, still finish within the SLO less the reply allowance, so a learned
+    allowance resizes it as if the gate had been made with it."""
+    cluster = parse_config({
+        "backends": {"count": 8, "device": "emulated"},
+        "models": [{"name": "m", "emulated": {"alpha_ms": 10.0, "beta_ms": 10.0,
+                                              "input_shape": [4]},
+                    "slo_ms": 1000.0, "max_batch": 8, "max_queue": 100_000}]})
+    profile = LatencyProfile.linear(10.0, 10.0, 8)
+    config = cluster.models[0]
+    wide = _burst_admitted(ModelAdmission(config, 0, profile, reply_allowance_s=0.5), 8)
+    narrow = ModelAdmission(config, 0, profile, reply_allowance_s=0.05)
+    assert _burst_admitted(ModelAdmission(config, 0, profile, reply_allowance_s=0.05), 8) > wide
+    narrow.gate(8)
+    narrow.set_reply_allowance(0.5)  # learned wider: the bucket shrinks to the wide one's
+    assert _burst_admitted(narrow, 8) == wide

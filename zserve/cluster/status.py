@@ -132,7 +132,7 @@ def _print_requests(before: dict[str, Any], stats: dict[str, Any], interval_s: f
 
 def _print_allowances(stats: dict[str, Any]) -> None:
     """The allowances the scheduler and this frontend plan with (``[scheduler] allowances``:
-    learned ones with their window's p99 and their bounds)."""
+    learned ones with the quantile they plan with, their window's p99 and their bounds)."""
     parts = []
     for peer_name, peer in sorted(stats.get("cluster", {}).items()):
         if peer.get("role") == "shard" and isinstance(peer.get("allowances"), dict):
@@ -147,8 +147,11 @@ def _print_allowances(stats: dict[str, Any]) -> None:
 def _allowance_text(entry: dict[str, Any]) -> str:
     text = f"{entry['value_ms']:.2f} ms"
     if "cap_ms" in entry:  # learned
-        p99 = entry.get("p99_ms")
+        p99, planned = entry.get("p99_ms"), entry.get("quantile_ms")
         seen = "no samples" if p99 is None else f"p99 {p99:.2f} ms of {entry['samples']}"
+        if planned is not None:  # the quantile planned with, where not the p99
+            name = f"p{round(entry['quantile'] * 100)}"
+            seen = seen if name == "p99" else f"{name} {planned:.2f} ms, {seen}"
         text += f" (learned: {seen}; floor {entry['floor_ms']:g}, cap {entry['cap_ms']:g})"
     return text
 

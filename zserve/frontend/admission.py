@@ -107,6 +107,13 @@ class CapacityGate:
         self._ceiling_rps = GATE_CEILING_FRACTION * capacity_rps
         self._surge_rows = _surge_rows(capacity_rps, self._burst_rows, self._window_s)
 
+    def set_burst(self, burst_rows: float) -> None:
+        """A new bucket size (the reply allowance it was sized with moved): the tokens held
+        stay, up to the new size."""
+        self._burst_rows = burst_rows
+        self._tokens = min(self._tokens, burst_rows)
+        self._surge_rows = _surge_rows(self.capacity_rps, burst_rows, self._window_s)
+
     def admit(self, now: float, rows: int) -> bool:
         """Whether a request of ``rows`` rows offered at ``now`` may be admitted."""
         start = self._window_start
@@ -300,17 +307,33 @@ class ModelAdmission:
         if self._gate is not None:
             self._gate.rescale(capacity)
             return self._gate
-        # b*: the capacity batch (see capacity_rps). The bucket holds the burst the model's
-        # share serves in time from idle: the rows that, waiting at capacity, still finish within
-        # the SLO with one l(b*)/N to spare, and at least one b* and the largest batch one idle
-        # GPU finishes within the SLO. A rate window spans two of b*'s runs at least.
-        batch = max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
+        batch = self._capacity_batch(gpus)
+        window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
+        self._gate = CapacityGate(capacity, self._burst_rows(capacity, gpus), window_s)
+        return self._gate
+
+    def _capacity_batch(self, gpus: int) -> int:
+        """b*: the capacity batch (see capacity_rps)."""
+        assert self._profile is not None
+        return max(1, self._profile.largest_batch_within(self.slo_s / (1.0 + 1.0 / gpus)))
+
+    def _burst_rows(self, capacity: float, gpus: int) -> float:
+        """The gate's bucket: the burst the model's share serves in time from idle, the rows
+        that, waiting at capacity, still finish within the SLO less the reply allowance with
+        one l(b*)/N to spare, and at least one b* and the largest batch one idle GPU finishes
+        within it. A rate window spans two of b*'s runs at least."""
+        assert self._profile is not None
+        batch = self._capacity_batch(gpus)
         budget_s = self.slo_s - self.reply_allowance_s
         one_batch = self._profile.largest_batch_within(budget_s)
         waiting = capacity * (budget_s - self._profile.latency(batch) * (1.0 + 2.0 / gpus))
-        window_s = max(RATE_WINDOW_S, RATE_WINDOW_BATCHES * self._profile.latency(batch))
-        self._gate = CapacityGate(capacity, max(float(batch), float(one_batch), waiting), window_s)
-        return self._gate
+        return max(float(batch), float(one_batch), waiting)
+
+    def set_reply_allowance(self, reply_s: float) -> None:
+        """The frontend's learned reply allowance moved: the gate's bucket follows it."""
+        self.reply_allowance_s = reply_s
+        if self._gate is not None:
+            self._gate.set_burst(self._burst_rows(self._gate.capacity_rps, self._gate_gpus))
 
     def note_answer(self, deadline_missed: bool) -> None:
         """An admitted request was answered: DEADLINE (``deadline_missed``) or with outputs."""

@@ -40,6 +40,7 @@ from zserve.core.allowances import (
     FLOOR_REPLY_S,
     LEARNED,
     MARGIN_REPLY_S,
+    TAIL_QUANTILE,
     AllowanceRule,
     LearnedAllowance,
 )
@@ -98,6 +99,9 @@ TIMER_COALESCE_S = 0.0005
 # entries and more than this many times the pending requests (most are answered early).
 TIMER_COMPACT_MIN = 1024
 TIMER_COMPACT_FACTOR = 4
+# The admission gates' buckets are resized when the learned reply allowance moved this much
+# since they were sized (each resize walks every model).
+GATE_REPLY_STEP_S = 0.05e-3
 # Built once, because Enum lookups and ``.value`` run Python code.
 _WIRE_ERRORS = {kind: kind.value for kind in ErrorKind}
 _ERROR_COUNTERS = {kind: f"error_{kind.value}" for kind in ErrorKind}
@@ -187,8 +191,10 @@ def _learned_reply(cluster: ClusterConfig, configured_s: float) -> LearnedAllowa
     configured value; the deadlines sent to the scheduler follow it. None: ``fixed``."""
     if cluster.scheduler.allowances != LEARNED:
         return None
+    # the p99 (TAIL_QUANTILE): the reply's slack is the last a late input can still use, and
+    # at the p95 the loaded twin lost more than the fixed rule (docs/performance.md)
     return LearnedAllowance(AllowanceRule.from_configured(
-        configured_s, FLOOR_REPLY_S, MARGIN_REPLY_S), 0.0)
+        configured_s, FLOOR_REPLY_S, MARGIN_REPLY_S, TAIL_QUANTILE), 0.0)
 
 
 class _ShardMeta:
@@ -227,6 +233,7 @@ class FrontendCore:
         self.reply_allowance_s = cluster.frontends.reply_allowance_ms / 1e3
         self.reply = _learned_reply(cluster, self.reply_allowance_s)
         self._reply_seen_at = 0.0  # the last outputs' time (the summary's clock)
+        self._gate_reply_s = self.reply_allowance_s  # what the admission gates were sized with
         self.max_request_bytes = cluster.frontends.max_request_bytes
         self.models = _admissions(cluster, profiles)
         # the names, replaced whole on an addition: read from the metrics thread at a scrape
@@ -527,6 +534,18 @@ class FrontendCore:
         self.counters["fetches"] += 1
         self.counters["fetch_missing"] += len(missing)
 
+    def _learn_reply(self, now: float, sample_s: float) -> None:
+        """A reply-path sample: the deadlines sent from now on keep the learned allowance, and
+        the admission gates' buckets follow it when it moved by ``GATE_REPLY_STEP_S``."""
+        assert self.reply is not None
+        self.reply.observe(now, sample_s)
+        self.reply_allowance_s = self.reply.value(now)
+        self._reply_seen_at = now
+        if abs(self.reply_allowance_s - self._gate_reply_s) >= GATE_REPLY_STEP_S:
+            self._gate_reply_s = self.reply_allowance_s
+            for model in self.models.values():
+                model.set_reply_allowance(self.reply_allowance_s)
+
     def on_outputs(self, now: float, msg: BatchOutputs, outbox: Outbox) -> None:
         started_at = msg.started_at
         timed = started_at > 0.0 and msg.finished_at >= started_at
@@ -535,9 +554,7 @@ class FrontendCore:
             self._execution.observe(execution)
             self._finish_to_answer.observe(now - msg.finished_at)
             if self.reply is not None:
-                self.reply.observe(now, now - msg.finished_at)
-                self.reply_allowance_s = self.reply.value(now)
-                self._reply_seen_at = now
+                self._learn_reply(now, now - msg.finished_at)
         fetch_to_outputs = self._fetch_to_outputs.observe
         batch_model: str | None = None
         for rid, outputs in zip(msg.request_ids, msg.outputs, strict=False):
