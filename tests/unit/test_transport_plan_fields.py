@@ -34,15 +34,16 @@ _STATS_HEAD = ("bstats", 3, "m", 1, 2, 10.0, 10.001, 10.021, True, 0)
 
 # name -> (frames, message fragment of the ProtocolError)
 MALFORMED: dict[str, tuple[list[bytes], str]] = {
-    "finish-by-not-list": ([_pack(*_PLAN_HEAD, 10.05, [], 0, 0.0)], "BatchPlan.finish_by"),
-    "finish-by-str-item": ([_pack(*_PLAN_HEAD, [10.05, "late"], [], 0, 0.0)],
+    "finish-by-not-list": ([_pack(*_PLAN_HEAD, 10.05, [], 0, 0.0, 0.0)], "BatchPlan.finish_by"),
+    "finish-by-str-item": ([_pack(*_PLAN_HEAD, [10.05, "late"], [], 0, 0.0, 0.0)],
                            "BatchPlan.finish_by"),
-    "finish-by-bool-item": ([_pack(*_PLAN_HEAD, [True, 10.0], [], 0, 0.0)],
+    "finish-by-bool-item": ([_pack(*_PLAN_HEAD, [True, 10.0], [], 0, 0.0, 0.0)],
                             "BatchPlan.finish_by"),
-    "finish-by-nested": ([_pack(*_PLAN_HEAD, [[10.05], [10.25]], [], 0, 0.0)],
+    "finish-by-nested": ([_pack(*_PLAN_HEAD, [[10.05], [10.25]], [], 0, 0.0, 0.0)],
                          "BatchPlan.finish_by"),
-    "plan-without-finish-by": ([_pack(*_PLAN_HEAD)], "BatchPlan has 12 fields"),
-    "rows-str-item": ([_pack(*_PLAN_HEAD, [10.05, 10.25], [1, "2"], 0, 0.0)], "BatchPlan.rows"),
+    "plan-without-finish-by": ([_pack(*_PLAN_HEAD)], "BatchPlan has 13 fields"),
+    "rows-str-item": ([_pack(*_PLAN_HEAD, [10.05, 10.25], [1, "2"], 0, 0.0, 0.0)],
+                      "BatchPlan.rows"),
     "device-free-at-str": ([_pack(*_STATS_HEAD, "soon")], "BatchStats.device_free_at"),
     "device-free-at-bool": ([_pack(*_STATS_HEAD, True)], "BatchStats.device_free_at"),
     "device-free-at-list": ([_pack(*_STATS_HEAD, [1.0])], "BatchStats.device_free_at"),
@@ -70,7 +71,7 @@ def test_defaults_mean_unknown_and_round_trip() -> None:
 
 
 def test_ints_in_the_new_float_fields_become_floats() -> None:
-    plan = codec.decode([_pack(*_PLAN_HEAD, [10, 11.5], [], 0, 0.0)])
+    plan = codec.decode([_pack(*_PLAN_HEAD, [10, 11.5], [], 0, 0.0, 0.0)])
     stats = codec.decode([_pack(*_STATS_HEAD, 12)])
     assert isinstance(plan, BatchPlan) and plan.finish_by == [10.0, 11.5]
     assert all(type(x) is float for x in plan.finish_by)
@@ -86,7 +87,8 @@ def test_every_class_samples_carry_the_new_fields() -> None:
     assert len(plan.finish_by) == len(plan.request_ids) > 0
     assert stats.device_free_at > 0.0
     names = [f.name for f in msgspec.structs.fields(BatchPlan)]
-    assert names[-4:] == ["finish_by", "rows", "epoch", "sent_at"]  # the send time came last
+    # the send time, then the reply allowance the plan was made with, came last
+    assert names[-5:] == ["finish_by", "rows", "epoch", "sent_at", "reply_allowance"]
     assert [f.name for f in msgspec.structs.fields(BatchStats)][-1] == "device_free_at"
 
 
