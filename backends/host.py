@@ -22,9 +22,11 @@ late shedding, the device-free projection -- are the pure ``PlanFollower``
    before. A ``RunBatch`` is run by the ``BatchRunner``; the follower answers what it gave
    (``on_batch_finished``: ``BatchOutputs`` or ``BatchFailed`` per frontend), the host sends
    that, then ``on_batch_done`` frees the device.
-   Each plan is acknowledged to its shard at once (``PlanAck``), from this same loop, and its
-   ``BatchStats`` goes to that shard too, besides the rank (the shard learns when its batch
-   really ended: ``zserve.scheduler.policy.AnswerEchoes``).
+   Each plan is acknowledged to its shard from this same loop, on the next ``BatchStats`` to
+   that shard or alone (``PlanAck``) once held ``ACK_HOLD_S`` (``zserve.backends.held_acks``).
+   A plan's ``BatchStats`` goes to its shard (which learns when its batch really ended:
+   ``zserve.scheduler.policy.AnswerEchoes``) and to the rank, once where one process hosts
+   both (its shard hands it to its rank).
    Heartbeats to the rank and acknowledgements stop while a batch is wedged (running
    ``WEDGED_FACTOR`` x its planned duration, at least ``WEDGED_MIN_S``): ONNX Runtime runs a
    batch in the executor's worker thread, so the loop itself keeps running and must say so.
@@ -58,6 +60,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
 import zmq
 
 from zserve.backends.batch_runner import BatchRunner, BusyMeter
@@ -71,10 +74,11 @@ from zserve.backends.follower import (
     RunBatch,
     shed_late_rows,
 )
+from zserve.backends.held_acks import ACK_HOLD_S, HeldAcks
 from zserve.backends.liveness import BackendLiveness
 from zserve.backends.model_lifecycle import ModelLifecycle, Report
 from zserve.backends.prefix import backend_groups
-from zserve.backends.ready_routing import ReadyRouting
+from zserve.backends.ready_routing import ReadyRouting, ReadySamples
 from zserve.config.cluster import DEVICE_RE, ModelConfig, RoleConfig
 from zserve.config.profiles import LatencyProfile, configured_profile
 from zserve.core.epochs import EpochFence
@@ -120,7 +124,9 @@ PROFILE_REPEATS = 3
 # Plans whose shard is remembered for their BatchStats at most (a plan that ends without one,
 # in a drain, is forgotten once this many newer plans came).
 PLAN_SHARDS_MAX = 4096
-HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged")
+# acks_on_reports / acks_alone: plan acknowledgements sent on a BatchStats / alone (PlanAck)
+HOST_COUNTER_NAMES = ("send_dropped", "bad_messages", "stale_epoch", "plans_unstaged",
+                      "acks_on_reports", "acks_alone")
 
 
 def _newer_incarnation(incarnation: int, than: int) -> bool:
@@ -183,6 +189,8 @@ class BackendHost:
     # group's profile, so frontends admit them (zserve.backends.prefix.backend_groups; the
     # host's builder sets it before the host registers).
     grouped: Mapping[str, tuple[str, dict[str, Any]]] = MappingProxyType({})
+    _stuck = False  # a batch still ran at close (``stuck``)
+    _ack_flush: asyncio.TimerHandle | None = None  # sends the held acknowledgements alone
 
     def __init__(
         self,
@@ -219,6 +227,7 @@ class BackendHost:
         self.plans_by_epoch: dict[int, int] = {}  # plans admitted, by scheduler epoch
         self._plan_shards: dict[int, bytes] = {}  # plan id -> its shard, until its BatchStats
         self.ready_routing = ReadyRouting()  # the follower's ready samples, by their shard
+        self.held_acks = HeldAcks()  # acknowledgements waiting for a BatchStats to ride
         self.retiring = False  # released by the autoscaler: said in every registration
         self.frontend_socks: dict[str, zmq.Socket[Any]] = {}
         # address -> the newest frontend incarnation its plans named (_note_frontend_restarts)
@@ -228,7 +237,6 @@ class BackendHost:
         self.warmed: dict[str, list[int]] = {}
         self.warm_s = self.warm_finished_at = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._stuck = False
         self._host_stats = Stats(HOST_COUNTER_NAMES)
         self.counters = self._host_stats.counters
         self.runner = BatchRunner(executor, self.clock, self.follower.stats)
@@ -416,28 +424,75 @@ class BackendHost:
                 if not self._send(self.frontend_socks[address], msg) and isinstance(
                         msg, InputFetch):
                     lost.append((msg.plan_id, address))
-            else:
-                if type(msg) is BatchStats:
-                    assert isinstance(msg, BatchStats)
-                    shard = self._plan_shards.pop(msg.plan_id, None)
-                    if shard is not None:  # best effort: a shard that left needs no report
-                        self.reactor.send_nowait(self.plan_sock, msg, shard)
-                if self.rank_sock is not None:
-                    self._send(self.rank_sock, msg)
+            elif type(msg) is BatchStats:
+                assert isinstance(msg, BatchStats)
+                self._send_stats(msg)
+            elif self.rank_sock is not None:
+                self._send(self.rank_sock, msg)
         outbox.clear()
         for plan_id, address in lost:  # nothing will come: run without them
             self.follower.on_fetch_lost(self.clock.now(), plan_id, address, outbox)
+
+    def _send_stats(self, stats: BatchStats) -> None:
+        """A plan's report to the shard that sent it, with the acknowledgements held for that
+        shard, and to the rank unless the shard's process hosts it (that shard hands it over)."""
+        shard = self._plan_shards.pop(stats.plan_id, None)
+        rank = self.rank_sock
+        if shard is not None:  # best effort: a shard that left needs no report
+            acked, _ = self.held_acks.take(shard)
+            report = stats
+            if acked:
+                self.counters["acks_on_reports"] += len(acked)
+                models, delays, rows = self._take_ready(shard)
+                report = msgspec.structs.replace(stats, acked_plan_ids=acked, ready_models=models,
+                                                 ready_delays=delays, ready_rows=rows)
+                if not self.held_acks:
+                    self._cancel_ack_flush()
+            error = self.reactor.send_nowait(self.plan_sock, report, shard)
+            if error is not None and acked:
+                self.counters["send_dropped"] += 1
+                log.warning("%s: dropped the BatchStats acknowledging %s (%s)", self.name,
+                            acked, error)
+            if rank is not None and self.rank_socks.get(shard.decode(errors="replace")) is rank:
+                return
+        if rank is not None:
+            self._send(rank, stats)
+
+    def _take_ready(self, shard: bytes) -> ReadySamples:
+        """The ready-delay samples held for ``shard`` (those of the models it plans, see
+        backends/ready_routing.py), now taken."""
+        self.ready_routing.hold(self.follower.ready_samples)
+        self.follower.ready_samples.clear()
+        return self.ready_routing.take(shard)
+
+    def _arm_ack_flush(self) -> None:
+        if self.held_acks and self._ack_flush is None:
+            self._ack_flush = self.loop.call_later(ACK_HOLD_S, self._flush_acks)
+
+    def _cancel_ack_flush(self) -> None:
+        if self._ack_flush is not None:
+            self._ack_flush.cancel()
+            self._ack_flush = None
+
+    def _flush_acks(self) -> None:
+        """The held acknowledgements no BatchStats took in time go alone, one PlanAck per
+        shard, each with the ready-delay samples of that shard's models."""
+        self._ack_flush = None
+        for shard, plan_ids, received_at in self.held_acks.take_all():
+            self.counters["acks_alone"] += len(plan_ids)
+            self._send(self.plan_sock, PlanAck(plan_ids, received_at, *self._take_ready(shard)),
+                       shard)
 
     # ------------------------------------------------------------------ messages in
 
     def _on_plan_chunk(self, messages: Chunk) -> None:
         outbox: Outbox = []
         now = self.clock.now()
-        # Each plan is acknowledged to its shard at once, before its inputs are fetched, unless
-        # the running batch is wedged: then, as with a stopped process, no acknowledgement comes
-        # and the shard plans the requests elsewhere (this loop starts the batches, so an
-        # acknowledgement from it says that they can start).
-        acks: dict[bytes, list[int]] | None = None if self.liveness.wedged(now) else {}
+        # Each plan is acknowledged to its shard (held a moment for the next BatchStats to ride,
+        # ``held_acks``), unless the running batch is wedged: then, as with a stopped process,
+        # no acknowledgement comes and the shard plans the requests elsewhere (this loop starts
+        # the batches, so an acknowledgement from it says that they can start).
+        wedged = self.liveness.wedged(now)
         for identity, msg in messages:
             if isinstance(msg, BatchPlan) and not self._admit_plan(msg):
                 continue
@@ -451,19 +506,14 @@ class BackendHost:
                 if identity is not None:
                     self._note_plan_shard(msg.plan_id, identity)
                     self.ready_routing.note_plan(msg.model, identity)
-                    if acks is not None:
-                        acks.setdefault(identity, []).append(msg.plan_id)
+                    if not wedged:
+                        self.held_acks.hold(identity, msg.plan_id, now)
             elif isinstance(msg, StatsRequest):
                 assert identity is not None
                 self._send(self.plan_sock, StatsReply(self.name, self.stats(msg.reset)), identity)
             elif not isinstance(msg, Hello | Heartbeat):
                 log.warning("%s: unexpected %s on the plan socket", self.name, type(msg).__name__)
-        # each shard hears the ready samples of its own models (backends/ready_routing.py)
-        self.ready_routing.hold(self.follower.ready_samples)
-        self.follower.ready_samples.clear()
-        for identity, plan_ids in (acks or {}).items():
-            self._send(self.plan_sock, PlanAck(plan_ids, now, *self.ready_routing.take(identity)),
-                       identity)
+        self._arm_ack_flush()
         self.driver.flush(outbox)
 
     def _note_plan_shard(self, plan_id: int, identity: bytes) -> None:
@@ -568,6 +618,7 @@ class BackendHost:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._cancel_ack_flush()
         socks = [self.plan_sock, *self.frontend_socks.values(), *self.rank_socks.values()]
         for sock in socks:
             self.reactor.unwatch(sock)

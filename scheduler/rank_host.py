@@ -225,6 +225,15 @@ class RankHost:
             self._handle(now, self._local_identity, msg, outbox)
         self.driver.flush(outbox)
 
+    def on_backend_reports(self, backend: bytes, reports: list[Message]) -> None:
+        """The ``BatchStats`` backend ``backend`` sent the embedded shard: a backend reports once
+        to a process that hosts both, and the shard hands the reports over before reading them."""
+        now = self.clock.now()
+        outbox: Outbox = []
+        for msg in reports:
+            self._handle(now, backend, msg, outbox)
+        self.driver.flush(outbox)
+
     def _handle(self, now: float, identity: bytes, msg: Message, outbox: Outbox) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None:

@@ -7,13 +7,14 @@ died). :class:`SentPlans` keeps each sent plan until no request of it can still 
 (``exec_at`` + the model's SLO: every request of a plan arrived before ``exec_at``, and its
 frontend's deadline timer fires by arrival + SLO), and hands a departed GPU's plans back.
 
-Acknowledgement: a backend acknowledges every plan at once from the loop that runs its batches
-(``PlanAck``). A plan not acknowledged by its ``ack_due`` (sent + d_ctrl + ``PLAN_ACK_MARGIN_S``)
-says that the backend is stopped or wedged: :meth:`SentPlans.overdue` names its GPU, and
-:meth:`SentPlans.take` splits that GPU's plans into those it never acknowledged (it never asked
-for their inputs, so they have not started and can be planned again) and those it did (it holds
-their inputs: they may run whenever it resumes). Pure bookkeeping: ``now`` passed in, ``wake_at``
-read back (the earliest ``ack_due`` still unacknowledged), no I/O.
+Acknowledgement: a backend acknowledges every plan from the loop that runs its batches, on its
+next ``BatchStats`` to the shard or alone (``PlanAck``) within ``ACK_HOLD_S`` (30 ms). A plan not
+acknowledged by its ``ack_due`` (sent + d_ctrl + ``PLAN_ACK_MARGIN_S``) says that the backend is
+stopped or wedged: :meth:`SentPlans.overdue` names its GPU, and :meth:`SentPlans.take` splits that
+GPU's plans into those it never acknowledged (planned again; the frontend hands each request's
+inputs out once, so one it fetched before it stopped runs nowhere else) and those it did (it
+holds their inputs: they may run whenever it resumes). Pure bookkeeping: ``now`` passed in,
+``wake_at`` read back (the earliest ``ack_due`` still unacknowledged), no I/O.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from zserve.core.groups import group_by_frontend
 from zserve.transport.messages import BatchPlan
 
 # How long past its delivery allowance (d_ctrl) a plan may go unacknowledged before its backend
-# is suspect. The acknowledgement needs the plan's hop, one hop back and the backend's loop to
-# run once. An idle host takes a process off its CPU for up to 26 ms (docs/performance.md, "Host
-# stalls"), but a shared 2-vCPU host at a load average of 10-15 (this one, running test suites
-# side by side) kept live backends from acknowledging within 100 ms now and then, and a false
-# suspicion fails the requests the backend holds. 250 ms keeps that away while a hung backend is
+# is suspect. The acknowledgement needs the plan's hop, one hop back, the backend's loop to run
+# once, and the backend's hold for a report to ride (at most ACK_HOLD_S, 30 ms). An idle host
+# takes a process off its CPU for up to 26 ms (docs/performance.md, "Host stalls"), but a
+# shared 2-vCPU host at a load average of 10-15 (this one, running test suites side by side)
+# kept live backends from acknowledging within 100 ms now and then, and a false suspicion fails
+# the requests the backend holds. 250 ms keeps that away while a hung backend is
 # out 8x sooner than by the heartbeat timeout (2 s); a re-planned request loses at most this much
 # of its budget.
 PLAN_ACK_MARGIN_S = 0.25
@@ -40,7 +42,7 @@ PLAN_ACK_MARGIN_S = 0.25
 
 @dataclass(slots=True)
 class TakenPlans:
-    """A departed or suspect GPU's plans: ``unacked`` (never acknowledged: not started) and the
+    """A departed or suspect GPU's plans: ``unacked`` (never acknowledged: planned again) and the
     request ids of the acknowledged ones by frontend address (their backend holds the inputs)."""
 
     unacked: list[BatchPlan] = field(default_factory=list)

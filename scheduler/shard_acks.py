@@ -2,12 +2,13 @@
 
 :class:`ShardPlanAcks` is a part of ``zserve.scheduler.shard_host.ShardHost`` (and of the
 simulator, which holds each plan as a live shard does): it follows the plans the shard sent
-(``SentPlans``), each remembered with the time its ``PlanAck`` is due (the plan's delivery
-allowance d_ctrl + ``PLAN_ACK_MARGIN_S``). A plan not acknowledged in time makes the shard suspect
-its backend: :meth:`ShardPlanAcks.suspect` tells the rank (``BackendSuspect``). When a backend is
-suspect or leaves the table, :meth:`ShardPlanAcks.release` answers the requests of the plans it
-acknowledged ``BACKEND_FAILED`` (it holds their inputs: they may run) and hands back the plans it
-never acknowledged, for the host to put back into their queues
+(``SentPlans``), each remembered with the time its acknowledgement is due (the plan's delivery
+allowance d_ctrl + ``PLAN_ACK_MARGIN_S``; it comes on a ``BatchStats`` or as a ``PlanAck``). A
+plan not acknowledged in time makes the shard suspect its backend: :meth:`ShardPlanAcks.suspect`
+tells the rank (``BackendSuspect``). When a backend is suspect or leaves the table,
+:meth:`ShardPlanAcks.release` answers the requests of the plans it acknowledged
+``BACKEND_FAILED`` (it holds their inputs: they may run) and hands back the plans it never
+acknowledged, for the host to put back into their queues
 (``zserve.scheduler.core.SchedulerCore.replan``).
 
 Pure, like the cores it serves (``zserve.core.hosting``): ``now`` passed in, messages appended to
@@ -61,7 +62,8 @@ class ShardPlanAcks:
         self.sent.remember(now, gpu_id, plan, slo_s, ack_due=now + self.ack_allowance_s)
 
     def acknowledge(self, plan_ids: Iterable[int]) -> int:
-        """A backend's ``PlanAck``: how many of these plans were awaited."""
+        """A backend's acknowledgement (``PlanAck.plan_ids`` or ``BatchStats.acked_plan_ids``):
+        how many of these plans were awaited."""
         count = self.sent.acknowledge(plan_ids)
         self.counters["plan_acks"] += count
         return count
@@ -99,11 +101,11 @@ class ShardPlanAcks:
     def release(self, now: float, gpu_id: int, why: str, outbox: Outbox) -> list[BatchPlan]:
         """The backend of ``gpu_id`` is gone or suspect: the requests of the plans it
         acknowledged are answered ``BACKEND_FAILED`` (it holds their inputs: they may run);
-        the plans it never acknowledged are returned, to be planned again (it never asked for
-        their inputs, so they have not run; should it fetch them after all, the frontend hands
-        each request's inputs out once, so one backend at most runs it). Requests already
-        answered (the batch ran, or the frontend failed the ones the backend fetched) are
-        ignored by their frontend, which answers once."""
+        the plans it never acknowledged are returned, to be planned again (should it have
+        fetched them, within ``ACK_HOLD_S`` of a plan before it stopped, or fetch them after all,
+        the frontend hands each request's inputs out once, so one backend at most runs it).
+        Requests already answered (the batch ran, or the frontend failed the ones the backend
+        fetched) are ignored by their frontend, which answers once."""
         taken = self.sent.take(now, gpu_id)
         for address, ids in taken.acked.items():
             self.counters["backend_failed"] += len(ids)

@@ -24,8 +24,11 @@ straight there.
   requests a backend had fetched, but only the shard knows those planned onto it and not yet
   fetched, e.g. plans queued for a backend that died).
 - Backends -> shard: ``BatchStats`` of each plan the shard sent, once the batch's answer went
-  out (its ModelThread learns when the batch really ended: ``AnswerEchoes``), and ``PlanAck``
-  over the same DEALERs, sent by each backend's batch loop on receipt of a plan. A plan not
+  out (its ModelThread learns when the batch really ended: ``AnswerEchoes``; with the rank
+  embedded the shard hands it to the rank too, as the backend sends it only once), and each
+  plan's acknowledgement over the same DEALERs, from each backend's batch loop: on its next
+  ``BatchStats`` to this shard (``acked_plan_ids``) or alone (``PlanAck``) once held
+  ``zserve.backends.held_acks.ACK_HOLD_S``. A plan not
   acknowledged within d_ctrl + ``PLAN_ACK_MARGIN_S`` makes the shard
   suspect that backend (stopped or wedged): it sends ``BackendSuspect`` to the rank (which stops
   granting the GPU and broadcasts the table without it), takes the GPU out of its ModelThreads,
@@ -65,6 +68,8 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import zmq
@@ -144,6 +149,8 @@ class ShardHost:
 
     # The rank's latest table (a model added later is served from it).
     _last_table: BackendTable | None = None
+    # GPU id -> its backend's name as the rank knows it (for an embedded rank's BatchStats)
+    backend_names: Mapping[int, bytes] = MappingProxyType({})
 
     def __init__(
         self,
@@ -416,6 +423,8 @@ class ShardHost:
     def _on_backend_table(self, now: float, table: BackendTable, outbox: Outbox) -> None:
         self._table_epoch = max(self._table_epoch, table.epoch)
         live = dict(zip(table.gpu_ids, table.addresses, strict=True))
+        self.backend_names = {g: n.encode() for g, n in zip(table.gpu_ids, table.names,
+                                                             strict=True)}
         departed: list[tuple[int, str]] = []
         for gpu_id in list(self.backend_socks):
             address, sock = self.backend_socks[gpu_id]
@@ -481,16 +490,23 @@ class ShardHost:
             self.core.replan(now, plan, why, outbox)
 
     def _on_backend_chunk(self, gpu_id: int, chunk: Chunk) -> None:
-        """Acknowledgements and batch reports from the backend of ``gpu_id``."""
+        """Acknowledgements and batch reports from the backend of ``gpu_id``. An embedded rank
+        reads the chunk's reports first (the backend sent them to this process only): when the
+        device really frees reaches it before what the reports make the ModelThreads ask."""
+        backend = self.backend_names.get(gpu_id)
+        if self.rank_local is not None and backend is not None:
+            reports: list[Message] = [m for _, m in chunk if type(m) is BatchStats]
+            if reports:
+                self.rank_local.on_backend_reports(backend, reports)
         outbox: Outbox = []
         for _, msg in chunk:
             if type(msg) is PlanAck:
                 assert isinstance(msg, PlanAck)
-                self.acks.acknowledge(msg.plan_ids)
-                if msg.ready_models and self.core.allowances is not None:
-                    self._note_ready(self.clock.now(), msg, outbox)
+                self._acknowledge(msg.plan_ids, msg, outbox)
             elif type(msg) is BatchStats:
                 assert isinstance(msg, BatchStats)
+                if msg.acked_plan_ids:
+                    self._acknowledge(msg.acked_plan_ids, msg, outbox)
                 self.core.on_batch_stats(self.clock.now(), msg, outbox)
             elif type(msg) is not Hello:
                 log.warning("%s: unexpected %s from GPU %d", self.name, type(msg).__name__,
@@ -498,10 +514,16 @@ class ShardHost:
         self.driver.flush(outbox)
         self._ack_timer.sync()
 
-    def _note_ready(self, now: float, msg: PlanAck, outbox: Outbox) -> None:
-        """A backend's ready-delay samples (the learned d_ctrl); those of other shards' models
-        are ignored by the core. What they send goes out with the chunk's other replies."""
-        for model, delay_s, rows in zip(msg.ready_models, msg.ready_delays, msg.ready_rows,
+    def _acknowledge(self, plan_ids: list[int], ready: PlanAck | BatchStats,
+                     outbox: Outbox) -> None:
+        """A backend acknowledged these plans; ``ready`` carries its ready-delay samples (the
+        learned d_ctrl; those of other shards' models are ignored by the core; what they send
+        goes out with the chunk's other replies)."""
+        self.acks.acknowledge(plan_ids)
+        if not ready.ready_models or self.core.allowances is None:
+            return
+        now = self.clock.now()
+        for model, delay_s, rows in zip(ready.ready_models, ready.ready_delays, ready.ready_rows,
                                         strict=True):
             self.core.note_ready(now, model, delay_s, rows, outbox)
 

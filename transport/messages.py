@@ -39,8 +39,9 @@ TensorMap = dict[str, Array]
 # collector need not track it (cheaper to build, msgspec's advice for such structs).
 # 3: CandidateUpdate.shared; 4: BackendRegister.kind, BackendTable.kinds; 5: InferRequests;
 # 6: BatchPlan.sent_at, PlanAck.ready_models / ready_delays / ready_rows (learned allowances);
-# 7: BatchPlan.reply_allowance
-WIRE_PROTOCOL_VERSION = 7
+# 7: BatchPlan.reply_allowance; 8: BatchStats.acked_plan_ids and ready_* (acknowledgements
+# ride the batch report)
+WIRE_PROTOCOL_VERSION = 8
 """The version of this module's wire messages, carried in every handshake (``HANDSHAKES``:
 ``ClientHello``, ``Hello``, ``BackendRegister``, ``Ready``); fields are only ever appended after
 ``protocol``. A receiver refuses a peer of another version with one line naming both
@@ -385,8 +386,14 @@ class BackendRegister(Message, frozen=True, tag="breg"):
 
 class BatchStats(Message, frozen=True, tag="bstats"):
     """Backend -> scheduler: what happened to one plan (for reports and lateness accounting),
-    to the rank and to the shard that sent the plan (over the backend's ``plan`` ROUTER): a batch
-    that ran tells its ModelThread when it ended (``zserve.scheduler.policy.AnswerEchoes``)."""
+    to the shard that sent the plan (over the backend's ``plan`` ROUTER: a batch that ran tells
+    its ModelThread when it ended, ``zserve.scheduler.policy.AnswerEchoes``) and to the rank. A
+    scheduler process that hosts both (``shards = 0``) gets it once, on the plan socket, and its
+    shard hands it to its rank."""
+
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("ready_models", "ready_delays", "ready_rows"),
+    )
 
     plan_id: int
     model: str
@@ -404,6 +411,13 @@ class BatchStats(Message, frozen=True, tag="bstats"):
     # order for its planned duration. The rank moves the GPU's free time later to it (never
     # earlier). 0: unknown (not reported).
     device_free_at: float = 0.0
+    # Plans of this shard acknowledged with this report, and the ready-delay samples, as a
+    # ``PlanAck`` would carry them (``zserve.backends.held_acks``: a backend holds a plan's
+    # acknowledgement briefly for its next report to that shard). Empty in the rank's copy.
+    acked_plan_ids: list[int] = msgspec.field(default_factory=list)
+    ready_models: list[str] = msgspec.field(default_factory=list)
+    ready_delays: list[float] = msgspec.field(default_factory=list)
+    ready_rows: list[int] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -514,12 +528,17 @@ class StatsReply(Message, frozen=True, tag="stats"):
 
 class PlanAck(Message, frozen=True, tag="pack"):
     """Backend -> the shard that sent these plans (over the backend's ``plan`` ROUTER): its batch
-    loop received them at ``received_at`` (cluster clock). Sent at once on receipt, from the loop
-    that starts the batches, so a stopped or wedged backend sends none: a plan not acknowledged
-    within its delivery allowance (``d_ctrl``) plus ``zserve.scheduler.sent_plans.
-    PLAN_ACK_MARGIN_S`` makes the shard suspect the backend (``BackendSuspect``) and plan the
-    requests of every plan the backend has not acknowledged again."""
+    loop received them, the first at ``received_at`` (cluster clock). Sent from the loop that
+    starts the batches, so a stopped or wedged backend sends none: with its next ``BatchStats``
+    to that shard (``BatchStats.acked_plan_ids``), or alone once the first was held
+    ``zserve.backends.held_acks.ACK_HOLD_S``. A plan not acknowledged within its delivery
+    allowance (``d_ctrl``) plus ``zserve.scheduler.sent_plans.PLAN_ACK_MARGIN_S`` makes the
+    shard suspect the backend (``BackendSuspect``) and plan the requests of every plan the
+    backend has not acknowledged again."""
 
+    SAME_LENGTH: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("ready_models", "ready_delays", "ready_rows"),
+    )
     plan_ids: list[int]
     received_at: float
     # Started batches since the last acknowledgement: each one's model, the delay from its plan's

@@ -544,7 +544,8 @@ class Simulator:
         if kind == _EV_PLAN:
             plan = self._payloads.pop(seq)
             follower.on_plan(now, plan, outbox)
-            self.plan_acks.acknowledge((plan.plan_id,))  # at once, as a live backend does
+            # at once: a live backend's comes within ACK_HOLD_S (30 ms), far inside the margin
+            self.plan_acks.acknowledge((plan.plan_id,))
             if self.plan_acks.wake_at <= now:
                 self._fail("a plan went unacknowledged past its allowance")
         elif kind == _EV_INPUTS:

@@ -1,12 +1,13 @@
 """A backend that hangs (SIGSTOP) under open-loop load, in a real cluster of three emulated
 backends: how many requests fail, and how soon the scheduler stops planning onto it.
 
-The scheduler notices a hung backend by the plan it does not acknowledge (``PlanAck``, sent by
-the backend's batch loop on receipt): once a plan goes unacknowledged for its delivery allowance
-plus ``PLAN_ACK_MARGIN_S``, the shard marks the GPU suspect, the rank stops granting it, and the
+The scheduler notices a hung backend by the plan it does not acknowledge (sent by the backend's
+batch loop on its next ``BatchStats`` to the shard, or alone as ``PlanAck`` within
+``ACK_HOLD_S``): once a plan goes unacknowledged for its delivery allowance plus
+``PLAN_ACK_MARGIN_S``, the shard marks the GPU suspect, the rank stops granting it, and the
 requests of every unacknowledged plan go back to their ModelThread's queue. Only the requests
 whose inputs the hung backend had already taken (its running batch, and at most one plan it
-acknowledged ahead of it) may have run, and only those are answered ``BACKEND_FAILED``. After
+received ahead of it) may have run, and only those are answered ``BACKEND_FAILED``. After
 SIGCONT the backend heartbeats again, comes back into use, and every request still has exactly
 one answer, its own.
 

@@ -86,7 +86,9 @@ def wide_input(request_id: int) -> dict[str, np.ndarray]:
 
 
 def start_backend(h: Harness, *, drain_s: float = 5.0, frontend_in_peers: bool = False,
-                  input_shape: tuple[int, ...] = (4,)) -> BackendRig:
+                  input_shape: tuple[int, ...] = (4,), rank_process: str = "rank") -> BackendRig:
+    """The backend, with the test's rank in the peer map as ``rank_process`` (``shard-0``: a
+    scheduler process that hosts the shard too, whose plan DEALER is then the same process)."""
     cluster = cluster_config(
         [{"name": MODEL, "max_batch": MAX_BATCH,
           "emulated": {"alpha_ms": ALPHA_MS, "beta_ms": BETA_MS,
@@ -97,7 +99,7 @@ def start_backend(h: Harness, *, drain_s: float = 5.0, frontend_in_peers: bool =
     rank = h.router("rank")
     frontend = h.router("fe-data")
     child = h.start("backend", role_config_for(cluster, "backend", 0, h.dir))
-    peers = {"rank/rank": rank.endpoint}
+    peers = {f"{rank_process}/rank": rank.endpoint}
     if frontend_in_peers:
         peers[f"{FRONTEND}/data"] = frontend.endpoint
     ready = h.await_ready(child, peers)

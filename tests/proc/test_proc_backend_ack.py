@@ -1,6 +1,8 @@
-"""A backend acknowledges each plan at once from the loop that runs its batches (``PlanAck``),
-and a backend whose running batch is wedged neither acknowledges nor heartbeats: the real
-backend process with the test playing the rank, a shard and a frontend."""
+"""A backend acknowledges each plan from the loop that runs its batches, exactly once: on its next
+``BatchStats`` to that shard or, held ``ACK_HOLD_S`` without one, alone (``PlanAck``); a backend
+whose running batch is wedged neither acknowledges nor heartbeats; a scheduler process that hosts
+the rank and the shard gets each report once. The real backend process with the test playing the
+rank, a shard and a frontend."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from typing import Any
 import numpy as np
 from proc_harness import Harness, cluster_config, role_config_for
 from runtime_helpers import wait_until
-from test_proc_backend import FRONTEND, MAX_BATCH, MODEL, BackendRig
+from test_proc_backend import FRONTEND, MAX_BATCH, MODEL, BackendRig, start_backend
 
 from zserve.backends.liveness import WEDGED_MIN_S
 from zserve.transport.messages import (
     BackendRegister,
     BatchOutputs,
+    BatchStats,
     Heartbeat,
     InputFetch,
     InputReply,
@@ -125,5 +128,35 @@ def test_proc_backend_whose_batch_outlasts_the_drain_exits_1_without_it(tmp_path
         assert rig.child.wait(timeout=STUCK_S + 5.0) == 1, rig.child.log()
         assert "a batch is still running after the drain; exiting without it" in rig.child.log()
         assert rig.frontend.drain_kind(BatchOutputs) == []
+    finally:
+        h.close()
+
+
+def test_proc_backend_reports_once_to_a_scheduler_that_hosts_both(tmp_path: Path) -> None:
+    """With the rank in the shard's process (peer ``shard-0``, as with ``shards = 0``), each
+    plan's BatchStats goes only to the plan socket, and each plan is acknowledged exactly once,
+    on a report or alone."""
+    h = Harness(tmp_path)
+    try:
+        rig = start_backend(h, rank_process="shard-0")
+        rig.rank.expect(Heartbeat)
+        reports = []
+        for plan_id in (1, 2, 3):
+            rig.plan(plan_id, [plan_id], time.monotonic())
+            rig.serve_fetch()
+            rig.frontend.expect(BatchOutputs)
+            reports.append(rig.shard.expect(BatchStats)[1])
+        reported_at = time.monotonic()
+        assert [r.plan_id for r in reports] == [1, 2, 3]
+        # Everything a report acknowledges, and any PlanAck before it on the same connection.
+        acked = [i for r in reports for i in r.acked_plan_ids]
+        acked += [i for a in rig.shard.drain_kind(PlanAck) for i in a.plan_ids]
+        assert sorted(acked) == [1, 2, 3], reports
+        rig.shard.send(StatsRequest(reset=False))
+        counters = rig.shard.expect(StatsReply)[1].stats["counters"]
+        assert counters["acks_on_reports"] + counters["acks_alone"] == 3, counters
+        # A heartbeat sent after the last report follows any report on the rank's connection.
+        rig.rank.expect(Heartbeat, where=lambda hb: hb.sent_at > reported_at + 0.05)
+        assert rig.rank.drain_kind(BatchStats) == []
     finally:
         h.close()

@@ -1,7 +1,7 @@
 """The late-shedding and drift-correction fields on the wire: ``BatchPlan.finish_by`` and
 ``BatchStats.device_free_at`` round-trip (explicit values and defaults), the every-class samples
 carry them, and malformed values are refused with a typed ProtocolError while the receiving loop
-goes on."""
+goes on. So do the acknowledgements a ``BatchStats`` carries (``acked_plan_ids``, ``ready_*``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def _pack(*items: Any) -> bytes:
 
 _PLAN_HEAD = ("plan", 3, "m", 1, 10.0, 10.02, ["ipc://fe"], [0, 0], [5, 6])
 _STATS_HEAD = ("bstats", 3, "m", 1, 2, 10.0, 10.001, 10.021, True, 0)
+# BatchStats.acked_plan_ids, ready_models, ready_delays, ready_rows: none
+_NO_ACKS: tuple[list[Any], ...] = ([], [], [], [])
+ACKING = BatchStats(4, "m", 1, 2, 10.0, 10.001, 10.021, True, 0, 10.043, [5, 7], ["m", "m"],
+                    [0.002, 0.0031], [8, 6])
 
 # name -> (frames, message fragment of the ProtocolError)
 MALFORMED: dict[str, tuple[list[bytes], str]] = {
@@ -44,15 +48,20 @@ MALFORMED: dict[str, tuple[list[bytes], str]] = {
     "plan-without-finish-by": ([_pack(*_PLAN_HEAD)], "BatchPlan has 13 fields"),
     "rows-str-item": ([_pack(*_PLAN_HEAD, [10.05, 10.25], [1, "2"], 0, 0.0, 0.0)],
                       "BatchPlan.rows"),
-    "device-free-at-str": ([_pack(*_STATS_HEAD, "soon")], "BatchStats.device_free_at"),
-    "device-free-at-bool": ([_pack(*_STATS_HEAD, True)], "BatchStats.device_free_at"),
-    "device-free-at-list": ([_pack(*_STATS_HEAD, [1.0])], "BatchStats.device_free_at"),
-    "device-free-at-none": ([_pack(*_STATS_HEAD, None)], "BatchStats.device_free_at"),
-    "stats-without-device-free-at": ([_pack(*_STATS_HEAD)], "BatchStats has 10 fields"),
+    "device-free-at-str": ([_pack(*_STATS_HEAD, "soon", *_NO_ACKS)], "BatchStats.device_free_at"),
+    "device-free-at-bool": ([_pack(*_STATS_HEAD, True, *_NO_ACKS)], "BatchStats.device_free_at"),
+    "device-free-at-list": ([_pack(*_STATS_HEAD, [1.0], *_NO_ACKS)], "BatchStats.device_free_at"),
+    "device-free-at-none": ([_pack(*_STATS_HEAD, None, *_NO_ACKS)], "BatchStats.device_free_at"),
+    "stats-without-device-free-at": ([_pack(*_STATS_HEAD)], "BatchStats has 14 fields"),
+    "stats-without-acks": ([_pack(*_STATS_HEAD, 10.0)], "BatchStats has 14 fields"),
+    "acked-plan-id-str": ([_pack(*_STATS_HEAD, 10.0, ["5"], [], [], [])],
+                          "BatchStats.acked_plan_ids"),
+    "ready-lists-differ": ([_pack(*_STATS_HEAD, 10.0, [5], ["m"], [0.002, 0.003], [8])],
+                           "ready_delays"),
 }
 
 
-@pytest.mark.parametrize("message", [PLAN, STATS], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("message", [PLAN, STATS, ACKING], ids=["plan", "stats", "acking"])
 def test_new_fields_round_trip(transport_pair: Pair, message: Message) -> None:
     router, dealer = transport_pair
     socket_io.sync_send(dealer, message)
@@ -65,14 +74,14 @@ def test_new_fields_round_trip(transport_pair: Pair, message: Message) -> None:
 def test_defaults_mean_unknown_and_round_trip() -> None:
     plan = BatchPlan(1, "m", 0, 1.0, 1.5, ["f"], [0], [9])
     stats = BatchStats(1, "m", 0, 1, 1.0, 1.0, 1.5, True)
-    assert plan.finish_by == [] and stats.device_free_at == 0.0
+    assert plan.finish_by == [] and stats.device_free_at == 0.0 and stats.acked_plan_ids == []
     assert codec.decode(codec.encode(plan)) == plan
     assert codec.decode(codec.encode(stats)) == stats
 
 
 def test_ints_in_the_new_float_fields_become_floats() -> None:
     plan = codec.decode([_pack(*_PLAN_HEAD, [10, 11.5], [], 0, 0.0, 0.0)])
-    stats = codec.decode([_pack(*_STATS_HEAD, 12)])
+    stats = codec.decode([_pack(*_STATS_HEAD, 12, *_NO_ACKS)])
     assert isinstance(plan, BatchPlan) and plan.finish_by == [10.0, 11.5]
     assert all(type(x) is float for x in plan.finish_by)
     assert isinstance(stats, BatchStats) and type(stats.device_free_at) is float
@@ -89,7 +98,8 @@ def test_every_class_samples_carry_the_new_fields() -> None:
     names = [f.name for f in msgspec.structs.fields(BatchPlan)]
     # the send time, then the reply allowance the plan was made with, came last
     assert names[-5:] == ["finish_by", "rows", "epoch", "sent_at", "reply_allowance"]
-    assert [f.name for f in msgspec.structs.fields(BatchStats)][-1] == "device_free_at"
+    assert [f.name for f in msgspec.structs.fields(BatchStats)][-5:] == [
+        "device_free_at", "acked_plan_ids", "ready_models", "ready_delays", "ready_rows"]
 
 
 @pytest.mark.parametrize("case", MALFORMED, ids=str)
