@@ -154,6 +154,7 @@ class CandidateSizing:
         "rescue",
         "size_batch",
         "slo_s",
+        "stall_at",
         "table",
         "target",
         "timeout_s",
@@ -208,6 +209,9 @@ class CandidateSizing:
         # deferred: where the last candidate that starts at once for want of joiners would
         # have aimed (0.0: none), the moment the rank may hold it back to (RankThread)
         self.early_aim = 0.0
+        # deferred: when a deferring candidate is taken for a stalled closed loop
+        # (AnswerEchoes.stall_at; inf: not deferring)
+        self.stall_at = math.inf
         self._defer_head_id = -1
         self._defer_from = math.inf
         self._init_arrivals_and_decisions()
@@ -547,11 +551,14 @@ class CandidateSizing:
         deferred = False
         self.early_aim = 0.0
         self._reason = REASON_AT_ONCE
+        # the last deferring candidate's stall check came with nothing arrived since
+        stalled = self.stall_at <= now
+        self.stall_at = math.inf
         if start_now:
             exec_at = earliest
             self._reason = REASON_RESCUED
         elif self.rescue:
-            exec_at = self._aim_rescue(now, earliest, deadline, bs, grow, latest)
+            exec_at = self._aim_rescue(now, earliest, deadline, bs, grow, latest, stalled)
         elif kind == KIND_DEFERRED:  # deferred-bl (policy.py)
             deferred = bs < self._defer_below
             if self.defer_shared:  # sharing GPUs: aim earlier by the learned margin
@@ -583,6 +590,7 @@ class CandidateSizing:
         early_ok = waits and bs >= self._rescue_from
         deferred = (waits and self.defer_shared) if self.rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
+        wake = self.stall_at if self.stall_at < wake else wake
         return exec_at, latest, wake if wake > now else now + TIMER_SLACK_S, deferred, early_ok
 
     def _deferring_from(self, head_id: int, earliest: float) -> bool:
@@ -594,7 +602,7 @@ class CandidateSizing:
         return True
 
     def _aim_rescue(self, now: float, earliest: float, deadline: float,  # noqa: PLR0917
-                    bs: int, grow: int, latest: float) -> float:
+                    bs: int, grow: int, latest: float, stalled: bool) -> float:
         """``deferred``: the frontrun moment while deferring pays, else ``earliest``.
         Staggered models defer while below max(beta*lambda, b*) (as ``deferred-bl``); every model
         starts at once when fewer than DEFER_MIN_JOINERS requests are expected before its aim
@@ -612,6 +620,10 @@ class CandidateSizing:
             return self._at_once(reason, earliest)
         rate = self._defer_rate
         aim = deadline - self.jitter_s - self.table[bs + grow]
+        stall_at = self.answer_echoes.stall_at(rate)
+        if stalled and stall_at <= now and self.answer_echoes.note_stall(bs):
+            # the arrivals stopped while it waited: a closed loop stalled
+            return self._at_once(REASON_ECHOES, earliest)
         if rate == math.inf and self.arrived_requests < DEFER_COLD_MIN_REQUESTS:
             # cold, and nothing says a second request will come: wait for one no later than
             # the meter's first sample (-inf with no arrival yet, only replanned requests: now)
@@ -627,6 +639,8 @@ class CandidateSizing:
                 if held > earliest:  # the rank may hold it back to here (RankThread)
                     self.early_aim = held
                 return self._at_once(REASON_LIGHT if light else REASON_FEW_JOINERS, earliest)
+        if stall_at > now:  # looked at again there, if nothing arrives before
+            self.stall_at = stall_at
         self._reason = REASON_DEFERRED
         return aim
 

@@ -481,6 +481,14 @@ ECHO_ENDS_KEPT = 32
 """How many of a model's latest reported batch ends ``AnswerEchoes`` keeps to tell whether a
 finish window is tangled (``AnswerEchoes._tangled``)."""
 
+ECHO_STALL_ROWS = 8.0
+"""``deferred``: a deferring candidate whose model has no batch in flight and whose arrivals
+stopped for as long as its metered rate brings this many rows in is taken for a closed loop
+stalled on the wait (``AnswerEchoes.note_stall``): every client waits in the queue, so nothing
+more can come. Only where a window's share is at ECHO_SHARE_KEEP (echoes were seen): a Poisson
+stream leaves such a gap after a given arrival or batch end with probability exp(-8) = 0.03%,
+and a stream's share stays about 0."""
+
 _ECHO_TRIM_MIN = 64  # arrivals kept before the old ones are cut away
 
 
@@ -490,8 +498,8 @@ class _EchoWindow:
     until then), or ECHO_ANCHOR of the learned echo delay past its exec time (``learned``
     True)."""
 
-    __slots__ = ("_closed", "_delay_s", "_gpu", "_timing", "anchor", "answered", "echo",
-                 "finished", "learned", "rows", "start_at")
+    __slots__ = ("_delay_s", "_gpu", "_timing", "anchor", "answered", "echo", "finished",
+                 "judged", "kept", "learned", "rows", "start_at")
 
     def __init__(self, learned: bool) -> None:
         self.learned = learned
@@ -502,9 +510,10 @@ class _EchoWindow:
         self._timing = math.inf  # the exec time, until the first arrival after it
         self._gpu = 0  # the looked-at batch's GPU
         self._delay_s: dict[int, float] = {}  # the echo delay's estimate, by GPU
-        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
         self.echo = 0.0  # decayed sums (ECHO_DECAY): rows after less rows expected
         self.answered = 0.0  # and the looked-at batches' rows
+        self.judged = 0  # the looked-at batches judged so far
+        self.kept = False  # its own share made the verdict (ECHO_SHARE_KEEP keeps it)
 
     def look_at(self, exec_at: float, run_s: float, rows: int, gpu_id: int) -> None:
         if self.anchor == math.inf:
@@ -540,11 +549,16 @@ class _EchoWindow:
         self.echo = keep * self.echo + echo
         self.answered = keep * self.answered + self.rows
         self.anchor = math.inf
+        self.judged += 1
 
-    def verdict(self, echo: float, answered: float) -> bool:
-        bar = ECHO_SHARE_KEEP if self._closed else ECHO_SHARE_MIN
-        self._closed = answered > 0.0 and echo >= bar * answered
-        return self._closed
+    def stalled(self, rows: int) -> None:
+        """A deferring candidate of ``rows`` rows waited with no arrival for ECHO_STALL_ROWS of
+        the rate (``AnswerEchoes.note_stall``): a window whose rows all echoed."""
+        keep = 1.0 - ECHO_DECAY
+        self.echo = keep * self.echo + rows
+        self.answered = keep * self.answered + rows
+        self.judged += 1
+        self.kept = True
 
 
 class AnswerEchoes:
@@ -585,7 +599,8 @@ class AnswerEchoes:
     when a batch is planned after it is over): O(log n + ECHO_ENDS_KEPT) per arrival chunk and
     per decision. Pure."""
 
-    __slots__ = ("_cum", "_ends", "_reported", "_times", "_windows")
+    __slots__ = ("_busy_until", "_closed", "_cum", "_ends", "_judged_at", "_reported", "_times",
+                 "_windows")
 
     def __init__(self) -> None:
         self._times: list[float] = []  # arrival times of recent chunks, in order
@@ -593,6 +608,9 @@ class AnswerEchoes:
         self._windows = (_EchoWindow(learned=False), _EchoWindow(learned=True))
         self._reported = False  # the model's backends report when their batches end
         self._ends: deque[float] = deque(maxlen=ECHO_ENDS_KEPT)  # the latest reported ends
+        self._closed = False  # the last verdict (ECHO_SHARE_KEEP keeps it)
+        self._judged_at = (0, 0)  # each window's judged count when the verdict turned closed
+        self._busy_until = -math.inf  # the latest end of a planned batch (profile or report)
 
     def note_finish(self, now: float, exec_at: float, finished_at: float, gpu_id: int,
                     rate: float) -> None:
@@ -602,6 +620,7 @@ class AnswerEchoes:
         come (the report may come after the answer's echoes)."""
         self._reported = True
         self._ends.append(finished_at)
+        self._busy_until = max(self._busy_until, finished_at)
         window = self._windows[0]
         if window.looks_at(exec_at, gpu_id) and not window.finished:
             window.anchor = finished_at
@@ -634,6 +653,7 @@ class AnswerEchoes:
         """A batch of ``rows`` rows was planned at ``exec_at`` on GPU ``gpu_id``, to run
         ``run_s`` by its profile: looked at by each window not looking at one already, or whose
         looked-at window is over (no arrival closed it: a deferred batch's)."""
+        self._busy_until = max(self._busy_until, exec_at + run_s)
         for window in self._windows:
             over = window.anchor + ECHO_WINDOW_S
             if over <= exec_at:
@@ -658,19 +678,68 @@ class AnswerEchoes:
                 del times[:cut]
                 self._cum = [total - base for total in self._cum[cut:]]
 
-    def closed_loop(self, now: float, rate: float) -> bool:
-        """Whether either window's echo share is at or above its bar at ``now``, its looked-at
-        batch's window as far as it has come counted in (its rows in full: one early echo of a
-        large batch does not decide)."""
-        closed = False
+    def stall_at(self, rate: float) -> float:
+        """When a deferring candidate is taken for a stalled closed loop if nothing arrives
+        before (``note_stall``): ECHO_STALL_ROWS of the metered ``rate`` past the last arrival
+        and the end of the model's last planned batch (its answers' echoes may still come);
+        inf without a rate, or while no window's share is at ECHO_SHARE_KEEP (a stall would
+        be no evidence: ``note_stall``)."""
+        if not self._times or rate == math.inf or rate <= 0.0 or not self._echoed():
+            return math.inf
+        quiet_from = self._times[-1]
+        quiet_from = self._busy_until if self._busy_until > quiet_from else quiet_from
+        return quiet_from + ECHO_STALL_ROWS / rate
+
+    def _echoed(self) -> bool:
+        """Whether either window's share is at ECHO_SHARE_KEEP (``note_stall``)."""
+        return any(w.answered > 0.0 and w.echo >= ECHO_SHARE_KEEP * w.answered
+                   for w in self._windows)
+
+    def note_stall(self, rows: int) -> bool:
+        """A deferring candidate of ``rows`` rows saw its model's arrivals stop (``stall_at``
+        passed): closed-loop clients all waiting in the queue, as their answers wait for the
+        batch. When either window's share is still at ECHO_SHARE_KEEP, the stall counts as a
+        window whose rows all echoed and the verdict is closed-loop again (True); with no
+        such share it is no evidence (a stream's lull, or a load the windows never saw echo).
+        On two GPUs, 4-16 clients answer in batches whose finish windows are mostly tangled or
+        drowned; a share of 0.25-0.55, below ECHO_SHARE_MIN, was lost at one window's dip, and
+        the loop paid up to its aim (180 ms) or the rank's rescue each round after."""
+        if not self._echoed():
+            return False
         for window in self._windows:
+            window.stalled(rows)
+        if not self._closed:
+            self._judged_at = (self._windows[0].judged, self._windows[1].judged)
+        self._closed = True
+        return True
+
+    def closed_loop(self, now: float, rate: float) -> bool:
+        """Whether either window's echo share is at or above the bar at ``now``, its looked-at
+        batch's window as far as it has come counted in (its rows in full: one early echo of a
+        large batch does not decide). The bar is ECHO_SHARE_MIN; while the last verdict was
+        closed-loop it is ECHO_SHARE_KEEP for the window whose share made it and for a window
+        that has judged a batch since it was made: on two GPUs 16 clients' finish windows read
+        0.5-0.56 and the learned ones 0.2-0.3, and a bar kept per window lost the verdict at the
+        learned window's first dip. Sums that no judged window moved since the verdict do not
+        keep it (under overload every finish window is drowned, and a share left from the cold
+        start held a verdict the learned window made once)."""
+        closed = False
+        for window, judged_at in zip(self._windows, self._judged_at, strict=True):
+            # the keep bar for a window whose own share made the verdict, or that has judged
+            # a window since it was made (sums no window moved since are another load's)
+            keeps = self._closed and (window.kept or window.judged > judged_at)
+            bar = ECHO_SHARE_KEEP if keeps else ECHO_SHARE_MIN
             echo, answered = window.echo, window.answered
             if self._open(window, now):
                 span_echo = self._span(window, now, rate, close=False)
                 if span_echo is not None:
                     echo += span_echo
                     answered += window.rows
-            closed = window.verdict(echo, answered) or closed
+            window.kept = answered > 0.0 and echo >= bar * answered
+            closed = window.kept or closed
+        if closed and not self._closed:
+            self._judged_at = (self._windows[0].judged, self._windows[1].judged)
+        self._closed = closed
         return closed
 
     def _tangled(self, window: _EchoWindow, start: float, span_s: float) -> bool:

@@ -22,7 +22,13 @@ from zserve.core.hosting import Outbox
 from zserve.scheduler import core as core_module
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import ECHO_DECAY, ECHO_SHARE_MIN, AnswerEchoes
+from zserve.scheduler.policy import (
+    ECHO_DECAY,
+    ECHO_SHARE_KEEP,
+    ECHO_SHARE_MIN,
+    ECHO_STALL_ROWS,
+    AnswerEchoes,
+)
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import BatchPlan, BatchStats, DropNotice
 
@@ -234,6 +240,71 @@ def test_seven_clients_on_two_gpus_whose_batches_are_small_against_the_rate_neve
     assert len(waits) > 1000
     assert max(waits) < 30 * MS, sorted(waits)[-5:]
     assert _steady(runs["deferred"]) >= 0.95 * _steady(runs["eager"])
+
+
+@pytest.mark.parametrize(("clients", "slow", "spread_s", "round_trip_s", "report_delay_s"),
+                         [(16, 0.96, 2.8 * MS, 6.0 * MS, 0.1 * MS),
+                          (4, 0.5, 3.0 * MS, 7.5 * MS, 2.5 * MS),
+                          (2, 0.68, 1.5 * MS, 4.8 * MS, 0.7 * MS)])
+def test_closed_loops_whose_share_dips_below_the_keep_bar_start_at_once_again(
+    clients: int, slow: float, spread_s: float, round_trip_s: float, report_delay_s: float,
+) -> None:
+    """Loops on two GPUs whose finish windows are mostly tangled or drowned read a share of
+    0.25-0.55: the verdict rested on one window's hysteresis, a dip lost it, and the loop then
+    deferred for good: batches of 1-3 clients waited to their aim (183 ms) or grew until the
+    rank's rescue started them (16 clients: 4.1 rows a batch against eager's 2.9), 0.84-0.93 of
+    eager's throughput. The keep bar now holds while either window's share reaches it, and a
+    deferring candidate whose model has nothing in flight and whose arrivals stopped for
+    ECHO_STALL_ROWS of its rate (every client waits in the queue) starts at once and turns the
+    verdict back: 0.97 of eager or more, and no request waits 100 ms."""
+    runs: dict[str, _Run] = {}
+    for policy in ("deferred", "eager"):
+        run = _Run(policy, 2, slow=slow, spread_s=spread_s, round_trip_s=round_trip_s,
+                   report_delay_s=report_delay_s)
+        for client in range(clients):
+            run.send_at(1.0 + 0.1 * MS * client, client)
+        run.run(4.0, closed_loop=True)
+        runs[policy] = run
+    waits = _waits_after_first(runs["deferred"])
+    assert max(waits) < 100 * MS, sorted(waits)[-5:]
+    assert _steady(runs["deferred"]) >= 0.97 * _steady(runs["eager"])
+
+
+def test_a_stall_turns_the_verdict_back_only_where_the_windows_saw_echoes() -> None:
+    """``AnswerEchoes.note_stall``: with no share at ECHO_SHARE_KEEP the stall is no evidence
+    (a stream's lull) and no stall is looked for; with one, the stall counts as a window whose
+    rows all echoed and the verdict is closed-loop at once. The stall is due ECHO_STALL_ROWS of
+    the rate past the last arrival or the last planned batch's end, whichever is later."""
+    fresh = AnswerEchoes()
+    fresh.note_arrivals(1.0, 1, 100.0)
+    assert fresh.stall_at(100.0) == INF and not fresh.note_stall(1)
+    assert not fresh.closed_loop(1.2, 100.0)
+    loop = AnswerEchoes()
+    loop.note_arrivals(0.99, 1, INF)
+    loop.note_answer(0.99, 0.005, 1, INF)  # ends at 0.995 by its profile
+    loop.note_arrivals(0.9955, 1, INF)  # its echo
+    assert loop.closed_loop(0.996, INF)
+    loop.note_answer(0.996, 0.005, 1, 100.0)  # in flight until 1.001
+    assert loop.stall_at(100.0) == pytest.approx(1.001 + ECHO_STALL_ROWS / 100.0)
+    answered = loop.answered
+    assert answered > 0.0 and loop.echo >= ECHO_SHARE_KEEP * answered
+    assert loop.note_stall(3) and loop.closed_loop(1.1, 100.0)
+    assert loop.answered == pytest.approx((1.0 - ECHO_DECAY) * answered + 3.0)
+
+
+def test_an_open_stream_near_capacity_on_two_gpus_keeps_its_large_batches() -> None:
+    """Poisson arrivals at 0.8 of two GPUs' capacity: the stall rule finds no stall (the stream
+    does not stop while its batches wait, and its share never reaches ECHO_SHARE_KEEP), and the
+    batches stay as large as deferral makes them (16 rows, against eager's 11.8)."""
+    capacity = 2 * PROFILE.max_batch / PROFILE.latency(PROFILE.max_batch)
+    run = _Run("deferred", 2, spread_s=1 * MS, round_trip_s=2 * MS)
+    rng = np.random.default_rng(7)
+    times = 1.0 + np.cumsum(rng.exponential(1 / (0.8 * capacity), int(0.8 * capacity * 2)))
+    for when in times:
+        run.send_at(float(when), 0)
+    run.run(float(times[-1]) + 0.5, closed_loop=False)
+    assert run.thread.n_planned == len(times)
+    assert run.thread.n_planned / run.thread.n_batches >= 14.0
 
 
 def test_a_report_that_comes_after_the_echo_still_starts_the_waiting_request_at_once() -> None:
