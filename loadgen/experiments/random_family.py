@@ -26,10 +26,13 @@ i])``, so a member does not depend on how many are drawn):
 
 The judge, per member:
 
-1. a coarse goodput search per policy (short windows, 3% precision), each starting at the
-   default's result;
-2. the common rates: ``CURVE_RATES`` rates evenly from 0.8x to 1.1x of the highest of those
-   goodputs, every policy probed at each (the same workload and seed, so the same arrivals).
+1. the member's reference rate: the one stored with it (``REFERENCE_RPS``: the highest of the
+   three policies' coarse searches, read once), so that the member is probed at the same rates
+   under every code version and in every run; a member with none stored (another seed) runs a
+   coarse goodput search per policy (short windows, 3% precision), each starting at the
+   default's result, and takes the highest;
+2. the common rates: ``CURVE_RATES`` rates evenly from 0.8x to 1.1x of the reference rate,
+   every policy probed at each (the same workload and seed, so the same arrivals).
    A probe measures 10 s, stretched so that the least popular model measures at least
    ``MIN_MODEL_REQUESTS`` (1,000) requests at the lowest common rate: the worst model's 1% is
    then 10 requests, not one. Where a policy still passes at the top rate, every policy is
@@ -39,7 +42,8 @@ The judge, per member:
    decide): its highest passing common rate (bad rate <= 1%) r, moved towards the next common
    rate r' by linear interpolation of that curve to 1% between r and r' (r' probed in full,
    not stopped early); the top rate where it passes there (a lower bound); where it passes at
-   no common rate, its coarse search's goodput, at most the lowest common rate (marked);
+   no common rate, its coarse search's goodput (searched then, from the lowest common rate),
+   at most the lowest common rate (marked);
 4. the ratio: default / max(frontrun, eager); the check: at least 0.99 on every member.
 
 The default's worst model is the one with the highest bad rate at r', the default's first
@@ -106,6 +110,17 @@ QUICK_MIN_MODEL_REQUESTS = 200
 QUICK_SEARCH_WINDOWS_S = (0.5, 1.0, 0.25)
 QUICK_CURVE_WINDOWS_S = (0.5, 1.5, 0.25)
 QUICK_CURVE_RATES = 5
+# Each member's reference rate (r/s; its common rates span CURVE_SPAN of it), keyed by (family
+# seed, max models, member index): the highest of the three policies' coarse searches under the
+# code of issue 27's start. Stored, because the searches' 2 s windows move by a few percent
+# between runs and code versions, and with them every probe rate and a near-bar verdict.
+REFERENCE_RPS: dict[tuple[int, int, int], float] = {
+    (1, 16, i): rps for i, rps in enumerate((
+        606.479, 2213.121, 1662.932, 2533.359, 67.607, 1643.789, 1258.77, 5457.969, 1193.669,
+        819.25, 127.997, 397.321, 1033.125, 307.785, 1263.191, 1156.465, 5610.797, 2044.336,
+        3571.266, 477.71, 1090.23, 948.009, 135.659, 738.675, 567.461, 2117.564, 84.83,
+        501.352, 145.522, 81.206))} | {
+    (1, 4, i): rps for i, rps in enumerate((9.576, 2991.609, 103.829, 190.953))}
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,7 @@ class Member:
     reply_ms: float
     jitter_ms: float
     seed: int
+    reference_rps: float | None = None  # REFERENCE_RPS's entry; None: searched per run
 
     @property
     def allowances(self) -> bool:
@@ -164,7 +180,8 @@ class Member:
                                                             strict=True))],
                 "popularity": self.popularity, "arrival": self.arrival,
                 "d_ctrl_ms": self.d_ctrl_ms, "d_data_ms": self.d_data_ms,
-                "reply_ms": self.reply_ms, "jitter_ms": self.jitter_ms, "seed": self.seed}
+                "reply_ms": self.reply_ms, "jitter_ms": self.jitter_ms, "seed": self.seed,
+                "reference_rps": self.reference_rps}
 
 
 def _uniform(rng: np.random.Generator, bounds: tuple[float, float], digits: int = 2) -> float:
@@ -206,7 +223,8 @@ def draw_member(seed: int, index: int, *, max_models: int = MODELS_RANGE[1]) -> 
         popularity=popularity, popularity_label=label, arrival=arrival, d_ctrl_ms=d_ctrl,
         d_data_ms=D_DATA_MS if allowances else 0.0, reply_ms=reply,
         jitter_ms=JITTER_MS if allowances else 0.0,
-        seed=int(rng.integers(1, ARRIVAL_SEED_LIMIT)))
+        seed=int(rng.integers(1, ARRIVAL_SEED_LIMIT)),
+        reference_rps=REFERENCE_RPS.get((seed, max_models, index)))
 
 
 def random_family(seed: int, count: int, *, max_models: int = MODELS_RANGE[1]) -> list[Member]:
@@ -317,27 +335,45 @@ def curve_goodput(points: list[dict[str, Any]], w: Workload,
     return round(rate, 1), "interpolated", high
 
 
-def judge_member(member: Member, budget: Budget, say: Say) -> dict[str, Any]:
-    """Searches, common-rate curves and each policy's goodput on them, for one member."""
-    searches = {p: member.workload(p, budget.search_windows_s) for p in FAMILY_POLICIES}
-    found = {"deferred": sim_goodput(searches["deferred"], precision=SEARCH_PRECISION)}
-    start = found["deferred"].goodput_rps or None
+def _searched(member: Member, budget: Budget, policy: str, start_rps: float | None) -> float:
+    """``policy``'s coarse-searched goodput on ``member`` (short windows)."""
+    w = member.workload(policy, budget.search_windows_s)
+    return sim_goodput(w, precision=SEARCH_PRECISION, start_rps=start_rps).goodput_rps
+
+
+def _reference(member: Member, budget: Budget) -> tuple[float, dict[str, float]]:
+    """The member's reference rate and the searches run for it (none where it is stored)."""
+    if member.reference_rps is not None:
+        return member.reference_rps, {}
+    found = {"deferred": _searched(member, budget, "deferred", None)}
     for policy in FAMILY_POLICIES[1:]:
-        found[policy] = sim_goodput(searches[policy], precision=SEARCH_PRECISION,
-                                    start_rps=start)
-    rates = common_rates(max(g.goodput_rps for g in found.values()), budget.curve_rates)
-    windows_s = budget.curve_windows(searches["deferred"], rates[0])
+        found[policy] = _searched(member, budget, policy, found["deferred"] or None)
+    return max(found.values()), found
+
+
+def _passes_somewhere(points: list[dict[str, Any]]) -> bool:
+    bad = monotone_bad_rates(points)
+    return any(b <= MAX_BAD_RATE and not p["bailed"] for b, p in zip(bad, points, strict=True))
+
+
+def judge_member(member: Member, budget: Budget, say: Say) -> dict[str, Any]:
+    """Common-rate curves and each policy's goodput on them, for one member."""
+    reference_rps, found = _reference(member, budget)
+    rates = common_rates(reference_rps, budget.curve_rates)
+    windows_s = budget.curve_windows(member.workload("deferred", CURVE_WINDOWS_S), rates[0])
     workloads = {p: member.workload(p, windows_s) for p in FAMILY_POLICIES}
     curves = _curves(workloads, rates)
     goodput: dict[str, float] = {}
     read: dict[str, str] = {}
     failing: dict[str, dict[str, Any] | None] = {}
     for policy in FAMILY_POLICIES:
+        if policy not in found and not _passes_somewhere(curves[policy]):
+            found[policy] = _searched(member, budget, policy, rates[0])
         goodput[policy], read[policy], failing[policy] = curve_goodput(
-            curves[policy], workloads[policy], found[policy].goodput_rps)
+            curves[policy], workloads[policy], found.get(policy, rates[0]))
     baseline = max(goodput["frontrun"], goodput["eager"])
     row = {"member": member.name, "description": member.describe(), "member_spec":
-           member.to_dict(), "searched": {p: g.goodput_rps for p, g in found.items()},
+           member.to_dict(), "reference_rps": reference_rps, "searched": found,
            "rates": [p["rate_rps"] for p in curves["deferred"]], "measure_s": windows_s[1],
            "curves": curves,
            "goodput": goodput, "read": read, "first_failing": failing,

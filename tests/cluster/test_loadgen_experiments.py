@@ -448,6 +448,9 @@ def test_random_family_quick(tmp_path: Path) -> None:
     # each goodput is the judge's reading of its curve at the common rates
     for r in rows:
         assert len(r["member_spec"]["models"]) <= random_family.QUICK_MAX_MODELS
+        # the common rates follow the reference rate stored with the member, not a search
+        assert r["rates"][:random_family.QUICK_CURVE_RATES] == random_family.common_rates(
+            r["reference_rps"], random_family.QUICK_CURVE_RATES)
         goodput = r["goodput"]
         assert r["ratio"] == pytest.approx(
             goodput["deferred"] / max(goodput["frontrun"], goodput["eager"]), abs=1e-4)

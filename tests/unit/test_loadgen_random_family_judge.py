@@ -48,3 +48,18 @@ def test_a_monotone_curve_reads_as_the_plain_interpolation() -> None:
 def test_a_dip_is_pooled_with_the_probes_before_it_weighted_by_rate() -> None:
     fitted = monotone_bad_rates(_curve((100.0, 200.0, 300.0), (1.2, 0.6, 2.0)))
     assert fitted == pytest.approx([0.008, 0.008, 0.02])  # (1.2 x 100 + 0.6 x 200) / 300
+
+
+def test_a_members_common_rates_are_stored_with_it_not_searched() -> None:
+    """Every code version probes a member at the same rates: r24's are those of the run its
+    reference rate was read from (454.0 to 624.2 r/s), whatever the searches would read now;
+    a member of another family has none stored and is searched."""
+    r24 = random_family.draw_member(random_family.FAMILY_SEED, 24)
+    assert r24.reference_rps == 567.461
+    rates = random_family.common_rates(r24.reference_rps, random_family.CURVE_RATES)
+    assert rates[0] == 454.0 and rates[-1] == 624.2 and len(rates) == 8
+    quick = random_family.random_family(random_family.FAMILY_SEED,
+                                        random_family.FAMILY_QUICK_MEMBERS,
+                                        max_models=random_family.QUICK_MAX_MODELS)
+    assert all(m.reference_rps is not None for m in quick)
+    assert random_family.draw_member(random_family.FAMILY_SEED + 1, 0).reference_rps is None
