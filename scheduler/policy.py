@@ -500,6 +500,16 @@ ECHO_SHARE_MIN = 0.6
 rows came back as echoes (``AnswerEchoes.closed_loop``): its arrivals are its own answers'
 consequences, and waiting for them only delays them. A Poisson stream's share is about 0."""
 
+ECHO_STREAM_SHARE = 0.1
+ECHO_STREAM_JUDGED = 4
+"""``deferred``: a window does not turn a model's verdict to closed-loop while the other window
+has judged at least ECHO_STREAM_JUDGED batches and reads a share below ECHO_STREAM_SHARE (a
+stream: a Poisson stream reads about 0, closed loops' windows 0.2 and up even where their
+batches tangle). Two judged finish windows of a Poisson stream read 0.68 by chance (the policy
+grid's mix3 x4 at 208 r/s: InceptionResNetV2, whose other finish windows were all drowned,
+while its learned window read 0.03 over 14) and held the verdict for good: batches of 1, the
+GPUs 0.49 busy against a load-proportional 0.23."""
+
 ECHO_SHARE_KEEP = 0.25
 """``deferred``: once its arrivals were found to be echoes, a model keeps starting at once until
 its echo share falls below this (hysteresis): every verdict that flips back costs the closed
@@ -774,7 +784,10 @@ class AnswerEchoes:
         keep it (under overload every finish window is drowned, and a share left from the cold
         start held a verdict the learned window made once)."""
         closed = False
-        for window, judged_at in zip(self._windows, self._judged_at, strict=True):
+        streams = [w.judged >= ECHO_STREAM_JUDGED and w.echo < ECHO_STREAM_SHARE * w.answered
+                   for w in self._windows]
+        for window, judged_at, other_streams in zip(self._windows, self._judged_at,
+                                                    reversed(streams), strict=True):
             # the keep bar for a window whose own share made the verdict, or that has judged
             # a window since it was made (sums no window moved since are another load's)
             keeps = self._closed and (window.kept or window.judged > judged_at)
@@ -785,7 +798,8 @@ class AnswerEchoes:
                 if span_echo is not None:
                     echo += span_echo
                     answered += window.rows
-            window.kept = answered > 0.0 and echo >= bar * answered
+            window.kept = (answered > 0.0 and echo >= bar * answered
+                           and (keeps or not other_streams))
             closed = window.kept or closed
         if closed and not self._closed:
             self._judged_at = (self._windows[0].judged, self._windows[1].judged)
