@@ -616,14 +616,9 @@ class CandidateSizing:
         candidate started at once for want of joiners notes its aim (clamped to ``latest``) in
         ``early_aim``: the rank may hold it back to there."""
         reason = self._no_wait_reason(now, bs)
-        rate = self._defer_rate
         if reason is not None:
-            if reason == REASON_LOSING:
-                # its deferred windows are being lost: it starts at once but carries its aim,
-                # as a start for want of joiners does (the rank may hold it back to there)
-                self._note_early_aim(earliest, latest,
-                                     deadline - self.jitter_s - self.table[bs + grow])
             return self._at_once(reason, earliest)
+        rate = self._defer_rate
         aim = deadline - self.jitter_s - self.table[bs + grow]
         stall_at = self.answer_echoes.stall_at(rate)
         if stalled and stall_at <= now and self.answer_echoes.note_stall(bs):
@@ -640,7 +635,9 @@ class CandidateSizing:
             # rate yet (a cold burst) defers as above
             light = self.light and rate != math.inf
             if light or (aim - now) * rate < DEFER_MIN_JOINERS * self.rows_per_arrival:
-                self._note_early_aim(earliest, latest, aim)
+                held = latest if latest < aim else aim
+                if held > earliest:  # the rank may hold it back to here (RankThread)
+                    self.early_aim = held
                 return self._at_once(REASON_LIGHT if light else REASON_FEW_JOINERS, earliest)
         if stall_at > now:  # looked at again there, if nothing arrives before
             self.stall_at = stall_at
@@ -680,14 +677,6 @@ class CandidateSizing:
         if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
             return REASON_LOSING
         return None
-
-    def _note_early_aim(self, earliest: float, latest: float, aim: float) -> None:
-        """A shared model's candidate starts at once by choice (no joiners expected, or its
-        deferred windows are being lost): ``early_aim`` notes the aim it does not wait for
-        (clamped to ``latest``), where the rank may hold it back to (RankThread)."""
-        held = latest if latest < aim else aim
-        if held > earliest:
-            self.early_aim = held
 
     def _at_once(self, reason: str, earliest: float) -> float:
         """Start at ``earliest``, noting why (``decisions``)."""

@@ -44,15 +44,6 @@ runs through the same ModelThread/RankThread code paths:
       tight model's request needs a moment later; frontrun's delays keep it free. On 7 A100
       models on 2 GPUs (the random family's r04), where Xception can wait 3.8 ms and every other
       model's batch of 1 runs longer, it took the default from 28.6 to 54 r/s (frontrun 36);
-    - while a shared model has found every GPU busy at its exec time within STARVED_RECENT_S
-      and the GPUs were at most half busy lately (SPARE_LOAD_MAX), another model's
-      candidate that could wait longer than the starved model's lone request is not started
-      before its aim: the rank holds an at-once start (for want of joiners, or because its
-      deferred windows were being lost: such a start carries its aim too) to its aim, and the
-      rescue passes it over (``RankThread._starved_other``). On 13 A100 models on 5 GPUs with
-      Gamma bursts (the random family's r11), MobileNet's lone request can wait 2.6 ms and the
-      others' batches of 1, started at once or rescued in a burst, took its GPUs: 1.41% and
-      1.72% bad at 310 and 340 r/s before, 0.72% and 0.65% with this (frontrun 0.84%, 1.12%);
     - a model that shares its GPUs with others defers, and its candidate is ``early_ok`` from
       RESCUE_SHARED_FLOOR x (beta*lambda - 1) requests on (at light load, from one): the rank may
       start it before its aim (the *rescue*, ``RankThread``). While more than RESCUE_CONTENTION of
@@ -233,9 +224,6 @@ __all__ = [
     "RESCUE_CONTENTION_EWMA",
     "RESCUE_SHARED_FLOOR",
     "RESCUE_SPACING_S_PER_CANDIDATE",
-    "SPARE_LOAD_MAX",
-    "SPARE_LOAD_WINDOW_S",
-    "STARVED_RECENT_S",
     "AnswerEchoes",
     "DeferralYield",
     "RpsMeter",
@@ -392,32 +380,6 @@ seconds, and one core no longer kept up at a third of the cluster's capacity. Fi
 times the cost bounds the rescue to a fifth to a tenth of the rank's core at any rate, and
 delays a decision by at most 5 us for 2 models, 0.32 ms for 128 (twice the spacing changed
 nothing measurable at 128 models: the rest of the cost is per request)."""
-
-STARVED_RECENT_S = 2.0
-"""``deferred``: how long after a shared model's candidate found every GPU busy at its exec time
-the rank counts the model as starved. While a model counts, and the GPUs were at most half busy
-lately (SPARE_LOAD_MAX), a candidate of another model that could wait longer than the
-starved model's lone request can is not started before its aim: an at-once start (no joiners
-expected, or its windows being lost) is held to its aim, and the contention rescue passes it
-over. The span covers the gaps between a tight model's misses at a moderate rate: on the random
-family's r11 (MobileNet, lone wait 2.6 ms, about 24 r/s, among 12 slack-rich models on 5 A100s)
-0.1 s let the at-once batches of 1 come back between misses (MobileNet 0.65% and 1.18% bad at
-310 and 340 r/s over three seeds), 2 s held them (0.72% and 0.65%; frontrun 0.84% and 1.12%)."""
-
-SPARE_LOAD_WINDOW_S = 1.0
-"""``deferred``: the span (an exponential decay) over which the rank sums the GPU time its grants'
-answers booked (SPARE_LOAD_MAX)."""
-
-SPARE_LOAD_MAX = 0.5
-"""``deferred``: a starved model (STARVED_RECENT_S) holds the others back only while the GPU time
-booked over SPARE_LOAD_WINDOW_S is at most this share of the GPUs' time: it then lost to the
-moment the others' batches took, not to the cluster's capacity, and a batch held to its aim
-costs no throughput. Busier, a held batch meets every GPU busy at its aim and loses its window,
-and the rescue's early starts are what keeps the GPUs' work flowing. Without a bar the random
-family's r00 (6 GPUs 0.97 busy) read 2.9% against 2.1% at 540 r/s and r25 (11 GPUs 0.99 busy)
-1.4% against 1.0% at 2,080 r/s; at one GPU's worth idle (5/6 busy) r00 read 1.26% against 0.46%
-at 483 r/s (the GPUs 0.93 busy, the hold bringing them to 0.83); at half, 0.73% (two seeds,
-one request in 200 of the worst model's either way), and r11 (0.29-0.40 busy) keeps its gain."""
 
 
 DEFER_YIELD_MIN = 0.25

@@ -48,13 +48,6 @@ certainly cost another candidate its window; it is evaluated at most once per
 a freeing GPU may go to such a candidate ahead of a pending one with a later latest start, if its
 batch runs at least as long as the pending one's (``_on_gpu_timer``).
 
-The starvation hold (``_starved_other``): a shared model whose candidate found every GPU busy at
-its exec time is starved for ``STARVED_RECENT_S``; meanwhile, while the GPU time the grants'
-answers booked (decayed over ``SPARE_LOAD_WINDOW_S``) is at most ``SPARE_LOAD_MAX`` of the GPUs'
-time, a candidate that could wait longer than the starved model's lone request is held to its
-aim if it would start at once (``_hold_back_to``), and the contention rescue passes it over
-(``_rescue``).
-
 Membership: the GPUs are grouped into *pools*, the GPUs that serve the same models (one pool of
 every GPU while every GPU serves every model). Each pool keeps its own idle and busy heaps and
 its own waiting candidates (a candidate waits in every pool of its model): a model's timer takes
@@ -81,9 +74,6 @@ from zserve.scheduler.policy import (
     RESCUE_CONTENTION,
     RESCUE_CONTENTION_EWMA,
     RESCUE_SPACING_S_PER_CANDIDATE,
-    SPARE_LOAD_MAX,
-    SPARE_LOAD_WINDOW_S,
-    STARVED_RECENT_S,
 )
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
 
@@ -110,32 +100,6 @@ class _Pool:
         # (order key, version, model): the latest start, or the deadline (deadline_order)
         self.pending_latest: list[tuple[float, int, str]] = []
         self.pending_delay: list[tuple[float, int, str]] = []  # (-delay, version, model)
-
-
-class _Starving:
-    """What the starvation hold reads (``RankThread._starved_other``): when each shared model's
-    candidate last found every GPU busy at its exec time (``starved_at``), and the GPU time the
-    grants' answers booked lately (``busy_s`` as of ``seen``, decayed over SPARE_LOAD_WINDOW_S)."""
-
-    __slots__ = ("busy_s", "seen", "starved_at")
-
-    def __init__(self, now: float) -> None:
-        self.starved_at: dict[str, float] = {}
-        self.busy_s = 0.0
-        self.seen = now
-
-    def note_busy(self, now: float, busy_s: float) -> None:
-        """A grant's answer booked ``busy_s`` of GPU time (none when not positive)."""
-        if busy_s > 0.0:
-            self.busy_s = self.busy_s * math.exp((self.seen - now) / SPARE_LOAD_WINDOW_S) + busy_s
-            self.seen = now
-
-    def spare(self, now: float, gpus: int) -> bool:
-        """Whether the GPU time booked over about the last SPARE_LOAD_WINDOW_S was at most
-        SPARE_LOAD_MAX of ``gpus`` GPUs' time: a model that found every GPU busy then lost to the
-        moment the others' batches took, not to the cluster's capacity."""
-        busy_s = self.busy_s * math.exp((self.seen - now) / SPARE_LOAD_WINDOW_S)
-        return gpus > 0 and busy_s <= SPARE_LOAD_MAX * gpus * SPARE_LOAD_WINDOW_S
 
 
 class RankThread:
@@ -182,10 +146,10 @@ class RankThread:
         # the rescue's view of each candidate: model -> (duration, early_ok, shared, aim_at); and
         # how many candidates are early_ok (the rescue runs only while some are)
         self._candidate_runs: dict[str, tuple[float, bool, bool, float]] = {}
-        # the hold-backs' view: model -> lone_wait_s; the same, tightest first (None: to sort)
+        # the hold-back's view of the sharing models: model -> its lone request's wait for a GPU
+        # (CandidateUpdate.lone_wait_s); the two tightest of them (None: to recompute)
         self._lone_wait: dict[str, float] = {}
         self._tightest: list[tuple[float, str]] | None = []
-        self._starving = _Starving(now)  # the starvation hold's view (_starved_other)
         self._n_early_ok = 0
         # the rescue's next evaluation no sooner than this (RESCUE_SPACING_S_PER_CANDIDATE)
         self._rescue_next = -_INF
@@ -434,8 +398,6 @@ class RankThread:
         grant = self._grants.get(answer.grant_id)
         if grant is None or grant != (answer.model, answer.gpu_id):
             raise ValueError(f"unknown grant {answer.grant_id} for {answer.model}/{answer.gpu_id}")
-        before = self._granted_free_at[answer.grant_id]
-        self._starving.note_busy(now, answer.free_at - (before if before > now else now))
         self._close_grant(now, answer.grant_id, answer.free_at)
         self._fire_due(now, outbox)
 
@@ -574,7 +536,6 @@ class RankThread:
             return
         if shared:
             self.contention += RESCUE_CONTENTION_EWMA * (1.0 - self.contention)
-            self._starving.starved_at[model] = now
         self._wait_for_gpu(model, version, latest, delay)
 
     # ------------------------------------------------------------------ hold-back
@@ -589,18 +550,13 @@ class RankThread:
             self._lone_wait[model] = lone_wait_s
         self._tightest = None
 
-    def _by_lone_wait(self) -> list[tuple[float, str]]:
-        """The sharing models by their lone-request wait, tightest first (sorted again only
-        after a wait changed: they move with allowances and profiles, not per request)."""
-        tightest = self._tightest
-        if tightest is None:
-            tightest = self._tightest = sorted(
-                (wait, name) for name, wait in self._lone_wait.items())
-        return tightest
-
     def _tightest_other(self, model: str) -> float:
         """The shortest lone-request wait among the models sharing GPUs other than ``model``."""
-        for wait, name in self._by_lone_wait():
+        tightest = self._tightest
+        if tightest is None:
+            tightest = self._tightest = heapq.nsmallest(
+                2, ((wait, name) for name, wait in self._lone_wait.items()))
+        for wait, name in tightest:
             if name != model:
                 return wait
         return _INF
@@ -617,13 +573,7 @@ class RankThread:
         than the tighter model (then it is no longer the one that can afford to wait). With
         per-model membership (``set_members``) it still counts the whole rank's GPUs and models:
         on a partial placement it may hold a batch for a tighter model of another pool, never
-        past the aim the batch would have waited for under frontrun. First, whatever the
-        contention and the idle GPUs: while a tighter model starved lately (``_starved_other``)
-        it waits for its aim, or until it has no more wait left than that model."""
-        starved = self._starved_other(now, model, last_start - now)
-        if starved < _INF:  # a tighter model lacks GPU time: wait for the aim (frontrun's)
-            hold_to = last_start - starved
-            return aim_at if aim_at < hold_to else hold_to
+        past the aim the batch would have waited for under frontrun."""
         if self.contention > RESCUE_CONTENTION or self._n_idle > 1:
             return now
         tight = self._tightest_other(model)
@@ -644,22 +594,6 @@ class RankThread:
         # and only until another GPU frees: it is looked at again there, and goes if that
         # leaves a GPU free (holding it on costs the batch of 1 latency and the GPU's later time)
         return other_free_at if other_free_at < hold_to else hold_to
-
-    def _starved_other(self, now: float, model: str, can_wait_s: float) -> float:
-        """The shortest lone-request wait, under ``can_wait_s``, among the models other than
-        ``model`` that found every GPU busy within STARVED_RECENT_S, while the GPUs were at
-        most SPARE_LOAD_MAX busy lately (``_Starving.spare``); inf when none. Such a model
-        lacks the GPU time that a batch able to wait longer than it would take now (policy.py,
-        ``deferred``)."""
-        starved_at = self._starving.starved_at
-        if not starved_at:
-            return _INF
-        for wait, name in self._by_lone_wait():
-            if wait >= can_wait_s:
-                return _INF  # identical models never pass here: a fresh lone request waits less
-            if name != model and now - starved_at.get(name, -_INF) < STARVED_RECENT_S:
-                return wait if self._starving.spare(now, len(self._state)) else _INF
-        return _INF
 
     def _hold(self, model: str, version: int, hold_to: float) -> None:
         """Hold the candidate back: its exec time becomes ``hold_to`` and its timer fires there
@@ -916,9 +850,7 @@ class RankThread:
         best = self._most_urgent_deferring(now, free_at if free_at > now else now, pool.models)
         if best is None:
             return _INF  # no candidate fits this GPU's free time; events change that
-        latest, model, delay = best
-        if self._starved_other(now, model, latest - now) < _INF:
-            return _INF  # the GPU stays free for the tighter model that lacked one
+        _, model, delay = best
         if free_at - delay > now:
             return free_at - delay
         # a GPU that frees with no candidate waiting for it is room: it counts like a candidate

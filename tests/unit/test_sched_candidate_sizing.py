@@ -209,20 +209,6 @@ def test_deferred_starts_a_lone_request_at_once_and_tells_the_rank_where_it_woul
     assert eager.early_aim == 0.0
 
 
-def test_deferred_that_stopped_deferring_for_lost_windows_still_tells_the_rank_its_aim() -> None:
-    # joiners expected (it would defer), but its deferred windows are being lost: it starts at
-    # once, and carries the aim it does not wait for, as a start for want of joiners does (the
-    # rank holds such a start back while a tighter model lacks GPU time)
-    sizing = _sizing("deferred", d_ctrl_s=1 * MS, d_data_s=0.5 * MS)
-    sizing.set_meter(_meter_at(20))
-    sizing.on_window_missed()
-    assert sizing.defer_loss > DEFER_LOSS_MAX
-    exec_at, _, _, deferred, early_ok = sizing.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)
-    assert exec_at == pytest.approx(3 * MS)  # earliest: now + delay(4)
-    assert not deferred and not early_ok
-    assert sizing.early_aim == pytest.approx(50 * MS - PROFILE.latency(5))
-
-
 # ---------------------------------------------------------------------- learning
 
 

@@ -8,11 +8,7 @@ import pytest
 
 from zserve.config.policy_names import GRANT_EARLIEST_DEADLINE, GRANT_FIRST_DUE, GRANT_LEAST_SLACK
 from zserve.core.hosting import Outbox
-from zserve.scheduler.policy import (
-    RESCUE_CONTENTION,
-    RESCUE_SPACING_S_PER_CANDIDATE,
-    STARVED_RECENT_S,
-)
+from zserve.scheduler.policy import RESCUE_CONTENTION, RESCUE_SPACING_S_PER_CANDIDATE
 from zserve.scheduler.rank_thread import _IDLE as IDLE
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import CandidateUpdate, GrantAnswer, GrantGpu
@@ -464,69 +460,3 @@ def test_a_held_back_start_goes_once_another_gpu_frees() -> None:
     rank.on_timer(3.0, out)
     (grant,) = _grants(out)
     assert grant.model == "rich" and grant.gpu_id == 0 and rank.n_holds == 1
-
-
-def _starve_tight(rank: RankThread, gpus: int, busy_for_s: float) -> float:
-    """Every GPU runs batches of 0.1 back to back for ``busy_for_s``; "tight" (lone wait 1.0)
-    finds them all busy in the last 0.1, takes the first to free, and finishes at once. Returns
-    when the last batch ended."""
-    now = 0.0
-    while now < busy_for_s - 1e-9:
-        for gpu_id in range(gpus):
-            _busy(rank, now, gpu_id, until=now + 0.1)
-        now += 0.1
-    out: Outbox = []
-    rank.on_candidate(now - 0.05, CandidateUpdate("tight", 1, now - 0.05, now + 0.5, 0.0,
-                                                  shared=True, lone_wait_s=1.0), out)
-    assert _grants(out) == []  # every GPU busy: it waits, starved
-    rank.on_timer(now, out)
-    (grant,) = _grants(out)
-    assert grant.model == "tight"
-    rank.on_grant_answer(now, GrantAnswer("tight", grant.gpu_id, grant.grant_id, True, now), out)
-    return now
-
-
-@pytest.mark.parametrize(("case", "busy_for_s", "rich_after_s", "held"), [
-    ("a tighter model starved lately, GPUs to spare", 0.1, 0.5, True),
-    ("its starvation is past", 0.1, 0.5 + STARVED_RECENT_S, False),
-    ("the GPUs more than half busy lately", 2.0, 0.1, False),
-])
-def test_an_early_start_waits_for_its_aim_while_a_tighter_model_lately_found_every_gpu_busy(
-    case: str, busy_for_s: float, rich_after_s: float, held: bool
-) -> None:
-    # 3 GPUs, all idle when "rich" comes (the last-free-GPU rule alone lets it go): a tighter
-    # model that found them all busy within STARVED_RECENT_S holds it to its aim, while the
-    # GPU time booked over SPARE_LOAD_WINDOW_S is at most SPARE_LOAD_MAX of the GPUs' time
-    rank = RankThread([0, 1, 2], 0.0)
-    rich_at = _starve_tight(rank, 3, busy_for_s) + rich_after_s
-    out: Outbox = []
-    aim = rich_at + 5.0
-    rank.on_candidate(rich_at, _early("rich", exec_at=rich_at, aim_at=aim, latest=rich_at + 8.0,
-                                      lone_wait_s=8.0), out)
-    if not held:
-        (grant,) = _grants(out)
-        assert grant.model == "rich" and rank.n_holds == 0, case
-        return
-    assert _grants(out) == [] and rank.n_holds == 1 and rank.wake_at == pytest.approx(aim)
-    rank.on_timer(aim, out)
-    (grant,) = _grants(out)
-    assert grant.model == "rich" and grant.gpu_id == 0
-
-
-def test_the_rescue_passes_over_a_slack_rich_candidate_while_a_tighter_model_starves() -> None:
-    # under contention an idle GPU would start "rich" (latest start 9.0) early; a model whose
-    # lone request waits 1.0 found every GPU busy just now: the GPU stays free for it
-    rank = RankThread([0, 1, 2, 3], 0.0)
-    for gpu_id in range(4):
-        _busy(rank, 0.0, gpu_id, until=0.1)
-    _contend(rank, 0.0, 6)
-    assert rank.contention > RESCUE_CONTENTION
-    out: Outbox = []
-    rank.on_candidate(0.0, CandidateUpdate("tight", 1, 0.0, 0.05, 0.0, shared=True,
-                                           lone_wait_s=1.0), out)
-    rank.on_candidate(0.0, _cand("tight", 0, 0.0, 0.0), out)  # gave up: it starved
-    rank.on_candidate(0.2, _deferring("rich", exec_at=8.0, latest=9.0), out)
-    assert _grants(out) == [] and rank.n_rescues == 0 and rank.wake_at == pytest.approx(8.0)
-    rank.on_timer(8.0, out)  # at its aim it goes, not early
-    (grant,) = _grants(out)
-    assert grant.model == "rich" and not grant.early
