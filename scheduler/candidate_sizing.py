@@ -699,21 +699,15 @@ class CandidateSizing:
     # ------------------------------------------------------------------ learning
 
     def on_grant(self, deferred: bool, waited: bool = False) -> None:
-        """``deferred``: a grant came for the candidate (``deferred``: as ``aim`` returned it).
-        A deferred one granted on time kept its window (the loss estimate falls by
-        DEFER_LOSS_WEIGHT); one that ``waited`` (its grant came later than it asked for one:
-        every GPU was busy at its aim) counts as a lost window (``on_window_missed``): it kept
-        its window only by the slack left in it, and entered the contest for a GPU at its last
-        moment (policy.py). One started at once lets the estimate decay (DEFER_LOSS_DECAY), so
-        a model that stopped deferring tries again, unless it ``waited`` too: a candidate that
-        would start at once and found every GPU busy is no evidence that a deferred window
-        would now be kept. Other policies learn nothing here."""
+        """``deferred``: a grant came for the candidate (``deferred``: as ``aim`` returned it): a
+        deferred one kept its window (the loss estimate falls by DEFER_LOSS_WEIGHT), one started
+        at once lets the estimate decay (DEFER_LOSS_DECAY), so a model that stopped deferring
+        tries again (policy.py), unless it ``waited`` for its GPU: a candidate that would start
+        at once and found every GPU busy is no evidence that a deferred window would now be
+        kept. Other policies learn nothing here."""
         if not self.rescue:
             return
         loss = self.defer_loss
-        if deferred and waited:
-            self.on_window_missed()
-            return
         if deferred:
             loss -= DEFER_LOSS_WEIGHT * loss
             if loss < DEFER_LOSS_RECENT * DEFER_LOSS_MAX:  # the losses are behind it

@@ -94,18 +94,6 @@ runs through the same ModelThread/RankThread code paths:
       heads while the queue builds the batches anyway (the random family's r15, 2 GTX 1080 Ti
       models on 2 GPUs at 1,000 r/s, the GPUs 0.995 busy: MobileNet read 0.43% bad against
       eager's 0.27%, 0.27% with this rule, and the member's ratio went from 0.977 to 0.992).
-      A deferred candidate granted later than it asked for its GPU (GRANT_WAITED_S: every GPU
-      was busy at its aim) counts as a lost window: it kept its window only by the slack left
-      in it, and the next one near saturation loses it; meanwhile each deferred candidate
-      enters the contest for a GPU at its last moment, ahead of the tighter models'
-      candidates that wait there with more slack, and the heads the cluster must lose move to
-      the tightest model (the random family's r06 at 1,330.7 r/s, 10 A100 models on 8 GPUs
-      1.00 busy: MobileNetV3Small, SLO 15.9 ms, lost 28 requests against eager's 12 while
-      InceptionV3, EfficientNetB0 and B3 lost 16 against 30; 1.05% bad with this rule,
-      2.10% without, eager 0.90%). A rescued candidate is granted before its aim and does
-      not count. It is a trade: where the rescue had been starting the slack-rich models
-      early, stopping their deferral puts their batches in the queue ahead of the tight
-      model's (r23 at 749.2 r/s: MobileNetV2 1.22% bad against 0.46% without the rule).
 
     Below the contention bar a second rank trigger covers a loss that is certain: with a GPU
     idle, the rank projects the waiting candidates onto the GPUs in order of their exec times
