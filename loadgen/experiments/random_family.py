@@ -41,9 +41,11 @@ The judge, per member:
    bad rate falls below a lower rate's is pooled with it, so single probes near 1% do not
    decide): its highest passing common rate (bad rate <= 1%) r, moved towards the next common
    rate r' by linear interpolation of that curve to 1% between r and r' (r' probed in full,
-   not stopped early); the top rate where it passes there (a lower bound); where it passes at
-   no common rate, its coarse search's goodput (searched then, from the lowest common rate),
-   at most the lowest common rate (marked);
+   not stopped early); the top rate where it passes there (a lower bound). Where the default,
+   or both baselines, pass at no common rate, every policy is probed at
+   ``CURVE_LOW_FRACTIONS`` of the lowest common rate too, and read on the longer curve; a
+   policy that passes at none of those either gets its coarse search's goodput (searched then,
+   from the lowest common rate), at most the lowest rate probed (marked);
 4. the ratio: default / max(frontrun, eager); the check: at least 0.99 on every member.
 
 The default's worst model is the one with the highest bad rate at r', the default's first
@@ -102,6 +104,11 @@ CURVE_WINDOWS_S = (1.0, 10.0, 0.5)  # ... of a probe at a common rate
 CURVE_SPAN = (0.8, 1.1)  # common rates from/to these multiples of the best searched goodput
 CURVE_RATES = 8
 CURVE_EXTRA_STEPS = 3
+# Where the default, or both baselines, pass at no common rate, every policy is also probed at
+# these multiples of the lowest common rate, so the ratio is read on curves rather than on two
+# coarse searches (a Gamma-burst member read 75 against 246 r/s on searches whose curves agree
+# within 0.4 point from 100 to 246 r/s).
+CURVE_LOW_FRACTIONS = (0.4, 0.55, 0.7, 0.85)
 # The least popular model measures at least this many requests at the lowest common rate (the
 # measure window is stretched for it): a 1% verdict over fewer is decided by single requests
 # (15 models at 130 r/s gave some ~90 requests in 10 s).
@@ -276,16 +283,17 @@ def common_rates(best_rps: float, count: int) -> list[float]:
     return [round(float(best_rps * f), 1) for f in np.linspace(low, high, count)]
 
 
-def _curves(workloads: dict[str, Workload], rates: list[float]) -> dict[str, list[dict[str, Any]]]:
+def _curves(workloads: dict[str, Workload], rates: list[float],
+            extend: bool = True) -> dict[str, list[dict[str, Any]]]:
     """Every policy at every rate (a probe that must fail stops early), extended upwards while
-    some policy still passes at the top."""
+    some policy still passes at the top (if ``extend``)."""
     curves: dict[str, list[dict[str, Any]]] = {p: [] for p in workloads}
     step = rates[1] - rates[0]
     todo = list(rates)
     for _ in range(CURVE_EXTRA_STEPS + 1):
         for policy, w in workloads.items():
             curves[policy] += [_point(sim_probe(w, rate), rate) for rate in todo]
-        if not any(c[-1]["passes"] for c in curves.values()):
+        if not extend or not any(c[-1]["passes"] for c in curves.values()):
             break
         todo = [round(curves["deferred"][-1]["rate_rps"] + step, 1)]
     return curves
@@ -356,6 +364,17 @@ def _passes_somewhere(points: list[dict[str, Any]]) -> bool:
     return any(b <= MAX_BAD_RATE and not p["bailed"] for b, p in zip(bad, points, strict=True))
 
 
+def _with_low_rates(member: Member, budget: Budget, lowest_rps: float,
+                    curves: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``curves`` with every policy probed at CURVE_LOW_FRACTIONS of ``lowest_rps`` first (the
+    same arrivals for every policy; windows stretched for the lowest of them)."""
+    low = [round(lowest_rps * f, 1) for f in CURVE_LOW_FRACTIONS]
+    windows_s = budget.curve_windows(member.workload("deferred", CURVE_WINDOWS_S), low[0])
+    extra = _curves({p: member.workload(p, windows_s) for p in FAMILY_POLICIES}, low,
+                    extend=False)
+    return {p: extra[p] + curves[p] for p in FAMILY_POLICIES}
+
+
 def judge_member(member: Member, budget: Budget, say: Say) -> dict[str, Any]:
     """Common-rate curves and each policy's goodput on them, for one member."""
     reference_rps, found = _reference(member, budget)
@@ -363,6 +382,9 @@ def judge_member(member: Member, budget: Budget, say: Say) -> dict[str, Any]:
     windows_s = budget.curve_windows(member.workload("deferred", CURVE_WINDOWS_S), rates[0])
     workloads = {p: member.workload(p, windows_s) for p in FAMILY_POLICIES}
     curves = _curves(workloads, rates)
+    if not _passes_somewhere(curves["deferred"]) or not any(
+            _passes_somewhere(curves[p]) for p in FAMILY_POLICIES[1:]):
+        curves = _with_low_rates(member, budget, rates[0], curves)
     goodput: dict[str, float] = {}
     read: dict[str, str] = {}
     failing: dict[str, dict[str, Any] | None] = {}
