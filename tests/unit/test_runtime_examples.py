@@ -20,6 +20,8 @@ PAIRS = [
     # Symphony's Table 2 row as the paper ran it: the simulator without allowances.
     ("emulated-8gpu-resnet50.toml", "table2-resnet50.toml", False),
     ("emulated-8gpu-irv2.toml", "table2-irv2.toml", False),
+    # two replicas under one generator (the peers' side-by-side), the same paper setting
+    ("emulated-2gpu-resnet50.toml", "resnet50-2gpu.toml", False),
 ]
 
 
