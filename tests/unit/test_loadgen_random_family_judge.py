@@ -63,3 +63,30 @@ def test_a_members_common_rates_are_stored_with_it_not_searched() -> None:
                                         max_models=random_family.QUICK_MAX_MODELS)
     assert all(m.reference_rps is not None for m in quick)
     assert random_family.draw_member(random_family.FAMILY_SEED + 1, 0).reference_rps is None
+
+
+def test_a_near_bar_member_is_judged_on_its_probes_pooled_over_arrival_seeds() -> None:
+    """Near the bar a member is judged on several arrival seeds: each rate's point is the mean
+    of the probes of every seed (each in full), measured here again one by one, and the
+    verdict is read on those means; the member's own seed comes first."""
+    member = random_family.random_family(random_family.FAMILY_SEED,
+                                         random_family.FAMILY_QUICK_MEMBERS,
+                                         max_models=random_family.QUICK_MAX_MODELS)[3]
+    budget = random_family.Budget(random_family.QUICK_SEARCH_WINDOWS_S,
+                                  random_family.QUICK_CURVE_WINDOWS_S, 3, 100, 2)
+    one = random_family._judged(member, budget)
+    pooled = random_family._pooled(member, budget, one)
+    assert pooled["seeds"] == [member.seed, member.seed + random_family.NEAR_BAR_SEED_STEP]
+    assert pooled["one_seed_ratio"] == one["ratio"]
+    point = pooled["curves"]["deferred"][0]
+    rate = point["rate_rps"]
+    windows_s = budget.curve_windows(
+        member.workload("deferred", random_family.CURVE_WINDOWS_S), rate)
+    bad = [random_family._point(random_family.sim_probe(
+        random_family.replace(member, seed=seed).workload("deferred", windows_s), rate,
+        bail=False), rate)["bad_rate"] for seed in pooled["seeds"]]
+    assert point["bad_rate"] == pytest.approx(sum(bad) / 2)
+    assert point["seeds"] == 2 and not point["bailed"]
+    assert pooled["passes"] == (pooled["goodput"]["deferred"] >= (
+        1 - random_family.FAMILY_MARGIN) * max(pooled["goodput"]["frontrun"],
+                                               pooled["goodput"]["eager"]))
