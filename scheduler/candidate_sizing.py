@@ -57,6 +57,8 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_ROOM_LOSS_MAX,
+    DEFER_ROOM_MIN_JOINERS,
     DEFER_STAGGER_ALONE_MIN_GPUS,
     DEFER_STAGGER_MIN_GPUS,
     RESCUE_SHARED_FLOOR,
@@ -152,6 +154,7 @@ class CandidateSizing:
         "profile",
         "reply_s",
         "rescue",
+        "room",
         "size_batch",
         "slo_s",
         "stall_at",
@@ -230,8 +233,10 @@ class CandidateSizing:
         # chunk stamped with one arrival time: a fan-out's, a client's InferRequests), whose
         # ratio is the rows one joining arrival brings
         self._group_rows = self._groups = 0.0
-        # the cluster's load run at once is under DEFER_LIGHT_LOAD (set by the SchedulerCore)
+        # the cluster's load run at once is under DEFER_LIGHT_LOAD, and its windows rarely find
+        # every GPU busy (DEFER_ROOM_ALL_BUSY): both set by the SchedulerCore
         self.light = False
+        self.room = False
 
     # ------------------------------------------------------------------ the target
 
@@ -634,7 +639,8 @@ class CandidateSizing:
             # the GPUs have the time a wait would save (DEFER_LIGHT_LOAD); a model without a
             # rate yet (a cold burst) defers as above
             light = self.light and rate != math.inf
-            if light or (aim - now) * rate < DEFER_MIN_JOINERS * self.rows_per_arrival:
+            bar = DEFER_ROOM_MIN_JOINERS if self.room else DEFER_MIN_JOINERS
+            if light or (aim - now) * rate < bar * self.rows_per_arrival:
                 held = latest if latest < aim else aim
                 if held > earliest:  # the rank may hold it back to here (RankThread)
                     self.early_aim = held
@@ -674,7 +680,8 @@ class CandidateSizing:
             return REASON_NO_YIELD
         if self.answer_echoes.closed_loop(now, self._defer_rate):
             return REASON_ECHOES
-        if self.defer_shared and self.defer_loss > DEFER_LOSS_MAX:
+        if self.defer_shared and self.defer_loss > (DEFER_ROOM_LOSS_MAX if self.room
+                                                    else DEFER_LOSS_MAX):
             return REASON_LOSING
         return None
 

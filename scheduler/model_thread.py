@@ -459,6 +459,14 @@ class ModelThread:
         for sibling in (self._kind_sizing or {}).values():
             sibling.light = light
 
+    def set_room(self, room: bool) -> None:
+        """Whether the cluster's deferred windows rarely find every GPU busy
+        (``CandidateSizing.room``, DEFER_ROOM_ALL_BUSY): the model then defers from fewer
+        joiners and stops only after more than one lost window."""
+        self.sizing.room = room
+        for sibling in (self._kind_sizing or {}).values():
+            sibling.room = room
+
     @property
     def gpu_profiles(self) -> dict[int, LatencyProfile]:
         """The GPUs of other device kinds and this model's profile on each (``set_gpu_profiles``;

@@ -94,6 +94,10 @@ runs through the same ModelThread/RankThread code paths:
       heads while the queue builds the batches anyway (the random family's r15, 2 GTX 1080 Ti
       models on 2 GPUs at 1,000 r/s, the GPUs 0.995 busy: MobileNet read 0.43% bad against
       eager's 0.27%, 0.27% with this rule, and the member's ratio went from 0.977 to 0.992).
+      While the cluster has room (DEFER_ROOM_ALL_BUSY: its load run at once would find every
+      GPU busy under 10% of the time, about u^G), a deferred window is rarely lost and the GPU
+      time a wait saves is what a tight model finds free: the bars move to
+      DEFER_ROOM_MIN_JOINERS and DEFER_ROOM_LOSS_MAX (one lost window no longer stops it);
 
     Below the contention bar a second rank trigger covers a loss that is certain: with a GPU
     idle, the rank projects the waiting candidates onto the GPUs in order of their exec times
@@ -192,6 +196,9 @@ __all__ = [
     "DEFER_MISS_MAX_S",
     "DEFER_MISS_RELAX_S",
     "DEFER_MISS_WIDEN_S",
+    "DEFER_ROOM_ALL_BUSY",
+    "DEFER_ROOM_LOSS_MAX",
+    "DEFER_ROOM_MIN_JOINERS",
     "DEFER_STAGGER_ALONE_MIN_GPUS",
     "DEFER_STAGGER_MIN_GPUS",
     "DEFER_YIELD_BACKOFF_MAX",
@@ -264,6 +271,32 @@ of a run on average (M/D/1 at 0.3), while a deferred batch waits tens of ms. On 
 20 r/s on 2 GPUs (0.12 of them at once) the stages deferred into the app's SLO, which the answers
 then met at 60-75 ms p50 with no room for a host stall (docs/apps.md, "Result"). The estimate reads
 rates, not the batches the decision makes, so it does not flip with them."""
+
+DEFER_ROOM_ALL_BUSY = 0.1
+"""``deferred``: the cluster has *room* while ``u ** G`` is below this, u the share of its G
+GPUs that its models' load run at once keeps busy (as DEFER_LIGHT_LOAD reads it): about how
+often a deferred candidate's grant window would find every GPU busy. With room, a lost window
+is a rare event rather than a sign that waiting loses heads, and the GPU time a wait saves is
+what a tight model sharing the GPUs finds free when it needs it (a lone request's few ms), so
+shared models defer from DEFER_ROOM_MIN_JOINERS expected joiners on and stop only at
+DEFER_ROOM_LOSS_MAX. On the random family's r11 (13 A100 models on 5 GPUs, u 0.48, u^5 0.025 at
+318 r/s; MobileNet can wait 2.6 ms) the slack-rich models started batches of 1 for want of
+joiners, or, deferring, lost one window early and started at once for ~700 batches: the
+GPUs ran 0.45 busy against frontrun's 0.32 and MobileNet lost 1.5% against 0.5%. One GPU has
+room only under u 0.1, where the light-load rule starts every model at once anyway: there a
+deferred window is lost whenever another model's batch runs through it."""
+
+DEFER_ROOM_MIN_JOINERS = 0.3
+"""``deferred``: the joiner bar (DEFER_MIN_JOINERS) while the cluster has room
+(DEFER_ROOM_ALL_BUSY): a wait pays from about one joiner in four expected."""
+
+DEFER_ROOM_LOSS_MAX = 0.05
+"""``deferred``: the window-loss bar (DEFER_LOSS_MAX) while the cluster has room
+(DEFER_ROOM_ALL_BUSY): three windows lost close together (each within about a dozen kept ones
+of the last two) stop the model's deferral, one or two do not (DEFER_LOSS_WEIGHT 0.02). On r11
+over four arrival seeds MobileNet read 0.56-1.05% at 335 r/s (frontrun 1.03-1.24%) and
+0.62-1.39% at 352 (frontrun 1.06-1.61%); at 3%, 0.66-1.90% and 0.62-1.94%."""
+
 
 DEFER_COLD_MIN_REQUESTS = 2
 """``deferred``: before its rate meter's first sample (no rate: the joiner rule cannot count) a

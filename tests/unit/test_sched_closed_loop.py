@@ -57,9 +57,10 @@ class _Run:
     def __init__(self, policy: str, gpus: int, *, slow: float = 1.0,
                  reports: bool = True, spread_s: float = 0.0,
                  round_trip_s: float = ROUND_TRIP_S, report_delay_s: float = 0.0,
-                 round_trip_spread_s: float = 0.0) -> None:
+                 round_trip_spread_s: float = 0.0, slo_s: float = SLO_S) -> None:
         self.core = SchedulerCore("shard", rank=RankThread(list(range(gpus)), 0.0))
-        self.thread = ModelThread("m", PROFILE, SLO_S, SchedulePolicy.parse(policy),
+        self.slo_s = slo_s
+        self.thread = ModelThread("m", PROFILE, slo_s, SchedulePolicy.parse(policy),
                                   d_ctrl_s=D_CTRL_S, d_data_s=D_DATA_S, jitter_s=JITTER_S)
         self.core.add_thread(0.0, self.thread, [])
         self.slow, self.reports = slow, reports
@@ -90,7 +91,7 @@ class _Run:
             self.arrival[rid] = now
             self.client_of[rid] = client
         self.core.on_arrivals(now, "m", "fe", rids, [now] * self.group,
-                              [now + SLO_S - REPLY_ALLOWANCE_S] * self.group, outbox)
+                              [now + self.slo_s - REPLY_ALLOWANCE_S] * self.group, outbox)
 
     def _deliver(self, outbox: Outbox) -> None:
         for _, msg in outbox:
@@ -374,10 +375,11 @@ def test_an_evenly_spaced_stream_that_brings_no_joiner_stops_waiting(
     assert dense.thread.n_planned == 1000 and dense.thread.n_batches < 1000 / 4
 
 
-def _poisson_run(rate: float, *, group: int = 1, seconds: float = 40.0) -> _Run:
+def _poisson_run(rate: float, *, group: int = 1, seconds: float = 40.0, gpus: int = 1,
+                 slo_s: float = SLO_S) -> _Run:
     """An open-loop Poisson stream of ``rate`` sends a second (each of ``group`` requests stamped
-    alike) to one model on one GPU."""
-    run = _Run("deferred", 1)
+    alike) to one model on ``gpus`` GPUs."""
+    run = _Run("deferred", gpus, slo_s=slo_s)
     run.group = group
     rng = np.random.default_rng(11)
     for when in 1.0 + np.cumsum(rng.exponential(1 / rate, int(rate * seconds))):
@@ -399,11 +401,12 @@ def test_a_lightly_loaded_cluster_starts_at_once_from_its_first_rate_sample() ->
 
 
 def test_rows_that_arrive_together_count_as_one_joiner(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the light-load rule off, 1.5 groups of 4 requests a second (6 rows/s, each group
-    stamped alike: a fan-out's) promise 1.1 rows but 0.27 arrivals within a wait of ~180 ms,
-    under the joiner rule's ln 2: the groups start at once; 6 single requests a second defer as
-    before."""
+    """With the light-load and room rules off, 1.5 groups of 4 requests a second (6 rows/s,
+    each group stamped alike: a fan-out's) promise 1.1 rows but 0.27 arrivals within a wait of
+    ~180 ms, under the joiner rule's ln 2: the groups start at once; 6 single requests a second
+    defer as before."""
     monkeypatch.setattr(core_module, "DEFER_LIGHT_LOAD", 0.0)
+    monkeypatch.setattr(core_module, "DEFER_ROOM_ALL_BUSY", 0.0)
     groups = _poisson_run(1.5, group=4, seconds=60.0)
     assert groups.thread.sizing.rows_per_arrival == pytest.approx(4.0)
     decided = groups.thread.sizing.decisions
@@ -412,6 +415,26 @@ def test_rows_that_arrive_together_count_as_one_joiner(monkeypatch: pytest.Monke
     assert singles.thread.sizing.rows_per_arrival == pytest.approx(1.0)
     decided = singles.thread.sizing.decisions
     assert decided["deferred"] > decided["few_joiners"], decided
+
+
+@pytest.mark.parametrize(("gpus", "room"), [(1, False), (5, True)])
+def test_a_cluster_with_room_defers_from_fewer_joiners(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, room: bool
+) -> None:
+    """35 r/s of a 5.3 ms model with an SLO of 30 ms: a head's wait of about 13 ms expects
+    about 0.45 joiners, under the joiner rule's ln 2 but above DEFER_ROOM_MIN_JOINERS. Run at
+    once the load keeps one GPU 0.19 busy (a window would find it busy about that often: no
+    room), five GPUs 0.04 each (all five at once about 1e-7 of the time: room,
+    DEFER_ROOM_ALL_BUSY), so on five GPUs the model defers where on one it starts at once. The
+    light-load rule is off: it would start both at once."""
+    monkeypatch.setattr(core_module, "DEFER_LIGHT_LOAD", 0.0)
+    run = _poisson_run(35.0, seconds=20.0, gpus=gpus, slo_s=30 * MS)
+    assert run.thread.sizing.room is room
+    decided = run.thread.sizing.decisions
+    if room:
+        assert decided["deferred"] > 3 * decided["few_joiners"], decided
+    else:
+        assert decided["few_joiners"] > 3 * decided["deferred"], decided
 
 
 def test_answer_echoes_weigh_arrivals_after_an_answer_against_a_stream_in_the_same_span(

@@ -25,6 +25,7 @@ from zserve.scheduler.policy import (
     DEFER_MISS_MAX_S,
     DEFER_MISS_RELAX_S,
     DEFER_MISS_WIDEN_S,
+    DEFER_ROOM_LOSS_MAX,
     DEFER_YIELD_DECAY,
     DEFER_YIELD_KEPT_RESET,
     DEFER_YIELD_MIN_EXPECTED,
@@ -571,6 +572,26 @@ def test_deferred_model_stops_deferring_while_its_windows_are_lost() -> None:
     before = mt.defer_loss
     mt.on_grant(now, GrantGpu("m", 0, 1000, free_at=now), [])
     assert mt.defer_loss == pytest.approx(before * (1 - DEFER_LOSS_WEIGHT))
+
+
+def test_with_room_two_lost_windows_do_not_stop_deferral_and_three_do() -> None:
+    # as above, but the cluster has room (DEFER_ROOM_ALL_BUSY): a lost window there is a rare
+    # event, so one or two leave the estimate under DEFER_ROOM_LOSS_MAX and the model defers
+    # on; a third soon after lifts it over, and the model starts at once
+    now = TAUGHT_UNTIL_S
+    mt = _mt30()
+    mt.sizing.set_meter(_taught_meter(10))
+    mt.set_room(True)
+    for lost in (1, 2, 3):
+        (cand,) = _cands(_arrive(mt, now, [lost], slo=30 * MS))
+        assert cand.exec_at > now, lost  # deferred
+        closes = mt.wake_at
+        mt.on_timer(closes, [])  # its window closes with no grant
+        assert mt.n_window_misses == lost
+        now = closes + 1 * MS
+    assert 2 * DEFER_LOSS_WEIGHT < DEFER_ROOM_LOSS_MAX < mt.defer_loss
+    (cand,) = _cands(_arrive(mt, now, [10], slo=30 * MS))
+    assert cand.exec_at == pytest.approx(now)
 
 
 def test_deferred_backs_off_while_its_retries_keep_losing_windows() -> None:
