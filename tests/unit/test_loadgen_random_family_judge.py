@@ -3,12 +3,14 @@ that a single probe's noise near 1% does not decide a member (``curve_goodput``)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from zserve.loadgen.experiments import random_family
 from zserve.loadgen.experiments.random_family import curve_goodput, monotone_bad_rates
+from zserve.loadgen.experiments.simulated import sim_probe
 
 # r10 (3 GTX 1080 Ti models on 2 GPUs, Gamma(0.6)): the worst model's bad rate (%) at the common
 # rates, as measured for the default and eager. Their curves are within 0.07 point everywhere.
@@ -82,8 +84,8 @@ def test_a_near_bar_member_is_judged_on_its_probes_pooled_over_arrival_seeds() -
     rate = point["rate_rps"]
     windows_s = budget.curve_windows(
         member.workload("deferred", random_family.CURVE_WINDOWS_S), rate)
-    bad = [random_family._point(random_family.sim_probe(
-        random_family.replace(member, seed=seed).workload("deferred", windows_s), rate,
+    bad = [random_family._point(sim_probe(
+        replace(member, seed=seed).workload("deferred", windows_s), rate,
         bail=False), rate)["bad_rate"] for seed in pooled["seeds"]]
     assert point["bad_rate"] == pytest.approx(sum(bad) / 2)
     assert point["seeds"] == 2 and not point["bailed"]
