@@ -457,18 +457,21 @@ def _pooled(member: Member, budget: Budget, row: dict[str, Any]) -> dict[str, An
     common = budget.curve_windows(member.workload("deferred", CURVE_WINDOWS_S), common_lowest)
     lowest = row["rates"][0]
     low = budget.curve_windows(member.workload("deferred", CURVE_WINDOWS_S), lowest)
+
+    def probe(policy: str, seed: int, rate: float) -> dict[str, Any]:
+        windows_s = common if rate >= common_lowest else low
+        w = replace(member, seed=seed).workload(policy, windows_s)
+        return _point(sim_probe(w, rate, bail=False), rate)
+
     curves: dict[str, list[dict[str, Any]]] = {}
     for policy in FAMILY_POLICIES:
         points = []
         for one in row["curves"][policy]:
             rate = one["rate_rps"]
-            windows_s = common if rate >= common_lowest else low
-            probes = [one if not one["bailed"] else None] + [None] * (len(seeds) - 1)
-            for k, seed in enumerate(seeds):
-                if probes[k] is None:
-                    w = replace(member, seed=seed).workload(policy, windows_s)
-                    probes[k] = _point(sim_probe(w, rate, bail=False), rate)
-            points.append(_mean_point([p for p in probes if p is not None], rate))
+            # the member's own seed's probe is reused unless it stopped early
+            probes = [one if seed == member.seed and not one["bailed"]
+                      else probe(policy, seed, rate) for seed in seeds]
+            points.append(_mean_point(probes, rate))
         curves[policy] = points
     workloads = {p: member.workload(p, common) for p in FAMILY_POLICIES}
     return _read({**row, "seeds": seeds, "curves": curves}, workloads, common_lowest)

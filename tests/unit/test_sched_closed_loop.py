@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -147,9 +148,11 @@ class _Run:
             self.answers.clear()
 
 
-def _closed_loop(policy: str, clients: int, gpus: int = 1, until: float = 3.0, *,
-                 slow: float = 1.0, reports: bool = True) -> _Run:
-    run = _Run(policy, gpus, slow=slow, reports=reports)
+def _closed_loop(policy: str, clients: int, gpus: int = 1, until: float = 3.0,
+                 **run_options: Any) -> _Run:
+    """``clients`` closed-loop clients on ``gpus`` GPUs under ``policy`` to ``until`` (s);
+    ``run_options``: ``_Run``'s keywords (slow, reports, spread_s, round trips, ...)."""
+    run = _Run(policy, gpus, **run_options)
     for client in range(clients):  # the clients start together, a cold burst
         run.send_at(1.0 + 0.1 * MS * client, client)
     run.run(until, closed_loop=True)
@@ -240,14 +243,9 @@ def test_seven_clients_on_two_gpus_whose_batches_are_small_against_the_rate_neve
     requests, 180 ms each), which perf_analyzer saw as a throughput that did not settle. Those
     windows are not judged (``AnswerEchoes._drowned``): none waits 30 ms, and the loop answers
     what eager answers."""
-    runs: dict[str, _Run] = {}
-    for policy in ("deferred", "eager"):
-        run = _Run(policy, 2, slow=slow, spread_s=spread_s, round_trip_s=round_trip_s,
-                   report_delay_s=report_delay_s)
-        for client in range(7):
-            run.send_at(1.0 + 0.1 * MS * client, client)
-        run.run(6.0, closed_loop=True)
-        runs[policy] = run
+    runs = {policy: _closed_loop(policy, 7, 2, 6.0, slow=slow, spread_s=spread_s,
+                                 round_trip_s=round_trip_s, report_delay_s=report_delay_s)
+            for policy in ("deferred", "eager")}
     waits = _waits_after_first(runs["deferred"])
     assert len(waits) > 1000
     assert max(waits) < 30 * MS, sorted(waits)[-5:]
@@ -269,14 +267,9 @@ def test_closed_loops_whose_share_dips_below_the_keep_bar_start_at_once_again(
     deferring candidate whose model has nothing in flight and whose arrivals stopped for
     ECHO_STALL_ROWS of its rate (every client waits in the queue) starts at once and turns the
     verdict back: 0.97 of eager or more, and no request waits 100 ms."""
-    runs: dict[str, _Run] = {}
-    for policy in ("deferred", "eager"):
-        run = _Run(policy, 2, slow=slow, spread_s=spread_s, round_trip_s=round_trip_s,
-                   report_delay_s=report_delay_s)
-        for client in range(clients):
-            run.send_at(1.0 + 0.1 * MS * client, client)
-        run.run(4.0, closed_loop=True)
-        runs[policy] = run
+    runs = {policy: _closed_loop(policy, clients, 2, 4.0, slow=slow, spread_s=spread_s,
+                                 round_trip_s=round_trip_s, report_delay_s=report_delay_s)
+            for policy in ("deferred", "eager")}
     waits = _waits_after_first(runs["deferred"])
     assert max(waits) < 100 * MS, sorted(waits)[-5:]
     assert _steady(runs["deferred"]) >= 0.97 * _steady(runs["eager"])
@@ -550,14 +543,10 @@ def test_two_clients_gathered_in_one_deferred_candidate_start_once_their_arrival
     gathers both clients into one deferred candidate, with nothing in flight and no arrival to
     come. The stall counted only at ECHO_SHARE_KEEP and the loop waited to its aim (183 ms, 0.94
     of eager); from ECHO_STALL_SHARE it starts once 8 rows of the rate passed (42 ms here)."""
-    runs: dict[str, _Run] = {}
-    for policy in ("deferred", "eager"):
-        run = _Run(policy, 2, slow=0.26, spread_s=1.5 * MS, round_trip_s=2 * MS,
-                   round_trip_spread_s=2 * MS, report_delay_s=1 * MS)
-        for client in range(2):
-            run.send_at(1.0 + 0.1 * MS * client, client)
-        run.run(6.0, closed_loop=True)
-        runs[policy] = run
+    runs = {policy: _closed_loop(policy, 2, 2, 6.0, slow=0.26, spread_s=1.5 * MS,
+                                 round_trip_s=2 * MS, round_trip_spread_s=2 * MS,
+                                 report_delay_s=1 * MS)
+            for policy in ("deferred", "eager")}
     waits = _waits_after_first(runs["deferred"])
     assert len(waits) > 1000
     assert max(waits) < 100 * MS, sorted(waits)[-5:]
