@@ -305,8 +305,7 @@ class SchedulerCore:
         # how often a window would find every GPU busy, about: each GPU busy at u, independently
         room = gpus > 0 and (load / gpus) ** gpus < DEFER_ROOM_ALL_BUSY
         for thread in threads.values():
-            thread.set_light(light)
-            thread.set_room(room)
+            thread.set_cluster_load(light, room)
 
     def rank_add_gpu(self, now: float, gpu_id: int, outbox: Outbox, free_at: float) -> None:
         """The embedded rank gains ``gpu_id``, free from ``free_at`` (a backend that joined)."""

@@ -452,20 +452,15 @@ class ModelThread:
         for sibling in (self._kind_sizing or {}).values():
             sibling.set_alone(alone)
 
-    def set_light(self, light: bool) -> None:
-        """Whether the cluster's load run at once is light (``CandidateSizing.light``,
-        DEFER_LIGHT_LOAD): the model then starts at once."""
-        self.sizing.light = light
-        for sibling in (self._kind_sizing or {}).values():
-            sibling.light = light
-
-    def set_room(self, room: bool) -> None:
-        """Whether the cluster's deferred windows rarely find every GPU busy
-        (``CandidateSizing.room``, DEFER_ROOM_ALL_BUSY): the model then defers from fewer
-        joiners and stops only after more than one lost window."""
-        self.sizing.room = room
-        for sibling in (self._kind_sizing or {}).values():
-            sibling.room = room
+    def set_cluster_load(self, light: bool, room: bool) -> None:
+        """What the cluster's load run at once says (set by the SchedulerCore): ``light``
+        (``CandidateSizing.light``, DEFER_LIGHT_LOAD: the model starts at once) and ``room``
+        (``CandidateSizing.room``, DEFER_ROOM_ALL_BUSY: its deferred windows rarely find every
+        GPU busy, so it defers from fewer joiners and stops only after more than one lost
+        window), for its own profile and each device kind's."""
+        for sizing in (self.sizing, *(self._kind_sizing or {}).values()):
+            sizing.light = light
+            sizing.room = room
 
     @property
     def gpu_profiles(self) -> dict[int, LatencyProfile]:

@@ -581,7 +581,7 @@ def test_with_room_two_lost_windows_do_not_stop_deferral_and_three_do() -> None:
     now = TAUGHT_UNTIL_S
     mt = _mt30()
     mt.sizing.set_meter(_taught_meter(10))
-    mt.set_room(True)
+    mt.set_cluster_load(light=False, room=True)
     for lost in (1, 2, 3):
         (cand,) = _cands(_arrive(mt, now, [lost], slo=30 * MS))
         assert cand.exec_at > now, lost  # deferred
