@@ -54,6 +54,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "process wake-up latency with and without idle pollers; --stalls: host stalls",
     ),
     "bench": ("zserve.loadgen.cli", "main", "open-loop load on a live cluster; goodput search"),
+    "bench-perf-analyzer": (
+        "zserve.loadgen.bench.perf_analyzer_pair",
+        "main",
+        "perf_analyzer against a cluster's policy and eager, paired per concurrency step",
+    ),
     "experiment": (
         "zserve.loadgen.experiments.runner",
         "main",
