@@ -9,7 +9,9 @@ speed drifts through the sweep weighs on both alike. Each cluster still climbs t
 ``--concurrency-range 1:16`` run climbs it. It prints, per step, both throughputs (the mean of
 two runs), their ratio, and how far eager's two runs lie apart (what one sweep can tell on this
 host), then why the policy's batches started when they did (the scheduler's decision counters:
-a closed loop's batches should start at once, ``echoes``).
+a closed loop's batches should start at once, ``echoes``). A run perf_analyzer cannot settle
+("Failed to obtain stable measurement") is tried once more, then left out and named in its
+step's row; the command then exits 1.
 
 One sweep on a 2-vCPU host moves each step by about 10%, so comparing two sweeps run one after
 the other reads the host, not the policy (docs/performance.md, "Closed-loop clients").
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import math
 import shutil
 import subprocess
 import sys
@@ -38,22 +41,31 @@ EAGER = "eager"
 # every OIP server on a port the kernel picks: no guessed ports, two clusters side by side
 ANY_PORT = "127.0.0.1:0"
 RUN_TIMEOUT_S = 600.0
+# perf_analyzer gives up on a step whose windows do not settle ("Failed to obtain stable
+# measurement", a noisy host): such a run is tried this many more times, then left out
+UNSTABLE_RETRIES = 1
 
 
 @dataclass
 class Step:
-    """One concurrency step: each policy's runs (inferences/s, p50 ms), in run order."""
+    """One concurrency step: each policy's runs (inferences/s, p50 ms), in run order, and the
+    runs perf_analyzer could not measure (its policy, why)."""
 
     concurrency: int
     runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
     def mean_rate(self, policy: str) -> float:
         rates = [rate for rate, _ in self.runs[policy]]
-        return sum(rates) / len(rates)
+        return sum(rates) / len(rates) if rates else math.nan
 
     def mean_p50_ms(self, policy: str) -> float:
         p50s = [p50 for _, p50 in self.runs[policy]]
-        return sum(p50s) / len(p50s)
+        return sum(p50s) / len(p50s) if p50s else math.nan
+
+    def ratio(self, policy: str) -> float:
+        """The policy's throughput over eager's (nan where either has no measured run)."""
+        return self.mean_rate(policy) / self.mean_rate(EAGER)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,6 +109,10 @@ def _with_policy(config: ClusterConfig, policy: str) -> ClusterConfig:
         frontends=frontends)
 
 
+class PerfAnalyzerError(RuntimeError):
+    """A perf_analyzer run that measured nothing (its exit status and last lines)."""
+
+
 @dataclass(frozen=True)
 class PerfAnalyzer:
     """How each run is called: the binary, the model, the protocol, the measurement interval."""
@@ -117,8 +133,8 @@ class PerfAnalyzer:
                               check=False)
         if done.returncode != 0 or not csv_path.exists():
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-            raise RuntimeError(f"perf_analyzer failed at concurrency {concurrency} "
-                               f"(exit {done.returncode}): {' | '.join(tail)}")
+            raise PerfAnalyzerError(f"perf_analyzer failed at concurrency {concurrency} "
+                                    f"(exit {done.returncode}): {' | '.join(tail)}")
         with csv_path.open() as handle:
             row = next(csv.DictReader(handle))
         return float(row["Inferences/Second"]), float(row["p50 latency"]) / 1e3
@@ -131,19 +147,31 @@ def _decisions(client_address: str, model: str) -> dict[str, int]:
     return counts
 
 
-def _print_steps(policy: str, steps: list[Step]) -> None:
+def _print_header(policy: str) -> None:
     print(f"{'clients':>7}  {policy + ' infer/s':>16}  {'eager infer/s':>13}  "
-          f"{policy + ' / eager':>16}  {'eager run / run':>15}  {'p50 ms (both)':>13}")
-    for step in steps:
-        eager_rates = [rate for rate, _ in step.runs[EAGER]]
-        spread = min(eager_rates) / max(eager_rates)
-        print(f"{step.concurrency:>7}  {step.mean_rate(policy):>16.1f}  "
-              f"{step.mean_rate(EAGER):>13.1f}  "
-              f"{step.mean_rate(policy) / step.mean_rate(EAGER):>16.3f}  {spread:>15.2f}  "
-              f"{step.mean_p50_ms(policy):>6.1f}/{step.mean_p50_ms(EAGER):<6.1f}", flush=True)
-    ratios = [step.mean_rate(policy) / step.mean_rate(EAGER) for step in steps]
-    print(f"{policy} / eager: {min(ratios):.3f} to {max(ratios):.3f}; steps under 0.95: "
-          f"{sum(ratio < 0.95 for ratio in ratios)} of {len(ratios)}")
+          f"{policy + ' / eager':>16}  {'eager run / run':>15}  {'p50 ms (both)':>13}",
+          flush=True)
+
+
+def _print_step(policy: str, step: Step) -> None:
+    eager_rates = [rate for rate, _ in step.runs[EAGER]]
+    spread = min(eager_rates) / max(eager_rates) if len(eager_rates) > 1 else math.nan
+    failed = "; ".join(f"{name}: {why}" for name, why in step.failed)
+    print(f"{step.concurrency:>7}  {step.mean_rate(policy):>16.1f}  "
+          f"{step.mean_rate(EAGER):>13.1f}  {step.ratio(policy):>16.3f}  {spread:>15.2f}  "
+          f"{step.mean_p50_ms(policy):>6.1f}/{step.mean_p50_ms(EAGER):<6.1f}"
+          + (f"  not measured: {failed}" if failed else ""), flush=True)
+
+
+def _print_summary(policy: str, steps: list[Step]) -> None:
+    ratios = [step.ratio(policy) for step in steps if not math.isnan(step.ratio(policy))]
+    if ratios:
+        print(f"{policy} / eager: {min(ratios):.3f} to {max(ratios):.3f}; steps under 0.95: "
+              f"{sum(ratio < 0.95 for ratio in ratios)} of {len(ratios)} measured")
+    failed = sum(len(step.failed) for step in steps)
+    if failed:
+        print(f"{failed} runs not measured (perf_analyzer gave up, after {UNSTABLE_RETRIES} "
+              "retry each)")
 
 
 def main(argv: list[str]) -> int:
@@ -165,16 +193,17 @@ def main(argv: list[str]) -> int:
         return 2
     model = args.model or config.models[0].name
     try:
-        _sweep(config, args, binary, model, concurrencies=concurrencies)
+        measured = _sweep(config, args, binary, model, concurrencies=concurrencies)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"zserve bench-perf-analyzer: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if measured else 1
 
 
 def _sweep(config: ClusterConfig, args: argparse.Namespace, binary: str, model: str, *,
-           concurrencies: list[int]) -> None:
-    """Both clusters up, the paired runs, the table and the decision counters printed."""
+           concurrencies: list[int]) -> bool:
+    """Both clusters up, the paired runs, the table and the decision counters printed. True
+    when every run measured."""
     policy = config.scheduler.policy
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zserve-pa-")))
@@ -188,6 +217,7 @@ def _sweep(config: ClusterConfig, args: argparse.Namespace, binary: str, model: 
               f"{concurrencies[-1]}, --measurement-interval {args.measurement_interval}",
               flush=True)
         runner = PerfAnalyzer(binary, model, args.protocol, args.measurement_interval)
+        _print_header(policy)
         steps: list[Step] = []
         for concurrency in concurrencies:
             order = [policy, EAGER, EAGER, policy]
@@ -195,9 +225,23 @@ def _sweep(config: ClusterConfig, args: argparse.Namespace, binary: str, model: 
                 order.reverse()
             step = Step(concurrency, {policy: [], EAGER: []})
             for index, name in enumerate(order):
-                step.runs[name].append(runner.run(address[name], concurrency,
-                                                  tmp / f"{concurrency}-{index}.csv"))
+                _measure(runner, step, name, address[name], tmp / f"{concurrency}-{index}.csv")
             steps.append(step)
-        _print_steps(policy, steps)
+            _print_step(policy, step)
+        _print_summary(policy, steps)
         print(f"{policy}'s decisions for {model}: "
               f"{_decisions(clusters[policy].client_address, model)}")
+    return not any(step.failed for step in steps)
+
+
+def _measure(runner: PerfAnalyzer, step: Step, policy: str, address: str,
+             csv_path: Path) -> None:
+    """One run of ``step`` against ``policy``'s cluster into ``step`` (retried on failure up to
+    UNSTABLE_RETRIES times, then noted in ``step.failed``)."""
+    for attempt in range(UNSTABLE_RETRIES + 1):
+        try:
+            step.runs[policy].append(runner.run(address, step.concurrency, csv_path))
+            return
+        except PerfAnalyzerError as exc:
+            if attempt == UNSTABLE_RETRIES:
+                step.failed.append((policy, str(exc).rpartition("): ")[2]))

@@ -4,6 +4,7 @@ host: it is a benchmark, run by hand (docs/performance.md, "Closed-loop clients"
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,8 @@ def test_a_step_reads_the_mean_of_each_policys_runs() -> None:
     assert step.mean_rate("deferred") == 450.0 == step.mean_rate(EAGER)
     assert step.mean_p50_ms("deferred") == 10.0
     assert _concurrencies("1:16") == list(range(1, 17)) and _concurrencies("4") == [4]
+    assert step.ratio("deferred") == 1.0
+    # a policy whose runs perf_analyzer could not settle has no ratio, and the step says why
+    unsettled = Step(8, {"deferred": [], EAGER: [(700.0, 11.0)]},
+                     failed=[("deferred", "Failed to obtain stable measurement.")] * 2)
+    assert math.isnan(unsettled.ratio("deferred")) and unsettled.mean_rate(EAGER) == 700.0
