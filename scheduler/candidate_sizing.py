@@ -84,10 +84,9 @@ REASON_LOSING = "losing_windows"
 REASON_COLD = "cold_lone"
 REASON_FEW_JOINERS = "few_joiners"
 REASON_LIGHT = "light_load"
-REASON_SATURATED = "saturated"
 DECISION_REASONS = (REASON_DEFERRED, REASON_AT_ONCE, REASON_RESCUED, REASON_STAGGER,
                     REASON_NO_YIELD, REASON_ECHOES, REASON_LOSING, REASON_COLD,
-                    REASON_LIGHT, REASON_FEW_JOINERS, REASON_SATURATED)
+                    REASON_LIGHT, REASON_FEW_JOINERS)
 
 # ``deferred``: the weight of one arrival chunk in the decayed rows-per-arrival average that
 # the joiner rule divides the row rate by (about the last 64 chunks count).
@@ -156,7 +155,6 @@ class CandidateSizing:
         "reply_s",
         "rescue",
         "room",
-        "saturated",
         "size_batch",
         "slo_s",
         "stall_at",
@@ -235,12 +233,10 @@ class CandidateSizing:
         # chunk stamped with one arrival time: a fan-out's, a client's InferRequests), whose
         # ratio is the rows one joining arrival brings
         self._group_rows = self._groups = 0.0
-        # the cluster's load run at once is under DEFER_LIGHT_LOAD, its windows rarely find
-        # every GPU busy (DEFER_ROOM_ALL_BUSY), its load at the target batch sizes keeps its
-        # GPUs busy (DEFER_SATURATED): all set by the SchedulerCore
+        # the cluster's load run at once is under DEFER_LIGHT_LOAD, and its windows rarely find
+        # every GPU busy (DEFER_ROOM_ALL_BUSY): both set by the SchedulerCore
         self.light = False
         self.room = False
-        self.saturated = False
 
     # ------------------------------------------------------------------ the target
 
@@ -597,22 +593,10 @@ class CandidateSizing:
         # candidate is the one whose window may be lost.
         waits = self.rescue and exec_at > earliest and self._deferring_from(head_id, earliest)
         early_ok = waits and bs >= self._rescue_from
-        deferred = (waits and self.counts_lost_windows) if self.rescue else deferred
+        deferred = (waits and self.defer_shared) if self.rescue else deferred
         wake = latest - delay + TIMER_SLACK_S
         wake = self.stall_at if self.stall_at < wake else wake
         return exec_at, latest, wake if wake > now else now + TIMER_SLACK_S, deferred, early_ok
-
-    @property
-    def counts_lost_windows(self) -> bool:
-        """``deferred``: whether a deferring candidate's lost window counts in the loss
-        estimate (and a high estimate starts the model at once): for a model that shares its
-        GPUs, and for a staggered model whose GPUs serve other models too, whose windows other
-        models' batches take (DEFER_SATURATED, policy.py: the random family's r02, 16 models on
-        15 GPUs that all serve every model). A staggered model with its GPUs to itself meets
-        only its own batches: a missed window there is the stagger at work. Before the meter's
-        first sample (no rate) neither: a cold burst defers as frontrun does."""
-        staggered = not self.defer_shared and self._defer_below != math.inf  # a rate, not shared
-        return self.defer_shared or (staggered and not self.alone)
 
     def _deferring_from(self, head_id: int, earliest: float) -> bool:
         """The candidate headed by request ``head_id`` defers: the first time, note when it
@@ -666,14 +650,6 @@ class CandidateSizing:
         self._reason = REASON_DEFERRED
         return aim
 
-    def target_load(self) -> float:
-        """The GPU seconds a second this model's load takes run at its target batch size (the
-        metered row rate times l(b*)/b*); 0 before the meter's first sample."""
-        rate = self.meter.rate()
-        if rate is None:
-            return 0.0
-        return rate * self.table[self.target] / self.target
-
     def at_once_load(self) -> float:
         """The GPU seconds a second this model's load takes run at once (each arrival's rows
         alone, at the metered rate); 0 before the meter's first sample."""
@@ -697,19 +673,15 @@ class CandidateSizing:
         decides): past the stagger, or deferral has not been paying, or the arrivals are the
         answers' echoes (closed-loop clients: nothing can join while they wait), or its
         deferred windows are being lost (to other models' batches: waiting costs more heads
-        than it buys joiners, so it starts at once while the estimate is high), or the cluster
-        is saturated (DEFER_SATURATED: the queues build its batches; not a staggered model
-        with its GPUs to itself)."""
+        than it buys joiners, so it starts at once while the estimate is high)."""
         if bs >= self._defer_below:
             return REASON_STAGGER
         if not self.deferral_yield.pays:
             return REASON_NO_YIELD
         if self.answer_echoes.closed_loop(now, self._defer_rate):
             return REASON_ECHOES
-        if self.saturated and self.counts_lost_windows:
-            return REASON_SATURATED
-        if self.counts_lost_windows and self.defer_loss > (DEFER_ROOM_LOSS_MAX if self.room
-                                                           else DEFER_LOSS_MAX):
+        if self.defer_shared and self.defer_loss > (DEFER_ROOM_LOSS_MAX if self.room
+                                                    else DEFER_LOSS_MAX):
             return REASON_LOSING
         return None
 

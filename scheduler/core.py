@@ -68,7 +68,7 @@ from zserve.core.hosting import DEST_FRONTEND, DEST_MODEL, DEST_RANK, Outbox
 from zserve.scheduler.common import MetaChunk, extend_chunk, split_meta_by_model
 from zserve.scheduler.learned_allowances import ShardAllowances
 from zserve.scheduler.model_thread import ModelThread
-from zserve.scheduler.policy import DEFER_LIGHT_LOAD, DEFER_ROOM_ALL_BUSY, DEFER_SATURATED
+from zserve.scheduler.policy import DEFER_LIGHT_LOAD, DEFER_ROOM_ALL_BUSY
 from zserve.scheduler.rank_thread import RankThread
 from zserve.transport.messages import (
     BatchPlan,
@@ -281,10 +281,9 @@ class SchedulerCore:
             thread.set_alone(bool(served) and all(models_on[g] == 1 for g in served))
 
     def _note_light_load(self, now: float) -> None:
-        """Tell every ModelThread whether the cluster is lightly loaded (DEFER_LIGHT_LOAD) and
-        whether it has room (DEFER_ROOM_ALL_BUSY), its models' load run at once against its
-        GPUs, and whether it is saturated (DEFER_SATURATED), their load run at the target batch
-        sizes, every LIGHT_LOAD_REFRESH_S. Only where this core schedules every model the GPUs
+        """Tell every ModelThread whether the cluster is lightly loaded (DEFER_LIGHT_LOAD), and
+        whether it has room (DEFER_ROOM_ALL_BUSY): its models' load run at once against its
+        GPUs, every LIGHT_LOAD_REFRESH_S. Only where this core schedules every model the GPUs
         serve (the rank here, or a rank's table naming no model of another shard): otherwise
         the load is not all seen and the models keep deferring as before. Never while a model
         that has requests has no rate yet (a cold burst must batch, policy.py)."""
@@ -296,20 +295,17 @@ class SchedulerCore:
             gpus = len({g for served in self.served.values() for g in served})
         else:
             return
-        load = batched = 0.0
+        load = 0.0
         for thread in threads.values():
             if thread.n_arrived and thread.meter.rate() is None:
                 load = _INF
-                batched = 0.0  # a cold burst batches as it did (its target has no rate yet)
                 break
             load += thread.sizing.at_once_load()
-            batched += thread.sizing.target_load()
         light = load < DEFER_LIGHT_LOAD * gpus
         # how often a window would find every GPU busy, about: each GPU busy at u, independently
         room = gpus > 0 and (load / gpus) ** gpus < DEFER_ROOM_ALL_BUSY
-        saturated = gpus > 0 and batched >= DEFER_SATURATED * gpus
         for thread in threads.values():
-            thread.set_cluster_load(light, room, saturated)
+            thread.set_cluster_load(light, room)
 
     def rank_add_gpu(self, now: float, gpu_id: int, outbox: Outbox, free_at: float) -> None:
         """The embedded rank gains ``gpu_id``, free from ``free_at`` (a backend that joined)."""

@@ -452,18 +452,15 @@ class ModelThread:
         for sibling in (self._kind_sizing or {}).values():
             sibling.set_alone(alone)
 
-    def set_cluster_load(self, light: bool, room: bool, saturated: bool = False) -> None:
-        """What the cluster's load says (set by the SchedulerCore): run at once, ``light``
+    def set_cluster_load(self, light: bool, room: bool) -> None:
+        """What the cluster's load run at once says (set by the SchedulerCore): ``light``
         (``CandidateSizing.light``, DEFER_LIGHT_LOAD: the model starts at once) and ``room``
         (``CandidateSizing.room``, DEFER_ROOM_ALL_BUSY: its deferred windows rarely find every
         GPU busy, so it defers from fewer joiners and stops only after more than one lost
-        window); run at the target batch sizes, ``saturated`` (``CandidateSizing.saturated``,
-        DEFER_SATURATED: it starts at once unless staggered alone), for its own profile and
-        each device kind's."""
+        window), for its own profile and each device kind's."""
         for sizing in (self.sizing, *(self._kind_sizing or {}).values()):
             sizing.light = light
             sizing.room = room
-            sizing.saturated = saturated
 
     @property
     def gpu_profiles(self) -> dict[int, LatencyProfile]:

@@ -81,28 +81,23 @@ runs through the same ModelThread/RankThread code paths:
       any rate (Table 2 and the demo workload's open-loop runs are unchanged). The yield
       (DEFER_YIELD_MIN) stays: it covers what the echoes miss (answers later than
       ECHO_WINDOW_S, a model whose backends do not report and run far off its profile);
-    - a model that shares its GPUs (and a staggered one whose GPUs serve other models too,
-      ``CandidateSizing.counts_lost_windows``) keeps an estimate of how often its deferred
-      candidates lose their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred
-      candidate, granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch
-      granted meanwhile decays it by DEFER_LOSS_DECAY / ``defer_backoff``, so the model tries
-      deferring again after about 700 batches, and twice as late after each retry that soon loses
-      again (DEFER_LOSS_RECENT, DEFER_BACKOFF_MAX). This is the decision's cost side: waiting buys
-      the joiners expected before the aim, and costs the head whenever the window is lost. Only a
+    - a model that shares its GPUs keeps an estimate of how often its deferred candidates lose
+      their grant window (``defer_loss``: an EWMA, DEFER_LOSS_WEIGHT per deferred candidate,
+      granted or lost) and starts at once while it is above DEFER_LOSS_MAX; each batch granted
+      meanwhile decays it by DEFER_LOSS_DECAY / ``defer_backoff``, so the model tries deferring
+      again after about 700 batches, and twice as late after each retry that soon loses again
+      (DEFER_LOSS_RECENT, DEFER_BACKOFF_MAX). This is the decision's cost side: waiting buys the
+      joiners expected before the aim, and costs the head whenever the window is lost. Only a
       batch that found a GPU free decays it: one started at once whose grant came later than it
-      asked for one (``GRANT_WAITED_S``: every GPU was busy) says nothing about whether a deferred
-      window would now be kept, and near saturation on shared GPUs each retry costs heads while the
-      queue builds the batches anyway (the random family's r15, 2 GTX 1080 Ti models on 2 GPUs at
-      1,000 r/s, the GPUs 0.995 busy: MobileNet read 0.43% bad against eager's 0.27%, 0.27% with
-      this rule, and the member's ratio went from 0.977 to 0.992). While the cluster has room
-      (DEFER_ROOM_ALL_BUSY: its load run at once would find every GPU busy under 10% of the time,
-      about u^G), a deferred window is rarely lost and the GPU time a wait saves is what a tight
-      model finds free: the bars move to DEFER_ROOM_MIN_JOINERS and DEFER_ROOM_LOSS_MAX (one lost
-      window no longer stops it);
-    - while the cluster is saturated (DEFER_SATURATED: its load run at the target batch sizes
-      keeps at least 0.9 of its GPUs busy) every such model starts at once: the queues build
-      the batches a wait would, and a wait only leaves a GPU idle and moves who loses; a
-      staggered model with its GPUs to itself keeps its stagger;
+      asked for one (``GRANT_WAITED_S``: every GPU was busy) says nothing about whether a
+      deferred window would now be kept, and near saturation on shared GPUs each retry costs
+      heads while the queue builds the batches anyway (the random family's r15, 2 GTX 1080 Ti
+      models on 2 GPUs at 1,000 r/s, the GPUs 0.995 busy: MobileNet read 0.43% bad against
+      eager's 0.27%, 0.27% with this rule, and the member's ratio went from 0.977 to 0.992).
+      While the cluster has room (DEFER_ROOM_ALL_BUSY: its load run at once would find every
+      GPU busy under 10% of the time, about u^G), a deferred window is rarely lost and the GPU
+      time a wait saves is what a tight model finds free: the bars move to
+      DEFER_ROOM_MIN_JOINERS and DEFER_ROOM_LOSS_MAX (one lost window no longer stops it);
 
     Below the contention bar a second rank trigger covers a loss that is certain: with a GPU
     idle, the rank projects the waiting candidates onto the GPUs in order of their exec times
@@ -204,7 +199,6 @@ __all__ = [
     "DEFER_ROOM_ALL_BUSY",
     "DEFER_ROOM_LOSS_MAX",
     "DEFER_ROOM_MIN_JOINERS",
-    "DEFER_SATURATED",
     "DEFER_STAGGER_ALONE_MIN_GPUS",
     "DEFER_STAGGER_MIN_GPUS",
     "DEFER_YIELD_BACKOFF_MAX",
@@ -295,21 +289,6 @@ deferred window is lost whenever another model's batch runs through it."""
 DEFER_ROOM_MIN_JOINERS = 0.3
 """``deferred``: the joiner bar (DEFER_MIN_JOINERS) while the cluster has room
 (DEFER_ROOM_ALL_BUSY): a wait pays from about one joiner in four expected."""
-
-DEFER_SATURATED = 0.9
-"""``deferred``: the cluster is *saturated* while its models' load run at their target batch
-sizes (each model's rate times l(b*)/b*: the GPU time its load needs batched as well as its SLO
-allows) would keep at least this share of its GPUs busy. There the queues build the batches a
-wait would build, so a wait only leaves a GPU idle that a request then misses: every model that
-counts its lost windows (``CandidateSizing.counts_lost_windows``: it shares its GPUs, or it runs
-staggered on GPUs that serve other models too) starts at once, as eager does; a staggered model
-with its GPUs to itself keeps its stagger. On the random family's r02 (16 A100 models on 15
-GPUs, 0.90-0.94 at the targets) the dominant model (55% of the traffic, staggered) deferred to
-batches of 4, never lost a window, and still lost 5.5% of its requests at 1,758 r/s against
-eager's 1.9% (its heads, granted late at their last moment, no longer fit the target batch),
-the GPUs 0.98 busy against 0.999; saturated, it reads 2.2% there and 0.8% at 1,696 r/s. The
-members where deferral wins most read 0.51 (r11), 0.85 (r18) and 0.89 (r16) at their goodput;
-at 0.88, r16 lost its lead (1.43% at 5,793 r/s against 0.64%)."""
 
 DEFER_ROOM_LOSS_MAX = 0.05
 """``deferred``: the window-loss bar (DEFER_LOSS_MAX) while the cluster has room

@@ -188,55 +188,6 @@ def test_a_model_alone_on_its_gpus_runs_staggered_from_one_gpus_worth_of_load() 
     assert alone.defer_shared
 
 
-def test_a_staggered_model_on_shared_gpus_counts_its_lost_windows_and_one_alone_does_not() -> None:
-    # about 2,000 r/s: n = lambda x l(32)/32 = 2.3 GPUs (staggered either way), beta*lambda = 10
-    shared_gpus, alone = _sizing("deferred"), _sizing("deferred")
-    alone.set_alone(True)
-    for sizing in (shared_gpus, alone):
-        sizing.set_meter(_meter_at(100))
-        assert not sizing.defer_shared  # both staggered: they defer to max(beta*lambda, b*)
-    frontrun_moment = 50 * MS - PROFILE.latency(5)
-    aims = [s.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 1, False) for s in (shared_gpus, alone)]
-    assert aims[0][0] == pytest.approx(frontrun_moment) == aims[1][0]
-    # other models' batches can take the window of the one whose GPUs serve them too: a loss
-    assert shared_gpus.counts_lost_windows and aims[0][3]
-    # alone, a missed window is its own stagger at work
-    assert not alone.counts_lost_windows and not aims[1][3]
-    for sizing in (shared_gpus, alone):
-        for _ in range(3):
-            sizing.on_window_missed()
-        assert sizing.defer_loss > DEFER_LOSS_MAX
-    # losing windows, the staggered model on shared GPUs starts at once; alone it keeps its aim
-    assert shared_gpus.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)[0] == pytest.approx(0.0)
-    assert alone.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)[0] == pytest.approx(frontrun_moment)
-
-
-def test_a_saturated_cluster_starts_every_model_at_once_but_a_staggered_one_alone() -> None:
-    shared, staggered_shared, staggered_alone = (_sizing("deferred") for _ in range(3))
-    staggered_alone.set_alone(True)
-    shared.set_meter(_meter_at(20))  # 400 r/s: shares its GPUs
-    for sizing in (staggered_shared, staggered_alone):
-        sizing.set_meter(_meter_at(100))  # 2,000 r/s: 2.3 GPUs' worth, staggered
-    frontrun_moment = 50 * MS - PROFILE.latency(5)
-    for sizing in (shared, staggered_shared, staggered_alone):
-        assert sizing.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 1, False)[0] == pytest.approx(
-            frontrun_moment)
-        sizing.saturated = True  # as the SchedulerCore sets it (DEFER_SATURATED)
-    # the queues build the batches: a wait only leaves a GPU idle
-    for sizing in (shared, staggered_shared):
-        assert sizing.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)[0] == 0.0
-        sizing.on_planned(0.0, 0.0, deadlines=[50 * MS], ids=[2], arrivals=[0.0], rows=None,
-                          head=0, stop=1)
-        assert sizing.decisions["saturated"] == 1
-    # alone, its stagger is its own: it keeps its aim
-    assert staggered_alone.aim(0.0, NEVER, 4, 1, 50 * MS, 0.0, 2, False)[0] == pytest.approx(
-        frontrun_moment)
-    # its load at the target batch size: the GPU time a second the SchedulerCore adds up
-    rate = shared.meter.rate()
-    assert rate is not None and shared.target_load() == pytest.approx(
-        rate * PROFILE.latency(shared.target) / shared.target)
-
-
 def test_deferred_starts_a_lone_request_at_once_and_tells_the_rank_where_it_would_aim() -> None:
     sizing = _sizing("deferred", d_ctrl_s=1 * MS, d_data_s=0.5 * MS)
     sizing.set_meter(_meter_at(1))  # about 20 r/s: 0.5 joiners expected in the 23 ms to the aim

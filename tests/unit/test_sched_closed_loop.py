@@ -24,7 +24,6 @@ from zserve.scheduler import core as core_module
 from zserve.scheduler.core import SchedulerCore
 from zserve.scheduler.model_thread import ModelThread
 from zserve.scheduler.policy import (
-    DEFER_SATURATED,
     ECHO_DECAY,
     ECHO_SHARE_KEEP,
     ECHO_SHARE_MIN,
@@ -429,23 +428,6 @@ def test_a_cluster_with_room_defers_from_fewer_joiners(
         assert decided["deferred"] > 3 * decided["few_joiners"], decided
     else:
         assert decided["few_joiners"] > 3 * decided["deferred"], decided
-
-
-def test_a_saturated_cluster_starts_at_once_and_one_with_spare_gpu_time_defers() -> None:
-    """Run at its target batch of 16 (l(16)/16 = 0.61 ms a row) 1,550 r/s keep the GPU 0.95
-    busy: saturated (DEFER_SATURATED), the queue builds the batches a wait would, so the model
-    starts at once and its batches still grow past one. At 700 r/s (0.43 busy at the target)
-    it defers as before."""
-    saturated = _poisson_run(1550.0, seconds=6.0)
-    sizing = saturated.thread.sizing
-    assert sizing.saturated and sizing.target_load() >= DEFER_SATURATED
-    decided = sizing.decisions
-    assert decided["saturated"] > 4 * decided["deferred"], decided
-    assert saturated.thread.n_batches < saturated.thread.n_planned / 2
-    spare = _poisson_run(700.0, seconds=6.0)
-    assert not spare.thread.sizing.saturated
-    decided = spare.thread.sizing.decisions
-    assert decided["deferred"] > 4 * decided["saturated"], decided
 
 
 def test_answer_echoes_weigh_arrivals_after_an_answer_against_a_stream_in_the_same_span(
