@@ -33,7 +33,6 @@ from typing import Any
 
 import msgspec
 
-from zserve.client.cluster_stats import frontend_stats_reader
 from zserve.cluster.supervisor import Cluster
 from zserve.config.cluster import ClusterConfig, ConfigError, load_config
 
@@ -140,11 +139,15 @@ class PerfAnalyzer:
         return float(row["Inferences/Second"]), float(row["p50 latency"]) / 1e3
 
 
-def _decisions(client_address: str, model: str) -> dict[str, int]:
-    """The scheduler's decision counters for ``model`` (why each batch started when it did)."""
-    stats: dict[str, Any] = frontend_stats_reader(client_address)("rank")
-    counts: dict[str, int] = stats["models"][model]["decisions"]
-    return counts
+def _decisions(cluster: Cluster, config: ClusterConfig, model: str) -> dict[str, int]:
+    """The scheduler's decision counters for ``model`` (why each batch started when it did),
+    from the shard that schedules it; empty if none lists it."""
+    for role, name, _ in config.process_names():
+        if role == "shard":
+            models: dict[str, Any] = cluster.stats(name).get("models", {})
+            if model in models:
+                return dict(models[model]["decisions"])
+    return {}
 
 
 def _print_header(policy: str) -> None:
@@ -230,7 +233,7 @@ def _sweep(config: ClusterConfig, args: argparse.Namespace, binary: str, model: 
             _print_step(policy, step)
         _print_summary(policy, steps)
         print(f"{policy}'s decisions for {model}: "
-              f"{_decisions(clusters[policy].client_address, model)}")
+              f"{_decisions(clusters[policy], config, model)}")
     return not any(step.failed for step in steps)
 
 
